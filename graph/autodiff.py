@@ -1,0 +1,143 @@
+"""Reverse-mode differentiation of a Graph into a training Graph.
+
+Algorithm:
+- Forward reach: the values that depend on a trainable parameter.
+- Backward reach: the nodes whose outputs lead to the loss.
+- Walk the nodes in both sets in reverse order; for each node whose outputs
+  received gradients, call its gradient rule, asking only for the input
+  gradients that lead back to a trainable parameter. Frozen parameters and
+  the nodes that feed only them get no gradient and cost nothing backward.
+- A value used by several nodes receives one contribution from each; they
+  are summed (one Sum node) just before the value's producer is visited.
+- The gradient of parameter p is named `p_grad`, as in ONNX Runtime.
+
+The loss gradient seed is a constant 1 of the loss's type, stored as an
+initializer of the training graph.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import ModelError, UnsupportedOpError
+from .ir import DEFAULT_DOMAIN, Graph, NameScope, Node
+from .ops import OPS, GradContext, lookup
+
+GRAD_SUFFIX = "_grad"
+LOSS_SEED = "loss_grad_seed"
+
+
+class BackwardBuilder:
+    """Collects the nodes and constants that gradient rules emit."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.names = NameScope(graph)
+        self.nodes: list[Node] = []
+
+    def emit(self, op_type, inputs, attrs, domain, outputs, hint):
+        outs = [self.names.fresh(hint) for _ in range(outputs)]
+        self.nodes.append(Node(op_type, list(inputs), outs, dict(attrs), self.names.fresh(f"{hint}_node"), domain))
+        return outs
+
+    def constant(self, value: np.ndarray, hint: str) -> str:
+        name = self.names.fresh(hint)
+        self.graph.initializers[name] = value.astype(np.float32) if value.dtype == np.float64 else value
+        return name
+
+    def constant_value(self, name: str):
+        if name in self.graph.initializers:
+            return self.graph.initializers[name]
+        for node in self.graph.nodes:
+            if node.op_type == "Constant" and name in node.outputs:
+                from .ops.tensor import constant_value
+
+                return constant_value(node)
+        return None
+
+
+def _depends_on(graph: Graph, sources: set[str]) -> set[str]:
+    reached = set(sources)
+    for node in graph.nodes:
+        if any(i in reached for i in node.inputs if i):
+            reached.update(o for o in node.outputs if o)
+    return reached
+
+
+def _rank_lookup(graph: Graph):
+    def rank_of(name):
+        t = graph.value_types.get(name)
+        return None if t is None or t.shape is None else len(t.shape)
+
+    return rank_of
+
+
+def build_gradient_graph(graph: Graph, loss: str, trainable: list[str]) -> Graph:
+    """A copy of `graph` that also outputs `p_grad` for each trainable parameter p.
+
+    `graph` computes `loss` (a scalar) among its outputs; `trainable` names
+    values (parameters) that the loss depends on.
+    """
+    training = graph.copy()
+    builder = BackwardBuilder(training)
+    reaches_param = _depends_on(training, set(trainable))
+    if loss not in reaches_param:
+        raise ModelError(f"the loss '{loss}' does not depend on any trainable parameter {trainable}")
+    for name in trainable:
+        if name not in reaches_param or not any(name in n.inputs for n in training.nodes):
+            raise ModelError(f"trainable parameter '{name}' is not used by the model")
+
+    seed_type = graph.value_types.get(loss)
+    seed_dtype = seed_type.dtype if seed_type is not None else np.float32
+    training.initializers[LOSS_SEED] = np.ones((), dtype=seed_dtype)
+    contributions: dict[str, list[str]] = {loss: [LOSS_SEED]}
+
+    def total(value: str) -> str:
+        parts = contributions.get(value, [])
+        if len(parts) <= 1:
+            return parts[0] if parts else ""
+        summed = builder.emit("Sum", parts, {}, DEFAULT_DOMAIN, 1, f"{value}_grad_sum")[0]
+        contributions[value] = [summed]
+        return summed
+
+    for node in reversed(training.nodes):
+        if not any(o in contributions for o in node.outputs):
+            continue
+        wanted = [bool(i) and i in reaches_param and np.issubdtype(
+            (training.value_types[i].dtype if i in training.value_types else np.float32), np.floating)
+            for i in node.inputs]
+        if not any(wanted):
+            continue
+        opdef = lookup(node)
+        if opdef.gradient is None:
+            reason = f" ({opdef.no_grad_reason})" if opdef.no_grad_reason else ""
+            with_rules = ", ".join(sorted(t for (d, t), o in OPS.items() if o.gradient and d == DEFAULT_DOMAIN))
+            raise UnsupportedOpError(
+                f"{node.describe()}: no gradient rule for {node.op_type}{reason}, and a trainable parameter "
+                f"depends on it. Freeze the parameters before it, or use ops with gradient rules: {with_rules}")
+        output_grads = [total(o) for o in node.outputs]
+        ctx = GradContext(node, output_grads, wanted, builder, _rank_lookup(training))
+        opdef.gradient(ctx)
+        for index, grad_name in ctx.input_grads.items():
+            contributions.setdefault(node.inputs[index], []).append(grad_name)
+
+    grad_outputs = []
+    for name in trainable:
+        grad_value = total(name)
+        target = f"{name}{GRAD_SUFFIX}"
+        producer = next((n for n in builder.nodes if grad_value in n.outputs), None)
+        if producer is None or grad_value in grad_outputs:
+            builder.nodes.append(Node("Identity", [grad_value], [target], {}, builder.names.fresh(f"{target}_copy")))
+        else:
+            _rename(builder.nodes, grad_value, target)
+        grad_outputs.append(target)
+        training.value_types[target] = training.value_types.get(name) or seed_type
+
+    training.nodes = training.nodes + builder.nodes
+    training.outputs = list(graph.outputs) + grad_outputs
+    return training
+
+
+def _rename(nodes: list[Node], old: str, new: str) -> None:
+    for node in nodes:
+        node.inputs = [new if i == old else i for i in node.inputs]
+        node.outputs = [new if o == old else o for o in node.outputs]

@@ -1,0 +1,48 @@
+"""The odtrain error family.
+
+Every error a user can cause is an `OdtrainError`, and also the matching
+built-in exception, so `except ValueError` keeps working. Messages name the
+file, node, input or parameter at fault and say what to do.
+
+Defined here, at the bottom layer, so that `odtrain.graph` can raise them
+without importing `odtrain`; `odtrain` re-exports them.
+"""
+
+
+class OdtrainError(Exception):
+    """Base class of every error odtrain raises for a user's input or call."""
+
+
+class ModelError(OdtrainError, ValueError):
+    """An ONNX model that odtrain cannot load, train or export."""
+
+
+class UnsupportedOpError(ModelError):
+    """A node whose op type has no forward kernel or gradient rule."""
+
+
+class InputError(OdtrainError, ValueError):
+    """Feeds of the wrong number, name, dtype or shape."""
+
+
+class ArgumentError(OdtrainError, ValueError):
+    """An argument with a value that odtrain cannot use."""
+
+
+class ParameterError(OdtrainError, KeyError):
+    """A parameter name that the model or checkpoint does not have."""
+
+    def __str__(self):  # KeyError would print the message in quotes
+        return str(self.args[0]) if self.args else ""
+
+
+class CheckpointError(OdtrainError, ValueError):
+    """A checkpoint file that is damaged, truncated, foreign or of another version."""
+
+
+class ArtifactNotFoundError(OdtrainError, FileNotFoundError):
+    """A model, checkpoint or artifact path that does not exist."""
+
+
+class StateError(OdtrainError, RuntimeError):
+    """An API call made in a state where it cannot work (e.g. step before any gradient)."""

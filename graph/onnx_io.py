@@ -1,0 +1,135 @@
+"""ONNX import and export: the only place where protobufs meet the IR.
+
+Loading runs ONNX shape inference first so that gradient rules can ask for
+ranks; values whose types stay unknown are typed when shapes are bound.
+Export stamps the lowest IR version the opsets allow, so older runtimes
+load what odtrain writes.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from .errors import ArtifactNotFoundError, ModelError
+from .ir import DEFAULT_DOMAIN, ODTRAIN_DOMAIN, Graph, Node, TensorType
+
+ODTRAIN_OPSET = 1
+MIN_DEFAULT_OPSET = 9
+
+
+def _type_from_proto(type_proto) -> TensorType | None:
+    if not type_proto.HasField("tensor_type"):
+        return None
+    tensor = type_proto.tensor_type
+    if tensor.elem_type == 0:
+        return None
+    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.elem_type))
+    if not tensor.HasField("shape"):
+        return TensorType(dtype, None)
+    dims = []
+    for i, dim in enumerate(tensor.shape.dim):
+        if dim.HasField("dim_value"):
+            dims.append(int(dim.dim_value))
+        else:
+            dims.append(dim.dim_param or f"unk_{id(tensor)}_{i}")
+    return TensorType(dtype, tuple(dims))
+
+
+def _attr_value(attr):
+    value = helper.get_attribute_value(attr)
+    if isinstance(value, onnx.TensorProto):
+        return numpy_helper.to_array(value)
+    if isinstance(value, bytes):
+        return value.decode("utf-8")
+    if isinstance(value, list) and value and isinstance(value[0], bytes):
+        return [v.decode("utf-8") for v in value]
+    if isinstance(value, (onnx.GraphProto, list)) and value and isinstance(value[0] if isinstance(value, list) else value, onnx.GraphProto):
+        raise ModelError(f"attribute '{attr.name}' holds a subgraph; control flow (If, Loop, Scan) is not supported")
+    return value
+
+
+def read_model_proto(model, what: str = "model") -> tuple[onnx.ModelProto, str | None]:
+    """A ModelProto from a ModelProto or a path, with clear errors for missing or unreadable files."""
+    if isinstance(model, onnx.ModelProto):
+        return model, None
+    path = os.fspath(model)
+    if not os.path.exists(path):
+        raise ArtifactNotFoundError(f"{what} file '{path}' does not exist")
+    try:
+        proto = onnx.load(path)
+    except Exception as error:  # protobuf DecodeError, external-data errors, ...
+        raise ModelError(f"{what} file '{path}' is not a readable ONNX model: {error}") from None
+    return proto, path
+
+
+def graph_from_proto(proto: onnx.ModelProto, source: str = "model") -> Graph:
+    """Convert a ModelProto into the IR, after ONNX shape inference."""
+    opsets = {(DEFAULT_DOMAIN if o.domain == "ai.onnx" else o.domain): int(o.version) for o in proto.opset_import}
+    if opsets.get(DEFAULT_DOMAIN, MIN_DEFAULT_OPSET) < MIN_DEFAULT_OPSET:
+        raise ModelError(f"{source}: opset {opsets[DEFAULT_DOMAIN]} is older than {MIN_DEFAULT_OPSET}; "
+                         "re-export it with a newer opset (torch.onnx.export(..., opset_version=17))")
+    try:
+        proto = onnx.shape_inference.infer_shapes(proto)
+    except Exception:
+        pass  # types stay partly unknown; they are computed when shapes are bound
+    g = proto.graph
+    initializers = {}
+    for tensor in g.initializer:
+        try:
+            initializers[tensor.name] = numpy_helper.to_array(tensor)
+        except Exception as error:
+            raise ModelError(f"{source}: initializer '{tensor.name}' cannot be read: {error}") from None
+    value_types: dict[str, TensorType] = {}
+    for info in list(g.input) + list(g.output) + list(g.value_info):
+        t = _type_from_proto(info.type)
+        if t is not None:
+            value_types[info.name] = t
+    for name, array in initializers.items():
+        value_types[name] = TensorType(array.dtype, tuple(array.shape))
+    nodes = []
+    for index, n in enumerate(g.node):
+        try:
+            attrs = {a.name: _attr_value(a) for a in n.attribute}
+        except ModelError as error:
+            raise ModelError(f"{source}: node '{n.name or index}' ({n.op_type}): {error}") from None
+        nodes.append(Node(n.op_type, list(n.input), list(n.output), attrs, n.name or f"{n.op_type}_{index}", n.domain))
+    inputs = [i.name for i in g.input if i.name not in initializers]
+    return Graph(nodes, inputs, [o.name for o in g.output], initializers, value_types, opsets, g.name or "graph")
+
+
+def load_graph(model, what: str = "model") -> Graph:
+    proto, path = read_model_proto(model, what)
+    return graph_from_proto(proto, path or what)
+
+
+def _value_info(name: str, t: TensorType | None):
+    if t is None:
+        return helper.make_empty_tensor_value_info(name)
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(t.dtype))
+    return helper.make_tensor_value_info(name, elem, None if t.shape is None else list(t.shape))
+
+
+def graph_to_proto(graph: Graph, extra_inputs: list[str] = (), producer: str = "odtrain") -> onnx.ModelProto:
+    """Build a ModelProto; `extra_inputs` (e.g. parameters held in a checkpoint) become graph inputs."""
+    nodes = []
+    for node in graph.nodes:
+        attrs = {k: (numpy_helper.from_array(np.asarray(v)) if isinstance(v, np.ndarray) else v)
+                 for k, v in node.attrs.items()}
+        nodes.append(helper.make_node(node.op_type, node.inputs, node.outputs, name=node.name, domain=node.domain, **attrs))
+    inputs = [_value_info(n, graph.value_types.get(n)) for n in list(graph.inputs) + list(extra_inputs)]
+    outputs = [_value_info(n, graph.value_types.get(n)) for n in graph.outputs]
+    initializers = [numpy_helper.from_array(np.asarray(v), name=k) for k, v in graph.initializers.items()]
+    g = helper.make_graph(nodes, graph.name, inputs, outputs, initializers)
+    opsets = dict(graph.opsets)
+    if any(n.domain == ODTRAIN_DOMAIN for n in graph.nodes):
+        opsets[ODTRAIN_DOMAIN] = ODTRAIN_OPSET
+    opset_imports = [helper.make_opsetid(d, v) for d, v in opsets.items()]
+    ir_version = helper.find_min_ir_version_for(opset_imports, ignore_unknown=True)
+    return helper.make_model(g, opset_imports=opset_imports, producer_name=producer, ir_version=ir_version)
+
+
+def save_graph(graph: Graph, path, extra_inputs: list[str] = ()) -> None:
+    onnx.save(graph_to_proto(graph, extra_inputs), os.fspath(path))

@@ -1,0 +1,92 @@
+"""Optimizer builders: the optimizer model, one fused update over flat buffers.
+
+The optimizer model holds a single node of odtrain's domain, `AdamW` or
+`SGD`, whose attributes are the hyper-parameters and the ordered list of
+parameters it updates. The runtime applies it as one loop over the flat
+parameter, gradient and moment buffers.
+
+AdamW follows ONNX Runtime's generated optimizer (and Hugging Face's AdamW):
+    m = β1·m + (1-β1)·g;  v = β2·v + (1-β2)·g²
+    step_size = lr·√(1-β2ᵗ)/(1-β1ᵗ)   (lr when bias correction is off)
+    w = w - step_size · m / (√v + ε);  then  w = w - lr·λ·w
+SGD: w = w - lr·g.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+
+from .errors import ArgumentError, ModelError
+from .ir import ODTRAIN_DOMAIN, Graph, Node
+
+
+class OptimType(enum.Enum):
+    """The built-in optimizers, named as in onnxruntime.training.artifacts.OptimType."""
+
+    AdamW = 1
+    SGD = 2
+
+
+@dataclass
+class AdamW:
+    """AdamW hyper-parameters, fixed when the artifacts are generated."""
+
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-6
+    weight_decay: float = 0.0
+    bias_correction: bool = True
+    kind: str = field(default="AdamW", init=False)
+    state_names = ("momentum0", "momentum1")
+
+    def attributes(self) -> dict:
+        return {"beta1": float(self.betas[0]), "beta2": float(self.betas[1]), "epsilon": float(self.eps),
+                "weight_decay": float(self.weight_decay), "bias_correction": int(bool(self.bias_correction))}
+
+
+@dataclass
+class SGD:
+    """Plain stochastic gradient descent: w -= lr·g."""
+
+    kind: str = field(default="SGD", init=False)
+    state_names = ()
+
+    def attributes(self) -> dict:
+        return {}
+
+
+def parse_optimizer(optimizer) -> AdamW | SGD:
+    if isinstance(optimizer, (AdamW, SGD)):
+        return optimizer
+    if isinstance(optimizer, str) and optimizer in OptimType.__members__:
+        optimizer = OptimType[optimizer]
+    if optimizer is OptimType.AdamW:
+        return AdamW()
+    if optimizer is OptimType.SGD:
+        return SGD()
+    raise ArgumentError(
+        f"optimizer must be an odtrain.artifacts.OptimType ({list(OptimType.__members__)}) or an "
+        f"odtrain.artifacts.AdamW(...)/SGD() with hyper-parameters, got {optimizer!r}")
+
+
+def build_optimizer_graph(optimizer: AdamW | SGD, parameters: list[str]) -> Graph:
+    attrs = dict(optimizer.attributes(), parameters=list(parameters))
+    inputs = ["learning_rate", "step", "params", "gradients"] + [f"{s}s" for s in optimizer.state_names]
+    node = Node(optimizer.kind, inputs, ["updated_flag"], attrs, f"{optimizer.kind}_update", ODTRAIN_DOMAIN)
+    return Graph([node], inputs, ["updated_flag"], opsets={"": 17}, name=f"{optimizer.kind}_optimizer")
+
+
+def read_optimizer_graph(graph: Graph, source: str) -> tuple[AdamW | SGD, list[str]]:
+    """The optimizer and its parameter list from a loaded optimizer model."""
+    if len(graph.nodes) != 1 or graph.nodes[0].domain != ODTRAIN_DOMAIN or graph.nodes[0].op_type not in ("AdamW", "SGD"):
+        raise ModelError(f"'{source}' is not an odtrain optimizer model (one ai.odtrain AdamW or SGD node); "
+                         "generate it with odtrain.artifacts.generate_artifacts")
+    node = graph.nodes[0]
+    attrs = dict(node.attrs)
+    parameters = list(attrs.pop("parameters", []))
+    if node.op_type == "SGD":
+        return SGD(), parameters
+    return AdamW(betas=(attrs["beta1"], attrs["beta2"]), eps=attrs["epsilon"], weight_decay=attrs["weight_decay"],
+                 bias_correction=bool(attrs["bias_correction"])), parameters
+
+
+__all__ = ["OptimType", "AdamW", "SGD", "parse_optimizer", "build_optimizer_graph", "read_optimizer_graph", "asdict"]

@@ -1,0 +1,185 @@
+"""Memory planning: every intermediate tensor of a step placed in one arena.
+
+A plan is built by three pure steps over the execution order:
+- Lifetimes: a value lives from the step that produces it (0 for feeds) to
+  its last read (graph outputs to the end). Reads of `shape_only` inputs do
+  not count.
+- Storage groups: a view op's output shares its input's storage; an op that
+  may work in place writes over an input that dies at that step, when the
+  sizes match and no other input of the node shares that storage. A
+  group lives from its first definition to its members' last read.
+- Offsets: groups sorted by size, largest first; each goes into the
+  best-fitting gap among the already placed groups whose lifetimes overlap
+  its own, else above them. Sizes and offsets are multiples of 64 bytes.
+
+The lower bound is the largest sum of live group sizes at any step: no
+placement of this order and these groups can use less. `Plan.verify()`
+proves that no two groups overlap in both time and address.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .ir import Node, TensorType
+from .ops import is_view, lookup
+
+ALIGNMENT = 64
+
+
+def aligned(nbytes: int) -> int:
+    return (nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+@dataclass
+class StorageGroup:
+    """Values sharing one stretch of the arena (a value and its views / in-place successors)."""
+
+    values: list[str]
+    nbytes: int
+    start: int
+    end: int
+    offset: int = -1
+
+
+@dataclass
+class Plan:
+    order: list[Node]
+    groups: list[StorageGroup]
+    group_of: dict[str, int]
+    arena_bytes: int
+    lower_bound: int
+    steps: int = 0
+    types: dict[str, TensorType] = field(default_factory=dict)
+
+    def offset(self, value: str) -> int:
+        return self.groups[self.group_of[value]].offset
+
+    def verify(self) -> None:
+        """Raise AssertionError unless placements are aligned, in bounds and free of live overlaps."""
+        if not self.groups:
+            return
+        starts = np.array([g.start for g in self.groups])
+        ends = np.array([g.end for g in self.groups])
+        lows = np.array([g.offset for g in self.groups])
+        highs = lows + np.array([g.nbytes for g in self.groups])
+        assert (lows >= 0).all() and (lows % ALIGNMENT == 0).all(), "unplaced or misaligned group"
+        assert (highs <= self.arena_bytes).all(), "group beyond the arena"
+        for i, g in enumerate(self.groups):
+            if g.nbytes == 0:
+                continue
+            clash = (starts <= g.end) & (ends >= g.start) & (lows < highs[i]) & (highs > lows[i])
+            clash[i] = False
+            clash &= highs > lows  # zero-sized groups never clash
+            assert not clash.any(), (f"{g.values} overlaps {self.groups[int(np.argmax(clash))].values} "
+                                     "in time and address")
+        for name, index in self.group_of.items():
+            assert name in self.groups[index].values
+            assert self.types[name].nbytes <= self.groups[index].nbytes
+
+    def render(self, width: int = 60) -> str:
+        """A text timeline: one row per storage group, its offset, size and live steps."""
+        lines = [f"arena {self.arena_bytes:,} B, lower bound {self.lower_bound:,} B "
+                 f"({self.arena_bytes / max(self.lower_bound, 1):.3f}x), {self.steps} steps"]
+        scale = max(self.steps + 1, 1)
+        for g in sorted(self.groups, key=lambda g: g.offset):
+            left = g.start * width // scale
+            right = max(left + 1, (g.end + 1) * width // scale)
+            bar = " " * left + "#" * (right - left)
+            lines.append(f"{g.offset:>12,} {g.nbytes:>12,} |{bar:<{width}}| {g.values[0]}"
+                         + (f" (+{len(g.values) - 1} aliases)" if len(g.values) > 1 else ""))
+        return "\n".join(lines)
+
+
+def plan_memory(order: list[Node], types: dict[str, TensorType], arena_values: set[str],
+                feeds: list[str], outputs: list[str]) -> Plan:
+    """Place `arena_values` (feeds and node outputs held in the arena) for `order`."""
+    end_step = len(order) + 1
+    first: dict[str, int] = {name: 0 for name in feeds if name in arena_values}
+    last: dict[str, int] = dict(first)
+    for step, node in enumerate(order, start=1):
+        shape_only = lookup(node).shape_only
+        for k, name in enumerate(node.inputs):
+            if name in arena_values and k not in shape_only:
+                last[name] = step
+        for name in node.outputs:
+            if name in arena_values:
+                first[name] = step
+                last.setdefault(name, step)
+    for name in outputs:
+        if name in arena_values:
+            last[name] = end_step
+
+    groups: list[StorageGroup] = []
+    group_of: dict[str, int] = {}
+
+    def new_group(name: str) -> None:
+        group_of[name] = len(groups)
+        groups.append(StorageGroup([name], aligned(types[name].nbytes), first[name], last[name]))
+
+    def join(name: str, index: int) -> None:
+        group_of[name] = index
+        g = groups[index]
+        g.values.append(name)
+        g.end = max(g.end, last[name])
+
+    for name in feeds:
+        if name in arena_values:
+            new_group(name)
+    for step, node in enumerate(order, start=1):
+        opdef = lookup(node)
+        in_types = [types.get(i) for i in node.inputs]
+        out_types = [types.get(o) for o in node.outputs]
+        for o_index, out in enumerate(node.outputs):
+            if out not in arena_values:
+                continue
+            target = None
+            if o_index == 0 and is_view(opdef, in_types, out_types) and node.inputs[0] in group_of:
+                target = group_of[node.inputs[0]]
+            else:
+                for o, i in opdef.inplace:
+                    src = node.inputs[i] if i < len(node.inputs) else ""
+                    if o != o_index or src not in group_of:
+                        continue
+                    index = group_of[src]
+                    g = groups[index]
+                    others = [n for k, n in enumerate(node.inputs) if k != i and n and group_of.get(n) == index and n != src]
+                    if g.end == step and g.nbytes == aligned(types[out].nbytes) and not others \
+                            and types[src].nbytes == types[out].nbytes and not _is_output(g, outputs):
+                        target = index
+                        break
+            if target is None:
+                new_group(out)
+            else:
+                join(out, target)
+
+    _place(groups)
+    arena = max((g.offset + g.nbytes for g in groups), default=0)
+    return Plan(order, groups, group_of, arena, _lower_bound(groups, end_step), len(order), dict(types))
+
+
+def _is_output(group: StorageGroup, outputs: list[str]) -> bool:
+    return any(v in outputs for v in group.values)
+
+
+def _place(groups: list[StorageGroup]) -> None:
+    placed: list[StorageGroup] = []
+    for g in sorted(groups, key=lambda g: (-g.nbytes, g.start)):
+        live = sorted((p for p in placed if p.start <= g.end and p.end >= g.start and p.nbytes),
+                      key=lambda p: p.offset)
+        best, best_gap, cursor = None, None, 0
+        for p in live:
+            gap = p.offset - cursor
+            if gap >= g.nbytes and (best_gap is None or gap < best_gap):
+                best, best_gap = cursor, gap
+            cursor = max(cursor, p.offset + p.nbytes)
+        g.offset = best if best is not None else cursor
+        placed.append(g)
+
+
+def _lower_bound(groups: list[StorageGroup], end_step: int) -> int:
+    live = np.zeros(end_step + 2, dtype=np.int64)
+    for g in groups:
+        live[g.start:g.end + 1] += g.nbytes
+    return int(live.max()) if len(live) else 0

@@ -1,0 +1,75 @@
+"""Binding shapes and choosing the execution order.
+
+Steps:
+- `bind_types`: walk the nodes in order and apply each op's type rule to
+  concrete input types, giving every value a static type. Rules may fold
+  their outputs to constants (Shape, Constant); values computed only from
+  constants are then known before the first step.
+- `execution_order`: the nodes still to run per step (not folded, and
+  leading to a wanted output), in the graph's topological order.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import ModelError
+from .ir import Graph, Node, TensorType
+from .ops import lookup
+
+
+def bind_types(graph: Graph, known: dict[str, TensorType], constants: dict[str, np.ndarray]):
+    """Static types for every value, and the values folded to constants.
+
+    `known` gives the types of the feeds and of externally held tensors
+    (parameters); `constants` the values known before running (initializers).
+    Returns (types, folded) where `folded` maps names to constant values.
+    """
+    types = dict(known)
+    folded = dict(constants)
+    for name, value in constants.items():
+        types.setdefault(name, TensorType(value.dtype, tuple(value.shape)))
+    for node in graph.nodes:
+        opdef = lookup(node)
+        in_types, in_consts = [], []
+        for name in node.inputs:
+            if not name:
+                in_types.append(None)
+                in_consts.append(None)
+                continue
+            if name not in types:
+                raise ModelError(f"{node.describe()}: input '{name}' is neither fed, an initializer, nor produced earlier")
+            in_types.append(types[name])
+            in_consts.append(folded.get(name))
+        try:
+            result = opdef.infer(node, in_types, in_consts)
+        except ModelError:
+            raise
+        except Exception as error:
+            raise ModelError(f"{node.describe()}: cannot compute its output types from inputs "
+                             f"{[str(t) for t in in_types]}: {error}") from None
+        out_types, out_values = result if isinstance(result, tuple) else (result, None)
+        for i, name in enumerate(node.outputs):
+            if not name:
+                continue
+            t = out_types[i]
+            if t.shape is None or not t.is_static:
+                raise ModelError(f"{node.describe()}: output '{name}' has no static shape after binding inputs ({t})")
+            types[name] = t
+            if out_values is not None:
+                folded[name] = np.ascontiguousarray(out_values[i])
+    return types, folded
+
+
+def execution_order(graph: Graph, folded: dict[str, np.ndarray], wanted: list[str]) -> list[Node]:
+    """The nodes to run each step: those not folded that lead to a wanted output."""
+    needed = set(wanted)
+    order: list[Node] = []
+    for node in reversed(graph.nodes):
+        outputs = [o for o in node.outputs if o]
+        if all(o in folded for o in outputs) or not any(o in needed for o in outputs):
+            continue
+        order.append(node)
+        shape_only = lookup(node).shape_only
+        needed.update(i for k, i in enumerate(node.inputs) if i and k not in shape_only)
+    order.reverse()
+    return order

@@ -1,0 +1,56 @@
+"""Optimizer updates and gradient accumulation, each one fused loop over flat buffers.
+
+AdamW (ONNX Runtime's generated optimizer; Hugging Face's AdamW):
+    m ← β1·m + (1-β1)·g;  v ← β2·v + (1-β2)·g²
+    w ← w - step_size · m / (√v + ε),  step_size = lr·√(1-β2ᵗ)/(1-β1ᵗ) with bias correction, else lr
+    w ← w - lr·λ·w
+SGD: w ← w - lr·g.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+
+@njit(cache=True, error_model="numpy")
+def adamw_update(w, g, m, v, lr, beta1, beta2, eps, weight_decay, step, bias_correction):
+    step_size = lr
+    if bias_correction:
+        step_size = lr * math.sqrt(1.0 - beta2 ** step) / (1.0 - beta1 ** step)
+    one_minus_beta1 = np.float32(1.0 - beta1)
+    one_minus_beta2 = np.float32(1.0 - beta2)
+    b1 = np.float32(beta1)
+    b2 = np.float32(beta2)
+    size = np.float32(step_size)
+    e = np.float32(eps)
+    decay = np.float32(lr * weight_decay)
+    for i in range(w.size):
+        gi = g[i]
+        mi = b1 * m[i] + one_minus_beta1 * gi
+        vi = b2 * v[i] + one_minus_beta2 * gi * gi
+        m[i] = mi
+        v[i] = vi
+        wi = w[i] - size * mi / (np.sqrt(vi) + e)
+        if decay != 0:
+            wi = wi - decay * wi
+        w[i] = wi
+
+
+@njit(cache=True, error_model="numpy")
+def sgd_update(w, g, lr):
+    rate = np.float32(lr)
+    for i in range(w.size):
+        w[i] -= rate * g[i]
+
+
+@njit(cache=True, error_model="numpy")
+def accumulate(dst, src, overwrite):
+    """dst ← src when overwrite[0] is set (after lazy_reset_grad), else dst ← dst + src."""
+    if overwrite[0]:
+        for i in range(dst.size):
+            dst[i] = src[i]
+    else:
+        for i in range(dst.size):
+            dst[i] += src[i]

@@ -1,0 +1,111 @@
+"""Fused softmax cross-entropy, forward and backward.
+
+Scores are viewed as [N, C, D] (D = 1 for [N, C]) and labels as [N, D]:
+each (n, d) is one sample. With class weights w and ignore_index:
+    loss(n, d) = -w[y] · (x[n, y, d] - logsumexp_c x[n, c, d]),  w = 0 when y is ignored
+    mean: Σ loss / Σ w[y];  sum: Σ loss;  none: loss per sample
+    dx[n, c, d] = g(n, d) · w[y] · (softmax(x)[n, c, d] - [c == y])   (÷ Σ w[y] for mean)
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from . import ODTRAIN_DOMAIN, binding
+
+REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
+
+
+@njit(cache=True, error_model="numpy")
+def _sample_weight(labels, weights, has_weights, ignore_index, n, d):
+    y = labels[n, d]
+    if y == ignore_index:
+        return y, 0.0
+    return y, weights[y] if has_weights else 1.0
+
+
+@njit(cache=True, error_model="numpy")
+def _logsumexp(x, n, d):
+    top = x[n, 0, d]
+    for c in range(1, x.shape[1]):
+        top = max(top, x[n, c, d])
+    total = 0.0
+    for c in range(x.shape[1]):
+        total += np.exp(x[n, c, d] - top)
+    return top + np.log(total)
+
+
+@njit(cache=True, error_model="numpy")
+def _sce_forward(x, labels, weights, has_weights, ignore_index, reduction, loss, log_prob, want_log_prob):
+    """loss ← cross-entropy of softmax(x) against labels; log_prob ← log softmax(x) if wanted."""
+    total, weight_sum = 0.0, 0.0
+    for n in range(x.shape[0]):
+        for d in range(x.shape[2]):
+            lse = _logsumexp(x, n, d)
+            if want_log_prob:
+                for c in range(x.shape[1]):
+                    log_prob[n, c, d] = x[n, c, d] - lse
+            y, w = _sample_weight(labels, weights, has_weights, ignore_index, n, d)
+            value = 0.0 if w == 0.0 else -w * (x[n, y, d] - lse)
+            if reduction == 0:
+                loss[n * x.shape[2] + d] = value
+            total += value
+            weight_sum += w
+    if reduction == 1:
+        loss[0] = total
+    elif reduction == 2:
+        loss[0] = total / weight_sum if weight_sum > 0 else 0.0
+
+
+@njit(cache=True, error_model="numpy")
+def _sce_backward(dloss, x, labels, weights, has_weights, ignore_index, reduction, dx):
+    """dx ← gradient of the loss with respect to the scores x."""
+    weight_sum = 0.0
+    if reduction == 2:
+        for n in range(x.shape[0]):
+            for d in range(x.shape[2]):
+                weight_sum += _sample_weight(labels, weights, has_weights, ignore_index, n, d)[1]
+    for n in range(x.shape[0]):
+        for d in range(x.shape[2]):
+            y, w = _sample_weight(labels, weights, has_weights, ignore_index, n, d)
+            g = dloss[n * x.shape[2] + d] if reduction == 0 else dloss[0]
+            if reduction == 2:
+                g = g / weight_sum if weight_sum > 0 else 0.0
+            scale = g * w
+            if scale == 0.0:
+                for c in range(x.shape[1]):
+                    dx[n, c, d] = 0.0
+                continue
+            lse = _logsumexp(x, n, d)
+            for c in range(x.shape[1]):
+                dx[n, c, d] = scale * np.exp(x[n, c, d] - lse)
+            dx[n, y, d] -= scale
+
+
+def _as_ncd(scores: np.ndarray) -> np.ndarray:
+    return scores.reshape(scores.shape[0], scores.shape[1], -1)
+
+
+def _common(inputs, reduction, ignore_index):
+    scores, labels = inputs[0], inputs[1]
+    weights = inputs[2] if len(inputs) > 2 and inputs[2] is not None else np.ones(1, dtype=scores.dtype)
+    has_weights = len(inputs) > 2 and inputs[2] is not None
+    labels = labels.reshape(labels.shape[0], -1) if labels.ndim else labels.reshape(1, 1)
+    ignore = np.int64(ignore_index) if ignore_index is not None else np.int64(-(2 ** 62))
+    return _as_ncd(scores), labels, weights, has_weights, ignore, REDUCTIONS[reduction]
+
+
+@binding("SoftmaxCrossEntropyLoss")
+def SoftmaxCrossEntropyLoss(inputs, outputs, reduction="mean", ignore_index=None):
+    x, labels, weights, has_weights, ignore, code = _common(inputs, reduction, ignore_index)
+    want_log_prob = len(outputs) > 1 and outputs[1] is not None
+    log_prob = _as_ncd(outputs[1]) if want_log_prob else np.zeros((1, 1, 1), dtype=x.dtype)
+    loss = outputs[0].reshape(-1)
+    return [(_sce_forward, (x, labels, weights, has_weights, ignore, code, loss, log_prob, want_log_prob))]
+
+
+@binding("SoftmaxCrossEntropyLossGrad", ODTRAIN_DOMAIN)
+def SoftmaxCrossEntropyLossGrad(inputs, outputs, reduction="mean", ignore_index=None):
+    dloss = inputs[0].reshape(-1)
+    x, labels, weights, has_weights, ignore, code = _common(inputs[1:], reduction, ignore_index)
+    return [(_sce_backward, (dloss, x, labels, weights, has_weights, ignore, code, _as_ncd(outputs[0])))]

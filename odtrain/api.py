@@ -1,0 +1,419 @@
+"""The training API, with the names, signatures and semantics of `onnxruntime.training.api`.
+
+    state = CheckpointState.load_checkpoint("artifacts/checkpoint")
+    module = Module("artifacts/training_model.onnx", state, "artifacts/eval_model.onnx")
+    optimizer = Optimizer("artifacts/optimizer_model.onnx", module)
+    loss = module(x, y); optimizer.step(); module.lazy_reset_grad()
+
+Module runs the training graph (forward, loss, gradients accumulated into the
+state's gradient buffer) or, in eval mode, the eval graph. Parameters,
+gradients and optimizer moments live in the state's flat buffers.
+"""
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+
+import numpy as np
+
+from . import checkpoint as checkpoint_file
+from .graph.autodiff import GRAD_SUFFIX
+from .graph.errors import ArgumentError, InputError, ModelError, ParameterError, StateError
+from .graph.ir import TensorType
+from .graph.onnx_io import load_graph, save_graph
+from .graph.optimizers import AdamW, read_optimizer_graph
+from .state import OptimizerState, ParameterStore, PropertyBag
+
+DEFAULT_LEARNING_RATE = 1e-3
+PLAN_CACHE_SIZE = 4
+
+
+class Parameter:
+    """One parameter of a CheckpointState: `.data` (copy; assignable), `.grad`, `.requires_grad`."""
+
+    def __init__(self, state: "CheckpointState", name: str):
+        self._state, self.name = state, name
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._state._store.data(self.name).copy()
+
+    @data.setter
+    def data(self, value) -> None:
+        target = self._state._store.data(self.name)
+        value = np.asarray(value)
+        if value.shape != target.shape:
+            raise ArgumentError(f"parameter '{self.name}' has shape {target.shape}; the new value has {value.shape}")
+        if not np.can_cast(value.dtype, target.dtype, casting="same_kind"):
+            raise ArgumentError(f"parameter '{self.name}' is {target.dtype}; cannot assign a {value.dtype} array")
+        target[...] = value
+        self._state._mark_assigned([self.name])
+
+    @property
+    def grad(self) -> np.ndarray | None:
+        grad = self._state._store.grad(self.name)
+        return None if grad is None else grad.copy()
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.name in self._state._store.trainable
+
+    def __repr__(self) -> str:
+        data = self._state._store.data(self.name)
+        return f"Parameter(name={self.name!r}, shape={data.shape}, dtype={data.dtype}, requires_grad={self.requires_grad})"
+
+
+class Parameters:
+    """The mapping `state.parameters`: name -> Parameter, in checkpoint order."""
+
+    def __init__(self, state: "CheckpointState"):
+        self._state = state
+
+    def __getitem__(self, name: str) -> Parameter:
+        self._state._store.check(name)
+        return Parameter(self._state, name)
+
+    def __setitem__(self, name: str, value) -> None:
+        self[name].data = value
+
+    def __contains__(self, name) -> bool:
+        return name in self._state._store
+
+    def __iter__(self):
+        return iter(self._state._store.names)
+
+    def __len__(self) -> int:
+        return len(self._state._store.names)
+
+    def keys(self):
+        return list(self)
+
+    def items(self):
+        return [(name, self[name]) for name in self]
+
+    def __repr__(self) -> str:
+        return f"Parameters({self.keys()})"
+
+
+class CheckpointState:
+    """Parameters, optimizer state and user properties, loaded from and saved to a checkpoint file."""
+
+    def __init__(self, contents: checkpoint_file.CheckpointContents):
+        self._store = ParameterStore(contents.parameters, contents.trainable)
+        self._properties = PropertyBag(contents.properties)
+        self._optimizer: OptimizerState | None = None
+        self._unassigned = set(contents.parameters) if contents.nominal else set()
+        self._overwrite_flag = np.ones(1, dtype=np.bool_)  # set: the next backward writes the gradients
+        if contents.optimizer is not None:
+            info = contents.optimizer
+            moments = {}
+            for state_name, per_param in contents.optimizer_tensors.items():
+                flat = np.zeros(self._store.trainable_size, dtype=np.float32)
+                for name, array in per_param.items():
+                    if name not in self._store.trainable:
+                        raise ParameterError(f"optimizer state for '{name}', which is not a trainable parameter")
+                    self._store.trainable_view(flat, name)[...] = array
+                moments[state_name] = flat
+            self._optimizer = OptimizerState(info["kind"], int(info["step"]), float(info["learning_rate"]),
+                                             float(info.get("initial_learning_rate", info["learning_rate"])), moments)
+
+    @classmethod
+    def load_checkpoint(cls, checkpoint_uri) -> "CheckpointState":
+        return cls(checkpoint_file.load(checkpoint_uri))
+
+    @classmethod
+    def save_checkpoint(cls, state: "CheckpointState", checkpoint_uri, include_optimizer_state: bool = False) -> None:
+        store = state._store
+        contents = checkpoint_file.CheckpointContents({n: store.data(n) for n in store.names}, list(store.trainable),
+                                                      state._properties.to_dict())
+        if include_optimizer_state:
+            opt = state._optimizer
+            if opt is None:
+                raise StateError("include_optimizer_state=True, but this state has no optimizer state yet: "
+                                 "create an Optimizer for a Module of this state first")
+            contents.optimizer = {"kind": opt.kind, "step": opt.step, "learning_rate": opt.learning_rate,
+                                  "initial_learning_rate": opt.initial_learning_rate}
+            contents.optimizer_tensors = {s: {n: store.trainable_view(flat, n) for n in store.trainable}
+                                          for s, flat in opt.moments.items()}
+        checkpoint_file.save(checkpoint_uri, contents)
+
+    @property
+    def parameters(self) -> Parameters:
+        return Parameters(self)
+
+    @property
+    def properties(self) -> PropertyBag:
+        return self._properties
+
+    def _mark_assigned(self, names) -> None:
+        self._unassigned.difference_update(names)
+
+
+class ParameterBuffer(np.ndarray):
+    """A flat float32 parameter buffer; `.numpy()` returns it, as ONNX Runtime's OrtValue does."""
+
+    def numpy(self) -> np.ndarray:
+        return self.view(np.ndarray)
+
+
+def _as_array(buffer) -> np.ndarray:
+    return np.asarray(buffer.numpy() if hasattr(buffer, "numpy") else buffer)
+
+
+class _GraphSession:
+    """A loaded training or eval graph, its user inputs and a small cache of bound plans."""
+
+    def __init__(self, uri, state: CheckpointState, what: str, with_gradients: bool):
+        self.with_gradients = with_gradients
+        from .executor import BoundGraph  # noqa: F401  (kernels load with the first session)
+
+        self.uri = os.fspath(uri)
+        self.graph = load_graph(uri, what)
+        store = state._store
+        self.state = state
+        self.input_names = [n for n in self.graph.inputs if n not in store]
+        params = [n for n in self.graph.inputs if n in store]
+        undefined = [n for n in self.graph.inputs if n not in store and n not in self.graph.value_types]
+        if undefined:
+            raise ModelError(f"{what} '{self.uri}': inputs {undefined} have no declared type")
+        self.grad_outputs = {}
+        if with_gradients:
+            for out in self.graph.outputs:
+                if out.endswith(GRAD_SUFFIX) and out[:-len(GRAD_SUFFIX)] in store.trainable:
+                    self.grad_outputs[out] = out[:-len(GRAD_SUFFIX)]
+        self.output_names = [o for o in self.graph.outputs if o not in self.grad_outputs]
+        missing = [o for o in self.graph.inputs if o not in store and o not in self.input_names]
+        if missing:
+            raise ParameterError(f"{what} '{self.uri}' needs parameters {missing} that the checkpoint does not have")
+        self.external = {n: store.data(n) for n in params}
+        self.sinks = {g: store.grad(p).reshape(-1) for g, p in self.grad_outputs.items()}
+        self.plans: OrderedDict = OrderedDict()
+
+    def feeds(self, user_inputs) -> tuple[list[np.ndarray], tuple]:
+        if len(user_inputs) == 1 and isinstance(user_inputs[0], (list, tuple)) and len(self.input_names) > 1:
+            user_inputs = tuple(user_inputs[0])
+        if len(user_inputs) != len(self.input_names):
+            raise InputError(f"the model takes {len(self.input_names)} inputs {self.input_names}, "
+                             f"got {len(user_inputs)}")
+        arrays, bound, signature = [], {}, []
+        for name, value in zip(self.input_names, user_inputs):
+            declared = self.graph.value_types[name]
+            array = np.asarray(value.numpy() if hasattr(value, "numpy") else value)
+            if array.dtype != declared.dtype:
+                raise InputError(f"input '{name}' must be {declared.dtype}, got {array.dtype}; "
+                                 f"convert it with .astype(np.{declared.dtype.name})")
+            if declared.shape is not None:
+                if array.ndim != len(declared.shape):
+                    raise InputError(f"input '{name}' must have shape {_show(declared)}, got {array.shape}")
+                for axis, (want, got) in enumerate(zip(declared.shape, array.shape)):
+                    if isinstance(want, str):
+                        if bound.setdefault(want, got) != got:
+                            raise InputError(f"input '{name}' has {got} on axis {axis} ('{want}'), but another input "
+                                             f"bound '{want}' to {bound[want]}")
+                    elif want != got:
+                        raise InputError(f"input '{name}' must have shape {_show(declared)}, got {array.shape}")
+            arrays.append(array)
+            signature.append((name, array.shape))
+        return arrays, tuple(signature)
+
+    def bound(self, signature, arrays):
+        from .executor import BoundGraph
+
+        plan = self.plans.get(signature)
+        if plan is None:
+            types = {name: TensorType(a.dtype, a.shape) for name, a in zip(self.input_names, arrays)}
+            overwrite = self.state._overwrite_flag
+            plan = BoundGraph(self.graph, types, self.external, self.sinks, overwrite)
+            self.plans[signature] = plan
+            if len(self.plans) > PLAN_CACHE_SIZE:
+                self.plans.popitem(last=False)
+        else:
+            self.plans.move_to_end(signature)
+        return plan
+
+    def run(self, user_inputs):
+        if self.state._unassigned:
+            raise StateError(f"the checkpoint is nominal (shapes only) and parameters "
+                             f"{sorted(self.state._unassigned)[:5]} have no values yet: load them with "
+                             "copy_buffer_to_parameters(buffer, trainable_only=False) or parameters[name].data = ...")
+        arrays, signature = self.feeds(user_inputs)
+        plan = self.bound(signature, arrays)
+        plan.run(arrays)
+        if self.with_gradients:
+            self.state._overwrite_flag[0] = False
+        outputs = [plan.output(name) for name in self.output_names]
+        return outputs[0] if len(outputs) == 1 else outputs
+
+
+def _show(t: TensorType) -> str:
+    return "[" + ", ".join(str(d) for d in t.shape) + "]"
+
+
+class Module:
+    """Runs the training model (train mode) or the eval model (eval mode) on a CheckpointState."""
+
+    training: bool
+
+    def __init__(self, train_model_uri, state: CheckpointState, eval_model_uri=None, device: str = "cpu"):
+        if not isinstance(state, CheckpointState):
+            raise ArgumentError(f"state must be a CheckpointState, got {type(state).__name__}")
+        if str(device).split(":")[0] != "cpu":
+            raise ArgumentError(f"device {device!r} is not supported: odtrain runs on the CPU (device='cpu')")
+        self._state = state
+        self._train = _GraphSession(train_model_uri, state, "training model", with_gradients=True)
+        if not self._train.grad_outputs:
+            raise ModelError(f"training model '{self._train.uri}' computes no parameter gradients; "
+                             "generate it with odtrain.artifacts.generate_artifacts")
+        self._eval = _GraphSession(eval_model_uri, state, "eval model", False) if eval_model_uri is not None else None
+        self.training = True
+
+    def __call__(self, *user_inputs):
+        """Train mode: forward, loss and gradient accumulation; returns the loss (then extra outputs)."""
+        if self.training:
+            return self._train.run(user_inputs)
+        if self._eval is None:
+            raise StateError("eval mode needs an eval model: pass eval_model_uri to Module(...)")
+        return self._eval.run(user_inputs)
+
+    def train(self, mode: bool = True) -> "Module":
+        self.training = bool(mode)
+        return self
+
+    def eval(self) -> "Module":
+        return self.train(False)
+
+    def lazy_reset_grad(self) -> None:
+        """Make the next training call overwrite the gradients instead of adding to them."""
+        self._state._overwrite_flag[0] = True
+
+    def _session(self) -> _GraphSession:
+        return self._train if self.training or self._eval is None else self._eval
+
+    def input_names(self) -> list[str]:
+        return list(self._session().input_names)
+
+    def output_names(self) -> list[str]:
+        return list(self._session().output_names)
+
+    def get_parameters_size(self, trainable_only: bool = True) -> int:
+        store = self._state._store
+        return store.trainable_size if trainable_only else store.total_size + sum(a.size for a in store.others.values())
+
+    def get_contiguous_parameters(self, trainable_only: bool = False) -> ParameterBuffer:
+        store = self._state._store
+        if not trainable_only and store.others:
+            raise StateError(f"parameters {sorted(store.others)} are not float32 and cannot join a contiguous "
+                             "float32 buffer; use trainable_only=True")
+        size = store.trainable_size if trainable_only else store.total_size
+        return store.flat[:size].copy().view(ParameterBuffer)
+
+    def copy_buffer_to_parameters(self, buffer, trainable_only: bool = True) -> None:
+        store = self._state._store
+        array = _as_array(buffer)
+        size = store.trainable_size if trainable_only else store.total_size
+        if array.dtype != np.float32:
+            raise ArgumentError(f"the parameter buffer must be float32, got {array.dtype}")
+        if array.size != size:
+            raise ArgumentError(f"the parameter buffer has {array.size} elements; the "
+                                f"{'trainable' if trainable_only else 'float32'} parameters have {size}")
+        store.flat[:size] = array.reshape(-1)
+        self._state._mark_assigned(store.trainable if trainable_only else store.slices)
+
+    def export_model_for_inferencing(self, inference_model_uri, graph_output_names) -> None:
+        """Write an ONNX model computing `graph_output_names` from the model inputs, parameters embedded."""
+        if self._eval is None:
+            raise StateError("exporting an inference model needs the eval model: pass eval_model_uri to Module(...)")
+        if isinstance(graph_output_names, str):
+            graph_output_names = [graph_output_names]
+        graph = self._eval.graph
+        known = graph.all_value_names()
+        unknown = [n for n in graph_output_names if n not in known]
+        if unknown or not graph_output_names:
+            outputs = [o for o in graph.outputs]
+            raise ArgumentError(f"graph_output_names {unknown or '[]'} are not values of the eval model; "
+                                f"its outputs are {outputs} and it computes {len(known)} values in all")
+        inference = graph.prune(list(graph_output_names))
+        store = self._state._store
+        for name in list(inference.inputs):
+            if name in store:
+                inference.initializers[name] = store.data(name).copy()
+        inference.inputs = [n for n in inference.inputs if n not in store]
+        inference.name = "inference"
+        save_graph(inference, inference_model_uri)
+
+
+class Optimizer:
+    """Applies the optimizer model's update to the trainable parameters of a Module."""
+
+    def __init__(self, optimizer_uri, module: Module):
+        if not isinstance(module, Module):
+            raise ArgumentError(f"module must be an odtrain Module, got {type(module).__name__}")
+        self._module = module
+        self._state = module._state
+        store = self._state._store
+        config, params = read_optimizer_graph(load_graph(optimizer_uri, "optimizer model"), os.fspath(optimizer_uri))
+        if params and params != store.trainable:
+            raise ParameterError(f"the optimizer model updates {params}, but the checkpoint's trainable "
+                                 f"parameters are {store.trainable}; generate them together")
+        self._config = config
+        current = self._state._optimizer
+        if current is None or current.kind != config.kind:
+            moments = {s: np.zeros(store.trainable_size, dtype=np.float32) for s in config.state_names}
+            self._state._optimizer = OptimizerState(config.kind, 0, DEFAULT_LEARNING_RATE, DEFAULT_LEARNING_RATE, moments)
+        from .kernels.optim import adamw_update, sgd_update
+
+        self._adamw, self._sgd = adamw_update, sgd_update
+
+    def step(self) -> None:
+        """One update of every trainable parameter from its accumulated gradient."""
+        opt = self._state._optimizer
+        store = self._state._store
+        weights = store.flat[:store.trainable_size]
+        opt.step += 1
+        if isinstance(self._config, AdamW):
+            c = self._config
+            self._adamw(weights, store.grad_flat, opt.moments["momentum0"], opt.moments["momentum1"],
+                        float(opt.learning_rate), float(c.betas[0]), float(c.betas[1]), float(c.eps),
+                        float(c.weight_decay), float(opt.step), bool(c.bias_correction))
+        else:
+            self._sgd(weights, store.grad_flat, float(opt.learning_rate))
+
+    def set_learning_rate(self, learning_rate: float) -> None:
+        learning_rate = float(learning_rate)
+        if not np.isfinite(learning_rate) or learning_rate < 0:
+            raise ArgumentError(f"learning rate must be a finite number >= 0, got {learning_rate}")
+        self._state._optimizer.learning_rate = learning_rate
+        self._state._optimizer.initial_learning_rate = learning_rate
+
+    def get_learning_rate(self) -> float:
+        return float(self._state._optimizer.learning_rate)
+
+
+class LinearLRScheduler:
+    """Linear warm-up from 0 to `initial_lr` over `warmup_step_count` optimizer steps, then linear decay to 0
+    at `total_step_count`. The rate follows the optimizer's step count: step() after each optimizer.step()."""
+
+    def __init__(self, optimizer: Optimizer, warmup_step_count: int, total_step_count: int, initial_lr: float):
+        if warmup_step_count < 0 or total_step_count < 0:
+            raise ArgumentError("warmup_step_count and total_step_count must be >= 0")
+        if total_step_count < warmup_step_count:
+            raise ArgumentError(f"total_step_count ({total_step_count}) is smaller than warmup_step_count "
+                                f"({warmup_step_count})")
+        self._optimizer = optimizer
+        self.warmup_step_count, self.total_step_count = int(warmup_step_count), int(total_step_count)
+        self.initial_lr = float(initial_lr)
+        optimizer._state._optimizer.initial_learning_rate = self.initial_lr
+        self._apply()
+
+    def multiplier(self, step: int) -> float:
+        if step < self.warmup_step_count:
+            return step / max(1, self.warmup_step_count)
+        remaining = self.total_step_count - step
+        return max(0.0, remaining / max(1, self.total_step_count - self.warmup_step_count))
+
+    def _apply(self) -> None:
+        state = self._optimizer._state._optimizer
+        state.learning_rate = self.initial_lr * self.multiplier(state.step)
+
+    def step(self) -> None:
+        self._apply()

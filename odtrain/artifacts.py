@@ -1,0 +1,115 @@
+"""The offline phase: training, eval and optimizer models and the checkpoint from a forward model.
+
+`generate_artifacts` has the signature of onnxruntime.training.artifacts.generate_artifacts:
+
+    generate_artifacts(model, requires_grad=[...], frozen_params=[...], loss=LossType.CrossEntropyLoss,
+                       optimizer=OptimType.AdamW, artifact_directory="artifacts")
+
+writes `{prefix}training_model.onnx`, `{prefix}eval_model.onnx`, `{prefix}optimizer_model.onnx` and
+`{prefix}checkpoint`. Parameters named in `requires_grad` train, those in `frozen_params` are kept in
+the checkpoint without training; other initializers stay constants of the models. With
+`requires_grad=None`, every floating-point initializer not in `frozen_params` trains.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from . import checkpoint as checkpoint_file
+from .graph.autodiff import build_gradient_graph
+from .graph.errors import ArgumentError, ModelError, ParameterError
+from .graph.ir import TensorType
+from .graph.losses import LossType, add_loss, parse_loss
+from .graph.onnx_io import graph_from_proto, read_model_proto, save_graph
+from .graph.optimizers import SGD, AdamW, OptimType, build_optimizer_graph, parse_optimizer
+
+__all__ = ["generate_artifacts", "LossType", "OptimType", "AdamW", "SGD"]
+
+
+def _select_parameters(graph, requires_grad, frozen_params):
+    floating = [n for n, v in graph.initializers.items() if np.issubdtype(v.dtype, np.floating)]
+    frozen = list(frozen_params or [])
+    trainable = [n for n in floating if n not in frozen] if requires_grad is None else list(requires_grad)
+    for name in trainable + frozen:
+        if name not in graph.initializers:
+            raise ParameterError(f"'{name}' is not an initializer of the model; its parameters are: "
+                                 f"{', '.join(floating) or '(none)'}")
+    both = sorted(set(trainable) & set(frozen))
+    if both:
+        raise ArgumentError(f"parameters {both} are in both requires_grad and frozen_params")
+    for name in trainable:
+        if graph.initializers[name].dtype != np.float32:
+            raise ArgumentError(f"parameter '{name}' is {graph.initializers[name].dtype}; only float32 parameters train")
+    order = list(graph.initializers)
+    return sorted(trainable, key=order.index), sorted(frozen, key=order.index)
+
+
+def generate_artifacts(model, requires_grad=None, frozen_params=None, loss=None, optimizer=None,
+                       artifact_directory=None, prefix: str = "", ort_format: bool = False,
+                       custom_op_library=None, additional_output_names=None, nominal_checkpoint: bool = False,
+                       loss_input_names=None) -> None:
+    """Write the training artifacts for `model` (an onnx.ModelProto or a path) into `artifact_directory`."""
+    if ort_format:
+        raise ArgumentError("ort_format=True does not apply: odtrain reads and writes ONNX files, not ORT format")
+    if custom_op_library is not None:
+        raise ArgumentError("custom_op_library does not apply: odtrain runs its own kernels and cannot load "
+                            "ONNX Runtime custom-op libraries")
+    proto, path = read_model_proto(model, "model")
+    graph = graph_from_proto(proto, path or "model")
+    trainable, frozen = _select_parameters(graph, requires_grad, frozen_params)
+    if not trainable:
+        raise ArgumentError("no parameter requires a gradient: list parameters in requires_grad")
+
+    known = graph.all_value_names()
+    extra_outputs = list(additional_output_names or [])
+    for name in extra_outputs:
+        if name not in known:
+            raise ArgumentError(f"additional output '{name}' is not a value of the model; its outputs are {graph.outputs}")
+    if loss_input_names is not None:
+        loss_inputs = list(loss_input_names)
+        for name in loss_inputs:
+            if name not in known:
+                raise ArgumentError(f"loss input '{name}' is not a value of the model; its outputs are {graph.outputs}")
+    elif len(graph.outputs) == 1:
+        loss_inputs = list(graph.outputs)
+    else:
+        raise ArgumentError(f"the model has {len(graph.outputs)} outputs {graph.outputs}: name the one the loss "
+                            "scores with loss_input_names=[...]")
+
+    eval_graph = graph.copy()
+    if loss is None:
+        loss_name = loss_inputs[0]
+        t = eval_graph.value_types.get(loss_name)
+        if t is not None and t.shape not in ((), None):
+            raise ModelError(f"with loss=None the model output '{loss_name}' is the loss and must be a scalar; it is {t}")
+    else:
+        loss_name = add_loss(eval_graph, parse_loss(loss), loss_inputs)
+    eval_graph.outputs = [loss_name] + extra_outputs
+    eval_graph = eval_graph.prune(eval_graph.outputs)
+
+    params = trainable + frozen
+    used = {i for node in eval_graph.nodes for i in node.inputs}
+    unused = [p for p in params if p not in used]
+    if unused:
+        raise ArgumentError(f"parameters {unused} are not used on the way to the loss; leave them out of "
+                            "requires_grad/frozen_params")
+    for p in params:  # parameters leave the models; their values go to the checkpoint
+        eval_graph.initializers.pop(p, None)
+        eval_graph.value_types.setdefault(p, TensorType(graph.initializers[p].dtype, graph.initializers[p].shape))
+    training_graph = build_gradient_graph(eval_graph, loss_name, trainable)
+
+    directory = os.fspath(artifact_directory) if artifact_directory is not None else os.getcwd()
+    os.makedirs(directory, exist_ok=True)
+    param_inputs = [p for p in params if p in used]
+    save_graph(training_graph, os.path.join(directory, f"{prefix}training_model.onnx"), param_inputs)
+    save_graph(eval_graph, os.path.join(directory, f"{prefix}eval_model.onnx"), param_inputs)
+    if optimizer is not None:
+        save_graph(build_optimizer_graph(parse_optimizer(optimizer), trainable),
+                   os.path.join(directory, f"{prefix}optimizer_model.onnx"))
+    values = {p: graph.initializers[p] for p in params}
+    checkpoint_file.save(os.path.join(directory, f"{prefix}checkpoint"),
+                         checkpoint_file.CheckpointContents(values, trainable))
+    if nominal_checkpoint:
+        checkpoint_file.save(os.path.join(directory, f"{prefix}nominal_checkpoint"),
+                             checkpoint_file.CheckpointContents(values, trainable, nominal=True))

@@ -1,0 +1,104 @@
+"""The executor: a graph bound to input shapes, laid out in one arena, run as a flat call list.
+
+Binding (once per input-shape signature):
+- every value gets a static type (`graph.schedule.bind_types`), constants fold;
+- storage: parameters and constants are held outside the arena; a view op
+  over them is a numpy view; every other value gets arena bytes from the
+  memory plan (`graph.planner.plan_memory`), verified before use;
+- each node's kernel binding turns it into (kernel, args) calls on views.
+A step copies the feeds into their arena slots and runs the calls: no
+lookups, no allocation. Gradients of trainable parameters are accumulated
+into the gradient buffer by a last call per parameter.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .graph.errors import ModelError, UnsupportedOpError
+from .graph.ir import Graph, TensorType
+from .graph.ops import is_view, lookup
+from .graph.planner import ALIGNMENT, Plan, plan_memory
+from .graph.schedule import bind_types, execution_order
+from .kernels import BINDINGS
+from .kernels.optim import accumulate
+
+
+def aligned_buffer(nbytes: int) -> np.ndarray:
+    """A uint8 buffer whose first byte is ALIGNMENT-aligned."""
+    raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
+    start = (-raw.ctypes.data) % ALIGNMENT
+    return raw[start:start + nbytes]
+
+
+class BoundGraph:
+    """One graph at one set of feed shapes: plan, arena, and the calls of a step.
+
+    `external` maps parameter names to the arrays that hold them (views of
+    the flat parameter buffer). `gradient_sinks` maps output names to the
+    flat gradient views they are accumulated into; `overwrite_flag[0]` set
+    means the next accumulation writes instead of adding.
+    """
+
+    def __init__(self, graph: Graph, feed_types: dict[str, TensorType], external: dict[str, np.ndarray],
+                 gradient_sinks: dict[str, np.ndarray] | None = None, overwrite_flag: np.ndarray | None = None):
+        self.graph = graph
+        self.feeds = [name for name in graph.inputs if name not in external]
+        constants = {k: v for k, v in graph.initializers.items() if k not in external}
+        known = dict(feed_types)
+        known.update({k: TensorType(v.dtype, tuple(v.shape)) for k, v in external.items()})
+        types, folded = bind_types(graph, known, constants)
+        order = execution_order(graph, folded, list(graph.outputs))
+
+        storage: dict[str, np.ndarray] = dict(external)
+        storage.update({k: np.ascontiguousarray(v) for k, v in folded.items()})
+        for node in order:  # views of parameters or constants stay outside the arena
+            opdef = lookup(node)
+            src = node.inputs[0] if node.inputs else ""
+            if src in storage and is_view(opdef, [types.get(i) for i in node.inputs], [types[o] for o in node.outputs if o]):
+                storage[node.outputs[0]] = storage[src].reshape(types[node.outputs[0]].shape)
+        arena_values = {name for name in self.feeds}
+        arena_values.update(o for node in order for o in node.outputs if o and o not in storage)
+        for name in graph.outputs:
+            if name not in storage and name not in arena_values:
+                raise ModelError(f"graph output '{name}' is not computed by any node")
+        self.plan: Plan = plan_memory(order, types, arena_values, self.feeds, list(graph.outputs))
+        self.plan.verify()
+        self.arena = aligned_buffer(self.plan.arena_bytes)
+        for name in arena_values:
+            t = types[name]
+            offset = self.plan.offset(name)
+            storage[name] = self.arena[offset:offset + t.nbytes].view(t.dtype).reshape(t.shape)
+        self.types = types
+        self.storage = storage
+        self.feed_views = [storage[name] for name in self.feeds]
+        self.calls = []
+        for node in order:
+            self.calls.extend(self._bind_node(node, storage, types))
+        for name, sink in (gradient_sinks or {}).items():
+            self.calls.append((accumulate, (sink, storage[name].reshape(-1), overwrite_flag)))
+
+    @staticmethod
+    def _bind_node(node, storage, types):
+        opdef = lookup(node)
+        if is_view(opdef, [types.get(i) for i in node.inputs], [types[o] for o in node.outputs if o]):
+            return []  # the output already shares the input's bytes
+        bind = BINDINGS.get(node.key)
+        if bind is None:
+            raise UnsupportedOpError(f"{node.describe()}: no kernel is registered for this op type")
+        inputs = [storage[i] if i else None for i in node.inputs]
+        outputs = [storage[o] if o else None for o in node.outputs]
+        try:
+            return bind(inputs, outputs, **node.attrs)
+        except TypeError as error:
+            raise ModelError(f"{node.describe()}: unsupported attributes {sorted(node.attrs)}: {error}") from None
+        except ValueError as error:
+            raise ModelError(f"{node.describe()}: {error}") from None
+
+    def run(self, feeds: list[np.ndarray]) -> None:
+        for view, value in zip(self.feed_views, feeds):
+            np.copyto(view, value, casting="no")
+        for kernel, args in self.calls:
+            kernel(*args)
+
+    def output(self, name: str) -> np.ndarray:
+        return self.storage[name].copy()

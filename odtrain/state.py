@@ -1,0 +1,147 @@
+"""Training state in flat buffers: parameters, gradients, optimizer moments, properties.
+
+Invariants:
+- Every float32 parameter lives in one contiguous float32 buffer, trainable
+  parameters first (in checkpoint order), then frozen ones; a parameter's
+  array is a view into it. So the contiguous-parameters API, federated
+  differences and the optimizer step are each one pass over one block.
+- The gradient buffer and each optimizer moment buffer cover exactly the
+  trainable block, with the same layout.
+- Parameters of other dtypes (frozen only) are held as separate arrays.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .graph.errors import ArgumentError, ParameterError
+
+PROPERTY_TYPES = (int, float, str)
+
+
+class ParameterStore:
+    def __init__(self, arrays: dict[str, np.ndarray], trainable: list[str]):
+        missing = [n for n in trainable if n not in arrays]
+        if missing:
+            raise ParameterError(f"trainable parameters {missing} have no values")
+        frozen = [n for n in arrays if n not in trainable]
+        for name in trainable:
+            if arrays[name].dtype != np.float32:
+                raise ArgumentError(f"trainable parameter '{name}' is {arrays[name].dtype}; only float32 parameters train")
+        self.trainable = list(trainable)
+        self.frozen = frozen
+        flat_names = self.trainable + [n for n in frozen if arrays[n].dtype == np.float32]
+        self.slices: dict[str, tuple[int, int, tuple]] = {}
+        cursor = 0
+        for name in flat_names:
+            size = int(arrays[name].size)
+            self.slices[name] = (cursor, cursor + size, tuple(arrays[name].shape))
+            cursor += size
+        self.trainable_size = self.slices[self.trainable[-1]][1] if self.trainable else 0
+        self.flat = np.empty(cursor, dtype=np.float32)
+        for name in flat_names:
+            start, stop, _ = self.slices[name]
+            self.flat[start:stop] = np.asarray(arrays[name], dtype=np.float32).reshape(-1)
+        self.grad_flat = np.zeros(self.trainable_size, dtype=np.float32)
+        self.others = {n: np.array(arrays[n]) for n in frozen if n not in self.slices}
+
+    @property
+    def names(self) -> list[str]:
+        return self.trainable + self.frozen
+
+    @property
+    def total_size(self) -> int:
+        return int(self.flat.size)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.slices or name in self.others
+
+    def check(self, name: str) -> None:
+        if name not in self:
+            raise ParameterError(f"no parameter named '{name}'; the checkpoint has: {', '.join(self.names)}")
+
+    def data(self, name: str) -> np.ndarray:
+        """The live array of a parameter (a view of the flat buffer for float32 ones)."""
+        self.check(name)
+        if name in self.others:
+            return self.others[name]
+        start, stop, shape = self.slices[name]
+        return self.flat[start:stop].reshape(shape)
+
+    def grad(self, name: str) -> np.ndarray | None:
+        """The live gradient view of a trainable parameter; None for a frozen one."""
+        self.check(name)
+        if name not in self.trainable:
+            return None
+        start, stop, shape = self.slices[name]
+        return self.grad_flat[start:stop].reshape(shape)
+
+    def trainable_view(self, flat: np.ndarray, name: str) -> np.ndarray:
+        """The segment of a trainable-layout buffer (gradients, moments) that belongs to `name`."""
+        start, stop, shape = self.slices[name]
+        return flat[start:stop].reshape(shape)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {name: self.data(name) for name in self.names}
+
+
+@dataclass
+class OptimizerState:
+    """Optimizer step count, learning rate and moment buffers (trainable layout)."""
+
+    kind: str
+    step: int = 0
+    learning_rate: float = 1e-3
+    initial_learning_rate: float = 1e-3
+    moments: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+class PropertyBag:
+    """User key/value pairs (int, float, str) saved with the checkpoint."""
+
+    def __init__(self, values: dict | None = None):
+        self._values: dict[str, int | float | str] = {}
+        for key, value in (values or {}).items():
+            self[key] = value
+
+    def __setitem__(self, key: str, value) -> None:
+        if not isinstance(key, str):
+            raise ArgumentError(f"property names must be strings, got {key!r}")
+        if isinstance(value, bool):
+            value = int(value)
+        elif isinstance(value, np.generic):
+            value = value.item()
+        if not isinstance(value, PROPERTY_TYPES):
+            raise ArgumentError(f"property '{key}' must be an int, float or str, got {type(value).__name__}")
+        self._values[key] = value
+
+    def __getitem__(self, key: str):
+        if key not in self._values:
+            raise ParameterError(f"no property named '{key}'; properties: {sorted(self._values)}")
+        return self._values[key]
+
+    def __contains__(self, key) -> bool:
+        return key in self._values
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __delitem__(self, key: str) -> None:
+        self[key]  # raises the helpful error when missing
+        del self._values[key]
+
+    def get(self, key: str, default=None):
+        return self._values.get(key, default)
+
+    def items(self):
+        return self._values.items()
+
+    def to_dict(self) -> dict:
+        return dict(self._values)
+
+    def __repr__(self) -> str:
+        return f"PropertyBag({self._values!r})"
