@@ -17,10 +17,12 @@ REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
 
 
 @njit(cache=True, error_model="numpy")
-def _sample_weight(labels, weights, has_weights, ignore_index, n, d):
+def _sample_weight(labels, weights, has_weights, ignore_index, classes, n, d):
     y = labels[n, d]
     if y == ignore_index:
         return y, 0.0
+    if y < 0 or y >= classes:
+        raise ValueError("a label is outside [0, number of classes)")
     return y, weights[y] if has_weights else 1.0
 
 
@@ -45,7 +47,7 @@ def _sce_forward(x, labels, weights, has_weights, ignore_index, reduction, loss,
             if want_log_prob:
                 for c in range(x.shape[1]):
                     log_prob[n, c, d] = x[n, c, d] - lse
-            y, w = _sample_weight(labels, weights, has_weights, ignore_index, n, d)
+            y, w = _sample_weight(labels, weights, has_weights, ignore_index, x.shape[1], n, d)
             value = 0.0 if w == 0.0 else -w * (x[n, y, d] - lse)
             if reduction == 0:
                 loss[n * x.shape[2] + d] = value
@@ -64,10 +66,10 @@ def _sce_backward(dloss, x, labels, weights, has_weights, ignore_index, reductio
     if reduction == 2:
         for n in range(x.shape[0]):
             for d in range(x.shape[2]):
-                weight_sum += _sample_weight(labels, weights, has_weights, ignore_index, n, d)[1]
+                weight_sum += _sample_weight(labels, weights, has_weights, ignore_index, x.shape[1], n, d)[1]
     for n in range(x.shape[0]):
         for d in range(x.shape[2]):
-            y, w = _sample_weight(labels, weights, has_weights, ignore_index, n, d)
+            y, w = _sample_weight(labels, weights, has_weights, ignore_index, x.shape[1], n, d)
             g = dloss[n * x.shape[2] + d] if reduction == 0 else dloss[0]
             if reduction == 2:
                 g = g / weight_sum if weight_sum > 0 else 0.0

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .graph.errors import ModelError, UnsupportedOpError
+from .graph.errors import InputError, ModelError, UnsupportedOpError
 from .graph.ir import Graph, TensorType
 from .graph.ops import is_view, lookup
 from .graph.planner import ALIGNMENT, Plan, plan_memory
@@ -97,8 +97,11 @@ class BoundGraph:
     def run(self, feeds: list[np.ndarray]) -> None:
         for view, value in zip(self.feed_views, feeds):
             np.copyto(view, value, casting="no")
-        for kernel, args in self.calls:
-            kernel(*args)
+        try:
+            for kernel, args in self.calls:
+                kernel(*args)
+        except ValueError as error:  # a kernel's check on the data (e.g. a label out of range)
+            raise InputError(f"{self.graph.name}: {error}; check the inputs' values") from None
 
     def output(self, name: str) -> np.ndarray:
         return self.storage[name].copy()

@@ -1,0 +1,34 @@
+import json
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+
+DATA = pathlib.Path(__file__).parent / "data"
+
+
+def reference_model(name: str):
+    """(forward.onnx path, meta dict, golden npz) of a model exported from PyTorch, kept in tests/data."""
+    folder = DATA / name
+    return folder / "forward.onnx", json.loads((folder / "meta.json").read_text()), np.load(folder / "golden.npz")
+
+
+@pytest.fixture(scope="session")
+def mlp_reference():
+    return reference_model("mlp")
+
+
+@pytest.fixture(scope="session")
+def mlp_artifacts(tmp_path_factory, mlp_reference):
+    """AdamW artifacts of the reference MLP, with the logits as an additional output."""
+    from odtrain import artifacts
+
+    path, meta, _ = mlp_reference
+    directory = tmp_path_factory.mktemp("mlp_artifacts")
+    artifacts.generate_artifacts(str(path), requires_grad=meta["requires_grad"], frozen_params=meta["frozen_params"],
+                                 loss=artifacts.LossType.CrossEntropyLoss, optimizer=artifacts.OptimType.AdamW,
+                                 artifact_directory=directory, additional_output_names=["output"])
+    return directory

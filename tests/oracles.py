@@ -1,0 +1,87 @@
+"""Independent references for tests: ONNX's reference evaluator and float64 finite differences.
+
+`gradient_check` differentiates a small graph with odtrain (float32, through
+generate_artifacts, Module and the kernels) and compares every parameter's
+gradient with central differences of the same graph evaluated in float64 by
+`onnx.reference.ReferenceEvaluator`.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+from odtrain import artifacts
+from odtrain.api import CheckpointState, Module
+
+OPSET = 17
+
+
+def make_model(nodes, initializers: dict, inputs=(), outputs=("y",), opset: int = OPSET) -> onnx.ModelProto:
+    """A model from onnx.helper nodes; inputs are (name, np dtype, shape) triples; outputs untyped."""
+    graph = helper.make_graph(
+        nodes, "test",
+        [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(np.dtype(t)), list(s)) for n, t, s in inputs],
+        [helper.make_empty_tensor_value_info(o) if not isinstance(o, tuple) else
+         helper.make_tensor_value_info(o[0], helper.np_dtype_to_tensor_dtype(np.dtype(o[1])), o[2]) for o in outputs],
+        [numpy_helper.from_array(np.asarray(v), name=k) for k, v in initializers.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+
+
+def _with_weighted_sum(nodes, output: str, weights: np.ndarray):
+    return list(nodes) + [helper.make_node("Mul", [output, "gc_weights"], ["gc_weighted"]),
+                          helper.make_node("ReduceSum", ["gc_weighted"], ["loss"], keepdims=0)]
+
+
+def reference_outputs(model: onnx.ModelProto, feeds: dict | None = None) -> list[np.ndarray]:
+    return ReferenceEvaluator(model).run(None, feeds or {})
+
+
+def gradient_check(nodes, params: dict[str, np.ndarray], output: str = "y", constants: dict | None = None,
+                   tmp_path=None, opset: int = OPSET, step: float = 1e-6, seed: int = 0,
+                   rtol: float = 2e-3, atol_fraction: float = 2e-4):
+    """Assert that odtrain's gradients of sum(output * R) match float64 central differences."""
+    constants = constants or {}
+    rng = np.random.default_rng(seed)
+    probe = make_model(nodes, {**params, **constants}, outputs=[output], opset=opset)
+    shape = np.asarray(reference_outputs(probe)[0]).shape
+    weights = rng.standard_normal(shape).astype(np.float32)
+
+    full_nodes = _with_weighted_sum(nodes, output, weights)
+    model32 = make_model(full_nodes, {**params, **constants, "gc_weights": weights},
+                         outputs=[("loss", np.float32, [])], opset=opset)
+    artifacts.generate_artifacts(model32, requires_grad=list(params), loss=None,
+                                 optimizer=artifacts.OptimType.SGD, artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx")
+    loss32 = module()
+    analytic = {name: state.parameters[name].grad for name in params}
+
+    params64 = {k: v.astype(np.float64) for k, v in params.items()}
+    consts64 = {k: (v.astype(np.float64) if np.issubdtype(v.dtype, np.floating) else v) for k, v in constants.items()}
+    model64 = make_model(full_nodes, {**params64, **consts64, "gc_weights": weights.astype(np.float64)},
+                         outputs=["loss"], opset=opset)
+
+    def loss64(values):
+        for tensor in model64.graph.initializer:
+            if tensor.name in values:
+                tensor.CopyFrom(numpy_helper.from_array(values[tensor.name], name=tensor.name))
+        return float(reference_outputs(model64)[0])
+
+    base = loss64(params64)
+    np.testing.assert_allclose(float(loss32), base, rtol=1e-4, atol=1e-5)
+    for name, value in params64.items():
+        numeric = np.zeros_like(value)
+        for index in np.ndindex(value.shape):
+            shifted = dict(params64)
+            for sign in (1, -1):
+                probe_value = value.copy()
+                probe_value[index] += sign * step
+                shifted[name] = probe_value
+                numeric[index] += sign * loss64(shifted) / (2 * step)
+        loss64(params64)
+        scale = max(np.abs(numeric).max(), 1e-3)
+        np.testing.assert_allclose(analytic[name], numeric, rtol=rtol, atol=atol_fraction * scale * 10,
+                                   err_msg=f"gradient of '{name}'")
+    return analytic
