@@ -1,46 +1,45 @@
-"""Side-by-side training benchmark: odtrain vs ONNX Runtime training 1.19.2 vs PyTorch.
+"""Side-by-side training benchmark: odtrain, ONNX Runtime training 1.19.2 and PyTorch.
 
-Every measurement runs in a fresh subprocess, systems alternating; one run prints a table with the
+Each measurement runs in a fresh subprocess, systems alternating; one run prints a table with the
 ratios odtrain / ONNX Runtime and odtrain / PyTorch.
 
-Reference environment, outside the project and never a dependency of odtrain (do not install the
-`onnxruntime` inference package into it: it overwrites the training build's files):
+Reference venv, outside the project, never a dependency of odtrain (do not add the `onnxruntime`
+inference package to it: it overwrites the training build's files):
 
     python3 -m venv /work/ortref
     /work/ortref/bin/pip install numpy onnx onnxruntime-training-cpu==1.19.2 torch==2.13.0
 
-Run from the repository root, with odtrain installed in the current python (`pip install -e .`):
+From the repository root, with odtrain installed in the current python (`pip install -e .`):
 
     python benchmarks/compare.py --workload mlp --steps 50 --ort-python /work/ortref/bin/python
     python benchmarks/compare.py --workload cnn --systems ort,torch --repeat 3 \\
         --ort-python /work/ortref/bin/python --json cnn.json
 
-Workloads are the folders of shared/models (mlp, cnn, transformer, mobilenetv2_personalize,
-mobilenetv2_full): forward.onnx, meta.json (input dtype, requires_grad, frozen_params, AdamW lr)
-and golden.npz (x/y, one batch per step, reused cyclically; x cast to meta's input dtype).
+--workload names a folder of shared/models (mlp, cnn, transformer, mobilenetv2_personalize,
+mobilenetv2_full): forward.onnx, meta.json (input dtype, requires_grad, frozen_params, AdamW) and
+golden.npz (x/y, one batch per step, reused cyclically; x cast to meta's input dtype).
 
-Systems (--systems, comma-separated):
-  odtrain    odtrain.artifacts + odtrain.api, run with a fresh NUMBA_CACHE_DIR (cold) and again
-             with the same one (warm); the ratios use the warm run.
+--systems, any of:
+  odtrain    odtrain.artifacts/api; a run with a fresh NUMBA_CACHE_DIR (cold), then runs reusing
+             it (warm); the ratios use the warm runs.
   ort        onnxruntime.training with `torch` blocked: the runtime alone.
   ort_torch  the same with a plain `import onnxruntime.training.api`, which imports torch.
-  torch      PyTorch eager: the ONNX graph interpreted with torch ops (_torch_ops, enough for all
-             five workloads), torch.optim.AdamW(lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=0),
-             CrossEntropyLoss. Its "checkpoint" is a pickle of the graph and initializers.
-odtrain and ort run the same worker code; only the imported package differs. Artifacts are made
-in a separate process first, for ONNX Runtime with its workarounds: a ModelProto instead of a path,
-Mean/InvStdDev outputs on LayerNormalization nodes, ir_version=8 on the generated files.
+  torch      eager PyTorch running the ONNX graph op by op (_torch_ops covers all five workloads),
+             torch.optim.AdamW (meta's lr, betas, eps 1e-6, no decay) and cross-entropy.
+odtrain and ort share the worker code; only the imported package differs. Artifacts are made in a
+separate process first; for ONNX Runtime with its workarounds (a ModelProto instead of a path,
+Mean/InvStdDev outputs on LayerNormalization; ir_version=8 and single-output inference-mode
+BatchNormalization in the generated files).
 
-Threads: ONNX Runtime keeps its default intra-op pool (one thread per physical core), PyTorch gets
-torch.set_num_threads(--threads, default 2), odtrain keeps its defaults. On the 2-core reference
-machine that is 2 threads for each.
+Threads: ONNX Runtime keeps its default pool (one thread per physical core), PyTorch gets
+torch.set_num_threads(--threads, default 2), odtrain keeps its defaults: 2 each on 2 cores.
 
-Per run: import time (for torch including the one-off import that the first AdamW() triggers);
-session creation (load checkpoint + Module + Optimizer); the first step once the session is ready;
-process start to first completed step; median step after --warmup steps (forward + backward +
-optimizer); peak RSS (ru_maxrss); RSS added by training (peak from Module creation to the end,
-reset through /proc/self/clear_refs, minus the RSS after loading the checkpoint and the data);
-and the largest relative loss difference to golden.npz's adamw_losses, as a sanity check.
+Reported: import time (torch's includes the one-off import its first AdamW() triggers); session
+creation (checkpoint + Module + Optimizer); first step once the session is ready; process start to
+first completed step; median step after --warmup (forward, backward, optimizer); peak RSS
+(ru_maxrss); RSS added by training (peak after checkpoint and data are loaded, reset through
+/proc/self/clear_refs, minus the RSS then); largest relative loss difference to golden.npz's
+adamw_losses (ONNX Runtime's AdamW; torch's puts eps elsewhere, so ~1e-4..1e-2 off).
 """
 import argparse
 import importlib
@@ -58,19 +57,12 @@ from pathlib import Path
 DEFAULT_MODELS = Path(__file__).resolve().parents[2] / "shared" / "models"
 
 
-# ---------------------------------------------------------------- worker side
-def rss_kib():
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-
-
-def peak_kib():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-
-
+# ---------------------------------------------------------------- workers
 def checkpoint_loaded(state):
-    """Right after the checkpoint is loaded: note RSS and peak so far, then reset the peak."""
-    state["base"], state["peak"] = rss_kib(), peak_kib()
+    """Call right after loading the checkpoint: note RSS and peak so far, then reset the peak."""
+    with open("/proc/self/status") as f:
+        state["base"] = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    state["peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -84,16 +76,15 @@ def load_workload(args):
     folder = Path(args.models) / args.workload
     meta = json.loads((folder / "meta.json").read_text())
     g = np.load(folder / "golden.npz")
-    batches = [(np.ascontiguousarray(x, dtype=meta["input_dtype"]), np.ascontiguousarray(y, np.int64))
+    batches = [(np.ascontiguousarray(x, meta["input_dtype"]), np.ascontiguousarray(y, np.int64))
                for x, y in zip(g["x"], g["y"])]
-    return folder, meta, batches, [float(v) for v in g["adamw_losses"]]
+    return meta, batches, [float(v) for v in g["adamw_losses"]]
 
 
 def train_loop(args, t_import, golden, open_session, step):
-    """open_session() loads the checkpoint, calls checkpoint_loaded(state) and returns the session;
-    step(session, i) runs one training step and returns the loss."""
-    state = {}
-    t0 = time.perf_counter()
+    """open_session(state) loads the checkpoint, calls checkpoint_loaded(state) and creates the
+    session; step(session, i) runs one training step and returns the loss."""
+    state, t0 = {}, time.perf_counter()
     session = open_session(state)
     t_session = time.perf_counter() - t0
     losses, times, t_first = [], [], None
@@ -103,11 +94,11 @@ def train_loop(args, t_import, golden, open_session, step):
         times.append(time.perf_counter() - t)
         t_first = t_first or time.time()
         losses.append(float(loss))
-    peak = peak_kib()
-    warm = times[args.warmup:] or times
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {
         "import_s": t_import, "session_s": t_session, "first_step_s": times[0],
-        "start_to_first_step_s": t_first - args.t0, "median_step_ms": 1e3 * statistics.median(warm),
+        "start_to_first_step_s": t_first - args.t0,
+        "median_step_ms": 1e3 * statistics.median(times[args.warmup:] or times),
         "peak_rss_mib": max(peak, state["peak"]) / 1024, "base_rss_mib": state["base"] / 1024,
         "train_rss_mib": (peak - state["base"]) / 1024 if state["reset"] else None,
         "loss0": losses[0], "loss_last": losses[-1],
@@ -116,13 +107,12 @@ def train_loop(args, t_import, golden, open_session, step):
 
 
 def prepare_api(args, pkg):
-    """Generate artifacts with `pkg`.artifacts (odtrain or onnxruntime.training)."""
     import onnx
     artifacts = importlib.import_module(pkg + ".artifacts")
     folder = Path(args.models) / args.workload
     meta = json.loads((folder / "meta.json").read_text())
     model, is_ort = str(folder / "forward.onnx"), pkg.startswith("onnxruntime")
-    if is_ort:  # ONNX Runtime: ModelProto, LayerNorm gradient needs the optional outputs
+    if is_ort:  # a path fails; its LayerNorm gradient needs the optional outputs
         model = onnx.load(model)
         for node in model.graph.node:
             if node.op_type == "LayerNormalization" and len(node.output) == 1:
@@ -143,7 +133,7 @@ def prepare_api(args, pkg):
 
 def run_api(args, pkg, block_torch):
     t_start = time.perf_counter()
-    if block_torch:  # onnxruntime/training/__init__.py imports torch: load only its api subpackage
+    if block_torch:  # onnxruntime/training/__init__.py imports torch: load only its api package
         import types
         from importlib.util import find_spec
         sys.modules["torch"] = None
@@ -152,7 +142,7 @@ def run_api(args, pkg, block_torch):
         sys.modules[pkg] = stub
     api = importlib.import_module(pkg + ".api")
     t_import = time.perf_counter() - t_start
-    _, meta, batches, golden = load_workload(args)
+    meta, batches, golden = load_workload(args)
     art = Path(args.artifacts)
 
     def open_session(state):
@@ -174,6 +164,7 @@ def run_api(args, pkg, block_torch):
 
 
 def prepare_torch(args):
+    """Pickle the graph (nodes, initializers and constants, what to free after each node)."""
     import onnx
     from onnx import helper, numpy_helper
     g = onnx.load(str(Path(args.models) / args.workload / "forward.onnx")).graph
@@ -187,8 +178,12 @@ def prepare_torch(args):
             consts[n.output[0]] = attrs["value"]
         else:
             nodes.append((n.op_type, list(n.input), n.output[0], attrs))
+    last = {i: k for k, (_, ins, _, _) in enumerate(nodes) for i in ins}
+    keep = set(consts) | {g.input[0].name, g.output[0].name, ""}
+    drop = [[i for i in dict.fromkeys(ins) if last[i] == k and i not in keep]
+            for k, (_, ins, _, _) in enumerate(nodes)]
     with open(Path(args.artifacts) / "torch_model.pkl", "wb") as f:
-        pickle.dump({"nodes": nodes, "consts": consts, "input": g.input[0].name,
+        pickle.dump({"nodes": nodes, "drop": drop, "consts": consts, "input": g.input[0].name,
                      "output": g.output[0].name}, f)
 
 
@@ -203,10 +198,10 @@ def _torch_ops():
             return F.linear(A, B, C)
         return a.get("alpha", 1.0) * F.linear(A, B) + (0 if C is None else a.get("beta", 1.0) * C)
 
-    def pads(a, n):
-        p = a.get("pads", [0] * 2 * n)
-        assert p[:n] == p[n:], "asymmetric padding is not supported"
-        return p[:n]
+    def pads(a):
+        p = a.get("pads", [0] * 4)
+        assert p[:2] == p[2:], "asymmetric padding is not supported"
+        return p[:2]
 
     def gather(a, x, i):
         ax = a.get("axis", 0) % x.dim()
@@ -220,13 +215,12 @@ def _torch_ops():
     inf = float("inf")
     return {
         "Gemm": gemm, "Gather": gather, "Unsqueeze": unsqueeze,
-        "Conv": lambda a, x, w, b=None: F.conv2d(x, w, b, a.get("strides", 1), pads(a, 2),
+        "Conv": lambda a, x, w, b=None: F.conv2d(x, w, b, a.get("strides", 1), pads(a),
                                                  a.get("dilations", 1), a.get("group", 1)),
-        "MaxPool": lambda a, x: F.max_pool2d(x, a["kernel_shape"], a.get("strides", 1), pads(a, 2),
+        "MaxPool": lambda a, x: F.max_pool2d(x, a["kernel_shape"], a.get("strides", 1), pads(a),
                                              a.get("dilations", 1), bool(a.get("ceil_mode", 0))),
         "BatchNormalization": lambda a, x, s, b, m, v: F.batch_norm(
-            x, m, v, s, b, bool(a.get("training_mode", 0)), 1.0 - a.get("momentum", 0.9),
-            a.get("epsilon", 1e-5)),
+            x, m, v, s, b, bool(a.get("training_mode")), 1 - a.get("momentum", 0.9), a.get("epsilon", 1e-5)),
         "LayerNormalization": lambda a, x, s, b=None: F.layer_norm(
             x, x.shape[a.get("axis", -1) % x.dim():], s, b, a.get("epsilon", 1e-5)),
         "Reshape": lambda a, x, s: x.reshape([x.shape[k] if v == 0 else v for k, v in enumerate(s.tolist())]),
@@ -234,9 +228,7 @@ def _torch_ops():
         "Clip": lambda a, x, lo=None, hi=None: F.hardtanh(x, -inf if lo is None else float(lo),
                                                           inf if hi is None else float(hi)),
         "MatMul": lambda a, x, y: torch.matmul(x, y), "Add": lambda a, x, y: x + y,
-        "Sub": lambda a, x, y: x - y, "Mul": lambda a, x, y: x * y,
-        "Relu": lambda a, x: F.relu(x), "Erf": lambda a, x: torch.erf(x),
-        "Sqrt": lambda a, x: torch.sqrt(x), "Identity": lambda a, x: x,
+        "Mul": lambda a, x, y: x * y, "Relu": lambda a, x: F.relu(x), "Erf": lambda a, x: torch.erf(x),
         "Transpose": lambda a, x: x.permute(a.get("perm", list(range(x.dim()))[::-1])),
         "Concat": lambda a, *xs: torch.cat(xs, a["axis"]),
         "Shape": lambda a, x: torch.tensor(x.shape, dtype=torch.int64),
@@ -254,7 +246,7 @@ def run_torch(args):
     t_import = time.perf_counter() - t_start
     torch.set_num_threads(args.threads)
     ops = _torch_ops()
-    _, meta, np_batches, golden = load_workload(args)
+    meta, np_batches, golden = load_workload(args)
     batches = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in np_batches]
 
     def open_session(state):
@@ -262,9 +254,6 @@ def run_torch(args):
             g = pickle.load(f)
         trainable = meta["requires_grad"]
         g["consts"] = {k: torch.from_numpy(v).requires_grad_(k in trainable) for k, v in g["consts"].items()}
-        last = {i: k for k, (_, ins, _, _) in enumerate(g["nodes"]) for i in ins}
-        g["drop"] = [[i for i in dict.fromkeys(ins) if last[i] == k and i not in g["consts"]
-                      and i not in (g["input"], g["output"], "")] for k, (_, ins, _, _) in enumerate(g["nodes"])]
         checkpoint_loaded(state)
         a = meta["adamw"]
         opt = torch.optim.AdamW([g["consts"][k] for k in trainable], lr=a["lr"],
@@ -308,30 +297,24 @@ def worker(args):
 
 
 # ---------------------------------------------------------------- driver
-def spawn(args, python, system, phase, artifacts, cache_dir=None):
+def spawn(args, system, phase, artifacts, numba_cache=None):
+    """Run one worker in a fresh process; return its JSON result, or {"error": ...}."""
+    python = {"odtrain": args.odtrain_python, "torch": args.torch_python}.get(system, args.ort_python)
     cmd = [python, os.path.abspath(__file__), "--worker", "--phase", phase, "--system", system,
            "--workload", args.workload, "--models", str(args.models), "--artifacts", artifacts,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads)]
-    env = dict(os.environ, **({"NUMBA_CACHE_DIR": cache_dir} if cache_dir else {}))
-    t0 = time.time()
+    env = dict(os.environ, **({"NUMBA_CACHE_DIR": numba_cache} if system == "odtrain" else {}))
     try:
-        p = subprocess.run(cmd + ["--t0", repr(t0)], capture_output=True, text=True, env=env,
+        p = subprocess.run(cmd + ["--t0", repr(time.time())], capture_output=True, text=True, env=env,
                            timeout=args.timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {args.timeout} s"}
     lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
     res = json.loads(lines[-1]) if lines else {"error": f"exit code {p.returncode}, no result"}
     if "error" in res:
-        res["stderr"] = p.stderr
+        hint = f" (is odtrain's API importable by {python}? pip install -e .)" * (system == "odtrain")
+        print(f"[{system} {phase}] FAILED: {res['error']}{hint}" + ("\n" + p.stderr) * args.verbose)
     return res
-
-
-def failed(label, python, res, verbose):
-    hint = (f" (is odtrain's API written and installed for {python}? `pip install -e .`)"
-            if label.startswith("odtrain") else "")
-    print(f"[{label}] FAILED: {res['error']}{hint}")
-    if verbose:
-        print(res.get("stderr", ""))
 
 
 ROWS = [("median step (ms)", "median_step_ms", "{:.2f}"), ("peak RSS (MiB)", "peak_rss_mib", "{:.0f}"),
@@ -345,39 +328,33 @@ NO_RATIO = ("loss0", "golden_rel")
 
 
 def driver(args):
+    args.torch_python = args.torch_python or args.ort_python
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    pythons = {"odtrain": args.odtrain_python, "ort": args.ort_python, "ort_torch": args.ort_python,
-               "torch": args.torch_python or args.ort_python}
     for s in systems:
-        if s not in pythons:
-            sys.exit(f"unknown system {s!r}; choose from {', '.join(pythons)}")
-        if not pythons[s]:
-            sys.exit(f"{s} needs --ort-python or --torch-python (see the docstring for the venv)")
+        if s not in ("odtrain", "ort", "ort_torch", "torch"):
+            sys.exit(f"unknown system {s!r}: choose from odtrain, ort, ort_torch, torch")
+        if s != "odtrain" and not args.ort_python and not (s == "torch" and args.torch_python):
+            sys.exit(f"{s} needs --ort-python (see the module docstring for the venv)")
     tmp = tempfile.mkdtemp(prefix="odtrain-compare-")
-    arts = {}
+    arts = {}  # one artifact set per system, ort_torch uses ort's
     for s in dict.fromkeys("ort" if s == "ort_torch" else s for s in systems):
         arts[s] = os.path.join(tmp, "art-" + s)
-        os.makedirs(arts[s])  # odtrain's artifact generation gets its own Numba cache: run 1 is cold
-        res = spawn(args, pythons[s], s, "prepare", arts[s],
-                    os.path.join(tmp, "numba-prepare") if s == "odtrain" else None)
-        if "error" in res:
-            failed(f"{s} artifacts", pythons[s], res, args.verbose)
+        os.makedirs(arts[s])  # artifact generation gets its own Numba cache, so run 1 is cold
+        if "error" in spawn(args, s, "prepare", arts[s], os.path.join(tmp, "numba-prepare")):
             arts[s] = None
+    arts["ort_torch"] = arts.get("ort")
     runs = []  # alternating rounds; odtrain's first run is cold, later ones reuse its Numba cache
     for r in range(args.repeat):
         for s in systems:
-            runs += [("odtrain cold", s)] * (s == "odtrain" and r == 0) + [(s + " warm" * (s == "odtrain"), s)]
+            cold = s == "odtrain" and r == 0
+            runs += [("odtrain cold", s)] * cold + [(s + " warm" * (s == "odtrain"), s)]
     results = {}
     for label, s in runs:
-        art = arts["ort" if s == "ort_torch" else s]
-        if art is None:
-            continue
-        res = spawn(args, pythons[s], s, "run", art, os.path.join(tmp, "numba") if s == "odtrain" else None)
-        if "error" in res:
-            failed(label, pythons[s], res, args.verbose)
-            continue
-        print(f"[{label}] {res['median_step_ms']:.2f} ms/step", flush=True)
-        results.setdefault(label, []).append(res)
+        if arts[s]:
+            res = spawn(args, s, "run", arts[s], os.path.join(tmp, "numba"))
+            if "error" not in res:
+                print(f"[{label}] {res['median_step_ms']:.2f} ms/step", flush=True)
+                results.setdefault(label, []).append(res)
     merged = {k: {m: None if v[0][m] is None else statistics.median(r[m] for r in v) for m in v[0]}
               for k, v in results.items()}
     report(args, merged)
@@ -389,9 +366,9 @@ def driver(args):
 def report(args, res):
     ours = res.get("odtrain warm") or res.get("odtrain cold")
     cols = [c for c in ("odtrain cold", "odtrain warm", "ort", "ort_torch", "torch") if c in res]
-    ratio_cols = [c for c in ("ort", "torch") if c in res and ours]
-    ratios = {f"odtrain/{c}": {k: ours[k] / res[c][k] for _, k, _ in ROWS if k not in NO_RATIO
-                               and ours[k] is not None and res[c][k]} for c in ratio_cols}
+    ratios = {f"odtrain/{c}": {k: ours[k] / res[c][k] for _, k, _ in ROWS
+                               if k not in NO_RATIO and ours[k] is not None and res[c][k]}
+              for c in ("ort", "torch") if c in res and ours}
     print(f"\nworkload {args.workload}: {args.steps} steps, median after {args.warmup}; "
           f"{os.cpu_count()} CPUs; torch threads {args.threads}; repeat {args.repeat}")
     table = [["metric"] + cols + list(ratios)]

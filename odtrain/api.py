@@ -21,7 +21,7 @@ from .graph.autodiff import GRAD_SUFFIX
 from .graph.errors import ArgumentError, InputError, ModelError, ParameterError, StateError
 from .graph.ir import TensorType
 from .graph.onnx_io import load_graph, save_graph
-from .graph.optimizers import AdamW, read_optimizer_graph
+from .graph.optimizers import read_optimizer_graph
 from .state import OptimizerState, ParameterStore, PropertyBag
 
 DEFAULT_LEARNING_RATE = 1e-3
@@ -360,23 +360,16 @@ class Optimizer:
         if current is None or current.kind != config.kind:
             moments = {s: np.zeros(store.trainable_size, dtype=np.float32) for s in config.state_names}
             self._state._optimizer = OptimizerState(config.kind, 0, DEFAULT_LEARNING_RATE, DEFAULT_LEARNING_RATE, moments)
-        from .kernels.optim import adamw_update, sgd_update
-
-        self._adamw, self._sgd = adamw_update, sgd_update
 
     def step(self) -> None:
         """One update of every trainable parameter from its accumulated gradient."""
         opt = self._state._optimizer
         store = self._state._store
         weights = store.flat[:store.trainable_size]
+        from .executor import apply_optimizer
+
+        apply_optimizer(self._config, weights, store.grad_flat, opt.moments, opt.learning_rate, opt.step + 1)
         opt.step += 1
-        if isinstance(self._config, AdamW):
-            c = self._config
-            self._adamw(weights, store.grad_flat, opt.moments["momentum0"], opt.moments["momentum1"],
-                        float(opt.learning_rate), float(c.betas[0]), float(c.betas[1]), float(c.eps),
-                        float(c.weight_decay), float(opt.step), bool(c.bias_correction))
-        else:
-            self._sgd(weights, store.grad_flat, float(opt.learning_rate))
 
     def set_learning_rate(self, learning_rate: float) -> None:
         learning_rate = float(learning_rate)

@@ -20,7 +20,8 @@ from .graph.ops import is_view, lookup
 from .graph.planner import ALIGNMENT, Plan, plan_memory
 from .graph.schedule import bind_types, execution_order
 from .kernels import BINDINGS
-from .kernels.optim import accumulate
+from .graph.optimizers import AdamW
+from .kernels.optim import accumulate, adamw_update, sgd_update
 
 
 def aligned_buffer(nbytes: int) -> np.ndarray:
@@ -105,3 +106,14 @@ class BoundGraph:
 
     def output(self, name: str) -> np.ndarray:
         return self.storage[name].copy()
+
+
+def apply_optimizer(config, weights: np.ndarray, grads: np.ndarray, moments: dict[str, np.ndarray],
+                    learning_rate: float, step: int) -> None:
+    """One fused update of the trainable block by the optimizer model's node (AdamW or SGD)."""
+    if isinstance(config, AdamW):
+        adamw_update(weights, grads, moments["momentum0"], moments["momentum1"], float(learning_rate),
+                     float(config.betas[0]), float(config.betas[1]), float(config.eps), float(config.weight_decay),
+                     float(step), bool(config.bias_correction))
+    else:
+        sgd_update(weights, grads, float(learning_rate))

@@ -34,6 +34,16 @@ def _with_weighted_sum(nodes, output: str, weights: np.ndarray):
                           helper.make_node("ReduceSum", ["gc_weighted"], ["loss"], keepdims=0)]
 
 
+def as_float64(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy whose float32 initializers are float64, for float64 reference evaluation."""
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    for tensor in model.graph.initializer:
+        array = numpy_helper.to_array(tensor)
+        if array.dtype == np.float32:
+            tensor.CopyFrom(numpy_helper.from_array(array.astype(np.float64), name=tensor.name))
+    return model
+
+
 def reference_outputs(model: onnx.ModelProto, feeds: dict | None = None) -> list[np.ndarray]:
     return ReferenceEvaluator(model).run(None, feeds or {})
 

@@ -1,0 +1,120 @@
+"""The memory planner on random graphs (hypothesis) and on real ones; steps that never allocate."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from odtrain.graph.ir import Node, TensorType
+from odtrain.graph.planner import ALIGNMENT, plan_memory
+
+F32 = np.dtype(np.float32)
+
+
+@st.composite
+def random_graphs(draw):
+    """Chains and diamonds of elementwise (in-place-able), view and reduction nodes over random sizes."""
+    sizes = [draw(st.integers(1, 300)) for _ in range(3)]
+    values = ["x0"]
+    types = {"x0": TensorType(F32, (sizes[0],))}
+    nodes = []
+    for i in range(draw(st.integers(1, 25))):
+        kind = draw(st.sampled_from(["Relu", "Add", "Reshape", "ReduceSum", "Identity"]))
+        a = draw(st.sampled_from(values))
+        out = f"v{i}"
+        if kind == "Add":
+            same = [v for v in values if types[v].shape == types[a].shape]
+            nodes.append(Node("Add", [a, draw(st.sampled_from(same))], [out]))
+            types[out] = types[a]
+        elif kind == "ReduceSum":
+            nodes.append(Node("ReduceSum", [a], [out], {"keepdims": 1}))
+            types[out] = TensorType(F32, (1,))
+        elif kind == "Reshape":
+            nodes.append(Node("Reshape", [a, "shape"], [out]))
+            types[out] = TensorType(F32, (1, types[a].shape[-1]))
+        else:
+            nodes.append(Node(kind, [a], [out]))
+            types[out] = types[a]
+        values.append(out)
+    outputs = draw(st.lists(st.sampled_from(values), min_size=1, max_size=3, unique=True))
+    return nodes, types, outputs
+
+
+@settings(max_examples=300, deadline=None)
+@given(random_graphs())
+def test_random_plans_verify_and_respect_the_lower_bound(graph):
+    nodes, types, outputs = graph
+    arena_values = {"x0"} | {n.outputs[0] for n in nodes}
+    plan = plan_memory(nodes, types, arena_values, ["x0"], outputs)
+    plan.verify()
+    assert plan.arena_bytes >= plan.lower_bound
+    assert plan.arena_bytes % ALIGNMENT == 0
+    for node in nodes:  # a view always shares its input's storage
+        if node.op_type in ("Reshape", "Identity"):
+            assert plan.group_of[node.outputs[0]] == plan.group_of[node.inputs[0]]
+
+
+def test_in_place_reuse_only_when_the_input_dies():
+    t = TensorType(F32, (100,))
+    nodes = [Node("Relu", ["x"], ["a"]), Node("Relu", ["a"], ["b"]), Node("Add", ["a", "b"], ["c"])]
+    plan = plan_memory(nodes, {"x": t, "a": t, "b": t, "c": t}, {"x", "a", "b", "c"}, ["x"], ["c"])
+    plan.verify()
+    assert plan.group_of["a"] == plan.group_of["x"]  # x dies at the first Relu
+    assert plan.group_of["b"] != plan.group_of["a"]  # a is still read by Add
+    assert plan.group_of["c"] in (plan.group_of["a"], plan.group_of["b"])
+
+
+def test_mlp_plan_reaches_its_lower_bound(mlp_artifacts, mlp_reference):
+    from odtrain.api import CheckpointState, Module
+
+    golden = mlp_reference[2]
+    state = CheckpointState.load_checkpoint(mlp_artifacts / "checkpoint")
+    module = Module(mlp_artifacts / "training_model.onnx", state, mlp_artifacts / "eval_model.onnx")
+    module(golden["x"][0], golden["y"][0])
+    module.eval()
+    module(golden["x"][0], golden["y"][0])
+    for session in (module._train, module._eval):
+        for bound in session.plans.values():
+            bound.plan.verify()
+            assert bound.plan.arena_bytes <= 1.10 * bound.plan.lower_bound
+            assert "lower bound" in bound.plan.render()
+
+
+def test_a_training_step_allocates_nothing(mlp_artifacts, mlp_reference):
+    """Counted by Numba's runtime (NUMBA_NRT_STATS=1) in a fresh process. Passing an array from Python
+    into a kernel registers it with the runtime (one count per array argument); a kernel's own
+    allocation would add to that."""
+    script = textwrap.dedent(f"""
+        import numpy as np
+        from numba.core.runtime import rtsys
+        from odtrain.api import CheckpointState, Module, Optimizer
+        d = {str(mlp_artifacts)!r}
+        golden = np.load({str(mlp_reference[0].parent / "golden.npz")!r})
+        state = CheckpointState.load_checkpoint(d + "/checkpoint")
+        module = Module(d + "/training_model.onnx", state)
+        optimizer = Optimizer(d + "/optimizer_model.onnx", module)
+        x, y = golden["x"][0], golden["y"][0]
+        for _ in range(2):
+            module(x, y); optimizer.step(); module.lazy_reset_grad()
+        bound = next(iter(module._train.plans.values()))
+        for view, value in zip(bound.feed_views, (x, y)):
+            view[...] = value
+        extra = []
+        for kernel, args in bound.calls:
+            before = rtsys.get_allocation_stats().alloc
+            kernel(*args)
+            arrays = sum(isinstance(a, np.ndarray) for a in args)
+            extra.append(rtsys.get_allocation_stats().alloc - before - arrays)
+        before = rtsys.get_allocation_stats().alloc
+        optimizer.step()
+        extra.append(rtsys.get_allocation_stats().alloc - before - 4)
+        print(len(extra), max(extra), min(extra))
+    """)
+    env = dict(os.environ, NUMBA_NRT_STATS="1")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr
+    calls, most, least = (int(v) for v in result.stdout.split())
+    assert calls > 10 and most == 0 and least == 0, result.stdout
