@@ -1,0 +1,98 @@
+"""`odtrain demo`: the whole on-device workflow on data shipped with the package.
+
+1. Build a small classifier (64-32-10 MLP, ReLU) as an ONNX model, as torch.onnx.export would.
+2. generate_artifacts: training, eval and optimizer models and the checkpoint (AdamW, cross-entropy).
+3. Train on 80% of the 8x8 handwritten digits with CheckpointState, Module and Optimizer.
+4. Report held-out accuracy and the process's peak memory; save the checkpoint; export an
+   inference model and check it with odtrain's own InferenceSession.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import time
+
+import numpy as np
+
+
+def build_classifier(inputs: int = 64, hidden: int = 32, classes: int = 10, seed: int = 0):
+    """An ONNX MLP with Kaiming-uniform weights (PyTorch's nn.Linear initialisation)."""
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+
+    def linear(fan_in, fan_out):
+        bound = 1 / np.sqrt(fan_in)
+        return (rng.uniform(-bound, bound, (fan_out, fan_in)).astype(np.float32),
+                rng.uniform(-bound, bound, fan_out).astype(np.float32))
+
+    (w1, b1), (w2, b2) = linear(inputs, hidden), linear(hidden, classes)
+    nodes = [helper.make_node("Gemm", ["input", "fc1.weight", "fc1.bias"], ["hidden"], transB=1, name="fc1"),
+             helper.make_node("Relu", ["hidden"], ["hidden_relu"], name="relu"),
+             helper.make_node("Gemm", ["hidden_relu", "fc2.weight", "fc2.bias"], ["output"], transB=1, name="fc2")]
+    params = {"fc1.weight": w1, "fc1.bias": b1, "fc2.weight": w2, "fc2.bias": b2}
+    graph = helper.make_graph(
+        nodes, "digits_mlp",
+        [helper.make_tensor_value_info("input", 1, ["batch", inputs])],
+        [helper.make_tensor_value_info("output", 1, ["batch", classes])],
+        [numpy_helper.from_array(v, name=k) for k, v in params.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), list(params)
+
+
+def run(directory: str = "odtrain-demo", epochs: int = 15, batch_size: int = 32, learning_rate: float = 1e-2,
+        seed: int = 0, out=print) -> dict:
+    from . import artifacts
+    from .api import CheckpointState, Module, Optimizer
+    from .datasets import load_digits, train_test_split
+    from .inference import InferenceSession
+    from .progress import Progress
+
+    started = time.perf_counter()
+    model, params = build_classifier(seed=seed)
+    artifacts.generate_artifacts(model, requires_grad=params, loss=artifacts.LossType.CrossEntropyLoss,
+                                 optimizer=artifacts.OptimType.AdamW, artifact_directory=directory,
+                                 additional_output_names=["output"])
+    out(f"artifacts written to {directory}/ (training, eval and optimizer models, checkpoint)")
+
+    images, labels = load_digits()
+    train_x, test_x, train_y, test_y = train_test_split(images, labels, test_fraction=0.2, seed=seed)
+    out(f"data: 8x8 handwritten digits, {len(train_y)} for training, {len(test_y)} held out")
+
+    state = CheckpointState.load_checkpoint(os.path.join(directory, "checkpoint"))
+    module = Module(os.path.join(directory, "training_model.onnx"), state, os.path.join(directory, "eval_model.onnx"))
+    optimizer = Optimizer(os.path.join(directory, "optimizer_model.onnx"), module)
+    optimizer.set_learning_rate(learning_rate)
+    rng = np.random.default_rng(seed)
+    batches = (len(train_y) + batch_size - 1) // batch_size
+    for epoch in range(1, epochs + 1):
+        module.train()
+        order = rng.permutation(len(train_y))
+        bar = Progress(batches, f"epoch {epoch:>2}/{epochs}")
+        total = 0.0
+        for start in range(0, len(order), batch_size):
+            index = order[start:start + batch_size]
+            loss, _ = module(train_x[index], train_y[index])
+            optimizer.step()
+            module.lazy_reset_grad()
+            total += float(loss) * len(index)
+            bar.update(loss=float(loss))
+        bar.update(0, mean_loss=total / len(train_y))
+        bar.close()
+
+    module.eval()
+    test_loss, logits = module(test_x, test_y)
+    accuracy = float((logits.argmax(axis=1) == test_y).mean())
+    state.properties["epochs"] = epochs
+    state.properties["held_out_accuracy"] = accuracy
+    CheckpointState.save_checkpoint(state, os.path.join(directory, "checkpoint"), include_optimizer_state=True)
+    inference_path = os.path.join(directory, "inference.onnx")
+    module.export_model_for_inferencing(inference_path, ["output"])
+    (check,) = InferenceSession(inference_path).run(["output"], {"input": test_x})
+    agree = float((check.argmax(axis=1) == logits.argmax(axis=1)).mean())
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result = {"held_out_accuracy": accuracy, "held_out_loss": float(test_loss), "peak_rss_mib": peak_mib,
+              "seconds": time.perf_counter() - started, "inference_model": inference_path, "inference_agreement": agree}
+    out(f"held-out accuracy: {accuracy:.1%} (loss {float(test_loss):.4f}) on {len(test_y)} digits")
+    out(f"peak memory (RSS): {peak_mib:.0f} MiB; total time {result['seconds']:.1f} s")
+    out(f"inference model: {inference_path} (its predictions agree with training's on {agree:.0%} of the digits)")
+    return result

@@ -1,0 +1,50 @@
+"""Inference with odtrain's own runtime: `InferenceSession(model).run(output_names, feeds)`.
+
+The call mirrors onnxruntime.InferenceSession.run, so an exported model runs on
+the same device, with the same kernels and planned arena, without a second runtime.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+from .graph.errors import InputError
+from .graph.ir import TensorType
+from .graph.onnx_io import load_graph
+
+PLAN_CACHE_SIZE = 4
+
+
+class InferenceSession:
+    def __init__(self, model, providers=None):
+        self._graph = load_graph(model, "model")
+        self._plans: OrderedDict = OrderedDict()
+
+    def get_inputs(self) -> list[str]:
+        return list(self._graph.inputs)
+
+    def get_outputs(self) -> list[str]:
+        return list(self._graph.outputs)
+
+    def run(self, output_names, input_feed: dict) -> list[np.ndarray]:
+        from .executor import BoundGraph
+
+        graph = self._graph
+        missing = [n for n in graph.inputs if n not in input_feed]
+        if missing:
+            raise InputError(f"missing inputs {missing}; the model takes {graph.inputs}")
+        arrays = [np.asarray(input_feed[n]) for n in graph.inputs]
+        for name, array in zip(graph.inputs, arrays):
+            declared = graph.value_types.get(name)
+            if declared is not None and array.dtype != declared.dtype:
+                raise InputError(f"input '{name}' must be {declared.dtype}, got {array.dtype}")
+        signature = tuple((a.dtype.str, a.shape) for a in arrays)
+        bound = self._plans.get(signature)
+        if bound is None:
+            types = {n: TensorType(a.dtype, a.shape) for n, a in zip(graph.inputs, arrays)}
+            bound = self._plans[signature] = BoundGraph(graph, types, {})
+            if len(self._plans) > PLAN_CACHE_SIZE:
+                self._plans.popitem(last=False)
+        bound.run(arrays)
+        return [bound.output(name) for name in (output_names or graph.outputs)]
