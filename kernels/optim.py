@@ -46,11 +46,14 @@ def sgd_update(w, g, lr):
 
 
 @njit(cache=True, error_model="numpy")
-def accumulate(dst, src, overwrite):
-    """dst ← src when overwrite[0] is set (after lazy_reset_grad), else dst ← dst + src."""
-    if overwrite[0]:
-        for i in range(dst.size):
-            dst[i] = src[i]
-    else:
-        for i in range(dst.size):
-            dst[i] += src[i]
+def add_into(dst, src):
+    """dst ← dst + src: gradient accumulation across steps."""
+    for i in range(dst.size):
+        dst[i] += src[i]
+
+
+@njit(cache=True, error_model="numpy")
+def copy_into(dst, src):
+    """dst ← src."""
+    for i in range(dst.size):
+        dst[i] = src[i]

@@ -4,7 +4,15 @@
 training (offline); `odtrain.api` trains it on the device with ONNX Runtime
 training's API. Heavy modules load on first use, so `import odtrain` is cheap.
 """
-from .graph.errors import (
+import os as _os
+
+# Installed, graph/ and kernels/ are mapped to odtrain.graph and odtrain.kernels (pyproject.toml).
+# Run from a source checkout, they sit beside this folder: let the same names resolve there.
+_checkout = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if _os.path.isfile(_os.path.join(_checkout, "graph", "ir.py")) and _checkout not in __path__:
+    __path__.append(_checkout)
+
+from .graph.errors import (  # noqa: E402
     ArgumentError,
     ArtifactNotFoundError,
     CheckpointError,

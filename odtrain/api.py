@@ -103,7 +103,7 @@ class CheckpointState:
         self._properties = PropertyBag(contents.properties)
         self._optimizer: OptimizerState | None = None
         self._unassigned = set(contents.parameters) if contents.nominal else set()
-        self._overwrite_flag = np.ones(1, dtype=np.bool_)  # set: the next backward writes the gradients
+        self._reset_grad_pending = True  # the next backward writes the gradients instead of adding
         if contents.optimizer is not None:
             info = contents.optimizer
             moments = {}
@@ -219,11 +219,12 @@ class _GraphSession:
     def bound(self, signature, arrays):
         from .executor import BoundGraph
 
+        accumulate = self.with_gradients and not self.state._reset_grad_pending
+        signature = signature + (accumulate,)
         plan = self.plans.get(signature)
         if plan is None:
             types = {name: TensorType(a.dtype, a.shape) for name, a in zip(self.input_names, arrays)}
-            overwrite = self.state._overwrite_flag
-            plan = BoundGraph(self.graph, types, self.external, self.sinks, overwrite)
+            plan = BoundGraph(self.graph, types, self.external, self.sinks, accumulate)
             self.plans[signature] = plan
             if len(self.plans) > PLAN_CACHE_SIZE:
                 self.plans.popitem(last=False)
@@ -240,7 +241,7 @@ class _GraphSession:
         plan = self.bound(signature, arrays)
         plan.run(arrays)
         if self.with_gradients:
-            self.state._overwrite_flag[0] = False
+            self.state._reset_grad_pending = False
         outputs = [plan.output(name) for name in self.output_names]
         return outputs[0] if len(outputs) == 1 else outputs
 
@@ -284,7 +285,7 @@ class Module:
 
     def lazy_reset_grad(self) -> None:
         """Make the next training call overwrite the gradients instead of adding to them."""
-        self._state._overwrite_flag[0] = True
+        self._state._reset_grad_pending = True
 
     def _session(self) -> _GraphSession:
         return self._train if self.training or self._eval is None else self._eval

@@ -7,8 +7,10 @@ Binding (once per input-shape signature):
   memory plan (`graph.planner.plan_memory`), verified before use;
 - each node's kernel binding turns it into (kernel, args) calls on views.
 A step copies the feeds into their arena slots and runs the calls: no
-lookups, no allocation. Gradients of trainable parameters are accumulated
-into the gradient buffer by a last call per parameter.
+lookups, no allocation. Gradients of trainable parameters are written
+straight into the gradient buffer (the usual step, after lazy_reset_grad),
+or, when gradients accumulate, computed in the arena and added by a last
+call per parameter.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from .graph.planner import ALIGNMENT, Plan, plan_memory
 from .graph.schedule import bind_types, execution_order
 from .kernels import BINDINGS
 from .graph.optimizers import AdamW
-from .kernels.optim import accumulate, adamw_update, sgd_update
+from .kernels.optim import adamw_update, add_into, copy_into, sgd_update
 
 
 def aligned_buffer(nbytes: int) -> np.ndarray:
@@ -35,13 +37,13 @@ class BoundGraph:
     """One graph at one set of feed shapes: plan, arena, and the calls of a step.
 
     `external` maps parameter names to the arrays that hold them (views of
-    the flat parameter buffer). `gradient_sinks` maps output names to the
-    flat gradient views they are accumulated into; `overwrite_flag[0]` set
-    means the next accumulation writes instead of adding.
+    the flat parameter buffer). `gradient_sinks` maps gradient outputs to
+    their views of the gradient buffer: with `accumulate` they are added
+    into it, otherwise the producing kernels write into it directly.
     """
 
     def __init__(self, graph: Graph, feed_types: dict[str, TensorType], external: dict[str, np.ndarray],
-                 gradient_sinks: dict[str, np.ndarray] | None = None, overwrite_flag: np.ndarray | None = None):
+                 gradient_sinks: dict[str, np.ndarray] | None = None, accumulate: bool = False):
         self.graph = graph
         self.feeds = [name for name in graph.inputs if name not in external]
         constants = {k: v for k, v in graph.initializers.items() if k not in external}
@@ -52,11 +54,17 @@ class BoundGraph:
 
         storage: dict[str, np.ndarray] = dict(external)
         storage.update({k: np.ascontiguousarray(v) for k, v in folded.items()})
+        sinks = gradient_sinks or {}
+        if not accumulate:
+            storage.update({name: sink.reshape(types[name].shape) for name, sink in sinks.items()})
+        self.copies = set()  # view ops that must copy, because their output is a gradient sink
         for node in order:  # views of parameters or constants stay outside the arena
-            opdef = lookup(node)
-            src = node.inputs[0] if node.inputs else ""
-            if src in storage and is_view(opdef, [types.get(i) for i in node.inputs], [types[o] for o in node.outputs if o]):
-                storage[node.outputs[0]] = storage[src].reshape(types[node.outputs[0]].shape)
+            src, out = (node.inputs[0] if node.inputs else ""), node.outputs[0]
+            if is_view(lookup(node), [types.get(i) for i in node.inputs], [types[o] for o in node.outputs if o]):
+                if out in storage:
+                    self.copies.add(id(node))
+                elif src in storage:
+                    storage[out] = storage[src].reshape(types[out].shape)
         arena_values = {name for name in self.feeds}
         arena_values.update(o for node in order for o in node.outputs if o and o not in storage)
         for name in graph.outputs:
@@ -75,12 +83,14 @@ class BoundGraph:
         self.calls = []
         for node in order:
             self.calls.extend(self._bind_node(node, storage, types))
-        for name, sink in (gradient_sinks or {}).items():
-            self.calls.append((accumulate, (sink, storage[name].reshape(-1), overwrite_flag)))
+        if accumulate:
+            for name, sink in sinks.items():
+                self.calls.append((add_into, (sink, storage[name].reshape(-1))))
 
-    @staticmethod
-    def _bind_node(node, storage, types):
+    def _bind_node(self, node, storage, types):
         opdef = lookup(node)
+        if id(node) in self.copies:
+            return [(copy_into, (storage[node.outputs[0]].reshape(-1), storage[node.inputs[0]].reshape(-1)))]
         if is_view(opdef, [types.get(i) for i in node.inputs], [types[o] for o in node.outputs if o]):
             return []  # the output already shares the input's bytes
         bind = BINDINGS.get(node.key)

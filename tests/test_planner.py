@@ -114,7 +114,8 @@ def test_a_training_step_allocates_nothing(mlp_artifacts, mlp_reference):
         print(len(extra), max(extra), min(extra))
     """)
     env = dict(os.environ, NUMBA_NRT_STATS="1")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600,
+                            cwd=mlp_artifacts)
     assert result.returncode == 0, result.stderr
     calls, most, least = (int(v) for v in result.stdout.split())
     assert calls > 10 and most == 0 and least == 0, result.stdout
