@@ -66,16 +66,47 @@ def _unary_op(code, x):
 
 @njit(cache=True, error_model="numpy")
 def _unary(code, x, out):
-    """out[i] = f(x[i]) over flat arrays."""
-    for i in range(out.size):
-        out[i] = _unary_op(code, x[i])
+    """out[i] = f(x[i]) over flat arrays. One loop per op, so each vectorises."""
+    n = out.size
+    if code == 0:
+        for i in range(n):
+            out[i] = -x[i]
+    elif code == 1:
+        for i in range(n):
+            out[i] = abs(x[i])
+    elif code == 4:
+        for i in range(n):
+            out[i] = max(x[i], 0)
+    elif code == 10:
+        for i in range(n):
+            out[i] = x[i]
+    else:
+        for i in range(n):
+            out[i] = _unary_op(code, x[i])
 
 
 @njit(cache=True, error_model="numpy")
 def _binary(code, a, b, out):
-    """out[i] = f(a[i], b[i]) over flat arrays of one size."""
-    for i in range(out.size):
-        out[i] = _binary_op(code, a[i], b[i])
+    """out[i] = f(a[i], b[i]) over flat arrays of one size. One loop per op, so each vectorises."""
+    n = out.size
+    if code == 0:
+        for i in range(n):
+            out[i] = a[i] + b[i]
+    elif code == 1:
+        for i in range(n):
+            out[i] = a[i] - b[i]
+    elif code == 2:
+        for i in range(n):
+            out[i] = a[i] * b[i]
+    elif code == 3:
+        for i in range(n):
+            out[i] = a[i] / b[i]
+    elif code == 4:
+        for i in range(n):
+            out[i] = a[i] if b[i] > 0 else 0
+    else:
+        for i in range(n):
+            out[i] = _binary_op(code, a[i], b[i])
 
 
 @njit(cache=True, error_model="numpy")
