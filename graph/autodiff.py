@@ -123,6 +123,10 @@ def build_gradient_graph(graph: Graph, loss: str, trainable: list[str]) -> Graph
     grad_outputs = []
     for name in trainable:
         grad_value = total(name)
+        if not grad_value:
+            users = [n.describe() for n in graph.nodes if name in n.inputs]
+            raise ModelError(f"trainable parameter '{name}' receives no gradient through {', '.join(users)}; "
+                             "list it in frozen_params instead of requires_grad")
         target = f"{name}{GRAD_SUFFIX}"
         producer = next((n for n in builder.nodes if grad_value in n.outputs), None)
         if producer is None or grad_value in grad_outputs:

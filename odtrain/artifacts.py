@@ -20,6 +20,7 @@ from . import checkpoint as checkpoint_file
 from .graph.autodiff import build_gradient_graph
 from .graph.errors import ArgumentError, ModelError, ParameterError
 from .graph.ir import TensorType
+from .graph.ops import OPS
 from .graph.losses import LossType, add_loss, parse_loss
 from .graph.onnx_io import graph_from_proto, read_model_proto, save_graph
 from .graph.optimizers import SGD, AdamW, OptimType, build_optimizer_graph, parse_optimizer
@@ -27,10 +28,26 @@ from .graph.optimizers import SGD, AdamW, OptimType, build_optimizer_graph, pars
 __all__ = ["generate_artifacts", "LossType", "OptimType", "AdamW", "SGD"]
 
 
+def _state_inputs(graph) -> set[str]:
+    """Initializers that ops update as state (running statistics): parameters, never trained."""
+    names = set()
+    for node in graph.nodes:
+        opdef = OPS.get(node.key)
+        for _, i in (opdef.updates if opdef else ()):
+            if i < len(node.inputs):
+                names.add(node.inputs[i])
+    return names
+
+
 def _select_parameters(graph, requires_grad, frozen_params):
     floating = [n for n, v in graph.initializers.items() if np.issubdtype(v.dtype, np.floating)]
     frozen = list(frozen_params or [])
-    trainable = [n for n in floating if n not in frozen] if requires_grad is None else list(requires_grad)
+    state = _state_inputs(graph)
+    if requires_grad is None:
+        trainable = [n for n in floating if n not in frozen and n not in state]
+        frozen += [n for n in floating if n in state and n not in frozen]
+    else:
+        trainable = list(requires_grad)
     for name in trainable + frozen:
         if name not in graph.initializers:
             raise ParameterError(f"'{name}' is not an initializer of the model; its parameters are: "
@@ -43,6 +60,17 @@ def _select_parameters(graph, requires_grad, frozen_params):
             raise ArgumentError(f"parameter '{name}' is {graph.initializers[name].dtype}; only float32 parameters train")
     order = list(graph.initializers)
     return sorted(trainable, key=order.index), sorted(frozen, key=order.index)
+
+
+def to_eval_graph(graph):
+    """The graph as the eval and inference models run it: each op in its eval form, unused outputs cut."""
+    evaluated = graph.copy()
+    nodes = []
+    for node in evaluated.nodes:
+        opdef = OPS.get(node.key)
+        nodes.append(opdef.eval_form(node) if opdef is not None and opdef.eval_form else node)
+    evaluated.nodes = nodes
+    return evaluated.prune(evaluated.outputs)
 
 
 def generate_artifacts(model, requires_grad=None, frozen_params=None, loss=None, optimizer=None,
@@ -77,27 +105,28 @@ def generate_artifacts(model, requires_grad=None, frozen_params=None, loss=None,
         raise ArgumentError(f"the model has {len(graph.outputs)} outputs {graph.outputs}: name the one the loss "
                             "scores with loss_input_names=[...]")
 
-    eval_graph = graph.copy()
+    forward = graph.copy()
     if loss is None:
         loss_name = loss_inputs[0]
-        t = eval_graph.value_types.get(loss_name)
+        t = forward.value_types.get(loss_name)
         if t is not None and t.shape not in ((), None):
             raise ModelError(f"with loss=None the model output '{loss_name}' is the loss and must be a scalar; it is {t}")
     else:
-        loss_name = add_loss(eval_graph, parse_loss(loss), loss_inputs)
-    eval_graph.outputs = [loss_name] + extra_outputs
-    eval_graph = eval_graph.prune(eval_graph.outputs)
+        loss_name = add_loss(forward, parse_loss(loss), loss_inputs)
+    forward.outputs = [loss_name] + extra_outputs
+    forward = forward.prune(forward.outputs)
 
     params = trainable + frozen
-    used = {i for node in eval_graph.nodes for i in node.inputs}
+    used = {i for node in forward.nodes for i in node.inputs}
     unused = [p for p in params if p not in used]
     if unused:
         raise ArgumentError(f"parameters {unused} are not used on the way to the loss; leave them out of "
                             "requires_grad/frozen_params")
     for p in params:  # parameters leave the models; their values go to the checkpoint
-        eval_graph.initializers.pop(p, None)
-        eval_graph.value_types.setdefault(p, TensorType(graph.initializers[p].dtype, graph.initializers[p].shape))
-    training_graph = build_gradient_graph(eval_graph, loss_name, trainable)
+        forward.initializers.pop(p, None)
+        forward.value_types.setdefault(p, TensorType(graph.initializers[p].dtype, graph.initializers[p].shape))
+    training_graph = build_gradient_graph(forward, loss_name, trainable)
+    eval_graph = to_eval_graph(forward)
 
     directory = os.fspath(artifact_directory) if artifact_directory is not None else os.getcwd()
     os.makedirs(directory, exist_ok=True)

@@ -58,7 +58,11 @@ class BoundGraph:
         if not accumulate:
             storage.update({name: sink.reshape(types[name].shape) for name, sink in sinks.items()})
         self.copies = set()  # view ops that must copy, because their output is a gradient sink
-        for node in order:  # views of parameters or constants stay outside the arena
+        for node in order:
+            opdef = lookup(node)
+            for o, i in opdef.updates:  # new values of parameters (running statistics) overwrite them
+                if o < len(node.outputs) and node.outputs[o] and node.inputs[i] in external:
+                    storage[node.outputs[o]] = external[node.inputs[i]]
             src, out = (node.inputs[0] if node.inputs else ""), node.outputs[0]
             if is_view(lookup(node), [types.get(i) for i in node.inputs], [types[o] for o in node.outputs if o]):
                 if out in storage:

@@ -18,6 +18,14 @@ Memory facts, read by the planner:
   (input types, output types), for ops that are views only sometimes.
 - `shape_only`: input indices whose values are never read, only their
   shapes; they do not extend a value's lifetime.
+- `updates`: pairs (output index, input index) where the output is the new
+  value of a state input (BatchNormalization's running statistics). When
+  the input is a parameter, the output is written over it in place, so the
+  checkpoint carries the update.
+
+Eval form: `eval_form(node) -> Node` gives the node as the eval and inference
+models run it (BatchNormalization with running statistics, Dropout as
+identity); ops without one run the same in both.
 
 Gradient rule: `rule(ctx: GradContext)` emits gradient nodes through `ctx`
 and sets `ctx.set_grad(i, name)` for the input gradients it was asked for
@@ -42,6 +50,8 @@ class OpDef:
     inplace: tuple[tuple[int, int], ...] = ()
     view: bool | Callable = False
     shape_only: frozenset[int] = frozenset()
+    updates: tuple[tuple[int, int], ...] = ()
+    eval_form: Callable | None = None
     gradient: Callable | None = None
     no_grad_reason: str | None = None
 
@@ -49,12 +59,22 @@ class OpDef:
 OPS: dict[tuple[str, str], OpDef] = {}
 
 
-def op(op_type: str, domain: str = DEFAULT_DOMAIN, inplace=(), view=False, shape_only=()):
+def op(op_type: str, domain: str = DEFAULT_DOMAIN, inplace=(), view=False, shape_only=(), updates=()):
     """Register the type rule of an op, with its memory facts."""
 
     def register(rule):
-        OPS[(domain, op_type)] = OpDef(op_type, domain, rule, tuple(inplace), view, frozenset(shape_only))
+        OPS[(domain, op_type)] = OpDef(op_type, domain, rule, tuple(inplace), view, frozenset(shape_only), tuple(updates))
         return rule
+
+    return register
+
+
+def eval_form(op_type: str, domain: str = DEFAULT_DOMAIN):
+    """Register how an op runs in the eval and inference models: fn(node) -> Node."""
+
+    def register(fn):
+        OPS[(domain, op_type)].eval_form = fn
+        return fn
 
     return register
 
@@ -209,4 +229,4 @@ class GradContext:
 # Fill the registry: each family module registers its ops on import.
 from . import elementwise, linalg, reduction, tensor, training  # noqa: E402,F401
 
-__all__ = ["OPS", "OpDef", "op", "grad", "no_grad", "lookup", "GradContext", "broadcast_shapes", "same_as_input"]
+__all__ = ["OPS", "OpDef", "op", "grad", "no_grad", "eval_form", "lookup", "GradContext", "broadcast_shapes", "same_as_input"]
