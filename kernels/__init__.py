@@ -29,4 +29,4 @@ def binding(op_type: str, domain: str = ""):
     return register
 
 
-from . import elementwise, linalg, optim, reduction, tensor, training  # noqa: E402,F401
+from . import elementwise, linalg, nn, normalization, optim, recurrent, reduction, tensor, training  # noqa: E402,F401

@@ -227,6 +227,6 @@ class GradContext:
 
 
 # Fill the registry: each family module registers its ops on import.
-from . import elementwise, linalg, reduction, tensor, training  # noqa: E402,F401
+from . import elementwise, linalg, nn, normalization, recurrent, reduction, tensor, training  # noqa: E402,F401
 
 __all__ = ["OPS", "OpDef", "op", "grad", "no_grad", "eval_form", "lookup", "GradContext", "broadcast_shapes", "same_as_input"]

@@ -1,0 +1,2 @@
+"""Softmax, LogSoftmax and LayerNormalization."""
+from __future__ import annotations

@@ -1,0 +1,2 @@
+"""Kernels: Softmax, LogSoftmax and LayerNormalization."""
+from __future__ import annotations

@@ -1,0 +1,2 @@
+"""Kernels: Recurrent layers: GRU and LSTM, with backpropagation through time."""
+from __future__ import annotations
