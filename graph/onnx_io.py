@@ -51,17 +51,47 @@ def _attr_value(attr):
     return value
 
 
+def _external_tensors(proto: onnx.ModelProto):
+    for tensor in proto.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            yield tensor
+    for node in proto.graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t") and attr.t.data_location == onnx.TensorProto.EXTERNAL:
+                yield attr.t
+
+
+def check_external_data(proto: onnx.ModelProto, folder: str, path: str) -> None:
+    """Refuse external-data locations that leave the model's folder (absolute, '..', or via links)."""
+    root = os.path.realpath(folder)
+    for tensor in _external_tensors(proto):
+        location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+        target = os.path.realpath(os.path.join(root, location))
+        if not location or os.path.isabs(location) or os.path.commonpath([root, target]) != root:
+            raise ModelError(f"model file '{path}': tensor '{tensor.name}' keeps its data at '{location}', outside "
+                             f"the model's folder '{root}'; external data must sit beside the model")
+        if not os.path.isfile(target):
+            raise ArtifactNotFoundError(f"model file '{path}': the external data file '{location}' of tensor "
+                                        f"'{tensor.name}' does not exist in '{root}'")
+
+
 def read_model_proto(model, what: str = "model") -> tuple[onnx.ModelProto, str | None]:
     """A ModelProto from a ModelProto or a path, with clear errors for missing or unreadable files."""
     if isinstance(model, onnx.ModelProto):
         return model, None
     path = os.fspath(model)
-    if not os.path.exists(path):
+    if not os.path.isfile(path):
         raise ArtifactNotFoundError(f"{what} file '{path}' does not exist")
     try:
-        proto = onnx.load(path)
-    except Exception as error:  # protobuf DecodeError, external-data errors, ...
-        raise ModelError(f"{what} file '{path}' is not a readable ONNX model: {error}") from None
+        proto = onnx.load(path, load_external_data=False)
+    except Exception as error:  # protobuf DecodeError and the like
+        raise ModelError(f"{what} file '{path}' is not a readable ONNX model ({type(error).__name__}: {error})") from None
+    folder = os.path.dirname(os.path.abspath(path))
+    check_external_data(proto, folder, path)
+    try:
+        onnx.load_external_data_for_model(proto, folder)
+    except Exception as error:
+        raise ModelError(f"{what} file '{path}': its external data cannot be read ({error})") from None
     return proto, path
 
 

@@ -21,6 +21,7 @@ from .graph.autodiff import GRAD_SUFFIX
 from .graph.errors import ArgumentError, InputError, ModelError, ParameterError, StateError
 from .graph.ir import TensorType
 from .graph.onnx_io import load_graph, save_graph
+from .graph.ops import check_supported
 from .graph.optimizers import read_optimizer_graph
 from .state import OptimizerState, ParameterStore, PropertyBag
 
@@ -169,6 +170,7 @@ class _GraphSession:
 
         self.uri = os.fspath(uri)
         self.graph = load_graph(uri, what)
+        check_supported(self.graph.nodes, f"{what} '{self.uri}'")
         store = state._store
         self.state = state
         self.input_names = [n for n in self.graph.inputs if n not in store]

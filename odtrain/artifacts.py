@@ -20,7 +20,7 @@ from . import checkpoint as checkpoint_file
 from .graph.autodiff import build_gradient_graph
 from .graph.errors import ArgumentError, ModelError, ParameterError
 from .graph.ir import TensorType
-from .graph.ops import OPS
+from .graph.ops import OPS, check_supported
 from .graph.losses import LossType, add_loss, parse_loss
 from .graph.onnx_io import graph_from_proto, read_model_proto, save_graph
 from .graph.optimizers import SGD, AdamW, OptimType, build_optimizer_graph, parse_optimizer
@@ -85,6 +85,7 @@ def generate_artifacts(model, requires_grad=None, frozen_params=None, loss=None,
                             "ONNX Runtime custom-op libraries")
     proto, path = read_model_proto(model, "model")
     graph = graph_from_proto(proto, path or "model")
+    check_supported(graph.nodes, f"model '{path}'" if path else "model")
     trainable, frozen = _select_parameters(graph, requires_grad, frozen_params)
     if not trainable:
         raise ArgumentError("no parameter requires a gradient: list parameters in requires_grad")

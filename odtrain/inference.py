@@ -12,6 +12,7 @@ import numpy as np
 from .graph.errors import InputError
 from .graph.ir import TensorType
 from .graph.onnx_io import load_graph
+from .graph.ops import check_supported
 
 PLAN_CACHE_SIZE = 4
 
@@ -19,6 +20,7 @@ PLAN_CACHE_SIZE = 4
 class InferenceSession:
     def __init__(self, model, providers=None):
         self._graph = load_graph(model, "model")
+        check_supported(self._graph.nodes, "model")
         self._plans: OrderedDict = OrderedDict()
 
     def get_inputs(self) -> list[str]:

@@ -110,6 +110,17 @@ def lookup(node: Node) -> OpDef:
     return opdef
 
 
+def check_supported(nodes, source: str) -> None:
+    """Name every node whose op odtrain does not know, before any work is done."""
+    unknown = [n for n in nodes if n.key not in OPS]
+    if unknown:
+        listed = "; ".join(n.describe() for n in unknown[:10]) + (f"; and {len(unknown) - 10} more" if len(unknown) > 10 else "")
+        kinds = sorted({f"{n.domain}::{n.op_type}" if n.domain else n.op_type for n in unknown})
+        raise UnsupportedOpError(f"{source}: odtrain has no kernel for {', '.join(kinds)} ({listed}). "
+                                 "Run `odtrain check` for the list of supported ops, or re-export the model "
+                                 "with supported ops")
+
+
 # ---- helpers shared by the family modules ---------------------------------------------------
 
 
@@ -229,4 +240,4 @@ class GradContext:
 # Fill the registry: each family module registers its ops on import.
 from . import elementwise, linalg, nn, normalization, recurrent, reduction, tensor, training  # noqa: E402,F401
 
-__all__ = ["OPS", "OpDef", "op", "grad", "no_grad", "eval_form", "lookup", "GradContext", "broadcast_shapes", "same_as_input"]
+__all__ = ["OPS", "OpDef", "op", "grad", "no_grad", "eval_form", "check_supported", "lookup", "GradContext", "broadcast_shapes", "same_as_input"]
