@@ -46,3 +46,7 @@ class ArtifactNotFoundError(OdtrainError, FileNotFoundError):
 
 class StateError(OdtrainError, RuntimeError):
     """An API call made in a state where it cannot work (e.g. step before any gradient)."""
+
+
+class NonFiniteError(OdtrainError, FloatingPointError):
+    """A NaN or infinity in an input, the loss or a gradient, found by Module(..., check_finite=True)."""

@@ -57,3 +57,11 @@ def copy_into(dst, src):
     """dst ← src."""
     for i in range(dst.size):
         dst[i] = src[i]
+
+
+@njit(cache=True, error_model="numpy")
+def assert_finite(values):
+    """Raise FloatingPointError if any value is NaN or infinite."""
+    for i in range(values.size):
+        if not np.isfinite(values[i]):
+            raise FloatingPointError("a NaN or infinity appeared in the loss; the step stopped before backward")

@@ -18,6 +18,7 @@ from .graph.errors import (  # noqa: E402
     CheckpointError,
     InputError,
     ModelError,
+    NonFiniteError,
     OdtrainError,
     ParameterError,
     StateError,
@@ -28,5 +29,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "OdtrainError", "ModelError", "UnsupportedOpError", "InputError", "ArgumentError",
-    "ParameterError", "CheckpointError", "ArtifactNotFoundError", "StateError", "__version__",
+    "ParameterError", "CheckpointError", "ArtifactNotFoundError", "StateError", "NonFiniteError", "__version__",
 ]

@@ -18,11 +18,12 @@ import numpy as np
 
 from . import checkpoint as checkpoint_file
 from .graph.autodiff import GRAD_SUFFIX
-from .graph.errors import ArgumentError, InputError, ModelError, ParameterError, StateError
+from .graph.errors import ArgumentError, InputError, ModelError, NonFiniteError, ParameterError, StateError
 from .graph.ir import TensorType
 from .graph.onnx_io import load_graph, save_graph
 from .graph.ops import check_supported
 from .graph.optimizers import read_optimizer_graph
+from .signals import deferred_interrupt
 from .state import OptimizerState, ParameterStore, PropertyBag
 
 DEFAULT_LEARNING_RATE = 1e-3
@@ -164,8 +165,10 @@ def _as_array(buffer) -> np.ndarray:
 class _GraphSession:
     """A loaded training or eval graph, its user inputs and a small cache of bound plans."""
 
-    def __init__(self, uri, state: CheckpointState, what: str, with_gradients: bool):
+    def __init__(self, uri, state: CheckpointState, what: str, with_gradients: bool, check_finite: bool = False):
         self.with_gradients = with_gradients
+        self.check_finite = check_finite
+        self.steps = 0
         from .executor import BoundGraph  # noqa: F401  (kernels load with the first session)
 
         self.uri = os.fspath(uri)
@@ -226,7 +229,8 @@ class _GraphSession:
         plan = self.plans.get(signature)
         if plan is None:
             types = {name: TensorType(a.dtype, a.shape) for name, a in zip(self.input_names, arrays)}
-            plan = BoundGraph(self.graph, types, self.external, self.sinks, accumulate)
+            guarded = tuple(self.output_names[:1]) if self.check_finite else ()
+            plan = BoundGraph(self.graph, types, self.external, self.sinks, accumulate, guarded)
             self.plans[signature] = plan
             if len(self.plans) > PLAN_CACHE_SIZE:
                 self.plans.popitem(last=False)
@@ -240,10 +244,24 @@ class _GraphSession:
                              f"{sorted(self.state._unassigned)[:5]} have no values yet: load them with "
                              "copy_buffer_to_parameters(buffer, trainable_only=False) or parameters[name].data = ...")
         arrays, signature = self.feeds(user_inputs)
+        if self.check_finite:
+            for name, array in zip(self.input_names, arrays):
+                if array.dtype.kind == "f" and not np.isfinite(array).all():
+                    raise NonFiniteError(f"input '{name}' holds NaN or infinite values (step {self.steps + 1})")
         plan = self.bound(signature, arrays)
-        plan.run(arrays)
-        if self.with_gradients:
-            self.state._reset_grad_pending = False
+        with deferred_interrupt():
+            try:
+                plan.run(arrays)
+            except NonFiniteError as error:
+                raise NonFiniteError(f"step {self.steps + 1}: {error}") from None
+            self.steps += 1
+            if self.with_gradients:
+                self.state._reset_grad_pending = False
+        if self.check_finite and self.with_gradients:
+            bad = self.state._store.first_nonfinite_gradient()
+            if bad is not None:
+                raise NonFiniteError(f"step {self.steps}: the gradient of parameter '{bad}' holds NaN or infinite "
+                                     "values; lower the learning rate or check the data")
         outputs = [plan.output(name) for name in self.output_names]
         return outputs[0] if len(outputs) == 1 else outputs
 
@@ -257,17 +275,21 @@ class Module:
 
     training: bool
 
-    def __init__(self, train_model_uri, state: CheckpointState, eval_model_uri=None, device: str = "cpu"):
+    def __init__(self, train_model_uri, state: CheckpointState, eval_model_uri=None, device: str = "cpu", *,
+                 check_finite: bool = False):
+        """`check_finite=True` stops a step with NonFiniteError at a NaN or infinity in an input, the loss
+        (before the backward pass) or a gradient, naming the step and the parameter."""
         if not isinstance(state, CheckpointState):
             raise ArgumentError(f"state must be a CheckpointState, got {type(state).__name__}")
         if str(device).split(":")[0] != "cpu":
             raise ArgumentError(f"device {device!r} is not supported: odtrain runs on the CPU (device='cpu')")
         self._state = state
-        self._train = _GraphSession(train_model_uri, state, "training model", with_gradients=True)
+        self._train = _GraphSession(train_model_uri, state, "training model", True, check_finite)
         if not self._train.grad_outputs:
             raise ModelError(f"training model '{self._train.uri}' computes no parameter gradients; "
                              "generate it with odtrain.artifacts.generate_artifacts")
-        self._eval = _GraphSession(eval_model_uri, state, "eval model", False) if eval_model_uri is not None else None
+        self._eval = (_GraphSession(eval_model_uri, state, "eval model", False, check_finite)
+                      if eval_model_uri is not None else None)
         self.training = True
 
     def __call__(self, *user_inputs):
@@ -371,8 +393,12 @@ class Optimizer:
         weights = store.flat[:store.trainable_size]
         from .executor import apply_optimizer
 
-        apply_optimizer(self._config, weights, store.grad_flat, opt.moments, opt.learning_rate, opt.step + 1)
-        opt.step += 1
+        if self._module._train.check_finite and store.first_nonfinite_gradient() is not None:
+            raise NonFiniteError(f"optimizer step {opt.step + 1} refused: the gradient of parameter "
+                                 f"'{store.first_nonfinite_gradient()}' is not finite; the parameters are unchanged")
+        with deferred_interrupt():
+            apply_optimizer(self._config, weights, store.grad_flat, opt.moments, opt.learning_rate, opt.step + 1)
+            opt.step += 1
 
     def set_learning_rate(self, learning_rate: float) -> None:
         learning_rate = float(learning_rate)

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from .graph.errors import InputError, ModelError, UnsupportedOpError
+from .graph.errors import InputError, ModelError, NonFiniteError, UnsupportedOpError
 from .graph.ir import Graph, TensorType
 from .graph.ops import is_view, lookup
 from .graph.planner import ALIGNMENT, Plan, plan_memory
 from .graph.schedule import bind_types, execution_order
 from .kernels import BINDINGS
 from .graph.optimizers import AdamW
-from .kernels.optim import adamw_update, add_into, copy_into, sgd_update
+from .kernels.optim import adamw_update, add_into, assert_finite, copy_into, sgd_update
 
 
 def aligned_buffer(nbytes: int) -> np.ndarray:
@@ -43,7 +43,8 @@ class BoundGraph:
     """
 
     def __init__(self, graph: Graph, feed_types: dict[str, TensorType], external: dict[str, np.ndarray],
-                 gradient_sinks: dict[str, np.ndarray] | None = None, accumulate: bool = False):
+                 gradient_sinks: dict[str, np.ndarray] | None = None, accumulate: bool = False,
+                 check_finite: tuple[str, ...] = ()):
         self.graph = graph
         self.feeds = [name for name in graph.inputs if name not in external]
         constants = {k: v for k, v in graph.initializers.items() if k not in external}
@@ -87,6 +88,9 @@ class BoundGraph:
         self.calls = []
         for node in order:
             self.calls.extend(self._bind_node(node, storage, types))
+            for name in node.outputs:  # stop before a non-finite value reaches the backward pass
+                if name in check_finite:
+                    self.calls.append((assert_finite, (storage[name].reshape(-1),)))
         if accumulate:
             for name, sink in sinks.items():
                 self.calls.append((add_into, (sink, storage[name].reshape(-1))))
@@ -115,6 +119,8 @@ class BoundGraph:
         try:
             for kernel, args in self.calls:
                 kernel(*args)
+        except FloatingPointError as error:
+            raise NonFiniteError(f"{self.graph.name}: {error}") from None
         except ValueError as error:  # a kernel's check on the data (e.g. a label out of range)
             raise InputError(f"{self.graph.name}: {error}; check the inputs' values") from None
 

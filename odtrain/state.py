@@ -77,6 +77,12 @@ class ParameterStore:
         start, stop, shape = self.slices[name]
         return self.grad_flat[start:stop].reshape(shape)
 
+    def first_nonfinite_gradient(self) -> str | None:
+        """The first trainable parameter whose gradient holds a NaN or infinity, if any."""
+        if np.isfinite(self.grad_flat).all():
+            return None
+        return next(n for n in self.trainable if not np.isfinite(self.grad(n)).all())
+
     def trainable_view(self, flat: np.ndarray, name: str) -> np.ndarray:
         """The segment of a trainable-layout buffer (gradients, moments) that belongs to `name`."""
         start, stop, shape = self.slices[name]

@@ -1,0 +1,128 @@
+"""Checkpoints survive SIGKILL mid-save; loaders survive hostile files; long runs do not leak."""
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import onnx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from odtrain import OdtrainError
+from odtrain.api import CheckpointState, Module, Optimizer
+from odtrain.graph.onnx_io import load_graph
+
+SAVER = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from odtrain.api import CheckpointState
+    state = CheckpointState.load_checkpoint(sys.argv[1])
+    target = sys.argv[2]
+    print("ready", flush=True)
+    counter = int(sys.argv[3])
+    while True:
+        counter += 1
+        state.parameters["fc2.bias"].data = np.full(10, counter, dtype=np.float32)
+        state.properties["counter"] = counter
+        CheckpointState.save_checkpoint(state, target)
+""")
+
+
+def test_sigkill_during_saves_never_corrupts_the_checkpoint(mlp_artifacts, tmp_path):
+    target = tmp_path / "checkpoint"
+    state = CheckpointState.load_checkpoint(mlp_artifacts / "checkpoint")
+    state.properties["counter"] = 0
+    state.parameters["fc2.bias"].data = np.zeros(10, dtype=np.float32)
+    CheckpointState.save_checkpoint(state, target)
+    rng = random.Random(1234)
+    last = 0
+    for kill in range(20):
+        child = subprocess.Popen([sys.executable, "-c", SAVER, str(mlp_artifacts / "checkpoint"), str(target), str(last * 1000)],
+                                 stdout=subprocess.PIPE, cwd=tmp_path)
+        assert child.stdout.readline().strip() == b"ready"
+        time.sleep(rng.uniform(0.0, 0.25))
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+        loaded = CheckpointState.load_checkpoint(target)  # never damaged
+        counter = loaded.properties["counter"]
+        np.testing.assert_array_equal(loaded.parameters["fc2.bias"].data, np.full(10, counter, np.float32))
+        np.testing.assert_array_equal(loaded.parameters["fc1.weight"].data, state.parameters["fc1.weight"].data)
+        last = kill + 1
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name != "checkpoint"]
+    assert all(name.endswith(".tmp") for name in leftovers)  # a killed save may leave its temporary file only
+
+
+FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def _mutate(blob: bytes, data) -> bytes:
+    blob = bytearray(blob)
+    for _ in range(data.draw(st.integers(1, 8))):
+        kind = data.draw(st.sampled_from(["flip", "cut", "insert", "overwrite"]))
+        at = data.draw(st.integers(0, max(len(blob) - 1, 0)))
+        if kind == "flip" and blob:
+            blob[at] ^= 1 << data.draw(st.integers(0, 7))
+        elif kind == "cut":
+            del blob[at:at + data.draw(st.integers(1, 64))]
+        elif kind == "insert":
+            blob[at:at] = data.draw(st.binary(min_size=1, max_size=16))
+        elif blob:
+            blob[at:at + 8] = data.draw(st.binary(min_size=8, max_size=8))
+    return bytes(blob)
+
+
+@FUZZ
+@given(data=st.data())
+def test_checkpoint_loader_raises_only_odtrain_errors(mlp_artifacts, tmp_path, data):
+    good = (mlp_artifacts / "checkpoint").read_bytes()
+    blob = data.draw(st.one_of(st.binary(max_size=200), st.just(good[:4096]).map(lambda b: _mutate(b, data)),
+                               st.builds(lambda: _mutate(good, data))))
+    path = tmp_path / "fuzzed"
+    path.write_bytes(blob)
+    try:
+        CheckpointState.load_checkpoint(path)
+    except OdtrainError:
+        pass
+
+
+@FUZZ
+@given(data=st.data())
+def test_onnx_loader_raises_only_odtrain_errors(mlp_artifacts, tmp_path, data):
+    good = (mlp_artifacts / "eval_model.onnx").read_bytes()
+    blob = data.draw(st.one_of(st.binary(max_size=200), st.builds(lambda: _mutate(good, data))))
+    path = tmp_path / "fuzzed.onnx"
+    path.write_bytes(blob)
+    try:
+        state = CheckpointState.load_checkpoint(mlp_artifacts / "checkpoint")
+        Module(mlp_artifacts / "training_model.onnx", state, path)
+        load_graph(path)
+    except OdtrainError:
+        pass
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS"))
+
+
+def test_long_run_keeps_memory_flat(mlp_artifacts, mlp_reference):
+    """ODTRAIN_SOAK_STEPS=5000 for the full soak; CI runs a shorter one."""
+    steps = int(os.environ.get("ODTRAIN_SOAK_STEPS", "1500"))
+    golden = mlp_reference[2]
+    state = CheckpointState.load_checkpoint(mlp_artifacts / "checkpoint")
+    module = Module(mlp_artifacts / "training_model.onnx", state, mlp_artifacts / "eval_model.onnx")
+    optimizer = Optimizer(mlp_artifacts / "optimizer_model.onnx", module)
+    samples = {}
+    for step in range(1, steps + 1):
+        i = step % 10
+        module(golden["x"][i], golden["y"][i])
+        optimizer.step()
+        module.lazy_reset_grad()
+        if step in (500, steps):
+            samples[step] = _rss_kib()
+    assert abs(samples[steps] - samples[500]) < 1024, samples
