@@ -101,6 +101,15 @@ def graph_from_proto(proto: onnx.ModelProto, source: str = "model") -> Graph:
     if opsets.get(DEFAULT_DOMAIN, MIN_DEFAULT_OPSET) < MIN_DEFAULT_OPSET:
         raise ModelError(f"{source}: opset {opsets[DEFAULT_DOMAIN]} is older than {MIN_DEFAULT_OPSET}; "
                          "re-export it with a newer opset (torch.onnx.export(..., opset_version=17))")
+    newest = onnx.defs.onnx_opset_version()
+    if opsets.get(DEFAULT_DOMAIN, 0) > newest:
+        raise ModelError(f"{source}: opset {opsets[DEFAULT_DOMAIN]} is newer than the newest this installation "
+                         f"knows ({newest}); re-export with opset {newest} or older, or upgrade the onnx package")
+    foreign = sorted(d for d in opsets if d not in (DEFAULT_DOMAIN, ODTRAIN_DOMAIN, "ai.onnx.ml", "ai.onnx.preview.training"))
+    used = {n.domain for n in proto.graph.node}
+    if any(d in used for d in foreign):
+        raise ModelError(f"{source}: it uses ops of the domains {[d for d in foreign if d in used]}, which odtrain "
+                         "does not implement; export the model with standard ONNX ops only")
     try:
         proto = onnx.shape_inference.infer_shapes(proto)
     except Exception:
