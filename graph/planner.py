@@ -93,11 +93,18 @@ class Plan:
 
 
 def plan_memory(order: list[Node], types: dict[str, TensorType], arena_values: set[str],
-                feeds: list[str], outputs: list[str]) -> Plan:
-    """Place `arena_values` (feeds and node outputs held in the arena) for `order`."""
+                feeds: list[str], outputs: list[str], scratch: dict[int, str] | None = None) -> Plan:
+    """Place `arena_values` (feeds and node outputs held in the arena) for `order`.
+
+    `scratch` maps a node's index in `order` to the name of its working memory (typed in
+    `types`), which lives for that node's step only.
+    """
     end_step = len(order) + 1
     first: dict[str, int] = {name: 0 for name in feeds if name in arena_values}
     last: dict[str, int] = dict(first)
+    scratch = scratch or {}
+    for index, name in scratch.items():
+        first[name] = last[name] = index + 1
     for step, node in enumerate(order, start=1):
         shape_only = lookup(node).shape_only
         for k, name in enumerate(node.inputs):
@@ -128,6 +135,8 @@ def plan_memory(order: list[Node], types: dict[str, TensorType], arena_values: s
         if name in arena_values:
             new_group(name)
     for step, node in enumerate(order, start=1):
+        if step - 1 in scratch:
+            new_group(scratch[step - 1])
         opdef = lookup(node)
         in_types = [types.get(i) for i in node.inputs]
         out_types = [types.get(o) for o in node.outputs]

@@ -11,19 +11,28 @@ is bound to the arena:
 optional input); the returned calls are what a step runs. Bindings do the
 shape-dependent work (broadcast layouts, transposed views) once.
 
+A binding that needs working memory (im2col buffers and the like) declares
+`scratch=fn`, where `fn(input_specs, output_specs, **onnx_attributes)`
+returns its size in bytes from (shape, dtype) pairs; the planner places it
+in the arena for that one step and the binding receives it as `scratch=`,
+a uint8 array.
+
 Imports numpy and numba only, nothing else of odtrain's.
 """
 from __future__ import annotations
 
 BINDINGS: dict[tuple[str, str], object] = {}
+SCRATCH: dict[tuple[str, str], object] = {}
 ODTRAIN_DOMAIN = "ai.odtrain"
 
 
-def binding(op_type: str, domain: str = ""):
-    """Register a binding under (domain, op_type)."""
+def binding(op_type: str, domain: str = "", scratch=None):
+    """Register a binding under (domain, op_type), with its scratch-size function if it needs one."""
 
     def register(fn):
         BINDINGS[(domain, op_type)] = fn
+        if scratch is not None:
+            SCRATCH[(domain, op_type)] = scratch
         return fn
 
     return register

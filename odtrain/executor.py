@@ -21,7 +21,7 @@ from .graph.ir import Graph, TensorType
 from .graph.ops import is_view, lookup
 from .graph.planner import ALIGNMENT, Plan, plan_memory
 from .graph.schedule import bind_types, execution_order
-from .kernels import BINDINGS
+from .kernels import BINDINGS, SCRATCH
 from .graph.optimizers import AdamW
 from .kernels.optim import adamw_update, add_into, assert_finite, copy_into, sgd_update
 
@@ -72,10 +72,24 @@ class BoundGraph:
                     storage[out] = storage[src].reshape(types[out].shape)
         arena_values = {name for name in self.feeds}
         arena_values.update(o for node in order for o in node.outputs if o and o not in storage)
+        scratch = {}
+        for index, node in enumerate(order):
+            size_of = SCRATCH.get(node.key)
+            if size_of is None:
+                continue
+            specs_in = [(types[i].shape, types[i].dtype) if i else None for i in node.inputs]
+            specs_out = [(types[o].shape, types[o].dtype) if o else None for o in node.outputs]
+            nbytes = int(size_of(specs_in, specs_out, **node.attrs))
+            if nbytes > 0:
+                name = f"{node.name}::scratch"
+                types[name] = TensorType(np.dtype(np.uint8), (nbytes,))
+                scratch[index] = name
+                arena_values.add(name)
+        self.scratch = {id(order[i]): name for i, name in scratch.items()}
         for name in graph.outputs:
             if name not in storage and name not in arena_values:
                 raise ModelError(f"graph output '{name}' is not computed by any node")
-        self.plan: Plan = plan_memory(order, types, arena_values, self.feeds, list(graph.outputs))
+        self.plan: Plan = plan_memory(order, types, arena_values, self.feeds, list(graph.outputs), scratch)
         self.plan.verify()
         self.arena = aligned_buffer(self.plan.arena_bytes)
         for name in arena_values:
@@ -106,8 +120,9 @@ class BoundGraph:
             raise UnsupportedOpError(f"{node.describe()}: no kernel is registered for this op type")
         inputs = [storage[i] if i else None for i in node.inputs]
         outputs = [storage[o] if o else None for o in node.outputs]
+        extra = {"scratch": storage[self.scratch[id(node)]]} if id(node) in self.scratch else {}
         try:
-            return bind(inputs, outputs, **node.attrs)
+            return bind(inputs, outputs, **node.attrs, **extra)
         except TypeError as error:
             raise ModelError(f"{node.describe()}: unsupported attributes {sorted(node.attrs)}: {error}") from None
         except ValueError as error:

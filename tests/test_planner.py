@@ -40,18 +40,25 @@ def random_graphs(draw):
             types[out] = types[a]
         values.append(out)
     outputs = draw(st.lists(st.sampled_from(values), min_size=1, max_size=3, unique=True))
-    return nodes, types, outputs
+    scratch = {}
+    for index in draw(st.lists(st.integers(0, len(nodes) - 1), max_size=3, unique=True)):
+        scratch[index] = f"scratch{index}"
+        types[scratch[index]] = TensorType(np.dtype(np.uint8), (draw(st.integers(1, 2000)),))
+    return nodes, types, outputs, scratch
 
 
 @settings(max_examples=300, deadline=None)
 @given(random_graphs())
 def test_random_plans_verify_and_respect_the_lower_bound(graph):
-    nodes, types, outputs = graph
-    arena_values = {"x0"} | {n.outputs[0] for n in nodes}
-    plan = plan_memory(nodes, types, arena_values, ["x0"], outputs)
+    nodes, types, outputs, scratch = graph
+    arena_values = {"x0"} | {n.outputs[0] for n in nodes} | set(scratch.values())
+    plan = plan_memory(nodes, types, arena_values, ["x0"], outputs, scratch)
     plan.verify()
     assert plan.arena_bytes >= plan.lower_bound
     assert plan.arena_bytes % ALIGNMENT == 0
+    for index, name in scratch.items():  # working memory lives for its own step only
+        group = plan.groups[plan.group_of[name]]
+        assert (group.start, group.end, group.values) == (index + 1, index + 1, [name])
     for node in nodes:  # a view always shares its input's storage
         if node.op_type in ("Reshape", "Identity"):
             assert plan.group_of[node.outputs[0]] == plan.group_of[node.inputs[0]]
