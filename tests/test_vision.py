@@ -1,0 +1,406 @@
+"""Vision ops and models: convolution, pooling, batch normalization, image activations, Pad, Dropout.
+
+- forward: each op against onnx.reference.ReferenceEvaluator on small shapes;
+- backward: every gradient rule against float64 finite differences (oracles.gradient_check);
+- BatchNormalization's running statistics (PyTorch's convention), eval mode and export;
+- the PyTorch-exported `cnn` and `mobilenetv2_personalize` along their golden SGD and AdamW losses,
+  `mobilenetv2_full` by its step-0 loss and float64 gradients.
+"""
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+from conftest import reference_model
+from oracles import gradient_check, make_model, reference_outputs
+
+from odtrain import OdtrainError, artifacts
+from odtrain.api import CheckpointState, Module, Optimizer
+from odtrain.inference import InferenceSession
+
+rng = np.random.default_rng(7)
+
+
+def rand(*shape, low=-1.0, high=1.0):
+    return rng.uniform(low, high, shape).astype(np.float32)
+
+
+def node(op, inputs, outputs=("y",), **attrs):
+    return helper.make_node(op, list(inputs), list(outputs), **attrs)
+
+
+def scalar(value):
+    return np.array(value, dtype=np.float32)
+
+
+# ---- forward against the reference evaluator ----------------------------------------------------
+
+X4 = rand(2, 4, 7, 6)
+W_DEPTHWISE = rand(8, 1, 3, 3)
+
+FORWARD_CASES = {
+    "conv": ([node("Conv", ["x", "w", "b"])], {"w": rand(3, 4, 3, 3), "b": rand(3)}),
+    "conv_strides_asymmetric_pads": ([node("Conv", ["x", "w"], pads=[1, 0, 2, 1], strides=[2, 1])],
+                                     {"w": rand(5, 4, 3, 2)}),
+    "conv_groups_dilations": ([node("Conv", ["x", "w"], group=2, dilations=[2, 1])], {"w": rand(6, 2, 2, 3)}),
+    "conv_depthwise_multiplier": ([node("Conv", ["x", "w"], group=4, pads=[1, 1, 1, 1])], {"w": W_DEPTHWISE}),
+    "conv_depthwise_wide_rows": ([node("Conv", ["x", "w", "b"], group=2, pads=[1, 2, 1, 0], strides=[1, 2])],
+                                 {"w": rand(4, 1, 3, 3), "b": rand(4)}, rand(2, 2, 5, 61)),
+    "conv_same_upper": ([node("Conv", ["x", "w"], auto_pad="SAME_UPPER", strides=[2, 2])], {"w": rand(3, 4, 3, 3)}),
+    "conv_same_lower": ([node("Conv", ["x", "w"], auto_pad="SAME_LOWER")], {"w": rand(3, 4, 2, 2)}),
+    "conv_pointwise": ([node("Conv", ["x", "w"])], {"w": rand(5, 4, 1, 1)}),
+    "conv_1d": ([node("Conv", ["x", "w"], strides=[2], pads=[1, 2])], {"w": rand(2, 4, 3)}, rand(3, 4, 9)),
+    "conv_3d": ([node("Conv", ["x", "w"], pads=[1] * 6)], {"w": rand(3, 2, 3, 2, 3)}, rand(2, 2, 4, 5, 6)),
+    "max_pool": ([node("MaxPool", ["x"], kernel_shape=[2, 2], strides=[2, 2])], {}),
+    "max_pool_ceil_dilations": ([node("MaxPool", ["x"], kernel_shape=[3, 2], dilations=[2, 1], pads=[2, 0, 1, 1],
+                                      strides=[2, 2], ceil_mode=1)], {}),
+    "average_pool": ([node("AveragePool", ["x"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], strides=[2, 2])], {}),
+    "average_pool_count_pad_ceil": ([node("AveragePool", ["x"], kernel_shape=[3, 2], pads=[1, 0, 1, 1],
+                                          strides=[2, 2], ceil_mode=1, count_include_pad=1)], {}),
+    "average_pool_same_lower": ([node("AveragePool", ["x"], kernel_shape=[3, 2], auto_pad="SAME_LOWER")], {}),
+    "global_average_pool": ([node("GlobalAveragePool", ["x"])], {}),
+    "global_max_pool": ([node("GlobalMaxPool", ["x"])], {}),
+    "batch_norm_inference": ([node("BatchNormalization", ["x", "s", "b", "m", "v"])],
+                             {"s": rand(4), "b": rand(4), "m": rand(4), "v": rand(4, low=0.5, high=2)}),
+    "batch_norm_training": ([node("BatchNormalization", ["x", "s", "b", "m", "v"], training_mode=1)],
+                            {"s": rand(4), "b": rand(4), "m": rand(4), "v": rand(4, low=0.5, high=2)}),
+    "clip": ([node("Clip", ["x", "lo", "hi"])], {"lo": scalar(-0.5), "hi": scalar(0.7)}),
+    "clip_max_only": ([node("Clip", ["x", "", "hi"])], {"hi": scalar(0.2)}),
+    "relu6": ([node("Clip", ["x", "lo", "hi"])], {"lo": scalar(0.0), "hi": scalar(6.0)}, rand(2, 3, 4, low=-9, high=9)),
+    "leaky_relu": ([node("LeakyRelu", ["x"], alpha=0.3)], {}),
+    "hard_sigmoid": ([node("HardSigmoid", ["x"], alpha=0.3, beta=0.4)], {}, rand(2, 3, 5, low=-4, high=4)),
+    "hard_swish": ([node("HardSwish", ["x"])], {}, rand(2, 3, 5, low=-5, high=5)),
+    "pad_constant": ([node("Pad", ["x", "p", "v"])], {"p": np.array([0, 1, 2, 1, 0, 0, 3, 2]), "v": scalar(1.5)}),
+    "pad_reflect": ([node("Pad", ["x", "p"], mode="reflect")], {"p": np.array([0, 1, 2, 1, 0, 0, 3, 2])}),
+    "pad_edge": ([node("Pad", ["x", "p"], mode="edge")], {"p": np.array([0, 1, 2, 1, 0, 0, 3, 2])}),
+    "pad_wrap_axes": ([node("Pad", ["x", "p", "", "axes"], mode="wrap")],
+                      {"p": np.array([2, 1, 3, 2]), "axes": np.array([-1, 2])}),
+    "dropout_inference": ([node("Dropout", ["x", "r"], ["y", "mask_unused"])], {"r": scalar(0.3)}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FORWARD_CASES))
+def test_forward_matches_reference(name):
+    nodes, initializers, *x = FORWARD_CASES[name]
+    x = x[0] if x else X4
+    model = make_model(nodes, initializers, inputs=[("x", np.float32, x.shape)],
+                       outputs=[o for o in nodes[-1].output if o != "mask_unused"], opset=19)
+    expected = reference_outputs(model, {"x": x})
+    got = InferenceSession(model).run(None, {"x": x})
+    for g, e in zip(got, expected):
+        assert g.shape == e.shape and g.dtype == e.dtype
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
+
+
+def test_max_pool_indices_point_at_the_maxima():
+    """Indices: flat positions in X (row-major, or column-major over the spatial axes with storage_order=1).
+    Checked by what they point at: ONNX's reference gets them wrong for non-square windows (and its 2-D
+    MaxPool misreads asymmetric pads, so these are symmetric)."""
+    x = rand(2, 4, 7, 6)
+    for storage_order in (0, 1):
+        model = make_model([node("MaxPool", ["x"], ["y", "i"], kernel_shape=[3, 2], pads=[1, 1, 1, 1],
+                                 storage_order=storage_order)], {}, inputs=[("x", np.float32, x.shape)],
+                           outputs=["y", "i"], opset=19)
+        y, indices = InferenceSession(model).run(None, {"x": x})
+        (expected, *_) = reference_outputs(make_model([node("MaxPool", ["x"], kernel_shape=[3, 2], pads=[1, 1, 1, 1])],
+                                                      {}, inputs=[("x", np.float32, x.shape)], opset=19), {"x": x})
+        np.testing.assert_array_equal(y, expected)
+        source = x if storage_order == 0 else x.transpose(0, 1, 3, 2)
+        np.testing.assert_array_equal(source.ravel()[indices], y)
+
+
+def test_negative_pads_crop():
+    x = rand(2, 3, 6, 5)
+    pads = np.array([0, -1, 2, -1, 0, 1, -2, 3])
+    model = make_model([node("Pad", ["x", "p"])], {"p": pads}, inputs=[("x", np.float32, x.shape)])
+    (got,) = InferenceSession(model).run(None, {"x": x})
+    expected = np.pad(x[:, 1:, :, 1:], [(0, 0), (0, 1), (2, 0), (0, 3)])[:, :, :-2]
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_unsupported_forms_are_declined_clearly():
+    x = rand(2, 3, 4, 4)
+    with_pads_input = make_model([node("Pad", ["x", "p"])], {},
+                                 inputs=[("x", np.float32, x.shape), ("p", np.int64, [8])])
+    with pytest.raises(OdtrainError, match="pads input must be a constant"):
+        InferenceSession(with_pads_input).run(None, {"x": x, "p": np.zeros(8, np.int64)})
+    running = make_model([node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y", "rm", "rv"], training_mode=1)],
+                         {"s": rand(3), "b": rand(3), "m": rand(3), "v": rand(3, low=1, high=2)},
+                         inputs=[("x", np.float32, x.shape)], outputs=["y", "rm", "rv"])
+    with pytest.raises(OdtrainError, match="unbiased batch variance"):
+        InferenceSession(running).run(None, {"x": x})
+    int_clip = make_model([node("Clip", ["x"])], {}, inputs=[("x", np.int64, x.shape)])
+    with pytest.raises(OdtrainError, match="float32 only"):
+        InferenceSession(int_clip).run(None, {"x": x.astype(np.int64)})
+
+
+# ---- gradients against float64 finite differences -----------------------------------------------
+
+GRADIENT_CASES = {
+    "conv_bias_strides_pads": ([node("Conv", ["x", "w", "b"], pads=[1, 0, 1, 1], strides=[2, 1])],
+                               {"x": rand(2, 3, 5, 4), "w": rand(4, 3, 3, 2), "b": rand(4)}),
+    "conv_groups_dilations": ([node("Conv", ["x", "w"], group=2, dilations=[2, 1])],
+                              {"x": rand(3, 4, 6, 4), "w": rand(4, 2, 2, 2)}),
+    "conv_depthwise_stride2": ([node("Conv", ["x", "w"], group=3, pads=[1, 1, 1, 1], strides=[2, 2])],
+                               {"x": rand(2, 3, 5, 5), "w": rand(6, 1, 3, 3)}),
+    "conv_depthwise_rows": ([node("Conv", ["x", "w", "b"], group=2, pads=[1, 1, 1, 1])],
+                            {"x": rand(1, 2, 3, 26), "w": rand(2, 1, 3, 3), "b": rand(2)}),
+    "conv_depthwise_rows_strided_dilated": ([node("Conv", ["x", "w"], group=2, pads=[0, 2, 1, 1], strides=[1, 2],
+                                                  dilations=[1, 2])], {"x": rand(1, 2, 3, 53), "w": rand(4, 1, 2, 3)}),
+    "conv_1d": ([node("Conv", ["x", "w"], pads=[1, 2])], {"x": rand(2, 2, 6), "w": rand(3, 2, 3)}),
+    "conv_1d_depthwise_dilated": ([node("Conv", ["x", "w"], group=2, pads=[2, 1], dilations=[2])],
+                                  {"x": rand(2, 2, 30), "w": rand(2, 1, 5)}),
+    "conv_pointwise": ([node("Conv", ["x", "w"])], {"x": rand(2, 3, 3, 3), "w": rand(4, 3, 1, 1)}),
+    "conv_3d_same": ([node("Conv", ["x", "w"], auto_pad="SAME_UPPER", strides=[1, 2, 1])],
+                     {"x": rand(1, 2, 3, 4, 3), "w": rand(2, 2, 2, 3, 2)}),
+    "max_pool": ([node("MaxPool", ["x"], kernel_shape=[2, 2], strides=[2, 1], pads=[1, 0, 0, 1])],
+                 {"x": rand(2, 3, 5, 4)}),
+    "average_pool_count_pad_ceil": ([node("AveragePool", ["x"], kernel_shape=[3, 2], strides=[2, 2],
+                                          pads=[1, 0, 1, 1], count_include_pad=1, ceil_mode=1)],
+                                    {"x": rand(2, 3, 5, 4)}),
+    "average_pool": ([node("AveragePool", ["x"], kernel_shape=[3, 2], pads=[1, 0, 1, 1])], {"x": rand(2, 3, 5, 4)}),
+    "global_average_pool": ([node("GlobalAveragePool", ["x"])], {"x": rand(2, 3, 4, 3)}),
+    "global_max_pool": ([node("GlobalMaxPool", ["x"])], {"x": rand(2, 3, 4, 3)}),
+    "batch_norm_training": ([node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y", "rm", "rv"],
+                                  training_mode=1)], {"x": rand(2, 3, 4, 3), "s": rand(3), "b": rand(3)},
+                            {"m": rand(3), "v": rand(3, low=1, high=2)}),
+    "batch_norm_training_2d": ([node("BatchNormalization", ["x", "s", "b", "m", "v"], training_mode=1)],
+                               {"x": rand(5, 3), "s": rand(3), "b": rand(3)},
+                               {"m": rand(3), "v": rand(3, low=1, high=2)}),
+    "batch_norm_inference": ([node("BatchNormalization", ["x", "s", "b", "m", "v"])],
+                             {"x": rand(2, 3, 4, 3), "s": rand(3), "b": rand(3), "m": rand(3),
+                              "v": rand(3, low=1, high=2)}),
+    # fused into BatchNormalizationActivation in the training model
+    "batch_norm_relu": ([node("BatchNormalization", ["x", "s", "b", "m", "v"], ["n"], training_mode=1),
+                         node("Relu", ["n"])], {"x": rand(2, 3, 4, 3), "s": rand(3), "b": rand(3)},
+                        {"m": rand(3), "v": rand(3, low=1, high=2)}),
+    "batch_norm_clip": ([node("BatchNormalization", ["x", "s", "b", "m", "v"], ["n"], training_mode=1),
+                         node("Clip", ["n", "lo", "hi"])], {"x": rand(2, 3, 4, 3), "s": rand(3), "b": rand(3)},
+                        {"m": rand(3), "v": rand(3, low=1, high=2), "lo": scalar(-0.4), "hi": scalar(0.5)}),
+    "batch_norm_inference_clip": ([node("BatchNormalization", ["x", "s", "b", "m", "v"], ["n"]),
+                                   node("Clip", ["n", "lo", "hi"])],
+                                  {"x": rand(2, 3, 4, 3), "s": rand(3), "b": rand(3), "m": rand(3),
+                                   "v": rand(3, low=1, high=2)}, {"lo": scalar(-0.4), "hi": scalar(0.5)}),
+    "clip": ([node("Clip", ["x", "lo", "hi"])], {"x": rand(2, 3, 4)}, {"lo": scalar(-0.5), "hi": scalar(0.6)}),
+    "leaky_relu": ([node("LeakyRelu", ["x"], alpha=0.2)], {"x": rand(2, 3, 4)}),
+    "leaky_relu_negative_alpha": ([node("LeakyRelu", ["x"], alpha=-0.5)], {"x": rand(2, 3, 4)}),
+    "hard_sigmoid": ([node("HardSigmoid", ["x"])], {"x": rand(2, 3, 4, low=-4, high=4)}),
+    "hard_swish": ([node("HardSwish", ["x"])], {"x": rand(2, 3, 4, low=-5, high=5)}),
+    "pad_reflect": ([node("Pad", ["x", "p"], mode="reflect")], {"x": rand(2, 3, 5, 4)},
+                    {"p": np.array([0, 1, 2, 1, 0, 0, 3, 2])}),
+    "pad_edge": ([node("Pad", ["x", "p"], mode="edge")], {"x": rand(2, 3, 5, 4)},
+                 {"p": np.array([0, 1, 2, 1, 0, 0, 3, 2])}),
+    "pad_constant": ([node("Pad", ["x", "p", "v"])], {"x": rand(2, 3, 5, 4)},
+                     {"p": np.array([0, 1, 2, 1, 0, 0, 3, 2]), "v": scalar(0.3)}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GRADIENT_CASES))
+def test_gradient(name, tmp_path):
+    nodes, params, *constants = GRADIENT_CASES[name]
+    gradient_check(nodes, params, constants=constants[0] if constants else None, tmp_path=tmp_path)
+
+
+def test_gradient_of_clip_with_attributes(tmp_path):  # opset 6-10: bounds are attributes
+    gradient_check([node("Clip", ["x"], min=-0.5, max=0.5)], {"x": rand(2, 3, 4)}, tmp_path=tmp_path, opset=10)
+    # fused after an inference-mode BatchNormalization; ONNX's reference misreads opset 10's, so numpy checks it
+    x, s, b, m, v, w = rand(2, 3, 4, 3), rand(3), rand(3), rand(3), rand(3, low=1, high=2), rand(2, 3, 4, 3)
+    nodes = [node("BatchNormalization", ["x", "s", "b", "m", "v"], ["n"]),
+             node("Clip", ["n"], ["y"], min=-0.4, max=0.6),
+             node("Mul", ["y", "w"], ["yw"]), node("ReduceSum", ["yw"], ["loss"], keepdims=0)]
+    model = make_model(nodes, {"x": x, "s": s, "b": b, "m": m, "v": v, "w": w}, outputs=[("loss", np.float32, [])],
+                       opset=10)
+    artifacts.generate_artifacts(model, requires_grad=["x", "s"], loss=None, artifact_directory=tmp_path / "fused",
+                                 additional_output_names=["y"])
+    assert "BatchNormalizationActivation" in _op_types(tmp_path / "fused" / "training_model.onnx")
+    state = CheckpointState.load_checkpoint(tmp_path / "fused" / "checkpoint")
+    _, y = Module(tmp_path / "fused" / "training_model.onnx", state)()
+    factor = (s / np.sqrt(v + 1e-5))[None, :, None, None]
+    normalized = (x - m[None, :, None, None]) * factor + b[None, :, None, None]
+    np.testing.assert_allclose(y, np.clip(normalized, -0.4, 0.6), rtol=1e-5, atol=1e-6)
+    inside = (normalized > -0.4) & (normalized < 0.6)
+    np.testing.assert_allclose(state.parameters["x"].grad, w * inside * factor, rtol=1e-5, atol=1e-6)
+
+
+def test_batch_norm_and_activation_fuse_in_the_training_model_only(tmp_path):
+    nodes = [node("BatchNormalization", ["x", "s", "b", "m", "v"], ["n"], training_mode=1), node("Relu", ["n"], ["r"]),
+             node("BatchNormalization", ["r", "s", "b", "m", "v"], ["n2"], training_mode=1), node("Relu", ["n2"]),
+             node("Mul", ["y", "n2"], ["yy"]), node("ReduceSum", ["yy"], ["loss"], keepdims=0)]
+    model = make_model(nodes, {"x": rand(2, 3, 4, 3), "s": rand(3), "b": rand(3), "m": rand(3),
+                               "v": rand(3, low=1, high=2)}, outputs=[("loss", np.float32, [])])
+    artifacts.generate_artifacts(model, requires_grad=["x", "s", "b"], loss=None, artifact_directory=tmp_path)
+    training = _op_types(tmp_path / "training_model.onnx")
+    assert training.count("BatchNormalizationActivation") == 1  # the second normalized value is read twice
+    assert "BatchNormalizationActivation" not in _op_types(tmp_path / "eval_model.onnx")
+
+
+DROPOUT_X, DROPOUT_W = rand(4, 50, low=0.5, high=1.5), rand(4, 50)
+
+
+def _dropout_module(tmp_path, ratio):
+    x, w = DROPOUT_X, DROPOUT_W
+    nodes = [node("Dropout", ["x", "ratio", "training"], ["y"]), node("Mul", ["y", "w"], ["yw"]),
+             node("ReduceSum", ["yw"], ["loss"], keepdims=0)]
+    model = make_model(nodes, {"x": x, "w": w, "ratio": scalar(ratio), "training": np.array(True)},
+                       outputs=[("loss", np.float32, [])])
+    artifacts.generate_artifacts(model, requires_grad=["x"], loss=None, optimizer=artifacts.OptimType.SGD,
+                                 artifact_directory=tmp_path, additional_output_names=["y"])
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    return Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx"), state, x, w
+
+
+def test_dropout_trains_with_a_seeded_mask_and_evaluates_as_identity(tmp_path):
+    ratio = 0.25
+    module, state, x, w = _dropout_module(tmp_path, ratio)
+    _, y = module()
+    keep = y != 0
+    np.testing.assert_allclose(y[keep], x[keep] / (1 - ratio), rtol=1e-6)
+    assert 0.6 < keep.mean() < 0.9
+    np.testing.assert_allclose(state.parameters["x"].grad, w * keep / (1 - ratio), rtol=1e-6)  # dX = dY·mask/(1-r)
+    module.lazy_reset_grad()
+    _, y_next = module()
+    assert ((y_next != 0) != keep).any(), "each step draws a new mask"
+    again, *_ = _dropout_module(tmp_path / "again", ratio)
+    np.testing.assert_array_equal(again()[1], y)  # the same seed, the same first mask
+    module.eval()
+    np.testing.assert_array_equal(module()[1], x)
+
+
+# ---- batch normalization: running statistics, eval mode, export ----------------------------------
+
+
+def test_running_statistics_update_in_place_as_pytorch(tmp_path):
+    """running = 0.9·running + 0.1·batch statistic, with the unbiased variance; eval mode then uses them."""
+    x = rand(6, 3, 4, 5, low=-2, high=3)
+    mean0, var0 = rand(3), rand(3, low=0.5, high=1.5)
+    nodes = [node("BatchNormalization", ["input", "s", "b", "m", "v"], ["bn", "m_out", "v_out"], training_mode=1,
+                  momentum=0.9), node("GlobalAveragePool", ["bn"], ["pooled"]), node("Flatten", ["pooled"], ["output"])]
+    model = make_model(nodes, {"s": rand(3), "b": rand(3), "m": mean0, "v": var0},
+                       inputs=[("input", np.float32, ["batch", 3, 4, 5])], outputs=["output"])
+    artifacts.generate_artifacts(model, requires_grad=["s", "b"], frozen_params=["m", "v"],
+                                 loss=artifacts.LossType.MSELoss, optimizer=artifacts.OptimType.SGD,
+                                 artifact_directory=tmp_path, additional_output_names=["output"])
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx")
+    target = rand(6, 3)
+    module(x, target)
+    mean1 = state.parameters["m"].data
+    var1 = state.parameters["v"].data
+    np.testing.assert_allclose(mean1, 0.9 * mean0 + 0.1 * x.mean(axis=(0, 2, 3)), rtol=1e-5)
+    np.testing.assert_allclose(var1, 0.9 * var0 + 0.1 * x.var(axis=(0, 2, 3), ddof=1), rtol=1e-5)
+    module.eval()
+    _, logits = module(x, target)
+    s, b = state.parameters["s"].data, state.parameters["b"].data
+    expected = ((x.mean(axis=(2, 3)) - mean1) / np.sqrt(var1 + 1e-5)) * s + b
+    np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(state.parameters["m"].data, mean1)  # eval mode leaves them
+
+
+# ---- the reference models -------------------------------------------------------------------------
+
+
+def _artifacts(name, optimizer, directory):
+    path, meta, golden = reference_model(name)
+    artifacts.generate_artifacts(str(path), requires_grad=meta["requires_grad"], frozen_params=meta["frozen_params"],
+                                 loss=artifacts.LossType.CrossEntropyLoss,
+                                 optimizer=artifacts.OptimType.SGD if optimizer == "sgd" else artifacts.OptimType.AdamW,
+                                 artifact_directory=directory, additional_output_names=["output"])
+    return meta, golden
+
+
+def _session(directory, meta, optimizer):
+    state = CheckpointState.load_checkpoint(directory / "checkpoint")
+    module = Module(directory / "training_model.onnx", state, directory / "eval_model.onnx")
+    opt = Optimizer(directory / "optimizer_model.onnx", module)
+    opt.set_learning_rate(meta[optimizer]["lr"])
+    return state, module, opt
+
+
+def _train(module, opt, golden, steps):
+    losses = []
+    for step in range(steps):
+        loss, _ = module(golden["x"][step].astype(np.float32), golden["y"][step])
+        losses.append(float(loss))
+        opt.step()
+        module.lazy_reset_grad()
+    return losses
+
+
+def _op_types(path):
+    return [n.op_type for n in onnx.load(str(path)).graph.node]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_cnn_follows_golden_losses(optimizer, tmp_path):
+    meta, golden = _artifacts("cnn", optimizer, tmp_path)
+    _, module, opt = _session(tmp_path, meta, optimizer)
+    losses = _train(module, opt, golden, meta["steps"])
+    np.testing.assert_allclose(losses, golden[f"{optimizer}_losses"], rtol=1e-4)
+    ops = _op_types(tmp_path / "training_model.onnx")
+    assert ops.count("ConvWeightGrad") == 9 and ops.count("ConvInputGrad") == 8  # the image needs no gradient
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_mobilenetv2_personalize_follows_golden_losses(optimizer, tmp_path):
+    meta, golden = _artifacts("mobilenetv2_personalize", optimizer, tmp_path)
+    _, module, opt = _session(tmp_path, meta, optimizer)
+    losses = _train(module, opt, golden, meta["steps"])
+    np.testing.assert_allclose(losses, golden[f"{optimizer}_losses"], rtol=1e-4)
+    ops = set(_op_types(tmp_path / "training_model.onnx"))  # the frozen backbone runs forward only
+    assert not ops & {"ConvWeightGrad", "ConvInputGrad", "BatchNormalizationGrad", "ClipGrad"}
+
+
+def test_mobilenetv2_full_step_zero_loss_and_gradients(tmp_path):
+    meta, golden = _artifacts("mobilenetv2_full", "adamw", tmp_path)
+    state, module, _ = _session(tmp_path, meta, "adamw")
+    loss, _ = module(golden["x"][0].astype(np.float32), golden["y"][0])
+    np.testing.assert_allclose(float(loss), golden["adamw_losses"][0], rtol=1e-5)
+    expected = {name: golden[f"grad64/{name}"] for name in meta["requires_grad"]}
+    floor = 1e-4 * np.sqrt(sum(np.sum(g ** 2) for g in expected.values()))
+    errors = {name: np.linalg.norm(state.parameters[name].grad - g) / max(np.linalg.norm(g), floor)
+              for name, g in expected.items()}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < 3e-2, (worst, errors[worst])
+
+
+def test_trained_cnn_evaluates_with_running_statistics_and_exports(tmp_path):
+    """After training, eval mode (any batch size) uses the updated running statistics, and the exported
+    inference model gives the same logits in onnxruntime."""
+    onnxruntime = pytest.importorskip("onnxruntime")
+    meta, golden = _artifacts("cnn", "adamw", tmp_path)
+    state, module, opt = _session(tmp_path, meta, "adamw")
+    before = state.parameters["stem.1.running_var"].data
+    _train(module, opt, golden, 3)
+    assert not np.allclose(state.parameters["stem.1.running_var"].data, before)
+    module.eval()
+    x, y = golden["x"][5][:7], golden["y"][5][:7]
+    _, logits = module(x, y)
+    path = tmp_path / "inference.onnx"
+    module.export_model_for_inferencing(path, ["output"])
+    assert {"ConvInputGrad", "Dropout"}.isdisjoint(_op_types(path))
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    (expected,) = session.run(None, {"input": x})
+    np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_cnn_trains_at_other_batch_and_image_sizes(tmp_path):
+    """With its spatial axes made symbolic, the CNN trains at any batch and image size: train-mode
+    logits match ONNX's reference evaluator (batch statistics), eval mode runs too."""
+    path, meta, _ = reference_model("cnn")
+    model = onnx.load(str(path))
+    dims = model.graph.input[0].type.tensor_type.shape.dim
+    dims[2].dim_param, dims[3].dim_param = "height", "width"
+    del model.graph.value_info[:]
+    artifacts.generate_artifacts(model, requires_grad=meta["requires_grad"], frozen_params=meta["frozen_params"],
+                                 loss=artifacts.LossType.CrossEntropyLoss, optimizer=artifacts.OptimType.SGD,
+                                 artifact_directory=tmp_path, additional_output_names=["output"])
+    _, module, _ = _session(tmp_path, meta, "sgd")
+    for shape in [(5, 3, 32, 32), (3, 3, 24, 36)]:
+        x, y = rand(*shape, low=-2, high=2), np.arange(shape[0]) % 10
+        module.train()
+        _, logits = module(x, y)
+        module.lazy_reset_grad()
+        (expected, *_) = reference_outputs(model, {"input": x})
+        np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-5)
+        module.eval()
+        assert module(x, y)[1].shape == (shape[0], 10)
