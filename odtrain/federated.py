@@ -1,0 +1,227 @@
+"""`odtrain federated`: federated averaging of the demo classifier across simulated devices.
+
+1. Build the 64-32-10 classifier of `odtrain demo` and generate its artifacts (AdamW, cross-entropy).
+2. Hold out 20% of the bundled 8x8 digits; share the rest among the clients non-IID by label
+   (Dirichlet(alpha) proportions per class, seeded: `odtrain.fl.partition_by_label`).
+3. Run the rounds with one of three engines, all doing the same arithmetic: each client starts from the
+   global parameters with fresh optimizer state, trains `local_epochs` on its partition (seed
+   `[seed, round, client]`), and the server averages the updates weighted by example counts.
+   - `inprocess`: odtrain.fl in this process, no Flower needed;
+   - `simulation`: Flower's simulation runtime (a SuperLink in simulation mode; needs `flwr[simulation]`);
+   - `deployment`: Flower's deployment runtime: a running SuperLink and SuperNodes (`superlink=`), or a
+     SuperLink and one SuperNode per client started here on loopback for the run.
+4. Print the global model's loss and accuracy on the held-out digits before training and after every round;
+   write the aggregated checkpoint, an inference model and `rounds.json` to `<directory>/global/`.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import time
+
+import numpy as np
+
+from .graph.errors import ArgumentError
+
+ENGINES = ("auto", "inprocess", "simulation", "deployment")
+TEST_FRACTION = 0.2
+
+
+def digits_split(seed: int = 0):
+    """(train_x, test_x, train_y, test_y): the bundled digits, 20% held out (stratified, seeded)."""
+    from .datasets import load_digits, train_test_split
+
+    images, labels = load_digits()
+    return train_test_split(images, labels, test_fraction=TEST_FRACTION, seed=seed)
+
+
+def digits_partition(partition_id: int, num_partitions: int, alpha: float = 0.5, seed: int = 0):
+    """(x, y) of one client: its share of the training digits under `partition_by_label`."""
+    from .fl import partition_by_label
+
+    if not 0 <= partition_id < num_partitions:
+        raise ArgumentError(f"partition-id must be in [0, {num_partitions}), got {partition_id}")
+    train_x, _, train_y, _ = digits_split(seed)
+    index = partition_by_label(train_y, num_partitions, alpha, seed)[partition_id]
+    return train_x[index], train_y[index]
+
+
+def prepare(directory: str, seed: int = 0) -> str:
+    """Generate the classifier's artifacts in `<directory>/artifacts` and return that folder."""
+    from . import artifacts
+    from .demo import build_classifier
+
+    folder = os.path.join(directory, "artifacts")
+    model, params = build_classifier(seed=seed)
+    artifacts.generate_artifacts(model, requires_grad=params, loss=artifacts.LossType.CrossEntropyLoss,
+                                 optimizer=artifacts.OptimType.AdamW, artifact_directory=folder,
+                                 additional_output_names=["output"])
+    return folder
+
+
+def flower_available(simulation: bool = False) -> bool:
+    return importlib.util.find_spec("flwr") is not None and (not simulation or importlib.util.find_spec("ray") is not None)
+
+
+def resolve_engine(engine: str) -> str:
+    """`auto` is Flower's simulation when flwr[simulation] is installed, else in-process."""
+    if engine not in ENGINES:
+        raise ArgumentError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if engine == "auto":
+        return "simulation" if flower_available(simulation=True) else "inprocess"
+    if engine in ("simulation", "deployment") and not flower_available(simulation=engine == "simulation"):
+        extra = "odtrain[flower] and flwr[simulation]" if engine == "simulation" else "odtrain[flower]"
+        raise ArgumentError(f"the {engine} engine needs Flower: pip install \"{extra}\" (or use --engine inprocess)")
+    return engine
+
+
+def format_round(entry: dict) -> str:
+    head = f"round {entry['round']}:"
+    train = f" clients' train loss {entry['train_loss']:.4f};" if entry.get("train_loss") is not None else ""
+    accuracy = f", accuracy {entry['accuracy']:.1%}" if "accuracy" in entry else ""
+    tail = " (initial model)" if entry["round"] == 0 else ""
+    return f"{head}{train} held-out loss {entry['loss']:.4f}{accuracy}{tail}"
+
+
+def finish(trainer, buffer, output_dir: str, rounds: list, extra: dict | None = None) -> dict:
+    """Write the global checkpoint, `inference.onnx` and `rounds.json` for the final global buffer."""
+    from .api import CheckpointState
+    from .fl import set_parameters
+
+    os.makedirs(output_dir, exist_ok=True)
+    set_parameters(trainer.module, buffer)
+    trainer.state.properties["federated_rounds"] = len(rounds) - 1
+    checkpoint = os.path.join(output_dir, "checkpoint")
+    CheckpointState.save_checkpoint(trainer.state, checkpoint)
+    inference = os.path.join(output_dir, "inference.onnx")
+    trainer.module.export_model_for_inferencing(inference, ["output"])
+    result = {"rounds": rounds, "finished": True, "checkpoint": checkpoint, "inference_model": inference, **(extra or {})}
+    write_json(os.path.join(output_dir, "rounds.json"), result)
+    return result
+
+
+def write_json(path: str, value) -> None:
+    """Write JSON through a temporary file and a rename, so readers never see half a file."""
+    temporary = f"{path}.tmp{os.getpid()}"
+    with open(temporary, "w") as handle:
+        json.dump(value, handle, indent=1)
+    os.replace(temporary, path)
+
+
+def run_inprocess(artifact_dir: str, output_dir: str, clients: int, rounds: int, local_epochs: int, batch_size: int,
+                  learning_rate: float, alpha: float, seed: int, clip_norm, noise_multiplier: float, out=print) -> dict:
+    """FedAvg with odtrain.fl: the clients take turns on one Module (each from the global buffer, fresh optimizer)."""
+    from . import fl
+
+    trainer = fl.open_artifacts(artifact_dir)
+    trainer.optimizer.set_learning_rate(learning_rate)
+    _, test_x, _, test_y = digits_split(seed)
+    parts = [digits_partition(k, clients, alpha, seed) for k in range(clients)]
+    global_buffer = fl.get_parameters(trainer.module)
+    history = [{"round": 0, **fl.evaluate(trainer.module, test_x, test_y)}]
+    out(format_round(history[0]))
+    for current in range(1, rounds + 1):
+        deltas, counts, losses = [], [], []
+        for k, (x, y) in enumerate(parts):
+            fl.set_parameters(trainer.module, global_buffer)
+            delta, count, metrics = fl.train_local(trainer.module, trainer.optimizer, x, y, local_epochs, batch_size,
+                                                   [seed, current, k], clip_norm=clip_norm,
+                                                   noise_multiplier=noise_multiplier)
+            deltas.append(delta), counts.append(count), losses.append(metrics["train_loss"])
+        global_buffer = fl.apply_difference(global_buffer, fl.fedavg(deltas, counts))
+        fl.set_parameters(trainer.module, global_buffer)
+        entry = {"round": current, "train_loss": float(np.average(losses, weights=counts)),
+                 **fl.evaluate(trainer.module, test_x, test_y)}
+        history.append(entry)
+        out(format_round(entry))
+    return finish(trainer, global_buffer, output_dir, history)
+
+
+def add_command(commands) -> None:
+    """Add `odtrain federated` to the CLI's subcommands."""
+    command = commands.add_parser(
+        "federated", help="federated averaging of the demo classifier across simulated devices",
+        description="Share the bundled 8x8 digits among clients non-IID by label, train the demo classifier "
+        "with FedAvg and print the global model's held-out loss and accuracy after every round. Engines: "
+        "inprocess (no Flower), simulation (flwr[simulation]), deployment (a SuperLink and SuperNodes).")
+    command.add_argument("--clients", type=int, default=3)
+    command.add_argument("--rounds", type=int, default=3)
+    command.add_argument("--engine", choices=ENGINES, default="auto",
+                         help="auto: Flower's simulation when flwr[simulation] is installed, else inprocess")
+    command.add_argument("--superlink", metavar="HOST:PORT", help="deployment on a running SuperLink whose SuperNodes "
+                         "have node config partition-id/num-partitions (default: start them on loopback)")
+    command.add_argument("-o", "--output", default="odtrain-federated", help="work folder (default: ./odtrain-federated)")
+    command.add_argument("--local-epochs", type=int, default=3)
+    command.add_argument("--batch-size", type=int, default=32)
+    command.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate on the clients")
+    command.add_argument("--alpha", type=float, default=0.5, help="Dirichlet label skew (smaller: more skew)")
+    command.add_argument("--clip-norm", type=float, default=None, help="clip each client's update to this L2 norm")
+    command.add_argument("--noise-multiplier", type=float, default=0.0,
+                         help="Gaussian noise of std noise-multiplier * clip-norm on each client's update")
+    command.add_argument("--seed", type=int, default=0)
+    command.add_argument("--timeout", type=float, default=600.0, help="seconds a Flower run may take")
+    command.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    command.set_defaults(handler=_command)
+
+
+def _command(args) -> int:
+    result = run(args.clients, args.rounds, args.engine, args.output, args.local_epochs, args.batch_size, args.lr,
+                 args.alpha, args.seed, args.clip_norm, args.noise_multiplier, args.superlink, args.timeout,
+                 out=(lambda line: None) if args.json else print)
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def run(clients: int = 3, rounds: int = 3, engine: str = "auto", directory: str = "odtrain-federated",
+        local_epochs: int = 3, batch_size: int = 32, learning_rate: float = 1e-2, alpha: float = 0.5, seed: int = 0,
+        clip_norm: float | None = None, noise_multiplier: float = 0.0, superlink: str | None = None,
+        timeout: float = 600.0, out=print) -> dict:
+    """Prepare artifacts and data, run `rounds` rounds on `clients` clients with `engine`; return the results."""
+    if clients < 1 or rounds < 1:
+        raise ArgumentError(f"clients and rounds must be >= 1, got {clients} and {rounds}")
+    if not alpha > 0:
+        raise ArgumentError(f"alpha must be > 0, got {alpha}")
+    if local_epochs < 1 or batch_size < 1 or not learning_rate > 0:
+        raise ArgumentError(f"local_epochs and batch_size must be >= 1 and learning_rate > 0, got {local_epochs}, "
+                            f"{batch_size} and {learning_rate}")
+    if clip_norm is not None and not clip_norm > 0:
+        raise ArgumentError(f"clip_norm must be > 0, got {clip_norm}")
+    if not noise_multiplier >= 0 or (noise_multiplier and clip_norm is None):
+        raise ArgumentError("noise_multiplier must be >= 0, and noise needs clip_norm (its scale is "
+                            f"noise_multiplier * clip_norm); got {noise_multiplier} with clip_norm {clip_norm}")
+    if superlink:
+        host, _, port = superlink.rpartition(":")
+        if not host or not port.isdigit():
+            raise ArgumentError(f"superlink must be HOST:PORT, got {superlink!r}")
+        if engine not in ("auto", "deployment"):
+            raise ArgumentError(f"a SuperLink address is for the deployment engine, not {engine}")
+        engine = "deployment"
+    engine = resolve_engine(engine)
+    started = time.perf_counter()
+    artifact_dir = prepare(directory, seed)
+    output_dir = os.path.join(directory, "global")
+    out(f"artifacts written to {artifact_dir}/; engine: {engine}")
+    for k in range(clients):
+        _, y = digits_partition(k, clients, alpha, seed)
+        counts = np.bincount(y, minlength=10)
+        top = ", ".join(f"{d}:{counts[d]}" for d in np.argsort(-counts)[:3])
+        out(f"client {k}: {len(y)} digits (most common {top})")
+    _, _, _, test_y = digits_split(seed)
+    out(f"held out: {len(test_y)} digits; {rounds} rounds of {local_epochs} local epoch(s)")
+    settings = dict(clients=clients, rounds=rounds, local_epochs=local_epochs, batch_size=batch_size,
+                    learning_rate=learning_rate, alpha=alpha, seed=seed, clip_norm=clip_norm,
+                    noise_multiplier=noise_multiplier)
+    if engine == "inprocess":
+        result = run_inprocess(artifact_dir, output_dir, out=out, **settings)
+    else:
+        from .flower.runner import run_flower
+
+        result = run_flower(engine, artifact_dir, output_dir, superlink=superlink, timeout=timeout, out=out, **settings)
+    result.update(engine=engine, seconds=time.perf_counter() - started)
+    final = result["rounds"][-1]
+    out(f"global model after {rounds} rounds: held-out accuracy {final.get('accuracy', float('nan')):.1%} "
+        f"(loss {final['loss']:.4f}); {result['seconds']:.1f} s")
+    out(f"checkpoint: {result['checkpoint']}; inference model: {result['inference_model']}")
+    return result
