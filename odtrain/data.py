@@ -1,0 +1,271 @@
+"""Training data from files: `.npz` archives, `.npy` files and folders of images.
+
+A `Dataset` holds one array per input of the training model (the model's own
+inputs, then its label input, `labels` or `target`), all with the same
+number of samples, already in the dtype and shape the model declares.
+
+Which array feeds which input:
+- `.npz`: an array named like the input; else the arrays named by `x`
+  (the model's data inputs, in order) and `y` (the labels); else, for a model
+  with one data input, the conventional names (`x`, `images`, `inputs`, ...
+  and `y`, `labels`, `target`, ...).
+- `.npy` files: one per input, in the model's input order.
+- a folder: one sub-folder per class, named by the class; images are read
+  with Pillow, converted to grayscale or RGB and resized to the model's input
+  (NCHW, NHWC, [N, H, W] or flattened [N, H*W*C]), scaled to [0, 1]; the
+  label is the class's index in sorted order.
+
+Arrays are converted to the declared dtype when no information is lost
+(float64 -> float32, int32 -> int64, integral floats -> int64 labels) and
+reshaped when a sample has the right number of elements (8x8 images for a
+64-wide input). Nothing is unpickled.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .graph.errors import ArgumentError, ArtifactNotFoundError, InputError
+
+DATA_ALIASES = ("x", "X", "inputs", "input", "images", "features", "data")
+LABEL_ALIASES = ("y", "Y", "labels", "label", "targets", "target")
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One input of the training model: name, dtype, shape (ints, or strings for symbolic dims)."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple | None
+    is_label: bool = False
+
+    def describe(self) -> str:
+        dims = "?" if self.shape is None else ", ".join(str(d) for d in self.shape)
+        return f"{self.name} {np.dtype(self.dtype).name}[{dims}]"
+
+
+@dataclass
+class Dataset:
+    """Arrays feeding the training model's inputs, sample-aligned along axis 0."""
+
+    inputs: list[InputSpec]
+    arrays: list[np.ndarray]
+    source: str = "arrays"
+    classes: list[str] | None = field(default=None)
+
+    def __len__(self) -> int:
+        return int(self.arrays[0].shape[0]) if self.arrays else 0
+
+    def take(self, index) -> list[np.ndarray]:
+        return [array[index] for array in self.arrays]
+
+    def batches(self, batch_size: int, order=None, start: int = 0):
+        """Yield lists of arrays of `batch_size` samples (the last may be smaller), from batch `start` on."""
+        count = len(self)
+        order = np.arange(count) if order is None else order
+        for begin in range(start * batch_size, count, batch_size):
+            yield self.take(order[begin:begin + batch_size])
+
+    @property
+    def labels(self) -> np.ndarray | None:
+        for spec, array in zip(self.inputs, self.arrays):
+            if spec.is_label:
+                return array
+        return None
+
+
+def load(paths, inputs: list[InputSpec], x=None, y=None) -> Dataset:
+    """A Dataset from one `.npz` file, one folder of images, or one `.npy` file per input."""
+    paths = [os.fspath(p) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)]
+    if not paths:
+        raise ArgumentError("no data given: pass an .npz file, a folder of images or .npy files")
+    for path in paths:
+        if not os.path.exists(path):
+            raise ArtifactNotFoundError(f"data file '{path}' does not exist")
+    first = paths[0]
+    if (x or y) and not (len(paths) == 1 and first.endswith(".npz")):
+        raise ArgumentError("--x/--y name arrays inside an .npz file; .npy files feed the inputs in order "
+                            f"({', '.join(s.name for s in inputs)})")
+    if len(paths) == 1 and os.path.isdir(first):
+        return load_image_folder(first, inputs)
+    if len(paths) == 1 and first.endswith(".npz"):
+        return _load_npz(first, inputs, list(x or []), y)
+    if all(p.endswith(".npy") for p in paths):
+        if len(paths) != len(inputs):
+            raise ArgumentError(f"{len(paths)} .npy files for a model with {len(inputs)} inputs "
+                                f"({', '.join(s.name for s in inputs)}): give one file per input, in that order")
+        arrays = [_read_npy(p) for p in paths]
+        return from_arrays(dict(zip([s.name for s in inputs], arrays)), inputs, source=" ".join(paths))
+    raise ArgumentError(f"cannot read data from {' '.join(paths)}: give one .npz file, one folder of images "
+                        "(a sub-folder per class) or one .npy file per model input")
+
+
+def from_arrays(arrays, inputs: list[InputSpec], source: str = "arrays", classes=None) -> Dataset:
+    """A Dataset from a dict {input name: array} or a sequence of arrays in the inputs' order."""
+    if isinstance(arrays, Dataset):
+        return arrays
+    if not isinstance(arrays, dict):
+        arrays = list(arrays)
+        if len(arrays) != len(inputs):
+            raise InputError(f"{len(arrays)} arrays for a model with {len(inputs)} inputs "
+                             f"({', '.join(s.name for s in inputs)})")
+        arrays = dict(zip([s.name for s in inputs], arrays))
+    missing = [s.name for s in inputs if s.name not in arrays]
+    if missing:
+        raise InputError(f"{source}: no data for inputs {missing}; the model takes "
+                         f"{', '.join(s.describe() for s in inputs)}")
+    converted = [_conform(np.asarray(arrays[s.name]), s, source) for s in inputs]
+    lengths = {s.name: a.shape[0] for s, a in zip(inputs, converted)}
+    if len(set(lengths.values())) > 1:
+        raise InputError(f"{source}: the arrays hold different numbers of samples: {lengths}")
+    if converted and converted[0].shape[0] == 0:
+        raise InputError(f"{source}: the data holds no samples")
+    return Dataset(list(inputs), converted, source, classes)
+
+
+def _read_npy(path: str) -> np.ndarray:
+    try:
+        return np.load(path, allow_pickle=False)
+    except ValueError as error:
+        raise InputError(f"data file '{path}' cannot be read without unpickling ({error}); save plain "
+                         "numeric arrays") from None
+    except OSError as error:
+        raise InputError(f"data file '{path}' is not a readable .npy file ({error})") from None
+
+
+def _load_npz(path: str, inputs: list[InputSpec], x: list[str], y: str | None) -> Dataset:
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            stored = {name: archive[name] for name in archive.files}
+    except ValueError as error:
+        raise InputError(f"data file '{path}' cannot be read without unpickling ({error}); save plain "
+                         "numeric arrays") from None
+    except Exception as error:  # zipfile.BadZipFile, OSError, EOFError
+        raise InputError(f"data file '{path}' is not a readable .npz archive ({error})") from None
+    data_inputs = [s for s in inputs if not s.is_label]
+    label_inputs = [s for s in inputs if s.is_label]
+    chosen: dict[str, str] = {}
+    for name in x + ([y] if y else []):
+        if name not in stored:
+            raise InputError(f"data file '{path}' has no array '{name}'; it holds {sorted(stored)}")
+    if x:
+        if len(x) != len(data_inputs):
+            raise ArgumentError(f"--x names {len(x)} arrays, but the model has {len(data_inputs)} data inputs "
+                                f"({', '.join(s.name for s in data_inputs)})")
+        chosen.update({s.name: a for s, a in zip(data_inputs, x)})
+    if y:
+        if not label_inputs:
+            raise ArgumentError("--y names a label array, but the model takes no labels (its loss is its own output)")
+        chosen[label_inputs[0].name] = y
+    for spec in inputs:
+        if spec.name in chosen:
+            continue
+        if spec.name in stored:
+            chosen[spec.name] = spec.name
+            continue
+        aliases = LABEL_ALIASES if spec.is_label else (DATA_ALIASES if len(data_inputs) == 1 else ())
+        found = [a for a in aliases if a in stored and a not in chosen.values()]
+        if len(found) != 1:
+            raise InputError(f"data file '{path}' holds arrays {sorted(stored)}; none is clearly the model's input "
+                             f"'{spec.name}'. Name the arrays like the inputs "
+                             f"({', '.join(s.name for s in inputs)}) or pick them with --x NAME and --y NAME")
+        chosen[spec.name] = found[0]
+    return from_arrays({name: stored[array] for name, array in chosen.items()}, inputs, source=f"data file '{path}'")
+
+
+def _conform(array: np.ndarray, spec: InputSpec, source: str) -> np.ndarray:
+    """`array` in the dtype and per-sample shape that `spec` declares, or an InputError saying why not."""
+    what = f"{source}: array for input '{spec.name}'"
+    if array.dtype == object or array.dtype.kind not in "biuf":
+        raise InputError(f"{what} has dtype {array.dtype}; it must be numeric ({np.dtype(spec.dtype).name})")
+    target = np.dtype(spec.dtype)
+    if array.dtype != target:
+        if target.kind in "iub" and array.dtype.kind == "f" and not np.all(array == np.round(array)):
+            raise InputError(f"{what} holds non-integer values ({array.dtype}); the model takes "
+                             f"{target.name} class indices")
+        array = array.astype(target)
+    if spec.shape is None or array.ndim == 0:
+        if array.ndim == 0:
+            raise InputError(f"{what} is a scalar; it needs one entry per sample along axis 0")
+        return array
+    want = spec.shape[1:]
+    got = array.shape[1:]
+    if len(want) == len(got) and all(isinstance(w, str) or w == g for w, g in zip(want, got)):
+        return array
+    if all(isinstance(w, int) for w in want) and np.prod(want, dtype=np.int64) == np.prod(got, dtype=np.int64):
+        return array.reshape((array.shape[0],) + tuple(want))
+    raise InputError(f"{what} has samples of shape {list(got)}; the model's input is {spec.describe()}")
+
+
+def load_image_folder(folder: str, inputs: list[InputSpec]) -> Dataset:
+    """Images in one sub-folder per class, resized to the model's data input; labels are class indices."""
+    data_inputs = [s for s in inputs if not s.is_label]
+    label_inputs = [s for s in inputs if s.is_label]
+    if len(data_inputs) != 1 or len(label_inputs) != 1 or np.dtype(label_inputs[0].dtype).kind not in "iu":
+        raise ArgumentError(f"a folder of images trains a classifier with one image input and integer labels; "
+                            f"this model takes {', '.join(s.describe() for s in inputs)}")
+    try:
+        from PIL import Image
+    except ImportError:
+        raise ArgumentError(f"reading the images in '{folder}' needs Pillow: pip install \"odtrain[images]\"") from None
+    spec = data_inputs[0]
+    height, width, channels, layout = _image_layout(spec)
+    classes = sorted(d for d in os.listdir(folder) if os.path.isdir(os.path.join(folder, d)) and not d.startswith("."))
+    if not classes:
+        raise InputError(f"image folder '{folder}' has no sub-folders; put the images of each class in a "
+                         "sub-folder named by the class")
+    images, labels = [], []
+    for index, name in enumerate(classes):
+        directory = os.path.join(folder, name)
+        for file in sorted(os.listdir(directory)):
+            if not file.lower().endswith(IMAGE_EXTENSIONS):
+                continue
+            path = os.path.join(directory, file)
+            try:
+                with Image.open(path) as image:
+                    pixels = image.convert("L" if channels == 1 else "RGB").resize((width, height), Image.BILINEAR)
+                    array = np.asarray(pixels, dtype=np.float32) / np.float32(255)
+            except Exception as error:  # PIL.UnidentifiedImageError, OSError
+                raise InputError(f"image '{path}' cannot be read ({error})") from None
+            array = array.reshape(height, width, channels)
+            images.append(array.transpose(2, 0, 1) if layout in ("NCHW", "flat") else array)
+            labels.append(index)
+    if not images:
+        raise InputError(f"image folder '{folder}' holds no images ({', '.join(IMAGE_EXTENSIONS)}) in its "
+                         f"class sub-folders {classes}")
+    stacked = np.stack(images)
+    return from_arrays({spec.name: stacked.reshape((len(images),) + _sample_shape(spec, stacked.shape[1:])),
+                        label_inputs[0].name: np.asarray(labels, dtype=np.int64)},
+                       inputs, source=f"image folder '{folder}'", classes=classes)
+
+
+def _sample_shape(spec: InputSpec, fallback: tuple) -> tuple:
+    if spec.shape is not None and all(isinstance(d, int) for d in spec.shape[1:]):
+        return tuple(spec.shape[1:])
+    return tuple(fallback)
+
+
+def _image_layout(spec: InputSpec) -> tuple[int, int, int, str]:
+    """(height, width, channels, layout) of an image input: NCHW, NHWC, [N, H, W] or flattened."""
+    shape = spec.shape
+    dims = None if shape is None else shape[1:]
+    if dims is None or not all(isinstance(d, int) for d in dims):
+        raise InputError(f"input {spec.describe()} has no fixed image size; images can only be resized to "
+                         "an input whose dimensions after the batch are numbers")
+    if len(dims) == 3 and dims[0] in (1, 3):
+        return dims[1], dims[2], dims[0], "NCHW"
+    if len(dims) == 3 and dims[2] in (1, 3):
+        return dims[0], dims[1], dims[2], "NHWC"
+    if len(dims) == 2:
+        return dims[0], dims[1], 1, "NHW"
+    if len(dims) == 1:
+        for channels in (1, 3):
+            side = int(round(np.sqrt(dims[0] / channels)))
+            if side * side * channels == dims[0]:
+                return side, side, channels, "flat"
+    raise InputError(f"input {spec.describe()} is not an image shape odtrain can fill: use [N, C, H, W], "
+                     "[N, H, W, C], [N, H, W] or a flattened square [N, H*W*C] with 1 or 3 channels")

@@ -1,0 +1,402 @@
+"""A training loop over artifacts: `fit` trains, `evaluate` scores, both usable from Python and the CLI.
+
+    from odtrain.training import fit, evaluate
+    result = fit("artifacts", "train.npz", val="val.npz", epochs=10, batch_size=32, checkpoint_every=100)
+    print(evaluate("artifacts", "test.npz"))
+
+The loop:
+- Each epoch visits the training samples in the order
+  `numpy.random.default_rng([seed, epoch]).permutation(n)`, in batches of
+  `batch_size` (the last one smaller). The order is a function of the seed
+  and the epoch alone, so a resumed run regenerates it.
+- Before each optimizer step the learning rate is set from the schedule
+  (constant, linear decay or cosine, after a linear warm-up) at the run's
+  global step.
+- The checkpoint (`<artifacts>/checkpoint`, with optimizer state) is saved
+  every `checkpoint_every` steps, at each epoch's end, when the run ends and
+  when it is stopped. Its property bag holds the run's settings (seed,
+  epochs, batch size, learning rate, schedule, warm-up, sample count) and
+  position (`epoch` epochs done, `step_in_epoch` batches of the next one,
+  `global_step`, the epoch's loss sum so far), so `resume=True` continues
+  with the same batches, optimizer state and learning rates: the final
+  parameters equal those of an uninterrupted run.
+- SIGINT (Ctrl-C) and SIGTERM stop the loop after the step in progress: the
+  checkpoint is saved and the result says where it stopped. A second Ctrl-C
+  stops at once, leaving the last saved checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from . import data as data_files
+from .api import DEFAULT_LEARNING_RATE, CheckpointState, Module, Optimizer
+from .graph.errors import ArgumentError, ArtifactNotFoundError, StateError
+from .progress import progress_bar
+
+SCHEDULES = ("constant", "linear", "cosine")
+LOSS_KINDS = {"SoftmaxCrossEntropyLoss": "ce"}
+EVAL_BATCH_SIZE = 256
+DEFAULTS = {"epochs": 1, "batch_size": 32, "lr_schedule": "constant", "warmup_steps": 0, "seed": 0}
+# Property names: the run's settings, and its position.
+SETTINGS = ("seed", "epochs", "batch_size", "learning_rate", "lr_schedule", "warmup_steps", "samples")
+POSITION = ("epoch", "step_in_epoch", "global_step", "epoch_loss_sum", "finished")
+_LABEL_INPUT = re.compile(r"(labels|target)(_\d+)?$")
+
+
+@dataclass
+class ArtifactPaths:
+    directory: str
+    training_model: str
+    eval_model: str
+    optimizer_model: str
+    checkpoint: str
+
+    @classmethod
+    def find(cls, directory, checkpoint=None) -> "ArtifactPaths":
+        directory = os.fspath(directory)
+        if not os.path.isdir(directory):
+            raise ArtifactNotFoundError(f"artifact folder '{directory}' does not exist; create it with "
+                                        f"`odtrain prepare MODEL.onnx -o {directory}`")
+        paths = cls(directory, *(os.path.join(directory, name) for name in
+                                 ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", "checkpoint")))
+        if checkpoint is not None:
+            paths.checkpoint = os.fspath(checkpoint)
+        missing = [os.path.basename(p) for p in (paths.training_model, paths.eval_model) if not os.path.isfile(p)]
+        missing += [] if os.path.isfile(paths.checkpoint) else [paths.checkpoint]
+        if missing:
+            raise ArtifactNotFoundError(f"artifact folder '{directory}' lacks {', '.join(missing)}; generate the "
+                                        "artifacts with `odtrain prepare` or odtrain.artifacts.generate_artifacts")
+        return paths
+
+
+class Session:
+    """Loaded artifacts: the CheckpointState, a Module, and an Optimizer when one is wanted."""
+
+    def __init__(self, directory, checkpoint=None, with_optimizer: bool = True, fresh_optimizer: bool = False):
+        self.paths = ArtifactPaths.find(directory, checkpoint)
+        self.state = CheckpointState.load_checkpoint(self.paths.checkpoint)
+        self.module = Module(self.paths.training_model, self.state, self.paths.eval_model)
+        self.optimizer = None
+        if with_optimizer:
+            if not os.path.isfile(self.paths.optimizer_model):
+                raise ArtifactNotFoundError(f"artifact folder '{self.paths.directory}' has no optimizer_model.onnx; "
+                                            "generate the artifacts with an optimizer (odtrain prepare does)")
+            if fresh_optimizer:
+                self.state._optimizer = None
+            self.optimizer = Optimizer(self.paths.optimizer_model, self.module)
+
+    @property
+    def inputs(self) -> list[data_files.InputSpec]:
+        """The training model's inputs; the last one is the label input when it is named labels or target."""
+        session = self.module._train
+        names = list(session.input_names)
+        specs = []
+        for index, name in enumerate(names):
+            declared = session.graph.value_types[name]
+            is_label = index == len(names) - 1 and len(names) > 1 and bool(_LABEL_INPUT.match(name))
+            specs.append(data_files.InputSpec(name, declared.dtype, declared.shape, is_label))
+        return specs
+
+    @property
+    def loss_kind(self) -> str | None:
+        """ce, bce, mse or l1: from the checkpoint's `loss` property, else read off the eval model."""
+        kind = self.state.properties.get("loss")
+        if kind:
+            return str(kind)
+        graph = self.module._eval.graph
+        if any(node.op_type in LOSS_KINDS for node in graph.nodes):
+            return "ce"
+        values = {o for node in graph.nodes for o in node.outputs}
+        for prefix, found in (("bce_", "bce"), ("loss_sq", "mse"), ("loss_abs", "l1")):
+            if any(v.startswith(prefix) for v in values):
+                return found
+        return None
+
+    @property
+    def prediction_outputs(self) -> list[str]:
+        """The eval model's outputs besides the loss: what the model predicts."""
+        return list(self.module._eval.output_names[1:])
+
+    def dataset(self, source, x=None, y=None) -> data_files.Dataset:
+        """A Dataset for this model from paths, a Dataset, a dict of arrays or arrays in input order."""
+        if isinstance(source, data_files.Dataset):
+            return source
+        if isinstance(source, (str, os.PathLike)) or (isinstance(source, (list, tuple)) and source
+                                                        and all(isinstance(s, (str, os.PathLike)) for s in source)):
+            return data_files.load(source, self.inputs, x, y)
+        return data_files.from_arrays(source, self.inputs)
+
+    def save(self) -> None:
+        CheckpointState.save_checkpoint(self.state, self.paths.checkpoint,
+                                        include_optimizer_state=self.optimizer is not None)
+
+
+def lr_multiplier(schedule: str, step: int, total_steps: int, warmup_steps: int) -> float:
+    """The learning-rate factor for optimizer step `step` (0-based) of `total_steps`.
+
+    Warm-up rises linearly to 1 over the first `warmup_steps` steps; then
+    constant stays at 1, linear falls towards 0 at `total_steps`, cosine
+    follows half a cosine from 1 towards 0.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    if schedule == "linear":
+        return max(0.0, 1.0 - progress)
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    raise ArgumentError(f"unknown learning-rate schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
+
+
+def epoch_order(seed: int, epoch: int, count: int) -> np.ndarray:
+    """The order in which epoch `epoch` (0-based) visits `count` samples."""
+    return np.random.default_rng([int(seed), int(epoch)]).permutation(count)
+
+
+def evaluate(artifacts, data, batch_size: int = EVAL_BATCH_SIZE, checkpoint=None, x=None, y=None) -> dict:
+    """Loss and accuracy (classification) or MSE and MAE (regression) of the eval model on `data`.
+
+    `artifacts` is an artifact folder or a Session; `data` a path, Dataset or arrays.
+    """
+    session = artifacts if isinstance(artifacts, Session) else Session(artifacts, checkpoint, with_optimizer=False)
+    dataset = session.dataset(data, x, y)
+    if batch_size < 1:
+        raise ArgumentError(f"batch size must be at least 1, got {batch_size}")
+    module = session.module
+    was_training = module.training
+    module.eval()
+    kind = session.loss_kind
+    label_index = next((i for i, s in enumerate(dataset.inputs) if s.is_label), None)
+    total, loss_sum, correct, squared, absolute, elements = 0, 0.0, 0, 0.0, 0.0, 0
+    try:
+        for batch in dataset.batches(batch_size):
+            outputs = module(*batch)
+            outputs = outputs if isinstance(outputs, list) else [outputs]
+            count = len(batch[0])
+            total += count
+            loss_sum += float(outputs[0]) * count
+            if len(outputs) < 2 or label_index is None:
+                continue
+            predicted, labels = outputs[1], batch[label_index]
+            if kind == "ce":
+                correct += int((predicted.argmax(axis=1) == labels).sum())
+            elif kind == "bce":
+                correct += int(((predicted > 0) == (labels > 0.5)).sum())
+                elements += labels.size
+            elif predicted.shape == labels.shape:
+                difference = predicted.astype(np.float64) - labels
+                squared += float((difference ** 2).sum())
+                absolute += float(np.abs(difference).sum())
+                elements += difference.size
+    finally:
+        module.train(was_training)
+    metrics = {"samples": total, "loss": loss_sum / total}
+    if kind == "ce" and label_index is not None and session.prediction_outputs:
+        metrics["accuracy"] = correct / total
+    elif kind == "bce" and elements:
+        metrics["accuracy"] = correct / elements
+    elif elements:
+        metrics["mse"], metrics["mae"] = squared / elements, absolute / elements
+    return metrics
+
+
+@dataclass
+class FitResult:
+    checkpoint: str
+    epochs: int  # epochs completed
+    global_step: int
+    step_in_epoch: int
+    finished: bool
+    stopped_by: str | None = None  # SIGINT, SIGTERM or stop_after_steps when the run stopped early
+    history: list[dict] = field(default_factory=list)  # one entry per epoch finished in this call
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class _StopRequests:
+    """SIGINT/SIGTERM set a flag that the loop reads between steps; a second SIGINT interrupts at once."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.requested: str | None = None
+        self.previous = {}
+
+    def _handle(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum).name
+
+    def __enter__(self):
+        if self.enabled:
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self.previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+
+def _settings(properties, resume: bool, given: dict, checkpoint: str) -> dict:
+    """The run's settings: those given, else the resumed run's, else the defaults."""
+    settings = {}
+    for key, value in given.items():
+        stored = properties.get(key) if resume else None
+        if resume and value is not None and stored is not None and key != "epochs" and value != stored:
+            raise ArgumentError(f"{key.replace('_', ' ')} {value} differs from the interrupted run's {stored} "
+                                f"(in '{checkpoint}'); leave it out to resume exactly, or train anew without resume")
+        if value is None:
+            value = stored if stored is not None else DEFAULTS.get(key)
+        settings[key] = value
+    if settings["learning_rate"] is None:
+        settings["learning_rate"] = float(properties.get("learning_rate", DEFAULT_LEARNING_RATE))
+    return settings
+
+
+def fit(artifacts, train, val=None, *, epochs: int | None = None, batch_size: int | None = None,
+        learning_rate: float | None = None, lr_schedule: str | None = None, warmup_steps: int | None = None,
+        seed: int | None = None, checkpoint_every: int | None = None, resume: bool = False, x=None, y=None,
+        log=print, progress: bool = True, progress_stream=None, stop_after_steps: int | None = None,
+        handle_signals: bool = True) -> FitResult:
+    """Train the artifacts in folder `artifacts` on `train` (a path, Dataset or arrays); see the module docstring.
+
+    Settings left as None come from the interrupted run when resuming, else from the defaults
+    (1 epoch, batch size 32, the checkpoint's `learning_rate` property, constant schedule, seed 0).
+    `log` receives one line per epoch; `stop_after_steps` stops (as Ctrl-C would) after that many steps.
+    """
+    session = Session(artifacts, fresh_optimizer=not resume)
+    paths, state, module, optimizer = session.paths, session.state, session.module, session.optimizer
+    properties = state.properties
+    if resume and "global_step" not in properties:
+        raise StateError(f"checkpoint '{paths.checkpoint}' holds no run to resume (it has not been trained by "
+                         "odtrain's training loop); train without resume")
+    given = {"epochs": epochs, "batch_size": batch_size, "learning_rate": learning_rate, "lr_schedule": lr_schedule,
+             "warmup_steps": warmup_steps, "seed": seed}
+    settings = _settings(properties, resume, given, paths.checkpoint)
+    for key in ("epochs", "batch_size"):
+        if int(settings[key]) < 1:
+            raise ArgumentError(f"{key.replace('_', ' ')} must be at least 1, got {settings[key]}")
+    if int(settings["warmup_steps"]) < 0 or (checkpoint_every is not None and checkpoint_every < 1):
+        raise ArgumentError("warm-up steps must be >= 0 and checkpoint_every >= 1")
+    if settings["lr_schedule"] not in SCHEDULES:
+        raise ArgumentError(f"unknown learning-rate schedule {settings['lr_schedule']!r}; "
+                            f"use one of {', '.join(SCHEDULES)}")
+    optimizer.set_learning_rate(settings["learning_rate"])  # validates it
+
+    train_set = session.dataset(train, x, y)
+    val_set = session.dataset(val, x, y) if val is not None else None
+    samples = len(train_set)
+    if resume and int(properties.get("samples", samples)) != samples:
+        raise ArgumentError(f"the training data holds {samples} samples; the interrupted run trained on "
+                            f"{properties['samples']}: resume with the same data")
+    settings["samples"] = samples
+    epochs, batch_size, seed = int(settings["epochs"]), int(settings["batch_size"]), int(settings["seed"])
+    base_lr, schedule, warmup = float(settings["learning_rate"]), settings["lr_schedule"], int(settings["warmup_steps"])
+    batches = (samples + batch_size - 1) // batch_size
+    total_steps = epochs * batches
+
+    if resume:
+        epoch, step_in_epoch = int(properties["epoch"]), int(properties["step_in_epoch"])
+        global_step, loss_sum = int(properties["global_step"]), float(properties["epoch_loss_sum"])
+    else:
+        epoch, step_in_epoch, global_step, loss_sum = 0, 0, 0, 0.0
+    for key in SETTINGS:
+        properties[key] = settings[key]
+    if train_set.classes:
+        properties["classes"] = json.dumps(train_set.classes)
+    result = FitResult(paths.checkpoint, epoch, global_step, step_in_epoch, epoch >= epochs)
+
+    def save(finished: bool = False) -> None:
+        for key, value in zip(POSITION, (epoch, step_in_epoch, global_step, loss_sum, int(finished))):
+            properties[key] = value
+        session.save()
+        result.epochs, result.global_step, result.step_in_epoch = epoch, global_step, step_in_epoch
+        result.finished = finished
+
+    if epoch >= epochs:
+        save(finished=True)
+        return result
+    if log:
+        schedule_text = schedule + (f" after {warmup} warm-up steps" if warmup else "")
+        validating = f"; validating on {len(val_set)} samples" if val_set is not None else ""
+        log(f"training on {samples} samples ({batches} batches of {batch_size}) for {epochs} epochs; learning rate "
+            f"{base_lr:g}, {schedule_text}{validating}")
+        if resume:
+            log(f"resuming at epoch {epoch + 1}, step {step_in_epoch} of {batches} (global step {global_step})")
+    steps_this_call = 0
+    with _StopRequests(handle_signals) as stop:
+        while epoch < epochs:
+            module.train()
+            order = epoch_order(seed, epoch, samples)
+            bar = progress_bar(samples, f"epoch {epoch + 1:>{len(str(epochs))}}/{epochs}", progress_stream,
+                               unit="samples", initial=min(step_in_epoch * batch_size, samples),
+                               leave=False) if progress else None
+            started, seen = time.perf_counter(), 0
+            for batch in train_set.batches(batch_size, order, start=step_in_epoch):
+                optimizer.set_learning_rate(base_lr * lr_multiplier(schedule, global_step, total_steps, warmup))
+                outputs = module(*batch)
+                loss = float(outputs[0] if isinstance(outputs, list) else outputs)
+                if not math.isfinite(loss):
+                    if bar:
+                        bar.close()
+                    raise StateError(f"training diverged: the loss is {loss} at epoch {epoch + 1}, step "
+                                     f"{step_in_epoch + 1}; the checkpoint keeps the last saved state. "
+                                     "Lower the learning rate")
+                optimizer.step()
+                module.lazy_reset_grad()
+                count = len(batch[0])
+                step_in_epoch, global_step, steps_this_call = step_in_epoch + 1, global_step + 1, steps_this_call + 1
+                seen, loss_sum = seen + count, loss_sum + loss * count
+                if bar:
+                    bar.update(count, loss=loss_sum / min(step_in_epoch * batch_size, samples))
+                stopping = stop.requested or (stop_after_steps is not None and steps_this_call >= stop_after_steps)
+                if stopping or (checkpoint_every and global_step % checkpoint_every == 0):
+                    save()
+                if stopping:
+                    if bar:
+                        bar.close()
+                    result.stopped_by = stop.requested or "stop_after_steps"
+                    return result
+            if bar:
+                bar.close()
+            seconds = time.perf_counter() - started
+            record = {"epoch": epoch + 1, "loss": loss_sum / samples, "seconds": seconds,
+                      "samples_per_second": seen / seconds if seconds > 0 else 0.0}
+            if val_set is not None:
+                record.update({f"val_{k}": v for k, v in evaluate(session, val_set).items() if k != "samples"})
+                for key in ("val_loss", "val_accuracy", "val_mse"):
+                    if key in record:
+                        properties[key] = float(record[key])
+            result.history.append(record)
+            if log:
+                log(_epoch_line(record, epochs))
+            epoch, step_in_epoch, loss_sum = epoch + 1, 0, 0.0
+            save(finished=epoch >= epochs)
+            if stop.requested:
+                result.stopped_by = stop.requested
+                return result
+    return result
+
+
+def _epoch_line(record: dict, epochs: int) -> str:
+    width = len(str(epochs))
+    parts = [f"epoch {record['epoch']:>{width}}/{epochs}: loss {record['loss']:.4f}"]
+    if "val_loss" in record:
+        parts.append(f"val loss {record['val_loss']:.4f}")
+    if "val_accuracy" in record:
+        parts.append(f"val accuracy {record['val_accuracy']:.1%}")
+    if "val_mse" in record:
+        parts.append(f"val MSE {record['val_mse']:.4g}")
+    return ", ".join(parts) + f" ({record['samples_per_second']:,.0f} samples/s)"

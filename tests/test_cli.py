@@ -1,0 +1,463 @@
+"""The command line through its entry points: `python -m odtrain ...` in a subprocess, or odtrain.cli.main(argv).
+
+A small classifier (odtrain.demo's MLP) on a slice of the bundled digits: check, prepare, train, eval, export
+and inspect succeed; a run stopped mid-epoch (the stop hook, SIGINT, SIGKILL) and resumed ends with exactly
+the parameters and optimizer state of an uninterrupted run; wrong arguments and missing files give one line
+on stderr and a non-zero exit code.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+
+import odtrain
+from odtrain import checkpoint as checkpoint_file
+from odtrain import cli
+from odtrain.datasets import load_digits, train_test_split
+from odtrain.demo import build_classifier
+from odtrain.graph.ops import OPS
+
+SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(odtrain.__file__)))
+COMMANDS = ("check", "prepare", "train", "eval", "export", "inspect", "demo")
+TRAIN_SAMPLES, BATCH = 320, 32  # 10 steps per epoch
+
+
+def python_m_odtrain(cwd, *argv, timeout=600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "odtrain", *map(str, argv)], cwd=cwd, env=_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _env() -> dict:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [SOURCE_ROOT, os.environ.get("PYTHONPATH")])))
+
+
+def odtrain_main(capsys, *argv) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of cli.main(argv); argparse's exits become exit codes."""
+    try:
+        code = cli.main([str(a) for a in argv])
+    except SystemExit as exit_:
+        code = exit_.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got: {err!r}"
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """A folder with mlp.onnx, train.npz (input/labels), val.npz (x/y) and prepared artifacts in art/."""
+    folder = tmp_path_factory.mktemp("cli")
+    images, labels = load_digits()
+    train_x, val_x, train_y, val_y = train_test_split(images, labels, test_fraction=0.2, seed=0)
+    np.savez(folder / "train.npz", input=train_x[:TRAIN_SAMPLES], labels=train_y[:TRAIN_SAMPLES])
+    np.savez(folder / "val.npz", x=val_x[:100], y=val_y[:100])
+    onnx.save(build_classifier()[0], str(folder / "mlp.onnx"))
+    assert cli.main(["prepare", str(folder / "mlp.onnx"), "-o", str(folder / "art"), "--lr", "0.01"]) == 0
+    return folder
+
+
+@pytest.fixture()
+def here(workspace, monkeypatch):
+    monkeypatch.chdir(workspace)
+    return workspace
+
+
+def fresh_artifacts(workspace, name: str) -> str:
+    target = workspace / name
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(workspace / "art", target)
+    return name
+
+
+def trained_state(folder) -> tuple[dict, dict, dict]:
+    """(parameters, optimizer moments, properties) of a folder's checkpoint."""
+    contents = checkpoint_file.load(os.path.join(folder, "checkpoint"))
+    moments = {f"{s}/{n}": a for s, per in contents.optimizer_tensors.items() for n, a in per.items()}
+    return contents.parameters, moments, contents.properties
+
+
+def assert_same_state(left, right) -> None:
+    (params_a, moments_a, props_a), (params_b, moments_b, props_b) = trained_state(left), trained_state(right)
+    assert params_a.keys() == params_b.keys() and moments_a.keys() == moments_b.keys() and moments_a
+    for name in params_a:
+        np.testing.assert_array_equal(params_a[name], params_b[name], err_msg=name)
+    for name in moments_a:
+        np.testing.assert_array_equal(moments_a[name], moments_b[name], err_msg=name)
+    for key in ("epoch", "step_in_epoch", "global_step", "finished"):
+        assert props_a[key] == props_b[key], key
+
+
+# ---- help and entry point ----------------------------------------------------------------------------------
+
+
+def test_python_m_odtrain_lists_every_command(workspace):
+    result = python_m_odtrain(workspace, "--help")
+    assert result.returncode == 0, result.stderr
+    for command in COMMANDS:
+        assert f"    {command} " in result.stdout
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help(capsys, command):
+    code, out, _ = odtrain_main(capsys, command, "--help")
+    assert code == 0 and out.startswith(f"usage: odtrain {command}")
+
+
+# ---- check ------------------------------------------------------------------------------------------------
+
+
+def test_check_a_trainable_model(here, capsys):
+    code, out, err = odtrain_main(capsys, "check", "mlp.onnx")
+    assert code == 0 and not err
+    assert "Gemm x2, Relu" in out and "2,410 trainable in 4 tensors" in out and "odtrain can train this model" in out
+    code, out, _ = odtrain_main(capsys, "check", "mlp.onnx", "--train-last", "1", "--json")
+    report = json.loads(out)
+    assert code == 0 and report["trainable"] and report["error"] is None
+    assert report["parameters"] == {"trainable": 330, "frozen": 2080, "trainable_tensors": ["fc2.weight", "fc2.bias"],
+                                    "frozen_tensors": ["fc1.weight", "fc1.bias"]}
+
+
+def _model_with(path, middle_ops):
+    """input[batch, 64] -> fc1 -> middle ops (elementwise, in order) -> fc2 -> output[batch, 10]."""
+    rng = np.random.default_rng(0)
+    nodes, value = [helper.make_node("Gemm", ["input", "w1"], ["h0"], transB=1, name="fc1")], "h0"
+    for index, op_type in enumerate(middle_ops):
+        nodes.append(helper.make_node(op_type, [value], [f"h{index + 1}"], name=f"{op_type.lower()}_{index}"))
+        value = f"h{index + 1}"
+    nodes.append(helper.make_node("Gemm", [value, "w2"], ["output"], transB=1, name="fc2"))
+    weights = [numpy_helper.from_array(rng.normal(size=shape).astype(np.float32), name)
+               for name, shape in (("w1", (8, 64)), ("w2", (10, 8)))]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("input", 1, ["batch", 64])],
+                              [helper.make_tensor_value_info("output", 1, ["batch", 10])], weights)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+
+
+def test_check_names_the_nodes_without_kernel_or_gradient(here, capsys):
+    no_kernel = next(op for op in ("Hardmax", "Det", "NonZero") if ("", op) not in OPS)
+    no_gradient = next(op for op in ("Sign", "Floor", "Ceil", "Round")
+                       if ("", op) in OPS and OPS[("", op)].gradient is None)
+    _model_with(here / "odd.onnx", [no_gradient, no_kernel])
+    code, out, err = odtrain_main(capsys, "check", "odd.onnx")
+    assert code == 1
+    assert f"no kernel: {no_kernel} node '{no_kernel.lower()}_1'" in out
+    assert f"no gradient rule: {no_gradient} node '{no_gradient.lower()}_0'" in out
+    assert "cannot be trained" in one_line(err)
+
+    _model_with(here / "piecewise.onnx", [no_gradient])
+    code, out, err = odtrain_main(capsys, "check", "piecewise.onnx", "--json")
+    report = json.loads(out)
+    assert code == 1 and [n["node"] for n in report["no_gradient"]] == [f"{no_gradient.lower()}_0"]
+    assert "--train-last" in one_line(err)
+    code, out, err = odtrain_main(capsys, "check", "piecewise.onnx", "--train-last", "1")
+    assert code == 0 and not err and "80 trainable in 1 tensor (w2); 512 frozen" in out
+
+
+def test_check_lists_the_supported_ops(capsys):
+    code, out, _ = odtrain_main(capsys, "check", "--ops")
+    assert code == 0 and any(line.startswith("Gemm ") and "gradient rule" in line for line in out.splitlines())
+
+
+# ---- prepare ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("selection", [["--requires-grad", "fc2.*"], ["--freeze", "fc1.*"], ["--train-last", "1"]])
+def test_prepare_freezes_all_but_the_last_layer(here, capsys, selection):
+    shutil.rmtree(here / "partial", ignore_errors=True)
+    code, out, err = odtrain_main(capsys, "prepare", "mlp.onnx", "-o", "partial", "--optimizer", "sgd",
+                                  "--lr", "0.05", "--json", *selection)
+    assert code == 0 and not err
+    result = json.loads(out)
+    assert result["trainable"] == ["fc2.weight", "fc2.bias"] and result["frozen"] == ["fc1.weight", "fc1.bias"]
+    contents = checkpoint_file.load(here / "partial" / "checkpoint")
+    assert contents.trainable == ["fc2.weight", "fc2.bias"] and set(contents.parameters) == {
+        "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
+    assert contents.properties == {"learning_rate": 0.05, "loss": "ce", "optimizer": "sgd"}
+
+
+def test_prepare_text_output_and_refusal_to_overwrite(here, capsys):
+    shutil.rmtree(here / "again", ignore_errors=True)
+    code, out, _ = odtrain_main(capsys, "prepare", "mlp.onnx", "-o", "again")
+    assert code == 0
+    assert "artifacts written to again/: training_model.onnx, eval_model.onnx, optimizer_model.onnx, checkpoint" in out
+    assert "training data feeds: input float32[batch, 64], labels int64[batch]" in out
+    code, _, err = odtrain_main(capsys, "prepare", "mlp.onnx", "-o", "again")
+    assert code == 2 and "--force" in one_line(err)
+    assert odtrain_main(capsys, "prepare", "mlp.onnx", "-o", "again", "--force")[0] == 0
+
+
+# ---- train, eval, export, inspect --------------------------------------------------------------------------
+
+
+def test_walkthrough_through_python_m_odtrain(workspace):
+    folder = fresh_artifacts(workspace, "walk")
+    result = python_m_odtrain(workspace, "train", folder, "--data", "train.npz", "--val", "val.npz", "--epochs", "3",
+                              "--batch-size", BATCH, "--lr-schedule", "cosine", "--warmup", "5")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == ("training on 320 samples (10 batches of 32) for 3 epochs; learning rate 0.01, cosine after "
+                        "5 warm-up steps; validating on 100 samples")
+    assert [line.split(":")[0] for line in lines[1:4]] == ["epoch 1/3", "epoch 2/3", "epoch 3/3"]
+    assert "val accuracy" in lines[3] and "samples/s" in lines[3]
+    assert lines[4] == f"checkpoint: {folder}/checkpoint (3 epochs, 30 steps)"
+    accuracy = float(lines[3].split("val accuracy ")[1].split("%")[0])
+
+    result = python_m_odtrain(workspace, "eval", folder, "--data", "val.npz")
+    assert result.returncode == 0 and result.stdout.startswith("loss ")
+    assert f"accuracy {accuracy:.1f}% on 100 samples" in result.stdout
+
+    result = python_m_odtrain(workspace, "export", folder, "-o", "walk.onnx")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == ("inference model written to walk.onnx: input float32[batch, 64] -> "
+                                     "output float32[batch, 10]")
+    onnxruntime = pytest.importorskip("onnxruntime")
+    val = np.load(workspace / "val.npz")
+    (logits,) = onnxruntime.InferenceSession(str(workspace / "walk.onnx")).run(["output"], {"input": val["x"]})
+    assert abs((logits.argmax(axis=1) == val["y"]).mean() * 100 - accuracy) < 0.051
+
+    result = python_m_odtrain(workspace, "inspect", folder, "--json")
+    report = json.loads(result.stdout)
+    assert report["properties"]["global_step"] == 30 and report["properties"]["finished"] == 1
+    assert report["optimizer"]["kind"] == "AdamW" and report["optimizer"]["step"] == 30
+    assert [p["name"] for p in report["parameters"]] == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    plan = report["memory_plan"]["training step"]
+    assert plan["arena_bytes"] >= plan["lower_bound"] > 0
+
+
+def test_inspect_text_of_a_folder_and_of_a_checkpoint_file(here, capsys):
+    code, out, _ = odtrain_main(capsys, "inspect", "art", "--batch-size", "8", "--plan")
+    assert code == 0
+    assert "  fc1.weight  float32  [32, 64]" in out and "learning_rate  0.01" in out
+    assert "optimizer: no state saved yet" in out
+    assert "memory plan at batch size 8:" in out and "training step:  arena" in out and "lower bound" in out
+    code, out, _ = odtrain_main(capsys, "inspect", os.path.join("art", "checkpoint"))
+    assert code == 0 and "memory plan at batch size 32" in out
+
+
+def test_resume_after_a_stop_mid_epoch_gives_the_uninterrupted_result(here, capsys):
+    settings = ["--data", "train.npz", "--val", "val.npz", "--epochs", "3", "--batch-size", BATCH, "--lr-schedule",
+                "linear", "--warmup", "4", "--seed", "7", "--checkpoint-every", "4"]
+    whole, pieces = fresh_artifacts(here, "whole"), fresh_artifacts(here, "pieces")
+    code, out, _ = odtrain_main(capsys, "train", whole, *settings, "--json")
+    assert code == 0
+    uninterrupted = json.loads(out)
+
+    code, out, err = odtrain_main(capsys, "train", pieces, *settings, "--stop-after-steps", "13")
+    assert code == 130 and "stopped by stop_after_steps at epoch 2, step 3" in one_line(err)
+    assert "epoch 1/3:" in out and "epoch 2/3" not in out
+    code, out, err = odtrain_main(capsys, "train", pieces, "--data", "train.npz", "--val", "val.npz", "--resume",
+                                  "--stop-after-steps", "4")
+    assert code == 130 and "at epoch 2, step 7" in one_line(err)
+    assert "resuming at epoch 2, step 3 of 10 (global step 13)" in out
+    code, out, err = odtrain_main(capsys, "train", pieces, "--data", "train.npz", "--val", "val.npz", "--resume",
+                                  "--json")
+    assert code == 0 and not err
+    resumed = json.loads(out)
+    assert resumed["history"] == [dict(r, seconds=h["seconds"], samples_per_second=h["samples_per_second"])
+                                  for r, h in zip(uninterrupted["history"][1:], resumed["history"])]
+    assert_same_state(here / whole, here / pieces)
+
+    code, out, _ = odtrain_main(capsys, "train", pieces, "--data", "train.npz", "--resume")
+    assert code == 0 and "already finished its 3 epochs" in out
+    code, out, _ = odtrain_main(capsys, "train", pieces, "--data", "train.npz", "--resume", "--epochs", "4")
+    assert code == 0 and "epoch 4/4:" in out and "(4 epochs, 40 steps)" in out
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
+def test_a_killed_run_resumes_to_the_uninterrupted_result(here, capsys, signum):
+    settings = ["--data", "train.npz", "--epochs", "60", "--batch-size", BATCH, "--seed", "3", "--lr-schedule",
+                "cosine", "--checkpoint-every", "3"]
+    name = f"killed_{signum.name}"
+    killed, whole = fresh_artifacts(here, name), fresh_artifacts(here, name + "_whole")
+    process = subprocess.Popen([sys.executable, "-m", "odtrain", "train", killed, *map(str, settings)], cwd=here,
+                               env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline and process.poll() is None:
+            properties = checkpoint_file.load(here / killed / "checkpoint").properties
+            if properties.get("global_step", 0) >= 5:
+                break
+            time.sleep(0.01)
+        assert process.poll() is None, f"the run ended before it could be stopped: {process.communicate()}"
+        process.send_signal(signum)
+        out, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    properties = checkpoint_file.load(here / killed / "checkpoint").properties
+    assert properties["finished"] == 0 and properties["global_step"] < 600
+    if signum != signal.SIGKILL:
+        assert process.returncode == 128 + signum
+        line = one_line(err)
+        assert line.startswith(f"odtrain train: stopped by {signum.name} at epoch ") and "--resume" in line
+        assert f"epoch {properties['epoch'] + 1}, step {properties['step_in_epoch']};" in line
+    else:
+        assert process.returncode == -signal.SIGKILL
+        assert properties["global_step"] % 3 == 0 or properties["step_in_epoch"] == 0
+
+    code, _, err = odtrain_main(capsys, "train", killed, "--data", "train.npz", "--resume")
+    assert code == 0, err
+    assert odtrain_main(capsys, "train", whole, *settings)[0] == 0
+    assert_same_state(here / whole, here / killed)
+
+
+def test_a_new_run_over_an_unfinished_one_says_so(here, capsys):
+    folder = fresh_artifacts(here, "unfinished")
+    assert odtrain_main(capsys, "train", folder, "--data", "train.npz", "--stop-after-steps", "3")[0] == 130
+    code, _, err = odtrain_main(capsys, "train", folder, "--data", "train.npz")
+    assert code == 0 and "holds an unfinished run (epoch 1, step 3)" in one_line(err)
+
+
+# ---- data forms --------------------------------------------------------------------------------------------
+
+
+def test_npy_files_named_arrays_and_image_shaped_samples_give_the_same_metrics(here, capsys):
+    val = np.load(here / "val.npz")
+    np.save(here / "val_x.npy", val["x"].reshape(-1, 8, 8).astype(np.float64))
+    np.save(here / "val_y.npy", val["y"].astype(np.int32))
+    np.savez(here / "val_named.npz", pixels=val["x"], digit=val["y"], extra=np.zeros(3))
+    results = [json.loads(odtrain_main(capsys, "eval", "art", "--json", *data)[1]) for data in (
+        ["--data", "val.npz"], ["--data", "val_x.npy", "--data", "val_y.npy"],
+        ["--data", "val_named.npz", "--x", "pixels", "--y", "digit"])]
+    assert results[0]["samples"] == 100 and set(results[0]) == {"samples", "loss", "accuracy"}
+    assert results[1] == results[0] and results[2] == results[0]
+
+
+def _digit_folder(root, count=60):
+    from PIL import Image
+
+    images, labels = load_digits()
+    for index in range(count):
+        folder = root / f"digit_{labels[index]}"
+        folder.mkdir(parents=True, exist_ok=True)
+        pixels = (images[index].reshape(8, 8) * 255).round().astype(np.uint8)
+        Image.fromarray(pixels).resize((16, 16)).save(folder / f"{index}.png")
+    return sorted(set(labels[:count]))
+
+
+def test_a_folder_of_images_trains_a_classifier(here, capsys):
+    pytest.importorskip("PIL")
+    classes = _digit_folder(here / "digit_images")
+    if len(classes) != 10:
+        pytest.skip("the first images do not cover every class")
+    folder = fresh_artifacts(here, "from_images")
+    code, out, err = odtrain_main(capsys, "train", folder, "--data", "digit_images", "--epochs", "2", "--json")
+    assert code == 0, err
+    assert json.loads(out)["global_step"] == 2 * 2  # 60 images, batches of 32
+    properties = checkpoint_file.load(here / folder / "checkpoint").properties
+    assert json.loads(properties["classes"]) == [f"digit_{c}" for c in classes]
+    code, out, _ = odtrain_main(capsys, "eval", folder, "--data", "digit_images")
+    assert code == 0 and "on 60 samples" in out
+
+
+def test_a_folder_of_images_without_pillow_is_one_clear_line(here, capsys, monkeypatch):
+    (here / "no_pillow" / "cat").mkdir(parents=True, exist_ok=True)
+    monkeypatch.setitem(sys.modules, "PIL", None)
+    code, _, err = odtrain_main(capsys, "eval", "art", "--data", "no_pillow")
+    assert code == 2 and 'needs Pillow: pip install "odtrain[images]"' in one_line(err)
+
+
+def test_a_regression_model_reports_mse(here, capsys):
+    rng = np.random.default_rng(0)
+    weight = rng.normal(size=(1, 4)).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("Gemm", ["features", "w"], ["value"], transB=1, name="linear")], "r",
+                              [helper.make_tensor_value_info("features", 1, ["batch", 4])],
+                              [helper.make_tensor_value_info("value", 1, ["batch", 1])],
+                              [numpy_helper.from_array(np.zeros((1, 4), np.float32), "w")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(here / "linear.onnx"))
+    features = rng.normal(size=(200, 4)).astype(np.float32)
+    np.savez(here / "regression.npz", x=features, y=features @ weight.T)
+    shutil.rmtree(here / "linear", ignore_errors=True)
+    assert odtrain_main(capsys, "prepare", "linear.onnx", "-o", "linear", "--loss", "mse", "--lr", "0.05")[0] == 0
+    code, out, _ = odtrain_main(capsys, "train", "linear", "--data", "regression.npz", "--val", "regression.npz",
+                                "--epochs", "20", "--json")
+    assert code == 0 and json.loads(out)["history"][-1]["val_mse"] < 0.01
+    code, out, _ = odtrain_main(capsys, "eval", "linear", "--data", "regression.npz")
+    assert code == 0 and "MSE " in out and "MAE " in out and "accuracy" not in out
+
+
+# ---- errors: one line, non-zero -----------------------------------------------------------------------------
+
+
+ERRORS = [
+    (["train", "nowhere", "--data", "train.npz"], "artifact folder 'nowhere' does not exist"),
+    (["train", "art", "--data", "missing.npz"], "data file 'missing.npz' does not exist"),
+    (["train", "art"], "the following arguments are required: --data"),
+    (["train", "art", "--data", "train.npz", "--batch-size", "0"], "batch size must be at least 1"),
+    (["train", "art", "--data", "train.npz", "--lr-schedule", "step"], "invalid choice: 'step'"),
+    (["train", "art", "--data", "train.npz", "--epochs", "two"], "invalid int value: 'two'"),
+    (["train", "art", "--data", "train.npz", "--resume"], "holds no run to resume"),
+    (["train", "art", "--data", "mixed.npz"], "none is clearly the model's input 'input'"),
+    (["eval", "art", "--data", "train.npz", "--x", "pixels"], "has no array 'pixels'"),
+    (["eval", "art", "--data", "val_bad_labels.npz"], "holds non-integer values"),
+    (["check", "missing.onnx"], "model file 'missing.onnx' does not exist"),
+    (["check", "mlp.onnx", "--requires-grad", "conv*"], "'conv*' matches no parameter; the parameters are: fc1"),
+    (["prepare", "mlp.onnx", "-o", "x", "--train-last", "3"], "give a number from 1 to 2"),
+    (["prepare", "mlp.onnx", "-o", "x", "--freeze", "fc1.*", "--train-last", "1"], "not allowed with argument"),
+    (["export", "art", "-o", "out.onnx", "--outputs", "logits"], "graph_output_names ['logits']"),
+    (["export", "art", "-o", os.path.join("no", "such", "folder", "m.onnx")], "No such file or directory"),
+    (["inspect", "nowhere"], "'nowhere' is neither an artifact folder nor a checkpoint file"),
+    (["inspect", "train.npz"], "checkpoint 'train.npz' is"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+]
+
+
+@pytest.mark.parametrize("argv, message", ERRORS, ids=[" ".join(a)[:40] for a, _ in ERRORS])
+def test_errors_are_one_line_and_non_zero(here, capsys, argv, message):
+    np.savez(here / "mixed.npz", a=np.zeros((4, 64), np.float32), b=np.zeros(4, np.int64))
+    np.savez(here / "val_bad_labels.npz", x=np.zeros((4, 64), np.float32), y=np.full(4, 0.5))
+    code, out, err = odtrain_main(capsys, *argv)
+    assert code == 2
+    line = one_line(err)
+    assert line.startswith(f"odtrain {argv[0]}: error: ") or line.startswith("odtrain: error: "), line
+    assert message in line
+
+
+def test_errors_through_python_m_odtrain(workspace):
+    result = python_m_odtrain(workspace, "eval", "art", "--data", "nothing.npz")
+    assert result.returncode == 2 and not result.stdout
+    assert one_line(result.stderr) == "odtrain eval: error: data file 'nothing.npz' does not exist"
+
+
+# ---- the pieces under the commands -------------------------------------------------------------------------
+
+
+def test_learning_rate_schedules():
+    from odtrain.training import lr_multiplier
+
+    assert [lr_multiplier("constant", s, 10, 2) for s in (0, 1, 2, 9)] == [0.5, 1.0, 1.0, 1.0]
+    assert [lr_multiplier("linear", s, 10, 2) for s in (2, 6, 9)] == [1.0, 0.5, 0.125]
+    assert lr_multiplier("cosine", 2, 10, 2) == 1.0 and lr_multiplier("cosine", 6, 10, 2) == pytest.approx(0.5)
+    with pytest.raises(odtrain.ArgumentError, match="unknown learning-rate schedule"):
+        lr_multiplier("step", 5, 10, 0)
+
+
+def test_progress_bar_without_tqdm_redraws_one_line_on_a_terminal(monkeypatch):
+    import io
+
+    from odtrain.progress import Progress, progress_bar
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    stream = Terminal()
+    bar = progress_bar(64, "epoch 1/2", stream, unit="samples", leave=False)
+    assert isinstance(bar, Progress)
+    bar.update(32, loss=0.5)
+    bar.close()
+    drawn = stream.getvalue()
+    assert drawn.startswith("\repoch 1/2 [") and "32/64" in drawn and "samples/s loss=0.5" in drawn
+    assert drawn.endswith("\r") and "\n" not in drawn
