@@ -1,0 +1,80 @@
+"""Optimizer blocks: the optimizer model for a list of trainable parameters.
+
+    optimizer_block = onnxblock.optim.SGDMomentum(momentum=0.9, nesterov=True)
+    optimizer_model = optimizer_block.to_model_proto(training_block.parameters())
+
+AdamW is ONNX Runtime's (Hugging Face's); SGD and SGDMomentum follow torch.optim.SGD, momentum
+buffer included, which the checkpoint carries like AdamW's moments. The hyper-parameters are fixed
+in the optimizer model; the learning rate is set on the device (Optimizer.set_learning_rate).
+"""
+from __future__ import annotations
+
+import onnx
+
+from ..graph.errors import ArgumentError, StateError
+from ..graph.onnx_io import graph_to_proto
+from ..graph.optimizers import SGD as _SGDConfig
+from ..graph.optimizers import AdamW as _AdamWConfig
+from ..graph.optimizers import SGDMomentum as _SGDMomentumConfig
+from ..graph.optimizers import build_optimizer_graph
+from .blocks import Block
+
+
+def _parameter_names(parameters) -> list[str]:
+    """Trainable names from TrainingBlock.parameters() (trainable, frozen), or a list of tensors or names."""
+    if isinstance(parameters, tuple) and len(parameters) == 2 and all(isinstance(p, (list, tuple)) for p in parameters):
+        parameters = parameters[0]
+    names = [p if isinstance(p, str) else getattr(p, "name", None) for p in parameters]
+    if not names or not all(isinstance(n, str) for n in names):
+        raise ArgumentError("an optimizer block takes TrainingBlock.parameters(), or a list of trainable parameter "
+                            f"tensors or names; got {parameters!r}")
+    return names
+
+
+class _OptimizerBlock(Block):
+    """An optimizer model for a list of trainable parameters: call it with them, then to_model_proto()."""
+
+    config = None
+
+    def build(self, parameters):
+        self._parameters = _parameter_names(parameters)
+        return "updated_flag"
+
+    def __call__(self, parameters):
+        return self.build(parameters)  # needs no model: the optimizer model is built on its own
+
+    def to_model_proto(self, parameters=None) -> onnx.ModelProto:
+        if parameters is not None:
+            self.build(parameters)
+        if getattr(self, "_parameters", None) is None:
+            raise StateError(f"{type(self).__name__}.to_model_proto() needs the parameters: call the block with "
+                             "training_block.parameters() first, or pass them to to_model_proto(parameters)")
+        return graph_to_proto(build_optimizer_graph(self.config, self._parameters), producer="odtrain.onnxblock")
+
+
+class AdamW(_OptimizerBlock):
+    """AdamW (ONNX Runtime's; Hugging Face's), its hyper-parameters fixed in the optimizer model."""
+
+    def __init__(self, bias_correction: bool = True, betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.0,
+                 clip_grad=None):
+        if clip_grad is not None:
+            raise ArgumentError("clip_grad is not supported by odtrain's optimizer models yet; leave it None")
+        self.config = _AdamWConfig(betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                                   bias_correction=bool(bias_correction))
+
+
+class SGD(_OptimizerBlock):
+    """SGD as torch.optim.SGD: w -= lr·g, with optional momentum, dampening, Nesterov and weight decay."""
+
+    def __init__(self, momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False,
+                 weight_decay: float = 0.0):
+        plain = momentum == 0 and weight_decay == 0 and not nesterov
+        self.config = _SGDConfig() if plain else _SGDMomentumConfig(momentum, dampening, nesterov, weight_decay)
+
+
+class SGDMomentum(SGD):
+    """SGD with momentum (0.9 by default): b = μ·b + (1-τ)·g;  w -= lr·b, or lr·(g + μ·b) with Nesterov."""
+
+    def __init__(self, momentum: float = 0.9, dampening: float = 0.0, nesterov: bool = False,
+                 weight_decay: float = 0.0):
+        self.config = _SGDMomentumConfig(momentum, dampening, nesterov, weight_decay)
