@@ -19,8 +19,10 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import ModelError, UnsupportedOpError
+from .fusion import fuse_for_training
 from .ir import DEFAULT_DOMAIN, Graph, NameScope, Node
 from .ops import OPS, GradContext, lookup
+from .ops.nn import fuse_normalization_activations
 
 GRAD_SUFFIX = "_grad"
 LOSS_SEED = "loss_grad_seed"
@@ -77,7 +79,8 @@ def build_gradient_graph(graph: Graph, loss: str, trainable: list[str]) -> Graph
     `graph` computes `loss` (a scalar) among its outputs; `trainable` names
     values (parameters) that the loss depends on.
     """
-    training = graph.copy()
+    training = fuse_for_training(graph)  # a copy, with exported patterns fused (graph/fusion.py)
+    fuse_normalization_activations(training)  # BatchNormalization → Relu/Clip (graph/ops/nn.py)
     builder = BackwardBuilder(training)
     reaches_param = _depends_on(training, set(trainable))
     if loss not in reaches_param:

@@ -50,3 +50,7 @@ class StateError(OdtrainError, RuntimeError):
 
 class NonFiniteError(OdtrainError, FloatingPointError):
     """A NaN or infinity in an input, the loss or a gradient, found by Module(..., check_finite=True)."""
+
+
+class MemoryBudgetError(OdtrainError, ValueError):
+    """A memory budget that no plan, even with recomputation, can meet; names the smallest that works."""

@@ -1,8 +1,8 @@
 """Optimizer builders: the optimizer model, one fused update over flat buffers.
 
-The optimizer model holds a single node of odtrain's domain, `AdamW` or
-`SGD`, whose attributes are the hyper-parameters and the ordered list of
-parameters it updates. The runtime applies it as one loop over the flat
+The optimizer model holds a single node of odtrain's domain, `AdamW`,
+`SGD` or `SGDMomentum`, whose attributes are the hyper-parameters and the
+ordered list of parameters it updates. The runtime applies it as one loop over the flat
 parameter, gradient and moment buffers.
 
 AdamW follows ONNX Runtime's generated optimizer (and Hugging Face's AdamW):
@@ -10,6 +10,9 @@ AdamW follows ONNX Runtime's generated optimizer (and Hugging Face's AdamW):
     step_size = lr·√(1-β2ᵗ)/(1-β1ᵗ)   (lr when bias correction is off)
     w = w - step_size · m / (√v + ε);  then  w = w - lr·λ·w
 SGD: w = w - lr·g.
+SGDMomentum (torch.optim.SGD; μ momentum, τ dampening, λ weight decay):
+    d = g + λ·w;  b = d on the first step, else μ·b + (1-τ)·d
+    w = w - lr·(d + μ·b)  with Nesterov, else  w = w - lr·b
 """
 from __future__ import annotations
 
@@ -54,8 +57,32 @@ class SGD:
         return {}
 
 
-def parse_optimizer(optimizer) -> AdamW | SGD:
-    if isinstance(optimizer, (AdamW, SGD)):
+@dataclass
+class SGDMomentum:
+    """Stochastic gradient descent with momentum, dampening, Nesterov and weight decay, as torch.optim.SGD."""
+
+    momentum: float = 0.9
+    dampening: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    kind: str = field(default="SGDMomentum", init=False)
+    state_names = ("momentum_buffer",)
+
+    def __post_init__(self):
+        if self.momentum < 0 or self.weight_decay < 0 or not 0 <= self.dampening <= 1:
+            raise ArgumentError(f"SGDMomentum needs momentum >= 0, weight_decay >= 0 and 0 <= dampening <= 1; "
+                                f"got momentum={self.momentum}, dampening={self.dampening}, "
+                                f"weight_decay={self.weight_decay}")
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise ArgumentError("Nesterov momentum needs momentum > 0 and dampening = 0 (as torch.optim.SGD)")
+
+    def attributes(self) -> dict:
+        return {"momentum": float(self.momentum), "dampening": float(self.dampening),
+                "nesterov": int(bool(self.nesterov)), "weight_decay": float(self.weight_decay)}
+
+
+def parse_optimizer(optimizer) -> AdamW | SGD | SGDMomentum:
+    if isinstance(optimizer, (AdamW, SGD, SGDMomentum)):
         return optimizer
     if isinstance(optimizer, str) and optimizer in OptimType.__members__:
         optimizer = OptimType[optimizer]
@@ -65,28 +92,33 @@ def parse_optimizer(optimizer) -> AdamW | SGD:
         return SGD()
     raise ArgumentError(
         f"optimizer must be an odtrain.artifacts.OptimType ({list(OptimType.__members__)}) or an "
-        f"odtrain.artifacts.AdamW(...)/SGD() with hyper-parameters, got {optimizer!r}")
+        f"odtrain.artifacts.AdamW(...)/SGD()/SGDMomentum(...) with hyper-parameters, got {optimizer!r}")
 
 
-def build_optimizer_graph(optimizer: AdamW | SGD, parameters: list[str]) -> Graph:
+def build_optimizer_graph(optimizer: AdamW | SGD | SGDMomentum, parameters: list[str]) -> Graph:
     attrs = dict(optimizer.attributes(), parameters=list(parameters))
     inputs = ["learning_rate", "step", "params", "gradients"] + [f"{s}s" for s in optimizer.state_names]
     node = Node(optimizer.kind, inputs, ["updated_flag"], attrs, f"{optimizer.kind}_update", ODTRAIN_DOMAIN)
     return Graph([node], inputs, ["updated_flag"], opsets={"": 17}, name=f"{optimizer.kind}_optimizer")
 
 
-def read_optimizer_graph(graph: Graph, source: str) -> tuple[AdamW | SGD, list[str]]:
+def read_optimizer_graph(graph: Graph, source: str) -> tuple[AdamW | SGD | SGDMomentum, list[str]]:
     """The optimizer and its parameter list from a loaded optimizer model."""
-    if len(graph.nodes) != 1 or graph.nodes[0].domain != ODTRAIN_DOMAIN or graph.nodes[0].op_type not in ("AdamW", "SGD"):
-        raise ModelError(f"'{source}' is not an odtrain optimizer model (one ai.odtrain AdamW or SGD node); "
-                         "generate it with odtrain.artifacts.generate_artifacts")
+    kinds = ("AdamW", "SGD", "SGDMomentum")
+    if len(graph.nodes) != 1 or graph.nodes[0].domain != ODTRAIN_DOMAIN or graph.nodes[0].op_type not in kinds:
+        raise ModelError(f"'{source}' is not an odtrain optimizer model (one ai.odtrain AdamW, SGD or SGDMomentum "
+                         "node); generate it with odtrain.artifacts.generate_artifacts")
     node = graph.nodes[0]
     attrs = dict(node.attrs)
     parameters = list(attrs.pop("parameters", []))
     if node.op_type == "SGD":
         return SGD(), parameters
+    if node.op_type == "SGDMomentum":
+        return SGDMomentum(momentum=attrs["momentum"], dampening=attrs["dampening"], nesterov=bool(attrs["nesterov"]),
+                           weight_decay=attrs["weight_decay"]), parameters
     return AdamW(betas=(attrs["beta1"], attrs["beta2"]), eps=attrs["epsilon"], weight_decay=attrs["weight_decay"],
                  bias_correction=bool(attrs["bias_correction"])), parameters
 
 
-__all__ = ["OptimType", "AdamW", "SGD", "parse_optimizer", "build_optimizer_graph", "read_optimizer_graph", "asdict"]
+__all__ = ["OptimType", "AdamW", "SGD", "SGDMomentum", "parse_optimizer", "build_optimizer_graph",
+           "read_optimizer_graph", "asdict"]

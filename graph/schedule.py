@@ -56,7 +56,7 @@ def bind_types(graph: Graph, known: dict[str, TensorType], constants: dict[str, 
                 raise ModelError(f"{node.describe()}: output '{name}' has no static shape after binding inputs ({t})")
             types[name] = t
             if out_values is not None:
-                folded[name] = np.ascontiguousarray(out_values[i])
+                folded[name] = np.asarray(out_values[i], order="C")  # keeps 0-d values 0-d
     return types, folded
 
 
@@ -73,3 +73,60 @@ def execution_order(graph: Graph, folded: dict[str, np.ndarray], wanted: list[st
         needed.update(i for k, i in enumerate(node.inputs) if i and k not in shape_only)
     order.reverse()
     return order
+
+
+def memory_aware_order(order: list[Node], nbytes: dict[str, int], keep: set[str],
+                       first: Node | None = None) -> list[Node]:
+    """A topological reordering that greedily keeps fewer bytes alive.
+
+    At each step, among the nodes whose inputs are ready, run the one that frees the most
+    bytes net of what it allocates (a value is freed when its last reader runs); ties keep the
+    original order. `nbytes` gives the size of every value held in the arena (others count 0);
+    values in `keep` (graph outputs) are never freed. `first`, when given, runs before every
+    node that does not lead to it (the loss before the backward pass). O(n²) in the nodes.
+    """
+    producers = {o: index for index, node in enumerate(order) for o in node.outputs if o}
+    readers: dict[str, set[int]] = {}
+    for index, node in enumerate(order):
+        for name in set(node.inputs):
+            if name in producers:
+                readers.setdefault(name, set()).add(index)
+    waiting = [len({producers[i] for i in set(node.inputs) if i in producers}) for node in order]
+    dependents: dict[int, list[int]] = {}
+    for index, node in enumerate(order):
+        for producer in {producers[i] for i in set(node.inputs) if i in producers}:
+            dependents.setdefault(producer, []).append(index)
+    if first is not None:
+        barrier = next(i for i, node in enumerate(order) if node is first)
+        ancestors, stack = {barrier}, [barrier]
+        while stack:
+            for name in set(order[stack.pop()].inputs):
+                if name in producers and producers[name] not in ancestors:
+                    ancestors.add(producers[name])
+                    stack.append(producers[name])
+        for index in range(len(order)):
+            if index not in ancestors:
+                waiting[index] += 1
+                dependents.setdefault(barrier, []).append(index)
+    ready = [index for index, count in enumerate(waiting) if count == 0]
+    remaining_readers = {name: set(indices) for name, indices in readers.items()}
+    result: list[Node] = []
+    while ready:
+        def gain(index: int) -> int:
+            node = order[index]
+            allocated = sum(nbytes.get(o, 0) for o in node.outputs if o)
+            freed = sum(nbytes.get(i, 0) for i in set(node.inputs)
+                        if i in remaining_readers and i not in keep and remaining_readers[i] == {index})
+            return freed - allocated
+
+        chosen = max(ready, key=lambda index: (gain(index), -index))
+        ready.remove(chosen)
+        result.append(order[chosen])
+        for name in set(order[chosen].inputs):
+            if name in remaining_readers:
+                remaining_readers[name].discard(chosen)
+        for dependent in dependents.get(chosen, []):
+            waiting[dependent] -= 1
+            if waiting[dependent] == 0:
+                ready.append(dependent)
+    return result

@@ -1,72 +1,246 @@
-"""Matrix products through BLAS (`np.dot` inside Numba reaches scipy's BLAS).
+"""Matrix products through BLAS: Gemm, MatMul (batch broadcasting, 1-D operands) and MatMul's gradients.
 
-Transposes are never copied: the binding passes `A.T` views, which Numba
-sees as Fortran-ordered arrays and hands to BLAS with a transpose flag.
+Every product is one call of `_gemm_batched`: BLAS ?gemm per matrix of a batch, with the
+transpose flags, element offsets and accumulation (beta) worked out once at bind time.
+Transposes are never copied, and a gradient summed over broadcast batch axes accumulates
+in place (beta = 1) instead of materialising per-batch products. Where the batch can be
+folded into the rows of one product (activations times a weight matrix, and the weight's
+gradient), it is a single large BLAS call.
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
-from . import binding
-from .layout import element_strides
+from . import ODTRAIN_DOMAIN, binding
+from .elementwise import gather_call
+from .layout import broadcast_layout, element_strides
+
+
+@intrinsic
+def _blas_gemm(typingctx, trans_a, trans_b, m, n, k, alpha, a, a_offset, lda, b, b_offset, ldb, beta, c, c_offset, ldc):
+    """Row-major c[m, n] = alpha · op(a)[m, k] · op(b)[k, n] + beta · c, through BLAS ?gemm.
+
+    Operands are flat arrays with element offsets and row strides (lda, ldb, ldc), so any
+    matrix of a batch, or a strided block, is one call without a copy. BLAS is column-major:
+    the row-major product is computed as cᵀ = op(b)ᵀ · op(a)ᵀ. Numba exports `numba_xxgemm`,
+    which finds scipy's BLAS at run time: the same route `np.dot` takes, with the transpose
+    flags, offsets and beta that `np.dot` does not expose.
+    """
+    sig = types.int32(trans_a, trans_b, m, n, k, alpha, a, a_offset, lda, b, b_offset, ldb, beta, c, c_offset, ldc)
+    dtype = c.dtype
+    kind = {"float32": "s", "float64": "d"}[str(dtype)]
+
+    def codegen(context, builder, signature, args):
+        ir = cgutils.ir  # llvmlite's IR module, as numba's own BLAS calls use it
+        ta, tb, m_, n_, k_, alpha_, a_, aoff, lda_, b_, boff, ldb_, beta_, c_, coff, ldc_ = args
+        arg_types = signature.args
+        intp = context.get_value_type(types.intp)
+        char = ir.IntType(8)
+        void_ptr = ir.IntType(8).as_pointer()
+
+        def index(value, i):
+            return context.cast(builder, value, arg_types[i], types.intp)
+
+        def pointer(array, i, offset, j):
+            data = context.make_array(arg_types[i])(context, builder, array).data
+            return builder.bitcast(builder.gep(data, [index(offset, j)]), void_ptr)
+
+        def flag(value, i):
+            transposed = builder.icmp_signed("!=", index(value, i), ir.Constant(intp, 0))
+            return builder.select(transposed, ir.Constant(char, ord("t")), ir.Constant(char, ord("n")))
+
+        alpha_slot = cgutils.alloca_once_value(builder, context.cast(builder, alpha_, arg_types[5], dtype))
+        beta_slot = cgutils.alloca_once_value(builder, context.cast(builder, beta_, arg_types[12], dtype))
+        fnty = ir.FunctionType(ir.IntType(32), [char, char, char, intp, intp, intp, void_ptr, void_ptr, intp,
+                                                void_ptr, intp, void_ptr, void_ptr, intp])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "numba_xxgemm")
+        return builder.call(fn, (ir.Constant(char, ord(kind)), flag(tb, 1), flag(ta, 0),
+                                 index(n_, 3), index(m_, 2), index(k_, 4), builder.bitcast(alpha_slot, void_ptr),
+                                 pointer(b_, 9, boff, 10), index(ldb_, 11), pointer(a_, 6, aoff, 7), index(lda_, 8),
+                                 builder.bitcast(beta_slot, void_ptr), pointer(c_, 13, coff, 14), index(ldc_, 15)))
+
+    return sig, codegen
 
 
 @njit(cache=True, error_model="numpy")
-def _gemm(a, b, out, alpha):
-    """out = alpha · a · b."""
-    np.dot(a, b, out)
-    if alpha != 1.0:
-        for i in range(out.shape[0]):
-            for j in range(out.shape[1]):
-                out[i, j] *= alpha
+def _gemm_batched(a, b, out, m, n, k, trans_a, trans_b, lda, ldb, ldc, a_offsets, b_offsets, out_offsets, betas, alpha):
+    """out[o_i] = alpha · op(a[a_i]) · op(b[b_i]) + betas[i] · out[o_i] for each product i of a batch."""
+    for i in range(a_offsets.size):
+        _blas_gemm(trans_a, trans_b, m, n, k, alpha, a, a_offsets[i], lda, b, b_offsets[i], ldb, betas[i],
+                   out, out_offsets[i], ldc)
 
 
 @njit(cache=True, error_model="numpy")
-def _gemm_bias(a, b, c, out, alpha, beta, c_row_stride, c_col_stride):
-    """out = alpha · a · b + beta · c, with c broadcast through its element strides."""
-    np.dot(a, b, out)
-    for i in range(out.shape[0]):
-        for j in range(out.shape[1]):
-            out[i, j] = alpha * out[i, j] + beta * c[i * c_row_stride + j * c_col_stride]
+def _zero(out):
+    for i in range(out.size):
+        out[i] = 0
 
 
-@njit(cache=True, error_model="numpy")
-def _batched_matmul(a, b, out, a_index, b_index):
-    """out[k] = a[a_index[k]] · b[b_index[k]] over flattened batch dimensions."""
-    for k in range(out.shape[0]):
-        np.dot(a[a_index[k]], b[b_index[k]], out[k])
+def _batch_offsets(batch: tuple, full: tuple, matrix_size: int) -> np.ndarray:
+    """For each flat position of the `full` batch, the element offset of the matrix an operand uses."""
+    if not full:
+        return np.zeros(1, dtype=np.int64)
+    strides = np.array(element_strides(batch, full), dtype=np.int64) * matrix_size
+    grid = np.indices(full).reshape(len(full), -1)
+    return (strides[:, None] * grid).sum(axis=0).astype(np.int64)
+
+
+def gemm_calls(a: np.ndarray, b: np.ndarray, out: np.ndarray, trans_a: int = 0, trans_b: int = 0,
+               alpha: float = 1.0, accumulate: bool = False) -> list:
+    """out = alpha · op(a) · op(b) (+ out when accumulate) over numpy-broadcast batch axes, for arrays of
+    rank >= 2. Batch axes that `out` lacks (or has as 1) are summed: each product adds into its slot."""
+    if a.dtype not in (np.float32, np.float64) or b.dtype != a.dtype or out.dtype != a.dtype:
+        raise ValueError(f"matrix products run on float32 or float64, got {a.dtype} and {b.dtype}")
+    m, k = (a.shape[-1], a.shape[-2]) if trans_a else (a.shape[-2], a.shape[-1])
+    n = b.shape[-2] if trans_b else b.shape[-1]
+    a_batch, b_batch, out_batch = a.shape[:-2], b.shape[:-2], out.shape[:-2]
+    full = broadcast_batch(a_batch, b_batch, out_batch)
+    count = int(np.prod(full, dtype=np.int64))
+    a_size, b_size, out_size = a.shape[-2] * a.shape[-1], b.shape[-2] * b.shape[-1], m * n
+    whole = (lambda batch: int(np.prod(batch, dtype=np.int64)) == count)
+    shared = (lambda batch: int(np.prod(batch, dtype=np.int64)) == 1)
+    lda, ldb, ldc = a.shape[-1], b.shape[-1], n
+    beta0 = 1.0 if accumulate else 0.0
+    one = np.zeros(1, dtype=np.int64)
+    if count > 1 and shared(b_batch) and whole(a_batch) and whole(out_batch) and not trans_a:
+        # a batch of row blocks times one matrix: a single product with count·m rows
+        return _calls(a, b, out, count * m, n, k, trans_a, trans_b, lda, ldb, ldc, one, one, one, [beta0], alpha)
+    if count > 1 and shared(out_batch) and whole(a_batch) and whole(b_batch) and trans_a and not trans_b:
+        # Σ_i a_iᵀ · b_i = aᵀ · b with the batches stacked along the rows: one product with count·k_rows
+        return _calls(a, b, out, m, n, count * a.shape[-2], 1, 0, lda, ldb, ldc, one, one, one, [beta0], alpha)
+    a_offsets = _batch_offsets(a_batch, full, a_size)
+    b_offsets = _batch_offsets(b_batch, full, b_size)
+    out_offsets = _batch_offsets(out_batch, full, out_size)
+    betas, seen = [], set()
+    for offset in out_offsets:
+        betas.append(1.0 if accumulate or offset in seen else 0.0)
+        seen.add(int(offset))
+    return _calls(a, b, out, m, n, k, trans_a, trans_b, lda, ldb, ldc, a_offsets, b_offsets, out_offsets, betas, alpha)
+
+
+def _calls(a, b, out, m, n, k, trans_a, trans_b, lda, ldb, ldc, a_offsets, b_offsets, out_offsets, betas, alpha):
+    dtype = out.dtype.type
+    if m == 0 or n == 0:
+        return []
+    if k == 0:  # an empty sum: the product is zero (BLAS refuses zero leading dimensions)
+        return [] if all(beta == 1.0 for beta in betas) else [(_zero, (out.reshape(-1),))]
+    lda, ldb, ldc = max(int(lda), 1), max(int(ldb), 1), max(int(ldc), 1)
+    return [(_gemm_batched, (a.reshape(-1), b.reshape(-1), out.reshape(-1), int(m), int(n), int(k), int(trans_a),
+                             int(trans_b), int(lda), int(ldb), int(ldc), a_offsets, b_offsets, out_offsets,
+                             np.asarray(betas, dtype=out.dtype), dtype(alpha)))]
+
+
+def broadcast_batch(*batches: tuple) -> tuple:
+    rank = max((len(b) for b in batches), default=0)
+    padded = [(1,) * (rank - len(b)) + tuple(b) for b in batches]
+    return tuple(max(dims) for dims in zip(*padded)) if rank else ()
 
 
 @binding("Gemm")
 def Gemm(inputs, outputs, alpha=1.0, beta=1.0, transA=0, transB=0):
-    a = inputs[0].T if transA else inputs[0]
-    b = inputs[1].T if transB else inputs[1]
-    out = outputs[0]
+    a, b, out = inputs[0], inputs[1], outputs[0]
     c = inputs[2] if len(inputs) > 2 else None
     if c is None or beta == 0.0:
-        return [(_gemm, (a, b, out, out.dtype.type(alpha)))]
-    row_stride, col_stride = element_strides(c.shape, out.shape)[-2:] if c.ndim else (0, 0)
-    if c.ndim == 1:
-        row_stride, col_stride = 0, element_strides(c.shape, out.shape)[-1]
-    return [(_gemm_bias, (a, b, c.reshape(-1), out, out.dtype.type(alpha), out.dtype.type(beta), row_stride, col_stride))]
+        return gemm_calls(a, b, out, transA, transB, alpha)
+    # out ← beta · C (broadcast), then out += alpha · A' · B' inside BLAS
+    dims, _, sc = broadcast_layout(out.shape, c.shape)
+    return [gather_call(c, out, dims, sc, beta)] + gemm_calls(a, b, out, transA, transB, alpha, accumulate=True)
+
+
+def _promoted(a_shape: tuple, b_shape: tuple, y_shape: tuple):
+    """MatMul's operands as matrices (1-D promoted) and the output shape that goes with them."""
+    a2 = (1,) + tuple(a_shape) if len(a_shape) == 1 else tuple(a_shape)
+    b2 = tuple(b_shape) + (1,) if len(b_shape) == 1 else tuple(b_shape)
+    y2 = tuple(y_shape)
+    if len(a_shape) == 1:
+        y2 = y2[:len(y2) - (0 if len(b_shape) == 1 else 1)] + (1,) + y2[len(y2) - (0 if len(b_shape) == 1 else 1):]
+    if len(b_shape) == 1:
+        y2 = y2 + (1,)
+    return a2, b2, y2
 
 
 @binding("MatMul")
 def MatMul(inputs, outputs):
     a, b, out = inputs[0], inputs[1], outputs[0]
-    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
-    if b.ndim == 2:  # a batch of rows times one matrix: a single BLAS call
-        return [(_gemm, (a.reshape(-1, k), b, out.reshape(-1, n), out.dtype.type(1.0)))]
-    batch = out.shape[:-2]
-    count = int(np.prod(batch, dtype=np.int64))
-    a_index = _batch_index(a.shape[:-2], batch)
-    b_index = _batch_index(b.shape[:-2], batch)
-    return [(_batched_matmul, (a.reshape(-1, m, k), b.reshape(-1, k, n), out.reshape(count, m, n), a_index, b_index))]
+    a2, b2, y2 = _promoted(a.shape, b.shape, out.shape)
+    return gemm_calls(a.reshape(a2), b.reshape(b2), out.reshape(y2))
 
 
-def _batch_index(shape: tuple, batch: tuple) -> np.ndarray:
-    """For each flat batch position of the output, the flat batch position of an operand."""
-    strides = np.array(element_strides(shape, batch) if batch else [], dtype=np.int64)
-    grid = np.indices(batch).reshape(len(batch), -1) if batch else np.zeros((0, 1), dtype=np.int64)
-    return (strides[:, None] * grid).sum(axis=0).astype(np.int64)
+@binding("MatMulGradA", ODTRAIN_DOMAIN)
+def MatMulGradA(inputs, outputs):
+    """dA = dY · Bᵀ, summed over the batch axes A was broadcast along."""
+    dy, b, da = inputs[0], inputs[1], outputs[0]
+    a2, b2, y2 = _promoted(da.shape, b.shape, dy.shape)
+    return gemm_calls(dy.reshape(y2), b.reshape(b2), da.reshape(a2), trans_b=1)
+
+
+@binding("MatMulGradB", ODTRAIN_DOMAIN)
+def MatMulGradB(inputs, outputs):
+    """dB = Aᵀ · dY, summed over the batch axes B was broadcast along."""
+    a, dy, db = inputs[0], inputs[1], outputs[0]
+    a2, b2, y2 = _promoted(a.shape, db.shape, dy.shape)
+    return gemm_calls(a.reshape(a2), dy.reshape(y2), db.reshape(b2), trans_a=1)
+
+
+def _matrix_layout(view: np.ndarray, trans: int):
+    """(BLAS transpose flag, leading dimension) reading the last two axes of a strided view, or None
+    when neither axis is contiguous (then BLAS cannot read it in place)."""
+    rows, cols = view.shape[-2:]
+    row_stride, col_stride = (s // view.itemsize for s in view.strides[-2:])
+    if cols == 1 or col_stride == 1:
+        return trans, max(row_stride if rows > 1 else cols, cols, 1)
+    if rows == 1 or row_stride == 1:
+        return 1 - trans, max(col_stride if cols > 1 else rows, rows, 1)
+    return None
+
+
+def _view_offsets(view: np.ndarray, base: np.ndarray, full: tuple) -> np.ndarray:
+    """Element offset, from base's first element, of the matrix a view uses at each position of `full`."""
+    start = (view.ctypes.data - base.ctypes.data) // view.itemsize
+    batch = view.shape[:-2]
+    pad = len(full) - len(batch)
+    strides = [0] * pad + [s // view.itemsize if d != 1 else 0 for d, s in zip(batch, view.strides[:-2])]
+    if not full:
+        return np.full(1, start, dtype=np.int64)
+    grid = np.indices(full).reshape(len(full), -1)
+    return (start + (np.array(strides, dtype=np.int64)[:, None] * grid).sum(axis=0)).astype(np.int64)
+
+
+def view_gemm_calls(a: np.ndarray, a_view: np.ndarray, b: np.ndarray, b_view: np.ndarray, out: np.ndarray,
+                    out_view: np.ndarray, trans_a: int, trans_b: int, alpha: float) -> list:
+    """out_view = alpha · op(a_view) · op(b_view) where the views are strided views (transposes) of the
+    contiguous arrays a, b and out: BLAS reads and writes them in place, one call per matrix of the batch,
+    summing into the output matrices that several batch positions share."""
+    if out_view.shape[-1] != 1 and out_view.strides[-1] != out_view.itemsize:
+        # a column-major output: compute its transpose, outᵀ = op(b)ᵀ · op(a)ᵀ, row-major
+        swap = tuple(range(out_view.ndim - 2)) + (out_view.ndim - 1, out_view.ndim - 2)
+        return view_gemm_calls(b, b_view, a, a_view, out, out_view.transpose(swap), 1 - trans_b, 1 - trans_a, alpha)
+    layouts = [_matrix_layout(a_view, trans_a), _matrix_layout(b_view, trans_b), _matrix_layout(out_view, 0)]
+    if any(layout is None for layout in layouts):
+        raise ValueError("a matrix product over a layout with no contiguous axis")
+    (flag_a, lda), (flag_b, ldb), (_, ldc) = layouts
+    m, n = out_view.shape[-2:]
+    k = a_view.shape[-2] if trans_a else a_view.shape[-1]
+    full = broadcast_batch(a_view.shape[:-2], b_view.shape[:-2], out_view.shape[:-2])
+    out_offsets = _view_offsets(out_view, out, full)
+    betas, seen = [], set()
+    for offset in out_offsets:
+        betas.append(1.0 if offset in seen else 0.0)
+        seen.add(int(offset))
+    return _calls(a, b, out, m, n, k, flag_a, flag_b, lda, ldb, ldc, _view_offsets(a_view, a, full),
+                  _view_offsets(b_view, b, full), out_offsets, betas, alpha)
+
+
+@binding("FusedMatMul", ODTRAIN_DOMAIN)
+def FusedMatMul(inputs, outputs, transA=0, transB=0, alpha=1.0, permA=None, permB=None, permY=None):
+    """out = alpha · op(A') · op(B') stored through permY, summed over the batch axes `out` lacks."""
+    a, b, out = inputs[0], inputs[1], outputs[0]
+    if permA is None and permB is None and permY is None:
+        return gemm_calls(a, b, out, int(transA), int(transB), float(alpha))
+    a_view = a.transpose(permA) if permA is not None else a
+    b_view = b.transpose(permB) if permB is not None else b
+    out_view = out.transpose(np.argsort(permY)) if permY is not None else out
+    return view_gemm_calls(a, a_view, b, b_view, out, out_view, int(transA), int(transB), float(alpha))

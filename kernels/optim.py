@@ -5,6 +5,9 @@ AdamW (ONNX Runtime's generated optimizer; Hugging Face's AdamW):
     w ← w - step_size · m / (√v + ε),  step_size = lr·√(1-β2ᵗ)/(1-β1ᵗ) with bias correction, else lr
     w ← w - lr·λ·w
 SGD: w ← w - lr·g.
+SGD with momentum (torch.optim.SGD; μ momentum, τ dampening, λ weight decay):
+    d ← g + λ·w;  b ← d on the first step, else μ·b + (1-τ)·d
+    w ← w - lr·(d + μ·b) with Nesterov, else w ← w - lr·b
 """
 from __future__ import annotations
 
@@ -26,10 +29,15 @@ def adamw_update(w, g, m, v, lr, beta1, beta2, eps, weight_decay, step, bias_cor
     size = np.float32(step_size)
     e = np.float32(eps)
     decay = np.float32(lr * weight_decay)
+    tiny = np.float32(1.1754944e-38)  # the smallest normal float32
     for i in range(w.size):
         gi = g[i]
         mi = b1 * m[i] + one_minus_beta1 * gi
         vi = b2 * v[i] + one_minus_beta2 * gi * gi
+        # Decaying moments would go subnormal, and subnormal arithmetic is many times slower on
+        # most CPUs; below the normal range they are flushed to zero (their update is < 1e-32).
+        mi = mi if abs(mi) >= tiny else mi * 0
+        vi = vi if vi >= tiny else vi * 0
         m[i] = mi
         v[i] = vi
         wi = w[i] - size * mi / (np.sqrt(vi) + e)
@@ -43,6 +51,23 @@ def sgd_update(w, g, lr):
     rate = np.float32(lr)
     for i in range(w.size):
         w[i] -= rate * g[i]
+
+
+@njit(cache=True, error_model="numpy")
+def sgd_momentum_update(w, g, b, lr, momentum, dampening, weight_decay, nesterov, first_step):
+    rate = np.float32(lr)
+    mu = np.float32(momentum)
+    keep = np.float32(1.0 - dampening)
+    decay = np.float32(weight_decay)
+    for i in range(w.size):
+        d = g[i]
+        if decay != 0:
+            d = d + decay * w[i]
+        if mu != 0:
+            bi = d if first_step else mu * b[i] + keep * d
+            b[i] = bi
+            d = d + mu * bi if nesterov else bi
+        w[i] -= rate * d
 
 
 @njit(cache=True, error_model="numpy")

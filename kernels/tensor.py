@@ -1,9 +1,85 @@
-"""Layout kernels: Transpose as a strided gather. (Reshape, Flatten and Identity are arena views.)"""
+"""Layout and indexing kernels: Transpose, Expand, Tile, Slice, Concat, Split, Gather*, Scatter*, Cast, fills.
+
+(Reshape, Flatten, Squeeze, Unsqueeze and Identity are arena views; Shape, Constant, Range and
+ConstantOfShape usually fold to constants before a step.)
+
+Most ops here are one strided copy, `_copy_strided`: 6 nested loops over a coalesced index
+space, with a start offset and element strides for the source and the destination, so a
+slice, a concatenation slot, a broadcast or a tile is a stride pattern computed once when the
+graph is bound. Gathers check every index against the axis length and raise ValueError
+(an InputError for the caller) instead of reading out of bounds.
+"""
 from __future__ import annotations
 
-from . import binding
-from .elementwise import gather_call
-from .layout import coalesce, element_strides
+import numpy as np
+from numba import njit
+
+from . import ODTRAIN_DOMAIN, binding
+from .layout import element_strides, flat
+
+COPY_DIMS = 6
+SCATTER = {"none": 0, "add": 1, "mul": 2, "max": 3, "min": 4}
+
+
+# ---- strided copies ---------------------------------------------------------------------------
+
+
+@njit(cache=True, error_model="numpy")
+def _copy_strided(x, x_start, sx, out, out_start, so, dims, accumulate):
+    """out[out_start + Σ i·so] (+)= x[x_start + Σ i·sx] for every index i < dims (6 axes)."""
+    for i0 in range(dims[0]):
+        for i1 in range(dims[1]):
+            for i2 in range(dims[2]):
+                for i3 in range(dims[3]):
+                    for i4 in range(dims[4]):
+                        ix = x_start + i0 * sx[0] + i1 * sx[1] + i2 * sx[2] + i3 * sx[3] + i4 * sx[4]
+                        io = out_start + i0 * so[0] + i1 * so[1] + i2 * so[2] + i3 * so[3] + i4 * so[4]
+                        if accumulate:
+                            for i5 in range(dims[5]):
+                                out[io + i5 * so[5]] += x[ix + i5 * sx[5]]
+                        elif sx[5] == 1 and so[5] == 1:
+                            for i5 in range(dims[5]):
+                                out[io + i5] = x[ix + i5]
+                        else:
+                            for i5 in range(dims[5]):
+                                out[io + i5 * so[5]] = x[ix + i5 * sx[5]]
+
+
+@njit(cache=True, error_model="numpy")
+def _fill(out, value):
+    for i in range(out.size):
+        out[i] = value
+
+
+def layout6(dims, x_strides, out_strides):
+    """Drop size-1 axes, merge axes both operands walk contiguously, pad at the front to 6 axes."""
+    merged: list = []
+    for d, a, b in zip(dims, x_strides, out_strides):
+        if d == 1:
+            continue
+        if merged and merged[-1][1] == a * d and merged[-1][2] == b * d:
+            merged[-1] = (merged[-1][0] * d, a, b)
+        else:
+            merged.append((d, a, b))
+    if len(merged) > COPY_DIMS:
+        raise ValueError(f"a strided copy over {len(merged)} axes {tuple(dims)} exceeds {COPY_DIMS}")
+    pad = [(1, 0, 0)] * (COPY_DIMS - len(merged))
+    rows = pad + merged
+    return (np.array([r[0] for r in rows], np.int64), np.array([r[1] for r in rows], np.int64),
+            np.array([r[2] for r in rows], np.int64))
+
+
+def copy_call(x, x_start, x_strides, out, out_start, out_strides, dims, accumulate=False):
+    d, sx, so = layout6(dims, x_strides, out_strides)
+    return (_copy_strided, (flat(x), int(x_start), sx, flat(out), int(out_start), so, d, bool(accumulate)))
+
+
+def fill_call(out, value=0):
+    return (_fill, (flat(out), out.dtype.type(value)))
+
+
+def _c_strides(shape):
+    return element_strides(shape, shape)
 
 
 @binding("Transpose")
@@ -11,5 +87,390 @@ def Transpose(inputs, outputs, perm=None):
     x, out = inputs[0], outputs[0]
     perm = list(range(x.ndim))[::-1] if perm is None else [int(p) for p in perm]
     source_strides = element_strides(x.shape, x.shape)
-    dims, strides = coalesce(out.shape, [source_strides[p] for p in perm])
-    return [gather_call(x, out, dims, strides)]
+    return [copy_call(x, 0, [source_strides[p] for p in perm], out, 0, element_strides(out.shape, out.shape),
+                      out.shape)]
+
+
+@binding("Expand")
+def Expand(inputs, outputs):
+    x, out = inputs[0], outputs[0]
+    return [copy_call(x, 0, element_strides(x.shape, out.shape), out, 0, _c_strides(out.shape), out.shape)]
+
+
+def _tile_layout(x_shape, repeats):
+    """The output seen as [r0, d0, r1, d1, ...]: strides into x (0 along repeats) and into the output."""
+    dims, sx, so = [], [], []
+    x_strides, out_strides = _c_strides(x_shape), _c_strides(tuple(d * r for d, r in zip(x_shape, repeats)))
+    for d, r, s, o in zip(x_shape, repeats, x_strides, out_strides):
+        dims += [r, d]
+        sx += [0, s]
+        so += [o * d, o]
+    return dims, sx, so
+
+
+@binding("Tile")
+def Tile(inputs, outputs):
+    x, out = inputs[0], outputs[0]
+    dims, sx, so = _tile_layout(x.shape, [int(r) for r in inputs[1].reshape(-1)])
+    return [copy_call(x, 0, sx, out, 0, so, dims)]
+
+
+@binding("TileGrad", ODTRAIN_DOMAIN)
+def TileGrad(inputs, outputs):
+    dy, out = inputs[0], outputs[0]
+    dims, sx, so = _tile_layout(out.shape, [int(r) for r in inputs[2].reshape(-1)])
+    return [fill_call(out), copy_call(dy, 0, so, out, 0, sx, dims, accumulate=True)]
+
+
+def _slice_layout(x_shape, starts, ends, axes, steps):
+    """(start offset, element strides) of a Slice in x, as ONNX clamps it."""
+    rank = len(x_shape)
+    axes = list(range(len(starts))) if axes is None else [int(a) % rank for a in axes]
+    steps = [1] * len(starts) if steps is None else [int(s) for s in steps]
+    strides = _c_strides(x_shape)
+    offset, out_strides = 0, list(strides)
+    for start, end, axis, step in zip(starts, ends, axes, steps):
+        first = slice(int(start), int(end), step).indices(x_shape[axis])[0]
+        offset += first * strides[axis]
+        out_strides[axis] = strides[axis] * step
+    return offset, out_strides
+
+
+def _slice_args(inputs, attrs):
+    if "starts" in attrs:
+        return attrs["starts"], attrs["ends"], attrs.get("axes"), None
+    values = [None if i >= len(inputs) or inputs[i] is None else [int(v) for v in inputs[i].reshape(-1)]
+              for i in range(1, 5)]
+    return values
+
+
+@binding("Slice")
+def Slice(inputs, outputs, **attrs):
+    x, out = inputs[0], outputs[0]
+    offset, strides = _slice_layout(x.shape, *_slice_args(inputs, attrs))
+    return [copy_call(x, offset, strides, out, 0, _c_strides(out.shape), out.shape)]
+
+
+@binding("SliceGrad", ODTRAIN_DOMAIN)
+def SliceGrad(inputs, outputs, **attrs):
+    dy, out = inputs[0], outputs[0]
+    offset, strides = _slice_layout(out.shape, *_slice_args(inputs[1:], attrs))
+    return [fill_call(out), copy_call(dy, 0, _c_strides(dy.shape), out, offset, strides, dy.shape)]
+
+
+def _axis_offsets(shapes, axis):
+    offsets, total = [], 0
+    for shape in shapes:
+        offsets.append(total)
+        total += shape[axis]
+    return offsets
+
+
+@binding("Concat")
+def Concat(inputs, outputs, axis=0):
+    out = outputs[0]
+    axis = int(axis) % out.ndim
+    present = [x for x in inputs if x is not None]
+    strides = _c_strides(out.shape)
+    return [copy_call(x, 0, _c_strides(x.shape), out, offset * strides[axis], strides, x.shape)
+            for x, offset in zip(present, _axis_offsets([x.shape for x in present], axis)) if x.size]
+
+
+@binding("ConcatGrad", ODTRAIN_DOMAIN)
+def ConcatGrad(inputs, outputs, axis=0, index=0):
+    dy, out = inputs[0], outputs[0]
+    axis = int(axis) % dy.ndim
+    offset = _axis_offsets([x.shape for x in inputs[1:]], axis)[index]
+    strides = _c_strides(dy.shape)
+    return [copy_call(dy, offset * strides[axis], strides, out, 0, _c_strides(out.shape), out.shape)]
+
+
+@binding("Split")
+def Split(inputs, outputs, axis=0, split=None, num_outputs=None):
+    x = inputs[0]
+    axis = int(axis) % x.ndim
+    strides = _c_strides(x.shape)
+    if split is None and len(inputs) > 1 and inputs[1] is not None:
+        split = [int(s) for s in inputs[1].reshape(-1)]
+    if split is None:
+        if any(o is None for o in outputs):
+            chunk = -(-x.shape[axis] // len(outputs)) if num_outputs else x.shape[axis] // len(outputs)
+            split = [min(chunk, max(x.shape[axis] - chunk * i, 0)) for i in range(len(outputs))]
+        else:
+            split = [o.shape[axis] for o in outputs]
+    offsets = np.concatenate([[0], np.cumsum(split)[:-1]]).astype(int)
+    return [copy_call(x, offset * strides[axis], strides, o, 0, _c_strides(o.shape), o.shape)
+            for o, offset in zip(outputs, offsets) if o is not None and o.size]
+
+
+# ---- gathers and scatters ---------------------------------------------------------------------
+
+
+@njit(cache=True, error_model="numpy")
+def _gather(x, indices, out, outer, axis_len, inner):
+    """out[o, j, :] = x[o, indices[j], :] (x may be read-only)."""
+    count = indices.size
+    for o in range(outer):
+        for j in range(count):
+            k = indices[j]
+            if k < 0:
+                k += axis_len
+            if k < 0 or k >= axis_len:
+                raise ValueError("an index is outside the gathered axis")
+            src = (o * axis_len + k) * inner
+            dst = (o * count + j) * inner
+            for i in range(inner):
+                out[dst + i] = x[src + i]
+
+
+@njit(cache=True, error_model="numpy")
+def _scatter_add(dy, indices, dx, outer, axis_len, inner):
+    """dx = 0; dx[o, indices[j], :] += dy[o, j, :] (Gather's gradient: repeated indices add up)."""
+    count = indices.size
+    for i in range(dx.size):
+        dx[i] = 0
+    for o in range(outer):
+        for j in range(count):
+            k = indices[j]
+            if k < 0:
+                k += axis_len
+            if k < 0 or k >= axis_len:
+                raise ValueError("an index is outside the gathered axis")
+            src = (o * count + j) * inner
+            dst = (o * axis_len + k) * inner
+            for i in range(inner):
+                dx[dst + i] += dy[src + i]
+
+
+def _outer_inner(shape, axis):
+    return int(np.prod(shape[:axis], dtype=np.int64)), int(shape[axis]), int(np.prod(shape[axis + 1:], dtype=np.int64))
+
+
+@binding("Gather")
+def Gather(inputs, outputs, axis=0):
+    x, indices, out = inputs[0], inputs[1], outputs[0]
+    outer, axis_len, inner = _outer_inner(x.shape, int(axis) % x.ndim)
+    return [(_gather, (flat(x), flat(indices), flat(out), outer, axis_len, inner))]
+
+
+@binding("GatherGrad", ODTRAIN_DOMAIN)
+def GatherGrad(inputs, outputs, axis=0):
+    dy, indices, out = inputs[0], inputs[1], outputs[0]
+    outer, axis_len, inner = _outer_inner(out.shape, int(axis) % out.ndim)
+    return [(_scatter_add, (flat(dy), flat(indices), flat(out), outer, axis_len, inner))]
+
+
+@njit(cache=True, inline="always")
+def _element_offset(k, position, index_axis, axis_len, data_strides):
+    if k < 0:
+        k += axis_len
+    if k < 0 or k >= axis_len:
+        raise ValueError("an index is outside the indexed axis")
+    at = 0
+    for a in range(6):
+        at += (k if a == index_axis else position[a]) * data_strides[a]
+    return at
+
+
+@njit(cache=True, error_model="numpy")
+def _gather_elements(data, data_strides, indices, values, dims, index_axis, axis_len):
+    """values[p] = data at position p with axis `index_axis` replaced by indices[p] (p over dims, C order)."""
+    p = 0
+    for i0 in range(dims[0]):
+        for i1 in range(dims[1]):
+            for i2 in range(dims[2]):
+                for i3 in range(dims[3]):
+                    for i4 in range(dims[4]):
+                        for i5 in range(dims[5]):
+                            at = _element_offset(indices[p], (i0, i1, i2, i3, i4, i5), index_axis, axis_len,
+                                                 data_strides)
+                            values[p] = data[at]
+                            p += 1
+
+
+@njit(cache=True, error_model="numpy")
+def _scatter_elements(data, data_strides, indices, values, dims, index_axis, axis_len, mode):
+    """data at position p with axis `index_axis` replaced by indices[p] (=, +=, *=, max, min: mode 0..4) values[p];
+    mode 5 first zeroes data and adds (GatherElements' gradient)."""
+    if mode == 5:
+        for i in range(data.size):
+            data[i] = 0
+    p = 0
+    for i0 in range(dims[0]):
+        for i1 in range(dims[1]):
+            for i2 in range(dims[2]):
+                for i3 in range(dims[3]):
+                    for i4 in range(dims[4]):
+                        for i5 in range(dims[5]):
+                            at = _element_offset(indices[p], (i0, i1, i2, i3, i4, i5), index_axis, axis_len,
+                                                 data_strides)
+                            if mode == 0:
+                                data[at] = values[p]
+                            elif mode == 1 or mode == 5:
+                                data[at] += values[p]
+                            elif mode == 2:
+                                data[at] *= values[p]
+                            elif mode == 3:
+                                data[at] = max(data[at], values[p])
+                            else:
+                                data[at] = min(data[at], values[p])
+                            p += 1
+
+
+def _elements_args(data_shape, indices_shape, axis):
+    rank = len(data_shape)
+    if rank > COPY_DIMS:
+        raise ValueError(f"rank {rank} exceeds {COPY_DIMS}")
+    pad = COPY_DIMS - rank
+    dims = np.array((1,) * pad + tuple(indices_shape), np.int64)
+    strides = np.array((0,) * pad + tuple(_c_strides(data_shape)), np.int64)
+    return strides, dims, pad + int(axis) % rank, int(data_shape[int(axis) % rank])
+
+
+@binding("GatherElements")
+def GatherElements(inputs, outputs, axis=0):
+    data, indices, out = inputs[0], inputs[1], outputs[0]
+    strides, dims, index_axis, axis_len = _elements_args(data.shape, indices.shape, axis)
+    return [(_gather_elements, (flat(data), strides, flat(indices), flat(out), dims, index_axis, axis_len))]
+
+
+@binding("GatherElementsGrad", ODTRAIN_DOMAIN)
+def GatherElementsGrad(inputs, outputs, axis=0):
+    dy, indices, out = inputs[0], inputs[1], outputs[0]
+    strides, dims, index_axis, axis_len = _elements_args(out.shape, indices.shape, axis)
+    return [(_scatter_elements, (flat(out), strides, flat(indices), flat(dy), dims, index_axis, axis_len, 5))]
+
+
+@binding("ScatterElements")
+def ScatterElements(inputs, outputs, axis=0, reduction="none"):
+    data, indices, updates, out = inputs[0], inputs[1], inputs[2], outputs[0]
+    strides, dims, index_axis, axis_len = _elements_args(data.shape, indices.shape, axis)
+    calls = [] if np.shares_memory(data, out) else [copy_call(data, 0, [1], out, 0, [1], [data.size])]
+    return calls + [(_scatter_elements, (flat(out), strides, flat(indices), flat(updates), dims, index_axis, axis_len,
+                                         SCATTER[reduction]))]
+
+
+@njit(cache=True, inline="always")
+def _nd_offset(indices, t, depth, data_dims, data_strides):
+    at = 0
+    for q in range(depth):
+        k = indices[t * depth + q]
+        if k < 0:
+            k += data_dims[q]
+        if k < 0 or k >= data_dims[q]:
+            raise ValueError("an index is outside the indexed axis")
+        at += k * data_strides[q]
+    return at
+
+
+@njit(cache=True, error_model="numpy")
+def _gather_nd(data, data_dims, data_strides, indices, tuples, depth, values, slice_size):
+    """values[t] = the data slice named by index tuple t (indices viewed as [tuples, depth])."""
+    for t in range(tuples):
+        at = _nd_offset(indices, t, depth, data_dims, data_strides)
+        for i in range(slice_size):
+            values[t * slice_size + i] = data[at + i]
+
+
+@njit(cache=True, error_model="numpy")
+def _scatter_nd(data, data_dims, data_strides, indices, tuples, depth, values, slice_size, mode):
+    """The data slice named by index tuple t (=, +=, *=, max, min: mode 0..4) values[t]."""
+    for t in range(tuples):
+        at = _nd_offset(indices, t, depth, data_dims, data_strides)
+        base = t * slice_size
+        for i in range(slice_size):
+            if mode == 0:
+                data[at + i] = values[base + i]
+            elif mode == 1:
+                data[at + i] += values[base + i]
+            elif mode == 2:
+                data[at + i] *= values[base + i]
+            elif mode == 3:
+                data[at + i] = max(data[at + i], values[base + i])
+            else:
+                data[at + i] = min(data[at + i], values[base + i])
+
+
+def _nd_args(data_shape, indices_shape):
+    depth = int(indices_shape[-1])
+    tuples = int(np.prod(indices_shape[:-1], dtype=np.int64))
+    slice_size = int(np.prod(data_shape[depth:], dtype=np.int64))
+    return (np.array(data_shape, np.int64), np.array(_c_strides(data_shape), np.int64), tuples, depth, slice_size)
+
+
+@binding("GatherND")
+def GatherND(inputs, outputs, batch_dims=0):
+    data, indices, out = inputs[0], inputs[1], outputs[0]
+    dims, strides, tuples, depth, slice_size = _nd_args(data.shape, indices.shape)
+    return [(_gather_nd, (flat(data), dims, strides, flat(indices), tuples, depth, flat(out), slice_size))]
+
+
+@binding("ScatterND")
+def ScatterND(inputs, outputs, reduction="none"):
+    data, indices, updates, out = inputs[0], inputs[1], inputs[2], outputs[0]
+    dims, strides, tuples, depth, slice_size = _nd_args(data.shape, indices.shape)
+    calls = [] if np.shares_memory(data, out) else [copy_call(data, 0, [1], out, 0, [1], [data.size])]
+    return calls + [(_scatter_nd, (flat(out), dims, strides, flat(indices), tuples, depth, flat(updates), slice_size,
+                                   SCATTER[reduction]))]
+
+
+# ---- Cast and fills ---------------------------------------------------------------------------
+
+
+@njit(cache=True, error_model="numpy")
+def _cast(x, out):
+    for i in range(out.size):
+        out[i] = x[i]
+
+
+@njit(cache=True, error_model="numpy")
+def _to_bool(x, out):
+    for i in range(out.size):
+        out[i] = x[i] != 0
+
+
+@binding("Cast")
+def Cast(inputs, outputs, to=None, saturate=1):
+    x, out = inputs[0], outputs[0]
+    if out.dtype == np.bool_ and x.dtype != np.bool_:
+        return [(_to_bool, (flat(x), flat(out)))]
+    return [(_cast, (flat(x), flat(out)))]
+
+
+binding("CastLike")(lambda inputs, outputs, saturate=1: Cast(inputs[:1], outputs))
+
+
+@njit(cache=True, error_model="numpy")
+def _trilu(x, out, matrices, rows, cols, k, upper):
+    """out = x where (j - i >= k if upper else j - i <= k) in each [rows, cols] matrix, else 0."""
+    for m in range(matrices):
+        for i in range(rows):
+            base = (m * rows + i) * cols
+            for j in range(cols):
+                keep = j - i >= k if upper else j - i <= k
+                out[base + j] = x[base + j] if keep else x[base + j] * 0
+
+
+@binding("Trilu")
+def Trilu(inputs, outputs, upper=1):
+    x, out = inputs[0], outputs[0]
+    k = int(inputs[1].reshape(())) if len(inputs) > 1 and inputs[1] is not None else 0
+    rows, cols = x.shape[-2], x.shape[-1]
+    return [(_trilu, (flat(x), flat(out), int(x.size // max(rows * cols, 1)), int(rows), int(cols), k, bool(upper)))]
+
+
+@binding("ConstantOfShape")
+def ConstantOfShape(inputs, outputs, value=None):
+    fill = 0 if value is None else np.asarray(value).reshape(-1)[0]
+    return [fill_call(outputs[0], fill)]
+
+
+@njit(cache=True, error_model="numpy")
+def _range(start, delta, out):
+    for i in range(out.size):
+        out[i] = start[0] + i * delta[0]
+
+
+@binding("Range")
+def Range(inputs, outputs):
+    return [(_range, (flat(inputs[0]), flat(inputs[2]), flat(outputs[0])))]

@@ -12,11 +12,17 @@ _checkout = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
 if _os.path.isfile(_os.path.join(_checkout, "graph", "ir.py")) and _checkout not in __path__:
     __path__.append(_checkout)
 
+# Where the compiled kernels are cached (ODTRAIN_CACHE_DIR, else Numba's choice), set before numba loads.
+from .cache import configure as _configure_cache  # noqa: E402
+
+_configure_cache()
+
 from .graph.errors import (  # noqa: E402
     ArgumentError,
     ArtifactNotFoundError,
     CheckpointError,
     InputError,
+    MemoryBudgetError,
     ModelError,
     NonFiniteError,
     OdtrainError,
@@ -29,5 +35,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "OdtrainError", "ModelError", "UnsupportedOpError", "InputError", "ArgumentError",
-    "ParameterError", "CheckpointError", "ArtifactNotFoundError", "StateError", "NonFiniteError", "__version__",
+    "ParameterError", "CheckpointError", "ArtifactNotFoundError", "StateError", "NonFiniteError", "MemoryBudgetError", "__version__",
 ]

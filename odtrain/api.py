@@ -126,8 +126,10 @@ class CheckpointState:
     @classmethod
     def save_checkpoint(cls, state: "CheckpointState", checkpoint_uri, include_optimizer_state: bool = False) -> None:
         store = state._store
+        if state._unassigned and state._unassigned != set(store.names):
+            state._require_values("saving a checkpoint")  # part real, part placeholder: refuse to save zeros
         contents = checkpoint_file.CheckpointContents({n: store.data(n) for n in store.names}, list(store.trainable),
-                                                      state._properties.to_dict())
+                                                      state._properties.to_dict(), nominal=bool(state._unassigned))
         if include_optimizer_state:
             opt = state._optimizer
             if opt is None:
@@ -150,6 +152,13 @@ class CheckpointState:
     def _mark_assigned(self, names) -> None:
         self._unassigned.difference_update(names)
 
+    def _require_values(self, action: str) -> None:
+        """Refuse `action` while parameters of a nominal checkpoint have no values yet."""
+        if self._unassigned:
+            raise StateError(f"{action} needs parameter values, and the checkpoint is nominal (shapes only): parameters "
+                             f"{sorted(self._unassigned)[:5]} have no values yet; load them with "
+                             "copy_buffer_to_parameters(buffer, trainable_only=False) or parameters[name].data = ...")
+
 
 class ParameterBuffer(np.ndarray):
     """A flat float32 parameter buffer; `.numpy()` returns it, as ONNX Runtime's OrtValue does."""
@@ -165,8 +174,11 @@ def _as_array(buffer) -> np.ndarray:
 class _GraphSession:
     """A loaded training or eval graph, its user inputs and a small cache of bound plans."""
 
-    def __init__(self, uri, state: CheckpointState, what: str, with_gradients: bool, check_finite: bool = False):
+    def __init__(self, uri, state: CheckpointState, what: str, with_gradients: bool, check_finite: bool = False,
+                 memory_budget: int | None = None):
         self.with_gradients = with_gradients
+        self.memory_budget = memory_budget
+        self.fused: dict = {}  # gradient output -> (parameter, update) when the optimizer runs inside backward
         self.check_finite = check_finite
         self.steps = 0
         from .executor import BoundGraph  # noqa: F401  (kernels load with the first session)
@@ -230,7 +242,9 @@ class _GraphSession:
         if plan is None:
             types = {name: TensorType(a.dtype, a.shape) for name, a in zip(self.input_names, arrays)}
             guarded = tuple(self.output_names[:1]) if self.check_finite else ()
-            plan = BoundGraph(self.graph, types, self.external, self.sinks, accumulate, guarded)
+            sinks = {} if self.fused else self.sinks
+            plan = BoundGraph(self.graph, types, self.external, sinks, accumulate and not self.fused, guarded,
+                              self.memory_budget, self.fused)
             self.plans[signature] = plan
             if len(self.plans) > PLAN_CACHE_SIZE:
                 self.plans.popitem(last=False)
@@ -257,7 +271,9 @@ class _GraphSession:
             self.steps += 1
             if self.with_gradients:
                 self.state._reset_grad_pending = False
-        if self.check_finite and self.with_gradients:
+            if self.fused:
+                self.state._optimizer.step += 1
+        if self.check_finite and self.with_gradients and not self.fused:
             bad = self.state._store.first_nonfinite_gradient()
             if bad is not None:
                 raise NonFiniteError(f"step {self.steps}: the gradient of parameter '{bad}' holds NaN or infinite "
@@ -276,15 +292,21 @@ class Module:
     training: bool
 
     def __init__(self, train_model_uri, state: CheckpointState, eval_model_uri=None, device: str = "cpu", *,
-                 check_finite: bool = False):
+                 check_finite: bool = False, memory_budget: int | None = None):
         """`check_finite=True` stops a step with NonFiniteError at a NaN or infinity in an input, the loss
-        (before the backward pass) or a gradient, naming the step and the parameter."""
+        (before the backward pass) or a gradient, naming the step and the parameter.
+
+        `memory_budget` (bytes) caps the arena of a training step: the planner recomputes activations
+        in the backward pass instead of storing them until the plan fits; if no plan fits, the first
+        call raises MemoryBudgetError with the smallest budget that works."""
         if not isinstance(state, CheckpointState):
             raise ArgumentError(f"state must be a CheckpointState, got {type(state).__name__}")
         if str(device).split(":")[0] != "cpu":
             raise ArgumentError(f"device {device!r} is not supported: odtrain runs on the CPU (device='cpu')")
         self._state = state
-        self._train = _GraphSession(train_model_uri, state, "training model", True, check_finite)
+        if memory_budget is not None and (not isinstance(memory_budget, (int, np.integer)) or memory_budget <= 0):
+            raise ArgumentError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
+        self._train = _GraphSession(train_model_uri, state, "training model", True, check_finite, memory_budget)
         if not self._train.grad_outputs:
             raise ModelError(f"training model '{self._train.uri}' computes no parameter gradients; "
                              "generate it with odtrain.artifacts.generate_artifacts")
@@ -348,6 +370,7 @@ class Module:
         """Write an ONNX model computing `graph_output_names` from the model inputs, parameters embedded."""
         if self._eval is None:
             raise StateError("exporting an inference model needs the eval model: pass eval_model_uri to Module(...)")
+        self._state._require_values("exporting an inference model")
         if isinstance(graph_output_names, str):
             graph_output_names = [graph_output_names]
         graph = self._eval.graph
@@ -370,7 +393,11 @@ class Module:
 class Optimizer:
     """Applies the optimizer model's update to the trainable parameters of a Module."""
 
-    def __init__(self, optimizer_uri, module: Module):
+    def __init__(self, optimizer_uri, module: Module, *, fuse_with_backward: bool = False):
+        """`fuse_with_backward=True` applies each parameter's update inside the training call, as soon as
+        its gradient is complete and nothing else reads the parameter, so the full gradient buffer never
+        exists. Gradients then cannot accumulate across calls: each training call is a whole step, and
+        `step()` has nothing left to do. Parameters end bit-identical to the unfused loop."""
         if not isinstance(module, Module):
             raise ArgumentError(f"module must be an odtrain Module, got {type(module).__name__}")
         self._module = module
@@ -385,14 +412,35 @@ class Optimizer:
         if current is None or current.kind != config.kind:
             moments = {s: np.zeros(store.trainable_size, dtype=np.float32) for s in config.state_names}
             self._state._optimizer = OptimizerState(config.kind, 0, DEFAULT_LEARNING_RATE, DEFAULT_LEARNING_RATE, moments)
+        self._fused = bool(fuse_with_backward)
+        session = module._train
+        session.fused = {f"{p}{GRAD_SUFFIX}": (p, self._update_of(p)) for p in store.trainable} if self._fused else {}
+        session.plans.clear()
+
+    def _update_of(self, name: str):
+        """The update of one parameter from its gradient, reading the learning rate and step when called."""
+        from .executor import apply_optimizer
+
+        start, stop, _ = self._state._store.slices[name]
+        weights = self._state._store.flat[start:stop]
+        state = self._state._optimizer
+        moments = {key: flat[start:stop] for key, flat in state.moments.items()}
+
+        def update(gradient):
+            apply_optimizer(self._config, weights, gradient, moments, state.learning_rate, state.step + 1)
+
+        return update
 
     def step(self) -> None:
         """One update of every trainable parameter from its accumulated gradient."""
+        if self._fused:
+            return  # the training call already applied this step's updates
         opt = self._state._optimizer
         store = self._state._store
         weights = store.flat[:store.trainable_size]
         from .executor import apply_optimizer
 
+        self._state._require_values("an optimizer step")
         if self._module._train.check_finite and store.first_nonfinite_gradient() is not None:
             raise NonFiniteError(f"optimizer step {opt.step + 1} refused: the gradient of parameter "
                                  f"'{store.first_nonfinite_gradient()}' is not finite; the parameters are unchanged")

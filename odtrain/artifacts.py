@@ -13,19 +13,20 @@ the checkpoint without training; other initializers stay constants of the models
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import numpy as np
 
 from . import checkpoint as checkpoint_file
 from .graph.autodiff import build_gradient_graph
 from .graph.errors import ArgumentError, ModelError, ParameterError
-from .graph.ir import TensorType
+from .graph.ir import Graph, TensorType
 from .graph.ops import OPS, check_supported
 from .graph.losses import LossType, add_loss, parse_loss
 from .graph.onnx_io import graph_from_proto, read_model_proto, save_graph
-from .graph.optimizers import SGD, AdamW, OptimType, build_optimizer_graph, parse_optimizer
+from .graph.optimizers import SGD, AdamW, OptimType, SGDMomentum, build_optimizer_graph, parse_optimizer
 
-__all__ = ["generate_artifacts", "LossType", "OptimType", "AdamW", "SGD"]
+__all__ = ["generate_artifacts", "build_training_graphs", "LossType", "OptimType", "AdamW", "SGD", "SGDMomentum"]
 
 
 def _state_inputs(graph) -> set[str]:
@@ -73,16 +74,31 @@ def to_eval_graph(graph):
     return evaluated.prune(evaluated.outputs)
 
 
-def generate_artifacts(model, requires_grad=None, frozen_params=None, loss=None, optimizer=None,
-                       artifact_directory=None, prefix: str = "", ort_format: bool = False,
-                       custom_op_library=None, additional_output_names=None, nominal_checkpoint: bool = False,
-                       loss_input_names=None) -> None:
-    """Write the training artifacts for `model` (an onnx.ModelProto or a path) into `artifact_directory`."""
-    if ort_format:
-        raise ArgumentError("ort_format=True does not apply: odtrain reads and writes ONNX files, not ORT format")
-    if custom_op_library is not None:
-        raise ArgumentError("custom_op_library does not apply: odtrain runs its own kernels and cannot load "
-                            "ONNX Runtime custom-op libraries")
+@dataclass
+class TrainingGraphs:
+    """The training and eval graphs of a model, with its parameters (values go to the checkpoint)."""
+
+    training: Graph
+    eval: Graph
+    trainable: list[str]
+    frozen: list[str]
+    values: dict[str, np.ndarray]
+    param_inputs: list[str]  # parameters as extra graph inputs of both models, in checkpoint order
+
+
+def _is_block(value) -> bool:
+    from .onnxblock import Block
+
+    return isinstance(value, Block)
+
+
+def build_training_graphs(model, requires_grad=None, frozen_params=None, loss=None, additional_output_names=None,
+                          loss_input_names=None) -> TrainingGraphs:
+    """Forward model + loss -> training graph (with `<param>_grad` outputs) and eval graph.
+
+    `loss` is a LossType, an odtrain.onnxblock Block (whose build takes the loss inputs and returns the loss
+    name, or (loss, *extra outputs)), or None when the model's output is the loss.
+    """
     proto, path = read_model_proto(model, "model")
     graph = graph_from_proto(proto, path or "model")
     check_supported(graph.nodes, f"model '{path}'" if path else "model")
@@ -100,7 +116,7 @@ def generate_artifacts(model, requires_grad=None, frozen_params=None, loss=None,
         for name in loss_inputs:
             if name not in known:
                 raise ArgumentError(f"loss input '{name}' is not a value of the model; its outputs are {graph.outputs}")
-    elif len(graph.outputs) == 1:
+    elif len(graph.outputs) == 1 or _is_block(loss):  # a block scores every output, as in ONNX Runtime
         loss_inputs = list(graph.outputs)
     else:
         raise ArgumentError(f"the model has {len(graph.outputs)} outputs {graph.outputs}: name the one the loss "
@@ -112,6 +128,11 @@ def generate_artifacts(model, requires_grad=None, frozen_params=None, loss=None,
         t = forward.value_types.get(loss_name)
         if t is not None and t.shape not in ((), None):
             raise ModelError(f"with loss=None the model output '{loss_name}' is the loss and must be a scalar; it is {t}")
+    elif _is_block(loss):
+        from .onnxblock import build_loss_block
+
+        loss_name, block_outputs = build_loss_block(loss, forward, loss_inputs)
+        extra_outputs += [name for name in block_outputs if name not in extra_outputs and name != loss_name]
     else:
         loss_name = add_loss(forward, parse_loss(loss), loss_inputs)
     forward.outputs = [loss_name] + extra_outputs
@@ -128,16 +149,36 @@ def generate_artifacts(model, requires_grad=None, frozen_params=None, loss=None,
         forward.value_types.setdefault(p, TensorType(graph.initializers[p].dtype, graph.initializers[p].shape))
     training_graph = build_gradient_graph(forward, loss_name, trainable)
     eval_graph = to_eval_graph(forward)
+    return TrainingGraphs(training_graph, eval_graph, trainable, frozen, {p: graph.initializers[p] for p in params},
+                          [p for p in params if p in used])
+
+
+def generate_artifacts(model, requires_grad=None, frozen_params=None, loss=None, optimizer=None,
+                       artifact_directory=None, prefix: str = "", ort_format: bool = False,
+                       custom_op_library=None, additional_output_names=None, nominal_checkpoint: bool = False,
+                       loss_input_names=None) -> None:
+    """Write the training artifacts for `model` (an onnx.ModelProto or a path) into `artifact_directory`.
+
+    `loss` and `optimizer` also accept odtrain.onnxblock blocks (a custom loss; onnxblock.optim.AdamW, SGD,
+    SGDMomentum)."""
+    if ort_format:
+        raise ArgumentError("ort_format=True does not apply: odtrain reads and writes ONNX files, not ORT format")
+    if custom_op_library is not None:
+        raise ArgumentError("custom_op_library does not apply: odtrain runs its own kernels and cannot load "
+                            "ONNX Runtime custom-op libraries")
+    if _is_block(optimizer):
+        optimizer = optimizer.config
+    optimizer = parse_optimizer(optimizer) if optimizer is not None else None
+    built = build_training_graphs(model, requires_grad, frozen_params, loss, additional_output_names, loss_input_names)
+    trainable, values = built.trainable, built.values
 
     directory = os.fspath(artifact_directory) if artifact_directory is not None else os.getcwd()
     os.makedirs(directory, exist_ok=True)
-    param_inputs = [p for p in params if p in used]
-    save_graph(training_graph, os.path.join(directory, f"{prefix}training_model.onnx"), param_inputs)
-    save_graph(eval_graph, os.path.join(directory, f"{prefix}eval_model.onnx"), param_inputs)
+    save_graph(built.training, os.path.join(directory, f"{prefix}training_model.onnx"), built.param_inputs)
+    save_graph(built.eval, os.path.join(directory, f"{prefix}eval_model.onnx"), built.param_inputs)
     if optimizer is not None:
-        save_graph(build_optimizer_graph(parse_optimizer(optimizer), trainable),
+        save_graph(build_optimizer_graph(optimizer, trainable),
                    os.path.join(directory, f"{prefix}optimizer_model.onnx"))
-    values = {p: graph.initializers[p] for p in params}
     checkpoint_file.save(os.path.join(directory, f"{prefix}checkpoint"),
                          checkpoint_file.CheckpointContents(values, trainable))
     if nominal_checkpoint:

@@ -1,14 +1,19 @@
 """The `odtrain` command line (also `python -m odtrain`).
 
-Exit code 0 on success; on a user error, one line on stderr and exit code 2.
+Commands, in the order of the workflow: check (can odtrain train this model?), prepare (the
+artifacts), train (odtrain.training.fit), eval, export (the inference model), inspect.
+
+Exit code 0 on success; on a user error, one line on stderr and exit code 2; 1 when `check` finds
+the model untrainable; 130 (SIGINT) or 143 (SIGTERM) when training stopped after saving.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from .graph.errors import OdtrainError
+from .graph.errors import ArgumentError, ArtifactNotFoundError, OdtrainError
 
 
 def _demo(args) -> int:
@@ -21,10 +26,536 @@ def _demo(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error reported as one line on stderr (exit code 2)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _print_json(payload) -> None:
+    print(json.dumps(payload, indent=2, default=str))
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number:,} {noun}" + ("" if number == 1 else "s")
+
+
+def _shape(shape) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]" if shape is not None else "[?]"
+
+
+def _value(graph, name: str) -> str:
+    t = graph.value_types.get(name)
+    return f"{name} {t.dtype.name}{_shape(t.shape)}" if t is not None else name
+
+
+def _loss_type(name: str):
+    from .artifacts import LossType
+
+    return {"ce": LossType.CrossEntropyLoss, "mse": LossType.MSELoss, "bce": LossType.BCEWithLogitsLoss,
+            "l1": LossType.L1Loss}[name]
+
+
+# ---- check and prepare: which parameters train, and whether they can --------------------------------
+
+
+def _parameter_groups(graph, loss_inputs) -> tuple[list[tuple[str, list[str]]], list[str]]:
+    """Float parameters on the way to the loss, grouped by the first node consuming them, in graph order;
+    and the parameters that ops update as state (running statistics), which never train."""
+    import numpy as np
+
+    from .artifacts import _state_inputs
+
+    used = graph.prune(list(loss_inputs)).initializers
+    updated = _state_inputs(graph)
+    candidates = {n for n, v in graph.initializers.items()
+                  if n in used and n not in updated and np.issubdtype(v.dtype, np.floating)}
+    groups, seen = [], set()
+    for node in graph.nodes:
+        names = [i for i in node.inputs if i in candidates and i not in seen]
+        if names:
+            seen.update(names)
+            groups.append((node.name, names))
+    return groups, [n for n in graph.initializers if n in used and n in updated]
+
+
+def _select_parameters(graph, loss_inputs, requires_grad=None, freeze=None, train_last=None):
+    """(trainable, frozen) parameter names from glob patterns or a count of last layers."""
+    from fnmatch import fnmatchcase
+
+    groups, updated = _parameter_groups(graph, loss_inputs)
+    names = [n for _, group in groups for n in group]
+    if not names:
+        raise ArgumentError("the model has no floating-point initializers to train")
+    patterns = requires_grad or freeze
+    for pattern in patterns or ():
+        if not any(fnmatchcase(n, pattern) for n in names):
+            raise ArgumentError(f"'{pattern}' matches no parameter; the parameters are: {', '.join(names)}")
+    if requires_grad:
+        trainable = [n for n in names if any(fnmatchcase(n, p) for p in requires_grad)]
+    elif freeze:
+        trainable = [n for n in names if not any(fnmatchcase(n, p) for p in freeze)]
+    elif train_last is not None:
+        if not 1 <= train_last <= len(groups):
+            raise ArgumentError(f"--train-last {train_last}: the model has {len(groups)} layers with parameters "
+                                f"({', '.join(node for node, _ in groups)}); give a number from 1 to {len(groups)}")
+        trainable = [n for _, group in groups[-train_last:] for n in group]
+    else:
+        trainable = names
+    if not trainable:
+        raise ArgumentError("no parameter is left to train: freeze fewer parameters")
+    return trainable, [n for n in names if n not in trainable] + updated
+
+
+def _loss_inputs(graph, loss_input):
+    if loss_input:
+        return [loss_input]
+    if len(graph.outputs) != 1:
+        raise ArgumentError(f"the model has {len(graph.outputs)} outputs {graph.outputs}: name the one the loss "
+                            "scores with --loss-input NAME")
+    return list(graph.outputs)
+
+
+def _missing_support(graph, trainable, loss_inputs):
+    """Nodes without a kernel, and nodes without a gradient rule that a trainable parameter needs
+    (the reverse walk of odtrain.graph.autodiff, recording instead of stopping)."""
+    import numpy as np
+
+    from .graph.ops import OPS
+
+    no_kernel = [node for node in graph.nodes if node.key not in OPS]
+    reaches = set(trainable)
+    for node in graph.nodes:
+        if any(i in reaches for i in node.inputs if i):
+            reaches.update(o for o in node.outputs if o)
+
+    def floating(name):
+        t = graph.value_types.get(name)
+        return t is None or np.issubdtype(t.dtype, np.floating)
+
+    flowing, no_gradient = set(loss_inputs), []
+    for node in reversed(graph.nodes):
+        if not any(o in flowing for o in node.outputs):
+            continue
+        wanted = [i for i in node.inputs if i and i in reaches and floating(i)]
+        opdef = OPS.get(node.key)
+        if opdef is not None and opdef.gradient is None and wanted:
+            no_gradient.append((node, opdef.no_grad_reason))
+        flowing.update(wanted)  # past a missing rule too, to find every one in a single report
+    return no_kernel, no_gradient
+
+
+def _trial_bind(model, trainable, frozen, loss, loss_inputs, batch_size: int = 2):
+    """Generate the artifacts in a temporary folder and bind their training and eval steps: (arena bytes, error)."""
+    import tempfile
+
+    from . import artifacts
+    from .api import CheckpointState, Module
+
+    with tempfile.TemporaryDirectory(prefix="odtrain-check-") as folder:
+        try:
+            artifacts.generate_artifacts(model, requires_grad=trainable, frozen_params=frozen, loss=_loss_type(loss),
+                                         artifact_directory=folder, loss_input_names=loss_inputs)
+            state = CheckpointState.load_checkpoint(os.path.join(folder, "checkpoint"))
+            module = Module(os.path.join(folder, "training_model.onnx"), state, os.path.join(folder, "eval_model.onnx"))
+            arena = 0
+            for session in (module._train, module._eval):
+                plan = _bind(session, batch_size)
+                arena = max(arena, plan.plan.arena_bytes)
+            return arena, None
+        except OdtrainError as error:
+            return None, str(error)
+
+
+def _bind(session, batch_size: int):
+    """A bound plan of a training or eval graph for zero-valued feeds at `batch_size`."""
+    import numpy as np
+
+    arrays = []
+    for name in session.input_names:
+        declared = session.graph.value_types[name]
+        if declared.shape is None:
+            raise ArgumentError(f"input '{name}' has no declared shape; the memory plan needs one")
+        shape = []
+        for axis, dim in enumerate(declared.shape):
+            if isinstance(dim, str) and axis > 0:
+                raise ArgumentError(f"input '{name}' has the symbolic dimension '{dim}' on axis {axis}; only the "
+                                    "batch axis (0) is bound by --batch-size")
+            shape.append(batch_size if isinstance(dim, str) else dim)
+        arrays.append(np.zeros(shape, dtype=declared.dtype))
+    feeds, signature = session.feeds(arrays)
+    return session.bound(signature, feeds)
+
+
+def _check(args) -> int:
+    from collections import Counter
+
+    from .graph.onnx_io import load_graph
+    from .graph.ops import OPS
+
+    if args.ops:
+        rows = sorted(OPS.values(), key=lambda o: (o.domain, o.op_type))
+        if args.json:
+            _print_json([{"op": o.op_type, "domain": o.domain, "gradient": o.gradient is not None,
+                          "no_gradient_reason": o.no_grad_reason} for o in rows])
+            return 0
+        for o in rows:
+            name = f"{o.domain}::{o.op_type}" if o.domain else o.op_type
+            print(f"{name:<36} {'gradient rule' if o.gradient else 'no gradient: ' + (o.no_grad_reason or 'none')}")
+        return 0
+    if not args.model:
+        raise ArgumentError("name a model to check (odtrain check MODEL.onnx), or list the supported ops with --ops")
+    graph = load_graph(args.model, "model")
+    loss_inputs = _loss_inputs(graph, args.loss_input)
+    trainable, frozen = _select_parameters(graph, loss_inputs, args.requires_grad, args.freeze, args.train_last)
+    no_kernel, no_gradient = _missing_support(graph, trainable, loss_inputs)
+    arena, trial_error = (None, None)
+    if not no_kernel and not no_gradient:
+        arena, trial_error = _trial_bind(args.model, trainable, frozen, args.loss, loss_inputs)
+    sizes = {n: int(graph.initializers[n].size) for n in trainable + frozen}
+    ok = not no_kernel and not no_gradient and trial_error is None
+    report = {
+        "model": args.model, "trainable": ok, "loss": args.loss,
+        "inputs": [_value(graph, n) for n in graph.inputs], "outputs": [_value(graph, n) for n in graph.outputs],
+        "ops": dict(Counter(node.op_type for node in graph.nodes)),
+        "no_kernel": [{"node": n.name, "op_type": n.op_type, "domain": n.domain} for n in no_kernel],
+        "no_gradient": [{"node": n.name, "op_type": n.op_type, "reason": r} for n, r in no_gradient],
+        "parameters": {"trainable": sum(sizes[n] for n in trainable), "frozen": sum(sizes[n] for n in frozen),
+                       "trainable_tensors": trainable, "frozen_tensors": frozen},
+        "error": trial_error, "arena_bytes_at_batch_2": arena,
+    }
+    if args.json:
+        _print_json(report)
+    else:
+        print(f"model: {args.model} ({len(graph.nodes)} nodes); inputs {', '.join(report['inputs'])}; "
+              f"outputs {', '.join(report['outputs'])}")
+        ops = ", ".join(f"{op} x{count}" if count > 1 else op for op, count in report["ops"].items())
+        print(f"ops: {ops}")
+        for node in no_kernel:
+            print(f"  no kernel: {node.describe()}")
+        for node, reason in no_gradient:
+            print(f"  no gradient rule: {node.describe()}" + (f" ({reason})" if reason else ""))
+        if not no_kernel:
+            print("  every op has a kernel" + ("" if no_gradient else ", and a gradient rule wherever a trainable "
+                                               "parameter depends on it"))
+        p = report["parameters"]
+        frozen_text = f" in {_count(len(frozen), 'tensor')} ({', '.join(frozen)})" if frozen else ""
+        print(f"parameters: {p['trainable']:,} trainable in {_count(len(trainable), 'tensor')} "
+              f"({', '.join(trainable)}); {p['frozen']:,} frozen{frozen_text}")
+        if trial_error:
+            print(f"  generating and binding the artifacts failed: {trial_error}")
+        elif ok:
+            print(f"odtrain can train this model (loss {args.loss}; a training step at batch size 2 plans "
+                  f"{arena:,} bytes of arena)")
+    if ok:
+        return 0
+    problems = [f"{_count(len(no_kernel), 'op')} without a kernel"] if no_kernel else []
+    problems += [f"{_count(len(no_gradient), 'op')} without a gradient rule"] if no_gradient else []
+    problems += ["its artifacts cannot be generated or bound"] if trial_error else []
+    advice = " (freeze the parameters before them, e.g. --train-last N)" if no_gradient and not no_kernel else ""
+    print(f"odtrain check: error: '{args.model}' cannot be trained: {' and '.join(problems)}{advice}; "
+          "details above", file=sys.stderr)
+    return 1
+
+
+def _prepare(args) -> int:
+    from . import artifacts
+    from .api import CheckpointState
+    from .graph.onnx_io import load_graph
+    from .training import ArtifactPaths
+
+    graph = load_graph(args.model, "model")
+    loss_inputs = _loss_inputs(graph, args.loss_input)
+    trainable, frozen = _select_parameters(graph, loss_inputs, args.requires_grad, args.freeze, args.train_last)
+    if args.lr <= 0:
+        raise ArgumentError(f"--lr must be > 0, got {args.lr}")
+    checkpoint = os.path.join(args.output, "checkpoint")
+    if os.path.exists(checkpoint) and not args.force:
+        raise ArgumentError(f"'{args.output}' already holds artifacts (a checkpoint); pass --force to replace "
+                            "them, or choose another folder with -o")
+    optimizer = {"adamw": artifacts.AdamW(weight_decay=args.weight_decay), "sgd": artifacts.SGD()}[args.optimizer]
+    if args.optimizer == "sgd" and args.weight_decay:
+        raise ArgumentError("--weight-decay applies to AdamW only")
+    extra = [o for o in graph.outputs if o in loss_inputs] + [o for o in graph.outputs if o not in loss_inputs]
+    artifacts.generate_artifacts(args.model, requires_grad=trainable, frozen_params=frozen, loss=_loss_type(args.loss),
+                                 optimizer=optimizer, artifact_directory=args.output,
+                                 additional_output_names=extra, loss_input_names=loss_inputs)
+    state = CheckpointState.load_checkpoint(checkpoint)
+    state.properties["learning_rate"] = float(args.lr)
+    state.properties["loss"] = args.loss
+    state.properties["optimizer"] = args.optimizer
+    CheckpointState.save_checkpoint(state, checkpoint)
+    paths = ArtifactPaths.find(args.output)
+    sizes = {n: int(graph.initializers[n].size) for n in trainable + frozen}
+    files = (paths.training_model, paths.eval_model, paths.optimizer_model, paths.checkpoint)
+    result = {"artifacts": args.output, "files": [os.path.basename(p) for p in files],
+              "trainable": trainable, "frozen": frozen, "trainable_values": sum(sizes[n] for n in trainable),
+              "frozen_values": sum(sizes[n] for n in frozen), "loss": args.loss, "optimizer": args.optimizer,
+              "learning_rate": args.lr}
+    if args.json:
+        _print_json(result)
+        return 0
+    from .training import Session
+
+    inputs = Session(args.output, with_optimizer=False).inputs
+    print(f"artifacts written to {args.output}/: {', '.join(result['files'])}")
+    print(f"trainable: {result['trainable_values']:,} values in {', '.join(trainable)}")
+    print(f"frozen: {result['frozen_values']:,} values in {', '.join(frozen)}" if frozen else "frozen: none")
+    print(f"loss: {args.loss} on '{loss_inputs[0]}'; optimizer: {args.optimizer}, learning rate {args.lr:g}")
+    print(f"training data feeds: {', '.join(s.describe() for s in inputs)}")
+    return 0
+
+
+# ---- train, eval, export, inspect ------------------------------------------------------------------------
+
+
+def _train(args) -> int:
+    from .api import CheckpointState
+    from .training import ArtifactPaths, fit
+
+    paths = ArtifactPaths.find(args.artifacts)
+    properties = CheckpointState.load_checkpoint(paths.checkpoint).properties
+    if not args.resume and properties.get("finished") == 0:
+        print(f"odtrain train: note: '{paths.checkpoint}' holds an unfinished run (epoch "
+              f"{properties['epoch'] + 1}, step {properties['step_in_epoch']}); this run starts anew from its "
+              "parameters (--resume continues it)", file=sys.stderr)
+    result = fit(args.artifacts, args.data, val=args.val, epochs=args.epochs, batch_size=args.batch_size,
+                 learning_rate=args.lr, lr_schedule=args.lr_schedule, warmup_steps=args.warmup, seed=args.seed,
+                 checkpoint_every=args.checkpoint_every, resume=args.resume, x=args.x, y=args.y,
+                 log=None if args.json else print, progress=not args.json, stop_after_steps=args.stop_after_steps)
+    if args.json:
+        _print_json(result.to_dict())
+    elif result.finished and not result.history:
+        print(f"the run already finished its {result.epochs} epochs; nothing to do (give a larger --epochs "
+              "with --resume to train further)")
+    elif not result.stopped_by:
+        print(f"checkpoint: {result.checkpoint} ({result.epochs} epochs, {result.global_step} steps)")
+    if result.stopped_by:
+        print(f"odtrain train: stopped by {result.stopped_by} at epoch {result.epochs + 1}, step "
+              f"{result.step_in_epoch}; saved {result.checkpoint}; add --resume to continue", file=sys.stderr)
+        return 143 if result.stopped_by == "SIGTERM" else 130
+    return 0
+
+
+def _eval(args) -> int:
+    from .training import evaluate
+
+    metrics = evaluate(args.artifacts, args.data, batch_size=args.batch_size, x=args.x, y=args.y)
+    if args.json:
+        _print_json(metrics)
+        return 0
+    parts = [f"loss {metrics['loss']:.4f}"]
+    if "accuracy" in metrics:
+        parts.append(f"accuracy {metrics['accuracy']:.1%}")
+    if "mse" in metrics:
+        parts += [f"MSE {metrics['mse']:.4g}", f"MAE {metrics['mae']:.4g}"]
+    print(f"{', '.join(parts)} on {metrics['samples']} samples")
+    return 0
+
+
+def _export(args) -> int:
+    from .graph.onnx_io import load_graph
+    from .training import Session
+
+    session = Session(args.artifacts, with_optimizer=False)
+    outputs = args.outputs or session.prediction_outputs
+    if not outputs:
+        raise ArgumentError(f"the eval model of '{args.artifacts}' computes only the loss; name the values to "
+                            "export with --outputs NAME")
+    session.module.export_model_for_inferencing(args.output, outputs)
+    graph = load_graph(args.output, "inference model")
+    result = {"model": args.output, "inputs": [_value(graph, n) for n in graph.inputs],
+              "outputs": [_value(graph, n) for n in graph.outputs]}
+    if args.json:
+        _print_json(result)
+    else:
+        print(f"inference model written to {args.output}: {', '.join(result['inputs'])} -> "
+              f"{', '.join(result['outputs'])}")
+    return 0
+
+
+def _inspect(args) -> int:
+    from . import checkpoint as checkpoint_file
+    from .training import Session
+
+    target = args.target
+    if os.path.isdir(target):
+        folder, checkpoint = target, os.path.join(target, "checkpoint")
+    elif os.path.isfile(target):
+        folder, checkpoint = os.path.dirname(target) or ".", target
+    else:
+        raise ArtifactNotFoundError(f"'{target}' is neither an artifact folder nor a checkpoint file")
+    contents = checkpoint_file.load(checkpoint)
+    parameters = [{"name": n, "shape": list(a.shape), "dtype": a.dtype.name, "trainable": n in contents.trainable}
+                  for n, a in contents.parameters.items()]
+    optimizer = dict(contents.optimizer or {})
+    if contents.optimizer is not None:
+        optimizer["state"] = sorted(contents.optimizer_tensors)
+    report = {"checkpoint": checkpoint, "nominal": contents.nominal, "parameters": parameters,
+              "properties": contents.properties, "optimizer": optimizer or None, "memory_plan": None}
+    plans = {}
+    models = [os.path.join(folder, m) for m in ("training_model.onnx", "eval_model.onnx")]
+    if all(os.path.isfile(m) for m in models):
+        module = Session(folder, checkpoint=checkpoint, with_optimizer=False).module
+        try:
+            plans = {"training step": _bind(module._train, args.batch_size).plan,
+                     "eval step": _bind(module._eval, args.batch_size).plan}
+            report["memory_plan"] = {"batch_size": args.batch_size, **{
+                name: {"arena_bytes": p.arena_bytes, "lower_bound": p.lower_bound, "ops": p.steps}
+                for name, p in plans.items()}}
+        except ArgumentError as error:
+            report["memory_plan"] = {"skipped": str(error)}
+    if args.json:
+        _print_json(report)
+        return 0
+    import numpy as np
+
+    values = {True: 0, False: 0}
+    for p in parameters:
+        values[p["trainable"]] += int(np.prod(p["shape"], dtype=np.int64))
+    print(f"checkpoint: {checkpoint}" + (" (nominal: shapes only)" if contents.nominal else ""))
+    print(f"parameters: {len(parameters)} tensors; {values[True]:,} trainable values, {values[False]:,} frozen")
+    width = max(len(p["name"]) for p in parameters) if parameters else 0
+    for p in parameters:
+        print(f"  {p['name']:<{width}}  {p['dtype']:<8} {_shape(p['shape']):<16} "
+              f"{'trainable' if p['trainable'] else 'frozen'}")
+    print("properties:" + ("" if contents.properties else " (none)"))
+    width = max((len(k) for k in contents.properties), default=0)
+    for key, value in contents.properties.items():
+        print(f"  {key:<{width}}  {value:.6g}" if isinstance(value, float) else f"  {key:<{width}}  {value}")
+    if optimizer:
+        print(f"optimizer: {optimizer['kind']}, step {optimizer['step']}, learning rate "
+              f"{optimizer['learning_rate']:.6g}; state: {', '.join(optimizer['state']) or '(none)'}")
+    else:
+        print("optimizer: no state saved yet")
+    plan_info = report["memory_plan"]
+    if plan_info is None:
+        print("memory plan: no training and eval models beside the checkpoint")
+    elif "skipped" in plan_info:
+        print(f"memory plan: skipped ({plan_info['skipped']})")
+    else:
+        print(f"memory plan at batch size {args.batch_size}:")
+        for name, p in plans.items():
+            print(f"  {name + ':':<15} arena {p.arena_bytes:,} B, lower bound {p.lower_bound:,} B "
+                  f"({p.arena_bytes / max(p.lower_bound, 1):.2f}x), {p.steps} ops")
+            if args.plan:
+                print("    " + p.render().replace("\n", "\n    "))
+    return 0
+
+
+def _add_data_options(command, what: str) -> None:
+    command.add_argument("--data", action="append", required=True, metavar="PATH",
+                         help=f"{what}: an .npz file, a folder of images (one sub-folder per class), or .npy "
+                         "files, one per model input in input order (--data x.npy --data y.npy)")
+    command.add_argument("--x", action="append", metavar="NAME", help="the .npz array feeding the model's data "
+                         "input, once per data input (default: the array named like the input, or x, images, inputs)")
+    command.add_argument("--y", metavar="NAME", help="the .npz array of labels or targets "
+                         "(default: 'labels'/'target', or y)")
+
+
+def _add_selection_options(command) -> None:
+    command.add_argument("--loss", choices=("ce", "mse", "bce", "l1"), default="ce",
+                         help="cross-entropy (default), mean squared error, binary cross-entropy on logits, or L1")
+    command.add_argument("--loss-input", metavar="NAME", help="the model output the loss scores "
+                         "(default: the only output)")
+    which = command.add_mutually_exclusive_group()
+    which.add_argument("--requires-grad", nargs="+", metavar="NAME", help="parameters to train, by name or glob "
+                       "pattern ('fc2.*'); the others are frozen")
+    which.add_argument("--freeze", nargs="+", metavar="NAME", help="parameters to freeze, by name or glob "
+                       "pattern; the others train")
+    which.add_argument("--train-last", type=int, metavar="N", help="train only the last N layers with parameters "
+                       "(parameters grouped by the node that uses them, in graph order)")
+
+
+def _add_training_commands(commands) -> None:
+    check = commands.add_parser(
+        "check", help="tell whether odtrain can train an ONNX model",
+        description="Check that every op of the model has a kernel and, where a trainable parameter depends on "
+        "it, a gradient rule; list the nodes that do not; count trainable and frozen parameters; then generate "
+        "and bind the artifacts in a temporary folder. Exit code 1 when the model cannot be trained.")
+    check.add_argument("model", nargs="?", metavar="MODEL.onnx", help="a forward-only ONNX model")
+    _add_selection_options(check)
+    check.add_argument("--ops", action="store_true", help="list the ops odtrain supports, with their gradients")
+    check.add_argument("--json", action="store_true", help="print the report as JSON")
+    check.set_defaults(handler=_check)
+
+    prepare = commands.add_parser(
+        "prepare", help="generate training artifacts from an ONNX model",
+        description="Write the training, eval and optimizer models and the checkpoint for MODEL.onnx "
+        "(odtrain.artifacts.generate_artifacts). Every floating-point parameter trains unless "
+        "--requires-grad, --freeze or --train-last choose fewer.")
+    prepare.add_argument("model", metavar="MODEL.onnx", help="a forward-only ONNX model")
+    prepare.add_argument("-o", "--output", required=True, metavar="ARTIFACT_DIR", help="the folder to write")
+    _add_selection_options(prepare)
+    prepare.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="default: adamw")
+    prepare.add_argument("--lr", type=float, default=1e-3, help="learning rate that `odtrain train` uses unless "
+                         "told otherwise (default: 0.001)")
+    prepare.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default: 0)")
+    prepare.add_argument("--force", action="store_true", help="replace artifacts already in ARTIFACT_DIR")
+    prepare.add_argument("--json", action="store_true", help="print the result as JSON")
+    prepare.set_defaults(handler=_prepare)
+
+    train = commands.add_parser(
+        "train", help="train prepared artifacts on data",
+        description="Train in shuffled batches, validate after each epoch, and save the checkpoint "
+        "(ARTIFACT_DIR/checkpoint, with optimizer state) every --checkpoint-every steps and at each epoch's end. "
+        "Ctrl-C stops after the current step and saves; --resume continues exactly where the run stopped.")
+    train.add_argument("artifacts", metavar="ARTIFACT_DIR", help="a folder written by `odtrain prepare`")
+    _add_data_options(train, "training data")
+    train.add_argument("--val", action="append", metavar="PATH", help="validation data, in the same forms as --data")
+    train.add_argument("--epochs", type=int, help="number of epochs (default: 1, or the resumed run's)")
+    train.add_argument("--batch-size", type=int, help="samples per step (default: 32)")
+    train.add_argument("--lr", type=float, help="learning rate (default: the checkpoint's, from `odtrain prepare` "
+                       "or the last run)")
+    train.add_argument("--lr-schedule", choices=("constant", "linear", "cosine"),
+                       help="learning-rate decay after the warm-up (default: constant)")
+    train.add_argument("--warmup", type=int, metavar="STEPS", help="steps of linear learning-rate warm-up "
+                       "(default: 0)")
+    train.add_argument("--checkpoint-every", type=int, metavar="STEPS", help="also save every STEPS steps "
+                       "(default: at each epoch's end only)")
+    train.add_argument("--resume", action="store_true", help="continue the run stored in the checkpoint")
+    train.add_argument("--seed", type=int, help="seed of the batch order (default: 0)")
+    train.add_argument("--json", action="store_true", help="print the result as JSON instead of progress")
+    train.add_argument("--stop-after-steps", type=int, help=argparse.SUPPRESS)
+    train.set_defaults(handler=_train)
+
+    evaluate = commands.add_parser(
+        "eval", help="score trained artifacts on data",
+        description="Run the eval model over the data: the mean loss, and accuracy for classifiers "
+        "(cross-entropy, binary cross-entropy) or MSE and MAE for regression.")
+    evaluate.add_argument("artifacts", metavar="ARTIFACT_DIR", help="a folder written by `odtrain prepare`")
+    _add_data_options(evaluate, "test data")
+    evaluate.add_argument("--batch-size", type=int, default=256, help="samples per step (default: 256)")
+    evaluate.add_argument("--json", action="store_true", help="print the metrics as JSON")
+    evaluate.set_defaults(handler=_eval)
+
+    export = commands.add_parser(
+        "export", help="write the trained inference model",
+        description="Write an ONNX inference model with the checkpoint's parameters embedded "
+        "(Module.export_model_for_inferencing); any ONNX runtime runs it.")
+    export.add_argument("artifacts", metavar="ARTIFACT_DIR", help="a folder written by `odtrain prepare`")
+    export.add_argument("-o", "--output", required=True, metavar="MODEL.onnx", help="the file to write")
+    export.add_argument("--outputs", nargs="+", metavar="NAME", help="values to output (default: the model's outputs)")
+    export.add_argument("--json", action="store_true", help="print the result as JSON")
+    export.set_defaults(handler=_export)
+
+    inspect = commands.add_parser(
+        "inspect", help="show a checkpoint's parameters, properties, optimizer state and memory plan",
+        description="Show the parameters (name, dtype, shape, trainable), the property bag, the optimizer "
+        "state and, for an artifact folder, the memory plan of a training and an eval step at --batch-size.")
+    inspect.add_argument("target", metavar="ARTIFACT_DIR|CHECKPOINT", help="an artifact folder or a checkpoint file")
+    inspect.add_argument("--batch-size", type=int, default=32, help="batch size of the memory plan (default: 32)")
+    inspect.add_argument("--plan", action="store_true", help="also print each plan's timeline")
+    inspect.add_argument("--json", action="store_true", help="print the report as JSON")
+    inspect.set_defaults(handler=_inspect)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="odtrain", description="Train ONNX models on the device that holds the data.")
+    parser = _Parser(prog="odtrain", description="Train ONNX models on the device that holds the data.")
     parser.add_argument("--version", action="version", version=f"odtrain {__import__('odtrain').__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_training_commands(commands)
     demo = commands.add_parser("demo", help="train a small classifier on the bundled 8x8 digits, end to end",
                                description="Generate artifacts for a built-in classifier, train it on the 8x8 "
                                "handwritten digits shipped with odtrain, print held-out accuracy and peak memory, "
@@ -36,6 +567,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--json", action="store_true", help="print the results as one JSON object")
     demo.set_defaults(handler=_demo)
+    from .cache import add_command as add_warmup_command
+
+    add_warmup_command(commands)
+    from .federated import add_command as add_federated_command
+
+    add_federated_command(commands)
     return parser
 
 
@@ -48,7 +585,12 @@ def main(argv=None) -> int:
     try:
         return args.handler(args)
     except OdtrainError as error:
-        print(f"odtrain {args.command}: error: {error}", file=sys.stderr)
+        message = str(error).replace("\n", " ")
+        print(f"odtrain {args.command}: error: {message}", file=sys.stderr)
+        return 2
+    except OSError as error:  # a file the command writes or reads, outside odtrain's own checks
+        print(f"odtrain {args.command}: error: {error.strerror or error}"
+              + (f": '{error.filename}'" if error.filename else ""), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"odtrain {args.command}: interrupted", file=sys.stderr)

@@ -6,6 +6,7 @@ the same device, with the same kernels and planned arena, without a second runti
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -15,6 +16,18 @@ from .graph.onnx_io import load_graph
 from .graph.ops import check_supported
 
 PLAN_CACHE_SIZE = 4
+_ONNX_TYPE_NAMES = {"float32": "float", "float64": "double", "int64": "int64", "int32": "int32", "bool": "bool",
+                    "uint8": "uint8", "int8": "int8", "float16": "float16"}
+
+
+@dataclass(frozen=True)
+class NodeArg:
+    """An input or output of the model, as onnxruntime describes it: name, shape (symbolic dims as
+    strings) and type (e.g. 'tensor(float)')."""
+
+    name: str
+    shape: list | None
+    type: str | None
 
 
 class InferenceSession:
@@ -23,11 +36,16 @@ class InferenceSession:
         check_supported(self._graph.nodes, "model")
         self._plans: OrderedDict = OrderedDict()
 
-    def get_inputs(self) -> list[str]:
-        return list(self._graph.inputs)
+    def get_inputs(self) -> list["NodeArg"]:
+        return [self._arg(name) for name in self._graph.inputs]
 
-    def get_outputs(self) -> list[str]:
-        return list(self._graph.outputs)
+    def get_outputs(self) -> list["NodeArg"]:
+        return [self._arg(name) for name in self._graph.outputs]
+
+    def _arg(self, name: str) -> "NodeArg":
+        t = self._graph.value_types.get(name)
+        return NodeArg(name, None if t is None else (None if t.shape is None else list(t.shape)),
+                       None if t is None else f"tensor({_ONNX_TYPE_NAMES.get(t.dtype.name, t.dtype.name)})")
 
     def run(self, output_names, input_feed: dict) -> list[np.ndarray]:
         from .executor import BoundGraph

@@ -126,3 +126,21 @@ def test_a_training_step_allocates_nothing(mlp_artifacts, mlp_reference):
     assert result.returncode == 0, result.stderr
     calls, most, least = (int(v) for v in result.stdout.split())
     assert calls > 10 and most == 0 and least == 0, result.stdout
+
+
+@settings(max_examples=200, deadline=None)
+@given(random_graphs())
+def test_memory_aware_order_is_a_topological_permutation(graph):
+    from odtrain.graph.schedule import memory_aware_order
+
+    nodes, types, outputs, _ = graph
+    sizes = {name: t.nbytes for name, t in types.items()}
+    barrier = nodes[len(nodes) // 2]
+    reordered = memory_aware_order(nodes, sizes, set(outputs), barrier)
+    assert sorted(map(id, reordered)) == sorted(map(id, nodes))
+    position = {id(node): k for k, node in enumerate(reordered)}
+    produced_at = {o: position[id(n)] for n in nodes for o in n.outputs}
+    for node in reordered:
+        for name in node.inputs:
+            if name in produced_at:
+                assert produced_at[name] < position[id(node)]

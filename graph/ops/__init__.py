@@ -196,6 +196,14 @@ class GradContext:
     def GO(self, i: int) -> str:
         return self._output_grads[i] if i < len(self._output_grads) else ""
 
+    def forward_output(self, i: int, hint: str) -> str:
+        """O(i), first adding output i to the forward node if the model left it out (Dropout's mask)."""
+        outputs = self.node.outputs
+        if i >= len(outputs) or not outputs[i]:
+            outputs.extend([""] * (i + 1 - len(outputs)))
+            outputs[i] = self._builder.names.fresh(f"{outputs[0]}_{hint}")
+        return outputs[i]
+
     def needs(self, i: int) -> bool:
         return i < len(self._wanted) and self._wanted[i]
 
@@ -210,11 +218,17 @@ class GradContext:
         return rank
 
     def emit(self, op_type: str, inputs: list[str], attrs: dict | None = None, domain: str = DEFAULT_DOMAIN,
-             outputs: int = 1, hint: str | None = None):
-        names = self._builder.emit(op_type, inputs, attrs or {}, domain, outputs, hint or f"{self.node.name or op_type}_grad")
-        return names[0] if outputs == 1 else names
+             outputs=1, hint: str | None = None):
+        """`outputs`: a count, or one bool per output where False leaves that output omitted ('')."""
+        wanted = None if isinstance(outputs, int) else [bool(w) for w in outputs]
+        count = outputs if wanted is None else len(wanted)
+        names = self._builder.emit(op_type, inputs, attrs or {}, domain, count, hint or f"{self.node.name or op_type}_grad")
+        if wanted is not None:
+            names = [name if keep else "" for name, keep in zip(names, wanted)]
+            self._builder.nodes[-1].outputs = list(names)
+        return names[0] if isinstance(outputs, int) and outputs == 1 else names
 
-    def odtrain(self, op_type: str, inputs: list[str], attrs: dict | None = None, outputs: int = 1):
+    def odtrain(self, op_type: str, inputs: list[str], attrs: dict | None = None, outputs=1):
         """Emit an op of odtrain's own domain (gradient ops, fused losses)."""
         return self.emit(op_type, inputs, attrs, ODTRAIN_DOMAIN, outputs)
 

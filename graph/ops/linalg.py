@@ -1,12 +1,16 @@
 """Matrix products: Gemm and MatMul, with their gradients as products again.
 
 Gemm: Y = alpha · A' · B' + beta · C, where A' = Aᵀ if transA, B' = Bᵀ if transB.
-MatMul: numpy matmul semantics, batch dimensions broadcast.
+MatMul: numpy matmul semantics, batch dimensions broadcast, 1-D operands promoted.
+Its gradients are `MatMulGradA`/`MatMulGradB`: BLAS products with transpose flags
+(no transposed copies), the broadcast batch axes summed by accumulating products.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ..errors import ModelError
-from ..ir import TensorType
+from ..ir import ODTRAIN_DOMAIN, TensorType
 from . import broadcast_shapes, grad, op
 
 
@@ -44,30 +48,113 @@ def _gemm_grad(ctx):
         ctx.set_grad(2, ctx.sum_to_input(scaled, 2))
 
 
+def matmul_shape(node, sa: tuple, sb: tuple) -> tuple:
+    """numpy.matmul's output shape: 1-D operands are promoted to matrices, then their added axis dropped."""
+    if not sa or not sb:
+        raise ModelError(f"{node.describe()}: MatMul of a scalar")
+    pa = (1,) + tuple(sa) if len(sa) == 1 else tuple(sa)
+    pb = tuple(sb) + (1,) if len(sb) == 1 else tuple(sb)
+    if isinstance(pa[-1], int) and isinstance(pb[-2], int) and pa[-1] != pb[-2]:
+        raise ModelError(f"{node.describe()}: inner dimensions differ ({list(sa)} · {list(sb)})")
+    try:
+        batch = broadcast_shapes(pa[:-2], pb[:-2])
+    except ValueError as error:
+        raise ModelError(f"{node.describe()}: batch dimensions of {list(sa)} and {list(sb)} do not broadcast ({error})") from None
+    return batch + ((pa[-2],) if len(sa) > 1 else ()) + ((pb[-1],) if len(sb) > 1 else ())
+
+
 @op("MatMul")
 def _matmul_rule(node, types, consts):
     a, b = types[0], types[1]
     if a.shape is None or b.shape is None:
         return [TensorType(a.dtype, None)]
-    sa, sb = a.shape, b.shape
-    if len(sa) < 2 or len(sb) < 2:
-        raise ModelError(f"{node.describe()}: MatMul of 1-D inputs is not supported yet ({a}, {b})")
-    if isinstance(sa[-1], int) and isinstance(sb[-2], int) and sa[-1] != sb[-2]:
-        raise ModelError(f"{node.describe()}: inner dimensions differ ({a} · {b})")
-    batch = broadcast_shapes(sa[:-2], sb[:-2])
-    return [TensorType(a.dtype, batch + (sa[-2], sb[-1]))]
+    if consts[0] is not None and consts[1] is not None:
+        value = np.asarray(np.matmul(consts[0], consts[1]), order="C")
+        return [TensorType(value.dtype, value.shape)], [value]
+    return [TensorType(a.dtype, matmul_shape(node, a.shape, b.shape))]
 
 
 @grad("MatMul")
-def _matmul_grad(ctx):  # dA = dY · Bᵀ, dB = Aᵀ · dY, each summed over broadcast batch dims
+def _matmul_grad(ctx):  # dA = dY · Bᵀ, dB = Aᵀ · dY, each summed over the batch axes its input broadcast along
     dy, a, b = ctx.GO(0), ctx.I(0), ctx.I(1)
+    if ctx.needs(0):
+        ctx.set_grad(0, ctx.odtrain("MatMulGradA", [dy, b, a]))
+    if ctx.needs(1):
+        ctx.set_grad(1, ctx.odtrain("MatMulGradB", [a, dy, b]))
 
-    def transposed(name):
-        rank = ctx.rank(name)
-        perm = list(range(rank - 2)) + [rank - 1, rank - 2]
-        return ctx.emit("Transpose", [name], {"perm": perm})
+
+# MatMulGradA(dY, B, A) -> dA and MatMulGradB(A, dY, B) -> dB: products with a transposed operand, batch
+# axes summed where the input was broadcast; the last input is read for its shape only.
+@op("MatMulGradA", ODTRAIN_DOMAIN, shape_only=(2,))
+def _matmul_grad_a_rule(node, types, consts):
+    return [types[2]]
+
+
+@op("MatMulGradB", ODTRAIN_DOMAIN, shape_only=(2,))
+def _matmul_grad_b_rule(node, types, consts):
+    return [types[2]]
+
+
+def _permuted(shape: tuple, perm) -> tuple:
+    return tuple(shape) if perm is None else tuple(shape[p] for p in perm)
+
+
+def _inverse(perm) -> list[int] | None:
+    return None if perm is None else [int(p) for p in np.argsort(perm)]
+
+
+def fused_matmul_shape(node, sa: tuple, sb: tuple) -> tuple:
+    """The product's shape (before permY), from the operands' shapes (before permA/permB)."""
+    sa, sb = _permuted(sa, node.attrs.get("permA")), _permuted(sb, node.attrs.get("permB"))
+    if len(sa) < 2 or len(sb) < 2:
+        raise ModelError(f"{node.describe()}: FusedMatMul needs operands of rank 2 or more ({list(sa)}, {list(sb)})")
+    m, k = (sa[-1], sa[-2]) if node.attrs.get("transA", 0) else (sa[-2], sa[-1])
+    k2, n = (sb[-1], sb[-2]) if node.attrs.get("transB", 0) else (sb[-2], sb[-1])
+    if isinstance(k, int) and isinstance(k2, int) and k != k2:
+        raise ModelError(f"{node.describe()}: inner dimensions differ ({list(sa)} · {list(sb)}, transposes applied)")
+    return broadcast_shapes(sa[:-2], sb[:-2]) + (m, n)
+
+
+# FusedMatMul(A, B[, like]) = alpha · op(A') · op(B'), batch axes broadcast, where op transposes the last
+# two axes (transA/transB) and A' = transpose(A, permA), B' = transpose(B, permB) (identity when absent);
+# the output is stored as transpose(product, permY). BLAS reads and writes those layouts through strides:
+# no transposed copy is made. With `like` (read for its shape only) the product is summed over the batch
+# axes that `like` does not have (the gradient of a broadcast operand) and the output has like's shape.
+# ONNX Runtime's com.microsoft op of the same name is the case without perms or `like`. Graph fusion
+# (graph/fusion.py) makes it from MatMul(A, Transpose(W)), MatMul · scalar, and the head transposes of
+# attention.
+@op("FusedMatMul", ODTRAIN_DOMAIN, shape_only=(2,))
+def _fused_matmul_rule(node, types, consts):
+    a, b = types[0], types[1]
+    if len(types) > 2 and types[2] is not None:
+        return [TensorType(a.dtype, types[2].shape)]
+    if a.shape is None or b.shape is None:
+        return [TensorType(a.dtype, None)]
+    return [TensorType(a.dtype, _permuted(fused_matmul_shape(node, a.shape, b.shape), node.attrs.get("permY")))]
+
+
+@grad("FusedMatMul", ODTRAIN_DOMAIN)
+def _fused_matmul_grad(ctx):
+    # P = α·op(A')·op(B'), Y = P stored through permY:  dP = dY read through permY⁻¹, then
+    # dA' = α·dP·op(B')ᵀ (its transpose if transA), dB' = α·op(A')ᵀ·dP (or transposed),
+    # each written back through the inverse of its operand's perm.
+    dy, a, b = ctx.GO(0), ctx.I(0), ctx.I(1)
+    ta, tb, alpha = ctx.attr("transA", 0), ctx.attr("transB", 0), float(ctx.attr("alpha", 1.0))
+    perm_a, perm_b, perm_y = ctx.attr("permA"), ctx.attr("permB"), ctx.attr("permY")
+    perm_dy = _inverse(perm_y)
+
+    def product(x, y, like, trans_x, trans_y, perm_x, perm_y_in, perm_out):
+        attrs = {"transA": trans_x, "transB": trans_y, "alpha": alpha}
+        for key, value in (("permA", perm_x), ("permB", perm_y_in), ("permY", perm_out)):
+            if value is not None:
+                attrs[key] = [int(p) for p in value]
+        return ctx.odtrain("FusedMatMul", [x, y, like], attrs)
 
     if ctx.needs(0):
-        ctx.set_grad(0, ctx.sum_to_input(ctx.emit("MatMul", [dy, transposed(b)]), 0))
+        out = _inverse(perm_a)
+        ctx.set_grad(0, product(dy, b, a, 0, 1 - tb, perm_dy, perm_b, out) if not ta else
+                     product(b, dy, a, tb, 1, perm_b, perm_dy, out))
     if ctx.needs(1):
-        ctx.set_grad(1, ctx.sum_to_input(ctx.emit("MatMul", [transposed(a), dy]), 1))
+        out = _inverse(perm_b)
+        ctx.set_grad(1, product(a, dy, b, 1 - ta, 0, perm_a, perm_dy, out) if not tb else
+                     product(dy, a, b, 1, ta, perm_dy, perm_a, out))

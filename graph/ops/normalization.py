@@ -1,2 +1,95 @@
-"""Softmax, LogSoftmax and LayerNormalization."""
+"""Softmax, LogSoftmax and LayerNormalization, with fused gradient ops.
+
+Softmax/LogSoftmax normalise along one axis (opset 13 semantics; default -1):
+    softmax:  dX = Y · (dY - Σ dY·Y)          (SoftmaxGrad reads Y)
+    log:      dX = dY - exp(Y) · Σ dY          (LogSoftmaxGrad reads Y)
+so the forward op may overwrite its input in place.
+
+LayerNormalization normalises over the axes from `axis` on, then scales and
+shifts: Y = (X - μ) · σ⁻¹ · scale + bias, σ = √(var + ε). Its optional Mean and
+InvStdDev outputs have X's shape with the normalised axes set to 1.
+LayerNormalizationGrad(dY, X, scale) recomputes μ and σ⁻¹ from X (one pass,
+cheaper than keeping two more tensors alive) and gives dX, dScale and dBias:
+    x̂ = (X - μ)·σ⁻¹, g = dY·scale
+    dX = σ⁻¹ · (g - mean(g) - x̂ · mean(g·x̂)),  dScale = Σ dY·x̂,  dBias = Σ dY
+"""
 from __future__ import annotations
+
+import numpy as np
+
+from ..errors import ModelError
+from ..ir import ODTRAIN_DOMAIN, TensorType
+from . import grad, op, same_as_input
+
+
+def _check_axis(node, rank: int, default: int) -> int:
+    axis = int(node.attrs.get("axis", default))
+    if not -rank <= axis < rank:
+        raise ModelError(f"{node.describe()}: axis {axis} is out of range for rank {rank}")
+    return axis % rank
+
+
+def _softmax_rule(node, types, consts):
+    x = types[0]
+    if x.shape is not None:
+        _check_axis(node, len(x.shape), -1)
+    return [x]
+
+
+op("Softmax", inplace=((0, 0),))(_softmax_rule)
+op("LogSoftmax", inplace=((0, 0),))(_softmax_rule)
+op("SoftmaxGrad", ODTRAIN_DOMAIN, inplace=((0, 0),))(same_as_input(0))
+op("LogSoftmaxGrad", ODTRAIN_DOMAIN, inplace=((0, 0),))(same_as_input(0))
+
+
+@grad("Softmax")
+def _softmax_grad(ctx):  # dX = Y · (dY - Σ_axis dY·Y)
+    ctx.set_grad(0, ctx.odtrain("SoftmaxGrad", [ctx.GO(0), ctx.O(0)], {"axis": ctx.attr("axis", -1)}))
+
+
+@grad("LogSoftmax")
+def _log_softmax_grad(ctx):  # dX = dY - exp(Y) · Σ_axis dY
+    ctx.set_grad(0, ctx.odtrain("LogSoftmaxGrad", [ctx.GO(0), ctx.O(0)], {"axis": ctx.attr("axis", -1)}))
+
+
+def statistics_shape(x_shape: tuple, axis: int) -> tuple:
+    return tuple(x_shape[:axis]) + (1,) * (len(x_shape) - axis)
+
+
+@op("LayerNormalization")
+def _layer_norm_rule(node, types, consts):
+    x = types[0]
+    if x.shape is None:
+        return [TensorType(x.dtype, None)] * len(node.outputs)
+    axis = _check_axis(node, len(x.shape), -1)
+    if node.attrs.get("stash_type", 1) != 1:
+        raise ModelError(f"{node.describe()}: only stash_type=1 (float32 statistics) is supported")
+    for t, what in ((types[1], "scale"), (types[2] if len(types) > 2 else None, "bias")):
+        if t is not None and t.shape is not None and len(t.shape) > len(x.shape) - axis:
+            raise ModelError(f"{node.describe()}: {what} {t} does not broadcast to the normalised axes of {x}")
+    stats = TensorType(np.dtype(np.float32), statistics_shape(x.shape, axis))
+    return [x, stats, stats][:len(node.outputs)]
+
+
+@grad("LayerNormalization")
+def _layer_norm_grad(ctx):
+    if ctx.GO(1) or ctx.GO(2):
+        from ..errors import UnsupportedOpError
+
+        raise UnsupportedOpError(f"{ctx.node.describe()}: the loss depends on its Mean or InvStdDev output, "
+                                 "whose gradient is not implemented")
+    attrs = {"axis": ctx.attr("axis", -1), "epsilon": float(ctx.attr("epsilon", 1e-5))}
+    dx, dscale, dbias = ctx.odtrain("LayerNormalizationGrad", [ctx.GO(0), ctx.I(0), ctx.I(1)], attrs, outputs=3)
+    ctx.set_grad(0, dx)
+    if ctx.needs(1):
+        ctx.set_grad(1, ctx.sum_to_input(dscale, 1))
+    if ctx.needs(2):
+        ctx.set_grad(2, ctx.sum_to_input(dbias, 2))
+
+
+@op("LayerNormalizationGrad", ODTRAIN_DOMAIN)
+def _layer_norm_grad_rule(node, types, consts):
+    x = types[1]
+    axis = _check_axis(node, len(x.shape), -1)
+    params = TensorType(x.dtype, tuple(x.shape[axis:]))
+    return [x, params, params]

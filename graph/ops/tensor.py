@@ -1,20 +1,74 @@
-"""Shape and layout ops: Reshape, Flatten, Transpose, Shape, Constant.
+"""Shape, layout and indexing ops: Reshape, Flatten, Squeeze, Unsqueeze, Transpose, Expand, Tile, Slice,
+Concat, Split, Gather, GatherElements, GatherND, ScatterElements, ScatterND, Where, Cast, CastLike,
+Trilu, Shape, Constant, ConstantOfShape, Range.
 
-Reshape and Flatten are views: their output shares the input's bytes.
-Shape and Constant fold to constants when shapes are bound, so they cost
-nothing per step; Reshape's shape input must be such a constant.
+Reshape, Flatten, Squeeze and Unsqueeze are views: their output shares the input's bytes.
+Every op here folds to a constant when all of its inputs are constants, so the shape
+subgraphs that exporters emit (Shape → Gather → Unsqueeze → Concat → Reshape) cost nothing
+per step once input shapes are bound. Inputs that give shapes, axes, starts or repeats must
+be such constants.
+
+Gradients are copies back into place: Gather's is a scatter-add (`GatherGrad`, exact for
+repeated indices), Slice's writes dY into a zeroed input (`SliceGrad`), Concat's slices dY
+(`ConcatGrad`), Split's concatenates, Tile's and Expand's sum the copies.
 """
 from __future__ import annotations
 
 import numpy as np
+from onnx import helper
 
 from ..errors import ModelError
-from ..ir import TensorType
-from . import grad, no_grad, op
+from ..ir import ODTRAIN_DOMAIN, TensorType
+from . import broadcast_shapes, grad, no_grad, op
 
 
 def _static_size(dims) -> int | None:
     return int(np.prod(dims)) if all(isinstance(d, int) for d in dims) else None
+
+
+def _all_known(node, consts) -> bool:
+    return all(consts[i] is not None for i, name in enumerate(node.inputs) if name)
+
+
+def _folded(values):
+    values = [np.asarray(v, order="C") for v in values]
+    return [TensorType(v.dtype, tuple(v.shape)) for v in values], values
+
+
+def _ints(value) -> list[int]:
+    return [int(v) for v in np.asarray(value).reshape(-1)]
+
+
+def _const_input(node, consts, index: int, what: str):
+    """The value of input `index`, which must be a constant when shapes are bound."""
+    if index >= len(node.inputs) or not node.inputs[index]:
+        return None
+    if consts[index] is None:
+        raise ModelError(f"{node.describe()}: its {what} input '{node.inputs[index]}' must be a constant "
+                         "(an initializer, or computed from shapes); odtrain plans memory for static shapes")
+    return consts[index]
+
+
+def _int_input(node, consts, index: int, what: str) -> list[int] | None:
+    """An optional constant input of ints, as a list (None when omitted)."""
+    value = _const_input(node, consts, index, what)
+    return None if value is None else _ints(value)
+
+
+def _attr_or_input(node, consts, attr: str, index: int, what: str):
+    """A list of ints given as an attribute (older opsets) or as a constant input (newer ones)."""
+    if attr in node.attrs:
+        return [int(v) for v in node.attrs[attr]]
+    return _int_input(node, consts, index, what)
+
+
+def dtype_of(ctx, name: str):
+    """The element type of a forward value, when shape inference knew it."""
+    t = ctx._builder.graph.value_types.get(name)
+    return None if t is None else np.dtype(t.dtype)
+
+
+# ---- Reshape, Flatten, Squeeze, Unsqueeze: views ----------------------------------------------
 
 
 def reshape_target(node, in_shape: tuple, target) -> tuple:
@@ -48,12 +102,17 @@ def _reshape_rule(node, types, consts):
         return [TensorType(x.dtype, None)]
     if x.shape is None:
         return [TensorType(x.dtype, None)]
-    return [TensorType(x.dtype, reshape_target(node, x.shape, consts[1]))]
+    shape = reshape_target(node, x.shape, consts[1])
+    if consts[0] is not None:
+        return _folded([consts[0].reshape(shape)])
+    return [TensorType(x.dtype, shape)]
 
 
-@grad("Reshape")
-def _reshape_grad(ctx):  # dX = reshape(dY, shape(X))
+def _reshape_back(ctx):  # dX = reshape(dY, shape(X))
     ctx.set_grad(0, ctx.emit("Reshape", [ctx.GO(0), ctx.emit("Shape", [ctx.I(0)])]))
+
+
+grad("Reshape")(_reshape_back)
 
 
 @op("Flatten", view=True)
@@ -61,15 +120,71 @@ def _flatten_rule(node, types, consts):
     x = types[0]
     if x.shape is None:
         return [TensorType(x.dtype, None)]
-    axis = node.attrs.get("axis", 1) % (len(x.shape) or 1)
+    axis = int(node.attrs.get("axis", 1))
+    axis = axis + len(x.shape) if axis < 0 else axis
     outer, inner = _static_size(x.shape[:axis]), _static_size(x.shape[axis:])
-    return [TensorType(x.dtype, (outer if outer is not None else f"{node.name}_outer",
-                                 inner if inner is not None else f"{node.name}_inner"))]
+    shape = (outer if outer is not None else f"{node.name}_outer", inner if inner is not None else f"{node.name}_inner")
+    if consts[0] is not None:
+        return _folded([consts[0].reshape(shape)])
+    return [TensorType(x.dtype, shape)]
 
 
-@grad("Flatten")
-def _flatten_grad(ctx):  # dX = reshape(dY, shape(X))
-    ctx.set_grad(0, ctx.emit("Reshape", [ctx.GO(0), ctx.emit("Shape", [ctx.I(0)])]))
+grad("Flatten")(_reshape_back)
+
+
+def squeeze_shape(node, shape: tuple, axes) -> tuple:
+    rank = len(shape)
+    if axes is None:
+        if not all(isinstance(d, int) for d in shape):
+            raise ModelError(f"{node.describe()}: Squeeze without axes needs a static input shape, got {shape}")
+        return tuple(d for d in shape if d != 1)
+    axes = {a % rank for a in axes}
+    for a in axes:
+        if isinstance(shape[a], int) and shape[a] != 1:
+            raise ModelError(f"{node.describe()}: cannot squeeze axis {a} of size {shape[a]}")
+    return tuple(d for i, d in enumerate(shape) if i not in axes)
+
+
+@op("Squeeze", view=True)
+def _squeeze_rule(node, types, consts):
+    x = types[0]
+    axes = _attr_or_input(node, consts, "axes", 1, "axes")
+    if x.shape is None:
+        return [TensorType(x.dtype, None)]
+    shape = squeeze_shape(node, x.shape, axes)
+    if consts[0] is not None:
+        return _folded([consts[0].reshape(shape)])
+    return [TensorType(x.dtype, shape)]
+
+
+def unsqueeze_shape(node, shape: tuple, axes) -> tuple:
+    if axes is None:
+        raise ModelError(f"{node.describe()}: Unsqueeze needs axes")
+    rank = len(shape) + len(axes)
+    axes = sorted(a % rank for a in axes)
+    if len(set(axes)) != len(axes):
+        raise ModelError(f"{node.describe()}: repeated axes {axes}")
+    dims = iter(shape)
+    return tuple(1 if i in axes else next(dims) for i in range(rank))
+
+
+@op("Unsqueeze", view=True)
+def _unsqueeze_rule(node, types, consts):
+    x = types[0]
+    axes = _attr_or_input(node, consts, "axes", 1, "axes")
+    if x.shape is None:
+        return [TensorType(x.dtype, None)]
+    shape = unsqueeze_shape(node, x.shape, axes)
+    if consts[0] is not None:
+        return _folded([consts[0].reshape(shape)])
+    return [TensorType(x.dtype, shape)]
+
+
+grad("Squeeze")(_reshape_back)
+grad("Unsqueeze")(_reshape_back)
+
+
+# ---- Transpose, Expand, Tile ------------------------------------------------------------------
 
 
 @op("Transpose")
@@ -78,6 +193,8 @@ def _transpose_rule(node, types, consts):
     if x.shape is None:
         return [TensorType(x.dtype, None)]
     perm = node.attrs.get("perm", list(range(len(x.shape)))[::-1])
+    if consts[0] is not None:
+        return _folded([np.transpose(consts[0], perm)])
     return [TensorType(x.dtype, tuple(x.shape[p] for p in perm))]
 
 
@@ -88,16 +205,397 @@ def _transpose_grad(ctx):  # dX = transpose(dY, inverse(perm))
     ctx.set_grad(0, ctx.emit("Transpose", [ctx.GO(0)], {"perm": [int(p) for p in np.argsort(perm)]}))
 
 
+@op("Expand", shape_only=(1,))
+def _expand_rule(node, types, consts):
+    x = types[0]
+    target = tuple(_ints(_const_input(node, consts, 1, "shape")))
+    if x.shape is None:
+        return [TensorType(x.dtype, None)]
+    try:
+        shape = broadcast_shapes(x.shape, target)
+    except ValueError as error:
+        raise ModelError(f"{node.describe()}: cannot expand {x} to {list(target)} ({error})") from None
+    if consts[0] is not None:
+        return _folded([np.broadcast_to(consts[0], shape)])
+    return [TensorType(x.dtype, shape)]
+
+
+@grad("Expand")
+def _expand_grad(ctx):  # dX = dY summed over the broadcast axes
+    ctx.set_grad(0, ctx.sum_to_input(ctx.GO(0), 0))
+
+
+@op("Tile", shape_only=(1,))
+def _tile_rule(node, types, consts):
+    x = types[0]
+    repeats = _ints(_const_input(node, consts, 1, "repeats"))
+    if x.shape is None:
+        return [TensorType(x.dtype, None)]
+    if len(repeats) != len(x.shape) or any(r < 0 for r in repeats):
+        raise ModelError(f"{node.describe()}: repeats {repeats} do not match the rank of {x}")
+    if consts[0] is not None:
+        return _folded([np.tile(consts[0], repeats)])
+    return [TensorType(x.dtype, tuple(d * r if isinstance(d, int) else (d if r == 1 else f"{node.name}_{i}")
+                                      for i, (d, r) in enumerate(zip(x.shape, repeats))))]
+
+
+@grad("Tile")
+def _tile_grad(ctx):  # dX = Σ over the copies of dY
+    ctx.set_grad(0, ctx.odtrain("TileGrad", [ctx.GO(0), ctx.I(0), ctx.I(1)]))
+
+
+@op("TileGrad", ODTRAIN_DOMAIN, shape_only=(1, 2))
+def _tile_grad_rule(node, types, consts):
+    return [TensorType(types[0].dtype, types[1].shape)]
+
+
+# ---- Slice, Concat, Split ---------------------------------------------------------------------
+
+
+def slice_ranges(node, shape: tuple, consts) -> list[tuple[int, int, int]]:
+    """Per axis of `shape` (static), the Python range (start, stop, step) that Slice keeps."""
+    if "starts" in node.attrs:  # opset 1: attributes
+        starts, ends = node.attrs["starts"], node.attrs["ends"]
+        axes, steps = node.attrs.get("axes"), None
+    else:
+        starts = _ints(_const_input(node, consts, 1, "starts"))
+        ends = _ints(_const_input(node, consts, 2, "ends"))
+        axes = _int_input(node, consts, 3, "axes")
+        steps = _int_input(node, consts, 4, "steps")
+    rank = len(shape)
+    axes = list(range(len(starts))) if axes is None else [a % rank for a in axes]
+    steps = [1] * len(starts) if steps is None else steps
+    if not (len(starts) == len(ends) == len(axes) == len(steps)):
+        raise ModelError(f"{node.describe()}: starts, ends, axes and steps differ in length")
+    ranges = [(0, d, 1) for d in shape]
+    for start, end, axis, step in zip(starts, ends, axes, steps):
+        if step == 0:
+            raise ModelError(f"{node.describe()}: a step of 0")
+        ranges[axis] = slice(start, end, step).indices(shape[axis])
+    return ranges
+
+
+def _slice_shape(ranges) -> tuple:
+    return tuple(len(range(*r)) for r in ranges)
+
+
+@op("Slice", shape_only=(1, 2, 3, 4))
+def _slice_rule(node, types, consts):
+    x = types[0]
+    if x.shape is None or not x.is_static:
+        return [TensorType(x.dtype, None)]
+    ranges = slice_ranges(node, x.shape, consts)
+    if consts[0] is not None:
+        return _folded([consts[0][tuple(slice(*r) for r in ranges)]])
+    return [TensorType(x.dtype, _slice_shape(ranges))]
+
+
+@grad("Slice")
+def _slice_grad(ctx):  # dX = zeros with dY written where the slice came from
+    inputs = [ctx.GO(0)] + [ctx.I(i) for i in range(len(ctx.node.inputs))]
+    ctx.set_grad(0, ctx.odtrain("SliceGrad", inputs, {k: v for k, v in ctx.node.attrs.items()}))
+
+
+@op("SliceGrad", ODTRAIN_DOMAIN, shape_only=(1, 2, 3, 4, 5))
+def _slice_grad_rule(node, types, consts):
+    return [TensorType(types[0].dtype, types[1].shape)]
+
+
+def _axis(node, rank: int, default: int = 0) -> int:
+    axis = int(node.attrs.get("axis", default))
+    if not -rank <= axis < max(rank, 1):
+        raise ModelError(f"{node.describe()}: axis {axis} is out of range for rank {rank}")
+    return axis % rank if rank else 0
+
+
+@op("Concat")
+def _concat_rule(node, types, consts):
+    present = [t for name, t in zip(node.inputs, types) if name]
+    if any(t.shape is None for t in present):
+        return [TensorType(present[0].dtype, None)]
+    rank = len(present[0].shape)
+    axis = _axis(node, rank)
+    if _all_known(node, consts):
+        return _folded([np.concatenate([c for c in consts if c is not None], axis=axis)])
+    total = 0
+    for t in present:
+        if len(t.shape) != rank:
+            raise ModelError(f"{node.describe()}: inputs of different ranks {[str(t) for t in present]}")
+        d = t.shape[axis]
+        total = total + d if isinstance(total, int) and isinstance(d, int) else f"{node.name}_concat"
+    shape = list(present[0].shape)
+    shape[axis] = total
+    return [TensorType(present[0].dtype, tuple(shape))]
+
+
+@grad("Concat")
+def _concat_grad(ctx):  # dX_i = dY[..., offset_i : offset_i + n_i, ...]
+    for i in range(len(ctx.node.inputs)):
+        if ctx.needs(i):
+            inputs = [ctx.GO(0)] + list(ctx.node.inputs)
+            ctx.set_grad(i, ctx.odtrain("ConcatGrad", inputs, {"axis": ctx.attr("axis"), "index": i}))
+
+
+# Inputs 1.. of ConcatGrad are the forward inputs, read for their shapes only.
+@op("ConcatGrad", ODTRAIN_DOMAIN, shape_only=range(1, 1024))
+def _concat_grad_rule(node, types, consts):
+    return [types[1 + node.attrs["index"]]]
+
+
+def split_sizes(node, dim: int, consts, outputs: int) -> list[int]:
+    sizes = _attr_or_input(node, consts, "split", 1, "split")
+    if sizes is None:
+        parts = int(node.attrs.get("num_outputs", outputs))
+        if "num_outputs" in node.attrs:  # opset 18: the last part may be smaller
+            chunk = -(-dim // parts)
+            sizes = [min(chunk, max(dim - chunk * i, 0)) for i in range(parts)]
+        else:
+            if dim % parts:
+                raise ModelError(f"{node.describe()}: axis of size {dim} does not split into {parts} equal parts")
+            sizes = [dim // parts] * parts
+    if sum(sizes) != dim or len(sizes) != outputs:
+        raise ModelError(f"{node.describe()}: split sizes {sizes} do not fit an axis of {dim} into {outputs} outputs")
+    return sizes
+
+
+@op("Split", shape_only=(1,))
+def _split_rule(node, types, consts):
+    x = types[0]
+    if x.shape is None or not isinstance(x.shape[_axis(node, len(x.shape))], int):
+        return [TensorType(x.dtype, None)] * len(node.outputs)
+    axis = _axis(node, len(x.shape))
+    sizes = split_sizes(node, x.shape[axis], consts, len(node.outputs))
+    if consts[0] is not None:
+        return _folded(np.split(consts[0], np.cumsum(sizes)[:-1], axis=axis))
+    return [TensorType(x.dtype, x.shape[:axis] + (s,) + x.shape[axis + 1:]) for s in sizes]
+
+
+@grad("Split")
+def _split_grad(ctx):  # dX = concat(dY_i), zeros for outputs without a gradient
+    parts = []
+    for i, out in enumerate(ctx.node.outputs):
+        g = ctx.GO(i)
+        if not g:
+            g = ctx.emit("ConstantOfShape", [ctx.emit("Shape", [out])])
+        parts.append(g)
+    ctx.set_grad(0, ctx.emit("Concat", parts, {"axis": ctx.attr("axis", 0)}))
+
+
+# ---- Gather and scatter -----------------------------------------------------------------------
+
+
+def _normalised_indices(node, indices: np.ndarray, dim: int) -> np.ndarray:
+    indices = np.asarray(indices, dtype=np.int64)
+    if ((indices < -dim) | (indices >= dim)).any():
+        raise ModelError(f"{node.describe()}: an index is outside [-{dim}, {dim})")
+    return np.where(indices < 0, indices + dim, indices)
+
+
+@op("Gather")
+def _gather_rule(node, types, consts):
+    data, indices = types[0], types[1]
+    if data.shape is None or indices.shape is None:
+        return [TensorType(data.dtype, None)]
+    axis = _axis(node, len(data.shape))
+    if consts[0] is not None and consts[1] is not None:
+        idx = _normalised_indices(node, consts[1], consts[0].shape[axis])
+        return _folded([np.take(consts[0], idx, axis=axis)])
+    return [TensorType(data.dtype, data.shape[:axis] + indices.shape + data.shape[axis + 1:])]
+
+
+@grad("Gather")
+def _gather_grad(ctx):  # dData = zeros; dData[..., indices[j], ...] += dY[..., j, ...]
+    ctx.set_grad(0, ctx.odtrain("GatherGrad", [ctx.GO(0), ctx.I(1), ctx.I(0)], {"axis": ctx.attr("axis", 0)}))
+
+
+@op("GatherGrad", ODTRAIN_DOMAIN, shape_only=(2,))
+def _gather_grad_rule(node, types, consts):
+    return [TensorType(types[0].dtype, types[2].shape)]
+
+
+@op("GatherElements")
+def _gather_elements_rule(node, types, consts):
+    data, indices = types[0], types[1]
+    if consts[0] is not None and consts[1] is not None:
+        axis = _axis(node, consts[0].ndim)
+        idx = _normalised_indices(node, consts[1], consts[0].shape[axis])
+        return _folded([np.take_along_axis(consts[0], idx, axis=axis)])
+    return [TensorType(data.dtype, indices.shape)]
+
+
+@grad("GatherElements")
+def _gather_elements_grad(ctx):  # dData = zeros; dData[index with axis → indices[p]] += dY[p]
+    ctx.set_grad(0, ctx.odtrain("GatherElementsGrad", [ctx.GO(0), ctx.I(1), ctx.I(0)], {"axis": ctx.attr("axis", 0)}))
+
+
+@op("GatherElementsGrad", ODTRAIN_DOMAIN, shape_only=(2,))
+def _gather_elements_grad_rule(node, types, consts):
+    return [TensorType(types[0].dtype, types[2].shape)]
+
+
+@op("GatherND")
+def _gather_nd_rule(node, types, consts):
+    data, indices = types[0], types[1]
+    if node.attrs.get("batch_dims", 0):
+        raise ModelError(f"{node.describe()}: GatherND with batch_dims={node.attrs['batch_dims']} is not supported")
+    if data.shape is None or indices.shape is None or not isinstance(indices.shape[-1], int):
+        return [TensorType(data.dtype, None)]
+    q = indices.shape[-1]
+    if q > len(data.shape):
+        raise ModelError(f"{node.describe()}: index tuples of length {q} for data of rank {len(data.shape)}")
+    return [TensorType(data.dtype, tuple(indices.shape[:-1]) + tuple(data.shape[q:]))]
+
+
+@grad("GatherND")
+def _gather_nd_grad(ctx):  # dData = ScatterND(zeros, indices, dY, reduction=add)
+    zeros = ctx.emit("ConstantOfShape", [ctx.emit("Shape", [ctx.I(0)])])
+    ctx.set_grad(0, ctx.emit("ScatterND", [zeros, ctx.I(1), ctx.GO(0)], {"reduction": "add"}))
+
+
+def _scatter_rule(node, types, consts):
+    reduction = node.attrs.get("reduction", "none")
+    if reduction not in ("none", "add", "mul", "max", "min"):
+        raise ModelError(f"{node.describe()}: unknown reduction '{reduction}'")
+    return [types[0]]
+
+
+op("ScatterElements")(_scatter_rule)
+op("ScatterND")(_scatter_rule)
+
+
+def _scatter_grad(ctx, gather: str):
+    # reduction none: dData = dY with the scattered places zeroed, dUpdates = dY gathered there;
+    # reduction add: dData = dY, dUpdates = dY gathered.
+    reduction = ctx.attr("reduction", "none")
+    if reduction not in ("none", "add"):
+        from ..errors import UnsupportedOpError
+
+        raise UnsupportedOpError(f"{ctx.node.describe()}: no gradient for reduction '{reduction}'")
+    attrs = {"axis": ctx.attr("axis", 0)} if gather == "GatherElements" else {}
+    if ctx.needs(0):
+        if reduction == "add":
+            ctx.set_grad(0, ctx.GO(0))
+        else:
+            zeros = ctx.emit("ConstantOfShape", [ctx.emit("Shape", [ctx.I(2)])])
+            ctx.set_grad(0, ctx.emit(ctx.node.op_type, [ctx.GO(0), ctx.I(1), zeros], dict(attrs)))
+    if ctx.needs(2):
+        ctx.set_grad(2, ctx.emit(gather, [ctx.GO(0), ctx.I(1)], attrs))
+
+
+grad("ScatterElements")(lambda ctx: _scatter_grad(ctx, "GatherElements"))
+grad("ScatterND")(lambda ctx: _scatter_grad(ctx, "GatherND"))
+
+
+# ---- Where, Cast ------------------------------------------------------------------------------
+
+
+@op("Where")
+def _where_rule(node, types, consts):
+    cond, a, b = types
+    if any(t.shape is None for t in types):
+        return [TensorType(a.dtype, None)]
+    if _all_known(node, consts):
+        return _folded([np.where(consts[0], consts[1], consts[2])])
+    try:
+        return [TensorType(a.dtype, broadcast_shapes(cond.shape, a.shape, b.shape))]
+    except ValueError as error:
+        raise ModelError(f"{node.describe()}: inputs {[str(t) for t in types]} cannot broadcast ({error})") from None
+
+
+@grad("Where")
+def _where_grad(ctx):  # dA = where(C, dY, 0), dB = where(C, 0, dY), each summed to its input's shape
+    zero = ctx.constant(np.zeros((), np.float32), "zero")
+    if ctx.needs(1):
+        ctx.set_grad(1, ctx.sum_to_input(ctx.emit("Where", [ctx.I(0), ctx.GO(0), zero]), 1))
+    if ctx.needs(2):
+        ctx.set_grad(2, ctx.sum_to_input(ctx.emit("Where", [ctx.I(0), zero, ctx.GO(0)]), 2))
+
+
+def onnx_dtype(node, code) -> np.dtype:
+    try:
+        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(int(code)))
+    except Exception:
+        dtype = None
+    if dtype is None or dtype.kind not in "fiub" or dtype.itemsize > 8:
+        raise ModelError(f"{node.describe()}: element type {code} is not supported (float, int and bool are)")
+    return dtype
+
+
+def _same_dtype(input_types, output_types) -> bool:
+    return np.dtype(input_types[0].dtype) == np.dtype(output_types[0].dtype)
+
+
+@op("Cast", view=_same_dtype)
+def _cast_rule(node, types, consts):
+    dtype = onnx_dtype(node, node.attrs.get("to"))
+    if np.dtype(types[0].dtype).kind not in "fiub":
+        raise ModelError(f"{node.describe()}: cannot cast from {types[0]}")
+    if consts[0] is not None:
+        return _folded([np.asarray(consts[0]).astype(dtype)])
+    return [TensorType(dtype, types[0].shape)]
+
+
+@grad("Cast")
+def _cast_grad(ctx):  # dX = cast(dY, type of X); no gradient through a cast to an integer type
+    source = dtype_of(ctx, ctx.I(0)) or np.dtype(np.float32)
+    target = onnx_dtype(ctx.node, ctx.attr("to"))
+    if target.kind != "f" or source.kind != "f":
+        return
+    ctx.set_grad(0, ctx.GO(0) if source == target else
+                 ctx.emit("Cast", [ctx.GO(0)], {"to": helper.np_dtype_to_tensor_dtype(source)}))
+
+
+@op("CastLike", view=_same_dtype, shape_only=(1,))
+def _cast_like_rule(node, types, consts):
+    dtype = np.dtype(types[1].dtype)
+    if consts[0] is not None:
+        return _folded([np.asarray(consts[0]).astype(dtype)])
+    return [TensorType(dtype, types[0].shape)]
+
+
+@grad("CastLike")
+def _cast_like_grad(ctx):  # dX = cast(dY, type of X)
+    source, target = dtype_of(ctx, ctx.I(0)), dtype_of(ctx, ctx.I(1))
+    if (source is not None and source.kind != "f") or (target is not None and target.kind != "f"):
+        return
+    ctx.set_grad(0, ctx.emit("CastLike", [ctx.GO(0), ctx.I(0)]))
+
+
+def trilu_mask(shape: tuple, k: int, upper: bool) -> np.ndarray:
+    """Which elements of the last two axes Trilu keeps: j - i >= k (upper) or j - i <= k (lower)."""
+    rows, cols = np.indices(shape[-2:])
+    return (cols - rows >= k) if upper else (cols - rows <= k)
+
+
+@op("Trilu", shape_only=(1,))
+def _trilu_rule(node, types, consts):
+    x = types[0]
+    k = int(np.asarray(_const_input(node, consts, 1, "k")).reshape(())) if len(node.inputs) > 1 and node.inputs[1] else 0
+    if x.shape is not None and len(x.shape) < 2:
+        raise ModelError(f"{node.describe()}: Trilu needs a rank of 2 or more, got {x}")
+    if consts[0] is not None:
+        keep = trilu_mask(consts[0].shape, k, bool(node.attrs.get("upper", 1)))
+        return _folded([np.where(keep, consts[0], np.zeros((), consts[0].dtype))])
+    return [x]
+
+
+@grad("Trilu")
+def _trilu_grad(ctx):  # dX = trilu(dY): the same elements pass
+    ctx.set_grad(0, ctx.emit("Trilu", [ctx.GO(0)] + ([ctx.I(1)] if ctx.I(1) else []), {"upper": ctx.attr("upper", 1)}))
+
+
+# ---- Shape, Constant, ConstantOfShape, Range: constants once shapes are bound -----------------
+
+
 @op("Shape", shape_only=(0,))
 def _shape_rule(node, types, consts):
     x = types[0]
     rank = None if x.shape is None else len(x.shape)
-    out = TensorType(np.dtype(np.int64), None if rank is None else (rank,))
     if x.is_static:
         start, end = node.attrs.get("start", 0), node.attrs.get("end", rank)
         dims = np.array(x.shape[start:end], dtype=np.int64)
         return [TensorType(np.dtype(np.int64), dims.shape)], [dims]
-    return [out]
+    return [TensorType(np.dtype(np.int64), None if rank is None else (rank,))]
 
 
 @op("Constant")
@@ -118,5 +616,34 @@ def constant_value(node) -> np.ndarray:
     raise ModelError(f"{node.describe()}: Constant without a supported value attribute ({sorted(attrs)})")
 
 
+def constant_of_shape_fill(node) -> np.ndarray:
+    value = node.attrs.get("value")
+    return np.zeros(1, np.float32) if value is None else np.asarray(value).reshape(-1)[:1]
+
+
+@op("ConstantOfShape", shape_only=(0,))
+def _constant_of_shape_rule(node, types, consts):
+    fill = constant_of_shape_fill(node)
+    if consts[0] is None:
+        return [TensorType(fill.dtype, None)]
+    shape = tuple(_ints(consts[0]))
+    if any(d < 0 for d in shape):
+        raise ModelError(f"{node.describe()}: negative dimension in {list(shape)}")
+    return _folded([np.full(shape, fill[0], dtype=fill.dtype)])
+
+
+@op("Range")
+def _range_rule(node, types, consts):
+    if not _all_known(node, consts):
+        return [TensorType(types[0].dtype, None)]
+    start, limit, delta = (np.asarray(c).reshape(()) for c in consts)
+    if delta == 0:
+        raise ModelError(f"{node.describe()}: a delta of 0")
+    count = max(int(np.ceil((limit - start) / delta)), 0)
+    return _folded([(start + np.arange(count) * delta).astype(start.dtype)])
+
+
 no_grad("Shape", "its output is an integer shape")
 no_grad("Constant", "it has no inputs")
+no_grad("ConstantOfShape", "its output depends only on a shape")
+no_grad("Range", "its output depends only on its scalar bounds, which set a shape")

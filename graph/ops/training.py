@@ -42,3 +42,13 @@ def _sce_grad(ctx):  # dScores = dLoss · (softmax(scores) - onehot(labels)) · 
 @op("SoftmaxCrossEntropyLossGrad", ODTRAIN_DOMAIN)
 def _sce_grad_rule(node, types, consts):
     return [types[1]]
+
+
+APPLY_UPDATE = "ApplyUpdate"
+
+
+@op(APPLY_UPDATE, ODTRAIN_DOMAIN)
+def _apply_update_rule(node, types, consts):
+    """ApplyUpdate(gradient, parameter): the optimizer update of one parameter during the backward
+    pass (fused update mode); it reads the gradient, writes the parameter, and outputs nothing."""
+    return []

@@ -1,0 +1,199 @@
+"""The kernel cache: ODTRAIN_CACHE_DIR, the fallback from a read-only package folder, `odtrain warmup`.
+
+Each case runs in a new Python process, since Numba reads its cache folder once, at import.
+"""
+import json
+import os
+import pathlib
+import shutil
+import stat
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from odtrain import cli
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+# Compiles (or loads) one small kernel and reports where its cache went.
+ONE_KERNEL = textwrap.dedent("""
+    import json, sys
+    {before}
+    import odtrain
+    import numba, numpy as np
+    from odtrain import cache
+    from odtrain.kernels.optim import add_into
+    add_into(np.zeros(4, np.float32), np.ones(4, np.float32))
+    print(json.dumps({{"odtrain": odtrain.__file__, "numba_cache_dir": numba.config.CACHE_DIR,
+                      "source": cache._configured_source, "cache_dir": cache.cache_dir(),
+                      "stats": cache.kernel_stats()}}))
+""")
+
+
+def clean_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CACHE_DIR", "ODTRAIN_CACHE_DIR", "XDG_CACHE_HOME")}
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run_python(code: str, env: dict, cwd, prefix=()) -> dict:
+    done = subprocess.run([*prefix, sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def cache_files(folder: pathlib.Path) -> list[str]:
+    return sorted(p.name for p in folder.rglob("*") if p.suffix in (".nbi", ".nbc"))
+
+
+@pytest.mark.parametrize("numba_first", [False, True], ids=["odtrain-first", "numba-imported-first"])
+def test_odtrain_cache_dir_is_honoured(tmp_path, numba_first):
+    target = tmp_path / "kernels-cache"
+    code = ONE_KERNEL.format(before="import numba" if numba_first else "")
+    report = run_python(code, clean_env(ODTRAIN_CACHE_DIR=target), tmp_path)
+    assert report["source"] == "ODTRAIN_CACHE_DIR"
+    assert report["numba_cache_dir"] == str(target)
+    assert report["cache_dir"] == str(target)
+    assert any(name.startswith("optim.add_into") for name in cache_files(target)), cache_files(target)
+
+
+def test_numba_cache_dir_of_the_user_wins(tmp_path):
+    ours, theirs = tmp_path / "odtrain-cache", tmp_path / "numba-cache"
+    report = run_python(ONE_KERNEL.format(before=""), clean_env(ODTRAIN_CACHE_DIR=ours, NUMBA_CACHE_DIR=theirs),
+                        tmp_path)
+    assert report["source"] == "NUMBA_CACHE_DIR"
+    assert cache_files(theirs) and not ours.exists()
+
+
+def read_only_runner():
+    """A command prefix under which chmod a-w holds: root ignores file modes unless it drops the capabilities."""
+    if os.geteuid() != 0:
+        return ()
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("running as root without setpriv: cannot make a folder read-only for this process")
+    return (setpriv, "--bounding-set=-dac_override,-dac_read_search,-fowner")
+
+
+def copy_sources(package: pathlib.Path) -> pathlib.Path:
+    """odtrain's sources copied to `package`, laid out as a checkout (odtrain/, graph/, kernels/): a copy no
+    edit of the working tree changes while a test runs (an edited kernel file invalidates its cache)."""
+    for folder in ("odtrain", "graph", "kernels"):
+        shutil.copytree(REPO / folder, package / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return package
+
+
+@pytest.fixture
+def read_only_package(tmp_path):
+    """A copy of the sources that nobody can write."""
+    package = copy_sources(tmp_path / "site")
+    for path in [package, *package.rglob("*")]:
+        mode = path.stat().st_mode
+        path.chmod(mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+    yield package
+    for path in [package, *package.rglob("*")]:
+        path.chmod(path.stat().st_mode | stat.S_IWUSR)
+
+
+def test_read_only_package_folder_falls_back_to_the_user_cache(tmp_path, read_only_package):
+    prefix = read_only_runner()
+    home = tmp_path / "home"
+    home.mkdir()
+    env = clean_env(PYTHONPATH=read_only_package, HOME=home, PYTHONDONTWRITEBYTECODE=1)
+    report = run_python(ONE_KERNEL.format(before=""), env, tmp_path, prefix)
+    assert report["odtrain"].startswith(str(read_only_package))
+    assert report["source"] == "user"
+    assert report["stats"]["compiled"] >= 1
+    user_cache = home / ".cache" / "numba"
+    assert any(name.startswith("optim.add_into") for name in cache_files(user_cache)), cache_files(home)
+    assert not cache_files(read_only_package)
+    # A second process loads the kernel from the user cache instead of compiling it again.
+    again = run_python(ONE_KERNEL.format(before=""), env, tmp_path, prefix)
+    assert again["stats"]["compiled"] == 0 and again["stats"]["loaded"] >= 1
+
+
+def test_nothing_writable_falls_back_to_a_temporary_folder(tmp_path, read_only_package):
+    prefix = read_only_runner()
+    home, scratch = tmp_path / "home", tmp_path / "tmp"
+    home.mkdir()
+    scratch.mkdir()
+    home.chmod(0o555)
+    try:
+        env = clean_env(PYTHONPATH=read_only_package, HOME=home, TMPDIR=scratch, PYTHONDONTWRITEBYTECODE=1)
+        report = run_python(ONE_KERNEL.format(before=""), env, tmp_path, prefix)
+    finally:
+        home.chmod(0o755)
+    assert report["source"] == "temporary"
+    assert report["numba_cache_dir"].startswith(str(scratch))
+    assert cache_files(scratch)
+
+
+FIRST_STEP = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    from odtrain import cache
+    from odtrain.api import CheckpointState, Module, Optimizer
+    directory = sys.argv[1]
+    state = CheckpointState.load_checkpoint(directory + "/checkpoint")
+    module = Module(directory + "/training_model.onnx", state, directory + "/eval_model.onnx")
+    optimizer = Optimizer(directory + "/optimizer_model.onnx", module)
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((64, 784), dtype=np.float32), rng.integers(0, 10, 64)
+    module(x, y)
+    optimizer.step()
+    module.lazy_reset_grad()
+    module.eval()
+    module(x, y)
+    print(json.dumps(cache.kernel_stats()))
+""")
+
+
+def odtrain_command(*args, env, cwd):
+    done = subprocess.run([sys.executable, "-m", "odtrain", *map(str, args)], env=env, cwd=cwd, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def demo_warmed(tmp_path_factory):
+    """A kernel cache filled by `odtrain warmup` (the demo classifier) from empty: (env, its output)."""
+    folder = tmp_path_factory.mktemp("warmup")
+    env = clean_env(ODTRAIN_CACHE_DIR=folder / "cache", PYTHONPATH=copy_sources(folder / "site"))
+    return env, odtrain_command("warmup", env=env, cwd=folder)
+
+
+def test_warmup_of_the_demo_model(demo_warmed, tmp_path):
+    env, output = demo_warmed
+    assert "warmed up the built-in demo classifier on inputs input [32, 64], labels [32] (train, optimizer, eval steps)" \
+        in output
+    assert f"kernel cache: {env['ODTRAIN_CACHE_DIR']}" in output
+    first = int(output.split(" compiled")[0].rsplit(" ", 1)[-1])
+    assert first >= 5, output  # from an empty cache, every kernel compiles
+    again = json.loads(odtrain_command("warmup", "--json", env=env, cwd=tmp_path))
+    assert again["compiled"] == 0 and again["loaded"] >= 5, again
+
+
+def test_warmup_then_first_step_compiles_nothing(demo_warmed, tmp_path, mlp_artifacts):
+    env, _ = demo_warmed
+    report = json.loads(odtrain_command("warmup", mlp_artifacts, "--batch-size", 64, "--json", env=env, cwd=tmp_path))
+    assert report["steps"] == ["train", "optimizer", "eval"] and report["inputs"]["input"] == [64, 784]
+    assert report["cache_dir"] == env["ODTRAIN_CACHE_DIR"]
+    done = subprocess.run([sys.executable, "-c", FIRST_STEP, str(mlp_artifacts)], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    stats = json.loads(done.stdout.strip().splitlines()[-1])
+    assert stats["compiled"] == 0, stats
+    assert stats["loaded"] >= 5
+
+
+def test_warmup_errors_are_one_line(tmp_path, capsys):
+    assert cli.main(["warmup", str(tmp_path / "missing")]) == 2
+    assert "has no training_model.onnx" in capsys.readouterr().err
+    assert cli.main(["warmup", "--input-shape", "x=a,b"]) == 2
+    assert "--input-shape" in capsys.readouterr().err
+    assert cli.main(["warmup", "--batch-size", "0"]) == 2
+    assert "batch size must be >= 1" in capsys.readouterr().err
