@@ -44,6 +44,25 @@ def as_float64(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
+def numeric_gradient(loss64, params64: dict, name: str, step: float = 1e-6) -> np.ndarray:
+    """Central differences of `loss64(params)` with respect to parameter `name`, in float64."""
+    value = params64[name]
+    numeric = np.zeros_like(value)
+    for index in np.ndindex(value.shape):
+        for sign in (1, -1):
+            shifted = value.copy()
+            shifted[index] += sign * step
+            numeric[index] += sign * loss64({**params64, name: shifted}) / (2 * step)
+    return numeric
+
+
+def assert_gradients_match(state, loss64, params64: dict, rtol: float = 1e-3, atol: float = 1e-5) -> None:
+    """Every parameter's gradient in `state` equals float64 central differences of `loss64`."""
+    for name in params64:
+        np.testing.assert_allclose(state.parameters[name].grad, numeric_gradient(loss64, params64, name),
+                                   rtol=rtol, atol=atol, err_msg=name)
+
+
 def reference_outputs(model: onnx.ModelProto, feeds: dict | None = None) -> list[np.ndarray]:
     return ReferenceEvaluator(model).run(None, feeds or {})
 
@@ -81,15 +100,8 @@ def gradient_check(nodes, params: dict[str, np.ndarray], output: str = "y", cons
 
     base = loss64(params64)
     np.testing.assert_allclose(float(loss32), base, rtol=1e-4, atol=1e-5)
-    for name, value in params64.items():
-        numeric = np.zeros_like(value)
-        for index in np.ndindex(value.shape):
-            shifted = dict(params64)
-            for sign in (1, -1):
-                probe_value = value.copy()
-                probe_value[index] += sign * step
-                shifted[name] = probe_value
-                numeric[index] += sign * loss64(shifted) / (2 * step)
+    for name in params64:
+        numeric = numeric_gradient(loss64, params64, name, step)
         loss64(params64)
         scale = max(np.abs(numeric).max(), 1e-3)
         np.testing.assert_allclose(analytic[name], numeric, rtol=rtol, atol=atol_fraction * scale * 10,

@@ -7,7 +7,7 @@ from onnx.reference import ReferenceEvaluator
 
 from odtrain import artifacts
 from odtrain.api import CheckpointState, Module, Optimizer
-from oracles import as_float64, make_model
+from oracles import as_float64, assert_gradients_match, make_model
 
 rng = np.random.default_rng(7)
 N, D, K = 6, 5, 3
@@ -48,14 +48,7 @@ def test_loss_value_gradient_and_training(loss_type, tmp_path):
 
     params64 = {k: v.astype(np.float64) for k, v in params.items()}
     assert loss == pytest.approx(loss64(params64), rel=1e-5)
-    for name, value in params64.items():
-        numeric = np.zeros_like(value)
-        for index in np.ndindex(value.shape):
-            for sign in (1, -1):
-                shifted = value.copy()
-                shifted[index] += sign * 1e-6
-                numeric[index] += sign * loss64({**params64, name: shifted}) / 2e-6
-        np.testing.assert_allclose(state.parameters[name].grad, numeric, rtol=1e-3, atol=1e-5, err_msg=name)
+    assert_gradients_match(state, loss64, params64)
 
     optimizer = Optimizer(tmp_path / "optimizer_model.onnx", module)
     optimizer.set_learning_rate(0.05)
