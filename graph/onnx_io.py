@@ -135,8 +135,29 @@ def graph_from_proto(proto: onnx.ModelProto, source: str = "model") -> Graph:
         except ModelError as error:
             raise ModelError(f"{source}: node '{n.name or index}' ({n.op_type}): {error}") from None
         nodes.append(Node(n.op_type, list(n.input), list(n.output), attrs, n.name or f"{n.op_type}_{index}", n.domain))
+    _pin_legacy_softmax_axis(nodes, opsets.get(DEFAULT_DOMAIN, 0), value_types, source)
     inputs = [i.name for i in g.input if i.name not in initializers]
     return Graph(nodes, inputs, [o.name for o in g.output], initializers, value_types, opsets, g.name or "graph")
+
+
+def _pin_legacy_softmax_axis(nodes, opset: int, value_types, source: str) -> None:
+    """Before opset 13, Softmax/LogSoftmax flattened the input to 2-D at `axis` (default 1) and
+    normalised over everything after it. Where that is the last axis alone, pin `axis=-1` (the
+    meaning odtrain's kernels implement); otherwise refuse rather than compute something else."""
+    if opset >= 13:
+        return
+    for node in nodes:
+        if node.op_type not in ("Softmax", "LogSoftmax") or node.domain not in ("", "ai.onnx"):
+            continue
+        t = value_types.get(node.inputs[0])
+        axis = int(node.attrs.get("axis", 1))
+        rank = None if t is None or t.shape is None else len(t.shape)
+        if rank is not None and axis % rank == rank - 1:
+            node.attrs["axis"] = -1
+        else:
+            raise ModelError(f"{source}: {node.describe()} (opset {opset}) normalises over the axes from "
+                             f"{axis} on, flattened{'' if rank else ', for an input of unknown rank'}; odtrain "
+                             "implements opset 13's single-axis Softmax: re-export with opset 13 or newer")
 
 
 def load_graph(model, what: str = "model") -> Graph:

@@ -1,7 +1,8 @@
 """Text and sequence models train: the PyTorch-exported transformer along its golden losses, recurrent
-layers with sequence lengths against their references, and small models built with onnx.helper (a GRU
-next-token predictor, an attention keyword spotter, a padded-sequence encoder) that learn synthetic tasks
-and export inference models that onnxruntime runs with the same outputs.
+layers with sequence lengths against their references, and small models built with onnx.helper (GRU and
+bidirectional LSTM next-token predictors, an attention keyword spotter, a padded-sequence encoder at
+opsets 14 and 18, causal attention as scaled_dot_product_attention exports it) that learn synthetic tasks
+and export inference models that onnxruntime runs with the same outputs. Their steps allocate nothing.
 """
 import numpy as np
 import onnx
@@ -10,6 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 from conftest import reference_model
+from oracles import gradient_check, numeric_gradient
 from odtrain import artifacts
 from odtrain.api import CheckpointState, Module, Optimizer
 from odtrain.inference import InferenceSession
@@ -213,15 +215,8 @@ def test_recurrent_gradients_with_sequence_lengths(kind, direction, layout, tmp_
     values64 = {k: v.astype(np.float64) for k, v in inits.items() if k in trained}
     loss64 = PerSampleReference(kind, model, lens, layout, [w.astype(np.float64) for w in weights])
 
-    step = 1e-6
     for name in trained:
-        value = values64[name]
-        numeric = np.zeros_like(value)
-        for index in np.ndindex(value.shape):
-            for sign in (1, -1):
-                shifted = value.copy()
-                shifted[index] += sign * step
-                numeric[index] += sign * loss64({**values64, name: shifted}) / (2 * step)
+        numeric = numeric_gradient(loss64, values64, name)
         scale = max(np.abs(numeric).max(), 1e-3)
         np.testing.assert_allclose(state.parameters[name].grad, numeric, rtol=2e-3, atol=2e-3 * scale,
                                    err_msg=f"gradient of {name}")
@@ -242,26 +237,37 @@ def test_cast_passes_gradients_between_float_types(tmp_path):
 # ---- small models that learn -------------------------------------------------------------------------
 
 
-def gru_predictor(vocab=8, embed=8, hidden=16, seed=0):
-    """tokens [batch, seq] → embedding → GRU (as PyTorch exports a batch-first GRU: transposed to
-    [seq, batch, ...], linear_before_reset=1) → logits [batch, vocab, seq], for CrossEntropyLoss over
-    every position."""
+def recurrent_predictor(kind="GRU", direction="forward", vocab=8, embed=8, hidden=16, seed=0):
+    """tokens [batch, seq] → embedding → GRU or LSTM (as PyTorch exports a batch-first layer: transposed
+    to [seq, batch, ...], directions merged by Transpose + Reshape; GRU with linear_before_reset=1) →
+    logits [batch, vocab, seq], for CrossEntropyLoss over every position."""
     rng = np.random.default_rng(seed)
     init = lambda *s: (rng.standard_normal(s) / np.sqrt(s[-1])).astype(np.float32)  # noqa: E731
-    params = {"emb": init(vocab, embed), "W": init(1, 3 * hidden, embed), "R": init(1, 3 * hidden, hidden),
-              "B": np.zeros((1, 6 * hidden), np.float32), "head": init(hidden, vocab),
-              "head_b": np.zeros(vocab, np.float32), "squeeze_axes": np.array([2], np.int64)}
-    params["squeeze_axes"] = np.array([1], np.int64)
+    dirs = 2 if direction == "bidirectional" else 1
+    gates = 3 if kind == "GRU" else 4
+    params = {"emb": init(vocab, embed), "W": init(dirs, gates * hidden, embed),
+              "R": init(dirs, gates * hidden, hidden), "B": np.zeros((dirs, 2 * gates * hidden), np.float32),
+              "head": init(dirs * hidden, vocab), "head_b": np.zeros(vocab, np.float32),
+              "merged": np.array([0, 0, -1], np.int64)}
+    attrs = {"hidden_size": hidden, "direction": direction}
+    if kind == "GRU":
+        attrs["linear_before_reset"] = 1
     nodes = [node("Gather", ["emb", "tokens"], ["e"]), node("Transpose", ["e"], ["e_t"], perm=[1, 0, 2]),
-             node("GRU", ["e_t", "W", "R", "B"], ["Y", ""], hidden_size=hidden, linear_before_reset=1),
-             node("Squeeze", ["Y", "squeeze_axes"], ["h_t"]),  # [seq, batch, hidden]
+             node(kind, ["e_t", "W", "R", "B"], ["Y", ""], **attrs),  # Y [seq, dirs, batch, hidden]
+             node("Transpose", ["Y"], ["Y_t"], perm=[0, 2, 1, 3]),
+             node("Reshape", ["Y_t", "merged"], ["h_t"]),  # [seq, batch, dirs·hidden]
              node("Transpose", ["h_t"], ["h"], perm=[1, 0, 2]),
              node("MatMul", ["h", "head"], ["l"]), node("Add", ["l", "head_b"], ["lb"]),
              node("Transpose", ["lb"], ["output"], perm=[0, 2, 1])]
     return build(nodes, params, [("tokens", INT64, ["batch", "seq"])], [("output", FLOAT, ["batch", vocab, "seq"])])
 
 
-def test_gru_learns_to_repeat_the_previous_token(tmp_path):
+def gru_predictor():
+    return recurrent_predictor("GRU")
+
+
+@pytest.mark.parametrize("kind,direction", [("GRU", "forward"), ("LSTM", "bidirectional")])
+def test_recurrent_predictor_learns_to_repeat_the_previous_token(kind, direction, tmp_path):
     """Next-token targets that need memory: the label at t is the token at t-1. Sequences change length."""
     rng = np.random.default_rng(0)
     batches = []
@@ -270,7 +276,7 @@ def test_gru_learns_to_repeat_the_previous_token(tmp_path):
         tokens = rng.integers(1, 8, (16, seq))
         labels = np.concatenate([np.zeros((16, 1), np.int64), tokens[:, :-1]], axis=1)
         batches.append((tokens, labels))
-    module, losses = train(gru_predictor(), tmp_path, batches, lr=2e-2)
+    module, losses = train(recurrent_predictor(kind, direction), tmp_path, batches, lr=2e-2)
     assert np.mean(losses[-6:]) < 0.35 * np.mean(losses[:4]), losses
     tokens = rng.integers(1, 8, (5, 9))
     assert_exports_like_onnxruntime(module, tmp_path, {"tokens": tokens})
@@ -426,8 +432,6 @@ def test_causal_attention_as_scaled_dot_product_attention_exports_it(tmp_path):
     """F.scaled_dot_product_attention(is_causal=True) as exported: the scale from Shape → Slice → Cast(Like) →
     Sqrt → Div (folded once shapes are bound), √scale applied to q and k, a causal mask from
     ConstantOfShape → Trilu → Equal → Where, gradients through all of it."""
-    from oracles import gradient_check
-
     rng = np.random.default_rng(3)
     i64 = lambda *v: np.array(v, np.int64)  # noqa: E731
     nodes = [node("Shape", ["q"], ["shape"]), node("Slice", ["shape", "minus1", "end"], ["last"]),
@@ -444,3 +448,50 @@ def test_causal_attention_as_scaled_dot_product_attention_exports_it(tmp_path):
     constants = {"minus1": i64(-1), "minus2": i64(-2), "end": i64(2 ** 62), "one": np.array(1.0, np.float32),
                  "zero": np.array(0, np.int64), "neg_inf": np.array(-np.inf, np.float32)}
     gradient_check(nodes, params, constants=constants, tmp_path=tmp_path)
+
+
+def test_transformer_and_gru_steps_allocate_nothing(transformer, tmp_path):
+    """Every kernel of a transformer and a GRU training step, counted by Numba's runtime (NUMBA_NRT_STATS=1)
+    in a fresh process: passing an array registers it once; a kernel's own allocation would add to that."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    path, meta, golden = transformer
+    artifacts.generate_artifacts(str(path), requires_grad=meta["requires_grad"], loss=artifacts.LossType.CrossEntropyLoss,
+                                 optimizer=artifacts.OptimType.AdamW, artifact_directory=tmp_path / "transformer")
+    artifacts.generate_artifacts(gru_predictor(), loss=artifacts.LossType.CrossEntropyLoss,
+                                 optimizer=artifacts.OptimType.AdamW, artifact_directory=tmp_path / "gru")
+    tokens = np.random.default_rng(0).integers(1, 8, (4, 6))
+    np.savez(tmp_path / "feeds.npz", x=golden["x"][0], y=golden["y"][0], tokens=tokens, next=np.roll(tokens, -1, 1))
+    script = textwrap.dedent(f"""
+        import numpy as np
+        from numba.core.runtime import rtsys
+        from odtrain.api import CheckpointState, Module, Optimizer
+        feeds = np.load({str(tmp_path / "feeds.npz")!r})
+        for name, inputs in (("transformer", (feeds["x"], feeds["y"])), ("gru", (feeds["tokens"], feeds["next"]))):
+            d = {str(tmp_path)!r} + "/" + name
+            state = CheckpointState.load_checkpoint(d + "/checkpoint")
+            module = Module(d + "/training_model.onnx", state)
+            optimizer = Optimizer(d + "/optimizer_model.onnx", module)
+            for _ in range(2):
+                module(*inputs); optimizer.step(); module.lazy_reset_grad()
+            bound = next(iter(module._train.plans.values()))
+            for view, value in zip(bound.feed_views, inputs):
+                view[...] = value
+            extra = []
+            for kernel, args in bound.calls:
+                before = rtsys.get_allocation_stats().alloc
+                kernel(*args)
+                arrays = sum(isinstance(a, np.ndarray) for a in args)
+                extra.append(rtsys.get_allocation_stats().alloc - before - arrays)
+            print(len(extra), max(extra), min(extra))
+    """)
+    env = dict(os.environ, NUMBA_NRT_STATS="1")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=900,
+                            cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    for line in result.stdout.split("\n")[:2]:
+        calls, most, least = (int(v) for v in line.split())
+        assert calls > 10 and most == 0 and least == 0, result.stdout
