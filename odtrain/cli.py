@@ -310,6 +310,20 @@ def _prepare(args) -> int:
 # ---- train, eval, export, inspect ------------------------------------------------------------------------
 
 
+def _byte_size(text: str) -> int:
+    """'40MB', '1.5GiB', '500000' -> bytes (decimal and binary units)."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    number = text.strip().upper().rstrip()
+    split = len(number.rstrip("KMGIB"))
+    try:
+        value = float(number[:split]) * units[number[split:]]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"'{text}' is not a size: use bytes or a unit such as 40MB or 1.5GiB") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"the size must be positive, got '{text}'")
+    return int(value)
+
+
 def _train(args) -> int:
     from .api import CheckpointState
     from .training import ArtifactPaths, fit
@@ -323,7 +337,8 @@ def _train(args) -> int:
     result = fit(args.artifacts, args.data, val=args.val, epochs=args.epochs, batch_size=args.batch_size,
                  learning_rate=args.lr, lr_schedule=args.lr_schedule, warmup_steps=args.warmup, seed=args.seed,
                  checkpoint_every=args.checkpoint_every, resume=args.resume, x=args.x, y=args.y,
-                 log=None if args.json else print, progress=not args.json, stop_after_steps=args.stop_after_steps)
+                 log=None if args.json else print, progress=not args.json, stop_after_steps=args.stop_after_steps,
+                 memory_budget=args.memory_budget)
     if args.json:
         _print_json(result.to_dict())
     elif result.finished and not result.history:
@@ -516,6 +531,9 @@ def _add_training_commands(commands) -> None:
                        "(default: at each epoch's end only)")
     train.add_argument("--resume", action="store_true", help="continue the run stored in the checkpoint")
     train.add_argument("--seed", type=int, help="seed of the batch order (default: 0)")
+    train.add_argument("--memory-budget", type=_byte_size, metavar="BYTES",
+                       help="cap each training step's arena (e.g. 40MB), recomputing activations in the backward "
+                       "pass; fails before training, naming the smallest budget that works, if none fits")
     train.add_argument("--json", action="store_true", help="print the result as JSON instead of progress")
     train.add_argument("--stop-after-steps", type=int, help=argparse.SUPPRESS)
     train.set_defaults(handler=_train)

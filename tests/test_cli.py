@@ -461,3 +461,16 @@ def test_progress_bar_without_tqdm_redraws_one_line_on_a_terminal(monkeypatch):
     drawn = stream.getvalue()
     assert drawn.startswith("\repoch 1/2 [") and "32/64" in drawn and "samples/s loss=0.5" in drawn
     assert drawn.endswith("\r") and "\n" not in drawn
+
+
+def test_memory_budget_flag_trains_identically_or_names_what_works(here, capsys):
+    settings = ["--data", "train.npz", "--epochs", "1", "--batch-size", BATCH, "--seed", "3", "--json"]
+    free, tight = fresh_artifacts(here, "free"), fresh_artifacts(here, "tight")
+    code, out, _ = odtrain_main(capsys, "train", free, *settings)
+    assert code == 0
+    code, out_budget, _ = odtrain_main(capsys, "train", tight, *settings, "--memory-budget", "1MB")
+    assert code == 0 and json.loads(out_budget)["history"][0]["loss"] == json.loads(out)["history"][0]["loss"]
+    code, _, err = odtrain_main(capsys, "train", fresh_artifacts(here, "tiny"), *settings, "--memory-budget", "64")
+    assert code == 2 and "at least" in one_line(err)
+    code, _, err = odtrain_main(capsys, "train", tight, *settings, "--memory-budget", "lots")
+    assert code == 2 and "'lots' is not a size" in one_line(err)

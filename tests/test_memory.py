@@ -87,3 +87,26 @@ def test_fused_updates_give_identical_parameters(kind, mlp_reference, tmp_path):
     np.testing.assert_array_equal(fused_params, plain_params)
     # no gradient buffer is touched: gradients live in the arena only until their update
     assert fused_arena < plain_arena + 500 * 784 * 4
+
+
+def test_the_report_states_the_plans_and_buffers(mlp_artifacts, mlp_reference):
+    from odtrain.memory import report
+
+    golden = mlp_reference[2]
+    state = CheckpointState.load_checkpoint(mlp_artifacts / "checkpoint")
+    module = Module(mlp_artifacts / "training_model.onnx", state, mlp_artifacts / "eval_model.onnx")
+    Optimizer(mlp_artifacts / "optimizer_model.onnx", module)
+    module(golden["x"][0], golden["y"][0])
+    module.eval()
+    module(golden["x"][0][:5], golden["y"][0][:5])
+    result = report(module)
+    train_plan, eval_plan = next(iter(module._train.plans.values())), next(iter(module._eval.plans.values()))
+    assert [(p.mode, p.arena_bytes, p.lower_bound) for p in result.plans] == [
+        ("train", train_plan.plan.arena_bytes, train_plan.plan.lower_bound),
+        ("eval", eval_plan.plan.arena_bytes, eval_plan.plan.lower_bound)]
+    assert result.plans[1].shapes == (("input", (5, 784)), ("labels", (5,)))
+    assert result.gradient_bytes == state._store.grad_flat.nbytes == 397510 * 4
+    assert result.optimizer_bytes == 2 * 397510 * 4 and result.parameter_bytes == 397510 * 4
+    assert result.training_bytes == (result.gradient_bytes + result.optimizer_bytes + result.arena_bytes
+                                     + sum(p.constant_bytes for p in result.plans))
+    assert "training adds" in result.render() and "lower bound" in result.render()
