@@ -19,6 +19,8 @@ GRADIENT_CHECKED |= {"Gather", "GatherElements", "GatherND", "ScatterElements", 
 # vision ops (tests/test_vision.py; Dropout, being random, against its own mask there)
 GRADIENT_CHECKED |= {"Conv", "BatchNormalization", "MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool",
                      "Clip", "LeakyRelu", "HardSigmoid", "HardSwish", "Pad", "Dropout", "BatchNormalizationActivation"}
+# upsampling ops (tests/test_upsampling.py)
+GRADIENT_CHECKED |= {"ConvTranspose", "Resize", "Upsample"}
 
 
 def test_every_registered_op_has_a_kernel():

@@ -1,4 +1,5 @@
-"""Convolution, pooling, batch normalization, image activations (Clip, LeakyRelu, HardSigmoid, HardSwish), Dropout, Pad.
+"""Convolution, pooling, batch normalization, image activations (Clip, LeakyRelu, HardSigmoid, HardSwish), Dropout, Pad,
+and upsampling (ConvTranspose, Resize, Upsample).
 
 Windowed ops (Conv, MaxPool, AveragePool) share one geometry: for each spatial
 axis, out = floor((in + pad_begin + pad_end - ((k - 1)·dilation + 1)) / stride) + 1
@@ -11,6 +12,14 @@ Gradients:
   ConvInputGrad(dY, W, X) (X for its shape only), ConvWeightGrad(dY, X, W) (W for
   its shape only) and ConvBiasGrad(dY). A frozen backbone computes no weight
   gradients; the first convolution computes no input gradient.
+- ConvTranspose is the input gradient of the convolution of Y by W (Y [N, M, ...] as that
+  convolution's input, X [N, C, ...] as its output, W [C, M/G, ...] as its weight), so its
+  gradients are that convolution's other computations: ConvTransposeInputGrad(dY, W, X) is
+  Conv(dY, W), ConvTransposeWeightGrad(dY, X, W) is its weight gradient with X as the output
+  gradient, and dB is ConvBiasGrad(dY); each emitted only when wanted.
+- Resize and Upsample: ResizeGrad(dY, X, roi, scales, sizes) scatters each output's gradient
+  back to the cells it read, times their interpolation weights (X for its shape only); for
+  nearest that sums the gradients of every copy of a cell.
 - BatchNormalization: BatchNormalizationGrad(dY, X, scale[, mean, var]) recomputes
   the batch statistics from X in training mode (no saved-statistics outputs needed).
   Its running statistics are `updates`: written over the checkpoint's parameters in
@@ -154,6 +163,112 @@ def _conv_weight_grad_rule(node, types, consts):
 def _conv_bias_grad_rule(node, types, consts):
     dy = types[0]
     return [TensorType(dy.dtype, (dy.shape[1],))]
+
+
+# ---- ConvTranspose -------------------------------------------------------------------------------
+
+
+def conv_transpose_geometry(node, spatial: tuple, kernel: list[int]) -> tuple[list[int], tuple]:
+    """(begin pads, output spatial dims) of a ConvTranspose, with ONNX's and ONNX Runtime's rules.
+
+    Per axis, natural = stride·(in - 1) + output_padding + (k - 1)·dilation + 1. With output_shape,
+    total padding = natural - out: split as the spec says when it is positive (SAME_UPPER puts the
+    extra cell at the end), and extra output cells go at the end when it is negative. SAME_* give
+    out = in·stride the same way. Otherwise out = natural - pads."""
+    rank = len(spatial)
+    strides = _ints(node, "strides", rank, 1)
+    dilations = _ints(node, "dilations", rank, 1)
+    output_padding = _ints(node, "output_padding", rank, 0)
+    pads = _ints(node, "pads", 2 * rank, 0)
+    auto_pad = _auto_pad(node)
+    shape = [int(d) for d in node.attrs.get("output_shape") or []]
+    if shape and len(shape) not in (rank, rank + 2):
+        raise ModelError(f"{node.describe()}: output_shape {shape} needs {rank} spatial dims")
+    shape = shape[-rank:]
+    if any(p < 0 for p in pads) or any(p < 0 for p in output_padding):
+        raise UnsupportedOpError(f"{node.describe()}: negative pads {pads} or output_padding {output_padding} "
+                                 "are not supported")
+    begin, out = [], []
+    for axis, size in enumerate(spatial):
+        span = (kernel[axis] - 1) * dilations[axis] + 1
+        if not isinstance(size, int):
+            begin.append(0 if shape or auto_pad != "NOTSET" else pads[axis])
+            out.append(shape[axis] if shape else f"{node.name or node.op_type}_out{axis}")
+            continue
+        natural = strides[axis] * (size - 1) + output_padding[axis] + span
+        if shape or auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+            target = shape[axis] if shape else size * strides[axis]
+            total = natural - target
+            if total < 0 and not shape:
+                raise UnsupportedOpError(
+                    f"{node.describe()}: auto_pad={auto_pad} with a window ({span}) smaller than the stride "
+                    f"({strides[axis]}) asks for negative padding, where ONNX's reference and ONNX Runtime "
+                    "disagree; give explicit pads and output_padding instead")
+            if total < 0 and -total >= strides[axis]:
+                raise ModelError(f"{node.describe()}: output_shape {shape} is too large for input {tuple(spatial)}: "
+                                 f"axis {axis} holds at most {natural + strides[axis] - 1} cells")
+            begin.append(0 if total < 0 else total // 2 if auto_pad == "SAME_UPPER" else total - total // 2)
+            out.append(target)
+        elif auto_pad == "VALID":
+            begin.append(0)
+            out.append(natural)
+        else:
+            begin.append(pads[axis])
+            out.append(natural - pads[axis] - pads[rank + axis])
+        if isinstance(out[-1], int) and out[-1] <= 0:
+            raise ModelError(f"{node.describe()}: pads {pads} leave no output cells on axis {axis}")
+    return begin, tuple(out)
+
+
+@op("ConvTranspose")
+def _conv_transpose_rule(node, types, consts):
+    x, w = types[0], types[1]
+    if x.shape is None or w.shape is None:
+        return [TensorType(x.dtype, None)]
+    _require_float32(node, x)
+    rank = _spatial_rank(node, x)
+    if len(w.shape) != rank + 2:
+        raise ModelError(f"{node.describe()}: weight {w} does not match input {x}")
+    group = int(node.attrs.get("group", 1))
+    channels = x.shape[1]
+    if isinstance(channels, int) and isinstance(w.shape[0], int) and channels != w.shape[0]:
+        raise ModelError(f"{node.describe()}: input has {channels} channels, weight {w} ([C, M/group, ...]) "
+                         f"expects {w.shape[0]}")
+    if isinstance(channels, int) and channels % group:
+        raise ModelError(f"{node.describe()}: {channels} input channels do not split into group={group}")
+    kernel = node.attrs.get("kernel_shape") or list(w.shape[2:])
+    if list(kernel) != list(w.shape[2:]):
+        raise ModelError(f"{node.describe()}: kernel_shape {list(kernel)} differs from the weight's {w}")
+    _, spatial = conv_transpose_geometry(node, x.shape[2:], [int(k) for k in kernel])
+    out_channels = w.shape[1] * group if isinstance(w.shape[1], int) else f"{node.name}_channels"
+    return [TensorType(x.dtype, (x.shape[0], out_channels) + spatial)]
+
+
+CONV_TRANSPOSE_ATTRS = CONV_ATTRS + ("output_padding", "output_shape")
+
+
+@grad("ConvTranspose")
+def _conv_transpose_grad(ctx):
+    # ConvTranspose is the input gradient of a convolution by W; its gradients are that convolution's
+    # forward and weight gradient, with the roles of X and Y exchanged.
+    attrs = {k: ctx.attr(k) for k in CONV_TRANSPOSE_ATTRS if ctx.attr(k) is not None}
+    dy = ctx.GO(0)
+    if ctx.needs(0):  # dX = im2col(dY) convolved with W: Conv(dY, W)
+        ctx.set_grad(0, ctx.odtrain("ConvTransposeInputGrad", [dy, ctx.I(1), ctx.I(0)], attrs))
+    if ctx.needs(1):  # dW_g = X_g · im2col(dY_g)ᵀ
+        ctx.set_grad(1, ctx.odtrain("ConvTransposeWeightGrad", [dy, ctx.I(0), ctx.I(1)], attrs))
+    if ctx.needs(2):  # dB = Σ over batch and space of dY
+        ctx.set_grad(2, ctx.odtrain("ConvBiasGrad", [dy]))
+
+
+@op("ConvTransposeInputGrad", ODTRAIN_DOMAIN, shape_only=(2,))
+def _conv_transpose_input_grad_rule(node, types, consts):
+    return [types[2]]
+
+
+@op("ConvTransposeWeightGrad", ODTRAIN_DOMAIN, shape_only=(2,))
+def _conv_transpose_weight_grad_rule(node, types, consts):
+    return [types[2]]
 
 
 # ---- BatchNormalization --------------------------------------------------------------------------
@@ -468,3 +583,143 @@ def _dropout_grad(ctx):  # dX = dY · mask / (1 - ratio) in training mode, dY ot
 
 
 op("DropoutGrad", ODTRAIN_DOMAIN, inplace=((0, 0),))(lambda node, types, consts: [types[0]])
+
+
+# ---- Resize, Upsample ----------------------------------------------------------------------------
+
+RESIZE_MODES = ("nearest", "linear", "cubic")
+COORDINATE_MODES = ("half_pixel", "half_pixel_symmetric", "pytorch_half_pixel", "align_corners", "asymmetric",
+                    "tf_crop_and_resize")
+NEAREST_MODES = ("round_prefer_floor", "round_prefer_ceil", "floor", "ceil")
+ASPECT_POLICIES = ("stretch", "not_larger", "not_smaller")
+
+
+def _text_attr(node, name: str, default: str, allowed: tuple) -> str:
+    value = node.attrs.get(name, default)
+    value = value.decode() if isinstance(value, bytes) else str(value)
+    if value not in allowed:
+        raise ModelError(f"{node.describe()}: {name}={value!r}; ONNX allows {', '.join(allowed)}")
+    return value
+
+
+def resize_settings(node) -> dict:
+    """Resize's attributes with their defaults made explicit: what ResizeGrad and the kernels read.
+
+    Resize of opset 10 (inputs X, scales) and Upsample map source cells with `asymmetric` coordinates
+    and pick the nearest cell as ONNX Runtime does for them: floor when enlarging, ceil when shrinking
+    (nearest_mode "legacy")."""
+    legacy = node.op_type == "Upsample" or len(node.inputs) == 2
+    mode = _text_attr(node, "mode", "nearest", RESIZE_MODES if not legacy else ("nearest", "linear"))
+    settings = {
+        "mode": mode,
+        "coordinate_transformation_mode": "asymmetric" if legacy else
+        _text_attr(node, "coordinate_transformation_mode", "half_pixel", COORDINATE_MODES),
+        "nearest_mode": "legacy" if legacy else _text_attr(node, "nearest_mode", "round_prefer_floor", NEAREST_MODES),
+        "cubic_coeff_a": float(node.attrs.get("cubic_coeff_a", -0.75)),
+        "exclude_outside": int(node.attrs.get("exclude_outside", 0)),
+        "extrapolation_value": float(node.attrs.get("extrapolation_value", 0.0)),
+        "antialias": int(node.attrs.get("antialias", 0)),
+        "keep_aspect_ratio_policy": _text_attr(node, "keep_aspect_ratio_policy", "stretch", ASPECT_POLICIES),
+    }
+    if node.attrs.get("axes") is not None:
+        settings["axes"] = [int(a) for a in node.attrs["axes"]]
+    return settings
+
+
+def resize_input_names(node) -> tuple[str, str, str]:
+    """(roi, scales, sizes) input names of a Resize or Upsample node, '' where absent."""
+    inputs = list(node.inputs) + [""] * 4
+    if node.op_type == "Upsample" or len(node.inputs) == 2:
+        return "", inputs[1], ""
+    return inputs[1], inputs[2], inputs[3]
+
+
+def _resize_constants(node, consts) -> tuple:
+    """(roi, scales, sizes) as numpy arrays (None where absent or empty); they must be constants."""
+    names = resize_input_names(node)
+    index = {name: i for i, name in enumerate(node.inputs) if name}
+    values = []
+    for role, name in zip(("roi", "scales", "sizes"), names):
+        value = consts[index[name]] if name else None
+        if name and value is None and (role != "roi" or node.attrs.get("coordinate_transformation_mode") in
+                                       ("tf_crop_and_resize", b"tf_crop_and_resize")):
+            raise UnsupportedOpError(f"{node.describe()}: its {role} input '{name}' must be a constant (a Constant, or "
+                                     "an initializer that is neither trained nor frozen) so that the output shape is "
+                                     "known before running")
+        values.append(None if value is None or np.asarray(value).size == 0 else np.asarray(value))
+    return tuple(values)
+
+
+def resize_output_shape(node, shape: tuple, scales, sizes) -> tuple:
+    """Output dims of Resize: floor(scale · in) per resized axis (as ONNX's reference, in float64), or `sizes`
+    (kept within the aspect ratio by keep_aspect_ratio_policy, rounding half up)."""
+    rank = len(shape)
+    settings = resize_settings(node)
+    axes = [a % rank for a in settings.get("axes", range(rank))] if rank else []
+    if (scales is None) == (sizes is None):
+        raise ModelError(f"{node.describe()}: give exactly one of scales and sizes (an empty tensor counts as absent)")
+    given = scales if scales is not None else sizes
+    if given.size != len(axes):
+        raise ModelError(f"{node.describe()}: {given.size} scales or sizes for {len(axes)} axes of a rank-{rank} input")
+    out = list(shape)
+    if scales is not None:
+        if (scales <= 0).any():
+            raise ModelError(f"{node.describe()}: scales {scales.tolist()} must be positive")
+        for k, axis in enumerate(axes):
+            scale = float(scales.reshape(-1)[k])
+            if isinstance(shape[axis], int):
+                out[axis] = int(np.floor(scale * shape[axis]))
+            elif scale != 1.0:
+                out[axis] = f"{node.name or 'resize'}_dim{axis}"
+        return tuple(out)
+    sizes = [int(s) for s in sizes.reshape(-1)]
+    if any(s <= 0 for s in sizes):
+        raise ModelError(f"{node.describe()}: sizes {sizes} must be positive")
+    policy = settings["keep_aspect_ratio_policy"]
+    if policy == "stretch":
+        for k, axis in enumerate(axes):
+            out[axis] = sizes[k]
+        return tuple(out)
+    if not all(isinstance(shape[a], int) for a in axes):
+        raise UnsupportedOpError(f"{node.describe()}: keep_aspect_ratio_policy={policy} needs static input dims")
+    ratios = [sizes[k] / shape[a] for k, a in enumerate(axes)]
+    scale = min(ratios) if policy == "not_larger" else max(ratios)
+    for axis in axes:
+        out[axis] = int(scale * shape[axis] + 0.5)
+    return tuple(out)
+
+
+def _resize_rule(node, types, consts):
+    x = types[0]
+    if x.shape is None:
+        return [TensorType(x.dtype, None)]
+    _require_float32(node, x)
+    _, scales, sizes = _resize_constants(node, consts)
+    settings = resize_settings(node)
+    if settings["coordinate_transformation_mode"] == "tf_crop_and_resize":
+        roi = _resize_constants(node, consts)[0]
+        axes = settings.get("axes", range(len(x.shape)))
+        if roi is None or roi.size != 2 * len(axes):
+            raise ModelError(f"{node.describe()}: tf_crop_and_resize needs a roi of {2 * len(axes)} values")
+    return [TensorType(x.dtype, resize_output_shape(node, x.shape, scales, sizes))]
+
+
+op("Resize")(_resize_rule)
+op("Upsample")(_resize_rule)
+
+
+def _resize_grad(ctx):  # dX[each tap's source cell] += weight · dY: the adjoint of the interpolation
+    roi, scales, sizes = resize_input_names(ctx.node)
+    for index in range(1, len(ctx.node.inputs)):
+        if ctx.needs(index):
+            raise UnsupportedOpError(f"{ctx.node.describe()}: its input '{ctx.I(index)}' (roi, scales or sizes) has no "
+                                     "gradient and must stay a constant of the model: leave it out of requires_grad "
+                                     "and frozen_params")
+    if ctx.needs(0):
+        ctx.set_grad(0, ctx.odtrain("ResizeGrad", [ctx.GO(0), ctx.I(0), roi, scales, sizes],
+                                    resize_settings(ctx.node)))
+
+
+grad("Resize")(_resize_grad)
+grad("Upsample")(_resize_grad)
+op("ResizeGrad", ODTRAIN_DOMAIN, shape_only=(1,))(_input_shaped)
