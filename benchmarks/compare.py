@@ -32,7 +32,8 @@ Mean/InvStdDev outputs on LayerNormalization; ir_version=8 and single-output inf
 BatchNormalization in the generated files).
 
 Threads: ONNX Runtime keeps its default pool (one thread per physical core), PyTorch gets
-torch.set_num_threads(--threads, default 2), odtrain keeps its defaults: 2 each on 2 cores.
+torch.set_num_threads(--threads, default 2), odtrain keeps its default of one BLAS thread unless
+--odtrain-threads N sets ODTRAIN_NUM_THREADS (2 gives every system two threads on 2 cores).
 
 Reported: import time (torch's includes the one-off import its first AdamW() triggers); session
 creation (checkpoint + Module + Optimizer); first step once the session is ready; process start to
@@ -301,7 +302,11 @@ def spawn(args, system, phase, artifacts, numba_cache=None):
     cmd = [python, os.path.abspath(__file__), "--worker", "--phase", phase, "--system", system,
            "--workload", args.workload, "--models", str(args.models), "--artifacts", artifacts,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads)]
-    env = dict(os.environ, **({"NUMBA_CACHE_DIR": numba_cache} if system == "odtrain" else {}))
+    env = dict(os.environ)
+    if system == "odtrain":
+        env["NUMBA_CACHE_DIR"] = numba_cache
+        if args.odtrain_threads:
+            env["ODTRAIN_NUM_THREADS"] = str(args.odtrain_threads)
     try:
         p = subprocess.run(cmd + ["--t0", repr(time.time())], capture_output=True, text=True, env=env,
                            timeout=args.timeout)
@@ -368,7 +373,8 @@ def report(args, res):
                                if k not in NO_RATIO and ours[k] is not None and res[c][k]}
               for c in ("ort", "torch") if c in res and ours}
     print(f"\nworkload {args.workload}: {args.steps} steps, median after {args.warmup}; "
-          f"{os.cpu_count()} CPUs; torch threads {args.threads}; repeat {args.repeat}")
+          f"{os.cpu_count()} CPUs; torch threads {args.threads}; odtrain threads {args.odtrain_threads or 1}; "
+          f"repeat {args.repeat}")
     table = [["metric"] + cols + list(ratios)]
     for name, key, fmt in ROWS:
         table.append([name] + ["-" if res[c][key] is None else fmt.format(res[c][key]) for c in cols]
@@ -394,6 +400,8 @@ def main():
     p.add_argument("--ort-python", help="python of the onnxruntime-training venv")
     p.add_argument("--torch-python", help="default: --ort-python")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    p.add_argument("--odtrain-threads", type=int, default=0,
+                   help="odtrain's BLAS threads (ODTRAIN_NUM_THREADS); default: odtrain's own, one")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per subprocess")
     p.add_argument("--json", help="also write the results and ratios here")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory")

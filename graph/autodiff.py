@@ -73,7 +73,7 @@ def _rank_lookup(graph: Graph):
     return rank_of
 
 
-def build_gradient_graph(graph: Graph, loss: str, trainable: list[str]) -> Graph:
+def build_gradient_graph(graph: Graph, loss: str, trainable: list[str], without_gradient: list | None = None) -> Graph:
     """A copy of `graph` that also outputs `p_grad` for each trainable parameter p.
 
     `graph` computes `loss` (a scalar) among its outputs; `trainable` names
@@ -105,9 +105,10 @@ def build_gradient_graph(graph: Graph, loss: str, trainable: list[str]) -> Graph
     for node in reversed(training.nodes):
         if not any(o in contributions for o in node.outputs):
             continue
-        wanted = [bool(i) and i in reaches_param and np.issubdtype(
+        constant_inputs = OPS[node.key].constant_inputs if node.key in OPS else frozenset()
+        wanted = [bool(i) and k not in constant_inputs and i in reaches_param and np.issubdtype(
             (training.value_types[i].dtype if i in training.value_types else np.float32), np.floating)
-            for i in node.inputs]
+            for k, i in enumerate(node.inputs)]
         if not any(wanted):
             continue
         opdef = lookup(node)
@@ -126,6 +127,9 @@ def build_gradient_graph(graph: Graph, loss: str, trainable: list[str]) -> Graph
     grad_outputs = []
     for name in trainable:
         grad_value = total(name)
+        if not grad_value and without_gradient is not None:  # the caller asked to hear, not to fail
+            without_gradient.append(name)
+            continue
         if not grad_value:
             users = [n.describe() for n in graph.nodes if name in n.inputs]
             raise ModelError(f"trainable parameter '{name}' receives no gradient through {', '.join(users)}; "

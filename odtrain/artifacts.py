@@ -45,8 +45,11 @@ def _select_parameters(graph, requires_grad, frozen_params):
     frozen = list(frozen_params or [])
     state = _state_inputs(graph)
     if requires_grad is None:
+        configuring = {node.inputs[k] for node in graph.nodes if node.key in OPS
+                       for k in OPS[node.key].constant_inputs if k < len(node.inputs)}
+        state |= configuring  # shapes, axes and scales are neither trained nor frozen: they stay constants
         trainable = [n for n in floating if n not in frozen and n not in state]
-        frozen += [n for n in floating if n in state and n not in frozen]
+        frozen += [n for n in floating if n in state and n not in frozen and n not in configuring]
     else:
         trainable = list(requires_grad)
     for name in trainable + frozen:
@@ -139,6 +142,13 @@ def build_training_graphs(model, requires_grad=None, frozen_params=None, loss=No
     forward = forward.prune(forward.outputs)
 
     params = trainable + frozen
+    for node in forward.nodes:  # shapes, axes, scales must stay constants of the model
+        constant_inputs = OPS[node.key].constant_inputs if node.key in OPS else ()
+        for k in constant_inputs:
+            if k < len(node.inputs) and node.inputs[k] in params:
+                raise ModelError(f"'{node.inputs[k]}' configures {node.describe()} (input {k}, a shape, axes, "
+                                 "scales or pads): it must stay a constant of the model; leave it out of "
+                                 "requires_grad and frozen_params")
     used = {i for node in forward.nodes for i in node.inputs}
     unused = [p for p in params if p not in used]
     if unused:
@@ -147,6 +157,15 @@ def build_training_graphs(model, requires_grad=None, frozen_params=None, loss=No
     for p in params:  # parameters leave the models; their values go to the checkpoint
         forward.initializers.pop(p, None)
         forward.value_types.setdefault(p, TensorType(graph.initializers[p].dtype, graph.initializers[p].shape))
+    if requires_grad is None:  # "every parameter": leave out initializers no gradient reaches (Resize scales)
+        constants: list[str] = []
+        build_gradient_graph(forward, loss_name, trainable, without_gradient=constants)
+        for name in constants:
+            trainable.remove(name)
+            params.remove(name)
+            forward.initializers[name] = graph.initializers[name]
+        if not trainable:
+            raise ArgumentError("no parameter of the model receives a gradient from the loss")
     training_graph = build_gradient_graph(forward, loss_name, trainable)
     eval_graph = to_eval_graph(forward)
     return TrainingGraphs(training_graph, eval_graph, trainable, frozen, {p: graph.initializers[p] for p in params},

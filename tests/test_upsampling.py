@@ -255,9 +255,10 @@ def test_scales_that_train_or_freeze_are_refused_with_the_way_out(tmp_path):
     model = make_model([node("Resize", ["input", "", "scales"], ["up"]), node("Conv", ["up", "w"], ["output"])],
                        {"scales": UP, "w": rand(2, 2, 1, 1)}, inputs=[("input", np.float32, ["batch", 2, 3, 3])],
                        outputs=["output"])
-    with pytest.raises(OdtrainError, match="leave it out of requires_grad and frozen_params"):
-        artifacts.generate_artifacts(model, requires_grad=None, loss=artifacts.LossType.MSELoss,
-                                     artifact_directory=tmp_path)
+    for selection in ({"requires_grad": ["scales", "w"]}, {"requires_grad": ["w"], "frozen_params": ["scales"]}):
+        with pytest.raises(OdtrainError, match="leave it out of requires_grad and frozen_params"):
+            artifacts.generate_artifacts(model, loss=artifacts.LossType.MSELoss, artifact_directory=tmp_path,
+                                         **selection)
 
 
 # ---- gradients against float64 finite differences -----------------------------------------------
@@ -518,3 +519,24 @@ def test_a_unet_training_step_allocates_nothing(tmp_path):
     for line in result.stdout.split("\n")[:2]:
         calls, most, least = (int(v) for v in line.split())
         assert calls > 20 and most == 0 and least == 0, result.stdout
+
+
+def test_every_parameter_default_leaves_resize_scales_as_constants(tmp_path):
+    """requires_grad=None trains every parameter a gradient reaches; Resize's float scales stay in the model."""
+    from onnx import helper
+
+    from odtrain import artifacts
+    from odtrain.api import CheckpointState, Module
+    from oracles import make_model
+
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Resize", ["c", "", "scales"], ["y"], mode="nearest")]
+    model = make_model(nodes, {"w": np.full((2, 1, 3, 3), 0.1, np.float32), "scales": np.array([1, 1, 2, 2], np.float32)},
+                       inputs=[("x", np.float32, ["batch", 1, 4, 4])], outputs=[("y", np.float32, ["batch", 2, 8, 8])])
+    artifacts.generate_artifacts(model, loss=artifacts.LossType.MSELoss, optimizer=artifacts.OptimType.SGD,
+                                 artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    assert list(state.parameters) == ["w"]
+    module = Module(tmp_path / "training_model.onnx", state)
+    module(np.ones((2, 1, 4, 4), np.float32), np.zeros((2, 2, 8, 8), np.float32))
+    assert np.abs(state.parameters["w"].grad).sum() > 0

@@ -51,6 +51,7 @@ class OpDef:
     view: bool | Callable = False
     shape_only: frozenset[int] = frozenset()
     updates: tuple[tuple[int, int], ...] = ()
+    constant_inputs: frozenset[int] = frozenset()
     eval_form: Callable | None = None
     gradient: Callable | None = None
     no_grad_reason: str | None = None
@@ -253,5 +254,17 @@ class GradContext:
 
 # Fill the registry: each family module registers its ops on import.
 from . import elementwise, linalg, nn, normalization, recurrent, reduction, tensor, training  # noqa: E402,F401
+
+# Inputs that configure an op rather than feed it (shapes, axes, scales, pads): they must be constants of
+# the model, never receive a gradient, and are never chosen as trainable parameters.
+CONSTANT_INPUTS = {
+    "Reshape": (1,), "Expand": (1,), "Tile": (1,), "Slice": (1, 2, 3, 4), "Pad": (1, 2, 3), "Split": (1,),
+    "Squeeze": (1,), "Unsqueeze": (1,), "Resize": (1, 2, 3), "Upsample": (1,), "ReduceSum": (1,),
+    "ReduceMean": (1,), "ReduceMax": (1,), "ReduceMin": (1,), "ReduceL2": (1,), "ConstantOfShape": (0,),
+    "Range": (0, 1, 2), "Dropout": (1, 2),
+}
+for _op_type, _indices in CONSTANT_INPUTS.items():
+    if (DEFAULT_DOMAIN, _op_type) in OPS:
+        OPS[(DEFAULT_DOMAIN, _op_type)].constant_inputs = frozenset(_indices)
 
 __all__ = ["OPS", "OpDef", "op", "grad", "no_grad", "eval_form", "check_supported", "lookup", "GradContext", "broadcast_shapes", "same_as_input"]
