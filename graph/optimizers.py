@@ -17,7 +17,7 @@ SGDMomentum (torch.optim.SGD; μ momentum, τ dampening, λ weight decay):
 from __future__ import annotations
 
 import enum
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from .errors import ArgumentError, ModelError
 from .ir import ODTRAIN_DOMAIN, Graph, Node
@@ -121,4 +121,4 @@ def read_optimizer_graph(graph: Graph, source: str) -> tuple[AdamW | SGD | SGDMo
 
 
 __all__ = ["OptimType", "AdamW", "SGD", "SGDMomentum", "parse_optimizer", "build_optimizer_graph",
-           "read_optimizer_graph", "asdict"]
+           "read_optimizer_graph"]

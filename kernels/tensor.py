@@ -206,17 +206,23 @@ def Split(inputs, outputs, axis=0, split=None, num_outputs=None):
 # ---- gathers and scatters ---------------------------------------------------------------------
 
 
+@njit(cache=True, inline="always")
+def _axis_index(k, axis_len):
+    """A gather index on an axis of axis_len (negative counts from the end), checked."""
+    if k < 0:
+        k += axis_len
+    if k < 0 or k >= axis_len:
+        raise ValueError("an index is outside the gathered axis")
+    return k
+
+
 @njit(cache=True, error_model="numpy")
 def _gather(x, indices, out, outer, axis_len, inner):
     """out[o, j, :] = x[o, indices[j], :] (x may be read-only)."""
     count = indices.size
     for o in range(outer):
         for j in range(count):
-            k = indices[j]
-            if k < 0:
-                k += axis_len
-            if k < 0 or k >= axis_len:
-                raise ValueError("an index is outside the gathered axis")
+            k = _axis_index(indices[j], axis_len)
             src = (o * axis_len + k) * inner
             dst = (o * count + j) * inner
             for i in range(inner):
@@ -231,11 +237,7 @@ def _scatter_add(dy, indices, dx, outer, axis_len, inner):
         dx[i] = 0
     for o in range(outer):
         for j in range(count):
-            k = indices[j]
-            if k < 0:
-                k += axis_len
-            if k < 0 or k >= axis_len:
-                raise ValueError("an index is outside the gathered axis")
+            k = _axis_index(indices[j], axis_len)
             src = (o * count + j) * inner
             dst = (o * axis_len + k) * inner
             for i in range(inner):

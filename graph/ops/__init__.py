@@ -33,13 +33,13 @@ and sets `ctx.set_grad(i, name)` for the input gradients it was asked for
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
 from ..errors import UnsupportedOpError
-from ..ir import DEFAULT_DOMAIN, ODTRAIN_DOMAIN, Node, TensorType
+from ..ir import DEFAULT_DOMAIN, ODTRAIN_DOMAIN, Node
 
 
 @dataclass

@@ -45,7 +45,7 @@ import numpy as np
 
 from ..errors import ModelError, UnsupportedOpError
 from ..ir import ODTRAIN_DOMAIN, Node, TensorType
-from . import eval_form, grad, op
+from . import eval_form, grad, op, same_as_input
 
 FLOAT32 = np.dtype(np.float32)
 
@@ -137,26 +137,28 @@ def _conv_rule(node, types, consts):
 CONV_ATTRS = ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides")
 
 
-@grad("Conv")
-def _conv_grad(ctx):
-    attrs = {k: ctx.attr(k) for k in CONV_ATTRS if ctx.attr(k) is not None}
+def _convolution_grad(ctx, attribute_names, input_grad_op: str, weight_grad_op: str) -> None:
+    """Gradients of a convolution-like node (X, W, B?), each emitted only when it is needed.
+
+    The input- and weight-gradient ops read (dY, the other operand, the operand itself for its
+    shape only); the bias gradient is Σ over batch and space of dY."""
+    attrs = {k: ctx.attr(k) for k in attribute_names if ctx.attr(k) is not None}
     dy = ctx.GO(0)
-    if ctx.needs(0):  # dX = col2im(Wᵀ · dY)
-        ctx.set_grad(0, ctx.odtrain("ConvInputGrad", [dy, ctx.I(1), ctx.I(0)], attrs))
-    if ctx.needs(1):  # dW = dY · im2col(X)ᵀ
-        ctx.set_grad(1, ctx.odtrain("ConvWeightGrad", [dy, ctx.I(0), ctx.I(1)], attrs))
-    if ctx.needs(2):  # dB = Σ over batch and space of dY
+    if ctx.needs(0):
+        ctx.set_grad(0, ctx.odtrain(input_grad_op, [dy, ctx.I(1), ctx.I(0)], attrs))
+    if ctx.needs(1):
+        ctx.set_grad(1, ctx.odtrain(weight_grad_op, [dy, ctx.I(0), ctx.I(1)], attrs))
+    if ctx.needs(2):
         ctx.set_grad(2, ctx.odtrain("ConvBiasGrad", [dy]))
 
 
-@op("ConvInputGrad", ODTRAIN_DOMAIN, shape_only=(2,))
-def _conv_input_grad_rule(node, types, consts):
-    return [types[2]]
+@grad("Conv")
+def _conv_grad(ctx):  # dX = col2im(Wᵀ · dY), dW = dY · im2col(X)ᵀ
+    _convolution_grad(ctx, CONV_ATTRS, "ConvInputGrad", "ConvWeightGrad")
 
 
-@op("ConvWeightGrad", ODTRAIN_DOMAIN, shape_only=(2,))
-def _conv_weight_grad_rule(node, types, consts):
-    return [types[2]]
+for _name in ("ConvInputGrad", "ConvWeightGrad", "ConvTransposeInputGrad", "ConvTransposeWeightGrad"):
+    op(_name, ODTRAIN_DOMAIN, shape_only=(2,))(same_as_input(2))  # the gradient has its operand's type
 
 
 @op("ConvBiasGrad", ODTRAIN_DOMAIN)
@@ -251,24 +253,8 @@ CONV_TRANSPOSE_ATTRS = CONV_ATTRS + ("output_padding", "output_shape")
 def _conv_transpose_grad(ctx):
     # ConvTranspose is the input gradient of a convolution by W; its gradients are that convolution's
     # forward and weight gradient, with the roles of X and Y exchanged.
-    attrs = {k: ctx.attr(k) for k in CONV_TRANSPOSE_ATTRS if ctx.attr(k) is not None}
-    dy = ctx.GO(0)
-    if ctx.needs(0):  # dX = im2col(dY) convolved with W: Conv(dY, W)
-        ctx.set_grad(0, ctx.odtrain("ConvTransposeInputGrad", [dy, ctx.I(1), ctx.I(0)], attrs))
-    if ctx.needs(1):  # dW_g = X_g · im2col(dY_g)ᵀ
-        ctx.set_grad(1, ctx.odtrain("ConvTransposeWeightGrad", [dy, ctx.I(0), ctx.I(1)], attrs))
-    if ctx.needs(2):  # dB = Σ over batch and space of dY
-        ctx.set_grad(2, ctx.odtrain("ConvBiasGrad", [dy]))
-
-
-@op("ConvTransposeInputGrad", ODTRAIN_DOMAIN, shape_only=(2,))
-def _conv_transpose_input_grad_rule(node, types, consts):
-    return [types[2]]
-
-
-@op("ConvTransposeWeightGrad", ODTRAIN_DOMAIN, shape_only=(2,))
-def _conv_transpose_weight_grad_rule(node, types, consts):
-    return [types[2]]
+    # dX = Conv(dY, W) (im2col of dY against W); dW_g = X_g · im2col(dY_g)ᵀ.
+    _convolution_grad(ctx, CONV_TRANSPOSE_ATTRS, "ConvTransposeInputGrad", "ConvTransposeWeightGrad")
 
 
 # ---- BatchNormalization --------------------------------------------------------------------------
