@@ -196,12 +196,13 @@ class _GraphSession:
         self.grad_outputs = {}
         if with_gradients:
             for out in self.graph.outputs:
-                if out.endswith(GRAD_SUFFIX) and out[:-len(GRAD_SUFFIX)] in store.trainable:
-                    self.grad_outputs[out] = out[:-len(GRAD_SUFFIX)]
+                param = out[:-len(GRAD_SUFFIX)] if out.endswith(GRAD_SUFFIX) else ""
+                if param in store.trainable:
+                    self.grad_outputs[out] = param
+                elif param in self.graph.inputs:  # a parameter this checkpoint does not train
+                    raise ParameterError(f"{what} '{self.uri}' trains parameter '{param}', which the checkpoint "
+                                         "does not hold as trainable; load the checkpoint generated with this model")
         self.output_names = [o for o in self.graph.outputs if o not in self.grad_outputs]
-        missing = [o for o in self.graph.inputs if o not in store and o not in self.input_names]
-        if missing:
-            raise ParameterError(f"{what} '{self.uri}' needs parameters {missing} that the checkpoint does not have")
         self.external = {n: store.data(n) for n in params}
         self.sinks = {g: store.grad(p).reshape(-1) for g, p in self.grad_outputs.items()}
         self.plans: OrderedDict = OrderedDict()

@@ -214,3 +214,11 @@ def test_non_finite_loss_stops_before_backward_and_the_optimizer_refuses(env):
     with pytest.raises(NonFiniteError, match="fc1.weight"):
         optimizer.step()
     np.testing.assert_array_equal(module.get_contiguous_parameters(), params)
+
+
+def test_a_checkpoint_that_does_not_train_the_models_parameters_is_refused(env):
+    """The full model's artifacts with the head-only checkpoint: fc1 is frozen there, trained here."""
+    root, _ = env
+    state = CheckpointState.load_checkpoint(root / "head" / "checkpoint")
+    with pytest.raises(ParameterError, match="'fc1.weight'"):
+        Module(root / "art" / "training_model.onnx", state)
