@@ -39,7 +39,9 @@ Reported: import time (torch's includes the one-off import its first AdamW() tri
 creation (checkpoint + Module + Optimizer); first step once the session is ready; process start to
 first completed step; median step after --warmup (forward, backward, optimizer); peak RSS
 (ru_maxrss); RSS added by training (peak after checkpoint and data are loaded, reset through
-/proc/self/clear_refs, minus the RSS then); largest relative loss difference to golden.npz's
+/proc/self/clear_refs, minus the RSS then); the floor, RSS after the import (for odtrain, the
+import and `odtrain.runtime.load()`, Numba's CPU target and BLAS, which ONNX Runtime's import of
+its native library corresponds to; without it they load at the first step and count as training); largest relative loss difference to golden.npz's
 adamw_losses (ONNX Runtime's AdamW; torch's puts eps elsewhere, so ~1e-4..1e-2 off).
 """
 import argparse
@@ -58,10 +60,14 @@ DEFAULT_MODELS = Path(__file__).resolve().parents[2] / "shared" / "models"
 
 
 # ---------------------------------------------------------------- workers
+def rss_kib():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
 def checkpoint_loaded(state):
     """Call right after loading the checkpoint: note RSS and peak so far, then reset the peak."""
-    with open("/proc/self/status") as f:
-        state["base"] = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    state["base"] = rss_kib()
     state["peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -141,7 +147,10 @@ def run_api(args, pkg, block_torch):
         stub.__path__ = list(find_spec(pkg).submodule_search_locations)
         sys.modules[pkg] = stub
     api = importlib.import_module(pkg + ".api")
+    if pkg == "odtrain":  # Numba's CPU target and BLAS: what ORT's import of its native library is
+        importlib.import_module("odtrain.runtime").load()
     t_import = time.perf_counter() - t_start
+    floor = rss_kib()
     meta, batches, golden = load_workload(args)
     art = Path(args.artifacts)
 
@@ -160,7 +169,7 @@ def run_api(args, pkg, block_torch):
         module.lazy_reset_grad()
         return loss
 
-    return train_loop(args, t_import, golden, open_session, step)
+    return {**train_loop(args, t_import, golden, open_session, step), "floor_rss_mib": floor / 1024}
 
 
 def torch_program(args):
@@ -242,6 +251,7 @@ def run_torch(args):
     import torch
     torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # one-off: imports torch._dynamo, sympy
     t_import = time.perf_counter() - t_start
+    floor = rss_kib()
     torch.set_num_threads(args.threads)
     ops = _torch_ops()
     meta, np_batches, golden = load_workload(args)
@@ -275,7 +285,7 @@ def run_torch(args):
         opt.step()
         return loss.item()
 
-    return train_loop(args, t_import, golden, open_session, step)
+    return {**train_loop(args, t_import, golden, open_session, step), "floor_rss_mib": floor / 1024}
 
 
 def worker(args):
@@ -303,6 +313,7 @@ def spawn(args, system, phase, artifacts, numba_cache=None):
            "--workload", args.workload, "--models", str(args.models), "--artifacts", artifacts,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads)]
     env = dict(os.environ)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # as installed packages run: byte code compiled once, not per process
     if system == "odtrain":
         env["NUMBA_CACHE_DIR"] = numba_cache
         if args.odtrain_threads:
@@ -323,6 +334,7 @@ def spawn(args, system, phase, artifacts, numba_cache=None):
 ROWS = [("median step (ms)", "median_step_ms", "{:.2f}"), ("peak RSS (MiB)", "peak_rss_mib", "{:.0f}"),
         ("RSS added by training (MiB)", "train_rss_mib", "{:.0f}"),
         ("RSS after checkpoint+data (MiB)", "base_rss_mib", "{:.0f}"),
+        ("RSS after import, the floor (MiB)", "floor_rss_mib", "{:.0f}"),
         ("import (s)", "import_s", "{:.3f}"), ("session creation (s)", "session_s", "{:.3f}"),
         ("first step, session ready (s)", "first_step_s", "{:.3f}"),
         ("process start -> first step (s)", "start_to_first_step_s", "{:.3f}"),

@@ -2,6 +2,8 @@
 
 Loading runs ONNX shape inference first so that gradient rules can ask for
 ranks; values whose types stay unknown are typed when shapes are bound.
+Models odtrain saves carry those inferred types and a metadata mark, so the
+training phase loads them without running the inference again.
 Export stamps the lowest IR version the opsets allow, so older runtimes
 load what odtrain writes.
 """
@@ -17,6 +19,9 @@ from .errors import ArtifactNotFoundError, ModelError
 from .ir import DEFAULT_DOMAIN, ODTRAIN_DOMAIN, Graph, Node, TensorType
 
 ODTRAIN_OPSET = 1
+# Metadata key of models odtrain wrote with ONNX's inferred types inside: loading them skips the
+# inference, which would give the same types and costs ~8 MiB (ONNX's op-schema registry) and time.
+SHAPES_INFERRED = "odtrain.shapes_inferred"
 MIN_DEFAULT_OPSET = 9
 
 
@@ -110,10 +115,8 @@ def graph_from_proto(proto: onnx.ModelProto, source: str = "model") -> Graph:
     if any(d in used for d in foreign):
         raise ModelError(f"{source}: it uses ops of the domains {[d for d in foreign if d in used]}, which odtrain "
                          "does not implement; export the model with standard ONNX ops only")
-    try:
-        proto = onnx.shape_inference.infer_shapes(proto)
-    except Exception:
-        pass  # types stay partly unknown; they are computed when shapes are bound
+    if not any(p.key == SHAPES_INFERRED for p in proto.metadata_props):
+        proto = _with_inferred_shapes(proto)
     g = proto.graph
     initializers = {}
     for tensor in g.initializer:
@@ -192,4 +195,14 @@ def graph_to_proto(graph: Graph, extra_inputs: list[str] = (), producer: str = "
 
 
 def save_graph(graph: Graph, path, extra_inputs: list[str] = ()) -> None:
-    onnx.save(graph_to_proto(graph, extra_inputs), os.fspath(path))
+    """Write `graph` with ONNX's inferred value types inside, so that loading it runs no inference."""
+    proto = _with_inferred_shapes(graph_to_proto(graph, extra_inputs))
+    proto.metadata_props.add(key=SHAPES_INFERRED, value=onnx.__version__)
+    onnx.save(proto, os.fspath(path))
+
+
+def _with_inferred_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
+    try:
+        return onnx.shape_inference.infer_shapes(proto)
+    except Exception:
+        return proto  # types stay partly unknown; they are computed when shapes are bound

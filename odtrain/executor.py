@@ -25,7 +25,7 @@ from .graph.planner import ALIGNMENT, plan_memory
 from .graph.recompute import RECOMPUTE_SUFFIX, choose_kept, rewrite, saved_activations, split_forward_backward
 from .graph.schedule import bind_types, execution_order, memory_aware_order
 from .kernels import BINDINGS, SCRATCH
-from .threads import apply_default as apply_default_threads
+from . import runtime
 from .graph.optimizers import AdamW, SGDMomentum
 from .kernels.optim import adamw_update, add_into, assert_finite, copy_into, sgd_momentum_update, sgd_update
 
@@ -50,7 +50,7 @@ class BoundGraph:
                  gradient_sinks: dict[str, np.ndarray] | None = None, accumulate: bool = False,
                  check_finite: tuple[str, ...] = (), memory_budget: int | None = None,
                  fused_updates: dict | None = None):
-        apply_default_threads()  # serial BLAS unless asked (odtrain/threads.py)
+        runtime.load()  # Numba's CPU target, BLAS, serial BLAS unless asked (odtrain/threads.py)
         self.graph = graph
         fused_updates = fused_updates or {}
         # Gradients applied during the backward pass die at their update, not at the end of the step.

@@ -25,8 +25,9 @@ _applied = False
 def _scipy_blas_setter():
     """The thread-count setter of the OpenBLAS that scipy.linalg.cython_blas is linked to, or None."""
     try:
-        import scipy.linalg.cython_blas  # noqa: F401  (loads scipy's BLAS into the process)
+        from .runtime import load_blas
 
+        load_blas()  # scipy's BLAS table, the one Numba's products call
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if "openblas" in line.lower() and "scipy.libs" in line}
     except (ImportError, OSError):
