@@ -41,7 +41,10 @@ first completed step; median step after --warmup (forward, backward, optimizer);
 (ru_maxrss); RSS added by training (peak after checkpoint and data are loaded, reset through
 /proc/self/clear_refs, minus the RSS then); the floor, RSS after the import (for odtrain, the
 import and `odtrain.runtime.load()`, Numba's CPU target and BLAS, which ONNX Runtime's import of
-its native library corresponds to; without it they load at the first step and count as training); largest relative loss difference to golden.npz's
+its native library corresponds to; without it they load at the first step and count as training);
+anonymous RSS, the private part (peak RSS minus the file-backed pages at the end: those are
+library code read from disk, which the kernel drops under memory pressure and shares between
+processes; LLVM's alone is ~65 MiB of odtrain's floor); largest relative loss difference to golden.npz's
 adamw_losses (ONNX Runtime's AdamW; torch's puts eps elsewhere, so ~1e-4..1e-2 off).
 """
 import argparse
@@ -60,9 +63,11 @@ DEFAULT_MODELS = Path(__file__).resolve().parents[2] / "shared" / "models"
 
 
 # ---------------------------------------------------------------- workers
-def rss_kib():
+def rss_kib(field="VmRSS"):
+    """A line of /proc/self/status in KiB: VmRSS, or its parts RssAnon (private memory) and RssFile
+    (pages of mapped files: library code, clean, which the kernel can drop and read again)."""
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
 def checkpoint_loaded(state):
@@ -106,6 +111,7 @@ def train_loop(args, t_import, golden, open_session, step):
         "start_to_first_step_s": t_first - args.t0,
         "median_step_ms": 1e3 * statistics.median(times[args.warmup:] or times),
         "peak_rss_mib": max(peak, state["peak"]) / 1024, "base_rss_mib": state["base"] / 1024,
+        "peak_anon_mib": (max(peak, state["peak"]) - rss_kib("RssFile")) / 1024,
         "train_rss_mib": (peak - state["base"]) / 1024 if state["reset"] else None,
         "loss0": losses[0], "loss_last": losses[-1],
         "golden_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, golden)),
@@ -150,7 +156,7 @@ def run_api(args, pkg, block_torch):
     if pkg == "odtrain":  # Numba's CPU target and BLAS: what ORT's import of its native library is
         importlib.import_module("odtrain.runtime").load()
     t_import = time.perf_counter() - t_start
-    floor = rss_kib()
+    floor = {"floor_rss_mib": rss_kib() / 1024, "floor_anon_mib": rss_kib("RssAnon") / 1024}
     meta, batches, golden = load_workload(args)
     art = Path(args.artifacts)
 
@@ -169,7 +175,7 @@ def run_api(args, pkg, block_torch):
         module.lazy_reset_grad()
         return loss
 
-    return {**train_loop(args, t_import, golden, open_session, step), "floor_rss_mib": floor / 1024}
+    return {**train_loop(args, t_import, golden, open_session, step), **floor}
 
 
 def torch_program(args):
@@ -251,7 +257,7 @@ def run_torch(args):
     import torch
     torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # one-off: imports torch._dynamo, sympy
     t_import = time.perf_counter() - t_start
-    floor = rss_kib()
+    floor = {"floor_rss_mib": rss_kib() / 1024, "floor_anon_mib": rss_kib("RssAnon") / 1024}
     torch.set_num_threads(args.threads)
     ops = _torch_ops()
     meta, np_batches, golden = load_workload(args)
@@ -285,7 +291,7 @@ def run_torch(args):
         opt.step()
         return loss.item()
 
-    return {**train_loop(args, t_import, golden, open_session, step), "floor_rss_mib": floor / 1024}
+    return {**train_loop(args, t_import, golden, open_session, step), **floor}
 
 
 def worker(args):
@@ -335,6 +341,8 @@ ROWS = [("median step (ms)", "median_step_ms", "{:.2f}"), ("peak RSS (MiB)", "pe
         ("RSS added by training (MiB)", "train_rss_mib", "{:.0f}"),
         ("RSS after checkpoint+data (MiB)", "base_rss_mib", "{:.0f}"),
         ("RSS after import, the floor (MiB)", "floor_rss_mib", "{:.0f}"),
+        ("peak anonymous RSS (MiB)", "peak_anon_mib", "{:.0f}"),
+        ("anonymous RSS of the floor (MiB)", "floor_anon_mib", "{:.0f}"),
         ("import (s)", "import_s", "{:.3f}"), ("session creation (s)", "session_s", "{:.3f}"),
         ("first step, session ready (s)", "first_step_s", "{:.3f}"),
         ("process start -> first step (s)", "start_to_first_step_s", "{:.3f}"),
