@@ -15,17 +15,32 @@ A plan is built by three pure steps over the execution order:
 The lower bound is the largest sum of live group sizes at any step: no
 placement of this order and these groups can use less. `Plan.verify()`
 proves that no two groups overlap in both time and address.
+
+Reading a plan (pure functions of it):
+- `no_reuse_bytes`: the arena if nothing shared bytes, neither over time nor
+  in place nor as views: the sum of every arena value's aligned size.
+- `live_bytes(category)`: bytes live at each step (0: feeds written, k: the
+  k-th node of the order, steps + 1: outputs held), split by the category of
+  the value each group holds at that step (its most recently written member).
+  Every step's categories sum to the live groups' sizes, so the maximum over
+  steps is the lower bound.
+- `training_categories`: inputs, saved for backward, forward temporaries,
+  backward, scratch and recomputed, from the loss gradient seed.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
 from .ir import Node, TensorType
 from .ops import is_view, lookup
+from .recompute import RECOMPUTE_SUFFIX, split_forward_backward
 
 ALIGNMENT = 64
+SCRATCH_SUFFIX = "::scratch"  # the executor names a node's working memory `<node name>::scratch`
+CATEGORIES = ("inputs", "saved for backward", "forward temporaries", "backward", "scratch", "recomputed")
 
 
 def aligned(nbytes: int) -> int:
@@ -52,6 +67,32 @@ class Plan:
     lower_bound: int
     steps: int = 0
     types: dict[str, TensorType] = field(default_factory=dict)
+    written: dict[str, int] = field(default_factory=dict)  # arena value -> the step that writes it
+
+    @property
+    def no_reuse_bytes(self) -> int:
+        """The arena if every value (and scratch buffer) had bytes of its own."""
+        return sum(aligned(self.types[name].nbytes) for name in self.group_of)
+
+    def live_bytes(self, category: Callable[[str], str] | None = None) -> dict[str, np.ndarray]:
+        """Bytes live at each step 0..steps+1, per category of the values the groups hold then.
+
+        `category` maps an arena value's name to its category (default: everything is "arena").
+        At each step a group counts under its most recently written member; keys come in order
+        of first appearance. The rows sum to the live groups' sizes, whose maximum is the lower bound.
+        """
+        category = category or (lambda name: "arena")
+        rows: dict[str, np.ndarray] = {}
+        for g in self.groups:
+            members = sorted(g.values, key=lambda name: self.written.get(name, g.start))
+            for k, name in enumerate(members):
+                begin = max(self.written.get(name, g.start), g.start)
+                end = g.end if k + 1 == len(members) else self.written.get(members[k + 1], g.start) - 1
+                if end < begin:
+                    continue
+                row = rows.setdefault(category(name), np.zeros(self.steps + 2, dtype=np.int64))
+                row[begin:end + 1] += g.nbytes
+        return rows
 
     def offset(self, value: str) -> int:
         return self.groups[self.group_of[value]].offset
@@ -165,7 +206,35 @@ def plan_memory(order: list[Node], types: dict[str, TensorType], arena_values: s
 
     _place(groups)
     arena = max((g.offset + g.nbytes for g in groups), default=0)
-    return Plan(order, groups, group_of, arena, _lower_bound(groups, end_step), len(order), dict(types))
+    return Plan(order, groups, group_of, arena, _lower_bound(groups, end_step), len(order), dict(types),
+                {name: first[name] for name in group_of})
+
+
+def training_categories(plan: Plan, seed: str) -> dict[str, str]:
+    """The category (one of CATEGORIES) of every arena value of a plan whose backward pass starts at `seed`.
+
+    Scratch and recomputed values by their names' suffixes; feeds are inputs; outputs of nodes that
+    depend on the seed are backward values (gradients in flight); a forward value that a backward
+    node reads is saved for backward; other forward values are temporaries (model outputs among them).
+    """
+    _, backward = split_forward_backward(plan.order, seed)
+    read_backward = {i for node in plan.order if id(node) in backward for i in node.inputs}
+    backward_values = {o for node in plan.order if id(node) in backward for o in node.outputs}
+    result = {}
+    for name in plan.group_of:
+        if name.endswith(SCRATCH_SUFFIX):
+            result[name] = "scratch"
+        elif name.endswith(RECOMPUTE_SUFFIX):
+            result[name] = "recomputed"
+        elif plan.written.get(name) == 0:
+            result[name] = "inputs"
+        elif name in backward_values:
+            result[name] = "backward"
+        elif name in read_backward:
+            result[name] = "saved for backward"
+        else:
+            result[name] = "forward temporaries"
+    return result
 
 
 def _is_output(group: StorageGroup, outputs: list[str]) -> bool:

@@ -1,7 +1,8 @@
 """The `odtrain` command line (also `python -m odtrain`).
 
 Commands, in the order of the workflow: check (can odtrain train this model?), prepare (the
-artifacts), train (odtrain.training.fit), eval, export (the inference model), inspect.
+artifacts), train (odtrain.training.fit), eval, export (the inference model), inspect, memory (what a
+training step at a batch size holds, odtrain.memory).
 
 Exit code 0 on success; on a user error, one line on stderr and exit code 2; 1 when `check` finds
 the model untrainable; 130 (SIGINT) or 143 (SIGTERM) when training stopped after saving.
@@ -170,22 +171,9 @@ def _trial_bind(model, trainable, frozen, loss, loss_inputs, batch_size: int = 2
 
 def _bind(session, batch_size: int):
     """A bound plan of a training or eval graph for zero-valued feeds at `batch_size`."""
-    import numpy as np
+    from .memory import bind_at_batch
 
-    arrays = []
-    for name in session.input_names:
-        declared = session.graph.value_types[name]
-        if declared.shape is None:
-            raise ArgumentError(f"input '{name}' has no declared shape; the memory plan needs one")
-        shape = []
-        for axis, dim in enumerate(declared.shape):
-            if isinstance(dim, str) and axis > 0:
-                raise ArgumentError(f"input '{name}' has the symbolic dimension '{dim}' on axis {axis}; only the "
-                                    "batch axis (0) is bound by --batch-size")
-            shape.append(batch_size if isinstance(dim, str) else dim)
-        arrays.append(np.zeros(shape, dtype=declared.dtype))
-    feeds, signature = session.feeds(arrays)
-    return session.bound(signature, feeds)
+    return bind_at_batch(session, batch_size)
 
 
 def _check(args) -> int:
@@ -459,6 +447,34 @@ def _inspect(args) -> int:
     return 0
 
 
+def _memory(args) -> int:
+    from . import memory
+
+    if args.batch_size < 1:
+        raise ArgumentError(f"--batch-size must be a positive integer, got {args.batch_size}")
+    if args.plot:
+        from .memory_plot import require_matplotlib
+
+        require_matplotlib()  # before the plans are bound
+    result = memory.from_artifacts(args.artifacts, args.batch_size, args.budget)
+    budget = (f"memory budget {memory.format_bytes(args.budget)} ({args.budget:,} B)" if args.budget
+              else "no memory budget")
+    if args.plot:
+        from .memory_plot import plot_timeline
+
+        folder = os.path.basename(os.path.normpath(args.artifacts))
+        plot_timeline(result, args.plot, f"{folder}: training step at batch size {args.batch_size}, {budget}")
+    if args.json:
+        _print_json({"artifacts": args.artifacts, "batch_size": args.batch_size, "budget_bytes": args.budget,
+                     **result.to_dict(), "plot": args.plot})
+        return 0
+    print(f"memory of {args.artifacts} at batch size {args.batch_size}, {budget}")
+    print(result.render())
+    if args.plot:
+        print(f"timeline of the training step written to {args.plot}")
+    return 0
+
+
 def _add_data_options(command, what: str) -> None:
     command.add_argument("--data", action="append", required=True, metavar="PATH",
                          help=f"{what}: an .npz file, a folder of images (one sub-folder per class), or .npy "
@@ -567,6 +583,21 @@ def _add_training_commands(commands) -> None:
     inspect.add_argument("--plan", action="store_true", help="also print each plan's timeline")
     inspect.add_argument("--json", action="store_true", help="print the report as JSON")
     inspect.set_defaults(handler=_inspect)
+
+    memory = commands.add_parser(
+        "memory", help="predict the memory of a training step at a batch size",
+        description="Bind the training step (and the eval step) at --batch-size without running it and report "
+        "its memory: parameters, gradient buffer, optimizer state, the arena against its lower bound and "
+        "against no reuse, folded constants, recomputed nodes, and the predicted peak. The Python/Numba "
+        "runtime floor is not included.")
+    memory.add_argument("artifacts", metavar="ARTIFACT_DIR", help="a folder written by `odtrain prepare`")
+    memory.add_argument("--batch-size", type=int, required=True, help="samples per step")
+    memory.add_argument("--budget", type=_byte_size, metavar="BYTES", help="plan the training step under this "
+                        "arena budget (e.g. 40MB), recomputing activations as `train --memory-budget` does")
+    memory.add_argument("--json", action="store_true", help="print the report as JSON (sizes in bytes)")
+    memory.add_argument("--plot", metavar="FILE.png", help="also draw the training step's live bytes per step, "
+                        'by category (needs matplotlib: pip install "odtrain[plot]")')
+    memory.set_defaults(handler=_memory)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,7 +21,7 @@ from .graph.ir import ODTRAIN_DOMAIN, Graph, Node, TensorType
 from .graph.ops import is_view, lookup
 from .graph.autodiff import LOSS_SEED
 from .graph.ops.training import APPLY_UPDATE
-from .graph.planner import ALIGNMENT, plan_memory
+from .graph.planner import ALIGNMENT, SCRATCH_SUFFIX, plan_memory
 from .graph.recompute import RECOMPUTE_SUFFIX, choose_kept, rewrite, saved_activations, split_forward_backward
 from .graph.schedule import bind_types, execution_order, memory_aware_order
 from .kernels import BINDINGS, SCRATCH
@@ -136,7 +136,7 @@ class BoundGraph:
             specs_out = [(types[o].shape, types[o].dtype) if o else None for o in node.outputs]
             nbytes = int(size_of(specs_in, specs_out, **node.attrs))
             if nbytes > 0:
-                name = f"{node.name}::scratch"
+                name = f"{node.name}{SCRATCH_SUFFIX}"
                 types[name] = TensorType(np.dtype(np.uint8), (nbytes,))
                 scratch[index] = name
                 arena_values.add(name)

@@ -1,20 +1,34 @@
 """What a training session holds in memory, predicted from its buffers and plans.
 
-    report = odtrain.memory.report(module)
-    print(report.render())
+    report = odtrain.memory.report(module)                          # the plans a Module has bound
+    report = odtrain.memory.from_artifacts("artifacts", batch_size=32, memory_budget=None)
+    print(report.render()); report.to_dict(); report.plans[0].timeline()
 
-Counted: the flat parameter buffer, the gradient buffer, the optimizer's
-moment buffers, and for each bound plan (one per input shape, train and
-eval) its arena and the constants folded for it. `training_bytes` is what
-training adds on top of a loaded checkpoint: everything but the parameters.
-The Python, numpy and Numba runtime (imports and loaded kernels) is the
-process's floor and is not part of it.
+Counted: the flat parameter buffer (trainable and frozen), the gradient buffer,
+the optimizer's moment buffers, and for each bound plan (one per input shape,
+train and eval) its arena and the constants folded for it. `training_bytes` is
+what training adds on top of a loaded checkpoint: everything but the parameters;
+`peak_bytes` adds the parameters. The Python, numpy and Numba runtime (imports
+and loaded kernels) is the process's floor and is part of neither.
+
+Invariants: every number is read off the objects a step uses (the state's
+buffers, the BoundGraph's plan), never recomputed beside them; `from_artifacts`
+binds the same plans a first step at that batch size would, without running one.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from .graph.autodiff import LOSS_SEED
+from .graph.errors import ArgumentError, ArtifactNotFoundError
+from .graph.planner import CATEGORIES, Plan, training_categories
+
 MIB = 1024 * 1024
+RUNTIME_FLOOR = ("not included: the Python/Numba runtime floor (interpreter, numpy, Numba and its compiled "
+                 "kernels), which every odtrain process pays")
 
 
 @dataclass
@@ -25,6 +39,22 @@ class PlanMemory:
     lower_bound: int
     constant_bytes: int
     recomputed_nodes: int
+    no_reuse_bytes: int = 0  # every arena value and scratch buffer in bytes of its own
+    plan: Plan | None = field(default=None, repr=False, compare=False)
+    loss_step: int | None = None  # the step that writes the loss: the end of the forward pass
+
+    def timeline(self) -> dict[str, np.ndarray]:
+        """Live arena bytes at each step of the plan (0..steps+1), per category of planner.CATEGORIES."""
+        rows = self.plan.live_bytes(training_categories(self.plan, LOSS_SEED).__getitem__)
+        return {name: rows.get(name, np.zeros(self.plan.steps + 2, dtype=np.int64)) for name in CATEGORIES}
+
+    def to_dict(self) -> dict:
+        return {"mode": self.mode, "inputs": {name: list(shape) for name, shape in self.shapes},
+                "ops": self.plan.steps if self.plan is not None else None, "arena_bytes": self.arena_bytes,
+                "lower_bound_bytes": self.lower_bound,
+                "arena_over_lower_bound": self.arena_bytes / max(self.lower_bound, 1),
+                "no_reuse_bytes": self.no_reuse_bytes, "folded_constant_bytes": self.constant_bytes,
+                "recomputed_nodes": self.recomputed_nodes}
 
 
 @dataclass
@@ -33,6 +63,13 @@ class MemoryReport:
     gradient_bytes: int
     optimizer_bytes: int
     plans: list[PlanMemory] = field(default_factory=list)
+    trainable_parameter_bytes: int = 0
+    optimizer_kind: str | None = None
+    optimizer_states: tuple = ()
+
+    @property
+    def frozen_parameter_bytes(self) -> int:
+        return self.parameter_bytes - self.trainable_parameter_bytes
 
     @property
     def arena_bytes(self) -> int:
@@ -43,17 +80,54 @@ class MemoryReport:
         """Bytes training adds to a loaded checkpoint: gradients, optimizer state, arenas, folded constants."""
         return self.gradient_bytes + self.optimizer_bytes + sum(p.arena_bytes + p.constant_bytes for p in self.plans)
 
+    @property
+    def peak_bytes(self) -> int:
+        """The predicted peak of training's buffers: the parameters and what training adds."""
+        return self.parameter_bytes + self.training_bytes
+
+    def to_dict(self) -> dict:
+        return {"parameters": {"bytes": self.parameter_bytes, "trainable_bytes": self.trainable_parameter_bytes,
+                               "frozen_bytes": self.frozen_parameter_bytes},
+                "gradient_bytes": self.gradient_bytes,
+                "optimizer": {"kind": self.optimizer_kind, "states": list(self.optimizer_states),
+                              "bytes": self.optimizer_bytes},
+                "plans": [p.to_dict() for p in self.plans],
+                "training_bytes": self.training_bytes, "peak_bytes": self.peak_bytes,
+                "runtime_floor_included": False}
+
     def render(self) -> str:
-        lines = [f"parameters        {self.parameter_bytes / MIB:10.2f} MiB",
-                 f"gradients         {self.gradient_bytes / MIB:10.2f} MiB",
-                 f"optimizer state   {self.optimizer_bytes / MIB:10.2f} MiB"]
+        def row(label: str, nbytes: int, note: str = "") -> str:
+            return f"{label:<18}{format_bytes(nbytes):>11}" + (f"  {note}" if note else "")
+
+        states = ", ".join(self.optimizer_states) or "no state"
+        lines = [row("parameters", self.parameter_bytes, f"({format_bytes(self.trainable_parameter_bytes)} trainable, "
+                     f"{format_bytes(self.frozen_parameter_bytes)} frozen)"),
+                 row("gradients", self.gradient_bytes),
+                 row("optimizer state", self.optimizer_bytes,
+                     f"({self.optimizer_kind}: {states})" if self.optimizer_kind else "(no optimizer)")]
         for p in self.plans:
-            shapes = ", ".join(f"{name}{list(shape)}" for name, shape in p.shapes)
-            extra = f", {p.recomputed_nodes} nodes recomputed" if p.recomputed_nodes else ""
-            lines.append(f"{p.mode:<5} arena       {p.arena_bytes / MIB:10.2f} MiB  (lower bound "
-                         f"{p.lower_bound / MIB:.2f} MiB, {p.arena_bytes / max(p.lower_bound, 1):.3f}x; {shapes}{extra})")
-        lines.append(f"training adds     {self.training_bytes / MIB:10.2f} MiB to the loaded checkpoint")
+            shapes = ", ".join(f"{name}[{', '.join(map(str, shape))}]" for name, shape in p.shapes)
+            ops = f"; {p.plan.steps} ops" if p.plan is not None else ""
+            lines.append(f"{'training' if p.mode == 'train' else p.mode} step ({shapes}{ops})")
+            lines.append(row("  arena", p.arena_bytes, f"{p.arena_bytes / max(p.lower_bound, 1):.2f}x its lower "
+                             f"bound ({format_bytes(p.lower_bound)})"))
+            if p.no_reuse_bytes:
+                lines.append(row("  without reuse", p.no_reuse_bytes, "every value in bytes of its own: "
+                                 f"{p.no_reuse_bytes / max(p.arena_bytes, 1):.1f}x the arena"))
+            lines.append(row("  folded constants", p.constant_bytes))
+            lines.append(f"{'  recomputed nodes':<18}{p.recomputed_nodes:>11,}")
+        lines.append(row("training adds", self.training_bytes,
+                         "to the loaded checkpoint (gradients, optimizer state, arenas, folded constants)"))
+        lines.append(row("predicted peak", self.peak_bytes, "with the parameters"))
+        lines.append(RUNTIME_FLOOR)
         return "\n".join(lines)
+
+
+def format_bytes(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:,} B"
 
 
 def report(module) -> MemoryReport:
@@ -64,11 +138,62 @@ def report(module) -> MemoryReport:
     result = MemoryReport(
         parameter_bytes=store.flat.nbytes + sum(a.nbytes for a in store.others.values()),
         gradient_bytes=store.grad_flat.nbytes,
-        optimizer_bytes=sum(m.nbytes for m in optimizer.moments.values()) if optimizer else 0)
+        optimizer_bytes=sum(m.nbytes for m in optimizer.moments.values()) if optimizer else 0,
+        trainable_parameter_bytes=store.flat[:store.trainable_size].nbytes,
+        optimizer_kind=optimizer.kind if optimizer else None,
+        optimizer_states=tuple(optimizer.moments) if optimizer else ())
     sessions = [("train", module._train)] + ([("eval", module._eval)] if module._eval is not None else [])
     for mode, session in sessions:
         for signature, bound in session.plans.items():
             shapes = tuple(item for item in signature if isinstance(item, tuple))
-            result.plans.append(PlanMemory(mode, shapes, bound.plan.arena_bytes, bound.plan.lower_bound,
-                                           bound.constant_bytes, bound.recomputed))
+            plan = bound.plan
+            loss = session.graph.outputs[0] if session.graph.outputs else None
+            result.plans.append(PlanMemory(mode, shapes, plan.arena_bytes, plan.lower_bound, bound.constant_bytes,
+                                           bound.recomputed, plan.no_reuse_bytes, plan, plan.written.get(loss)))
     return result
+
+
+def from_artifacts(directory, batch_size: int, memory_budget: int | None = None) -> MemoryReport:
+    """The report of an artifact folder's training step (and eval step, if it has an eval model) at
+    `batch_size`, planned under `memory_budget` bytes if given: the plans are bound, no step runs.
+
+    Optimizer state is what the folder's optimizer model creates (none without one). Raises
+    MemoryBudgetError when no plan meets the budget."""
+    from .api import CheckpointState, Module, Optimizer
+
+    directory = os.fspath(directory)
+    paths = {name: os.path.join(directory, name) for name in
+             ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", "checkpoint")}
+    missing = [name for name in ("training_model.onnx", "checkpoint") if not os.path.isfile(paths[name])]
+    if missing:
+        raise ArtifactNotFoundError(f"'{directory}' is not an artifact folder: it lacks {', '.join(missing)}; generate "
+                                    "the artifacts with `odtrain prepare` or odtrain.artifacts.generate_artifacts")
+    if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ArgumentError(f"the batch size must be a positive integer, got {batch_size!r}")
+    state = CheckpointState.load_checkpoint(paths["checkpoint"])
+    eval_model = paths["eval_model.onnx"] if os.path.isfile(paths["eval_model.onnx"]) else None
+    module = Module(paths["training_model.onnx"], state, eval_model, memory_budget=memory_budget)
+    if os.path.isfile(paths["optimizer_model.onnx"]):
+        Optimizer(paths["optimizer_model.onnx"], module)
+    for session in (module._train, module._eval):
+        if session is not None:
+            bind_at_batch(session, batch_size)
+    return report(module)
+
+
+def bind_at_batch(session, batch_size: int):
+    """The bound plan (BoundGraph) of a training or eval session for zero-valued feeds at `batch_size`."""
+    arrays = []
+    for name in session.input_names:
+        declared = session.graph.value_types[name]
+        if declared.shape is None:
+            raise ArgumentError(f"input '{name}' has no declared shape; the memory plan needs one")
+        shape = []
+        for axis, dim in enumerate(declared.shape):
+            if isinstance(dim, str) and axis > 0:
+                raise ArgumentError(f"input '{name}' has the symbolic dimension '{dim}' on axis {axis}; only the "
+                                    "batch axis (0) is bound by the batch size")
+            shape.append(batch_size if isinstance(dim, str) else dim)
+        arrays.append(np.zeros(shape, dtype=declared.dtype))
+    feeds, signature = session.feeds(arrays)
+    return session.bound(signature, feeds)

@@ -26,7 +26,7 @@ from odtrain.demo import build_classifier
 from odtrain.graph.ops import OPS
 
 SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(odtrain.__file__)))
-COMMANDS = ("check", "prepare", "train", "eval", "export", "inspect", "demo")
+COMMANDS = ("check", "prepare", "train", "eval", "export", "inspect", "memory", "demo")
 TRAIN_SAMPLES, BATCH = 320, 32  # 10 steps per epoch
 
 
