@@ -1,22 +1,31 @@
 """ONNX import and export: the only place where protobufs meet the IR.
 
-Loading runs ONNX shape inference first so that gradient rules can ask for
-ranks; values whose types stay unknown are typed when shapes are bound.
-Models odtrain saves carry those inferred types and a metadata mark, so the
-training phase loads them without running the inference again.
-Export stamps the lowest IR version the opsets allow, so older runtimes
-load what odtrain writes.
+Two readers give the same plain data (`onnx_wire.ModelData`), from which one builder makes the IR:
+- A file odtrain saved is read by `onnx_wire`, which decodes the protobuf wire format itself: a
+  device that trains needs only these files, and `import onnx` would cost ~10 MiB of RSS and a
+  tenth of a second or more. Such files carry a metadata mark (SHAPES_INFERRED): their
+  value_info already holds ONNX's inferred types, so no shape inference runs.
+- Any other model (a ModelProto, a forward model from an exporter, a file with external data)
+  goes through onnx, and ONNX shape inference runs first so that gradient rules can ask for
+  ranks; values whose types stay unknown are typed when shapes are bound.
+The checks, the tensor decoding and the IR building are the same for both.
+Export stamps the lowest IR version the opsets allow, so older runtimes load what odtrain writes.
+onnx is imported inside the functions that use it, never when this module loads.
 """
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
-import onnx
-from onnx import helper, numpy_helper
 
 from .errors import ArtifactNotFoundError, ModelError
 from .ir import DEFAULT_DOMAIN, ODTRAIN_DOMAIN, Graph, Node, TensorType
+from .onnx_wire import (EXTERNAL, AttributeData, AttributeType, GraphData, ModelData, NodeData, TensorData,
+                        ValueInfoData, element_type_name, numpy_dtype, read_model)
+
+if TYPE_CHECKING:
+    import onnx
 
 ODTRAIN_OPSET = 1
 # Metadata key of models odtrain wrote with ONNX's inferred types inside: loading them skips the
@@ -25,44 +34,32 @@ SHAPES_INFERRED = "odtrain.shapes_inferred"
 MIN_DEFAULT_OPSET = 9
 
 
-def _type_from_proto(type_proto) -> TensorType | None:
-    if not type_proto.HasField("tensor_type"):
-        return None
-    tensor = type_proto.tensor_type
-    if tensor.elem_type == 0:
-        return None
-    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.elem_type))
-    if not tensor.HasField("shape"):
-        return TensorType(dtype, None)
-    dims = []
-    for i, dim in enumerate(tensor.shape.dim):
-        if dim.HasField("dim_value"):
-            dims.append(int(dim.dim_value))
-        else:
-            dims.append(dim.dim_param or f"unk_{id(tensor)}_{i}")
-    return TensorType(dtype, tuple(dims))
+def load_graph(model, what: str = "model") -> Graph:
+    """The IR of a ModelProto or an ONNX file. A file odtrain saved (marked SHAPES_INFERRED, without
+    external data) is read without importing onnx; anything else is read through onnx."""
+    if isinstance(model, (str, os.PathLike)):
+        path = _existing_file(model, what)
+        data = read_model(path, what)
+        if SHAPES_INFERRED in data.metadata and not data.uses_external_data():
+            return graph_from_model(data, path)
+    proto, path = read_model_proto(model, what)
+    return graph_from_proto(proto, path or what)
 
 
-def _attr_value(attr):
-    value = helper.get_attribute_value(attr)
-    if isinstance(value, onnx.TensorProto):
-        return numpy_helper.to_array(value)
-    if isinstance(value, bytes):
-        return value.decode("utf-8")
-    if isinstance(value, list) and value and isinstance(value[0], bytes):
-        return [v.decode("utf-8") for v in value]
-    if isinstance(value, (onnx.GraphProto, list)) and value and isinstance(value[0] if isinstance(value, list) else value, onnx.GraphProto):
-        raise ModelError(f"attribute '{attr.name}' holds a subgraph; control flow (If, Loop, Scan) is not supported")
-    return value
+def _existing_file(model, what: str) -> str:
+    path = os.fspath(model)
+    if not os.path.isfile(path):
+        raise ArtifactNotFoundError(f"{what} file '{path}' does not exist")
+    return path
 
 
 def _external_tensors(proto: onnx.ModelProto):
     for tensor in proto.graph.initializer:
-        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+        if tensor.data_location == EXTERNAL:
             yield tensor
     for node in proto.graph.node:
         for attr in node.attribute:
-            if attr.HasField("t") and attr.t.data_location == onnx.TensorProto.EXTERNAL:
+            if attr.HasField("t") and attr.t.data_location == EXTERNAL:
                 yield attr.t
 
 
@@ -82,11 +79,11 @@ def check_external_data(proto: onnx.ModelProto, folder: str, path: str) -> None:
 
 def read_model_proto(model, what: str = "model") -> tuple[onnx.ModelProto, str | None]:
     """A ModelProto from a ModelProto or a path, with clear errors for missing or unreadable files."""
+    import onnx
+
     if isinstance(model, onnx.ModelProto):
         return model, None
-    path = os.fspath(model)
-    if not os.path.isfile(path):
-        raise ArtifactNotFoundError(f"{what} file '{path}' does not exist")
+    path = _existing_file(model, what)
     try:
         proto = onnx.load(path, load_external_data=False)
     except Exception as error:  # protobuf DecodeError and the like
@@ -101,46 +98,111 @@ def read_model_proto(model, what: str = "model") -> tuple[onnx.ModelProto, str |
 
 
 def graph_from_proto(proto: onnx.ModelProto, source: str = "model") -> Graph:
-    """Convert a ModelProto into the IR, after ONNX shape inference."""
-    opsets = {(DEFAULT_DOMAIN if o.domain == "ai.onnx" else o.domain): int(o.version) for o in proto.opset_import}
-    if opsets.get(DEFAULT_DOMAIN, MIN_DEFAULT_OPSET) < MIN_DEFAULT_OPSET:
-        raise ModelError(f"{source}: opset {opsets[DEFAULT_DOMAIN]} is older than {MIN_DEFAULT_OPSET}; "
-                         "re-export it with a newer opset (torch.onnx.export(..., opset_version=17))")
+    """The IR of a ModelProto, after ONNX shape inference unless odtrain saved it with its types."""
+    import onnx.defs
+
+    opsets = _opsets((o.domain, o.version) for o in proto.opset_import)
+    _check_opsets(opsets, {n.domain for n in proto.graph.node}, source)
+    # Only this path compares the opset with the newest the onnx package knows. The files the wire
+    # path reads were saved by odtrain from graphs that passed this check when first loaded, and
+    # what runs on a device is decided by odtrain's own op rules, not by onnx's schemas.
     newest = onnx.defs.onnx_opset_version()
     if opsets.get(DEFAULT_DOMAIN, 0) > newest:
         raise ModelError(f"{source}: opset {opsets[DEFAULT_DOMAIN]} is newer than the newest this installation "
                          f"knows ({newest}); re-export with opset {newest} or older, or upgrade the onnx package")
-    foreign = sorted(d for d in opsets if d not in (DEFAULT_DOMAIN, ODTRAIN_DOMAIN, "ai.onnx.ml", "ai.onnx.preview.training"))
-    used = {n.domain for n in proto.graph.node}
-    if any(d in used for d in foreign):
-        raise ModelError(f"{source}: it uses ops of the domains {[d for d in foreign if d in used]}, which odtrain "
-                         "does not implement; export the model with standard ONNX ops only")
     if not any(p.key == SHAPES_INFERRED for p in proto.metadata_props):
         proto = _with_inferred_shapes(proto)
-    g = proto.graph
+    return _build_graph(model_from_proto(proto), opsets, source)
+
+
+def graph_from_model(model: ModelData, source: str = "model") -> Graph:
+    """The IR of a model as `onnx_wire` reads it; its value types are the ones it holds (no inference)."""
+    opsets = _opsets(model.opset_import)
+    _check_opsets(opsets, {n.domain for n in model.graph.nodes}, source)
+    return _build_graph(model, opsets, source)
+
+
+def _opsets(opset_import) -> dict[str, int]:
+    return {(DEFAULT_DOMAIN if domain == "ai.onnx" else domain): int(version) for domain, version in opset_import}
+
+
+def _check_opsets(opsets: dict[str, int], used_domains: set[str], source: str) -> None:
+    """What every model must pass, whichever reader read it: a recent enough opset, standard ops only."""
+    if opsets.get(DEFAULT_DOMAIN, MIN_DEFAULT_OPSET) < MIN_DEFAULT_OPSET:
+        raise ModelError(f"{source}: opset {opsets[DEFAULT_DOMAIN]} is older than {MIN_DEFAULT_OPSET}; "
+                         "re-export it with a newer opset (torch.onnx.export(..., opset_version=17))")
+    known = (DEFAULT_DOMAIN, ODTRAIN_DOMAIN, "ai.onnx.ml", "ai.onnx.preview.training")
+    foreign = sorted(d for d in opsets if d not in known)
+    if any(d in used_domains for d in foreign):
+        raise ModelError(f"{source}: it uses ops of the domains {[d for d in foreign if d in used_domains]}, which "
+                         "odtrain does not implement; export the model with standard ONNX ops only")
+
+
+def _build_graph(model: ModelData, opsets: dict[str, int], source: str) -> Graph:
+    """The IR of a model whose opsets passed `_check_opsets`, from either reader's data."""
+    g = model.graph
     initializers = {}
-    for tensor in g.initializer:
+    for tensor in g.initializers:
         try:
-            initializers[tensor.name] = numpy_helper.to_array(tensor)
-        except Exception as error:
+            initializers[tensor.name] = tensor.to_array()
+        except ModelError as error:
             raise ModelError(f"{source}: initializer '{tensor.name}' cannot be read: {error}") from None
     value_types: dict[str, TensorType] = {}
-    for info in list(g.input) + list(g.output) + list(g.value_info):
-        t = _type_from_proto(info.type)
+    for info in g.inputs + g.outputs + g.value_info:
+        t = _value_type(info, source)
         if t is not None:
             value_types[info.name] = t
     for name, array in initializers.items():
         value_types[name] = TensorType(array.dtype, tuple(array.shape))
     nodes = []
-    for index, n in enumerate(g.node):
+    for index, n in enumerate(g.nodes):
         try:
-            attrs = {a.name: _attr_value(a) for a in n.attribute}
+            attrs = {a.name: _attr_value(a) for a in n.attributes}
         except ModelError as error:
             raise ModelError(f"{source}: node '{n.name or index}' ({n.op_type}): {error}") from None
-        nodes.append(Node(n.op_type, list(n.input), list(n.output), attrs, n.name or f"{n.op_type}_{index}", n.domain))
+        nodes.append(Node(n.op_type, list(n.inputs), list(n.outputs), attrs, n.name or f"{n.op_type}_{index}", n.domain))
     _pin_legacy_softmax_axis(nodes, opsets.get(DEFAULT_DOMAIN, 0), value_types, source)
-    inputs = [i.name for i in g.input if i.name not in initializers]
-    return Graph(nodes, inputs, [o.name for o in g.output], initializers, value_types, opsets, g.name or "graph")
+    inputs = [i.name for i in g.inputs if i.name not in initializers]
+    return Graph(nodes, inputs, [o.name for o in g.outputs], initializers, value_types, opsets, g.name or "graph")
+
+
+def _value_type(info: ValueInfoData, source: str) -> TensorType | None:
+    if info.elem_type == 0:
+        return None
+    dtype = numpy_dtype(info.elem_type)
+    if dtype is None:
+        raise ModelError(f"{source}: value '{info.name}' has the element type {element_type_name(info.elem_type)}, "
+                         "which odtrain does not support (float, int and bool are)")
+    if info.shape is None:
+        return TensorType(dtype, None)
+    # An unknown dim without a name gets a symbol of its own, so that it equals no other dim.
+    return TensorType(dtype, tuple(f"unk_{info.name}_{axis}" if dim is None else dim
+                                   for axis, dim in enumerate(info.shape)))
+
+
+def _attr_value(attr: AttributeData):
+    """A plain value for the IR: str for text, numpy arrays for tensors; kinds odtrain cannot run are refused."""
+    kind, value = attr.type, attr.value
+    try:
+        if kind == AttributeType.STRING:
+            return value.decode("utf-8")
+        if kind == AttributeType.STRINGS:
+            return [v.decode("utf-8") for v in value]
+        if kind == AttributeType.TENSOR:
+            return value.to_array()
+        if kind == AttributeType.TENSORS:
+            return [t.to_array() for t in value]
+    except UnicodeDecodeError:
+        raise ModelError(f"attribute '{attr.name}' holds text that is not UTF-8") from None
+    except ModelError as error:
+        raise ModelError(f"attribute '{attr.name}': {error}") from None
+    if kind == AttributeType.GRAPH or (kind == AttributeType.GRAPHS and value):
+        raise ModelError(f"attribute '{attr.name}' holds a subgraph; control flow (If, Loop, Scan) is not supported")
+    if kind in (AttributeType.SPARSE_TENSOR, AttributeType.TYPE_PROTO) or (
+            kind in (AttributeType.SPARSE_TENSORS, AttributeType.TYPE_PROTOS) and value):
+        held = "a sparse tensor" if kind in (AttributeType.SPARSE_TENSOR, AttributeType.SPARSE_TENSORS) else "a type"
+        raise ModelError(f"attribute '{attr.name}' holds {held}, which odtrain does not read")
+    return value  # a float, an int, a list of them, [] or None
 
 
 def _pin_legacy_softmax_axis(nodes, opset: int, value_types, source: str) -> None:
@@ -163,12 +225,66 @@ def _pin_legacy_softmax_axis(nodes, opset: int, value_types, source: str) -> Non
                              "implements opset 13's single-axis Softmax: re-export with opset 13 or newer")
 
 
-def load_graph(model, what: str = "model") -> Graph:
-    proto, path = read_model_proto(model, what)
-    return graph_from_proto(proto, path or what)
+def model_from_proto(proto: onnx.ModelProto) -> ModelData:
+    """The plain data `onnx_wire` reads from a file, taken from a ModelProto's fields."""
+    g = proto.graph
+    graph = GraphData(g.name, [_node_data(n) for n in g.node], [_tensor_data(t) for t in g.initializer],
+                      [_value_info_data(v) for v in g.input], [_value_info_data(v) for v in g.output],
+                      [_value_info_data(v) for v in g.value_info])
+    return ModelData(proto.ir_version, [(o.domain, o.version) for o in proto.opset_import], graph,
+                     {p.key: p.value for p in proto.metadata_props})
+
+
+def _node_data(node) -> NodeData:
+    return NodeData(node.op_type, list(node.input), list(node.output), node.name, node.domain,
+                    [_attribute_data(a) for a in node.attribute])
+
+
+# The AttributeProto field that holds the value of each type, as onnx.helper.get_attribute_value reads it.
+_ATTRIBUTE_FIELDS = {AttributeType.FLOAT: "f", AttributeType.INT: "i", AttributeType.STRING: "s",
+                     AttributeType.TENSOR: "t", AttributeType.GRAPH: "g", AttributeType.FLOATS: "floats",
+                     AttributeType.INTS: "ints", AttributeType.STRINGS: "strings", AttributeType.TENSORS: "tensors",
+                     AttributeType.GRAPHS: "graphs", AttributeType.SPARSE_TENSOR: "sparse_tensor",
+                     AttributeType.SPARSE_TENSORS: "sparse_tensors", AttributeType.TYPE_PROTO: "tp",
+                     AttributeType.TYPE_PROTOS: "type_protos"}
+_LIST_KINDS = {AttributeType.FLOATS, AttributeType.INTS, AttributeType.STRINGS, AttributeType.GRAPHS,
+          AttributeType.SPARSE_TENSORS, AttributeType.TYPE_PROTOS}
+
+
+def _attribute_data(attr) -> AttributeData:
+    kind = AttributeType(attr.type)
+    value = None if kind == AttributeType.UNDEFINED else getattr(attr, _ATTRIBUTE_FIELDS[kind])
+    if kind == AttributeType.TENSOR:
+        value = _tensor_data(value)
+    elif kind == AttributeType.TENSORS:
+        value = [_tensor_data(t) for t in value]
+    elif kind in _LIST_KINDS:
+        value = list(value)
+    return AttributeData(attr.name, kind, value)
+
+
+def _tensor_data(tensor) -> TensorData:
+    return TensorData(tensor.name, list(tensor.dims), tensor.data_type,
+                      tensor.raw_data if tensor.HasField("raw_data") else None,
+                      np.array(tensor.float_data, np.float32), np.array(tensor.int32_data, np.int32),
+                      np.array(tensor.int64_data, np.int64), np.array(tensor.double_data, np.float64),
+                      np.array(tensor.uint64_data, np.uint64), list(tensor.string_data), tensor.data_location,
+                      {e.key: e.value for e in tensor.external_data}, tensor.HasField("segment"))
+
+
+def _value_info_data(info) -> ValueInfoData:
+    if not info.type.HasField("tensor_type"):
+        return ValueInfoData(info.name)
+    tensor = info.type.tensor_type
+    shape = None
+    if tensor.HasField("shape"):
+        shape = tuple(int(d.dim_value) if d.HasField("dim_value") else (d.dim_param or None) for d in tensor.shape.dim)
+    return ValueInfoData(info.name, tensor.elem_type, shape)
 
 
 def _value_info(name: str, t: TensorType | None):
+    from onnx import helper
+
     if t is None:
         return helper.make_empty_tensor_value_info(name)
     elem = helper.np_dtype_to_tensor_dtype(np.dtype(t.dtype))
@@ -177,6 +293,8 @@ def _value_info(name: str, t: TensorType | None):
 
 def graph_to_proto(graph: Graph, extra_inputs: list[str] = (), producer: str = "odtrain") -> onnx.ModelProto:
     """Build a ModelProto; `extra_inputs` (e.g. parameters held in a checkpoint) become graph inputs."""
+    from onnx import helper, numpy_helper
+
     nodes = []
     for node in graph.nodes:
         attrs = {k: (numpy_helper.from_array(np.asarray(v)) if isinstance(v, np.ndarray) else v)
@@ -196,12 +314,16 @@ def graph_to_proto(graph: Graph, extra_inputs: list[str] = (), producer: str = "
 
 def save_graph(graph: Graph, path, extra_inputs: list[str] = ()) -> None:
     """Write `graph` with ONNX's inferred value types inside, so that loading it runs no inference."""
+    import onnx
+
     proto = _with_inferred_shapes(graph_to_proto(graph, extra_inputs))
     proto.metadata_props.add(key=SHAPES_INFERRED, value=onnx.__version__)
     onnx.save(proto, os.fspath(path))
 
 
 def _with_inferred_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
+    import onnx.shape_inference
+
     try:
         return onnx.shape_inference.infer_shapes(proto)
     except Exception:

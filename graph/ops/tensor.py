@@ -15,10 +15,10 @@ repeated indices), Slice's writes dY into a zeroed input (`SliceGrad`), Concat's
 from __future__ import annotations
 
 import numpy as np
-from onnx import helper
 
 from ..errors import ModelError
 from ..ir import ODTRAIN_DOMAIN, TensorType
+from ..onnx_wire import element_type, numpy_dtype
 from . import broadcast_shapes, grad, no_grad, op
 
 
@@ -513,7 +513,7 @@ def _where_grad(ctx):  # dA = where(C, dY, 0), dB = where(C, 0, dY), each summed
 
 def onnx_dtype(node, code) -> np.dtype:
     try:
-        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(int(code)))
+        dtype = numpy_dtype(int(code))
     except Exception:
         dtype = None
     if dtype is None or dtype.kind not in "fiub" or dtype.itemsize > 8:
@@ -542,7 +542,7 @@ def _cast_grad(ctx):  # dX = cast(dY, type of X); no gradient through a cast to 
     if target.kind != "f" or source.kind != "f":
         return
     ctx.set_grad(0, ctx.GO(0) if source == target else
-                 ctx.emit("Cast", [ctx.GO(0)], {"to": helper.np_dtype_to_tensor_dtype(source)}))
+                 ctx.emit("Cast", [ctx.GO(0)], {"to": element_type(source)}))
 
 
 @op("CastLike", view=_same_dtype, shape_only=(1,))

@@ -1,0 +1,368 @@
+"""The wire reader against onnx itself: every model decodes as onnx reads it, damaged files are
+refused by name, and training from saved artifacts never imports onnx."""
+import dataclasses
+import json
+import os
+import struct
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+from google.protobuf.message import DecodeError
+from onnx import helper, numpy_helper
+
+from odtrain import artifacts
+from odtrain.graph import onnx_io, onnx_wire
+from odtrain.graph.errors import ModelError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(ROOT, "tests", "data")
+MODELS = sorted(n for n in os.listdir(DATA) if os.path.isfile(os.path.join(DATA, n, "forward.onnx")))
+ARTIFACTS = ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx")
+# TensorProto element types whose values odtrain decodes: float, int and bool (not strings, complex,
+# bfloat16 or the float8/int4 families, which numpy does not hold natively).
+DECODED_TYPES = {1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13}
+
+
+@pytest.fixture(scope="module")
+def saved_models(tmp_path_factory):
+    """Paths of the reference forward models and of the artifacts odtrain generates from each."""
+    paths = []
+    for name in MODELS:
+        forward = os.path.join(DATA, name, "forward.onnx")
+        with open(os.path.join(DATA, name, "meta.json")) as f:
+            meta = json.load(f)
+        directory = tmp_path_factory.mktemp(name)
+        artifacts.generate_artifacts(forward, requires_grad=meta["requires_grad"], frozen_params=meta["frozen_params"],
+                                     loss=artifacts.LossType.CrossEntropyLoss, optimizer=artifacts.OptimType.AdamW,
+                                     artifact_directory=directory)
+        paths += [forward] + [str(directory / a) for a in ARTIFACTS]
+    return paths
+
+
+@pytest.fixture(scope="module")
+def node_test_models():
+    """(name, serialized model) of every ONNX backend node test."""
+    from onnx.backend.test.loader import load_model_tests
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the generators of some cases overflow on purpose
+        cases = load_model_tests(kind="node")
+    return [(case.name, case.model.SerializeToString()) for case in cases]
+
+
+def plain(value):
+    """Values of the IR and of onnx_wire as nested tuples that == compares exactly: arrays by dtype,
+    shape and bytes, floats by their bits (NaN equals itself), protobuf messages by their encoding."""
+    if isinstance(value, np.ndarray):
+        return ("array", value.dtype.str, value.shape, value.tobytes())
+    if isinstance(value, np.dtype):
+        return ("dtype", value.str)
+    if isinstance(value, float):
+        return ("float", struct.pack("<d", value))
+    if isinstance(value, (list, tuple)):
+        return tuple(plain(v) for v in value)
+    if isinstance(value, dict):
+        return ("dict",) + tuple((k, plain(v)) for k, v in value.items())
+    if dataclasses.is_dataclass(value):
+        return (type(value).__name__,) + tuple((f.name, plain(getattr(value, f.name))) for f in dataclasses.fields(value))
+    if hasattr(value, "SerializeToString"):
+        return value.SerializeToString()
+    return value
+
+
+def outcome(build):
+    """The graph a loader builds, or the error it raises."""
+    try:
+        return plain(build())
+    except Exception as error:
+        return (type(error).__name__, str(error))
+
+
+def proto_tensors(proto):
+    yield from proto.graph.initializer
+    for node in proto.graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.TENSOR:
+                yield attr.t
+            elif attr.type == onnx.AttributeProto.TENSORS:
+                yield from attr.tensors
+
+
+def wire_tensors(model):
+    yield from model.graph.initializers
+    for node in model.graph.nodes:
+        for attr in node.attributes:
+            if attr.type == onnx_wire.AttributeType.TENSOR:
+                yield attr.value
+            elif attr.type == onnx_wire.AttributeType.TENSORS:
+                yield from attr.value
+
+
+def marked(proto):
+    """A copy carrying the mark of models odtrain saved, so that onnx's path runs no shape inference."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(proto)
+    if not any(p.key == onnx_io.SHAPES_INFERRED for p in copy.metadata_props):
+        copy.metadata_props.add(key=onnx_io.SHAPES_INFERRED, value=onnx.__version__)
+    return copy
+
+
+def mismatches(data: bytes, source: str) -> list[str]:
+    """Where the wire reader reads `data` otherwise than onnx: its data, its tensors, the graph."""
+    proto = onnx.ModelProto.FromString(data)
+    wire = onnx_wire.parse_model(data, source)
+    found = []
+    if plain(wire) != plain(onnx_io.model_from_proto(proto)):
+        found.append(f"{source}: the model's fields differ")
+    for tensor, read in zip(proto_tensors(proto), wire_tensors(wire), strict=True):
+        try:
+            expected = numpy_helper.to_array(tensor)
+        except Exception:
+            expected = None
+        if expected is not None and tensor.data_type in DECODED_TYPES:
+            if outcome(read.to_array) != plain(expected):
+                found.append(f"{source}: tensor '{tensor.name}' decodes otherwise than numpy_helper.to_array")
+        elif outcome(read.to_array)[0] != "ModelError":
+            found.append(f"{source}: tensor '{tensor.name}' of type {tensor.data_type} is not refused")
+    if outcome(lambda: onnx_io.graph_from_model(wire, source)) != outcome(
+            lambda: onnx_io.graph_from_proto(marked(proto), source)):
+        found.append(f"{source}: the graph differs")
+    return found
+
+
+def test_saved_models_and_their_artifacts_read_as_onnx_reads_them(saved_models):
+    found = []
+    for path in saved_models:
+        with open(path, "rb") as f:
+            found += mismatches(f.read(), path)
+    assert found == []
+
+
+def test_artifacts_load_without_onnx_into_the_graph_the_onnx_path_builds(saved_models, monkeypatch):
+    artifact_paths = [p for p in saved_models if os.path.basename(p) in ARTIFACTS]
+    expected = [plain(onnx_io.graph_from_proto(onnx.load(path), path)) for path in artifact_paths]
+
+    def through_onnx(*args, **kwargs):
+        raise AssertionError("an artifact odtrain saved was read through onnx")
+
+    monkeypatch.setattr(onnx_io, "read_model_proto", through_onnx)
+    assert [plain(onnx_io.load_graph(path)) for path in artifact_paths] == expected
+
+
+def test_every_onnx_backend_node_test_model_reads_as_onnx_reads_it(node_test_models):
+    found = []
+    for name, data in node_test_models:
+        found += mismatches(data, name)
+    assert found == []
+    assert len(node_test_models) > 1000
+
+
+def test_values_are_decoded_packed_or_not_and_from_every_typed_field():
+    arrays = {"f32": np.array([1.5, -0.0, np.inf], np.float32), "f64": np.array([[2.25, -1e300]], np.float64),
+              "f16": np.array([0.5, -2.0], np.float16), "i8": np.array([-128, 127], np.int8),
+              "u8": np.array([0, 255], np.uint8), "i16": np.array([-32768, 7], np.int16),
+              "u16": np.array([65535, 1], np.uint16), "i32": np.array([-(2 ** 31), 5], np.int32),
+              "i64": np.array([-(2 ** 63), 2 ** 62], np.int64), "u32": np.array([2 ** 32 - 1], np.uint32),
+              "u64": np.array([2 ** 64 - 1, 3], np.uint64), "b": np.array([True, False, True])}
+    typed = [helper.make_tensor(f"{name}_typed", helper.np_dtype_to_tensor_dtype(a.dtype), a.shape, a.ravel().tolist())
+             for name, a in arrays.items()]
+    raw = [numpy_helper.from_array(a, f"{name}_raw") for name, a in arrays.items()]
+    nodes = [helper.make_node("Constant", [], ["c"], value_floats=[0.25, -3.0]),
+             helper.make_node("Constant", [], ["d"], value_ints=[-1, 2 ** 40])]
+    graph = helper.make_graph(nodes, "g", [], [helper.make_tensor_value_info("c", onnx.TensorProto.FLOAT, [2]),
+                                               helper.make_tensor_value_info("d", onnx.TensorProto.INT64, [2])],
+                              typed + raw)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    data = model.SerializeToString()
+    assert mismatches(data, "packed") == []
+    read = {t.name: t.to_array() for t in onnx_wire.parse_model(data).graph.initializers}
+    for name, a in arrays.items():
+        for kind in ("typed", "raw"):
+            assert plain(read[f"{name}_{kind}"]) == plain(a), (name, kind)
+    unpacked = _unpacked(model)
+    assert onnx.ModelProto.FromString(unpacked) == model and unpacked != data
+    assert mismatches(unpacked, "unpacked") == []
+
+
+def _unpacked(model) -> bytes:
+    """`model` encoded by hand with every repeated number in a field of its own (protobuf packs them)."""
+    graph = bytearray()
+    for node in model.graph.node:
+        body = b"".join(_field(2, o.encode()) for o in node.output) + _field(4, node.op_type.encode())
+        for attr in node.attribute:
+            encoded = _field(1, attr.name.encode()) + _tag(20, 0) + _varint(attr.type)
+            encoded += b"".join(_tag(7, 5) + struct.pack("<f", v) for v in attr.floats)
+            encoded += b"".join(_tag(8, 0) + _varint(v) for v in attr.ints)
+            body += _field(5, encoded)
+        graph += _field(1, body)
+    graph += _field(2, model.graph.name.encode())
+    for tensor in model.graph.initializer:
+        body = b"".join(_tag(1, 0) + _varint(d) for d in tensor.dims) + _tag(2, 0) + _varint(tensor.data_type)
+        body += b"".join(_tag(4, 5) + struct.pack("<f", v) for v in tensor.float_data)
+        body += b"".join(_tag(5, 0) + _varint(v) for v in tensor.int32_data)
+        body += b"".join(_tag(7, 0) + _varint(v) for v in tensor.int64_data)
+        body += _field(8, tensor.name.encode())
+        body += _field(9, tensor.raw_data) if tensor.HasField("raw_data") else b""
+        body += b"".join(_tag(10, 1) + struct.pack("<d", v) for v in tensor.double_data)
+        body += b"".join(_tag(11, 0) + _varint(v) for v in tensor.uint64_data)
+        graph += _field(5, body)
+    for info in model.graph.output:
+        graph += _field(12, info.SerializeToString())
+    opsets = b"".join(_field(8, o.SerializeToString()) for o in model.opset_import)
+    return _tag(1, 0) + _varint(model.ir_version) + _field(7, bytes(graph)) + opsets
+
+
+def _tag(number: int, wire: int) -> bytes:
+    return _varint(number << 3 | wire)
+
+
+def _varint(value: int) -> bytes:
+    value &= (1 << 64) - 1
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    return _tag(number, 2) + _varint(len(payload)) + payload
+
+
+def test_unknown_fields_groups_and_repeated_singular_messages_read_as_protobuf_reads_them():
+    model = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                                                [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["n", 3])],
+                                                [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)]),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    data = model.SerializeToString()
+    extra = (_tag(999, 0) + _varint(-5) + _tag(1000, 1) + b"\0" * 8 + _tag(1001, 5) + b"\0" * 4
+             + _field(1002, b"anything") + _tag(1003, 3) + _tag(1, 0) + _varint(1) + _tag(1004, 3)
+             + _tag(1004, 4) + _tag(1003, 4))
+    second_graph = _field(7, _field(2, b"renamed") + _field(1, helper.make_node("Neg", ["y"], ["z"]).SerializeToString()))
+    for variant in (extra + data, data + extra, data + second_graph):
+        assert mismatches(variant, "variant") == []
+    assert onnx_wire.parse_model(data + second_graph).graph.name == "renamed"
+
+
+def source_named(source: str):
+    return pytest.raises(ModelError, match=f"'{source}' is not a readable ONNX model")
+
+
+@pytest.mark.parametrize("data, reason", [
+    (_tag(1, 0) + b"\xff" * 20, "longer than 10 bytes"),
+    (_tag(1, 0) + b"\xff\xff", "runs past the end"),
+    (_tag(7, 2) + _varint(16) + b"\x00" * 3, "runs past the end"),
+    (_tag(7, 2) + _varint(2 ** 63) + b"\x00", "runs past the end"),
+    (b"\x00\x01", "field number 0"),
+    (_tag(3, 7), "wire type 7"),
+    (_tag(3, 3) + _tag(1, 0) + b"\x01", "a number runs past the end"),
+    (_tag(3, 3) + _tag(4, 4), "closes where another is open"),
+    (_tag(3, 4), "never opened"),
+    (_field(7, _field(5, _tag(4, 2) + _varint(3) + b"\x00\x00\x00")), "packed run of 4-byte numbers"),
+    (_field(14, _field(1, b"\xff\xfe")), "not UTF-8"),
+], ids=["varint-never-ends", "varint-truncated", "length-beyond-end", "huge-length", "field-0", "wire-type-7",
+        "unclosed-group", "mismatched-group", "unopened-group", "packed-floats", "bad-utf8"])
+def test_malformed_files_are_refused_naming_the_file(tmp_path, data, reason):
+    path = str(tmp_path / "damaged.onnx")
+    with open(path, "wb") as f:
+        f.write(data)
+    with source_named(path) as refused:
+        onnx_io.load_graph(path)
+    assert reason in str(refused.value)
+
+
+def test_truncated_and_random_files_are_refused_by_name_unless_protobuf_reads_them(saved_models):
+    rng = np.random.default_rng(0)
+    samples = []
+    for path in saved_models:
+        if path.endswith(("mlp/forward.onnx", "training_model.onnx")):
+            with open(path, "rb") as f:
+                data = f.read()
+            ends = set(range(min(len(data), 200))) | set(rng.integers(0, len(data), 150).tolist())
+            samples += [data[:end] for end in sorted(ends)]
+            flipped = bytearray(data)
+            for at in rng.integers(0, len(data), 40).tolist():
+                flipped[at] ^= 0xFF
+                samples.append(bytes(flipped))
+    samples += [rng.bytes(int(n)) for n in rng.integers(1, 300, 200)]
+    read_alike = refused = 0
+    for data in samples:
+        try:
+            proto = onnx.ModelProto.FromString(data)
+        except DecodeError:
+            proto = None
+        try:
+            wire = onnx_wire.parse_model(data, "model file 'sample.onnx'")
+        except ModelError as error:
+            assert "model file 'sample.onnx' is not a readable ONNX model" in str(error)
+            assert proto is None or "not UTF-8" in str(error), str(error)  # protobuf lets bad text through
+            refused += 1
+            continue
+        assert proto is not None, data[:80]
+        assert plain(wire) == plain(onnx_io.model_from_proto(proto))
+        read_alike += 1
+    assert refused > 100 and read_alike > 5
+
+
+def test_a_damaged_initializer_is_refused_naming_the_file_and_the_tensor(tmp_path):
+    short = onnx.TensorProto(name="w", data_type=onnx.TensorProto.FLOAT, dims=[4], raw_data=b"\0" * 12)
+    bf16 = helper.make_tensor("h", onnx.TensorProto.BFLOAT16, [1], [1.0])
+    for tensor, reason in ((short, "values do not fill its dims [4]"), (bf16, "element type BFLOAT16")):
+        graph = helper.make_graph([helper.make_node("Identity", [tensor.name], ["y"])], "g", [],
+                                  [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [4])], [tensor])
+        model = marked(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+        path = str(tmp_path / "model.onnx")
+        onnx.save(model, path)
+        with pytest.raises(ModelError, match=f"{path}: initializer '{tensor.name}' cannot be read") as refused:
+            onnx_io.load_graph(path)
+        assert reason in str(refused.value)
+
+
+PROBE = r"""
+import json, sys
+import numpy as np
+from odtrain.api import CheckpointState, Module, Optimizer
+from odtrain.graph.errors import ModelError
+from odtrain.graph.onnx_io import load_graph
+
+folder, data, damaged = sys.argv[1:4]
+golden = np.load(data + "/golden.npz")
+x = golden["x"][0].astype(json.load(open(data + "/meta.json"))["input_dtype"])
+state = CheckpointState.load_checkpoint(folder + "/checkpoint")
+module = Module(folder + "/training_model.onnx", state, folder + "/eval_model.onnx")
+optimizer = Optimizer(folder + "/optimizer_model.onnx", module)
+module.train()
+loss = float(np.asarray(module(x, golden["y"][0])[0]))
+optimizer.step()
+module.lazy_reset_grad()
+module.eval()
+after = float(np.asarray(module(x, golden["y"][0])[0]))
+try:
+    load_graph(damaged)
+    refusal = ""
+except ModelError as error:
+    refusal = str(error)
+print(json.dumps({"onnx": sorted(m for m in sys.modules if m == "onnx" or m.startswith("onnx.")),
+                  "losses": [loss, after], "refusal": refusal}))
+"""
+
+
+def test_training_from_saved_artifacts_never_imports_onnx(mlp_artifacts, tmp_path):
+    damaged = str(tmp_path / "damaged.onnx")
+    with open(mlp_artifacts / "training_model.onnx", "rb") as f:
+        data = f.read()
+    with open(damaged, "wb") as f:
+        f.write(data[:len(data) // 2])
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-c", PROBE, str(mlp_artifacts), os.path.join(DATA, "mlp"), damaged],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["onnx"] == []
+    assert np.all(np.isfinite(result["losses"])) and result["losses"][1] < result["losses"][0]
+    assert f"'{damaged}' is not a readable ONNX model" in result["refusal"]
