@@ -38,4 +38,5 @@ def binding(op_type: str, domain: str = "", scratch=None):
     return register
 
 
-from . import elementwise, linalg, nn, normalization, optim, recurrent, reduction, tensor, training  # noqa: E402,F401
+from . import (  # noqa: E402,F401
+    conv, elementwise, linalg, nn, normalization, optim, pool, recurrent, reduction, resize, tensor, training)

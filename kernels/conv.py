@@ -1,0 +1,541 @@
+"""Kernels: convolution (Conv) and ConvTranspose, with their gradient ops.
+
+A convolution with G groups sees X as [N, G, C/G, D, H, W], W as [G, M/G, K]
+(K = C/G·kd·kh·kw) and Y as [N, G, M/G, P] (P = output cells), with the 3 spatial
+axes and `geom` of windows.py.
+
+Convolution:
+- general: im2col + one BLAS product per group: Y_g = W_g · col(X_g). When
+  an image has few output cells (P < COLUMNS), `chunk` images share one
+  product (their columns side by side), so BLAS sees a wide matrix.
+  Pointwise convolutions (1x1, stride 1, no padding) skip im2col; for
+  stride 1 with the output as wide as the input, each im2col row is one
+  shifted contiguous copy of the image (edge columns zeroed after).
+  Backward: dcol = W_gᵀ · dY_g then col2im (input); dW_gᵀ = Σ col · dY_gᵀ
+  (weight; BLAS's faster order for these shapes).
+- depthwise (C/G = 1): a direct loop, along rows for wide outputs (each tap
+  a contiguous multiply-add, the padded plane split into stride phases),
+  channels-last for narrow ones (each tap a multiply-add over the channels);
+  the kernels are in depthwise.py.
+- work memory is the node's arena scratch (declared by `_conv_scratch`,
+  placed by the planner for that one step): im2col columns K·chunk·P, rows
+  gathered from several images M/G·chunk·P, and dW's sums (G + 1)·K·M/G
+  floats; e.g. 1.35 MB for MobileNetV2's first layer at 224x224. Depthwise:
+  one padded plane (rows) or one padded image, channels-last.
+
+ConvTranspose runs the convolution kernels with X and Y exchanged: its forward is a convolution's
+input gradient (col2im), its input gradient a convolution forward, its weight gradient a
+convolution's weight gradient with X in dY's place.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from . import ODTRAIN_DOMAIN, binding
+from .depthwise import _depthwise_forward, _depthwise_input_grad, _depthwise_weight_grad
+from .windows import _as_3d, _text, _valid_range, window_geometry
+
+COLUMNS = 512  # convolutions batch images into one product until it has this many columns
+ROW_WIDTH = 24  # depthwise convolutions with outputs at least this wide work along rows, others channels-last
+
+
+# ---- convolution: im2col + BLAS ------------------------------------------------------------------
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _block_rows(row_offset, out_h, height):
+    """Output rows oh in [a, b) whose input row oh + row_offset lies in [0, height)."""
+    return min(max(-row_offset, 0), out_h), min(max(height - row_offset, 0), out_h)
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _shifted_copy(flat, block, row_offset, offset, lo, hi, out_h, width):
+    """block[oh·W + ow] = flat[(oh + row_offset)·W + ow + offset] where that cell is inside the plane, else 0:
+    one contiguous copy, then the edge columns [0, lo) and [hi, W) of each row set to zero."""
+    a, b = _block_rows(row_offset, out_h, flat.size // width)
+    block[:a * width] = 0
+    block[b * width:] = 0
+    begin = (a + row_offset) * width + offset  # flat index of block cell a·W
+    first, last = max(0, -begin), min((b - a) * width, flat.size - begin)
+    target, source = block[a * width + first:a * width + last], flat[begin + first:]
+    for t in range(target.size):
+        target[t] = source[t]
+    _zero_edges(block, a, b, lo, hi, width)
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _zero_edges(block, a, b, lo, hi, width):
+    """block[oh·W + ow] = 0 for rows [a, b) and columns outside [lo, hi) (a few cells per row)."""
+    for oh in range(a, b):
+        base = oh * width
+        for ow in range(lo):
+            block[base + ow] = 0
+        for ow in range(hi, width):
+            block[base + ow] = 0
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _shifted_add(flat, block, row_offset, offset, lo, hi, out_h, width):
+    """The adjoint of _shifted_copy: flat[(oh + row_offset)·W + ow + offset] += block[oh·W + ow] over the
+    cells inside the plane (the edge columns of block are zeroed first, so one contiguous add does it)."""
+    a, b = _block_rows(row_offset, out_h, flat.size // width)
+    _zero_edges(block, a, b, lo, hi, width)
+    begin = (a + row_offset) * width + offset
+    first, last = max(0, -begin), min((b - a) * width, flat.size - begin)
+    source, target = block[a * width + first:a * width + last], flat[begin + first:]
+    for t in range(source.size):
+        target[t] += source[t]
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _window_columns(image, n0, nb, g, geom, col, adjoint):
+    """im2col, or with `adjoint` its adjoint col2im: one walk over the rows (c, kd, kh, kw) of col and the
+    blocks of output cells (b, od, oh) in each row, pairing each block with the image row it reads.
+    im2col: col[(c, kd, kh, kw), b·P + (od, oh, ow)] = image[n0 + b, g, c, od·sd + kd·dd - pd, ...], 0 outside.
+    col2im: image[n0 + b, g, c, ...] += col[(c, kd, kh, kw), b·P + ...] over the cells inside (image zeroed
+    before; col is used as scratch). Inlined into _im2col and _col2im, where `adjoint` is a constant, so each
+    compiles to its own loops."""
+    depth, height, width = image.shape[3], image.shape[4], image.shape[5]
+    out_d, out_h, out_w = geom[12], geom[13], geom[14]
+    stride_w = geom[5]
+    # stride 1 with the output as wide as the input: a row's valid cells are one contiguous run of the image
+    shifted_block = stride_w == 1 and geom[4] == 1 and out_w == width
+    cells = out_d * out_h * out_w
+    plane_cells = out_h * out_w
+    row = 0
+    for c in range(image.shape[2]):
+        for kd in range(geom[0]):
+            for kh in range(geom[1]):
+                for kw in range(geom[2]):
+                    offset = kw * geom[8] - geom[11]
+                    lo, hi = _valid_range(offset, stride_w, width, out_w)
+                    col_row = col[row]
+                    for b in range(nb):
+                        for od in range(out_d):
+                            i_d = od * geom[3] + kd * geom[6] - geom[9]
+                            start = b * cells + od * plane_cells
+                            block = col_row[start:start + plane_cells]
+                            if i_d < 0 or i_d >= depth:
+                                if not adjoint:
+                                    block[:] = 0
+                                continue
+                            plane = image[n0 + b, g, c, i_d]
+                            if shifted_block:
+                                if adjoint:
+                                    _shifted_add(plane.reshape(-1), block, kh * geom[7] - geom[10], offset, lo, hi,
+                                                 out_h, width)
+                                else:
+                                    _shifted_copy(plane.reshape(-1), block, kh * geom[7] - geom[10], offset, lo, hi,
+                                                  out_h, width)
+                                continue
+                            for oh in range(out_h):
+                                i_h = oh * geom[4] + kh * geom[7] - geom[10]
+                                cells_row = block[oh * out_w:(oh + 1) * out_w]
+                                if i_h < 0 or i_h >= height:
+                                    if not adjoint:
+                                        cells_row[:] = 0
+                                    continue
+                                # slices keep every index below non-negative, so the loops vectorise
+                                inner, pixels = cells_row[lo:hi], plane[i_h][lo * stride_w + offset:]
+                                if adjoint:
+                                    if stride_w == 1:
+                                        for t in range(inner.size):
+                                            pixels[t] += inner[t]
+                                    else:
+                                        for t in range(inner.size):
+                                            pixels[t * stride_w] += inner[t]
+                                    continue
+                                cells_row[:lo] = 0
+                                cells_row[hi:] = 0
+                                if stride_w == 1:
+                                    for t in range(inner.size):
+                                        inner[t] = pixels[t]
+                                else:
+                                    for t in range(inner.size):
+                                        inner[t] = pixels[t * stride_w]
+                    row += 1
+
+
+@njit(cache=True, error_model="numpy")
+def _im2col(x, n0, nb, g, geom, col):
+    """col[(c, kd, kh, kw), b·P + (od, oh, ow)] = x[n0 + b, g, c, od·sd + kd·dd - pd, ...], 0 outside."""
+    _window_columns(x, n0, nb, g, geom, col, False)
+
+
+@njit(cache=True, error_model="numpy")
+def _col2im(col, n0, nb, g, geom, dx):
+    """dx[n0 + b, g, c, ...] += col[(c, kd, kh, kw), b·P + ...]: the adjoint of _im2col (dx zeroed before;
+    col is used as scratch)."""
+    _window_columns(dx, n0, nb, g, geom, col, True)
+
+
+@njit(cache=True, error_model="numpy")
+def _gather_dy(dy, n0, nb, g, out):
+    """out[m, b·P + p] = dy[n0 + b, g, m, p]."""
+    cells = dy.shape[3]
+    for m in range(dy.shape[2]):
+        for b in range(nb):
+            for p in range(cells):
+                out[m, b * cells + p] = dy[n0 + b, g, m, p]
+
+
+@njit(cache=True, error_model="numpy")
+def _conv_forward(x, w, bias, has_bias, y, col_work, row_work, geom, chunk, pointwise):
+    """y[n, g] = w[g] · im2col(x[n, g]) (+ bias), `chunk` images per product."""
+    batch, groups, per_group, cells = y.shape[0], y.shape[1], y.shape[2], y.shape[3]
+    k = w.shape[2]
+    for n0 in range(0, batch, chunk):
+        nb = min(chunk, batch - n0)
+        width = nb * cells
+        for g in range(groups):
+            if nb == 1 and pointwise:
+                np.dot(w[g], x[n0, g].reshape(k, cells), y[n0, g])
+                continue
+            col = col_work[:k * width].reshape(k, width)
+            _im2col(x, n0, nb, g, geom, col)
+            if nb == 1:
+                np.dot(w[g], col, y[n0, g])
+                continue
+            product = row_work[:per_group * width].reshape(per_group, width)
+            np.dot(w[g], col, product)
+            for b in range(nb):
+                for m in range(per_group):
+                    target = y[n0 + b, g, m]
+                    for p in range(cells):
+                        target[p] = product[m, b * cells + p]
+    if has_bias:
+        for n in range(batch):
+            for g in range(groups):
+                for m in range(per_group):
+                    value = bias[g, m]
+                    target = y[n, g, m]
+                    for p in range(cells):
+                        target[p] += value
+
+
+@njit(cache=True, error_model="numpy")
+def _conv_input_grad(dy, w, dx, col_work, row_work, geom, chunk, pointwise):
+    """dx = col2im(w[g]ᵀ · dy[n, g]) for every image and group."""
+    batch, groups, per_group, cells = dy.shape[0], dy.shape[1], dy.shape[2], dy.shape[3]
+    k = w.shape[2]
+    for n0 in range(0, batch, chunk):
+        nb = min(chunk, batch - n0)
+        width = nb * cells
+        for g in range(groups):
+            if nb == 1 and pointwise:
+                np.dot(w[g].T, dy[n0, g], dx[n0, g].reshape(k, cells))
+                continue
+            col = col_work[:k * width].reshape(k, width)
+            if nb == 1:
+                np.dot(w[g].T, dy[n0, g], col)
+            else:
+                gathered = row_work[:per_group * width].reshape(per_group, width)
+                _gather_dy(dy, n0, nb, g, gathered)
+                np.dot(w[g].T, gathered, col)
+            for b in range(nb):
+                dx[n0 + b, g].reshape(-1)[:] = 0
+            _col2im(col, n0, nb, g, geom, dx)
+
+
+@njit(cache=True, error_model="numpy")
+def _conv_weight_grad(dy, x, dw, col_work, row_work, sums, product, geom, chunk, pointwise):
+    """dw[g] = Σ over images of dy[n, g] · im2col(x[n, g])ᵀ, summed transposed in sums[g] = Σ col · dyᵀ
+    (BLAS's faster order for these shapes), then transposed into dw."""
+    batch, groups, per_group, cells = dy.shape[0], dy.shape[1], dy.shape[2], dy.shape[3]
+    k = dw.shape[2]
+    for n0 in range(0, batch, chunk):
+        nb = min(chunk, batch - n0)
+        width = nb * cells
+        for g in range(groups):
+            if nb == 1 and pointwise:
+                col = x[n0, g].reshape(k, cells)
+            else:
+                col = col_work[:k * width].reshape(k, width)
+                _im2col(x, n0, nb, g, geom, col)
+            if nb == 1:
+                grad_rows = dy[n0, g]
+            else:
+                grad_rows = row_work[:per_group * width].reshape(per_group, width)
+                _gather_dy(dy, n0, nb, g, grad_rows)
+            if n0 == 0:
+                np.dot(col, grad_rows.T, sums[g])
+            else:
+                np.dot(col, grad_rows.T, product)
+                target = sums[g].reshape(-1)
+                source = product.reshape(-1)
+                for i in range(target.size):
+                    target[i] += source[i]
+    for g in range(groups):
+        for m in range(per_group):
+            for j in range(k):
+                dw[g, m, j] = sums[g, j, m]
+
+
+@njit(cache=True, error_model="numpy")
+def _conv_bias_grad(dy, db):
+    """db[m] = Σ_n Σ_p dy[n, m, p], summed in float64."""
+    for m in range(dy.shape[1]):
+        total = 0.0
+        for n in range(dy.shape[0]):
+            row = dy[n, m]
+            partial = np.float32(0.0)
+            for p in range(row.size):
+                partial += row[p]
+            total += partial
+        db[m] = total
+
+class _ConvLayout:
+    """How a convolution runs, from the shapes of X, W and Y: views, geometry, kernel choice, work sizes."""
+
+    def __init__(self, x_shape, w_shape, y_shape, group=1, auto_pad="NOTSET", dilations=None, kernel_shape=None,
+                 pads=None, strides=None):
+        group = int(group)
+        batch, channels = int(x_shape[0]), int(x_shape[1])
+        self.groups = group
+        self.in_per_group, self.out_per_group = channels // group, int(w_shape[0]) // group
+        kernel = [int(k) for k in w_shape[2:]]
+        self.geom, _ = window_geometry(x_shape[2:], y_shape[2:], kernel, auto_pad, pads, strides, dilations)
+        self.cells = int(np.prod(y_shape[2:], dtype=np.int64))
+        self.k = self.in_per_group * int(np.prod(kernel, dtype=np.int64))
+        self.x6 = (batch, group, self.in_per_group) + _as_3d(x_shape[2:])
+        self.y6 = (batch, group, self.out_per_group) + _as_3d(y_shape[2:])
+        self.y4 = (batch, group, self.out_per_group, self.cells)
+        self.w3 = (group, self.out_per_group, self.k)
+        self.depthwise = self.in_per_group == 1 and self.k > 1
+        geom = self.geom
+        self.pointwise = bool((geom[0:6] == 1).all() and (geom[9:12] == 0).all()
+                              and tuple(x_shape[2:]) == tuple(y_shape[2:]))
+        self.chunk = int(max(1, min(batch, -(-COLUMNS // max(self.cells, 1)))))
+        width = self.chunk * self.cells
+        # float32 elements of work memory: im2col columns, gathered rows (several images), a partial dW
+        self.columns = 0 if self.depthwise or (self.pointwise and self.chunk == 1) else self.k * width
+        self.rows = 0 if self.depthwise or self.chunk == 1 else self.out_per_group * width
+        # the weight gradient's transposed sums [G, K, M/G], and one product [K, M/G] to add from later chunks
+        self.partial = 0 if self.depthwise else (group + (batch > self.chunk)) * self.k * self.out_per_group
+        if self.depthwise:
+            x3, y3 = _as_3d(x_shape[2:]), _as_3d(y_shape[2:])
+            self.x5 = (batch, group) + x3
+            padded = tuple(max(x3[a] + geom[9 + a], (y3[a] - 1) * geom[3 + a] + (geom[a] - 1) * geom[6 + a] + 1)
+                           for a in range(3))
+            self.channels_last = y3[2] < ROW_WIDTH
+            self.columns_of_taps = np.zeros((2, 1), np.int64)
+            if self.channels_last:  # the padded image, one output plane, the taps: all [..., G]
+                self.padded_shape = padded + (group,)
+                self.rows_shape = y3 + (group,)
+                self.partial = self.out_per_group * self.k * group
+            else:  # one padded plane in stride phases; unused 1-element stand-ins for the rest
+                stride = int(geom[5])
+                self.padded_shape = (stride,) + padded[:2] + (-(-padded[2] // stride),)
+                taps = np.arange(int(geom[2])) * int(geom[8])
+                self.columns_of_taps = np.stack([taps % stride, taps // stride]).astype(np.int64)
+                self.rows_shape = (1, 1, 1, 1)
+                self.partial = self.out_per_group * self.k
+            self.columns = int(np.prod(self.padded_shape))
+            self.rows = int(np.prod(self.rows_shape))
+
+    def depthwise_work(self, scratch):
+        """(padded input plane, one output/gradient plane, taps [M/G, K, G]) for the depthwise kernels."""
+        memory = scratch.view(np.float32)
+        padded = memory[:self.columns].reshape(self.padded_shape)
+        rows = memory[self.columns:self.columns + self.rows].reshape(self.rows_shape)
+        start = self.columns + self.rows
+        groups = self.groups if self.channels_last else 1
+        taps = memory[start:start + self.partial].reshape(self.out_per_group, self.k, groups)
+        return padded, rows, taps
+
+    def work(self, scratch, sums: bool = False):
+        """(columns, rows[, dW sums [G, K, M/G], product [K, M/G]]) as float32 views of the node's scratch."""
+        memory = scratch.view(np.float32) if scratch is not None else np.zeros(0, np.float32)
+        columns = memory[:self.columns]
+        rows = memory[self.columns:self.columns + self.rows]
+        if not sums:
+            return columns, rows
+        start = self.columns + self.rows
+        size = self.groups * self.k * self.out_per_group
+        totals = memory[start:start + size].reshape(self.groups, self.k, self.out_per_group)
+        rest = memory[start + size:start + self.partial]
+        product = rest.reshape(self.k, self.out_per_group) if rest.size else np.zeros((1, 1), np.float32)
+        return columns, rows, totals, product
+
+
+def _conv_scratch(op_type: str):
+    """The scratch-size rule of Conv, ConvInputGrad or ConvWeightGrad: bytes of im2col work memory."""
+
+    def size(specs_in, specs_out, **attrs):
+        shapes_in = [spec[0] if spec else None for spec in specs_in]
+        shape_out = specs_out[0][0]
+        if op_type == "Conv":
+            layout = _ConvLayout(shapes_in[0], shapes_in[1], shape_out, **attrs)
+        elif op_type == "ConvInputGrad":
+            layout = _ConvLayout(shape_out, shapes_in[1], shapes_in[0], **attrs)
+        else:
+            layout = _ConvLayout(shapes_in[1], shape_out, shapes_in[0], **attrs)
+        extra = layout.partial if op_type == "ConvWeightGrad" or layout.depthwise else 0
+        return 4 * (layout.columns + layout.rows + extra)
+
+    return size
+
+
+@binding("Conv", scratch=_conv_scratch("Conv"))
+def Conv(inputs, outputs, scratch=None, **attrs):
+    x, w, y = inputs[0], inputs[1], outputs[0]
+    bias = inputs[2] if len(inputs) > 2 and inputs[2] is not None else None
+    layout = _ConvLayout(x.shape, w.shape, y.shape, **attrs)
+    b = bias.reshape(layout.groups, layout.out_per_group) if bias is not None else np.zeros((1, 1), np.float32)
+    xv, wv = x.reshape(layout.x6), w.reshape(layout.w3)
+    if layout.depthwise:
+        padded, rows, taps = layout.depthwise_work(scratch)
+        return [(_depthwise_forward, (x.reshape(layout.x5), wv, b, bias is not None, y.reshape(layout.y6), layout.geom,
+                                      layout.columns_of_taps, padded, rows, taps[0], layout.channels_last))]
+    columns, rows = layout.work(scratch)
+    return [(_conv_forward, (xv, wv, b, bias is not None, y.reshape(layout.y4), columns, rows, layout.geom,
+                             layout.chunk, layout.pointwise))]
+
+
+@binding("ConvInputGrad", ODTRAIN_DOMAIN, scratch=_conv_scratch("ConvInputGrad"))
+def ConvInputGrad(inputs, outputs, scratch=None, **attrs):
+    dy, w, dx = inputs[0], inputs[1], outputs[0]
+    layout = _ConvLayout(dx.shape, w.shape, dy.shape, **attrs)
+    dxv, wv = dx.reshape(layout.x6), w.reshape(layout.w3)
+    if layout.depthwise:
+        padded, rows, taps = layout.depthwise_work(scratch)
+        return [(_depthwise_input_grad, (dy.reshape(layout.y6), wv, dx.reshape(layout.x5), layout.geom,
+                                         layout.columns_of_taps, padded, rows, taps[0], layout.channels_last))]
+    columns, rows = layout.work(scratch)
+    return [(_conv_input_grad, (dy.reshape(layout.y4), wv, dxv, columns, rows, layout.geom, layout.chunk,
+                                layout.pointwise))]
+
+
+@binding("ConvWeightGrad", ODTRAIN_DOMAIN, scratch=_conv_scratch("ConvWeightGrad"))
+def ConvWeightGrad(inputs, outputs, scratch=None, **attrs):
+    dy, x, dw = inputs[0], inputs[1], outputs[0]
+    layout = _ConvLayout(x.shape, dw.shape, dy.shape, **attrs)
+    xv, dwv = x.reshape(layout.x6), dw.reshape(layout.w3)
+    if layout.depthwise:
+        padded, rows, sums = layout.depthwise_work(scratch)
+        return [(_depthwise_weight_grad, (dy.reshape(layout.y6), x.reshape(layout.x5), dwv, layout.geom,
+                                          layout.columns_of_taps, padded, rows, sums, layout.channels_last))]
+    columns, rows, sums, product = layout.work(scratch, sums=True)
+    return [(_conv_weight_grad, (dy.reshape(layout.y4), xv, dwv, columns, rows, sums, product, layout.geom,
+                                 layout.chunk, layout.pointwise))]
+
+
+@binding("ConvBiasGrad", ODTRAIN_DOMAIN)
+def ConvBiasGrad(inputs, outputs):
+    dy = inputs[0]
+    return [(_conv_bias_grad, (dy.reshape(dy.shape[0], dy.shape[1], -1), outputs[0]))]
+
+
+# ---- ConvTranspose: the convolution kernels with X and Y exchanged --------------------------------
+# ConvTranspose(X, W) is the input gradient of the convolution of Y by W, so a _ConvLayout over
+# (Y, W, X) runs it: forward with _conv_input_grad, dX with _conv_forward, dW with _conv_weight_grad.
+
+
+def _transpose_begin_pads(x_spatial, y_spatial, kernel, auto_pad="NOTSET", dilations=None, output_padding=None,
+                          output_shape=None, pads=None, strides=None):
+    """Begin pads of a ConvTranspose whose output dims are known (the type rule chose them)."""
+    rank = len(x_spatial)
+    strides = list(strides) if strides else [1] * rank
+    dilations = list(dilations) if dilations else [1] * rank
+    output_padding = list(output_padding) if output_padding else [0] * rank
+    pads = list(pads) if pads else [0] * (2 * rank)
+    auto_pad = _text(auto_pad)
+    begin = []
+    for axis in range(rank):
+        natural = (strides[axis] * (x_spatial[axis] - 1) + output_padding[axis]
+                   + (kernel[axis] - 1) * dilations[axis] + 1)
+        total = natural - y_spatial[axis]
+        if output_shape or auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+            begin.append(0 if total < 0 else total // 2 if auto_pad == "SAME_UPPER" else total - total // 2)
+        elif auto_pad == "VALID":
+            begin.append(0)
+        else:
+            begin.append(int(pads[axis]))
+    if min(begin) < 0:
+        raise ValueError(f"negative begin pads {begin} are not supported")
+    return begin
+
+
+def _transpose_layout(x_shape, w_shape, y_shape, group=1, auto_pad="NOTSET", dilations=None, kernel_shape=None,
+                      output_padding=None, output_shape=None, pads=None, strides=None) -> _ConvLayout:
+    """The layout of the convolution whose input is Y and output X (ConvTranspose's shapes)."""
+    rank = len(x_shape) - 2
+    begin = _transpose_begin_pads(x_shape[2:], y_shape[2:], [int(k) for k in w_shape[2:]], auto_pad, dilations,
+                                  output_padding, output_shape, pads, strides)
+    return _ConvLayout(y_shape, w_shape, x_shape, group, "NOTSET", dilations, None, begin + [0] * rank, strides)
+
+
+def _conv_transpose_scratch(op_type: str):
+    """The scratch-size rule of ConvTranspose and its gradient ops: bytes of im2col work memory."""
+
+    def size(specs_in, specs_out, **attrs):
+        first, second, out = specs_in[0][0], specs_in[1][0], specs_out[0][0]
+        if op_type == "ConvTranspose":  # X, W -> Y
+            layout = _transpose_layout(first, second, out, **attrs)
+        elif op_type == "ConvTransposeInputGrad":  # dY, W -> dX
+            layout = _transpose_layout(out, second, first, **attrs)
+        else:  # dY, X -> dW
+            layout = _transpose_layout(second, out, first, **attrs)
+        extra = layout.partial if op_type == "ConvTransposeWeightGrad" or layout.depthwise else 0
+        return 4 * (layout.columns + layout.rows + extra)
+
+    return size
+
+
+@njit(cache=True, error_model="numpy")
+def _add_channel_bias(y, bias):
+    """y[n, m, p] += bias[m]."""
+    for n in range(y.shape[0]):
+        for m in range(y.shape[1]):
+            value = bias[m]
+            row = y[n, m]
+            for p in range(row.size):
+                row[p] += value
+
+
+@binding("ConvTranspose", scratch=_conv_transpose_scratch("ConvTranspose"))
+def ConvTranspose(inputs, outputs, scratch=None, **attrs):
+    x, w, y = inputs[0], inputs[1], outputs[0]
+    layout = _transpose_layout(x.shape, w.shape, y.shape, **attrs)
+    wv = w.reshape(layout.w3)
+    if layout.depthwise:
+        padded, rows, taps = layout.depthwise_work(scratch)
+        calls = [(_depthwise_input_grad, (x.reshape(layout.y6), wv, y.reshape(layout.x5), layout.geom,
+                                          layout.columns_of_taps, padded, rows, taps[0], layout.channels_last))]
+    else:
+        columns, rows = layout.work(scratch)
+        calls = [(_conv_input_grad, (x.reshape(layout.y4), wv, y.reshape(layout.x6), columns, rows, layout.geom,
+                                     layout.chunk, layout.pointwise))]
+    if len(inputs) > 2 and inputs[2] is not None:
+        calls.append((_add_channel_bias, (y.reshape(y.shape[0], y.shape[1], -1), inputs[2])))
+    return calls
+
+
+@binding("ConvTransposeInputGrad", ODTRAIN_DOMAIN, scratch=_conv_transpose_scratch("ConvTransposeInputGrad"))
+def ConvTransposeInputGrad(inputs, outputs, scratch=None, **attrs):
+    dy, w, dx = inputs[0], inputs[1], outputs[0]
+    layout = _transpose_layout(dx.shape, w.shape, dy.shape, **attrs)
+    wv, no_bias = w.reshape(layout.w3), np.zeros((1, 1), np.float32)
+    if layout.depthwise:
+        padded, rows, taps = layout.depthwise_work(scratch)
+        return [(_depthwise_forward, (dy.reshape(layout.x5), wv, no_bias, False, dx.reshape(layout.y6), layout.geom,
+                                      layout.columns_of_taps, padded, rows, taps[0], layout.channels_last))]
+    columns, rows = layout.work(scratch)
+    return [(_conv_forward, (dy.reshape(layout.x6), wv, no_bias, False, dx.reshape(layout.y4), columns, rows,
+                             layout.geom, layout.chunk, layout.pointwise))]
+
+
+@binding("ConvTransposeWeightGrad", ODTRAIN_DOMAIN, scratch=_conv_transpose_scratch("ConvTransposeWeightGrad"))
+def ConvTransposeWeightGrad(inputs, outputs, scratch=None, **attrs):
+    dy, x, dw = inputs[0], inputs[1], outputs[0]
+    layout = _transpose_layout(x.shape, dw.shape, dy.shape, **attrs)
+    dwv = dw.reshape(layout.w3)
+    if layout.depthwise:
+        padded, rows, sums = layout.depthwise_work(scratch)
+        return [(_depthwise_weight_grad, (x.reshape(layout.y6), dy.reshape(layout.x5), dwv, layout.geom,
+                                          layout.columns_of_taps, padded, rows, sums, layout.channels_last))]
+    columns, rows, sums, product = layout.work(scratch, sums=True)
+    return [(_conv_weight_grad, (x.reshape(layout.y4), dy.reshape(layout.x6), dwv, columns, rows, sums, product,
+                                 layout.geom, layout.chunk, layout.pointwise))]
+

@@ -1,0 +1,271 @@
+"""Kernels: MaxPool, AveragePool, GlobalMaxPool, GlobalAveragePool and their gradient ops.
+
+Every (image, channel) pair is one plane: X is seen as [N·C, D, H, W], with the 3 spatial axes
+and `geom` of windows.py (a global pool is one window the size of the input). MaxPool's first
+maximum wins, and its gradient recomputes each window's argmax from X, so no index output is
+needed; MaxPool windows that tile the input (stride = kernel, no padding or dilation) skip the
+per-cell bounds checks. AveragePool multiplies each window's sum by 1/count, counts precomputed
+at bind time per window position (input cells, or with count_include_pad also the declared padding).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from . import ODTRAIN_DOMAIN, binding
+from .windows import _as_3d, window_geometry
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _window_argmax(plane, od, oh, ow, geom):
+    """(max, flat index in the plane) over one window; index -1 when the window holds no input cell."""
+    depth, height, width = plane.shape[0], plane.shape[1], plane.shape[2]
+    best = -np.inf
+    where = -1
+    for kd in range(geom[0]):
+        i_d = od * geom[3] + kd * geom[6] - geom[9]
+        if i_d < 0 or i_d >= depth:
+            continue
+        for kh in range(geom[1]):
+            i_h = oh * geom[4] + kh * geom[7] - geom[10]
+            if i_h < 0 or i_h >= height:
+                continue
+            for kw in range(geom[2]):
+                i_w = ow * geom[5] + kw * geom[8] - geom[11]
+                if i_w < 0 or i_w >= width:
+                    continue
+                value = plane[i_d, i_h, i_w]
+                if where < 0 or value > best:
+                    best = value
+                    where = (i_d * height + i_h) * width + i_w
+    return best, where
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _tile_argmax(plane, od, oh, ow, geom):
+    """_window_argmax for windows that tile the input (stride = kernel, no padding or dilation):
+    every cell is inside, so no bounds checks."""
+    height, width = plane.shape[1], plane.shape[2]
+    best = -np.inf
+    where = -1
+    for kd in range(geom[0]):
+        for kh in range(geom[1]):
+            row_start = ((od * geom[0] + kd) * height + oh * geom[1] + kh) * width + ow * geom[2]
+            row = plane[od * geom[0] + kd, oh * geom[1] + kh]
+            for kw in range(geom[2]):
+                value = row[ow * geom[2] + kw]
+                if where < 0 or value > best:
+                    best = value
+                    where = row_start + kw
+    return best, where
+
+
+@njit(cache=True, error_model="numpy")
+def _max_pool(x, y, indices, want_indices, column_major, geom, tiled):
+    """y = max over each window (first maximum wins); indices = flat position in x, its spatial part
+    row-major or (storage_order=1) column-major."""
+    depth, height, width = x.shape[1], x.shape[2], x.shape[3]
+    plane_size = depth * height * width
+    for nc in range(x.shape[0]):
+        plane = x[nc]
+        for od in range(y.shape[1]):
+            for oh in range(y.shape[2]):
+                for ow in range(y.shape[3]):
+                    if tiled:
+                        best, where = _tile_argmax(plane, od, oh, ow, geom)
+                    else:
+                        best, where = _window_argmax(plane, od, oh, ow, geom)
+                    y[nc, od, oh, ow] = best
+                    if want_indices:
+                        if column_major:
+                            i_d, i_h, i_w = where // (height * width), (where // width) % height, where % width
+                            where = (i_w * height + i_h) * depth + i_d
+                        indices[nc, od, oh, ow] = nc * plane_size + where
+
+
+@njit(cache=True, error_model="numpy")
+def _max_pool_grad(dy, x, dx, geom, tiled):
+    """dx[argmax of each window] += dy (argmax recomputed from x)."""
+    if not tiled or dy.shape[1] * geom[0] != x.shape[1] or dy.shape[2] * geom[1] != x.shape[2] \
+            or dy.shape[3] * geom[2] != x.shape[3]:
+        dx.reshape(-1)[:] = 0  # tiles that leave no cell uncovered write every cell below
+    for nc in range(x.shape[0]):
+        plane, target = x[nc], dx[nc].reshape(-1)
+        for od in range(dy.shape[1]):
+            for oh in range(dy.shape[2]):
+                for ow in range(dy.shape[3]):
+                    grad = dy[nc, od, oh, ow]
+                    if tiled:
+                        _, where = _tile_argmax(plane, od, oh, ow, geom)
+                        for kd in range(geom[0]):  # each cell of a tile belongs to it alone: write, not add
+                            for kh in range(geom[1]):
+                                row = dx[nc, od * geom[0] + kd, oh * geom[1] + kh]
+                                for kw in range(geom[2]):
+                                    row[ow * geom[2] + kw] = 0
+                        target[where] = grad
+                    else:
+                        _, where = _window_argmax(plane, od, oh, ow, geom)
+                        if where >= 0:
+                            target[where] += grad
+
+
+@njit(cache=True, error_model="numpy")
+def _average_pool(x, y, inverse_count, geom):
+    """y = Σ of each window's input cells · inverse_count[window position]."""
+    depth, height, width = x.shape[1], x.shape[2], x.shape[3]
+    for nc in range(x.shape[0]):
+        plane = x[nc]
+        position = 0
+        for od in range(y.shape[1]):
+            for oh in range(y.shape[2]):
+                for ow in range(y.shape[3]):
+                    total = np.float32(0.0)
+                    for kd in range(geom[0]):
+                        i_d = od * geom[3] + kd * geom[6] - geom[9]
+                        if i_d < 0 or i_d >= depth:
+                            continue
+                        for kh in range(geom[1]):
+                            i_h = oh * geom[4] + kh * geom[7] - geom[10]
+                            if i_h < 0 or i_h >= height:
+                                continue
+                            row = plane[i_d, i_h]
+                            for kw in range(geom[2]):
+                                i_w = ow * geom[5] + kw * geom[8] - geom[11]
+                                if 0 <= i_w < width:
+                                    total += row[i_w]
+                    y[nc, od, oh, ow] = total * inverse_count[position]
+                    position += 1
+
+
+@njit(cache=True, error_model="numpy")
+def _average_pool_grad(dy, dx, inverse_count, geom):
+    """dx[each input cell of a window] += dy · inverse_count[window position]."""
+    depth, height, width = dx.shape[1], dx.shape[2], dx.shape[3]
+    dx.reshape(-1)[:] = 0
+    for nc in range(dx.shape[0]):
+        plane = dx[nc]
+        position = 0
+        for od in range(dy.shape[1]):
+            for oh in range(dy.shape[2]):
+                for ow in range(dy.shape[3]):
+                    share = dy[nc, od, oh, ow] * inverse_count[position]
+                    position += 1
+                    for kd in range(geom[0]):
+                        i_d = od * geom[3] + kd * geom[6] - geom[9]
+                        if i_d < 0 or i_d >= depth:
+                            continue
+                        for kh in range(geom[1]):
+                            i_h = oh * geom[4] + kh * geom[7] - geom[10]
+                            if i_h < 0 or i_h >= height:
+                                continue
+                            row = plane[i_d, i_h]
+                            for kw in range(geom[2]):
+                                i_w = ow * geom[5] + kw * geom[8] - geom[11]
+                                if 0 <= i_w < width:
+                                    row[i_w] += share
+
+
+def _pool_views(x_shape, y_shape):
+    planes = int(x_shape[0]) * int(x_shape[1])
+    return (planes,) + _as_3d(x_shape[2:]), (planes,) + _as_3d(y_shape[2:])
+
+
+def _pool_geometry(x_shape, y_shape, kernel_shape=None, auto_pad="NOTSET", pads=None, strides=None,
+                   dilations=None, **_):
+    return window_geometry(x_shape[2:], y_shape[2:], kernel_shape, auto_pad, pads, strides, dilations)
+
+
+def _inverse_counts(x_shape, geom, end_pads, count_include_pad) -> np.ndarray:
+    """1 / (cells counted in each window): input cells, or with count_include_pad also the declared padding."""
+    x3 = _as_3d(x_shape[2:])
+    per_axis = []
+    for axis in range(3):
+        k, s, d, begin, out = geom[axis], geom[3 + axis], geom[6 + axis], geom[9 + axis], geom[12 + axis]
+        low, high = (-begin, x3[axis] + end_pads[axis]) if count_include_pad else (0, x3[axis])
+        cells = np.arange(out)[:, None] * s + np.arange(k)[None, :] * d - begin
+        per_axis.append(((cells >= low) & (cells < high)).sum(axis=1))
+    counts = per_axis[0][:, None, None] * per_axis[1][None, :, None] * per_axis[2][None, None, :]
+    return (1.0 / np.maximum(counts, 1)).astype(np.float32).reshape(-1)
+
+
+def _global_geometry(x_shape):
+    spatial = list(x_shape[2:])
+    return window_geometry(spatial, [1] * len(spatial), spatial, "NOTSET", None, None, None)
+
+
+def _tiles(geom, x_view, y_view) -> bool:
+    """Whether the windows tile the input: stride = kernel, no padding or dilation, all inside."""
+    return bool((geom[3:6] == geom[0:3]).all() and (geom[6:9] == 1).all() and (geom[9:12] == 0).all()
+                and all(y_view[1 + a] * geom[a] <= x_view[1 + a] for a in range(3)))
+
+
+@binding("MaxPool")
+def MaxPool(inputs, outputs, storage_order=0, **attrs):
+    x, y = inputs[0], outputs[0]
+    geom, _ = _pool_geometry(x.shape, y.shape, **attrs)
+    xv, yv = _pool_views(x.shape, y.shape)
+    want = len(outputs) > 1 and outputs[1] is not None
+    indices = outputs[1].reshape(yv) if want else np.zeros((1, 1, 1, 1), np.int64)
+    return [(_max_pool, (x.reshape(xv), y.reshape(yv), indices, want, bool(storage_order), geom,
+                         _tiles(geom, xv, yv)))]
+
+
+@binding("MaxPoolGrad", ODTRAIN_DOMAIN)
+def MaxPoolGrad(inputs, outputs, **attrs):
+    dy, x, dx = inputs[0], inputs[1], outputs[0]
+    geom, _ = _pool_geometry(x.shape, dy.shape, **attrs)
+    xv, yv = _pool_views(x.shape, dy.shape)
+    return [(_max_pool_grad, (dy.reshape(yv), x.reshape(xv), dx.reshape(xv), geom, _tiles(geom, xv, yv)))]
+
+
+@binding("AveragePool")
+def AveragePool(inputs, outputs, count_include_pad=0, **attrs):
+    x, y = inputs[0], outputs[0]
+    geom, end = _pool_geometry(x.shape, y.shape, **attrs)
+    xv, yv = _pool_views(x.shape, y.shape)
+    inverse = _inverse_counts(x.shape, geom, end, count_include_pad)
+    return [(_average_pool, (x.reshape(xv), y.reshape(yv), inverse, geom))]
+
+
+@binding("AveragePoolGrad", ODTRAIN_DOMAIN)
+def AveragePoolGrad(inputs, outputs, count_include_pad=0, **attrs):
+    dy, dx = inputs[0], outputs[0]
+    geom, end = _pool_geometry(dx.shape, dy.shape, **attrs)
+    xv, yv = _pool_views(dx.shape, dy.shape)
+    inverse = _inverse_counts(dx.shape, geom, end, count_include_pad)
+    return [(_average_pool_grad, (dy.reshape(yv), dx.reshape(xv), inverse, geom))]
+
+
+@binding("GlobalMaxPool")
+def GlobalMaxPool(inputs, outputs):
+    x, y = inputs[0], outputs[0]
+    geom, _ = _global_geometry(x.shape)
+    xv, yv = _pool_views(x.shape, y.shape)
+    return [(_max_pool, (x.reshape(xv), y.reshape(yv), np.zeros((1, 1, 1, 1), np.int64), False, False, geom,
+                         True))]
+
+
+@binding("GlobalMaxPoolGrad", ODTRAIN_DOMAIN)
+def GlobalMaxPoolGrad(inputs, outputs):
+    dy, x, dx = inputs[0], inputs[1], outputs[0]
+    geom, _ = _global_geometry(x.shape)
+    xv, yv = _pool_views(x.shape, dy.shape)
+    return [(_max_pool_grad, (dy.reshape(yv), x.reshape(xv), dx.reshape(xv), geom, True))]
+
+
+@binding("GlobalAveragePool")
+def GlobalAveragePool(inputs, outputs):
+    x, y = inputs[0], outputs[0]
+    geom, _ = _global_geometry(x.shape)
+    xv, yv = _pool_views(x.shape, y.shape)
+    inverse = np.array([1.0 / max(1, int(np.prod(x.shape[2:])))], np.float32)
+    return [(_average_pool, (x.reshape(xv), y.reshape(yv), inverse, geom))]
+
+
+@binding("GlobalAveragePoolGrad", ODTRAIN_DOMAIN)
+def GlobalAveragePoolGrad(inputs, outputs):
+    dy, dx = inputs[0], outputs[0]
+    geom, _ = _global_geometry(dx.shape)
+    xv, yv = _pool_views(dx.shape, dy.shape)
+    inverse = np.array([1.0 / max(1, int(np.prod(dx.shape[2:])))], np.float32)
+    return [(_average_pool_grad, (dy.reshape(yv), dx.reshape(xv), inverse, geom))]

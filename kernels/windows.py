@@ -1,0 +1,63 @@
+"""Geometry of the windowed kernels (convolution, depthwise convolution, pooling), computed at bind time.
+
+Every windowed op sees 3 spatial axes (1-D and 2-D ops get leading axes of size 1), so one
+compiled kernel serves every rank. `geom` holds, as int64: kernel (3), strides (3), dilations (3),
+begin pads (3), output dims (3).
+
+Loops index with range variables into slices (never `i + offset`), so Numba's negative-index
+wraparound does not block vectorisation; `_valid_range` gives the bounds of such a slice.
+
+`_text` reads a string attribute (ONNX gives bytes), for every image family.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def window_geometry(x_spatial, out_spatial, kernel, auto_pad, pads, strides, dilations):
+    """(geom int64[15], end pads) with everything padded to 3 spatial axes in front."""
+    rank = len(x_spatial)
+    strides = list(strides) if strides else [1] * rank
+    dilations = list(dilations) if dilations else [1] * rank
+    pads = list(pads) if pads else [0] * (2 * rank)
+    auto_pad = _text(auto_pad)
+    begin, end = [], []
+    for axis in range(rank):
+        if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+            total = max(0, (out_spatial[axis] - 1) * strides[axis] + (kernel[axis] - 1) * dilations[axis] + 1
+                        - x_spatial[axis])
+            low = total // 2 if auto_pad == "SAME_UPPER" else total - total // 2
+            begin.append(low)
+            end.append(total - low)
+        elif auto_pad == "VALID":
+            begin.append(0)
+            end.append(0)
+        else:
+            begin.append(int(pads[axis]))
+            end.append(int(pads[rank + axis]))
+    fill = 3 - rank
+    geom = ([1] * fill + [int(k) for k in kernel] + [1] * fill + [int(s) for s in strides]
+            + [1] * fill + [int(d) for d in dilations] + [0] * fill + begin
+            + [1] * fill + [int(o) for o in out_spatial])
+    return np.array(geom, dtype=np.int64), [0] * fill + end
+
+
+def _as_3d(shape) -> tuple:
+    """Spatial dims padded to 3 in front."""
+    spatial = tuple(shape)
+    return (1,) * (3 - len(spatial)) + spatial
+
+
+@njit(cache=True, inline="always")
+def _valid_range(offset, stride, size, count):
+    """Output positions o in [lo, hi) with 0 <= o·stride + offset < size."""
+    lo = -(offset // stride)
+    hi = (size - 1 - offset) // stride + 1
+    lo = min(max(lo, 0), count)
+    hi = min(max(hi, lo), count)
+    return lo, hi
