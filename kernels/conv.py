@@ -57,7 +57,8 @@ def _shifted_copy(flat, block, row_offset, offset, lo, hi, out_h, width):
     block[:a * width] = 0
     block[b * width:] = 0
     begin = (a + row_offset) * width + offset  # flat index of block cell a·W
-    first, last = max(0, -begin), min((b - a) * width, flat.size - begin)
+    first = max(0, -begin)
+    last = max(first, min((b - a) * width, flat.size - begin))  # empty when no row is inside
     target, source = block[a * width + first:a * width + last], flat[begin + first:]
     for t in range(target.size):
         target[t] = source[t]
@@ -82,7 +83,8 @@ def _shifted_add(flat, block, row_offset, offset, lo, hi, out_h, width):
     a, b = _block_rows(row_offset, out_h, flat.size // width)
     _zero_edges(block, a, b, lo, hi, width)
     begin = (a + row_offset) * width + offset
-    first, last = max(0, -begin), min((b - a) * width, flat.size - begin)
+    first = max(0, -begin)
+    last = max(first, min((b - a) * width, flat.size - begin))  # empty when no row is inside
     source, target = block[a * width + first:a * width + last], flat[begin + first:]
     for t in range(source.size):
         target[t] += source[t]

@@ -76,6 +76,11 @@ FORWARD_CASES = {
     "pad_wrap_axes": ([node("Pad", ["x", "p", "", "axes"], mode="wrap")],
                       {"p": np.array([2, 1, 3, 2]), "axes": np.array([-1, 2])}),
     "dropout_inference": ([node("Dropout", ["x", "r"], ["y", "mask_unused"])], {"r": scalar(0.3)}),
+    # kernel rows lying wholly above or below a one-row plane read nothing
+    "conv_kernel_taller_than_input": ([node("Conv", ["x", "w"], pads=[1, 1, 1, 1])], {"w": rand(1, 2, 3, 3)},
+                                      rand(2, 2, 1, 6)),
+    "conv_one_row_strided": ([node("Conv", ["x", "w"], pads=[1, 0, 1, 1], strides=[2, 1])], {"w": rand(2, 2, 2, 3)},
+                             rand(1, 2, 1, 5)),
 }
 
 
@@ -192,6 +197,10 @@ GRADIENT_CASES = {
                  {"p": np.array([0, 1, 2, 1, 0, 0, 3, 2])}),
     "pad_constant": ([node("Pad", ["x", "p", "v"])], {"x": rand(2, 3, 5, 4)},
                      {"p": np.array([0, 1, 2, 1, 0, 0, 3, 2]), "v": scalar(0.3)}),
+    "conv_kernel_taller_than_input": ([node("Conv", ["x", "w"], pads=[1, 1, 1, 1])],
+                                      {"x": rand(2, 2, 1, 6), "w": rand(1, 2, 3, 3)}),
+    "conv_one_row_strided": ([node("Conv", ["x", "w"], pads=[1, 0, 1, 1], strides=[2, 1])],
+                             {"x": rand(1, 2, 1, 5), "w": rand(2, 2, 2, 3)}),
 }
 
 
