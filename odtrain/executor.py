@@ -162,14 +162,14 @@ class BoundGraph:
         if unconstrained.arena_bytes <= budget:
             return order
         saved = saved_activations(order, backward, arena_values)
-        producers = {o: n for n in order for o in n.outputs if o}
+        producers = {o: n for n in order if id(n) not in backward for o in n.outputs if o}
 
-        def arena_bytes(kept):
+        def plan_of(kept):
             rewritten = _typed_clones(rewrite(order, backward, kept, arena_values), types)
             storage, _ = self._storage_outside_arena(rewritten, types, outside, external)
-            return self._layout(rewritten, types, storage)[0].arena_bytes
+            return self._layout(rewritten, types, storage)[0]
 
-        kept, size = choose_kept(saved, producers, arena_bytes, budget)
+        kept, size = choose_kept(saved, producers, plan_of, budget, types, arena_values, unconstrained)
         if kept is None:
             raise MemoryBudgetError(
                 f"a memory budget of {budget:,} bytes cannot be met for these input shapes: the smallest arena "

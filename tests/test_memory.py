@@ -1,10 +1,16 @@
-"""Memory: recomputation under a budget gives identical results; impossible budgets say what works."""
+"""Memory: recomputation under a budget gives identical results, recomputes cheap ops rather than
+products, never random ones; impossible budgets say what works."""
+from collections import Counter
+
 import numpy as np
 import pytest
 from onnx import helper
 
 from odtrain import MemoryBudgetError, artifacts
 from odtrain.api import CheckpointState, Module, Optimizer
+from odtrain.graph.cost import node_cost
+from odtrain.graph.ir import Node, TensorType
+from odtrain.graph.recompute import RECOMPUTE_SUFFIX
 from oracles import make_model
 
 WIDTH, DEPTH, BATCH = 64, 24, 32
@@ -55,11 +61,96 @@ def test_half_the_arena_trains_identically(deep_mlp):
     np.testing.assert_array_equal(budget_params, params)
 
 
+def recomputed_ops(bound) -> Counter:
+    return Counter(node.op_type for node in bound.plan.order if node.name.endswith(RECOMPUTE_SUFFIX))
+
+
+@pytest.fixture(scope="module")
+def scaled_mlp(tmp_path_factory):
+    """MatMul -> Mul by a trained scale -> Relu, 8 times (then Dropout, then a last MatMul).
+
+    The scale's gradient reads the MatMul's output and the next MatMul's weight gradient reads
+    the Relu's, so both are saved, of equal size: dropping a Relu output costs a Mul and a Relu
+    again, dropping a MatMul output a matrix product. Dropout's output and mask are saved too."""
+    rng = np.random.default_rng(5)
+    nodes, params, previous = [], {}, "x"
+    for layer in range(8):
+        params[f"w{layer}"] = (rng.standard_normal((WIDTH, WIDTH)) / np.sqrt(WIDTH)).astype(np.float32)
+        params[f"s{layer}"] = (1 + 0.1 * rng.standard_normal(WIDTH)).astype(np.float32)
+        nodes += [helper.make_node("MatMul", [previous, f"w{layer}"], [f"h{layer}"], name=f"fc{layer}"),
+                  helper.make_node("Mul", [f"h{layer}", f"s{layer}"], [f"g{layer}"], name=f"scale{layer}"),
+                  helper.make_node("Relu", [f"g{layer}"], [f"a{layer}"], name=f"act{layer}")]
+        previous = f"a{layer}"
+    params["head"] = (rng.standard_normal((WIDTH, WIDTH)) / np.sqrt(WIDTH)).astype(np.float32)
+    params["ratio"], params["training"] = np.array(0.25, np.float32), np.array(True)
+    nodes += [helper.make_node("Dropout", [previous, "ratio", "training"], ["dropped"], name="drop"),
+              helper.make_node("MatMul", ["dropped", "head"], ["out"], name="head")]
+    model = make_model(nodes, params, inputs=[("x", np.float32, ["batch", WIDTH])],
+                       outputs=[("out", np.float32, ["batch", WIDTH])])
+    directory = tmp_path_factory.mktemp("scaled")
+    trained = [k for k in params if k not in ("ratio", "training")]
+    artifacts.generate_artifacts(model, requires_grad=trained,
+                                 loss=artifacts.LossType.MSELoss, optimizer=artifacts.OptimType.SGD,
+                                 artifact_directory=directory)
+    x = rng.standard_normal((4, 2 * BATCH, WIDTH)).astype(np.float32)
+    y = rng.standard_normal((4, 2 * BATCH, WIDTH)).astype(np.float32)
+    return directory, x, y
+
+
+def test_the_cost_model_prices_products_far_above_elementwise_ops():
+    f32 = np.dtype(np.float32)
+    types = {"x": TensorType(f32, (8, 32, 28, 28)), "w": TensorType(f32, (32, 32, 3, 3)),
+             "c": TensorType(f32, (32,)), "y": TensorType(f32, (8, 32, 28, 28)),
+             "a": TensorType(f32, (256, 256)), "b": TensorType(f32, (256, 256)),
+             "shape": TensorType(np.dtype(np.int64), (2,))}
+    cost = {
+        "Conv": node_cost(Node("Conv", ["x", "w"], ["y"], {"pads": [1, 1, 1, 1]}), types),
+        "Relu": node_cost(Node("Relu", ["x"], ["y"]), types),
+        "Add": node_cost(Node("Add", ["x", "x"], ["y"]), types),
+        "BatchNormalization": node_cost(Node("BatchNormalization", ["x", "c", "c", "c", "c"], ["y"]), types),
+        "MatMul": node_cost(Node("MatMul", ["a", "b"], ["y2"]), {**types, "y2": types["a"]}),
+        "Gemm": node_cost(Node("Gemm", ["a", "b"], ["y2"]), {**types, "y2": types["a"]}),
+        "Relu on the product": node_cost(Node("Relu", ["a"], ["y2"]), {**types, "y2": types["a"]}),
+        "Reshape": node_cost(Node("Reshape", ["x", "shape"], ["y3"]), {**types, "y3": TensorType(f32, (8, 25088))}),
+    }
+    assert cost["Conv"] > 10 * max(cost["Relu"], cost["Add"], cost["BatchNormalization"])  # same shapes
+    assert min(cost["MatMul"], cost["Gemm"]) > 10 * cost["Relu on the product"]
+    assert cost["Relu"] <= cost["Add"] < cost["BatchNormalization"]  # one pass over two tensors, then three passes
+    assert cost["Reshape"] == 0
+
+
+def test_the_budget_recomputes_cheap_ops_not_products(scaled_mlp):
+    directory, x, y = scaled_mlp
+    losses, params, free = train(directory, x, y)
+    budget_losses, budget_params, tight = train(directory, x, y, memory_budget=int(free.plan.arena_bytes * 0.7))
+    assert tight.plan.arena_bytes <= free.plan.arena_bytes * 0.7
+    ops = recomputed_ops(tight)
+    assert ops["Relu"] >= 4 and set(ops) <= {"Mul", "Relu"}, ops  # keeping every other activation would rerun MatMuls
+    assert budget_losses == losses
+    np.testing.assert_array_equal(budget_params, params)
+
+
+@pytest.mark.parametrize("fraction", [0.8, 0.6, 0.5])
+def test_random_ops_are_never_recomputed(scaled_mlp, fraction):
+    directory, x, y = scaled_mlp
+    losses, params, free = train(directory, x, y)
+    budget_losses, budget_params, tight = train(directory, x, y, memory_budget=int(free.plan.arena_bytes * fraction))
+    assert tight.recomputed > 0 and recomputed_ops(tight)["Dropout"] == 0
+    assert budget_losses == losses
+    np.testing.assert_array_equal(budget_params, params)
+
+
+def named_smallest(directory, x, y, budget: int) -> int:
+    with pytest.raises(MemoryBudgetError, match="at least") as info:
+        train(directory, x, y, memory_budget=budget)
+    return int(str(info.value).split("at least ")[1].split(" ")[0].replace(",", ""))
+
+
 def test_an_impossible_budget_names_the_smallest_that_works(deep_mlp):
     directory, x, y = deep_mlp
-    with pytest.raises(MemoryBudgetError, match="at least") as info:
-        train(directory, x, y, memory_budget=1000)
-    smallest = int(str(info.value).split("at least ")[1].split(" ")[0].replace(",", ""))
+    smallest = named_smallest(directory, x, y, 1000)
+    # just below it the cost-based choice runs and fails too, and the same, budget-independent size is named
+    assert named_smallest(directory, x, y, smallest * 98 // 100) == smallest
     _, _, bound = train(directory, x, y, memory_budget=smallest)
     assert bound.plan.arena_bytes <= smallest
 

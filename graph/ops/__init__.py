@@ -55,16 +55,18 @@ class OpDef:
     eval_form: Callable | None = None
     gradient: Callable | None = None
     no_grad_reason: str | None = None
+    random: bool = False  # draws random numbers: running it again gives other values (never recomputed)
 
 
 OPS: dict[tuple[str, str], OpDef] = {}
 
 
-def op(op_type: str, domain: str = DEFAULT_DOMAIN, inplace=(), view=False, shape_only=(), updates=()):
+def op(op_type: str, domain: str = DEFAULT_DOMAIN, inplace=(), view=False, shape_only=(), updates=(), random=False):
     """Register the type rule of an op, with its memory facts."""
 
     def register(rule):
-        OPS[(domain, op_type)] = OpDef(op_type, domain, rule, tuple(inplace), view, frozenset(shape_only), tuple(updates))
+        OPS[(domain, op_type)] = OpDef(op_type, domain, rule, tuple(inplace), view, frozenset(shape_only),
+                                       tuple(updates), random=random)
         return rule
 
     return register

@@ -244,7 +244,7 @@ op("PadGrad", ODTRAIN_DOMAIN, shape_only=(1,))(_input_shaped)
 # ---- Dropout -------------------------------------------------------------------------------------
 
 
-@op("Dropout", inplace=((0, 0),))
+@op("Dropout", inplace=((0, 0),), random=True)
 def _dropout_rule(node, types, consts):
     x = types[0]
     _require_float32(node, x)
