@@ -32,3 +32,15 @@ def mlp_artifacts(tmp_path_factory, mlp_reference):
                                  loss=artifacts.LossType.CrossEntropyLoss, optimizer=artifacts.OptimType.AdamW,
                                  artifact_directory=directory, additional_output_names=["output"])
     return directory
+
+
+def odtrain_main(capsys, *argv) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of the command line `odtrain argv`; argparse's exits become exit codes."""
+    from odtrain import cli
+
+    try:
+        code = cli.main([str(a) for a in argv])
+    except SystemExit as exit_:
+        code = exit_.code
+    out, err = capsys.readouterr()
+    return code, out, err

@@ -24,6 +24,7 @@ from odtrain import cli
 from odtrain.datasets import load_digits, train_test_split
 from odtrain.demo import build_classifier
 from odtrain.graph.ops import OPS
+from conftest import odtrain_main
 
 SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(odtrain.__file__)))
 COMMANDS = ("check", "prepare", "train", "eval", "export", "inspect", "memory", "demo")
@@ -37,16 +38,6 @@ def python_m_odtrain(cwd, *argv, timeout=600) -> subprocess.CompletedProcess:
 
 def _env() -> dict:
     return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [SOURCE_ROOT, os.environ.get("PYTHONPATH")])))
-
-
-def odtrain_main(capsys, *argv) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of cli.main(argv); argparse's exits become exit codes."""
-    try:
-        code = cli.main([str(a) for a in argv])
-    except SystemExit as exit_:
-        code = exit_.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def one_line(err: str) -> str:

@@ -12,25 +12,15 @@ import pytest
 
 from odtrain import MemoryBudgetError, artifacts
 from odtrain import checkpoint as checkpoint_file
-from odtrain import cli
 from odtrain.api import CheckpointState, Module, Optimizer
 from odtrain.demo import build_classifier
 from odtrain.graph.errors import ArtifactNotFoundError
 from odtrain.graph.ir import Node, TensorType
 from odtrain.graph.planner import ALIGNMENT, CATEGORIES, plan_memory
 from odtrain.memory import from_artifacts, report
-from conftest import reference_model
+from conftest import odtrain_main, reference_model
 
 BATCH = 16
-
-
-def odtrain_main(capsys, *argv) -> tuple[int, str, str]:
-    try:
-        code = cli.main([str(a) for a in argv])
-    except SystemExit as exit_:
-        code = exit_.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture(scope="module")
