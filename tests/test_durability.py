@@ -8,8 +8,6 @@ import textwrap
 import time
 
 import numpy as np
-import onnx
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -8,7 +8,6 @@ ROOT = pathlib.Path(__file__).parent.parent
 def imported_modules(folder: str, package: str):
     for path in (ROOT / folder).rglob("*.py"):
         tree = ast.parse(path.read_text(), filename=str(path))
-        depth = len(path.relative_to(ROOT / folder).parts) - 1
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 for alias in node.names:
