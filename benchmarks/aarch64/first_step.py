@@ -3,9 +3,10 @@
     python first_step.py --artifacts DIR [--batch-size 64] [--json] [--expect-no-compile]
     python first_step.py --demo              # the built-in demo classifier (what `odtrain warmup` warms)
 
-Phases: imports (numpy, scipy's BLAS module that Numba's np.dot reaches, numba, onnx, odtrain.api),
-CheckpointState + Module + Optimizer, Numba's one-off set-up (its typing and lowering registries,
-which it otherwise loads at the first kernel it compiles or loads), the first training step
+Phases: imports (numpy, numba, odtrain.api), the runtime (`odtrain.runtime.load()`: scipy's BLAS
+table that Numba's np.dot reaches, and Numba's one-off set-up of its typing and lowering registries,
+which it otherwise does at the first kernel it compiles or loads), CheckpointState + Module +
+Optimizer (the models are read without the onnx package), the first training step
 (kernels compiled or loaded from the cache, the memory plan bound), the optimizer step, the first eval step, and a second training step
 (warm, for scale). The kernel counts come from Numba's per-kernel cache statistics. The cache folder
 is ODTRAIN_CACHE_DIR (or NUMBA_CACHE_DIR) as set by the caller.
@@ -41,11 +42,9 @@ def main() -> int:
         return value
 
     np = timed("import numpy", lambda: __import__("numpy"))
-    timed("import scipy BLAS", lambda: __import__("scipy.linalg.cython_blas"))
     timed("import numba", lambda: __import__("numba"))
-    timed("import onnx", lambda: __import__("onnx"))
     timed("import odtrain.api", lambda: __import__("odtrain.api"))
-    from odtrain import cache
+    from odtrain import cache, runtime
     from odtrain.api import CheckpointState, Module, Optimizer
 
     scratch = None
@@ -63,17 +62,10 @@ def main() -> int:
         module = Module(os.path.join(directory, "training_model.onnx"), state, os.path.join(directory, "eval_model.onnx"))
         return module, Optimizer(os.path.join(directory, "optimizer_model.onnx"), module)
 
+    timed("runtime: BLAS table, Numba's set-up", runtime.load)
     module, optimizer = timed("CheckpointState + Module + Optimizer", open_session)
     feeds = cache.zero_inputs(module, args.batch_size)
     timed("import kernels", lambda: cache.kernel_dispatchers())
-
-    def numba_setup():  # what Numba does once, at the first kernel it compiles or loads
-        from numba.core.registry import cpu_target
-
-        cpu_target.target_context.refresh()
-        cpu_target.typing_context.refresh()
-
-    timed("Numba's one-off set-up (registries)", numba_setup)
     before = cache.kernel_stats()
 
     def train_step():
@@ -96,9 +88,8 @@ def main() -> int:
     result = {
         "phases": phases,
         "to_first_step": sum(v for k, v in phases.items() if k in (
-            "import numpy", "import scipy BLAS", "import numba", "import onnx", "import odtrain.api",
-            "CheckpointState + Module + Optimizer", "import kernels", "Numba's one-off set-up (registries)",
-            "first training step")),
+            "import numpy", "import numba", "import odtrain.api", "runtime: BLAS table, Numba's set-up",
+            "CheckpointState + Module + Optimizer", "import kernels", "first training step")),
         "through_first_eval": total,
         "kernels_first_training_step": after_first["kernels"] - before["kernels"],
         "compiled": after["compiled"] - before["compiled"],
