@@ -35,7 +35,10 @@ def load() -> None:
     global _loaded
     if _loaded:
         return
-    load_blas()
+    try:
+        load_blas()
+    except ImportError:  # no scipy: Numba says so at the first matrix product, the only thing that needs it
+        pass
     from .threads import apply_default
 
     apply_default()
