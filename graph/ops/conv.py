@@ -22,16 +22,21 @@ from .windows import _auto_pad, _ints, _require_float32, _spatial_rank, window_o
 # ---- Conv ----------------------------------------------------------------------------------------
 
 
+def _rank_and_group(node, x: TensorType, w: TensorType) -> tuple[int, int]:
+    """The spatial rank and group count of a Conv or ConvTranspose whose input and weight shapes are known."""
+    _require_float32(node, x)
+    rank = _spatial_rank(node, x)
+    if len(w.shape) != rank + 2:
+        raise ModelError(f"{node.describe()}: weight {w} does not match input {x}")
+    return rank, int(node.attrs.get("group", 1))
+
+
 @op("Conv")
 def _conv_rule(node, types, consts):
     x, w = types[0], types[1]
     if x.shape is None or w.shape is None:
         return [TensorType(x.dtype, None)]
-    _require_float32(node, x)
-    rank = _spatial_rank(node, x)
-    if len(w.shape) != rank + 2:
-        raise ModelError(f"{node.describe()}: weight {w} does not match input {x}")
-    group = int(node.attrs.get("group", 1))
+    rank, group = _rank_and_group(node, x, w)
     channels, per_group = x.shape[1], w.shape[1]
     if isinstance(channels, int) and channels != per_group * group:
         raise ModelError(f"{node.describe()}: input has {channels} channels, weight {w} with group={group} "
@@ -137,11 +142,7 @@ def _conv_transpose_rule(node, types, consts):
     x, w = types[0], types[1]
     if x.shape is None or w.shape is None:
         return [TensorType(x.dtype, None)]
-    _require_float32(node, x)
-    rank = _spatial_rank(node, x)
-    if len(w.shape) != rank + 2:
-        raise ModelError(f"{node.describe()}: weight {w} does not match input {x}")
-    group = int(node.attrs.get("group", 1))
+    rank, group = _rank_and_group(node, x, w)
     channels = x.shape[1]
     if isinstance(channels, int) and isinstance(w.shape[0], int) and channels != w.shape[0]:
         raise ModelError(f"{node.describe()}: input has {channels} channels, weight {w} ([C, M/group, ...]) "
