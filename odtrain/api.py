@@ -175,8 +175,9 @@ class _GraphSession:
     """A loaded training or eval graph, its user inputs and a small cache of bound plans."""
 
     def __init__(self, uri, state: CheckpointState, what: str, with_gradients: bool, check_finite: bool = False,
-                 memory_budget: int | None = None):
+                 memory_budget: int | None = None, arena=None):
         self.with_gradients = with_gradients
+        self.arena = arena  # an executor.SharedArena shared with the Module's other session, or None
         self.memory_budget = memory_budget
         self.fused: dict = {}  # gradient output -> (parameter, update) when the optimizer runs inside backward
         self.check_finite = check_finite
@@ -245,7 +246,7 @@ class _GraphSession:
             guarded = tuple(self.output_names[:1]) if self.check_finite else ()
             sinks = {} if self.fused else self.sinks
             plan = BoundGraph(self.graph, types, self.external, sinks, accumulate and not self.fused, guarded,
-                              self.memory_budget, self.fused)
+                              self.memory_budget, self.fused, self.arena)
             self.plans[signature] = plan
             if len(self.plans) > PLAN_CACHE_SIZE:
                 self.plans.popitem(last=False)
@@ -307,11 +308,16 @@ class Module:
         self._state = state
         if memory_budget is not None and (not isinstance(memory_budget, (int, np.integer)) or memory_budget <= 0):
             raise ArgumentError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
-        self._train = _GraphSession(train_model_uri, state, "training model", True, check_finite, memory_budget)
+        from .executor import SharedArena
+
+        # The train and eval steps, at every input shape, never run at once: one arena serves them all.
+        self._arena = SharedArena()
+        self._train = _GraphSession(train_model_uri, state, "training model", True, check_finite, memory_budget,
+                                    self._arena)
         if not self._train.grad_outputs:
             raise ModelError(f"training model '{self._train.uri}' computes no parameter gradients; "
                              "generate it with odtrain.artifacts.generate_artifacts")
-        self._eval = (_GraphSession(eval_model_uri, state, "eval model", False, check_finite)
+        self._eval = (_GraphSession(eval_model_uri, state, "eval model", False, check_finite, arena=self._arena)
                       if eval_model_uri is not None else None)
         self.training = True
 

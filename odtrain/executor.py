@@ -7,12 +7,16 @@ Binding (once per input-shape signature):
   memory plan (`graph.planner.plan_memory`), verified before use;
 - each node's kernel binding turns it into (kernel, args) calls on views.
 A step copies the feeds into their arena slots and runs the calls: no
-lookups, no allocation. Gradients of trainable parameters are written
+lookups, no allocation. Graphs that never run at the same time (a
+Module's train and eval steps, at every input shape) share one arena
+buffer (`SharedArena`), as large as the largest of their plans. Gradients of trainable parameters are written
 straight into the gradient buffer (the usual step, after lazy_reset_grad),
 or, when gradients accumulate, computed in the arena and added by a last
 call per parameter.
 """
 from __future__ import annotations
+
+import weakref
 
 import numpy as np
 
@@ -49,7 +53,7 @@ class BoundGraph:
     def __init__(self, graph: Graph, feed_types: dict[str, TensorType], external: dict[str, np.ndarray],
                  gradient_sinks: dict[str, np.ndarray] | None = None, accumulate: bool = False,
                  check_finite: tuple[str, ...] = (), memory_budget: int | None = None,
-                 fused_updates: dict | None = None):
+                 fused_updates: dict | None = None, arena: SharedArena | None = None):
         runtime.load()  # Numba's CPU target, BLAS, serial BLAS unless asked (odtrain/threads.py)
         self.graph = graph
         fused_updates = fused_updates or {}
@@ -81,23 +85,30 @@ class BoundGraph:
             order, self.plan, arena_values, scratch = reordered, plan, values, slots
         self.plan.verify()
         self.scratch = {id(order[i]): name for i, name in scratch.items()}
-        self.arena = aligned_buffer(self.plan.arena_bytes)
-        for name in arena_values:
-            t = types[name]
-            offset = self.plan.offset(name)
-            storage[name] = self.arena[offset:offset + t.nbytes].view(t.dtype).reshape(t.shape)
         self.types = types
+        self._order, self._outside, self._arena_values = order, storage, arena_values
+        self._check_finite, self._accumulated_sinks = check_finite, (sinks if accumulate else {})
+        (arena or SharedArena()).attach(self)
+
+    def attach(self, buffer: np.ndarray) -> None:
+        """Lay the arena values into `buffer` (at least the plan's arena bytes) and bind the calls of a step."""
+        storage = dict(self._outside)
+        for name in self._arena_values:
+            t = self.types[name]
+            offset = self.plan.offset(name)
+            storage[name] = buffer[offset:offset + t.nbytes].view(t.dtype).reshape(t.shape)
+        self.arena = buffer
         self.storage = storage
         self.feed_views = [storage[name] for name in self.feeds]
-        self.calls = []
-        for node in order:
-            self.calls.extend(self._bind_node(node, storage, types))
+        calls = []
+        for node in self._order:
+            calls.extend(self._bind_node(node, storage, self.types))
             for name in node.outputs:  # stop before a non-finite value reaches the backward pass
-                if name in check_finite:
-                    self.calls.append((assert_finite, (storage[name].reshape(-1),)))
-        if accumulate:
-            for name, sink in sinks.items():
-                self.calls.append((add_into, (sink, storage[name].reshape(-1))))
+                if name in self._check_finite:
+                    calls.append((assert_finite, (storage[name].reshape(-1),)))
+        for name, sink in self._accumulated_sinks.items():
+            calls.append((add_into, (sink, storage[name].reshape(-1))))
+        self.calls = calls
 
     @staticmethod
     def _storage_outside_arena(order, types, outside, external):
@@ -213,6 +224,33 @@ class BoundGraph:
 
     def output(self, name: str) -> np.ndarray:
         return self.storage[name].copy()
+
+
+class SharedArena:
+    """One arena buffer for bound graphs that never run at the same time (the train and eval steps of
+    a Module, at every input shape): as large as the largest plan, not the sum of them.
+
+    Invariant: nothing lives in the arena from one run to the next (a run copies its feeds in, its
+    outputs are copied out, gradients and state go to buffers outside), so graphs may take turns
+    over the same bytes. A graph whose plan is larger than the buffer replaces it: every graph
+    still bound to the old buffer is attached to the new one, and the old one is freed.
+    """
+
+    def __init__(self):
+        self.buffer = aligned_buffer(0)
+        self._users: weakref.WeakSet = weakref.WeakSet()  # plans a session evicted from its cache drop out
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.nbytes
+
+    def attach(self, bound: BoundGraph) -> None:
+        if bound.plan.arena_bytes > self.buffer.nbytes:
+            self.buffer = aligned_buffer(bound.plan.arena_bytes)
+            for user in list(self._users):
+                user.attach(self.buffer)
+        self._users.add(bound)
+        bound.attach(self.buffer)
 
 
 def _with_updates(order, fused_updates: dict, external) -> list:

@@ -5,8 +5,9 @@
     print(report.render()); report.to_dict(); report.plans[0].timeline()
 
 Counted: the flat parameter buffer (trainable and frozen), the gradient buffer,
-the optimizer's moment buffers, and for each bound plan (one per input shape,
-train and eval) its arena and the constants folded for it. `training_bytes` is
+the optimizer's moment buffers, the arena buffer that a Module's bound plans
+(one per input shape, train and eval) share, as large as the largest of them,
+and the constants folded for each plan. `training_bytes` is
 what training adds on top of a loaded checkpoint: everything but the parameters;
 `peak_bytes` adds the parameters. The Python, numpy and Numba runtime (imports
 and loaded kernels) is the process's floor and is part of neither.
@@ -66,6 +67,7 @@ class MemoryReport:
     trainable_parameter_bytes: int = 0
     optimizer_kind: str | None = None
     optimizer_states: tuple = ()
+    shared_arena_bytes: int | None = None  # the buffer the plans share, when read off a Module
 
     @property
     def frozen_parameter_bytes(self) -> int:
@@ -73,12 +75,16 @@ class MemoryReport:
 
     @property
     def arena_bytes(self) -> int:
-        return sum(p.arena_bytes for p in self.plans)
+        """The arena buffer the plans share (they never run at once): the largest plan's arena."""
+        if self.shared_arena_bytes is not None:
+            return self.shared_arena_bytes
+        return max((p.arena_bytes for p in self.plans), default=0)
 
     @property
     def training_bytes(self) -> int:
-        """Bytes training adds to a loaded checkpoint: gradients, optimizer state, arenas, folded constants."""
-        return self.gradient_bytes + self.optimizer_bytes + sum(p.arena_bytes + p.constant_bytes for p in self.plans)
+        """Bytes training adds to a loaded checkpoint: gradients, optimizer state, the arena, folded constants."""
+        return (self.gradient_bytes + self.optimizer_bytes + self.arena_bytes
+                + sum(p.constant_bytes for p in self.plans))
 
     @property
     def peak_bytes(self) -> int:
@@ -92,7 +98,7 @@ class MemoryReport:
                 "optimizer": {"kind": self.optimizer_kind, "states": list(self.optimizer_states),
                               "bytes": self.optimizer_bytes},
                 "plans": [p.to_dict() for p in self.plans],
-                "training_bytes": self.training_bytes, "peak_bytes": self.peak_bytes,
+                "arena_bytes": self.arena_bytes, "training_bytes": self.training_bytes, "peak_bytes": self.peak_bytes,
                 "runtime_floor_included": False}
 
     def render(self) -> str:
@@ -116,8 +122,10 @@ class MemoryReport:
                                  f"{p.no_reuse_bytes / max(p.arena_bytes, 1):.1f}x the arena"))
             lines.append(row("  folded constants", p.constant_bytes))
             lines.append(f"{'  recomputed nodes':<18}{p.recomputed_nodes:>11,}")
+        if len(self.plans) > 1:
+            lines.append(row("shared arena", self.arena_bytes, "one buffer for these steps, which never run at once"))
         lines.append(row("training adds", self.training_bytes,
-                         "to the loaded checkpoint (gradients, optimizer state, arenas, folded constants)"))
+                         "to the loaded checkpoint (gradients, optimizer state, arena, folded constants)"))
         lines.append(row("predicted peak", self.peak_bytes, "with the parameters"))
         lines.append(RUNTIME_FLOOR)
         return "\n".join(lines)
@@ -141,7 +149,8 @@ def report(module) -> MemoryReport:
         optimizer_bytes=sum(m.nbytes for m in optimizer.moments.values()) if optimizer else 0,
         trainable_parameter_bytes=store.flat[:store.trainable_size].nbytes,
         optimizer_kind=optimizer.kind if optimizer else None,
-        optimizer_states=tuple(optimizer.moments) if optimizer else ())
+        optimizer_states=tuple(optimizer.moments) if optimizer else (),
+        shared_arena_bytes=module._arena.nbytes)
     sessions = [("train", module._train)] + ([("eval", module._eval)] if module._eval is not None else [])
     for mode, session in sessions:
         for signature, bound in session.plans.items():

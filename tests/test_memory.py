@@ -201,3 +201,37 @@ def test_the_report_states_the_plans_and_buffers(mlp_artifacts, mlp_reference):
     assert result.training_bytes == (result.gradient_bytes + result.optimizer_bytes + result.arena_bytes
                                      + sum(p.constant_bytes for p in result.plans))
     assert "training adds" in result.render() and "lower bound" in result.render()
+
+
+def test_train_and_eval_at_every_batch_size_share_one_arena(deep_mlp):
+    """Steps of one Module take turns over one arena buffer, as large as the largest plan, and compute
+    exactly what a fresh Module computes for each of them, whatever ran before."""
+    directory, x, y = deep_mlp
+
+    def fresh():
+        return Module(directory / "training_model.onnx", CheckpointState.load_checkpoint(directory / "checkpoint"),
+                      directory / "eval_model.onnx")
+
+    def step(module, mode, batch):
+        module.train(mode == "train")
+        loss = float(module(x[0][:batch], y[0][:batch]))
+        grads = module._state._store.grad_flat.copy()
+        module.lazy_reset_grad()
+        return loss, grads
+
+    # small first, then larger ones: the buffer grows and the earlier plans move onto it
+    sequence = [("train", 3), ("eval", 3), ("train", BATCH), ("eval", BATCH), ("train", 7), ("train", 3), ("eval", 3)]
+    shared = fresh()
+    for mode, batch in sequence:
+        loss, grads = step(shared, mode, batch)
+        expected_loss, expected_grads = step(fresh(), mode, batch)
+        assert loss == expected_loss, (mode, batch)
+        if mode == "train":
+            np.testing.assert_array_equal(grads, expected_grads)
+    bound = list(shared._train.plans.values()) + list(shared._eval.plans.values())
+    assert len(bound) == 5
+    assert shared._arena.nbytes == max(b.plan.arena_bytes for b in bound) < sum(b.plan.arena_bytes for b in bound)
+    assert all(b.arena.base is shared._arena.buffer.base and b.arena.ctypes.data == shared._arena.buffer.ctypes.data
+               for b in bound)
+    from odtrain.memory import report
+    assert report(shared).arena_bytes == shared._arena.nbytes
