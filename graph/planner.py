@@ -74,6 +74,10 @@ class Plan:
         """The arena if every value (and scratch buffer) had bytes of its own."""
         return sum(aligned(self.types[name].nbytes) for name in self.group_of)
 
+    def live_profile(self) -> np.ndarray:
+        """Bytes alive at each step 0..steps+1, all groups together."""
+        return live_profile(self.groups, self.steps)
+
     def live_bytes(self, category: Callable[[str], str] | None = None) -> dict[str, np.ndarray]:
         """Bytes live at each step 0..steps+1, per category of the values the groups hold then.
 
@@ -206,7 +210,7 @@ def plan_memory(order: list[Node], types: dict[str, TensorType], arena_values: s
 
     _place(groups)
     arena = max((g.offset + g.nbytes for g in groups), default=0)
-    return Plan(order, groups, group_of, arena, _lower_bound(groups, end_step), len(order), dict(types),
+    return Plan(order, groups, group_of, arena, int(live_profile(groups, len(order)).max()), len(order), dict(types),
                 {name: first[name] for name in group_of})
 
 
@@ -256,8 +260,10 @@ def _place(groups: list[StorageGroup]) -> None:
         placed.append(g)
 
 
-def _lower_bound(groups: list[StorageGroup], end_step: int) -> int:
-    live = np.zeros(end_step + 2, dtype=np.int64)
+def live_profile(groups: list[StorageGroup], steps: int) -> np.ndarray:
+    """Bytes of the groups alive at each step 0..steps+1 (its maximum is the lower bound)."""
+    change = np.zeros(steps + 3, dtype=np.int64)
     for g in groups:
-        live[g.start:g.end + 1] += g.nbytes
-    return int(live.max()) if len(live) else 0
+        change[g.start] += g.nbytes
+        change[g.end + 1] -= g.nbytes
+    return np.cumsum(change)[:steps + 2]

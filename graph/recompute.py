@@ -261,15 +261,6 @@ def _units(plan, choice: _Choice, forward: set[int]) -> list[_Unit]:
     return units
 
 
-def _live_profile(plan) -> np.ndarray:
-    """Bytes of the plan's groups alive at each step (its maximum is the plan's lower bound)."""
-    change = np.zeros(plan.steps + 3, dtype=np.int64)
-    for group in plan.groups:
-        change[group.start] += group.nbytes
-        change[group.end + 1] -= group.nbytes
-    return np.cumsum(change)[:plan.steps + 2]
-
-
 def _cover(plan, choice: _Choice, forward: set[int], budget: int) -> list[str]:
     """Saved activations to drop so that, by estimate, no step of `plan` holds more than fits.
 
@@ -280,7 +271,7 @@ def _cover(plan, choice: _Choice, forward: set[int], budget: int) -> list[str]:
     the target (the budget less the plan's fragmentation) or nothing helps. Scores are
     re-evaluated lazily: a drop is taken when its fresh score still beats the others' earlier ones.
     """
-    live = _live_profile(plan)
+    live = plan.live_profile()
     target = budget - (plan.arena_bytes - plan.lower_bound)
     units = _units(plan, choice, forward)
     if target <= 0:
