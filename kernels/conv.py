@@ -7,7 +7,9 @@ axes and `geom` of windows.py.
 Convolution:
 - general: im2col + one BLAS product per group: Y_g = W_g · col(X_g). When
   an image has few output cells (P < COLUMNS), `chunk` images share one
-  product (their columns side by side), so BLAS sees a wide matrix.
+  product (their columns side by side), so BLAS sees a wide matrix. Thin
+  products (M/G·K small) instead go to BLAS in blocks of each image's cells
+  (SMALL_PRODUCT), strided views straight into Y (forward) or out of dY (dcol).
   Pointwise convolutions (1x1, stride 1, no padding) skip im2col; for
   stride 1 with the output as wide as the input, each im2col row is one
   shifted contiguous copy of the image (edge columns zeroed after).
@@ -30,14 +32,108 @@ convolution's weight gradient with X in dY's place.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+from numba.np.linalg import ensure_blas
 
 from . import ODTRAIN_DOMAIN, binding
 from .depthwise import _depthwise_forward, _depthwise_input_grad, _depthwise_weight_grad
 from .windows import _as_3d, _text, _valid_range, window_geometry
 
 COLUMNS = 512  # convolutions batch images into one product until it has this many columns
+# OpenBLAS multiplies products of up to 100³ multiply-adds (M·N·K) with its small-matrix kernels, ~1.5x
+# faster here for the thin products of narrow convolutions: products above that are cut along the output
+# cells into blocks below it (when the blocks stay at least MIN_BLOCK wide)
+SMALL_PRODUCT = 1_000_000
+MIN_BLOCK = 64
 ROW_WIDTH = 24  # depthwise convolutions with outputs at least this wide work along rows, others channels-last
+
+
+# ---- BLAS products on strided views ---------------------------------------------------------------
+
+
+@intrinsic
+def _xxgemm(typingctx, trans_a, trans_b, m, n, k, a, lda, b, ldb, c, ldc):
+    """Row-major c[m, n] = op(a)[m, k] · op(b)[k, n] through the BLAS that np.dot uses (Numba's
+    numba_xxgemm), with leading dimensions, so operands and result may be strided views."""
+    if not all(isinstance(t, types.Array) for t in (a, b, c)) or not a.dtype == b.dtype == c.dtype \
+            or c.dtype not in (types.float32, types.float64):
+        return None
+    ensure_blas()
+    dtype = c.dtype
+    signature = types.int32(trans_a, trans_b, m, n, k, a, lda, b, ldb, c, ldc)
+
+    def codegen(context, builder, sig, args):
+        ir = cgutils.ir
+        char, pointer, intp = ir.IntType(8), ir.IntType(8).as_pointer(), cgutils.intp_t
+        function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), [
+            char, char, char, intp, intp, intp, pointer, pointer, intp, pointer, intp, pointer, pointer, intp]),
+            "numba_xxgemm")
+        kinds = sig.args
+
+        def data(i):
+            return builder.bitcast(context.make_array(kinds[i])(context, builder, args[i]).data, pointer)
+
+        def size(i):
+            return context.cast(builder, args[i], kinds[i], types.intp)
+
+        def flag(i):
+            on = context.cast(builder, args[i], kinds[i], types.boolean)
+            return builder.select(on, ir.Constant(char, ord("t")), ir.Constant(char, ord("n")))
+
+        def constant(value):
+            return builder.bitcast(cgutils.alloca_once_value(builder, context.get_constant(dtype, value)), pointer)
+
+        kind = ir.Constant(char, ord("s" if dtype == types.float32 else "d"))
+        # row-major c = op(a)·op(b) is column-major cᵀ = op(b)ᵀ·op(a)ᵀ
+        return builder.call(function, (kind, flag(1), flag(0), size(3), size(2), size(4), constant(1.0), data(7),
+                                       size(8), data(5), size(6), constant(0.0), data(9), size(10)))
+
+    return signature, codegen
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _operand(a):
+    """(transposed, leading dimension) of a 2-D view with unit stride along one of its axes."""
+    size = a.itemsize
+    if a.shape[1] <= 1 or a.strides[1] == size:
+        return False, max(a.strides[0] // size, a.shape[1], 1)
+    return True, max(a.strides[1] // size, a.shape[0], 1)
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _product(a, b, c):
+    """c = a · b for 2-D views (each with unit stride along one axis; c along its rows)."""
+    if c.shape[0] == 0 or c.shape[1] == 0:
+        return
+    if a.shape[1] == 0:
+        c[:] = 0
+        return
+    trans_a, lda = _operand(a)
+    trans_b, ldb = _operand(b)
+    _xxgemm(trans_a, trans_b, c.shape[0], c.shape[1], a.shape[1], a, lda, b, ldb, c,
+            max(c.strides[0] // c.itemsize, c.shape[1], 1))
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _products_to_images(a, b, c, n0, nb, cells, block):
+    """c[n0 + i] = a · b[:, i·P:(i + 1)·P] for the nb images of a chunk (b [rows, nb·P], c [N, M, P]),
+    one product per `block` output cells."""
+    for i in range(nb):
+        for j in range(0, cells, block):
+            end = min(j + block, cells)
+            _product(a, b[:, i * cells + j:i * cells + end], c[n0 + i][:, j:end])
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _products_from_images(a, b, c, n0, nb, cells, block):
+    """c[:, i·P:(i + 1)·P] = a · b[n0 + i] for the nb images of a chunk (b [N, M, P], c [rows, nb·P]),
+    one product per `block` output cells."""
+    for i in range(nb):
+        for j in range(0, cells, block):
+            end = min(j + block, cells)
+            _product(a, b[n0 + i][:, j:end], c[:, i * cells + j:i * cells + end])
 
 
 # ---- convolution: im2col + BLAS ------------------------------------------------------------------
@@ -183,8 +279,9 @@ def _gather_dy(dy, n0, nb, g, out):
 
 
 @njit(cache=True, error_model="numpy")
-def _conv_forward(x, w, bias, has_bias, y, col_work, row_work, geom, chunk, pointwise):
-    """y[n, g] = w[g] · im2col(x[n, g]) (+ bias), `chunk` images per product."""
+def _conv_forward(x, w, bias, has_bias, y, col_work, row_work, geom, chunk, pointwise, block):
+    """y[n, g] = w[g] · im2col(x[n, g]) (+ bias), `chunk` images per im2col and per product, or with
+    `block` one product per `block` output cells of each image, written straight into y."""
     batch, groups, per_group, cells = y.shape[0], y.shape[1], y.shape[2], y.shape[3]
     k = w.shape[2]
     for n0 in range(0, batch, chunk):
@@ -192,10 +289,16 @@ def _conv_forward(x, w, bias, has_bias, y, col_work, row_work, geom, chunk, poin
         width = nb * cells
         for g in range(groups):
             if nb == 1 and pointwise:
-                np.dot(w[g], x[n0, g].reshape(k, cells), y[n0, g])
+                if block:
+                    _products_to_images(w[g], x[n0, g].reshape(k, cells), y[:, g], n0, 1, cells, block)
+                else:
+                    np.dot(w[g], x[n0, g].reshape(k, cells), y[n0, g])
                 continue
             col = col_work[:k * width].reshape(k, width)
             _im2col(x, n0, nb, g, geom, col)
+            if block:
+                _products_to_images(w[g], col, y[:, g], n0, nb, cells, block)
+                continue
             if nb == 1:
                 np.dot(w[g], col, y[n0, g])
                 continue
@@ -217,8 +320,9 @@ def _conv_forward(x, w, bias, has_bias, y, col_work, row_work, geom, chunk, poin
 
 
 @njit(cache=True, error_model="numpy")
-def _conv_input_grad(dy, w, dx, col_work, row_work, geom, chunk, pointwise):
-    """dx = col2im(w[g]ᵀ · dy[n, g]) for every image and group."""
+def _conv_input_grad(dy, w, dx, col_work, row_work, geom, chunk, pointwise, block):
+    """dx = col2im(w[g]ᵀ · dy[n, g]) for every image and group (with `block`, one product per `block`
+    cells of each image, read straight from dy)."""
     batch, groups, per_group, cells = dy.shape[0], dy.shape[1], dy.shape[2], dy.shape[3]
     k = w.shape[2]
     for n0 in range(0, batch, chunk):
@@ -226,10 +330,15 @@ def _conv_input_grad(dy, w, dx, col_work, row_work, geom, chunk, pointwise):
         width = nb * cells
         for g in range(groups):
             if nb == 1 and pointwise:
-                np.dot(w[g].T, dy[n0, g], dx[n0, g].reshape(k, cells))
+                if block:
+                    _products_from_images(w[g].T, dy[:, g], dx[n0, g].reshape(k, cells), n0, 1, cells, block)
+                else:
+                    np.dot(w[g].T, dy[n0, g], dx[n0, g].reshape(k, cells))
                 continue
             col = col_work[:k * width].reshape(k, width)
-            if nb == 1:
+            if block:
+                _products_from_images(w[g].T, dy[:, g], col, n0, nb, cells, block)
+            elif nb == 1:
                 np.dot(w[g].T, dy[n0, g], col)
             else:
                 gathered = row_work[:per_group * width].reshape(per_group, width)
@@ -310,6 +419,12 @@ class _ConvLayout:
                               and tuple(x_shape[2:]) == tuple(y_shape[2:]))
         self.chunk = int(max(1, min(batch, -(-COLUMNS // max(self.cells, 1)))))
         width = self.chunk * self.cells
+        # forward and input-gradient products in blocks of output cells small enough for the small-matrix kernels
+        widest = SMALL_PRODUCT // max(self.out_per_group * self.k, 1)
+        self.block = 0
+        if MIN_BLOCK <= widest < width and self.cells > 0:
+            blocks = -(-self.cells // widest)
+            self.block = int(-(-self.cells // blocks))
         # float32 elements of work memory: im2col columns, gathered rows (several images), a partial dW
         self.columns = 0 if self.depthwise or (self.pointwise and self.chunk == 1) else self.k * width
         self.rows = 0 if self.depthwise or self.chunk == 1 else self.out_per_group * width
@@ -392,7 +507,7 @@ def Conv(inputs, outputs, scratch=None, **attrs):
                                       layout.columns_of_taps, padded, rows, taps[0], layout.channels_last))]
     columns, rows = layout.work(scratch)
     return [(_conv_forward, (xv, wv, b, bias is not None, y.reshape(layout.y4), columns, rows, layout.geom,
-                             layout.chunk, layout.pointwise))]
+                             layout.chunk, layout.pointwise, layout.block))]
 
 
 @binding("ConvInputGrad", ODTRAIN_DOMAIN, scratch=_conv_scratch("ConvInputGrad"))
@@ -406,7 +521,7 @@ def ConvInputGrad(inputs, outputs, scratch=None, **attrs):
                                          layout.columns_of_taps, padded, rows, taps[0], layout.channels_last))]
     columns, rows = layout.work(scratch)
     return [(_conv_input_grad, (dy.reshape(layout.y4), wv, dxv, columns, rows, layout.geom, layout.chunk,
-                                layout.pointwise))]
+                                layout.pointwise, layout.block))]
 
 
 @binding("ConvWeightGrad", ODTRAIN_DOMAIN, scratch=_conv_scratch("ConvWeightGrad"))
@@ -508,7 +623,7 @@ def ConvTranspose(inputs, outputs, scratch=None, **attrs):
     else:
         columns, rows = layout.work(scratch)
         calls = [(_conv_input_grad, (x.reshape(layout.y4), wv, y.reshape(layout.x6), columns, rows, layout.geom,
-                                     layout.chunk, layout.pointwise))]
+                                     layout.chunk, layout.pointwise, layout.block))]
     if len(inputs) > 2 and inputs[2] is not None:
         calls.append((_add_channel_bias, (y.reshape(y.shape[0], y.shape[1], -1), inputs[2])))
     return calls
@@ -525,7 +640,7 @@ def ConvTransposeInputGrad(inputs, outputs, scratch=None, **attrs):
                                       layout.columns_of_taps, padded, rows, taps[0], layout.channels_last))]
     columns, rows = layout.work(scratch)
     return [(_conv_forward, (dy.reshape(layout.x6), wv, no_bias, False, dx.reshape(layout.y4), columns, rows,
-                             layout.geom, layout.chunk, layout.pointwise))]
+                             layout.geom, layout.chunk, layout.pointwise, layout.block))]
 
 
 @binding("ConvTransposeWeightGrad", ODTRAIN_DOMAIN, scratch=_conv_transpose_scratch("ConvTransposeWeightGrad"))

@@ -4,7 +4,7 @@ Every (image, channel) pair is one plane: X is seen as [N·C, D, H, W], with the
 and `geom` of windows.py (a global pool is one window the size of the input). MaxPool's first
 maximum wins, and its gradient recomputes each window's argmax from X, so no index output is
 needed; MaxPool windows that tile the input (stride = kernel, no padding or dilation) skip the
-per-cell bounds checks. AveragePool multiplies each window's sum by 1/count, counts precomputed
+per-cell bounds checks, and 2x2 tiles of planes get their own loops along the rows. AveragePool multiplies each window's sum by 1/count, counts precomputed
 at bind time per window position (input cells, or with count_include_pad also the declared padding).
 """
 from __future__ import annotations
@@ -110,6 +110,50 @@ def _max_pool_grad(dy, x, dx, geom, tiled):
 
 
 @njit(cache=True, error_model="numpy")
+def _max_pool_2x2(x, y):
+    """y = max over each 2x2 tile of the planes x[:, 0] (first maximum wins), a pair of input rows at a time."""
+    for nc in range(x.shape[0]):
+        for oh in range(y.shape[2]):
+            top, bottom, out = x[nc, 0, 2 * oh], x[nc, 0, 2 * oh + 1], y[nc, 0, oh]
+            for ow in range(out.size):
+                best = top[2 * ow]
+                value = top[2 * ow + 1]
+                if value > best:
+                    best = value
+                value = bottom[2 * ow]
+                if value > best:
+                    best = value
+                value = bottom[2 * ow + 1]
+                if value > best:
+                    best = value
+                out[ow] = best
+
+
+@njit(cache=True, error_model="numpy")
+def _max_pool_2x2_grad(dy, x, dx):
+    """dx = dy at each 2x2 tile's first maximum, 0 elsewhere in the tile (the tiles cover the plane): the
+    first cell equal to the tile's maximum (the maximum is NaN only when the first cell is)."""
+    for nc in range(x.shape[0]):
+        for oh in range(dy.shape[2]):
+            top, bottom = x[nc, 0, 2 * oh], x[nc, 0, 2 * oh + 1]
+            grad_top, grad_bottom, grads = dx[nc, 0, 2 * oh], dx[nc, 0, 2 * oh + 1], dy[nc, 0, oh]
+            for ow in range(grads.size):
+                a, b, c, d = top[2 * ow], top[2 * ow + 1], bottom[2 * ow], bottom[2 * ow + 1]
+                best = b if b > a else a
+                best = c if c > best else best
+                best = d if d > best else best
+                take_a = (a == best) | (best != best)
+                take_b = (b == best) & ~take_a
+                take_c = (c == best) & ~(take_a | take_b)
+                take_d = ~(take_a | take_b | take_c)
+                grad, zero = grads[ow], np.float32(0)
+                grad_top[2 * ow] = grad if take_a else zero
+                grad_top[2 * ow + 1] = grad if take_b else zero
+                grad_bottom[2 * ow] = grad if take_c else zero
+                grad_bottom[2 * ow + 1] = grad if take_d else zero
+
+
+@njit(cache=True, error_model="numpy")
 def _average_pool(x, y, inverse_count, geom):
     """y = Σ of each window's input cells · inverse_count[window position]."""
     depth, height, width = x.shape[1], x.shape[2], x.shape[3]
@@ -193,6 +237,13 @@ def _global_geometry(x_shape):
     return window_geometry(spatial, [1] * len(spatial), spatial, "NOTSET", None, None, None)
 
 
+def _tiles_2x2(geom, x_view, y_view, cover: bool = False) -> bool:
+    """Whether the windows are 2x2 tiles of planes (depth 1); with `cover`, tiles covering every input cell."""
+    if not (_tiles(geom, x_view, y_view) and x_view[1] == 1 and (geom[0:3] == (1, 2, 2)).all()):
+        return False
+    return not cover or (2 * y_view[2] == x_view[2] and 2 * y_view[3] == x_view[3])
+
+
 def _tiles(geom, x_view, y_view) -> bool:
     """Whether the windows tile the input: stride = kernel, no padding or dilation, all inside."""
     return bool((geom[3:6] == geom[0:3]).all() and (geom[6:9] == 1).all() and (geom[9:12] == 0).all()
@@ -206,6 +257,8 @@ def MaxPool(inputs, outputs, storage_order=0, **attrs):
     xv, yv = _pool_views(x.shape, y.shape)
     want = len(outputs) > 1 and outputs[1] is not None
     indices = outputs[1].reshape(yv) if want else np.zeros((1, 1, 1, 1), np.int64)
+    if not want and _tiles_2x2(geom, xv, yv):
+        return [(_max_pool_2x2, (x.reshape(xv), y.reshape(yv)))]
     return [(_max_pool, (x.reshape(xv), y.reshape(yv), indices, want, bool(storage_order), geom,
                          _tiles(geom, xv, yv)))]
 
@@ -215,6 +268,8 @@ def MaxPoolGrad(inputs, outputs, **attrs):
     dy, x, dx = inputs[0], inputs[1], outputs[0]
     geom, _ = _pool_geometry(x.shape, dy.shape, **attrs)
     xv, yv = _pool_views(x.shape, dy.shape)
+    if _tiles_2x2(geom, xv, yv, cover=True):
+        return [(_max_pool_2x2_grad, (dy.reshape(yv), x.reshape(xv), dx.reshape(xv)))]
     return [(_max_pool_grad, (dy.reshape(yv), x.reshape(xv), dx.reshape(xv), geom, _tiles(geom, xv, yv)))]
 
 

@@ -114,6 +114,24 @@ def test_max_pool_indices_point_at_the_maxima():
         np.testing.assert_array_equal(source.ravel()[indices], y)
 
 
+def test_max_pool_2x2_tiles_match_the_general_kernels():
+    """The 2x2-tile loops pick the same first maximum as the general ones, ties and NaN included."""
+    from odtrain.kernels import pool
+
+    x = rng.integers(0, 3, (6, 1, 4, 6)).astype(np.float32)
+    x[0, 0, 0, 0] = x[1, 0, 1, 1] = x[2, 0, 0, 3] = np.nan
+    dy = rand(6, 1, 2, 3)
+    geom, _ = pool._pool_geometry(x.shape, dy.shape, kernel_shape=[2, 2], strides=[2, 2])
+    y, expected_y = np.empty_like(dy), np.empty_like(dy)
+    pool._max_pool_2x2(x, y)
+    pool._max_pool(x, expected_y, np.zeros((1, 1, 1, 1), np.int64), False, False, geom, True)
+    np.testing.assert_array_equal(y, expected_y)
+    dx, expected_dx = np.full_like(x, 7), np.full_like(x, 7)
+    pool._max_pool_2x2_grad(dy, x, dx)
+    pool._max_pool_grad(dy, x, expected_dx, geom, True)
+    np.testing.assert_array_equal(dx, expected_dx)
+
+
 def test_negative_pads_crop():
     x = rand(2, 3, 6, 5)
     pads = np.array([0, -1, 2, -1, 0, 1, -2, 3])
@@ -160,6 +178,7 @@ GRADIENT_CASES = {
                      {"x": rand(1, 2, 3, 4, 3), "w": rand(2, 2, 2, 3, 2)}),
     "max_pool": ([node("MaxPool", ["x"], kernel_shape=[2, 2], strides=[2, 1], pads=[1, 0, 0, 1])],
                  {"x": rand(2, 3, 5, 4)}),
+    "max_pool_2x2_tiles": ([node("MaxPool", ["x"], kernel_shape=[2, 2], strides=[2, 2])], {"x": rand(2, 3, 4, 6)}),
     "average_pool_count_pad_ceil": ([node("AveragePool", ["x"], kernel_shape=[3, 2], strides=[2, 2],
                                           pads=[1, 0, 1, 1], count_include_pad=1, ceil_mode=1)],
                                     {"x": rand(2, 3, 5, 4)}),
@@ -208,6 +227,27 @@ GRADIENT_CASES = {
 def test_gradient(name, tmp_path):
     nodes, params, *constants = GRADIENT_CASES[name]
     gradient_check(nodes, params, constants=constants[0] if constants else None, tmp_path=tmp_path)
+
+
+@pytest.mark.parametrize("name, small", [("conv_bias_strides_pads", 300), ("conv_groups_dilations", 100),
+                                         ("conv_pointwise", 48)])
+def test_gradient_with_products_in_blocks_of_cells(name, small, tmp_path, monkeypatch):
+    """Forward and input-gradient products cut into blocks of output cells (as for large images), here
+    forced on small ones: a few cells per block, groups and pointwise included."""
+    from odtrain.kernels import conv
+
+    monkeypatch.setattr(conv, "SMALL_PRODUCT", small)
+    monkeypatch.setattr(conv, "MIN_BLOCK", 2)
+    blocks, original = [], conv._ConvLayout.__init__
+
+    def record(layout, *args, **kwargs):
+        original(layout, *args, **kwargs)
+        blocks.append((layout.block, layout.cells))
+
+    monkeypatch.setattr(conv._ConvLayout, "__init__", record)
+    nodes, params = GRADIENT_CASES[name][:2]
+    gradient_check(nodes, params, tmp_path=tmp_path)
+    assert blocks and all(0 < block < cells for block, cells in blocks)
 
 
 def test_gradient_of_clip_with_attributes(tmp_path):  # opset 6-10: bounds are attributes
