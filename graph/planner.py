@@ -36,7 +36,7 @@ import numpy as np
 
 from .ir import Node, TensorType
 from .ops import is_view, lookup
-from .recompute import RECOMPUTE_SUFFIX, split_forward_backward
+from .schedule import RECOMPUTE_SUFFIX, split_forward_backward
 
 ALIGNMENT = 64
 SCRATCH_SUFFIX = "::scratch"  # the executor names a node's working memory `<node name>::scratch`

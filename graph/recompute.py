@@ -31,30 +31,17 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import numpy as np
 
 from .cost import node_cost
 from .ir import Node, TensorType
 from .ops import lookup
+from .planner import Plan
+from .schedule import RECOMPUTE_SUFFIX
 
-if TYPE_CHECKING:
-    from .planner import Plan
-
-RECOMPUTE_SUFFIX = "::recomputed"
 MAX_ROUNDS = 6  # plans each pass of the peak covering may make before falling back to strides
-
-
-def split_forward_backward(order: list[Node], seed: str) -> tuple[list[Node], set[int]]:
-    """The ids of backward nodes: those that depend on the loss gradient seed."""
-    reached = {seed}
-    backward: set[int] = set()
-    for node in order:
-        if any(i in reached for i in node.inputs if i):
-            backward.add(id(node))
-            reached.update(o for o in node.outputs if o)
-    return order, backward
 
 
 def saved_activations(order: list[Node], backward: set[int], arena_values: set[str]) -> list[str]:

@@ -7,14 +7,25 @@ Steps:
   constants are then known before the first step.
 - `execution_order`: the nodes still to run per step (not folded, and
   leading to a wanted output), in the graph's topological order.
+- `split_forward_backward`: the nodes of a training order that depend on the
+  loss gradient seed (the backward pass); the others are the forward pass.
+- `memory_aware_order`: a topological reordering that keeps fewer bytes alive.
+- `with_updates`: fused optimizer updates, each placed right after the last
+  node that reads its parameter or produces its gradient.
+
+Names the order is made of: a node recomputed in the backward pass (and each
+of its outputs) is named `<original>::recomputed`.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from .errors import ModelError
-from .ir import Graph, Node, TensorType
+from .ir import ODTRAIN_DOMAIN, Graph, Node, TensorType
 from .ops import lookup
+from .ops.training import APPLY_UPDATE
+
+RECOMPUTE_SUFFIX = "::recomputed"
 
 
 def bind_types(graph: Graph, known: dict[str, TensorType], constants: dict[str, np.ndarray]):
@@ -130,3 +141,28 @@ def memory_aware_order(order: list[Node], nbytes: dict[str, int], keep: set[str]
             if waiting[dependent] == 0:
                 ready.append(dependent)
     return result
+
+
+def split_forward_backward(order: list[Node], seed: str) -> tuple[list[Node], set[int]]:
+    """The ids of backward nodes: those that depend on the loss gradient seed."""
+    reached = {seed}
+    backward: set[int] = set()
+    for node in order:
+        if any(i in reached for i in node.inputs if i):
+            backward.add(id(node))
+            reached.update(o for o in node.outputs if o)
+    return order, backward
+
+
+def with_updates(order: list[Node], updates: dict[str, str]) -> list[Node]:
+    """The order with an ApplyUpdate(gradient, parameter) node for each entry of `updates`
+    (gradient output -> parameter), right after the last node that reads the parameter or
+    produces the gradient: the update follows every read of the parameter."""
+    order = list(order)
+    positions = []
+    for grad_name, param in updates.items():
+        last = max(index for index, node in enumerate(order) if grad_name in node.outputs or param in node.inputs)
+        positions.append((last, Node(APPLY_UPDATE, [grad_name, param], [], {}, f"{param}::update", ODTRAIN_DOMAIN)))
+    for last, node in sorted(positions, key=lambda item: -item[0]):
+        order.insert(last + 1, node)
+    return order

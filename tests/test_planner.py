@@ -144,3 +144,33 @@ def test_memory_aware_order_is_a_topological_permutation(graph):
         for name in node.inputs:
             if name in produced_at:
                 assert produced_at[name] < position[id(node)]
+
+
+def test_a_step_is_planned_by_the_graph_layer_alone():
+    """The planning step decides order, storage and scratch from the graph and a scratch-size function:
+    no kernel loads. A view of a parameter stays outside the arena; scratch lives for its node's step."""
+    script = textwrap.dedent("""
+        import sys
+        import numpy as np
+        from odtrain.graph.ir import Graph, Node, TensorType
+        from odtrain.graph.planner import SCRATCH_SUFFIX
+        from odtrain.graph.step_plan import plan_step
+        f32 = np.dtype(np.float32)
+        graph = Graph([Node("MatMul", ["x", "w"], ["h"], name="first"), Node("Relu", ["h"], ["a"], name="act"),
+                       Node("Reshape", ["v", "shape"], ["v2"], name="view"),
+                       Node("MatMul", ["a", "v2"], ["y"], name="second")],
+                      ["x", "w", "v"], ["y"], {"shape": np.array([8, 8], np.int64)})
+        step = plan_step(graph, {"x": TensorType(f32, (4, 8))}, {"w": TensorType(f32, (8, 8)), "v": TensorType(f32, (64,))},
+                         lambda node, types: 1000 if node.op_type == "Relu" else 0)
+        assert step.views == {"v2": "v"}, step.views
+        assert step.arena_values == {"x", "h", "a", "y", "act" + SCRATCH_SUFFIX}, step.arena_values
+        index = next(k for k, node in enumerate(step.order) if node.name == "act")
+        assert step.scratch == {index: "act" + SCRATCH_SUFFIX}
+        group = step.plan.groups[step.plan.group_of["act" + SCRATCH_SUFFIX]]
+        assert (group.start, group.end, group.nbytes) == (index + 1, index + 1, 1024)
+        assert step.copies == set() and step.recomputed == 0 and "shape" in step.folded
+        print(sorted(m for m in sys.modules if m.startswith(("odtrain.kernels", "numba"))))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", result.stdout
