@@ -49,6 +49,7 @@ def worker(name: str, steps: int, budget_fraction: float | None) -> dict:
 
     from odtrain import artifacts
     from odtrain.api import CheckpointState, Module, Optimizer
+    from odtrain.artifact_paths import ArtifactPaths
     from odtrain.memory import report
 
     folder = next(root / name for root in MODELS if (root / name / "forward.onnx").exists())
@@ -60,20 +61,24 @@ def worker(name: str, steps: int, budget_fraction: float | None) -> dict:
     artifacts.generate_artifacts(str(folder / "forward.onnx"), requires_grad=meta["requires_grad"],
                                  frozen_params=meta["frozen_params"], loss=artifacts.LossType.CrossEntropyLoss,
                                  optimizer=artifacts.OptimType.AdamW, artifact_directory=directory)
+    paths = ArtifactPaths.of(directory)
 
     def session(state, budget=None):
-        module = Module(directory / "training_model.onnx", state, memory_budget=budget)
-        return module, Optimizer(directory / "optimizer_model.onnx", module)
+        module = Module(paths.training_model, state, memory_budget=budget)
+        return module, Optimizer(paths.optimizer_model, module)
+
+    def last_training_step(module):
+        return [step for step in module.bound_steps() if step.mode == "train"][-1]
 
     # Loads the kernels, each in the specializations (array layouts) the measured batch needs.
-    warm, warm_optimizer = session(CheckpointState.load_checkpoint(directory / "checkpoint"))
+    warm, warm_optimizer = session(CheckpointState.load_checkpoint(paths.checkpoint))
     warm(*batches[0])
     warm_optimizer.step()
-    free_arena = next(reversed(warm._train.plans.values())).plan.arena_bytes  # unconstrained, for a budget
+    free_arena = last_training_step(warm).arena_bytes  # unconstrained, for a budget
     # The warm-up session stays alive: freeing it would let the measured session reuse its pages.
 
     budget = int(free_arena * budget_fraction) if budget_fraction else None
-    state = CheckpointState.load_checkpoint(directory / "checkpoint")
+    state = CheckpointState.load_checkpoint(paths.checkpoint)
     gc.collect()
     before = rss_bytes()
     reset_peak()
@@ -88,11 +93,11 @@ def worker(name: str, steps: int, budget_fraction: float | None) -> dict:
         times.append(time.perf_counter() - start)
         first_step = first_step or time.perf_counter() - created
     measured = peak_bytes() - before
-    bound = next(reversed(module._train.plans.values()))
+    bound = last_training_step(module)
     predicted = report(module).training_bytes
-    return {"workload": name, "arena": bound.plan.arena_bytes, "lower_bound": bound.plan.lower_bound,
+    return {"workload": name, "arena": bound.arena_bytes, "lower_bound": bound.lower_bound,
             "predicted_added": predicted, "measured_added": measured, "budget": budget,
-            "recomputed_nodes": bound.recomputed, "losses": losses, "first_step_s": first_step,
+            "recomputed_nodes": bound.recomputed_nodes, "losses": losses, "first_step_s": first_step,
             "median_step_ms": sorted(times[1:] or times)[len(times[1:] or times) // 2] * 1e3}
 
 

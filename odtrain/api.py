@@ -8,21 +8,31 @@
 Module runs the training graph (forward, loss, gradients accumulated into the
 state's gradient buffer) or, in eval mode, the eval graph. Parameters,
 gradients and optimizer moments live in the state's flat buffers.
+
+Beyond ONNX Runtime's API, for tools that look at a session without running
+it (the CLI, the memory report, the training loop, benchmarks):
+`Module.bind_at(batch_size, training)` binds a step and returns its
+`BoundStep` (memory plan, folded constants, recomputation);
+`Module.bound_steps()` lists the steps bound so far; `Module.arena_bytes`,
+`Module.input_types(training)`, `Module.graph(training)`, `Module.state`, and
+`CheckpointState.buffer_bytes()` (a `StateBuffers`).
 """
 from __future__ import annotations
 
 import os
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 
 from . import checkpoint as checkpoint_file
 from .graph.autodiff import GRAD_SUFFIX
 from .graph.errors import ArgumentError, InputError, ModelError, NonFiniteError, ParameterError, StateError
-from .graph.ir import TensorType
+from .graph.ir import Graph, TensorType
 from .graph.onnx_io import load_graph, save_graph
 from .graph.ops import check_supported
 from .graph.optimizers import read_optimizer_graph
+from .graph.planner import Plan
 from .signals import deferred_interrupt
 from .state import OptimizerState, ParameterStore, PropertyBag
 
@@ -97,6 +107,43 @@ class Parameters:
         return f"Parameters({self.keys()})"
 
 
+@dataclass(frozen=True)
+class StateBuffers:
+    """The bytes of a CheckpointState's buffers."""
+
+    parameter_bytes: int  # every parameter, trainable and frozen
+    trainable_parameter_bytes: int
+    gradient_bytes: int
+    optimizer_kind: str | None  # None before an Optimizer is created for the state
+    optimizer_state_bytes: dict[str, int]  # moment name -> bytes
+
+
+@dataclass(frozen=True)
+class BoundStep:
+    """A training or eval step bound at one set of input shapes: the memory plan a call at those
+    shapes runs on, and what the step holds beside the arena."""
+
+    mode: str  # "train" or "eval"
+    inputs: tuple  # (name, shape) of each user input
+    plan: Plan
+    constant_bytes: int  # constants folded at these shapes, held beside the arena
+    recomputed_nodes: int  # nodes run again in the backward pass to meet the memory budget
+    loss: str | None  # the name of the loss output
+
+    @property
+    def arena_bytes(self) -> int:
+        return self.plan.arena_bytes
+
+    @property
+    def lower_bound(self) -> int:
+        return self.plan.lower_bound
+
+    @property
+    def loss_step(self) -> int | None:
+        """The step of the plan that writes the loss: the end of the forward pass."""
+        return self.plan.written.get(self.loss) if self.loss is not None else None
+
+
 class CheckpointState:
     """Parameters, optimizer state and user properties, loaded from and saved to a checkpoint file."""
 
@@ -149,6 +196,14 @@ class CheckpointState:
     def properties(self) -> PropertyBag:
         return self._properties
 
+    def buffer_bytes(self) -> StateBuffers:
+        """The bytes of the parameter, gradient and optimizer buffers."""
+        store, optimizer = self._store, self._optimizer
+        return StateBuffers(store.flat.nbytes + sum(a.nbytes for a in store.others.values()),
+                            store.flat[:store.trainable_size].nbytes, store.grad_flat.nbytes,
+                            optimizer.kind if optimizer else None,
+                            {name: m.nbytes for name, m in optimizer.moments.items()} if optimizer else {})
+
     def _mark_assigned(self, names) -> None:
         self._unassigned.difference_update(names)
 
@@ -177,6 +232,7 @@ class _GraphSession:
     def __init__(self, uri, state: CheckpointState, what: str, with_gradients: bool, check_finite: bool = False,
                  memory_budget: int | None = None, arena=None):
         self.with_gradients = with_gradients
+        self.mode = "train" if with_gradients else "eval"
         self.arena = arena  # an executor.SharedArena shared with the Module's other session, or None
         self.memory_budget = memory_budget
         self.fused: dict = {}  # gradient output -> (parameter, update) when the optimizer runs inside backward
@@ -253,6 +309,29 @@ class _GraphSession:
         else:
             self.plans.move_to_end(signature)
         return plan
+
+    def bind_at(self, batch_size: int) -> BoundStep:
+        """Bind the plan (a BoundGraph, cached) that a call with inputs of batch `batch_size` runs."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+            raise ArgumentError(f"the batch size must be a positive integer, got {batch_size!r}")
+        arrays = []
+        for name in self.input_names:
+            declared = self.graph.value_types[name]
+            if declared.shape is None:
+                raise ArgumentError(f"input '{name}' has no declared shape; the memory plan needs one")
+            shape = []
+            for axis, dim in enumerate(declared.shape):
+                if isinstance(dim, str) and axis > 0:
+                    raise ArgumentError(f"input '{name}' has the symbolic dimension '{dim}' on axis {axis}; only the "
+                                        "batch axis (0) is bound by the batch size")
+                shape.append(int(batch_size) if isinstance(dim, str) else dim)
+            arrays.append(np.zeros(shape, dtype=declared.dtype))
+        feeds, signature = self.feeds(arrays)
+        return self.bound_step(signature, self.bound(signature, feeds))
+
+    def bound_step(self, signature, bound) -> BoundStep:
+        return BoundStep(self.mode, tuple(item for item in signature if isinstance(item, tuple)), bound.plan,
+                         bound.constant_bytes, bound.recomputed, self.graph.outputs[0] if self.graph.outputs else None)
 
     def run(self, user_inputs):
         if self.state._unassigned:
@@ -342,6 +421,43 @@ class Module:
 
     def _session(self) -> _GraphSession:
         return self._train if self.training or self._eval is None else self._eval
+
+    def _session_of(self, training: bool) -> _GraphSession:
+        if training:
+            return self._train
+        if self._eval is None:
+            raise StateError("the eval step needs an eval model: pass eval_model_uri to Module(...)")
+        return self._eval
+
+    @property
+    def state(self) -> CheckpointState:
+        """The CheckpointState this module trains."""
+        return self._state
+
+    @property
+    def arena_bytes(self) -> int:
+        """The bytes of the arena buffer that every bound step of this module shares."""
+        return self._arena.nbytes
+
+    def bind_at(self, batch_size: int, training: bool = True) -> BoundStep:
+        """Bind the training (or eval) step for inputs of batch `batch_size`, as a call with such inputs
+        would, without running it; only the first axis of the inputs may be symbolic."""
+        return self._session_of(training).bind_at(batch_size)
+
+    def bound_steps(self) -> list[BoundStep]:
+        """The steps bound so far: training steps, then eval steps, each from least to most recently used."""
+        return [session.bound_step(signature, bound) for session in (self._train, self._eval) if session is not None
+                for signature, bound in session.plans.items()]
+
+    def input_types(self, training: bool = True) -> dict[str, TensorType]:
+        """The declared type of each input of the training (or eval) model, in order; a symbolic
+        dimension is its name."""
+        session = self._session_of(training)
+        return {name: session.graph.value_types[name] for name in session.input_names}
+
+    def graph(self, training: bool = True) -> Graph:
+        """The training (or eval) model as loaded (odtrain.graph.ir.Graph); read it, do not change it."""
+        return self._session_of(training).graph
 
     def input_names(self) -> list[str]:
         return list(self._session().input_names)

@@ -5,8 +5,8 @@
     generate_artifacts(model, requires_grad=[...], frozen_params=[...], loss=LossType.CrossEntropyLoss,
                        optimizer=OptimType.AdamW, artifact_directory="artifacts")
 
-writes `{prefix}training_model.onnx`, `{prefix}eval_model.onnx`, `{prefix}optimizer_model.onnx` and
-`{prefix}checkpoint`. Parameters named in `requires_grad` train, those in `frozen_params` are kept in
+writes the files of an artifact folder (`odtrain.artifact_paths`: the training, eval and optimizer
+models and the checkpoint), each name prefixed by `prefix`. Parameters named in `requires_grad` train, those in `frozen_params` are kept in
 the checkpoint without training; other initializers stay constants of the models. With
 `requires_grad=None`, every floating-point initializer not in `frozen_params` trains.
 """
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import checkpoint as checkpoint_file
+from .artifact_paths import ArtifactPaths
 from .graph.autodiff import build_gradient_graph
 from .graph.errors import ArgumentError, ModelError, ParameterError
 from .graph.ir import Graph, TensorType
@@ -89,19 +90,16 @@ class TrainingGraphs:
     param_inputs: list[str]  # parameters as extra graph inputs of both models, in checkpoint order
 
 
-def _is_block(value) -> bool:
-    from .onnxblock import Block
-
-    return isinstance(value, Block)
-
-
 def build_training_graphs(model, requires_grad=None, frozen_params=None, loss=None, additional_output_names=None,
                           loss_input_names=None) -> TrainingGraphs:
     """Forward model + loss -> training graph (with `<param>_grad` outputs) and eval graph.
 
-    `loss` is a LossType, an odtrain.onnxblock Block (whose build takes the loss inputs and returns the loss
-    name, or (loss, *extra outputs)), or None when the model's output is the loss.
+    `loss` is a LossType; or an object with a method `build_loss(graph, loss_inputs)` that adds the loss to
+    the forward graph and returns (the scalar loss's name, extra output names), as odtrain.onnxblock
+    blocks do (their build takes the loss inputs and returns the loss name, or (loss, *extra outputs));
+    or None when the model's output is the loss.
     """
+    custom_loss = hasattr(loss, "build_loss")
     proto, path = read_model_proto(model, "model")
     graph = graph_from_proto(proto, path or "model")
     check_supported(graph.nodes, f"model '{path}'" if path else "model")
@@ -119,7 +117,7 @@ def build_training_graphs(model, requires_grad=None, frozen_params=None, loss=No
         for name in loss_inputs:
             if name not in known:
                 raise ArgumentError(f"loss input '{name}' is not a value of the model; its outputs are {graph.outputs}")
-    elif len(graph.outputs) == 1 or _is_block(loss):  # a block scores every output, as in ONNX Runtime
+    elif len(graph.outputs) == 1 or custom_loss:  # a block scores every output, as in ONNX Runtime
         loss_inputs = list(graph.outputs)
     else:
         raise ArgumentError(f"the model has {len(graph.outputs)} outputs {graph.outputs}: name the one the loss "
@@ -131,10 +129,8 @@ def build_training_graphs(model, requires_grad=None, frozen_params=None, loss=No
         t = forward.value_types.get(loss_name)
         if t is not None and t.shape not in ((), None):
             raise ModelError(f"with loss=None the model output '{loss_name}' is the loss and must be a scalar; it is {t}")
-    elif _is_block(loss):
-        from .onnxblock import build_loss_block
-
-        loss_name, block_outputs = build_loss_block(loss, forward, loss_inputs)
+    elif custom_loss:
+        loss_name, block_outputs = loss.build_loss(forward, loss_inputs)
         extra_outputs += [name for name in block_outputs if name not in extra_outputs and name != loss_name]
     else:
         loss_name = add_loss(forward, parse_loss(loss), loss_inputs)
@@ -179,27 +175,24 @@ def generate_artifacts(model, requires_grad=None, frozen_params=None, loss=None,
     """Write the training artifacts for `model` (an onnx.ModelProto or a path) into `artifact_directory`.
 
     `loss` and `optimizer` also accept odtrain.onnxblock blocks (a custom loss; onnxblock.optim.AdamW, SGD,
-    SGDMomentum)."""
+    SGDMomentum: objects that carry an optimizer `config`)."""
     if ort_format:
         raise ArgumentError("ort_format=True does not apply: odtrain reads and writes ONNX files, not ORT format")
     if custom_op_library is not None:
         raise ArgumentError("custom_op_library does not apply: odtrain runs its own kernels and cannot load "
                             "ONNX Runtime custom-op libraries")
-    if _is_block(optimizer):
-        optimizer = optimizer.config
+    optimizer = getattr(optimizer, "config", optimizer)  # an optimizer block's hyper-parameters
     optimizer = parse_optimizer(optimizer) if optimizer is not None else None
     built = build_training_graphs(model, requires_grad, frozen_params, loss, additional_output_names, loss_input_names)
     trainable, values = built.trainable, built.values
 
-    directory = os.fspath(artifact_directory) if artifact_directory is not None else os.getcwd()
-    os.makedirs(directory, exist_ok=True)
-    save_graph(built.training, os.path.join(directory, f"{prefix}training_model.onnx"), built.param_inputs)
-    save_graph(built.eval, os.path.join(directory, f"{prefix}eval_model.onnx"), built.param_inputs)
+    paths = ArtifactPaths.of(artifact_directory if artifact_directory is not None else os.getcwd(), prefix)
+    os.makedirs(paths.directory, exist_ok=True)
+    save_graph(built.training, paths.training_model, built.param_inputs)
+    save_graph(built.eval, paths.eval_model, built.param_inputs)
     if optimizer is not None:
-        save_graph(build_optimizer_graph(optimizer, trainable),
-                   os.path.join(directory, f"{prefix}optimizer_model.onnx"))
-    checkpoint_file.save(os.path.join(directory, f"{prefix}checkpoint"),
-                         checkpoint_file.CheckpointContents(values, trainable))
+        save_graph(build_optimizer_graph(optimizer, trainable), paths.optimizer_model)
+    checkpoint_file.save(paths.checkpoint, checkpoint_file.CheckpointContents(values, trainable))
     if nominal_checkpoint:
-        checkpoint_file.save(os.path.join(directory, f"{prefix}nominal_checkpoint"),
+        checkpoint_file.save(paths.nominal_checkpoint,
                              checkpoint_file.CheckpointContents(values, trainable, nominal=True))

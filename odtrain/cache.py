@@ -192,6 +192,7 @@ def warmup(artifact_dir=None, batch_size: int = DEFAULT_WARMUP_BATCH, input_shap
     """
     import tempfile
 
+    from .artifact_paths import TRAINING_MODEL, ArtifactPaths
     from .graph.errors import ArgumentError, ArtifactNotFoundError
 
     if int(batch_size) < 1:
@@ -205,9 +206,9 @@ def warmup(artifact_dir=None, batch_size: int = DEFAULT_WARMUP_BATCH, input_shap
     else:
         directory = os.fspath(artifact_dir)
         label = directory
-        if not os.path.isfile(os.path.join(directory, "training_model.onnx")):
-            raise ArtifactNotFoundError(f"'{directory}' has no training_model.onnx: give the folder that "
-                                        "generate_artifacts wrote (training_model.onnx, checkpoint, ...)")
+        if not ArtifactPaths.of(directory).has("training_model"):
+            raise ArtifactNotFoundError(f"'{directory}' has no {TRAINING_MODEL}: give the folder that "
+                                        f"generate_artifacts wrote ({TRAINING_MODEL}, checkpoint, ...)")
     try:
         before = kernel_stats()
         steps, shapes = _run_steps(directory, int(batch_size), input_shapes or {})
@@ -231,15 +232,14 @@ def _run_steps(directory: str, batch_size: int, input_shapes: dict) -> tuple[lis
     import numpy as np
 
     from .api import CheckpointState, Module, Optimizer
+    from .artifact_paths import ArtifactPaths
     from .executor import assert_finite
 
-    def path(name):
-        return os.path.join(directory, name)
-
-    state = CheckpointState.load_checkpoint(path("checkpoint"))
-    has_eval = os.path.isfile(path("eval_model.onnx"))
-    module = Module(path("training_model.onnx"), state, path("eval_model.onnx") if has_eval else None)
-    optimizer = Optimizer(path("optimizer_model.onnx"), module) if os.path.isfile(path("optimizer_model.onnx")) else None
+    paths = ArtifactPaths.of(directory)
+    state = CheckpointState.load_checkpoint(paths.checkpoint)
+    has_eval = paths.has("eval_model")
+    module = Module(paths.training_model, state, paths.eval_model if has_eval else None)
+    optimizer = Optimizer(paths.optimizer_model, module) if paths.has("optimizer_model") else None
     steps = []
     feeds = zero_inputs(module.train(), batch_size, input_shapes)
     loss = module(*feeds)  # gradients written

@@ -14,6 +14,7 @@ import json
 import os
 import sys
 
+from .artifact_paths import ArtifactPaths
 from .graph.errors import ArgumentError, ArtifactNotFoundError, OdtrainError
 
 
@@ -158,22 +159,12 @@ def _trial_bind(model, trainable, frozen, loss, loss_inputs, batch_size: int = 2
         try:
             artifacts.generate_artifacts(model, requires_grad=trainable, frozen_params=frozen, loss=_loss_type(loss),
                                          artifact_directory=folder, loss_input_names=loss_inputs)
-            state = CheckpointState.load_checkpoint(os.path.join(folder, "checkpoint"))
-            module = Module(os.path.join(folder, "training_model.onnx"), state, os.path.join(folder, "eval_model.onnx"))
-            arena = 0
-            for session in (module._train, module._eval):
-                plan = _bind(session, batch_size)
-                arena = max(arena, plan.plan.arena_bytes)
-            return arena, None
+            paths = ArtifactPaths.of(folder)
+            state = CheckpointState.load_checkpoint(paths.checkpoint)
+            module = Module(paths.training_model, state, paths.eval_model)
+            return max(module.bind_at(batch_size, training).arena_bytes for training in (True, False)), None
         except OdtrainError as error:
             return None, str(error)
-
-
-def _bind(session, batch_size: int):
-    """A bound plan of a training or eval graph for zero-valued feeds at `batch_size`."""
-    from .memory import bind_at_batch
-
-    return bind_at_batch(session, batch_size)
 
 
 def _check(args) -> int:
@@ -251,14 +242,13 @@ def _prepare(args) -> int:
     from . import artifacts
     from .api import CheckpointState
     from .graph.onnx_io import load_graph
-    from .training import ArtifactPaths
 
     graph = load_graph(args.model, "model")
     loss_inputs = _loss_inputs(graph, args.loss_input)
     trainable, frozen = _select_parameters(graph, loss_inputs, args.requires_grad, args.freeze, args.train_last)
     if args.lr <= 0:
         raise ArgumentError(f"--lr must be > 0, got {args.lr}")
-    checkpoint = os.path.join(args.output, "checkpoint")
+    checkpoint = ArtifactPaths.of(args.output).checkpoint
     if os.path.exists(checkpoint) and not args.force:
         raise ArgumentError(f"'{args.output}' already holds artifacts (a checkpoint); pass --force to replace "
                             "them, or choose another folder with -o")
@@ -314,7 +304,7 @@ def _byte_size(text: str) -> int:
 
 def _train(args) -> int:
     from .api import CheckpointState
-    from .training import ArtifactPaths, fit
+    from .training import fit
 
     paths = ArtifactPaths.find(args.artifacts)
     properties = CheckpointState.load_checkpoint(paths.checkpoint).properties
@@ -384,11 +374,12 @@ def _inspect(args) -> int:
 
     target = args.target
     if os.path.isdir(target):
-        folder, checkpoint = target, os.path.join(target, "checkpoint")
+        paths = ArtifactPaths.of(target)
     elif os.path.isfile(target):
-        folder, checkpoint = os.path.dirname(target) or ".", target
+        paths = ArtifactPaths.of(os.path.dirname(target) or ".", checkpoint=target)
     else:
         raise ArtifactNotFoundError(f"'{target}' is neither an artifact folder nor a checkpoint file")
+    folder, checkpoint = paths.directory, paths.checkpoint
     contents = checkpoint_file.load(checkpoint)
     parameters = [{"name": n, "shape": list(a.shape), "dtype": a.dtype.name, "trainable": n in contents.trainable}
                   for n, a in contents.parameters.items()]
@@ -398,12 +389,11 @@ def _inspect(args) -> int:
     report = {"checkpoint": checkpoint, "nominal": contents.nominal, "parameters": parameters,
               "properties": contents.properties, "optimizer": optimizer or None, "memory_plan": None}
     plans = {}
-    models = [os.path.join(folder, m) for m in ("training_model.onnx", "eval_model.onnx")]
-    if all(os.path.isfile(m) for m in models):
+    if not paths.missing("training_model", "eval_model"):
         module = Session(folder, checkpoint=checkpoint, with_optimizer=False).module
         try:
-            plans = {"training step": _bind(module._train, args.batch_size).plan,
-                     "eval step": _bind(module._eval, args.batch_size).plan}
+            plans = {"training step": module.bind_at(args.batch_size, training=True).plan,
+                     "eval step": module.bind_at(args.batch_size, training=False).plan}
             report["memory_plan"] = {"batch_size": args.batch_size, **{
                 name: {"arena_bytes": p.arena_bytes, "lower_bound": p.lower_bound, "ops": p.steps}
                 for name, p in plans.items()}}

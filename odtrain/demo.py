@@ -43,6 +43,7 @@ def run(directory: str = "odtrain-demo", epochs: int = 15, batch_size: int = 32,
         seed: int = 0, out=print) -> dict:
     from . import artifacts
     from .api import CheckpointState, Module, Optimizer
+    from .artifact_paths import ArtifactPaths
     from .datasets import load_digits, train_test_split
     from .inference import InferenceSession
     from .progress import Progress
@@ -58,9 +59,10 @@ def run(directory: str = "odtrain-demo", epochs: int = 15, batch_size: int = 32,
     train_x, test_x, train_y, test_y = train_test_split(images, labels, test_fraction=0.2, seed=seed)
     out(f"data: 8x8 handwritten digits, {len(train_y)} for training, {len(test_y)} held out")
 
-    state = CheckpointState.load_checkpoint(os.path.join(directory, "checkpoint"))
-    module = Module(os.path.join(directory, "training_model.onnx"), state, os.path.join(directory, "eval_model.onnx"))
-    optimizer = Optimizer(os.path.join(directory, "optimizer_model.onnx"), module)
+    paths = ArtifactPaths.of(directory)
+    state = CheckpointState.load_checkpoint(paths.checkpoint)
+    module = Module(paths.training_model, state, paths.eval_model)
+    optimizer = Optimizer(paths.optimizer_model, module)
     optimizer.set_learning_rate(learning_rate)
     rng = np.random.default_rng(seed)
     batches = (len(train_y) + batch_size - 1) // batch_size
@@ -84,7 +86,7 @@ def run(directory: str = "odtrain-demo", epochs: int = 15, batch_size: int = 32,
     accuracy = float((logits.argmax(axis=1) == test_y).mean())
     state.properties["epochs"] = epochs
     state.properties["held_out_accuracy"] = accuracy
-    CheckpointState.save_checkpoint(state, os.path.join(directory, "checkpoint"), include_optimizer_state=True)
+    CheckpointState.save_checkpoint(state, paths.checkpoint, include_optimizer_state=True)
     inference_path = os.path.join(directory, "inference.onnx")
     module.export_model_for_inferencing(inference_path, ["output"])
     (check,) = InferenceSession(inference_path).run(["output"], {"input": test_x})

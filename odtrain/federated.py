@@ -22,29 +22,10 @@ import time
 
 import numpy as np
 
+from .federated_rounds import digits_partition, digits_split, finish, format_round
 from .graph.errors import ArgumentError
 
 ENGINES = ("auto", "inprocess", "simulation", "deployment")
-TEST_FRACTION = 0.2
-
-
-def digits_split(seed: int = 0):
-    """(train_x, test_x, train_y, test_y): the bundled digits, 20% held out (stratified, seeded)."""
-    from .datasets import load_digits, train_test_split
-
-    images, labels = load_digits()
-    return train_test_split(images, labels, test_fraction=TEST_FRACTION, seed=seed)
-
-
-def digits_partition(partition_id: int, num_partitions: int, alpha: float = 0.5, seed: int = 0):
-    """(x, y) of one client: its share of the training digits under `partition_by_label`."""
-    from .fl import partition_by_label
-
-    if not 0 <= partition_id < num_partitions:
-        raise ArgumentError(f"partition-id must be in [0, {num_partitions}), got {partition_id}")
-    train_x, _, train_y, _ = digits_split(seed)
-    index = partition_by_label(train_y, num_partitions, alpha, seed)[partition_id]
-    return train_x[index], train_y[index]
 
 
 def prepare(directory: str, seed: int = 0) -> str:
@@ -74,39 +55,6 @@ def resolve_engine(engine: str) -> str:
         extra = "odtrain[flower] and flwr[simulation]" if engine == "simulation" else "odtrain[flower]"
         raise ArgumentError(f"the {engine} engine needs Flower: pip install \"{extra}\" (or use --engine inprocess)")
     return engine
-
-
-def format_round(entry: dict) -> str:
-    head = f"round {entry['round']}:"
-    train = f" clients' train loss {entry['train_loss']:.4f};" if entry.get("train_loss") is not None else ""
-    accuracy = f", accuracy {entry['accuracy']:.1%}" if "accuracy" in entry else ""
-    tail = " (initial model)" if entry["round"] == 0 else ""
-    return f"{head}{train} held-out loss {entry['loss']:.4f}{accuracy}{tail}"
-
-
-def finish(trainer, buffer, output_dir: str, rounds: list, extra: dict | None = None) -> dict:
-    """Write the global checkpoint, `inference.onnx` and `rounds.json` for the final global buffer."""
-    from .api import CheckpointState
-    from .fl import set_parameters
-
-    os.makedirs(output_dir, exist_ok=True)
-    set_parameters(trainer.module, buffer)
-    trainer.state.properties["federated_rounds"] = len(rounds) - 1
-    checkpoint = os.path.join(output_dir, "checkpoint")
-    CheckpointState.save_checkpoint(trainer.state, checkpoint)
-    inference = os.path.join(output_dir, "inference.onnx")
-    trainer.module.export_model_for_inferencing(inference, ["output"])
-    result = {"rounds": rounds, "finished": True, "checkpoint": checkpoint, "inference_model": inference, **(extra or {})}
-    write_json(os.path.join(output_dir, "rounds.json"), result)
-    return result
-
-
-def write_json(path: str, value) -> None:
-    """Write JSON through a temporary file and a rename, so readers never see half a file."""
-    temporary = f"{path}.tmp{os.getpid()}"
-    with open(temporary, "w") as handle:
-        json.dump(value, handle, indent=1)
-    os.replace(temporary, path)
 
 
 def run_inprocess(artifact_dir: str, output_dir: str, clients: int, rounds: int, local_epochs: int, batch_size: int,

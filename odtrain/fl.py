@@ -24,11 +24,11 @@ are float32; differences and averages are float64.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
 
+from .artifact_paths import ArtifactPaths
 from .graph.errors import ArgumentError
 
 
@@ -43,13 +43,13 @@ class Trainer:
 
 
 def open_artifacts(directory) -> Trainer:
-    """Load ``checkpoint``, ``training_model.onnx``, ``eval_model.onnx`` and ``optimizer_model.onnx``."""
+    """Load the checkpoint, training, eval and optimizer models of an artifact folder."""
     from .api import CheckpointState, Module, Optimizer
 
-    directory = os.fspath(directory)
-    state = CheckpointState.load_checkpoint(os.path.join(directory, "checkpoint"))
-    module = Module(os.path.join(directory, "training_model.onnx"), state, os.path.join(directory, "eval_model.onnx"))
-    return Trainer(state, module, Optimizer(os.path.join(directory, "optimizer_model.onnx"), module), directory)
+    paths = ArtifactPaths.of(directory)
+    state = CheckpointState.load_checkpoint(paths.checkpoint)
+    module = Module(paths.training_model, state, paths.eval_model)
+    return Trainer(state, module, Optimizer(paths.optimizer_model, module), paths.directory)
 
 
 def parameter_layout(state, trainable_only: bool = True) -> list[tuple[str, tuple]]:

@@ -13,18 +13,18 @@ what training adds on top of a loaded checkpoint: everything but the parameters;
 and loaded kernels) is the process's floor and is part of neither.
 
 Invariants: every number is read off the objects a step uses (the state's
-buffers, the BoundGraph's plan), never recomputed beside them; `from_artifacts`
+buffers, the bound steps' plans), never recomputed beside them; `from_artifacts`
 binds the same plans a first step at that batch size would, without running one.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from .artifact_paths import ArtifactPaths
 from .graph.autodiff import LOSS_SEED
-from .graph.errors import ArgumentError, ArtifactNotFoundError
+from .graph.errors import ArtifactNotFoundError
 from .graph.planner import CATEGORIES, Plan, training_categories
 
 MIB = 1024 * 1024
@@ -140,25 +140,18 @@ def format_bytes(nbytes: int) -> str:
 
 def report(module) -> MemoryReport:
     """The memory of a Module and of the plans it has bound so far (run a step of each shape first)."""
-    state = module._state
-    store = state._store
-    optimizer = state._optimizer
+    buffers = module.state.buffer_bytes()
     result = MemoryReport(
-        parameter_bytes=store.flat.nbytes + sum(a.nbytes for a in store.others.values()),
-        gradient_bytes=store.grad_flat.nbytes,
-        optimizer_bytes=sum(m.nbytes for m in optimizer.moments.values()) if optimizer else 0,
-        trainable_parameter_bytes=store.flat[:store.trainable_size].nbytes,
-        optimizer_kind=optimizer.kind if optimizer else None,
-        optimizer_states=tuple(optimizer.moments) if optimizer else (),
-        shared_arena_bytes=module._arena.nbytes)
-    sessions = [("train", module._train)] + ([("eval", module._eval)] if module._eval is not None else [])
-    for mode, session in sessions:
-        for signature, bound in session.plans.items():
-            shapes = tuple(item for item in signature if isinstance(item, tuple))
-            plan = bound.plan
-            loss = session.graph.outputs[0] if session.graph.outputs else None
-            result.plans.append(PlanMemory(mode, shapes, plan.arena_bytes, plan.lower_bound, bound.constant_bytes,
-                                           bound.recomputed, plan.no_reuse_bytes, plan, plan.written.get(loss)))
+        parameter_bytes=buffers.parameter_bytes,
+        gradient_bytes=buffers.gradient_bytes,
+        optimizer_bytes=sum(buffers.optimizer_state_bytes.values()),
+        trainable_parameter_bytes=buffers.trainable_parameter_bytes,
+        optimizer_kind=buffers.optimizer_kind,
+        optimizer_states=tuple(buffers.optimizer_state_bytes),
+        shared_arena_bytes=module.arena_bytes)
+    for step in module.bound_steps():
+        result.plans.append(PlanMemory(step.mode, step.inputs, step.arena_bytes, step.lower_bound, step.constant_bytes,
+                                       step.recomputed_nodes, step.plan.no_reuse_bytes, step.plan, step.loss_step))
     return result
 
 
@@ -170,39 +163,17 @@ def from_artifacts(directory, batch_size: int, memory_budget: int | None = None)
     MemoryBudgetError when no plan meets the budget."""
     from .api import CheckpointState, Module, Optimizer
 
-    directory = os.fspath(directory)
-    paths = {name: os.path.join(directory, name) for name in
-             ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", "checkpoint")}
-    missing = [name for name in ("training_model.onnx", "checkpoint") if not os.path.isfile(paths[name])]
+    paths = ArtifactPaths.of(directory)
+    missing = paths.missing("training_model", "checkpoint")
     if missing:
-        raise ArtifactNotFoundError(f"'{directory}' is not an artifact folder: it lacks {', '.join(missing)}; generate "
-                                    "the artifacts with `odtrain prepare` or odtrain.artifacts.generate_artifacts")
-    if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ArgumentError(f"the batch size must be a positive integer, got {batch_size!r}")
-    state = CheckpointState.load_checkpoint(paths["checkpoint"])
-    eval_model = paths["eval_model.onnx"] if os.path.isfile(paths["eval_model.onnx"]) else None
-    module = Module(paths["training_model.onnx"], state, eval_model, memory_budget=memory_budget)
-    if os.path.isfile(paths["optimizer_model.onnx"]):
-        Optimizer(paths["optimizer_model.onnx"], module)
-    for session in (module._train, module._eval):
-        if session is not None:
-            bind_at_batch(session, batch_size)
+        raise ArtifactNotFoundError(f"'{paths.directory}' is not an artifact folder: it lacks {', '.join(missing)}; "
+                                    "generate the artifacts with `odtrain prepare` or "
+                                    "odtrain.artifacts.generate_artifacts")
+    state = CheckpointState.load_checkpoint(paths.checkpoint)
+    with_eval = paths.has("eval_model")
+    module = Module(paths.training_model, state, paths.eval_model if with_eval else None, memory_budget=memory_budget)
+    if paths.has("optimizer_model"):
+        Optimizer(paths.optimizer_model, module)
+    for training in (True, False) if with_eval else (True,):
+        module.bind_at(batch_size, training)
     return report(module)
-
-
-def bind_at_batch(session, batch_size: int):
-    """The bound plan (BoundGraph) of a training or eval session for zero-valued feeds at `batch_size`."""
-    arrays = []
-    for name in session.input_names:
-        declared = session.graph.value_types[name]
-        if declared.shape is None:
-            raise ArgumentError(f"input '{name}' has no declared shape; the memory plan needs one")
-        shape = []
-        for axis, dim in enumerate(declared.shape):
-            if isinstance(dim, str) and axis > 0:
-                raise ArgumentError(f"input '{name}' has the symbolic dimension '{dim}' on axis {axis}; only the "
-                                    "batch axis (0) is bound by the batch size")
-            shape.append(batch_size if isinstance(dim, str) else dim)
-        arrays.append(np.zeros(shape, dtype=declared.dtype))
-    feeds, signature = session.feeds(arrays)
-    return session.bound(signature, feeds)

@@ -39,6 +39,7 @@ import numpy as np
 
 from . import data as data_files
 from .api import DEFAULT_LEARNING_RATE, CheckpointState, Module, Optimizer
+from .artifact_paths import OPTIMIZER_MODEL, ArtifactPaths
 from .graph.errors import ArgumentError, ArtifactNotFoundError, StateError
 from .progress import progress_bar
 
@@ -52,32 +53,6 @@ POSITION = ("epoch", "step_in_epoch", "global_step", "epoch_loss_sum", "finished
 _LABEL_INPUT = re.compile(r"(labels|target)(_\d+)?$")
 
 
-@dataclass
-class ArtifactPaths:
-    directory: str
-    training_model: str
-    eval_model: str
-    optimizer_model: str
-    checkpoint: str
-
-    @classmethod
-    def find(cls, directory, checkpoint=None) -> "ArtifactPaths":
-        directory = os.fspath(directory)
-        if not os.path.isdir(directory):
-            raise ArtifactNotFoundError(f"artifact folder '{directory}' does not exist; create it with "
-                                        f"`odtrain prepare MODEL.onnx -o {directory}`")
-        paths = cls(directory, *(os.path.join(directory, name) for name in
-                                 ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", "checkpoint")))
-        if checkpoint is not None:
-            paths.checkpoint = os.fspath(checkpoint)
-        missing = [os.path.basename(p) for p in (paths.training_model, paths.eval_model) if not os.path.isfile(p)]
-        missing += [] if os.path.isfile(paths.checkpoint) else [paths.checkpoint]
-        if missing:
-            raise ArtifactNotFoundError(f"artifact folder '{directory}' lacks {', '.join(missing)}; generate the "
-                                        "artifacts with `odtrain prepare` or odtrain.artifacts.generate_artifacts")
-        return paths
-
-
 class Session:
     """Loaded artifacts: the CheckpointState, a Module, and an Optimizer when one is wanted."""
 
@@ -88,8 +63,8 @@ class Session:
         self.module = Module(self.paths.training_model, self.state, self.paths.eval_model, memory_budget=memory_budget)
         self.optimizer = None
         if with_optimizer:
-            if not os.path.isfile(self.paths.optimizer_model):
-                raise ArtifactNotFoundError(f"artifact folder '{self.paths.directory}' has no optimizer_model.onnx; "
+            if not self.paths.has("optimizer_model"):
+                raise ArtifactNotFoundError(f"artifact folder '{self.paths.directory}' has no {OPTIMIZER_MODEL}; "
                                             "generate the artifacts with an optimizer (odtrain prepare does)")
             if fresh_optimizer:
                 self.state._optimizer = None
@@ -98,11 +73,11 @@ class Session:
     @property
     def inputs(self) -> list[data_files.InputSpec]:
         """The training model's inputs; the last one is the label input when it is named labels or target."""
-        session = self.module._train
-        names = list(session.input_names)
+        types = self.module.input_types(training=True)
+        names = list(types)
         specs = []
         for index, name in enumerate(names):
-            declared = session.graph.value_types[name]
+            declared = types[name]
             is_label = index == len(names) - 1 and len(names) > 1 and bool(_LABEL_INPUT.match(name))
             specs.append(data_files.InputSpec(name, declared.dtype, declared.shape, is_label))
         return specs
@@ -113,7 +88,7 @@ class Session:
         kind = self.state.properties.get("loss")
         if kind:
             return str(kind)
-        graph = self.module._eval.graph
+        graph = self.module.graph(training=False)
         if any(node.op_type in LOSS_KINDS for node in graph.nodes):
             return "ce"
         values = {o for node in graph.nodes for o in node.outputs}
@@ -125,7 +100,7 @@ class Session:
     @property
     def prediction_outputs(self) -> list[str]:
         """The eval model's outputs besides the loss: what the model predicts."""
-        return list(self.module._eval.output_names[1:])
+        return list(self.module.graph(training=False).outputs[1:])
 
     def dataset(self, source, x=None, y=None) -> data_files.Dataset:
         """A Dataset for this model from paths, a Dataset, a dict of arrays or arrays in input order."""

@@ -40,3 +40,87 @@ def test_only_the_executor_joins_graph_nodes_to_kernels():
     users = {path.name for path, module in imported_modules("odtrain", "odtrain")
              if module.startswith("odtrain.kernels")}
     assert users <= {"executor.py"}, users
+
+
+PACKAGES = {"odtrain": "odtrain", "graph": "odtrain.graph", "kernels": "odtrain.kernels"}
+KNOWN_CYCLES = [{"odtrain.runtime", "odtrain.threads"}]  # runtime loads the thread policy, which reloads BLAS
+
+
+def module_imports() -> dict[str, set[str]]:
+    """Each of our modules -> the modules of ours it imports anywhere in its file (deferred imports inside
+    functions too: they hide a cycle, they do not break it). A package importing its own submodules is
+    how it registers them, not a dependency, and is left out."""
+    paths = {}
+    for folder, package in PACKAGES.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = package.split(".") + list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in paths.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else [])) \
+                    if node.level else node.module
+                found.add(base)
+                found.update(f"{base}.{alias.name}" for alias in node.names)  # `from . import module`
+        graph[name] = {m for m in found if m in paths and m != name and not m.startswith(name + ".")}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(module):
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for other in sorted(graph[module]):
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in on_stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            component = set()
+            while not component or module not in component:
+                component.add(stack.pop())
+            on_stack.difference_update(component)
+            if len(component) > 1:
+                cycles.append(component)
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return cycles
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert import_cycles(graph) == [{"a", "b", "c"}]
+    assert import_cycles({**graph, "c": set()}) == []
+
+
+def test_no_import_cycles():
+    graph = module_imports()
+    assert "odtrain.graph.ops" in graph["odtrain.graph.ops.nn"] and "odtrain.executor" in graph["odtrain.api"]
+    cycles = [cycle for cycle in import_cycles(graph) if cycle not in KNOWN_CYCLES]
+    assert not cycles, [sorted(cycle) for cycle in cycles]
+
+
+def test_no_module_reaches_into_the_sessions_or_parameter_store_of_the_api():
+    """`Module._train`/`_eval` and `CheckpointState._store` belong to odtrain/api.py; everything else uses
+    its public seams (Module.bind_at, bound_steps, input_types, graph, state; CheckpointState.buffer_bytes)."""
+    private = {"_train", "_eval", "_store"}
+    for folder in ("odtrain", "graph", "kernels", "benchmarks"):
+        for path in (ROOT / folder).rglob("*.py"):
+            if path == ROOT / "odtrain" / "api.py":
+                continue
+            tree = ast.parse(path.read_text(), filename=str(path))
+            reached = sorted({node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                              and node.attr in private})
+            assert not reached, (str(path.relative_to(ROOT)), reached)

@@ -61,12 +61,14 @@ def build_model(pool: bool, seed: int = 0):
 def train(model, params, x, y, directory) -> list[float]:
     from odtrain import artifacts
     from odtrain.api import CheckpointState, Module, Optimizer
+    from odtrain.artifact_paths import ArtifactPaths
 
     artifacts.generate_artifacts(model, requires_grad=params, loss=artifacts.LossType.CrossEntropyLoss,
                                  optimizer=artifacts.OptimType.AdamW, artifact_directory=directory)
-    state = CheckpointState.load_checkpoint(os.path.join(directory, "checkpoint"))
-    module = Module(os.path.join(directory, "training_model.onnx"), state, os.path.join(directory, "eval_model.onnx"))
-    optimizer = Optimizer(os.path.join(directory, "optimizer_model.onnx"), module)
+    paths = ArtifactPaths.of(directory)
+    state = CheckpointState.load_checkpoint(paths.checkpoint)
+    module = Module(paths.training_model, state, paths.eval_model)
+    optimizer = Optimizer(paths.optimizer_model, module)
     optimizer.set_learning_rate(1e-2)
     losses = []
     for step in range(STEPS):

@@ -14,7 +14,6 @@ With --expect-no-compile, exits 1 if any kernel was compiled (a warm cache shoul
 """
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -46,6 +45,7 @@ def main() -> int:
     timed("import odtrain.api", lambda: __import__("odtrain.api"))
     from odtrain import cache, runtime
     from odtrain.api import CheckpointState, Module, Optimizer
+    from odtrain.artifact_paths import ArtifactPaths
 
     scratch = None
     directory = args.artifacts
@@ -58,9 +58,10 @@ def main() -> int:
         untimed = 0.0
 
     def open_session():
-        state = CheckpointState.load_checkpoint(os.path.join(directory, "checkpoint"))
-        module = Module(os.path.join(directory, "training_model.onnx"), state, os.path.join(directory, "eval_model.onnx"))
-        return module, Optimizer(os.path.join(directory, "optimizer_model.onnx"), module)
+        paths = ArtifactPaths.of(directory)
+        state = CheckpointState.load_checkpoint(paths.checkpoint)
+        module = Module(paths.training_model, state, paths.eval_model)
+        return module, Optimizer(paths.optimizer_model, module)
 
     timed("runtime: BLAS table, Numba's set-up", runtime.load)
     module, optimizer = timed("CheckpointState + Module + Optimizer", open_session)

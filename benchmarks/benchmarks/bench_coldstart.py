@@ -29,10 +29,11 @@ os.environ["ODTRAIN_CACHE_DIR"] = {cache_dir!r}
 FIRST_STEP = """
 import numpy as np
 from odtrain.api import CheckpointState, Module, Optimizer
-artifacts = {artifacts!r}
-state = CheckpointState.load_checkpoint(artifacts + "/checkpoint")
-module = Module(artifacts + "/training_model.onnx", state, artifacts + "/eval_model.onnx")
-optimizer = Optimizer(artifacts + "/optimizer_model.onnx", module)
+from odtrain.artifact_paths import ArtifactPaths
+paths = ArtifactPaths.of({artifacts!r})
+state = CheckpointState.load_checkpoint(paths.checkpoint)
+module = Module(paths.training_model, state, paths.eval_model)
+optimizer = Optimizer(paths.optimizer_model, module)
 batch = np.load({batch!r})
 module(*[batch[name] for name in batch.files])
 optimizer.step()
@@ -70,9 +71,11 @@ class ColdStart:
         if not self.batch.exists():
             from odtrain import cache
             from odtrain.api import CheckpointState, Module
+            from odtrain.artifact_paths import ArtifactPaths
 
-            state = CheckpointState.load_checkpoint(self.artifacts / "checkpoint")
-            module = Module(self.artifacts / "training_model.onnx", state)
+            paths = ArtifactPaths.of(self.artifacts)
+            state = CheckpointState.load_checkpoint(paths.checkpoint)
+            module = Module(paths.training_model, state)
             inputs = cache.zero_inputs(module, MODELS[model])
             rng = np.random.default_rng(common.SEED)
             for i, array in enumerate(inputs):  # random images, labels 0

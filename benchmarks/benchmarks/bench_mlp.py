@@ -65,11 +65,12 @@ import os
 os.environ["NUMBA_CACHE_DIR"] = {cache_dir!r}
 import numpy as np
 from odtrain.api import CheckpointState, Module, Optimizer
-artifacts = {artifacts!r}
-state = CheckpointState.load_checkpoint(artifacts + "/checkpoint")
-module = Module(artifacts + "/training_model.onnx", state, artifacts + "/eval_model.onnx")
-optimizer = Optimizer(artifacts + "/optimizer_model.onnx", module)
-batch = np.load(artifacts + "/batch.npz")
+from odtrain.artifact_paths import ArtifactPaths
+paths = ArtifactPaths.of({artifacts!r})
+state = CheckpointState.load_checkpoint(paths.checkpoint)
+module = Module(paths.training_model, state, paths.eval_model)
+optimizer = Optimizer(paths.optimizer_model, module)
+batch = np.load(paths.directory + "/batch.npz")
 module(batch["x"], batch["y"])
 optimizer.step()
 module.lazy_reset_grad()

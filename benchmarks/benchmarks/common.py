@@ -76,10 +76,12 @@ def artifacts(name: str, optimizer: str = "AdamW") -> pathlib.Path:
 def open_training(directory: pathlib.Path):
     """(module, optimizer) on a fresh CheckpointState loaded from an artifact directory."""
     from odtrain.api import CheckpointState, Module, Optimizer
+    from odtrain.artifact_paths import ArtifactPaths
 
-    state = CheckpointState.load_checkpoint(directory / "checkpoint")
-    module = Module(directory / "training_model.onnx", state, directory / "eval_model.onnx")
-    return module, Optimizer(directory / "optimizer_model.onnx", module)
+    paths = ArtifactPaths.of(directory)
+    state = CheckpointState.load_checkpoint(paths.checkpoint)
+    module = Module(paths.training_model, state, paths.eval_model)
+    return module, Optimizer(paths.optimizer_model, module)
 
 
 def classification_batch(batch: int, features: int, classes: int, seed: int = SEED):
@@ -92,4 +94,4 @@ def classification_batch(batch: int, features: int, classes: int, seed: int = SE
 
 def last_plan(module):
     """The memory plan bound by the module's most recent training call."""
-    return next(reversed(module._train.plans.values())).plan
+    return [step for step in module.bound_steps() if step.mode == "train"][-1].plan

@@ -23,7 +23,7 @@ import time
 import urllib.request
 import uuid
 
-from ..federated import format_round
+from ..federated_rounds import ROUNDS_FILE, format_round
 from ..graph.errors import OdtrainError
 
 CONNECTION = "odtrain"
@@ -212,7 +212,7 @@ def run_flower(engine: str, artifact_dir: str, output_dir: str, clients: int, ro
                   "clip-norm": float(clip_norm or 0.0), "noise-multiplier": float(noise_multiplier),
                   "fraction-train": 1.0, "fraction-evaluate": 0.0, "min-nodes": clients}
     app_dir = write_app(os.path.join(workdir, "app"), run_config)
-    progress = os.path.join(output_dir, "rounds.json")
+    progress = os.path.join(output_dir, ROUNDS_FILE)
     if os.path.exists(progress):
         os.remove(progress)
     shown = [0]

@@ -20,7 +20,7 @@ from flwr.serverapp.strategy import FedAvg
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from .. import fl
-from ..federated import digits_split, finish, format_round, write_json
+from ..federated_rounds import ROUNDS_FILE, digits_split, finish, format_round, write_json
 from . import settings
 
 app = ServerApp()
@@ -56,7 +56,7 @@ def main(grid: Grid, context: Context) -> None:
         if server_round:
             entry["train_loss"] = float(train["train-loss"]) if train is not None else None
         history.append(entry)
-        write_json(os.path.join(output, "rounds.json"), {"rounds": history, "finished": False})
+        write_json(os.path.join(output, ROUNDS_FILE), {"rounds": history, "finished": False})
         log(INFO, "%s", format_round(entry))
         return MetricRecord({k: v for k, v in entry.items() if isinstance(v, (int, float)) and k != "round"})
 

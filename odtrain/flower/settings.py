@@ -72,7 +72,7 @@ def client_data(context: Context, alpha: float, seed: int) -> tuple[np.ndarray, 
     if "partition-id" not in node or "num-partitions" not in node:
         raise ArgumentError("this node has no data: start it with --node-config 'partition-id=K num-partitions=N' "
                             "or 'data-file=\"local.npz\"'")
-    from ..federated import digits_partition
+    from ..federated_rounds import digits_partition
 
     return digits_partition(int(node["partition-id"]), int(node["num-partitions"]), alpha, seed)
 

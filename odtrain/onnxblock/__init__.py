@@ -34,50 +34,12 @@ import onnx
 from onnx import numpy_helper
 
 from .. import checkpoint as checkpoint_file
-from ..graph.errors import ArgumentError, ModelError, StateError
-from ..graph.ir import Graph, TensorType
+from ..artifacts import build_training_graphs
+from ..graph.errors import ArgumentError, StateError
+from ..graph.ir import Graph
 from ..graph.onnx_io import graph_to_proto, read_model_proto
 from . import blocks, loss, optim
-from .blocks import _BUILDING, Block, GraphBuilder, _build_into, _output_names
-
-
-def build_loss_block(block: Block, graph: Graph, loss_inputs: list[str]) -> tuple[str, list[str]]:
-    """Run `block` on `graph` as a loss: (scalar loss name, extra output names the block returned)."""
-    builder = GraphBuilder(graph)
-    names = _output_names(_build_into(block, builder, loss_inputs))
-    for name in names:
-        if not builder.has(name):
-            raise ModelError(f"{type(block).__name__}.build returned '{name}', which is not a value of the model")
-    loss_name = _scalar_loss(builder, names[0], type(block).__name__)
-    produced = any(loss_name in node.outputs for node in graph.nodes)
-    if loss_name != "loss" and produced and not builder.has("loss") and loss_name not in graph.outputs:
-        _rename(graph, loss_name, "loss")  # the name the built-in losses give, for module.output_names()
-        loss_name = "loss"
-    for name in names[1:]:
-        if name not in graph.value_types and builder.type_of(name) is not None:
-            graph.value_types[name] = builder.type_of(name)
-    return loss_name, names[1:]
-
-
-def _rename(graph: Graph, old: str, new: str) -> None:
-    for node in graph.nodes:
-        node.inputs = [new if name == old else name for name in node.inputs]
-        node.outputs = [new if name == old else name for name in node.outputs]
-    if old in graph.value_types:
-        graph.value_types[new] = graph.value_types.pop(old)
-
-
-def _scalar_loss(builder: GraphBuilder, name: str, who: str) -> str:
-    t = builder.type_of(name)
-    if t is None or t.shape is None:
-        return name
-    if t.shape != ():
-        if not all(d == 1 for d in t.shape):
-            raise ModelError(f"{who}: the loss '{name}' must be a scalar to train, it is {t}; reduce it "
-                             "(reduction='mean' or 'sum', or a ReduceMean/ReduceSum block)")
-        name = builder.node("ReduceSum", [name], {"keepdims": 0}, hint="loss_scalar")
-    builder.graph.value_types[name] = TensorType(t.dtype, ())
-    return name
+from .blocks import _BUILDING, Block, GraphBuilder, _build_into, _output_names, build_loss_block
 
 
 @contextlib.contextmanager
@@ -140,8 +102,6 @@ class TrainingBlock(Block):
         if model is None:
             raise StateError(f"{type(self).__name__} has no model to build on: use TrainingBlock(model), "
                              "block.to_model_proto(model), or call it inside `with onnxblock.base(model):`")
-        from ..artifacts import build_training_graphs
-
         flags = getattr(self, "_requires_grad", {})
         trainable = [name for name, value in flags.items() if value]
         if not trainable:
