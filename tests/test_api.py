@@ -126,6 +126,34 @@ def test_a_smaller_last_batch_gets_its_own_plan(session, batch):
     assert module(*batch)[0] == loss_full
 
 
+def test_bind_at_binds_the_step_that_a_call_at_that_batch_runs(mlp_artifacts, batch):
+    state = CheckpointState.load_checkpoint(mlp_artifacts / "checkpoint")
+    module = Module(mlp_artifacts / "training_model.onnx", state, mlp_artifacts / "eval_model.onnx")
+    step = module.bind_at(len(batch[0]))
+    assert step.mode == "train" and dict(step.inputs) == {"input": batch[0].shape, "labels": batch[1].shape}
+    assert step.arena_bytes == module.arena_bytes and step.lower_bound <= step.arena_bytes
+    assert 0 < step.loss_step < step.plan.steps and step.recomputed_nodes == 0
+    module(*batch)  # runs on the plan bound above: no second one
+    (bound,) = module.bound_steps()
+    assert bound.plan is step.plan
+    evaluation = module.bind_at(7, training=False)
+    assert [s.mode for s in module.bound_steps()] == ["train", "eval"] and evaluation.inputs[0][1][0] == 7
+    for wrong in (0, -1, 2.5, True):
+        with pytest.raises(ArgumentError, match="batch size"):
+            module.bind_at(wrong)
+
+
+def test_buffer_bytes_are_the_state_buffers(session):
+    state, module, _ = session
+    buffers = state.buffer_bytes()
+    trainable = 4 * module.get_parameters_size(trainable_only=True)
+    assert buffers.gradient_bytes == buffers.trainable_parameter_bytes == trainable
+    assert buffers.parameter_bytes == 4 * module.get_parameters_size(trainable_only=False)
+    assert buffers.optimizer_kind == "AdamW" and buffers.optimizer_state_bytes == {"momentum0": trainable,
+                                                                                   "momentum1": trainable}
+    assert module.state is state
+
+
 def test_frozen_parameters_do_not_train(mlp_reference, tmp_path):
     path, _, golden = mlp_reference
     artifacts.generate_artifacts(str(path), requires_grad=["fc2.weight", "fc2.bias"], frozen_params=["fc1.weight", "fc1.bias"],
