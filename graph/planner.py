@@ -39,7 +39,7 @@ from .ops import is_view, lookup
 from .schedule import RECOMPUTE_SUFFIX, split_forward_backward
 
 ALIGNMENT = 64
-SCRATCH_SUFFIX = "::scratch"  # the executor names a node's working memory `<node name>::scratch`
+SCRATCH_SUFFIX = "::scratch"  # a node's working memory is named `<node name>::scratch` (graph/step_plan.py)
 CATEGORIES = ("inputs", "saved for backward", "forward temporaries", "backward", "scratch", "recomputed")
 
 
