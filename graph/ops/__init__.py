@@ -1,4 +1,4 @@
-"""The op registry: for each op type, its type rule, memory facts and gradient rule.
+"""The op registry: for each op type, its type rule, its facts (memory, inputs, cost) and gradient rule.
 
 An op is registered with `@op("Relu", ...)` on its type rule, and its
 gradient with `@grad("Relu")`. The registry is a plain dict keyed by
