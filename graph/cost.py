@@ -1,16 +1,17 @@
-"""Cost model: how much work running a node once takes, estimated from its op type and bound shapes.
+"""Cost model: how much work running a node once takes, estimated from its op's registration and bound shapes.
 
 Used to choose what to recompute under a memory budget (`graph/recompute.py`), where only the
 relative cost of nodes matters. The unit is the time a memory-bound loop takes to read or write
-one element:
+one element. Every fact about an op comes from its registration (`graph/ops`, `@op(...)`):
 - Every op touches each element of its inputs and outputs once (inputs read for their shape
-  only do not count), times PASSES for ops that go over their data more than once
+  only do not count), times its `passes` for ops that go over their data more than once
   (normalizations, softmax) or evaluate a transcendental function per element.
-- Products (Conv, ConvTranspose, Gemm, MatMul, FusedMatMul, GRU, LSTM) add their operations,
-  2 per multiply-add, FLOPS_PER_ELEMENT of them per unit; a Conv also reads a window of its
-  input per output element and channel group (its im2col), which is what dominates a
-  depthwise Conv.
-- Windowed ops (MaxPool, AveragePool) read WINDOW_READ units per window element.
+- Products (ops registered with `flops`: Conv, ConvTranspose, Gemm, MatMul, FusedMatMul, GRU,
+  LSTM) add their operations, 2 per multiply-add, FLOPS_PER_ELEMENT of them per unit.
+- Ops over sliding windows (registered with `window_reads`) add the input elements their windows
+  read: a product gathers each once into its im2col buffer (one unit each), which is what
+  dominates a depthwise Conv; an op that computes on every window element (MaxPool,
+  AveragePool) takes WINDOW_READ units for each.
 - Views (Reshape, Flatten, ...) cost nothing.
 Values without a static type count as one element. The constants come from timing each forward
 node of MobileNetV2, a ResNet-style CNN and a transformer encoder on one x86-64 core: most ops
@@ -19,24 +20,12 @@ FusedMatMul 0.06); pooling and reductions over small outputs are slower (0.5-1.5
 """
 from __future__ import annotations
 
-import math
-
 from .ir import Node, TensorType
 from .ops import is_view, lookup
-from .ops.linalg import fused_matmul_shape, matmul_shape
 
 # Operations of a blocked product in the time a memory-bound loop moves one element.
 FLOPS_PER_ELEMENT = 8.0
 WINDOW_READ = 4.0
-
-PASSES = {
-    "BatchNormalization": 3.0,  # in training: mean, variance, then normalize
-    "BatchNormalizationActivation": 3.0,
-    "LayerNormalization": 3.0,
-    "Softmax": 3.0, "LogSoftmax": 3.0,  # maximum, sum of exponentials, normalize
-    "Exp": 2.0, "Log": 2.0, "Tanh": 2.0, "Sigmoid": 2.0, "Erf": 2.0, "Gelu": 2.0, "Pow": 2.0, "Sqrt": 2.0,
-}
-PRODUCTS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul", "FusedMatMul", "GRU", "LSTM"})
 
 
 def _size(t: TensorType | None) -> int:
@@ -49,39 +38,19 @@ def _typed(types: dict, names) -> list[TensorType | None]:
     return [types.get(n) if n else None for n in names]
 
 
-def product_flops(node: Node, types: dict) -> float:
-    """Operations (2 per multiply-add) of a product node at its bound shapes."""
+def _at_static_shapes(count, node: Node, types: dict) -> float:
+    """`count(node, input types, output type)` (a registered `flops` or `window_reads`), or 0 when the op
+    registers none or its first two inputs or its output have no static type."""
     ins = _typed(types, node.inputs)
     out = types.get(node.outputs[0]) if node.outputs and node.outputs[0] else None
-    if any(t is None or not t.is_static for t in ins[:2]) or out is None or not out.is_static:
+    if count is None or any(t is None or not t.is_static for t in ins[:2]) or out is None or not out.is_static:
         return 0.0
-    a, b = ins[0].shape, ins[1].shape
-    op = node.op_type
-    if op == "Conv":  # weight [M, C/group, k...]: each output element reads C/group · k... inputs
-        return 2.0 * out.size * math.prod(b[1:])
-    if op == "ConvTranspose":  # weight [C, M/group, k...]: each input element writes M/group · k... outputs
-        return 2.0 * ins[0].size * math.prod(b[1:])
-    if op in ("GRU", "LSTM"):  # every step multiplies the input by W and the state by R
-        recurrent = ins[2] if len(ins) > 2 and ins[2] is not None and ins[2].is_static else None
-        rows = ins[0].size // max(a[-1], 1)  # steps · batch
-        return 2.0 * rows * (ins[1].size + (recurrent.size if recurrent else 0))
-    if op == "Gemm":
-        inner = a[0] if node.attrs.get("transA", 0) else a[-1]
-        return 2.0 * out.size * inner
-    if op == "FusedMatMul":  # the product before any sum over broadcast axes, A read through permA
-        perm = node.attrs.get("permA")
-        a_seen = tuple(a[p] for p in perm) if perm is not None else tuple(a)
-        inner = a_seen[-2] if node.attrs.get("transA", 0) else a_seen[-1]
-        return 2.0 * math.prod(fused_matmul_shape(node, a, b)) * inner
-    return 2.0 * math.prod(matmul_shape(node, a, b)) * (a[-1] if a else 1)  # MatMul
+    return count(node, ins, out)
 
 
-def _im2col(node: Node, ins: list, outs: list) -> float:
-    """Input elements a Conv gathers: each output position reads its window of every input channel."""
-    if node.op_type != "Conv" or not all(t is not None and t.is_static for t in (ins[0], ins[1], outs[0])):
-        return 0.0
-    weight, out = ins[1].shape, outs[0]
-    return out.size / max(weight[0], 1) * ins[0].shape[1] * math.prod(weight[2:])
+def product_flops(node: Node, types: dict) -> float:
+    """Operations (2 per multiply-add) of a product node at its bound shapes; 0 for any other node."""
+    return _at_static_shapes(lookup(node).flops, node, types)
 
 
 def node_cost(node: Node, types: dict) -> float:
@@ -92,8 +61,6 @@ def node_cost(node: Node, types: dict) -> float:
         return 0.0
     touched = sum(_size(t) for i, t in enumerate(ins) if t is not None and i not in opdef.shape_only)
     touched += sum(_size(t) for t in outs if t is not None)
-    if node.op_type in PRODUCTS:
-        return touched + product_flops(node, types) / FLOPS_PER_ELEMENT + _im2col(node, ins, outs)
-    if node.op_type in ("MaxPool", "AveragePool"):
-        return touched + WINDOW_READ * _size(outs[0]) * math.prod(node.attrs.get("kernel_shape") or [1])
-    return touched * PASSES.get(node.op_type, 1.0)
+    window_read = 1.0 if opdef.flops is not None else WINDOW_READ
+    return (touched * opdef.passes + _at_static_shapes(opdef.flops, node, types) / FLOPS_PER_ELEMENT
+            + window_read * _at_static_shapes(opdef.window_reads, node, types))

@@ -1,11 +1,17 @@
 """Elementwise kernels: unary maps, same-shape binaries, broadcasting binaries, comparisons, Where.
 
-Op codes (arguments, so one compiled kernel serves a family):
+Unary ops come from one table per loop, each row an op type and its scalar function: `UNARY`
+(cheap maps, one loop `_unary`) and `SPECIAL_UNARY` (transcendental ones, loop `_special_unary`).
+A row's position is its code, the argument that lets one compiled loop serve the whole table;
+the loop picks the function through a dispatch generated from the same table (`_dispatch`), so
+a code is never written out. Adding a unary op here is adding its row. The graph layer has its
+own row for the op (graph/ops/elementwise.py: fold, cost, gradient); the two layers never import
+each other, and tests/test_registry.py checks that every registered op has a kernel.
+
+Binary and comparison op codes (arguments, so one compiled kernel serves a family):
   binary: 0 add, 1 sub, 2 mul, 3 div, 4 relu-grad(dy, y), 5 sigmoid-grad(dy, y), 6 tanh-grad(dy, y),
           7 pow, 8 max, 9 min, 10 erf-grad(dy, x), 11 atan-grad(dy, x), 12 gelu-grad(dy, x),
           13 gelu-tanh-grad(dy, x)
-  unary:  0 neg, 1 abs, 2 exp, 3 log, 4 relu, 5 sigmoid, 6 tanh, 7 sign, 8 sqrt, 9 reciprocal, 10 copy,
-          11 erf, 12 atan, 13 gelu, 14 gelu-tanh, 15 floor, 16 ceil
   compare: 0 ==, 1 <, 2 >, 3 <=, 4 >=, 5 and, 6 or, 7 xor
 
 The transcendental ops (erf, GELU and their gradients, codes in SPECIAL_*) have kernels of
@@ -30,10 +36,7 @@ from .layout import broadcast_layout, flat
 
 BINARY = {"Add": 0, "Sub": 1, "Mul": 2, "Div": 3, "ReluGrad": 4, "SigmoidGrad": 5, "TanhGrad": 6,
           "Pow": 7, "Max": 8, "Min": 9, "ErfGrad": 10, "AtanGrad": 11}
-UNARY = {"Neg": 0, "Abs": 1, "Exp": 2, "Log": 3, "Relu": 4, "Sigmoid": 5, "Tanh": 6, "Sign": 7,
-         "Sqrt": 8, "Reciprocal": 9, "Identity": 10, "Erf": 11, "Atan": 12, "Floor": 15, "Ceil": 16}
-COPY = UNARY["Identity"]
-GELU, GELU_TANH, GELU_GRAD, GELU_TANH_GRAD = 13, 14, 12, 13
+GELU_GRAD, GELU_TANH_GRAD = 12, 13
 COMPARE = {"Equal": 0, "Less": 1, "Greater": 2, "LessOrEqual": 3, "GreaterOrEqual": 4, "And": 5, "Or": 6, "Xor": 7}
 
 
@@ -179,51 +182,74 @@ def _special_binary_op(code, dy, x):
     return gelu_tanh_grad(dy, x)  # 13
 
 
-@njit(cache=True, inline="always")
-def _unary_op(code, x):
-    """The cheap unary ops (codes 0-10, 12, 15, 16); erf and GELU have their own kernels."""
-    if code == 0:
-        return -x
-    if code == 1:
-        return abs(x)
-    if code == 2:
-        return np.exp(x)
-    if code == 3:
-        return np.log(x)
-    if code == 4:
-        return x if x > 0 else x * 0
-    if code == 5:  # overflow-free logistic
-        if x >= 0:
-            return 1 / (1 + np.exp(-x))
-        e = np.exp(x)
-        return e / (1 + e)
-    if code == 6:
-        return np.tanh(x)
-    if code == 7:
-        return (x > 0) - (x < 0) + x * 0
-    if code == 8:
-        return np.sqrt(x)
-    if code == 9:
-        return 1 / x
-    if code == 12:
-        return np.arctan(x)
-    if code == 15:
-        return np.floor(x)
-    if code == 16:
-        return np.ceil(x)
-    return x  # 10: copy
+@njit(inline="always")
+def _negative(x):
+    return -x
 
 
-@njit(cache=True, inline="always")
-def _special_unary_op(code, x):
-    if code == 11:
-        return fast_erf(x)
-    if code == 13:
-        return gelu(x)
-    return gelu_tanh(x)  # 14
+@njit(inline="always")
+def _absolute(x):
+    return abs(x)
 
 
-SPECIAL_UNARY = (11, 13, 14)
+@njit(inline="always")
+def _relu(x):
+    return x if x > 0 else x * 0
+
+
+@njit(inline="always")
+def _sigmoid(x):
+    """Overflow-free logistic: 1 / (1 + e^-x), or e^x / (1 + e^x) below 0."""
+    if x >= 0:
+        return 1 / (1 + np.exp(-x))
+    e = np.exp(x)
+    return e / (1 + e)
+
+
+@njit(inline="always")
+def _sign(x):
+    return (x > 0) - (x < 0) + x * 0
+
+
+@njit(inline="always")
+def _reciprocal(x):
+    return 1 / x
+
+
+@njit(inline="always")
+def _copy(x):
+    return x
+
+
+# Cheap unary maps: op type -> scalar function; the row's position is its code in `_unary`.
+UNARY = {
+    "Neg": _negative, "Abs": _absolute, "Exp": np.exp, "Log": np.log, "Relu": _relu, "Sigmoid": _sigmoid,
+    "Tanh": np.tanh, "Sign": _sign, "Sqrt": np.sqrt, "Reciprocal": _reciprocal, "Identity": _copy,
+    "Atan": np.arctan, "Floor": np.floor, "Ceil": np.ceil, "Sin": np.sin, "Cos": np.cos,
+}
+# Transcendental maps, in a loop of their own that only models using them compile; GELU's tanh form
+# (op Gelu with approximate="tanh") is the last code, after the rows bound by op type.
+SPECIAL_UNARY = {"Erf": fast_erf}
+GELU_TANH = len(SPECIAL_UNARY)
+NEG, ABS, RELU, COPY = (list(UNARY).index(name) for name in ("Neg", "Abs", "Relu", "Identity"))
+
+
+def _dispatch(functions: tuple):
+    """f(code, x) = functions[code](x), the last function serving any larger code.
+
+    Its source is written from the table, one `if` per code, so that Numba inlines it into the
+    calling loop exactly as a hand-written chain: compiled as fast, cached with that loop (whose
+    file holds the table). A nest of closures, one per row, doubled `_unary`'s compile time."""
+    source = "def dispatch(code, x):\n"
+    source += "".join(f"    if code == {code}:\n        return f{code}(x)\n" for code in range(len(functions) - 1))
+    source += f"    return f{len(functions) - 1}(x)\n"
+    namespace = {f"f{code}": function for code, function in enumerate(functions)}
+    exec(source, namespace)  # the source holds only the comparisons above: no data reaches it
+    return njit(inline="always")(namespace["dispatch"])
+
+
+_unary_op = _dispatch(tuple(UNARY.values()))
+_special_unary_op = _dispatch((*SPECIAL_UNARY.values(), gelu_tanh))
 SPECIAL_BINARY = (10, 11, 12, 13)
 
 
@@ -231,16 +257,16 @@ SPECIAL_BINARY = (10, 11, 12, 13)
 def _unary(code, x, out):
     """out[i] = f(x[i]) over flat arrays. One loop per common op, so each vectorises."""
     n = out.size
-    if code == 0:
+    if code == NEG:
         for i in range(n):
             out[i] = -x[i]
-    elif code == 1:
+    elif code == ABS:
         for i in range(n):
             out[i] = abs(x[i])
-    elif code == 4:
+    elif code == RELU:
         for i in range(n):
             out[i] = max(x[i], 0)
-    elif code == 10:
+    elif code == COPY:
         for i in range(n):
             out[i] = x[i]
     else:
@@ -426,10 +452,7 @@ def same_buffer(x: np.ndarray, y: np.ndarray) -> bool:
 
 
 def unary_call(code: int, x: np.ndarray, out: np.ndarray):
-    if code == GELU:
-        return (_gelu_inplace, (flat(x),)) if same_buffer(x, out) else (_gelu, (flat(x), flat(out)))
-    if code in SPECIAL_UNARY:
-        return (_special_unary, (code, flat(x), flat(out)))
+    """out = UNARY's map number `code` of x."""
     return (_unary, (code, flat(x), flat(out)))
 
 
@@ -471,9 +494,9 @@ def _make_binary(code):
     return bind
 
 
-def _make_unary(code):
+def _make_unary(kernel, code):
     def bind(inputs, outputs):
-        return [unary_call(code, inputs[0], outputs[0])]
+        return [(kernel, (code, flat(inputs[0]), flat(outputs[0])))]
 
     return bind
 
@@ -481,8 +504,9 @@ def _make_unary(code):
 for _name, _code in BINARY.items():
     if _name not in ("Max", "Min"):  # variadic, bound below
         binding(_name, ODTRAIN_DOMAIN if _name.endswith("Grad") else "")(_make_binary(_code))
-for _name, _code in UNARY.items():
-    binding(_name)(_make_unary(_code))
+for _kernel, _table in ((_unary, UNARY), (_special_unary, SPECIAL_UNARY)):
+    for _code, _name in enumerate(_table):
+        binding(_name)(_make_unary(_kernel, _code))
 
 
 def _variadic(code: int, inputs, out) -> list:
@@ -520,7 +544,10 @@ def Min(inputs, outputs):
 
 @binding("Gelu")
 def Gelu(inputs, outputs, approximate="none"):
-    return [unary_call(GELU if approximate == "none" else GELU_TANH, inputs[0], outputs[0])]
+    x, out = inputs[0], outputs[0]
+    if approximate != "none":
+        return [(_special_unary, (GELU_TANH, flat(x), flat(out)))]
+    return [(_gelu_inplace, (flat(x),)) if same_buffer(x, out) else (_gelu, (flat(x), flat(out)))]
 
 
 binding("Gelu", ODTRAIN_DOMAIN)(Gelu)

@@ -4,8 +4,14 @@
 generate_artifacts, Module and the kernels) and compares every parameter's
 gradient with central differences of the same graph evaluated in float64 by
 `onnx.reference.ReferenceEvaluator`.
+
+Gradient tests are tables of `GradientCase` rows, each named `GRADIENT_CASES`
+in its test module; tests/test_registry.py reads the op types of every row to
+prove that each gradient rule has a case.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
@@ -32,6 +38,18 @@ def make_model(nodes, initializers: dict, inputs=(), outputs=("y",), opset: int 
 def _with_weighted_sum(nodes, output: str, weights: np.ndarray):
     return list(nodes) + [helper.make_node("Mul", [output, "gc_weights"], ["gc_weighted"]),
                           helper.make_node("ReduceSum", ["gc_weighted"], ["loss"], keepdims=0)]
+
+
+def _casts_to_float64(nodes) -> list:
+    """The nodes with every Cast to float32 made a Cast to float64: the float64 reference stays float64
+    throughout (central differences cannot see through float32 rounding; a Cast's derivative is 1)."""
+    float32, float64 = onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE
+    widened = []
+    for n in nodes:
+        if n.op_type == "Cast" and any(a.name == "to" and a.i == float32 for a in n.attribute):
+            n = helper.make_node("Cast", list(n.input), list(n.output), n.name, to=float64)
+        widened.append(n)
+    return widened
 
 
 def as_float64(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -89,8 +107,8 @@ def gradient_check(nodes, params: dict[str, np.ndarray], output: str = "y", cons
 
     params64 = {k: v.astype(np.float64) for k, v in params.items()}
     consts64 = {k: (v.astype(np.float64) if np.issubdtype(v.dtype, np.floating) else v) for k, v in constants.items()}
-    model64 = make_model(full_nodes, {**params64, **consts64, "gc_weights": weights.astype(np.float64)},
-                         outputs=["loss"], opset=opset)
+    inits64 = {**params64, **consts64, "gc_weights": weights.astype(np.float64)}
+    model64 = make_model(_casts_to_float64(full_nodes), inits64, outputs=["loss"], opset=opset)
 
     def loss64(values):
         for tensor in model64.graph.initializer:
@@ -107,3 +125,32 @@ def gradient_check(nodes, params: dict[str, np.ndarray], output: str = "y", cons
         np.testing.assert_allclose(analytic[name], numeric, rtol=rtol, atol=atol_fraction * scale * 10,
                                    err_msg=f"gradient of '{name}'")
     return analytic
+
+
+@dataclass
+class GradientCase:
+    """One row of a gradient table: `nodes` (output "y") differentiated with respect to `params`, with
+    `constants` held fixed, checked by `gradient_check` at `opset` with finite-difference `step`.
+
+    `fuses_into`: ops that graph fusion makes of the nodes in the training model (FusedMatMul, ...);
+    the row checks their gradients too, and fails if the training model lacks them.
+    """
+
+    nodes: list
+    params: dict
+    constants: dict = field(default_factory=dict)
+    opset: int = OPSET
+    step: float = 1e-6
+    fuses_into: tuple = ()
+
+    @property
+    def op_types(self) -> set[str]:
+        """The op types whose gradient rules this row runs."""
+        return {n.op_type for n in self.nodes} | set(self.fuses_into)
+
+    def check(self, tmp_path) -> dict:
+        analytic = gradient_check(self.nodes, self.params, constants=self.constants, tmp_path=tmp_path,
+                                  opset=self.opset, step=self.step)
+        trained = {n.op_type for n in onnx.load(str(tmp_path / "training_model.onnx")).graph.node}
+        assert set(self.fuses_into) <= trained, f"the training model has no {set(self.fuses_into) - trained}"
+        return analytic

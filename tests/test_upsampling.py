@@ -20,7 +20,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from oracles import gradient_check, make_model, reference_outputs
+from oracles import GradientCase, make_model, reference_outputs
 
 from odtrain import OdtrainError, artifacts
 from odtrain.api import CheckpointState, Module, Optimizer
@@ -130,6 +130,12 @@ def resize(scales=None, sizes=None, roi=None, **attrs):
         inputs.append("sizes")
         constants["sizes"] = sizes
     return [node("Resize", inputs, **attrs)], {k: v for k, v in constants.items() if v is not None}
+
+
+def resize_case(scales=None, sizes=None, roi=None, x=None, **attrs) -> GradientCase:
+    """A gradient row: x through `resize(...)` at opset 19."""
+    nodes, constants = resize(scales, sizes, roi, **attrs)
+    return GradientCase(nodes, {"x": x}, constants, opset=19)
 
 
 UP = floats(1, 1, 2, 2)
@@ -264,63 +270,62 @@ def test_scales_that_train_or_freeze_are_refused_with_the_way_out(tmp_path):
 # ---- gradients against float64 finite differences -----------------------------------------------
 
 GRADIENT_CASES = {
-    "conv_transpose_bias_pads_output_padding": (
+    "conv_transpose_bias_pads_output_padding": GradientCase(
         [node("ConvTranspose", ["x", "w", "b"], strides=[2, 2], pads=[1, 0, 0, 1], output_padding=[1, 0])],
-        {"x": rand(2, 3, 3, 2), "w": rand(3, 2, 3, 2), "b": rand(2)}),
-    "conv_transpose_dilations_strides": ([node("ConvTranspose", ["x", "w"], strides=[1, 2], dilations=[2, 1])],
-                                         {"x": rand(2, 2, 3, 3), "w": rand(2, 3, 2, 2)}),
-    "conv_transpose_kernel2_stride2": ([node("ConvTranspose", ["x", "w", "b"], strides=[2, 2])],
-                                       {"x": rand(3, 3, 2, 2), "w": rand(3, 2, 2, 2), "b": rand(2)}),
-    "conv_transpose_depthwise": ([node("ConvTranspose", ["x", "w"], group=3, strides=[2, 2], pads=[1, 1, 1, 1])],
-                                 {"x": rand(2, 3, 3, 3), "w": rand(3, 1, 3, 3)}),
-    "conv_transpose_depthwise_rows": ([node("ConvTranspose", ["x", "w"], group=2, pads=[1, 1, 0, 1], strides=[1, 2])],
-                                      {"x": rand(1, 2, 2, 25), "w": rand(2, 1, 2, 3)}),
-    "conv_transpose_same_upper": ([node("ConvTranspose", ["x", "w"], auto_pad="SAME_UPPER", strides=[2, 2])],
-                                  {"x": rand(1, 2, 3, 2), "w": rand(2, 2, 3, 3)}),
-    "conv_transpose_output_shape": ([node("ConvTranspose", ["x", "w"], strides=[2, 2], output_shape=[8, 5])],
-                                    {"x": rand(1, 2, 3, 2), "w": rand(2, 2, 3, 2)}),
-    "conv_transpose_pointwise": ([node("ConvTranspose", ["x", "w"])], {"x": rand(2, 3, 2, 3), "w": rand(3, 2, 1, 1)}),
-    "conv_transpose_1d": ([node("ConvTranspose", ["x", "w", "b"], strides=[3], pads=[1, 2], output_padding=[2])],
-                          {"x": rand(2, 3, 4), "w": rand(3, 2, 3), "b": rand(2)}),
-    "conv_transpose_3d": ([node("ConvTranspose", ["x", "w"], strides=[2, 1, 2], pads=[1, 0, 0, 0, 1, 0])],
-                          {"x": rand(1, 2, 2, 2, 2), "w": rand(2, 2, 2, 2, 3)}),
-    "resize_nearest_asymmetric_floor": (*resize(UP, mode="nearest", coordinate_transformation_mode="asymmetric",
-                                                nearest_mode="floor"), rand(2, 3, 3, 2)),
-    "resize_nearest_half_pixel_fractional": (*resize(floats(1, 1, 1.5, 0.6), mode="nearest"), rand(2, 2, 3, 5)),
-    "resize_nearest_sizes_round_prefer_ceil": (*resize(sizes=ints(1, 2, 7, 2), mode="nearest",
-                                                       nearest_mode="round_prefer_ceil",
-                                                       coordinate_transformation_mode="align_corners"),
-                                               rand(1, 2, 3, 4)),
-    "resize_bilinear_pytorch_half_pixel": (*resize(UP, mode="linear",
-                                                   coordinate_transformation_mode="pytorch_half_pixel"),
-                                           rand(2, 2, 3, 3)),
-    "resize_bilinear_align_corners_sizes": (*resize(sizes=ints(2, 2, 5, 4), mode="linear",
-                                                    coordinate_transformation_mode="align_corners"),
-                                            rand(2, 2, 3, 3)),
-    "resize_linear_half_pixel_down": (*resize(floats(1, 1, 0.6, 1.4), mode="linear"), rand(1, 2, 5, 3)),
-    "resize_linear_antialias": (*resize(floats(1, 1, 0.5, 0.6), mode="linear", antialias=1), rand(1, 2, 6, 5)),
-    "resize_cubic": (*resize(floats(1, 1, 1.6, 0.8), mode="cubic", exclude_outside=1), rand(1, 2, 3, 5)),
-    "resize_linear_channels_and_space": (*resize(floats(1, 1.5, 2, 0.7), mode="linear"), rand(1, 2, 2, 4)),
-    "resize_linear_1d_axes": (*resize(floats(2.5), mode="linear", axes=[2]), rand(2, 3, 4)),
-    "resize_tf_crop_and_resize": (*resize(sizes=ints(1, 2, 4, 4), roi=floats(0, 0, -0.3, 0.2, 1, 1, 0.8, 1.2),
-                                          mode="linear", coordinate_transformation_mode="tf_crop_and_resize"),
-                                  rand(1, 2, 3, 4)),
+        {"x": rand(2, 3, 3, 2), "w": rand(3, 2, 3, 2), "b": rand(2)}, opset=19),
+    "conv_transpose_dilations_strides": GradientCase(
+        [node("ConvTranspose", ["x", "w"], strides=[1, 2], dilations=[2, 1])],
+        {"x": rand(2, 2, 3, 3), "w": rand(2, 3, 2, 2)}, opset=19),
+    "conv_transpose_kernel2_stride2": GradientCase(
+        [node("ConvTranspose", ["x", "w", "b"], strides=[2, 2])],
+        {"x": rand(3, 3, 2, 2), "w": rand(3, 2, 2, 2), "b": rand(2)}, opset=19),
+    "conv_transpose_depthwise": GradientCase(
+        [node("ConvTranspose", ["x", "w"], group=3, strides=[2, 2], pads=[1, 1, 1, 1])],
+        {"x": rand(2, 3, 3, 3), "w": rand(3, 1, 3, 3)}, opset=19),
+    "conv_transpose_depthwise_rows": GradientCase(
+        [node("ConvTranspose", ["x", "w"], group=2, pads=[1, 1, 0, 1], strides=[1, 2])],
+        {"x": rand(1, 2, 2, 25), "w": rand(2, 1, 2, 3)}, opset=19),
+    "conv_transpose_same_upper": GradientCase(
+        [node("ConvTranspose", ["x", "w"], auto_pad="SAME_UPPER", strides=[2, 2])],
+        {"x": rand(1, 2, 3, 2), "w": rand(2, 2, 3, 3)}, opset=19),
+    "conv_transpose_output_shape": GradientCase(
+        [node("ConvTranspose", ["x", "w"], strides=[2, 2], output_shape=[8, 5])],
+        {"x": rand(1, 2, 3, 2), "w": rand(2, 2, 3, 2)}, opset=19),
+    "conv_transpose_pointwise": GradientCase(
+        [node("ConvTranspose", ["x", "w"])], {"x": rand(2, 3, 2, 3), "w": rand(3, 2, 1, 1)}, opset=19),
+    "conv_transpose_1d": GradientCase(
+        [node("ConvTranspose", ["x", "w", "b"], strides=[3], pads=[1, 2], output_padding=[2])],
+        {"x": rand(2, 3, 4), "w": rand(3, 2, 3), "b": rand(2)}, opset=19),
+    "conv_transpose_3d": GradientCase(
+        [node("ConvTranspose", ["x", "w"], strides=[2, 1, 2], pads=[1, 0, 0, 0, 1, 0])],
+        {"x": rand(1, 2, 2, 2, 2), "w": rand(2, 2, 2, 2, 3)}, opset=19),
+    "resize_nearest_asymmetric_floor": resize_case(
+        UP, mode="nearest", coordinate_transformation_mode="asymmetric", nearest_mode="floor", x=rand(2, 3, 3, 2)),
+    "resize_nearest_half_pixel_fractional": resize_case(floats(1, 1, 1.5, 0.6), mode="nearest", x=rand(2, 2, 3, 5)),
+    "resize_nearest_sizes_round_prefer_ceil": resize_case(
+        sizes=ints(1, 2, 7, 2), mode="nearest", nearest_mode="round_prefer_ceil",
+        coordinate_transformation_mode="align_corners", x=rand(1, 2, 3, 4)),
+    "resize_bilinear_pytorch_half_pixel": resize_case(
+        UP, mode="linear", coordinate_transformation_mode="pytorch_half_pixel", x=rand(2, 2, 3, 3)),
+    "resize_bilinear_align_corners_sizes": resize_case(
+        sizes=ints(2, 2, 5, 4), mode="linear", coordinate_transformation_mode="align_corners", x=rand(2, 2, 3, 3)),
+    "resize_linear_half_pixel_down": resize_case(floats(1, 1, 0.6, 1.4), mode="linear", x=rand(1, 2, 5, 3)),
+    "resize_linear_antialias": resize_case(floats(1, 1, 0.5, 0.6), mode="linear", antialias=1, x=rand(1, 2, 6, 5)),
+    "resize_cubic": resize_case(floats(1, 1, 1.6, 0.8), mode="cubic", exclude_outside=1, x=rand(1, 2, 3, 5)),
+    "resize_linear_channels_and_space": resize_case(floats(1, 1.5, 2, 0.7), mode="linear", x=rand(1, 2, 2, 4)),
+    "resize_linear_1d_axes": resize_case(floats(2.5), mode="linear", axes=[2], x=rand(2, 3, 4)),
+    "resize_tf_crop_and_resize": resize_case(
+        sizes=ints(1, 2, 4, 4), roi=floats(0, 0, -0.3, 0.2, 1, 1, 0.8, 1.2), mode="linear",
+        coordinate_transformation_mode="tf_crop_and_resize", x=rand(1, 2, 3, 4)),
+    # opset 9, where the reference evaluates Upsample for integer nearest scales
+    "upsample_nearest": GradientCase([node("Upsample", ["x", "scales"], mode="nearest")], {"x": rand(2, 2, 3, 2)},
+                                     {"scales": floats(1, 1, 2, 3)}, opset=9),
 }
 
 
 @pytest.mark.parametrize("name", sorted(GRADIENT_CASES))
 def test_gradient(name, tmp_path):
-    nodes, params, *rest = GRADIENT_CASES[name]
-    if nodes[0].op_type == "Resize":  # (nodes, constants, x)
-        params, constants = {"x": rest[0]}, params
-    else:
-        constants = None
-    gradient_check(nodes, params, constants=constants, tmp_path=tmp_path, opset=19)
-
-
-def test_gradient_of_upsample(tmp_path):  # opset 9; the reference evaluates Upsample for integer nearest scales
-    gradient_check([node("Upsample", ["x", "scales"], mode="nearest")], {"x": rand(2, 2, 3, 2)},
-                   constants={"scales": floats(1, 1, 2, 3)}, tmp_path=tmp_path, opset=9)
+    GRADIENT_CASES[name].check(tmp_path)
 
 
 def _naive_conv_transpose(x, w, b, strides, begin, dilations, group, out_spatial):

@@ -1,4 +1,4 @@
-"""The op registry: for each op type, its type rule, memory facts and gradient rule.
+"""The op registry: for each op type, its type rule, its facts (memory, inputs, cost) and gradient rule.
 
 An op is registered with `@op("Relu", ...)` on its type rule, and its
 gradient with `@grad("Relu")`. The registry is a plain dict keyed by
@@ -22,6 +22,19 @@ Memory facts, read by the planner:
   value of a state input (BatchNormalization's running statistics). When
   the input is a parameter, the output is written over it in place, so the
   checkpoint carries the update.
+
+Input facts, read by autodiff and artifact generation:
+- `constant_inputs`: input indices that configure the op rather than feed
+  it (shapes, axes, scales, pads): they must be constants of the model,
+  never receive a gradient, and are never chosen as trainable parameters.
+
+Cost facts, read by the cost model (`graph/cost.py`, which states the unit):
+- `passes`: how many times the op goes over each element it touches
+  (normalizations and softmax 3, a transcendental function per element 2).
+- `flops`: for a product, `flops(node, input_types, output_type)`, its
+  operations (2 per multiply-add) at static bound types.
+- `window_reads`: for an op over sliding windows, `window_reads(node,
+  input_types, output_type)`, the input elements its windows read.
 
 Eval form: `eval_form(node) -> Node` gives the node as the eval and inference
 models run it (BatchNormalization with running statistics, Dropout as
@@ -52,6 +65,9 @@ class OpDef:
     shape_only: frozenset[int] = frozenset()
     updates: tuple[tuple[int, int], ...] = ()
     constant_inputs: frozenset[int] = frozenset()
+    passes: float = 1.0
+    flops: Callable | None = None
+    window_reads: Callable | None = None
     eval_form: Callable | None = None
     gradient: Callable | None = None
     no_grad_reason: str | None = None
@@ -61,12 +77,14 @@ class OpDef:
 OPS: dict[tuple[str, str], OpDef] = {}
 
 
-def op(op_type: str, domain: str = DEFAULT_DOMAIN, inplace=(), view=False, shape_only=(), updates=(), random=False):
-    """Register the type rule of an op, with its memory facts."""
+def op(op_type: str, domain: str = DEFAULT_DOMAIN, inplace=(), view=False, shape_only=(), updates=(),
+       constant_inputs=(), passes: float = 1.0, flops=None, window_reads=None, random=False):
+    """Register the type rule of an op, with its memory, input and cost facts (see the module docstring)."""
 
     def register(rule):
         OPS[(domain, op_type)] = OpDef(op_type, domain, rule, tuple(inplace), view, frozenset(shape_only),
-                                       tuple(updates), random=random)
+                                       tuple(updates), frozenset(constant_inputs), passes, flops, window_reads,
+                                       random=random)
         return rule
 
     return register
@@ -257,17 +275,5 @@ class GradContext:
 # Fill the registry: each family module registers its ops on import.
 from . import (  # noqa: E402,F401
     conv, elementwise, linalg, nn, normalization, pool, recurrent, reduction, resize, tensor, training)
-
-# Inputs that configure an op rather than feed it (shapes, axes, scales, pads): they must be constants of
-# the model, never receive a gradient, and are never chosen as trainable parameters.
-CONSTANT_INPUTS = {
-    "Reshape": (1,), "Expand": (1,), "Tile": (1,), "Slice": (1, 2, 3, 4), "Pad": (1, 2, 3), "Split": (1,),
-    "Squeeze": (1,), "Unsqueeze": (1,), "Resize": (1, 2, 3), "Upsample": (1,), "ReduceSum": (1,),
-    "ReduceMean": (1,), "ReduceMax": (1,), "ReduceMin": (1,), "ReduceL2": (1,), "ConstantOfShape": (0,),
-    "Range": (0, 1, 2), "Dropout": (1, 2),
-}
-for _op_type, _indices in CONSTANT_INPUTS.items():
-    if (DEFAULT_DOMAIN, _op_type) in OPS:
-        OPS[(DEFAULT_DOMAIN, _op_type)].constant_inputs = frozenset(_indices)
 
 __all__ = ["OPS", "OpDef", "op", "grad", "no_grad", "eval_form", "check_supported", "lookup", "GradContext", "broadcast_shapes", "same_as_input"]

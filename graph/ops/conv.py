@@ -13,6 +13,8 @@ Gradients:
 """
 from __future__ import annotations
 
+import math
+
 from ..errors import ModelError, UnsupportedOpError
 from ..ir import ODTRAIN_DOMAIN, TensorType
 from . import grad, op, same_as_input
@@ -31,7 +33,16 @@ def _rank_and_group(node, x: TensorType, w: TensorType) -> tuple[int, int]:
     return rank, int(node.attrs.get("group", 1))
 
 
-@op("Conv")
+def _conv_flops(node, types, out) -> float:  # weight [M, C/group, k...]: each output reads C/group · k... inputs
+    return 2.0 * out.size * math.prod(types[1].shape[1:])
+
+
+def _conv_window_reads(node, types, out) -> float:  # its im2col: each output position reads its window of each channel
+    weight = types[1].shape
+    return out.size / max(weight[0], 1) * types[0].shape[1] * math.prod(weight[2:])
+
+
+@op("Conv", flops=_conv_flops, window_reads=_conv_window_reads)
 def _conv_rule(node, types, consts):
     x, w = types[0], types[1]
     if x.shape is None or w.shape is None:
@@ -137,7 +148,11 @@ def conv_transpose_geometry(node, spatial: tuple, kernel: list[int]) -> tuple[li
     return begin, tuple(out)
 
 
-@op("ConvTranspose")
+def _conv_transpose_flops(node, types, out) -> float:  # weight [C, M/group, k...]: each input writes M/group · k...
+    return 2.0 * types[0].size * math.prod(types[1].shape[1:])
+
+
+@op("ConvTranspose", flops=_conv_transpose_flops)
 def _conv_transpose_rule(node, types, consts):
     x, w = types[0], types[1]
     if x.shape is None or w.shape is None:

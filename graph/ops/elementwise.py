@@ -1,10 +1,14 @@
 """Elementwise ops: numpy-broadcasting binaries, unaries, comparisons, and their gradients.
 
 Binary ops follow ONNX multidirectional broadcasting; the gradient of a
-broadcast input is reduced back to its shape by `SumToShape`. Unary
-activations express their gradients through their output (ReluGrad reads
-Y, not X), so the forward op may overwrite its input in place; Erf, Atan and
-Gelu read X instead (ErfGrad, AtanGrad, GeluGrad).
+broadcast input is reduced back to its shape by `SumToShape`.
+
+Unary ops are registered from one table, `UNARY`: a row per op carries its
+constant fold, its cost in passes, and its gradient, either built from graph
+ops or a kernel of its own reading the forward output Y (ReluGrad) or input X
+(ErfGrad). Every unary may overwrite its input in place (Identity is a view).
+The kernels keep their own row per op (kernels/elementwise.py); this layer
+never sees kernel codes. GELU, which has an attribute, is registered apart.
 
 Every op here folds to a constant when its inputs are constants (shape
 arithmetic such as Gather(Shape(x)) / 2, Sqrt(Cast(...)) in exported
@@ -13,6 +17,8 @@ attention). Comparisons and logic ops give booleans and have no gradient.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -66,40 +72,97 @@ def _broadcast_rule(node, types, consts):
 for _name in ("Add", "Sub", "Mul", "Div"):
     op(_name, inplace=((0, 0), (0, 1)))(_broadcast_rule)
 op("Sum", inplace=((0, 0),))(_broadcast_rule)
-op("Pow", inplace=((0, 0),))(_broadcast_rule)
+op("Pow", inplace=((0, 0),), passes=2.0)(_broadcast_rule)
 for _name in ("Max", "Min"):
     op(_name, inplace=((0, 0),))(_broadcast_rule)
 for _name in COMPARISONS:
     op(_name)(_broadcast_rule)
+    no_grad(_name, "its output is boolean")
 
 
 def _erf(x):
     return np.vectorize(math.erf, otypes=[x.dtype])(x) if x.size else x
 
 
-UNARY_FOLDS = {
-    "Neg": np.negative, "Abs": np.abs, "Exp": np.exp, "Log": np.log, "Relu": lambda x: np.maximum(x, 0),
-    "Sigmoid": lambda x: 1 / (1 + np.exp(-x)), "Tanh": np.tanh, "Sign": np.sign, "Sqrt": np.sqrt,
-    "Reciprocal": lambda x: 1 / x, "Erf": _erf, "Atan": np.arctan, "Not": np.logical_not, "Identity": lambda x: x,
-    "Floor": np.floor, "Ceil": np.ceil,
+@dataclass(frozen=True)
+class Unary:
+    """What the graph layer knows of a unary op; `UNARY` registers each op from its row.
+
+    fold: the numpy function computing the op on a constant input (constant folding).
+    passes: its cost in passes over the data (graph/cost.py): 2 for a transcendental function.
+    gradient: dX as a function of the GradContext, built from graph ops; or "Y" / "X": a gradient
+        kernel of its own, `<Op>Grad(dY, Y)` reading the forward output or `<Op>Grad(dY, X)` reading
+        the input, registered here in odtrain's domain. Either way the forward op may overwrite
+        its input in place: when the gradient reads X, X stays live and the planner keeps it.
+    no_grad: why the op has no gradient, for those that have none.
+    view: the output is the input's bytes (Identity), instead of running in place.
+    """
+
+    fold: Callable
+    passes: float = 1.0
+    gradient: Callable | str | None = None
+    no_grad: str | None = None
+    view: bool = False
+
+
+PIECEWISE_CONSTANT = "it is piecewise constant: its derivative is zero wherever it exists"
+
+# One row per unary op, with its gradient's math. The kernel side keeps a row of its own for each op
+# (kernels/elementwise.py: the scalar function, whose position is its code): the layers never import
+# each other, and tests/test_registry.py checks that every op registered here has a kernel.
+UNARY = {
+    "Neg": Unary(np.negative, gradient=lambda g: g.emit("Neg", [g.GO(0)])),  # dX = -dY
+    "Abs": Unary(np.abs, gradient=lambda g: g.emit("Mul", [g.GO(0), g.emit("Sign", [g.I(0)])])),  # dX = dY · sign(X)
+    "Exp": Unary(np.exp, passes=2.0, gradient=lambda g: g.emit("Mul", [g.GO(0), g.O(0)])),  # dX = dY · Y
+    "Log": Unary(np.log, passes=2.0, gradient=lambda g: g.emit("Div", [g.GO(0), g.I(0)])),  # dX = dY / X
+    "Sqrt": Unary(np.sqrt, passes=2.0,  # dX = dY / (2 Y) = (dY · 0.5) / Y
+                  gradient=lambda g: g.emit("Div", [g.emit("Mul", [g.GO(0), g.constant(0.5, "half")]), g.O(0)])),
+    "Reciprocal": Unary(lambda x: 1 / x,  # dX = -dY · Y · Y
+                        gradient=lambda g: g.emit("Neg", [g.emit("Mul", [g.emit("Mul", [g.GO(0), g.O(0)]), g.O(0)])])),
+    "Relu": Unary(lambda x: np.maximum(x, 0), gradient="Y"),  # ReluGrad: dX = dY · (Y > 0)
+    "Sigmoid": Unary(lambda x: 1 / (1 + np.exp(-x)), passes=2.0, gradient="Y"),  # SigmoidGrad: dX = dY · Y · (1 - Y)
+    "Tanh": Unary(np.tanh, passes=2.0, gradient="Y"),  # TanhGrad: dX = dY · (1 - Y²)
+    "Erf": Unary(_erf, passes=2.0, gradient="X"),  # ErfGrad: dX = dY · 2/√π · exp(-X²)
+    "Atan": Unary(np.arctan, gradient="X"),  # AtanGrad: dX = dY / (1 + X²)
+    "Sin": Unary(np.sin, passes=2.0,  # dX = dY · cos(X)
+                 gradient=lambda g: g.emit("Mul", [g.GO(0), g.emit("Cos", [g.I(0)])])),
+    "Cos": Unary(np.cos, passes=2.0,  # dX = -dY · sin(X)
+                 gradient=lambda g: g.emit("Neg", [g.emit("Mul", [g.GO(0), g.emit("Sin", [g.I(0)])])])),
+    "Identity": Unary(lambda x: x, view=True, gradient=lambda g: g.GO(0)),  # dX = dY
+    "Sign": Unary(np.sign, no_grad=PIECEWISE_CONSTANT),
+    "Floor": Unary(np.floor, no_grad=PIECEWISE_CONSTANT),
+    "Ceil": Unary(np.ceil, no_grad=PIECEWISE_CONSTANT),
+    "Not": Unary(np.logical_not, no_grad="its output is boolean"),
 }
 
 
 def _unary_rule(node, types, consts):
     if consts and consts[0] is not None:
-        value = np.asarray(np.asarray(UNARY_FOLDS[node.op_type](np.asarray(consts[0]))).astype(
-            np.bool_ if node.op_type == "Not" else consts[0].dtype), order="C")
+        value = np.asarray(np.asarray(UNARY[node.op_type].fold(np.asarray(consts[0]))).astype(consts[0].dtype),
+                           order="C")
         return [TensorType(value.dtype, value.shape)], [value]
     return [types[0]]
 
 
-for _name in ("Neg", "Abs", "Exp", "Log", "Relu", "Sigmoid", "Tanh", "Sign", "Sqrt", "Reciprocal", "Erf", "Atan",
-              "Not", "Floor", "Ceil"):
-    op(_name, inplace=((0, 0),))(_unary_rule)
-op("Identity", view=True)(_unary_rule)
+def _register_unary(name: str, row: Unary) -> None:
+    op(name, inplace=() if row.view else ((0, 0),), view=row.view, passes=row.passes)(_unary_rule)
+    if row.no_grad is not None:
+        no_grad(name, row.no_grad)
+    elif row.gradient in ("Y", "X"):  # dX = <Op>Grad(dY, Y or X), a kernel of its own
+        op(f"{name}Grad", ODTRAIN_DOMAIN, inplace=((0, 0),))(same_as_input(0))
+        reads = (lambda g: g.O(0)) if row.gradient == "Y" else (lambda g: g.I(0))
+        grad(name)(lambda g: g.set_grad(0, g.odtrain(f"{name}Grad", [g.GO(0), reads(g)])))
+    else:
+        grad(name)(lambda g: g.set_grad(0, row.gradient(g)))
 
 
-@op("Gelu", inplace=((0, 0),))
+for _name, _row in UNARY.items():
+    _register_unary(_name, _row)
+
+
+# GELU has an attribute (approximate), so it is registered on its own, with its gradient kernel
+# GeluGrad(dY, X).
+@op("Gelu", inplace=((0, 0),), passes=2.0)
 def _gelu_rule(node, types, consts):
     if node.attrs.get("approximate", "none") not in ("none", "tanh"):
         raise ModelError(f"{node.describe()}: approximate must be 'none' or 'tanh', got {node.attrs['approximate']!r}")
@@ -107,15 +170,16 @@ def _gelu_rule(node, types, consts):
 
 
 # The same GELU in odtrain's domain: what graph fusion makes of PyTorch's exported Erf form in opsets < 20.
-op("Gelu", ODTRAIN_DOMAIN, inplace=((0, 0),))(_gelu_rule)
+op("Gelu", ODTRAIN_DOMAIN, inplace=((0, 0),), passes=2.0)(_gelu_rule)
+op("GeluGrad", ODTRAIN_DOMAIN, inplace=((0, 0),))(same_as_input(0))
 
 
-# Gradients of activations, read through the forward output Y: dX = f(dY, Y).
-for _name in ("ReluGrad", "SigmoidGrad", "TanhGrad"):
-    op(_name, ODTRAIN_DOMAIN, inplace=((0, 0),))(same_as_input(0))
-# ... or through the forward input X: dX = f(dY, X).
-for _name in ("ErfGrad", "AtanGrad", "GeluGrad"):
-    op(_name, ODTRAIN_DOMAIN, inplace=((0, 0),))(same_as_input(0))
+@grad("Gelu")
+def _gelu_grad(ctx):  # dX = dY · d/dx [x·Φ(x)] (or its tanh approximation)
+    ctx.set_grad(0, ctx.odtrain("GeluGrad", [ctx.GO(0), ctx.I(0)], {"approximate": ctx.attr("approximate", "none")}))
+
+
+grad("Gelu", ODTRAIN_DOMAIN)(_gelu_grad)
 
 
 @grad("Add")
@@ -154,83 +218,6 @@ def _div_grad(ctx):  # dA = dY / B, dB = -dY * Y / B
     if ctx.needs(1):
         scaled = ctx.emit("Div", [ctx.emit("Mul", [ctx.GO(0), ctx.O(0)]), ctx.I(1)])
         ctx.set_grad(1, ctx.sum_to_input(ctx.emit("Neg", [scaled]), 1))
-
-
-@grad("Neg")
-def _neg_grad(ctx):  # dX = -dY
-    ctx.set_grad(0, ctx.emit("Neg", [ctx.GO(0)]))
-
-
-@grad("Identity")
-def _identity_grad(ctx):  # dX = dY
-    ctx.set_grad(0, ctx.GO(0))
-
-
-@grad("Abs")
-def _abs_grad(ctx):  # dX = dY * sign(X)
-    ctx.set_grad(0, ctx.emit("Mul", [ctx.GO(0), ctx.emit("Sign", [ctx.I(0)])]))
-
-
-@grad("Exp")
-def _exp_grad(ctx):  # dX = dY * Y
-    ctx.set_grad(0, ctx.emit("Mul", [ctx.GO(0), ctx.O(0)]))
-
-
-@grad("Log")
-def _log_grad(ctx):  # dX = dY / X
-    ctx.set_grad(0, ctx.emit("Div", [ctx.GO(0), ctx.I(0)]))
-
-
-@grad("Sqrt")
-def _sqrt_grad(ctx):  # dX = dY / (2 Y) = (dY * 0.5) / Y
-    half = ctx.constant(0.5, "half")
-    ctx.set_grad(0, ctx.emit("Div", [ctx.emit("Mul", [ctx.GO(0), half]), ctx.O(0)]))
-
-
-@grad("Reciprocal")
-def _reciprocal_grad(ctx):  # dX = -dY * Y * Y
-    ctx.set_grad(0, ctx.emit("Neg", [ctx.emit("Mul", [ctx.emit("Mul", [ctx.GO(0), ctx.O(0)]), ctx.O(0)])]))
-
-
-@grad("Relu")
-def _relu_grad(ctx):  # dX = dY * (Y > 0)
-    ctx.set_grad(0, ctx.odtrain("ReluGrad", [ctx.GO(0), ctx.O(0)]))
-
-
-@grad("Sigmoid")
-def _sigmoid_grad(ctx):  # dX = dY * Y * (1 - Y)
-    ctx.set_grad(0, ctx.odtrain("SigmoidGrad", [ctx.GO(0), ctx.O(0)]))
-
-
-@grad("Tanh")
-def _tanh_grad(ctx):  # dX = dY * (1 - Y²)
-    ctx.set_grad(0, ctx.odtrain("TanhGrad", [ctx.GO(0), ctx.O(0)]))
-
-
-no_grad("Sign", "it is piecewise constant: its derivative is zero wherever it exists")
-no_grad("Floor", "it is piecewise constant: its derivative is zero wherever it exists")
-no_grad("Ceil", "it is piecewise constant: its derivative is zero wherever it exists")
-for _name in COMPARISONS:
-    no_grad(_name, "its output is boolean")
-no_grad("Not", "its output is boolean")
-
-
-@grad("Erf")
-def _erf_grad(ctx):  # dX = dY · 2/√π · exp(-X²)
-    ctx.set_grad(0, ctx.odtrain("ErfGrad", [ctx.GO(0), ctx.I(0)]))
-
-
-@grad("Atan")
-def _atan_grad(ctx):  # dX = dY / (1 + X²)
-    ctx.set_grad(0, ctx.odtrain("AtanGrad", [ctx.GO(0), ctx.I(0)]))
-
-
-@grad("Gelu")
-def _gelu_grad(ctx):  # dX = dY · d/dx [x·Φ(x)] (or its tanh approximation)
-    ctx.set_grad(0, ctx.odtrain("GeluGrad", [ctx.GO(0), ctx.I(0)], {"approximate": ctx.attr("approximate", "none")}))
-
-
-grad("Gelu", ODTRAIN_DOMAIN)(_gelu_grad)
 
 
 @grad("Pow")

@@ -7,6 +7,8 @@ Its gradients are `MatMulGradA`/`MatMulGradB`: BLAS products with transpose flag
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..errors import ModelError
@@ -14,7 +16,12 @@ from ..ir import ODTRAIN_DOMAIN, TensorType
 from . import broadcast_shapes, grad, op
 
 
-@op("Gemm")
+def _gemm_flops(node, types, out) -> float:
+    a = types[0].shape
+    return 2.0 * out.size * (a[0] if node.attrs.get("transA", 0) else a[-1])
+
+
+@op("Gemm", flops=_gemm_flops)
 def _gemm_rule(node, types, consts):
     a, b = types[0], types[1]
     if a.shape is None or b.shape is None:
@@ -63,7 +70,12 @@ def matmul_shape(node, sa: tuple, sb: tuple) -> tuple:
     return batch + ((pa[-2],) if len(sa) > 1 else ()) + ((pb[-1],) if len(sb) > 1 else ())
 
 
-@op("MatMul")
+def _matmul_flops(node, types, out) -> float:
+    a, b = types[0].shape, types[1].shape
+    return 2.0 * math.prod(matmul_shape(node, a, b)) * (a[-1] if a else 1)
+
+
+@op("MatMul", flops=_matmul_flops)
 def _matmul_rule(node, types, consts):
     a, b = types[0], types[1]
     if a.shape is None or b.shape is None:
@@ -123,7 +135,15 @@ def fused_matmul_shape(node, sa: tuple, sb: tuple) -> tuple:
 # ONNX Runtime's com.microsoft op of the same name is the case without perms or `like`. Graph fusion
 # (graph/fusion.py) makes it from MatMul(A, Transpose(W)), MatMul · scalar, and the head transposes of
 # attention.
-@op("FusedMatMul", ODTRAIN_DOMAIN, shape_only=(2,))
+def _fused_matmul_flops(node, types, out) -> float:  # the product before any sum over broadcast axes, A through permA
+    a, b = types[0].shape, types[1].shape
+    perm = node.attrs.get("permA")
+    a_seen = tuple(a[p] for p in perm) if perm is not None else tuple(a)
+    inner = a_seen[-2] if node.attrs.get("transA", 0) else a_seen[-1]
+    return 2.0 * math.prod(fused_matmul_shape(node, a, b)) * inner
+
+
+@op("FusedMatMul", ODTRAIN_DOMAIN, shape_only=(2,), flops=_fused_matmul_flops)
 def _fused_matmul_rule(node, types, consts):
     a, b = types[0], types[1]
     if len(types) > 2 and types[2] is not None:

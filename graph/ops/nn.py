@@ -35,7 +35,7 @@ def _training_mode(node) -> bool:
     return bool(node.attrs.get("training_mode", 0))
 
 
-@op("BatchNormalization", inplace=((0, 0),), updates=((1, 3), (2, 4)))
+@op("BatchNormalization", inplace=((0, 0),), updates=((1, 3), (2, 4)), passes=3.0)  # mean, variance, normalize
 def _batch_norm_rule(node, types, consts):
     x = types[0]
     _require_float32(node, x)
@@ -89,7 +89,7 @@ def _batch_norm_grad_rule(node, types, consts):
 # and Clip's min/max attributes of opsets before 11.
 
 
-@op("BatchNormalizationActivation", ODTRAIN_DOMAIN, inplace=((0, 0),), updates=((1, 3), (2, 4)))
+@op("BatchNormalizationActivation", ODTRAIN_DOMAIN, inplace=((0, 0),), updates=((1, 3), (2, 4)), passes=3.0)
 def _fused_batch_norm_rule(node, types, consts):
     return _batch_norm_rule(node, types[:5], consts[:5])
 
@@ -207,7 +207,7 @@ def _pad_mode(node) -> str:
     return mode
 
 
-@op("Pad")
+@op("Pad", constant_inputs=(1, 2, 3))
 def _pad_rule(node, types, consts):
     x = types[0]
     _require_float32(node, x)
@@ -244,7 +244,7 @@ op("PadGrad", ODTRAIN_DOMAIN, shape_only=(1,))(_input_shaped)
 # ---- Dropout -------------------------------------------------------------------------------------
 
 
-@op("Dropout", inplace=((0, 0),), random=True)
+@op("Dropout", inplace=((0, 0),), constant_inputs=(1, 2), random=True)
 def _dropout_rule(node, types, consts):
     x = types[0]
     _require_float32(node, x)

@@ -36,8 +36,9 @@ def _softmax_rule(node, types, consts):
     return [x]
 
 
-op("Softmax", inplace=((0, 0),))(_softmax_rule)
-op("LogSoftmax", inplace=((0, 0),))(_softmax_rule)
+# maximum, sum of exponentials, normalize: three passes
+op("Softmax", inplace=((0, 0),), passes=3.0)(_softmax_rule)
+op("LogSoftmax", inplace=((0, 0),), passes=3.0)(_softmax_rule)
 op("SoftmaxGrad", ODTRAIN_DOMAIN, inplace=((0, 0),))(same_as_input(0))
 op("LogSoftmaxGrad", ODTRAIN_DOMAIN, inplace=((0, 0),))(same_as_input(0))
 
@@ -56,7 +57,7 @@ def statistics_shape(x_shape: tuple, axis: int) -> tuple:
     return tuple(x_shape[:axis]) + (1,) * (len(x_shape) - axis)
 
 
-@op("LayerNormalization")
+@op("LayerNormalization", passes=3.0)  # mean, variance, normalize
 def _layer_norm_rule(node, types, consts):
     x = types[0]
     if x.shape is None:

@@ -6,6 +6,8 @@ the same over one window that covers the input.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..errors import ModelError
@@ -33,8 +35,12 @@ def _pool_rule(node, types, consts):
     return out
 
 
-op("MaxPool")(_pool_rule)
-op("AveragePool")(_pool_rule)
+def _pool_window_reads(node, types, out) -> float:  # each output element reads its window
+    return out.size * math.prod(node.attrs.get("kernel_shape") or [1])
+
+
+op("MaxPool", window_reads=_pool_window_reads)(_pool_rule)
+op("AveragePool", window_reads=_pool_window_reads)(_pool_rule)
 
 POOL_ATTRS = ("auto_pad", "ceil_mode", "dilations", "kernel_shape", "pads", "strides", "count_include_pad")
 

@@ -64,8 +64,15 @@ def _recurrent_rule(node, types, consts):
     return out[:len(node.outputs)]
 
 
-op("GRU")(_recurrent_rule)
-op("LSTM")(_recurrent_rule)
+def _recurrent_flops(node, types, out) -> float:  # every step multiplies the input by W and the state by R
+    x, w = types[0], types[1]
+    recurrent = types[2] if len(types) > 2 and types[2] is not None and types[2].is_static else None
+    rows = x.size // max(x.shape[-1], 1)  # steps · batch
+    return 2.0 * rows * (w.size + (recurrent.size if recurrent else 0))
+
+
+op("GRU", flops=_recurrent_flops)(_recurrent_rule)
+op("LSTM", flops=_recurrent_flops)(_recurrent_rule)
 
 
 def _recurrent_grad(ctx, kind: str):

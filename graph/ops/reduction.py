@@ -47,7 +47,7 @@ def _reduce_rule(node, types, consts):
 
 
 for _name in FOLDS:
-    op(_name)(_reduce_rule)
+    op(_name, constant_inputs=(1,))(_reduce_rule)  # axes
 
 
 def _reduce_attrs(ctx) -> dict:

@@ -130,8 +130,8 @@ def _resize_rule(node, types, consts):
     return [TensorType(x.dtype, resize_output_shape(node, x.shape, scales, sizes))]
 
 
-op("Resize")(_resize_rule)
-op("Upsample")(_resize_rule)
+op("Resize", constant_inputs=(1, 2, 3))(_resize_rule)
+op("Upsample", constant_inputs=(1,))(_resize_rule)
 
 
 def _resize_grad(ctx):  # dX[each tap's source cell] += weight · dY: the adjoint of the interpolation

@@ -93,7 +93,7 @@ def reshape_target(node, in_shape: tuple, target) -> tuple:
     return tuple(out)
 
 
-@op("Reshape", view=True)
+@op("Reshape", view=True, constant_inputs=(1,))
 def _reshape_rule(node, types, consts):
     x = types[0]
     if consts[1] is None:
@@ -145,7 +145,7 @@ def squeeze_shape(node, shape: tuple, axes) -> tuple:
     return tuple(d for i, d in enumerate(shape) if i not in axes)
 
 
-@op("Squeeze", view=True)
+@op("Squeeze", view=True, constant_inputs=(1,))
 def _squeeze_rule(node, types, consts):
     x = types[0]
     axes = _attr_or_input(node, consts, "axes", 1, "axes")
@@ -168,7 +168,7 @@ def unsqueeze_shape(node, shape: tuple, axes) -> tuple:
     return tuple(1 if i in axes else next(dims) for i in range(rank))
 
 
-@op("Unsqueeze", view=True)
+@op("Unsqueeze", view=True, constant_inputs=(1,))
 def _unsqueeze_rule(node, types, consts):
     x = types[0]
     axes = _attr_or_input(node, consts, "axes", 1, "axes")
@@ -205,7 +205,7 @@ def _transpose_grad(ctx):  # dX = transpose(dY, inverse(perm))
     ctx.set_grad(0, ctx.emit("Transpose", [ctx.GO(0)], {"perm": [int(p) for p in np.argsort(perm)]}))
 
 
-@op("Expand", shape_only=(1,))
+@op("Expand", shape_only=(1,), constant_inputs=(1,))
 def _expand_rule(node, types, consts):
     x = types[0]
     target = tuple(_ints(_const_input(node, consts, 1, "shape")))
@@ -225,7 +225,7 @@ def _expand_grad(ctx):  # dX = dY summed over the broadcast axes
     ctx.set_grad(0, ctx.sum_to_input(ctx.GO(0), 0))
 
 
-@op("Tile", shape_only=(1,))
+@op("Tile", shape_only=(1,), constant_inputs=(1,))
 def _tile_rule(node, types, consts):
     x = types[0]
     repeats = _ints(_const_input(node, consts, 1, "repeats"))
@@ -279,7 +279,7 @@ def _slice_shape(ranges) -> tuple:
     return tuple(len(range(*r)) for r in ranges)
 
 
-@op("Slice", shape_only=(1, 2, 3, 4))
+@op("Slice", shape_only=(1, 2, 3, 4), constant_inputs=(1, 2, 3, 4))
 def _slice_rule(node, types, consts):
     x = types[0]
     if x.shape is None or not x.is_static:
@@ -358,7 +358,7 @@ def split_sizes(node, dim: int, consts, outputs: int) -> list[int]:
     return sizes
 
 
-@op("Split", shape_only=(1,))
+@op("Split", shape_only=(1,), constant_inputs=(1,))
 def _split_rule(node, types, consts):
     x = types[0]
     if x.shape is None or not isinstance(x.shape[_axis(node, len(x.shape))], int):
@@ -621,7 +621,7 @@ def constant_of_shape_fill(node) -> np.ndarray:
     return np.zeros(1, np.float32) if value is None else np.asarray(value).reshape(-1)[:1]
 
 
-@op("ConstantOfShape", shape_only=(0,))
+@op("ConstantOfShape", shape_only=(0,), constant_inputs=(0,))
 def _constant_of_shape_rule(node, types, consts):
     fill = constant_of_shape_fill(node)
     if consts[0] is None:
@@ -632,7 +632,7 @@ def _constant_of_shape_rule(node, types, consts):
     return _folded([np.full(shape, fill[0], dtype=fill.dtype)])
 
 
-@op("Range")
+@op("Range", constant_inputs=(0, 1, 2))
 def _range_rule(node, types, consts):
     if not _all_known(node, consts):
         return [TensorType(types[0].dtype, None)]
