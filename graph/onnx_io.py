@@ -102,6 +102,9 @@ def graph_from_proto(proto: onnx.ModelProto, source: str = "model") -> Graph:
     import onnx.defs
 
     opsets = _opsets((o.domain, o.version) for o in proto.opset_import)
+    if opsets.get(DEFAULT_DOMAIN, MIN_DEFAULT_OPSET) < MIN_DEFAULT_OPSET and _unchanged_until_min_opset(
+            proto, opsets[DEFAULT_DOMAIN]):
+        opsets[DEFAULT_DOMAIN] = MIN_DEFAULT_OPSET  # the same model, read as the opset odtrain starts from
     _check_opsets(opsets, {n.domain for n in proto.graph.node}, source)
     # Only this path compares the opset with the newest the onnx package knows. The files the wire
     # path reads were saved by odtrain from graphs that passed this check when first loaded, and
@@ -124,6 +127,24 @@ def graph_from_model(model: ModelData, source: str = "model") -> Graph:
 
 def _opsets(opset_import) -> dict[str, int]:
     return {(DEFAULT_DOMAIN if domain == "ai.onnx" else domain): int(version) for domain, version in opset_import}
+
+
+def _unchanged_until_min_opset(proto: onnx.ModelProto, opset: int) -> bool:
+    """Whether every standard op of the model means at MIN_DEFAULT_OPSET what it means at its older `opset`
+    (And, Or, Not... have not changed since): then the model is read as an opset-MIN_DEFAULT_OPSET one."""
+    import onnx.defs
+
+    for node in proto.graph.node:
+        if node.domain not in (DEFAULT_DOMAIN, "ai.onnx"):
+            continue
+        try:
+            old = onnx.defs.get_schema(node.op_type, opset).since_version
+            new = onnx.defs.get_schema(node.op_type, MIN_DEFAULT_OPSET).since_version
+        except onnx.defs.SchemaError:
+            return False
+        if old != new:
+            return False
+    return True
 
 
 def _check_opsets(opsets: dict[str, int], used_domains: set[str], source: str) -> None:

@@ -48,19 +48,25 @@ class BoundGraph:
     the flat parameter buffer). `gradient_sinks` maps gradient outputs to
     their views of the gradient buffer: with `accumulate` they are added
     into it, otherwise the producing kernels write into it directly.
+    `bound_feeds` maps graph inputs to fed values bound as constants (the
+    axes, shapes or sizes an op reads while shapes bind): the plan holds
+    for those values only, and a step is fed the other inputs, `feeds`.
     """
 
     def __init__(self, graph: Graph, feed_types: dict[str, TensorType], external: dict[str, np.ndarray],
                  gradient_sinks: dict[str, np.ndarray] | None = None, accumulate: bool = False,
                  check_finite: tuple[str, ...] = (), memory_budget: int | None = None,
-                 fused_updates: dict | None = None, arena: SharedArena | None = None):
+                 fused_updates: dict | None = None, arena: SharedArena | None = None,
+                 bound_feeds: dict[str, np.ndarray] | None = None):
         runtime.load()  # Numba's CPU target, BLAS, serial BLAS unless asked (odtrain/threads.py)
         self.graph = graph
         fused_updates = fused_updates or {}
         # Gradients applied during the backward pass die at their update, not at the end of the step.
         self.live_outputs = [o for o in graph.outputs if o not in fused_updates]
-        self.feeds = [name for name in graph.inputs if name not in external]
+        bound_feeds = bound_feeds or {}
+        self.feeds = [name for name in graph.inputs if name not in external and name not in bound_feeds]
         constants = {k: v for k, v in graph.initializers.items() if k not in external}
+        constants.update(bound_feeds)
         known = dict(feed_types)
         known.update({k: TensorType(v.dtype, tuple(v.shape)) for k, v in external.items()})
         types, folded = bind_types(graph, known, constants)
