@@ -3,7 +3,9 @@
 Op codes (arguments, so one compiled kernel serves a family):
   binary: 0 add, 1 sub, 2 mul, 3 div, 4 relu-grad(dy, y), 5 sigmoid-grad(dy, y), 6 tanh-grad(dy, y),
           7 pow, 8 max, 9 min, 10 erf-grad(dy, x), 11 atan-grad(dy, x), 12 gelu-grad(dy, x),
-          13 gelu-tanh-grad(dy, x)
+          13 gelu-tanh-grad(dy, x), 14 mod (the divisor's sign), 15 fmod (the dividend's sign)
+  integer binary (a kernel of their own: shifts do not type on floats):
+          0 shift left, 1 shift right, 2 bitwise and, 3 or, 4 xor
   unary:  0 neg, 1 abs, 2 exp, 3 log, 4 relu, 5 sigmoid, 6 tanh, 7 sign, 8 sqrt, 9 reciprocal, 10 copy,
           11 erf, 12 atan, 13 gelu, 14 gelu-tanh, 15 floor, 16 ceil
   compare: 0 ==, 1 <, 2 >, 3 <=, 4 >=, 5 and, 6 or, 7 xor
@@ -23,13 +25,15 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from . import ODTRAIN_DOMAIN, binding
 from .layout import broadcast_layout, flat
 
 BINARY = {"Add": 0, "Sub": 1, "Mul": 2, "Div": 3, "ReluGrad": 4, "SigmoidGrad": 5, "TanhGrad": 6,
-          "Pow": 7, "Max": 8, "Min": 9, "ErfGrad": 10, "AtanGrad": 11}
+          "Pow": 7, "Max": 8, "Min": 9, "ErfGrad": 10, "AtanGrad": 11, "Mod": 14}
+FMOD = 15
+INTEGER_BINARY = {"BitShiftLeft": 0, "BitShiftRight": 1, "BitwiseAnd": 2, "BitwiseOr": 3, "BitwiseXor": 4}
 UNARY = {"Neg": 0, "Abs": 1, "Exp": 2, "Log": 3, "Relu": 4, "Sigmoid": 5, "Tanh": 6, "Sign": 7,
          "Sqrt": 8, "Reciprocal": 9, "Identity": 10, "Erf": 11, "Atan": 12, "Floor": 15, "Ceil": 16}
 COPY = UNARY["Identity"]
@@ -143,9 +147,25 @@ def gelu_tanh_grad(dy, x):
     return dy * (np.float32(0.5) * (np.float32(1.0) + t) + np.float32(0.5) * x * (np.float32(1.0) - t * t) * d_inner)
 
 
+def c_fmod(x, y):
+    """x - y · trunc(x / y), the sign of x (C's fmod); Numba's np.fmod gets it wrong on integers."""
+    return np.fmod(x, y)
+
+
+@overload(c_fmod)
+def _c_fmod(x, y):
+    if isinstance(x, types.Integer) and isinstance(y, types.Integer):
+        def integer_fmod(x, y):
+            r = x % y
+            return r - y if r != 0 and (r < 0) != (x < 0) else r
+
+        return integer_fmod
+    return lambda x, y: np.fmod(x, y)
+
+
 @njit(cache=True, inline="always")
 def _binary_op(code, x, y):
-    """The cheap binary ops (codes 0-9); the transcendental gradients have their own kernels."""
+    """The cheap binary ops (codes 0-9, 14, 15); the transcendental gradients have their own kernels."""
     if code == 0:
         return x + y
     if code == 1:
@@ -164,6 +184,10 @@ def _binary_op(code, x, y):
         return x ** y
     if code == 8:
         return max(x, y)
+    if code == 14:
+        return x % y
+    if code == 15:
+        return c_fmod(x, y)
     return min(x, y)  # 9
 
 
@@ -400,6 +424,34 @@ def _compare_strided(code, a, b, out, dims, sa, sb):
 
 
 @njit(cache=True, error_model="numpy")
+def _integer_strided(code, a, b, out, dims, sa, sb, bits):
+    """out (flat over dims) = a <shift or bitwise op> b over a broadcast 4-D layout (integers of `bits` bits).
+    A shift by a negative count or by `bits` or more gives 0 (or -1 shifting a negative number right)."""
+    k = 0
+    for i0 in range(dims[0]):
+        for i1 in range(dims[1]):
+            for i2 in range(dims[2]):
+                ia = i0 * sa[0] + i1 * sa[1] + i2 * sa[2]
+                ib = i0 * sb[0] + i1 * sb[1] + i2 * sb[2]
+                for i3 in range(dims[3]):
+                    x = a[ia + i3 * sa[3]]
+                    y = b[ib + i3 * sb[3]]
+                    if code <= 1 and (y < 0 or y >= bits):
+                        out[k] = -1 if code == 1 and x < 0 else 0
+                    elif code == 0:
+                        out[k] = x << y
+                    elif code == 1:
+                        out[k] = x >> y
+                    elif code == 2:
+                        out[k] = x & y
+                    elif code == 3:
+                        out[k] = x | y
+                    else:
+                        out[k] = x ^ y
+                    k += 1
+
+
+@njit(cache=True, error_model="numpy")
 def _where_strided(cond, a, b, out, dims, sc, sa, sb):
     """out (flat over dims) = a if cond else b, each operand broadcast through its strides."""
     k = 0
@@ -479,7 +531,7 @@ def _make_unary(code):
 
 
 for _name, _code in BINARY.items():
-    if _name not in ("Max", "Min"):  # variadic, bound below
+    if _name not in ("Max", "Min", "Mod"):  # variadic, or with attributes: bound below
         binding(_name, ODTRAIN_DOMAIN if _name.endswith("Grad") else "")(_make_binary(_code))
 for _name, _code in UNARY.items():
     binding(_name)(_make_unary(_code))
@@ -511,6 +563,40 @@ def Sum(inputs, outputs):
 @binding("Max")
 def Max(inputs, outputs):
     return _variadic(BINARY["Max"], inputs, outputs[0])
+
+
+@binding("Mean")
+def Mean(inputs, outputs):
+    out = outputs[0]
+    share = np.array([1 / len(inputs)], dtype=out.dtype)
+    return _variadic(BINARY["Add"], inputs, out) + [(_binary_scalar, (BINARY["Mul"], flat(out), share, flat(out)))]
+
+
+@binding("Mod")
+def Mod(inputs, outputs, fmod=0):
+    return binary_calls(FMOD if fmod else BINARY["Mod"], inputs[0], inputs[1], outputs[0])
+
+
+def integer_calls(code: int, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> list:
+    dims, _, sa, sb = broadcast_layout(out.shape, a.shape, b.shape)
+    return [(_integer_strided, (code, flat(a), flat(b), flat(out), dims, sa, sb, 8 * out.dtype.itemsize))]
+
+
+@binding("BitShift")
+def BitShift(inputs, outputs, direction="LEFT"):
+    direction = direction.decode() if isinstance(direction, bytes) else direction
+    return integer_calls(INTEGER_BINARY[f"BitShift{direction.title()}"], inputs[0], inputs[1], outputs[0])
+
+
+def _make_integer(code):
+    def bind(inputs, outputs):
+        return integer_calls(code, inputs[0], inputs[1], outputs[0])
+
+    return bind
+
+
+for _name in ("BitwiseAnd", "BitwiseOr", "BitwiseXor"):
+    binding(_name)(_make_integer(INTEGER_BINARY[_name]))
 
 
 @binding("Min")

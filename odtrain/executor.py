@@ -73,7 +73,7 @@ class BoundGraph:
         order = execution_order(graph, folded, list(graph.outputs))
         sinks = gradient_sinks or {}
         outside = dict(external)
-        outside.update({k: np.ascontiguousarray(v) for k, v in folded.items()})
+        outside.update({k: np.asarray(v, order="C") for k, v in folded.items()})  # keeps 0-d values 0-d
         if not accumulate:
             outside.update({name: sink.reshape(types[name].shape) for name, sink in sinks.items()})
         self.constant_bytes = sum(np.asarray(v).nbytes for v in folded.values())

@@ -264,7 +264,8 @@ CONSTANT_INPUTS = {
     "Reshape": (1,), "Expand": (1,), "Tile": (1,), "Slice": (1, 2, 3, 4), "Pad": (1, 2, 3), "Split": (1,),
     "Squeeze": (1,), "Unsqueeze": (1,), "Resize": (1, 2, 3), "Upsample": (1,), "ReduceSum": (1,),
     "ReduceMean": (1,), "ReduceMax": (1,), "ReduceMin": (1,), "ReduceL2": (1,), "ConstantOfShape": (0,),
-    "Range": (0, 1, 2), "Dropout": (1, 2), "Trilu": (1,),
+    "Range": (0, 1, 2), "Dropout": (1, 2), "Trilu": (1,), "ReduceL1": (1,), "ReduceSumSquare": (1,),
+    "ReduceLogSum": (1,), "ReduceLogSumExp": (1,), "ReduceProd": (1,), "CumSum": (1,),
 }
 for _op_type, _indices in CONSTANT_INPUTS.items():
     if (DEFAULT_DOMAIN, _op_type) in OPS:
