@@ -3,7 +3,7 @@ from odtrain.graph.ops import OPS
 from odtrain.kernels import BINDINGS
 
 # Ops that never reach a kernel: views share their input's bytes, constants fold when shapes bind.
-NO_KERNEL = {("", "Reshape"), ("", "Flatten"), ("", "Identity"), ("", "Shape"), ("", "Constant")}
+NO_KERNEL = {("", "Reshape"), ("", "Flatten"), ("", "Identity"), ("", "Shape"), ("", "Size"), ("", "Constant")}
 NO_KERNEL |= {("ai.odtrain", "ApplyUpdate")}  # the executor calls the optimizer for it
 NO_KERNEL |= {("", "Squeeze"), ("", "Unsqueeze")}  # views
 
@@ -21,6 +21,9 @@ GRADIENT_CHECKED |= {"Conv", "BatchNormalization", "MaxPool", "AveragePool", "Gl
                      "Clip", "LeakyRelu", "HardSigmoid", "HardSwish", "Pad", "Dropout", "BatchNormalizationActivation"}
 # upsampling ops (tests/test_upsampling.py)
 GRADIENT_CHECKED |= {"ConvTranspose", "Resize", "Upsample"}
+# decoder and conformance ops (tests/test_gradients.py)
+GRADIENT_CHECKED |= {"Mod", "Mean", "CumSum", "Einsum", "NegativeLogLikelihoodLoss", "ReduceL1", "ReduceSumSquare",
+                     "ReduceLogSum", "ReduceLogSumExp"}
 
 
 def test_every_registered_op_has_a_kernel():
