@@ -387,3 +387,59 @@ def test_exported_attention_heads_fuse_into_strided_products(tmp_path):
     training = onnx.load(str(tmp_path / "training_model.onnx"))
     ops = [n.op_type for n in training.graph.node]
     assert "Transpose" not in ops and "MatMul" not in ops and "Mul" not in ops[:ops.index("Softmax")], ops
+
+
+# ---- ops of exported decoders and the conformance suite -------------------------------------------------
+
+
+@pytest.mark.parametrize("fmod", [0, 1])
+def test_mod(fmod, tmp_path):
+    """Away from the jumps (where A/B is a whole number) dA = dY and dB = -dY · (A - Y) / B."""
+    a = np.array([[2.3, -2.3, 5.1], [-4.7, 0.6, 3.3]], np.float32)
+    b = np.array([1.5, -1.1, 2.0], np.float32)
+    gradient_check([node("Mod", ["a", "b"], fmod=fmod)], {"a": a, "b": b}, tmp_path=tmp_path)
+
+
+def test_mean_with_broadcast(tmp_path):
+    gradient_check([node("Mean", ["a", "b", "c"])], {"a": rand(2, 3), "b": rand(3), "c": rand(2, 1)}, tmp_path=tmp_path)
+
+
+@pytest.mark.parametrize("exclusive", [0, 1])
+@pytest.mark.parametrize("reverse", [0, 1])
+@pytest.mark.parametrize("axis", [1, -1])
+def test_cumsum(axis, exclusive, reverse, tmp_path):
+    gradient_check([node("CumSum", ["x", "axis"], exclusive=exclusive, reverse=reverse)], {"x": rand(2, 3, 4)},
+                   constants={"axis": np.array(axis, np.int64)}, tmp_path=tmp_path)
+
+
+EINSUM_GRADIENTS = [("ij,jk->ik", [(3, 4), (4, 2)]), ("bij,bjk->bik", [(2, 3, 4), (2, 4, 2)]),
+                    ("bhid,bhjd->bhij", [(2, 2, 3, 4), (2, 2, 5, 4)]), ("ij->ji", [(3, 4)]), ("i,j->ij", [(3,), (4,)]),
+                    ("ij->i", [(3, 4)]), ("...ij,...jk->...ik", [(2, 1, 3, 4), (3, 4, 2)]),
+                    ("ijk,jl->il", [(2, 3, 4), (3, 5)]), ("ij,kj", [(3, 4), (2, 4)])]
+
+
+@pytest.mark.parametrize("equation,shapes", EINSUM_GRADIENTS, ids=[e for e, _ in EINSUM_GRADIENTS])
+def test_einsum(equation, shapes, tmp_path):
+    params = {f"x{i}": rand(*shape) for i, shape in enumerate(shapes)}
+    gradient_check([node("Einsum", list(params), equation=equation)], params, opset=12, tmp_path=tmp_path)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_negative_log_likelihood_after_log_softmax(reduction, weighted, tmp_path):
+    labels = np.array([[0, 2], [1, 3], [3, 3]], dtype=np.int64)  # [N=3, D=2], C=4, one ignored label
+    inputs, constants = ["log_prob", "labels"], {"labels": labels}
+    if weighted:
+        constants["weights"] = np.array([0.5, 1.0, 2.0, 1.5], dtype=np.float32)
+        inputs.append("weights")
+    nodes = [node("LogSoftmax", ["scores"], ["log_prob"], axis=1),
+             node("NegativeLogLikelihoodLoss", inputs, reduction=reduction, ignore_index=2)]
+    gradient_check(nodes, {"scores": rand(3, 4, 2, low=-2, high=2)}, constants=constants, tmp_path=tmp_path)
+
+
+@pytest.mark.parametrize("op", ["ReduceL1", "ReduceSumSquare", "ReduceLogSum", "ReduceLogSumExp"])
+@pytest.mark.parametrize("keepdims", [0, 1])
+def test_reductions_with_axes_as_input(op, keepdims, tmp_path):
+    x = rand(2, 3, 4, low=0.5, high=2.0) if op == "ReduceLogSum" else away_from_zero(2, 3, 4)
+    gradient_check([node(op, ["x", "axes"], keepdims=keepdims)], {"x": x},
+                   constants={"axes": np.array([0, -1], np.int64)}, opset=18, tmp_path=tmp_path)

@@ -223,8 +223,10 @@ def _einsum_grad(ctx):  # dX_i = einsum(dY, the other operand -> X_i's labels), 
         kept = "".join(label for label in term if label in known)
         equation = ",".join(t for t, _ in sources) + "->" + kept
         grad_name = ctx.emit("Einsum", [name for _, name in sources], {"equation": equation})
-        if kept != term:  # labels only X_i has: dY does not depend on where along them, so dX repeats
+        if kept != term:  # labels only X_i has: dY does not depend on where along them, so dX repeats along them
             axes = [axis for axis, label in enumerate(term) if label not in known]
-            grad_name = ctx.emit("Unsqueeze", [grad_name, ctx.constant(np.array(axes, np.int64), "axes")])
-            grad_name = ctx.emit("Expand", [grad_name, ctx.emit("Shape", [ctx.I(i)])])
+            sizes = ctx.emit("Gather", [ctx.emit("Shape", [ctx.I(i)]), ctx.constant(np.array(axes, np.int64), "axes")])
+            ones = ctx.emit("Expand", [ctx.constant(np.ones((), np.float32), "one"), sizes])
+            missing = "".join(term[axis] for axis in axes)
+            grad_name = ctx.emit("Einsum", [grad_name, ones], {"equation": f"{kept},{missing}->{term}"})
         ctx.set_grad(i, ctx.sum_to_input(grad_name, i))
