@@ -1,6 +1,6 @@
 """Reductions: sums over axes (ReduceSum, ReduceMean, SumToShape), the other folds (ReduceMax,
 ReduceMin, ReduceL1, ReduceL2, ReduceSumSquare, ReduceLogSum, ReduceLogSumExp, ReduceProd),
-their broadcasts back, ArgMax/ArgMin, and CumSum.
+their broadcasts back, ArgMax/ArgMin, and CumSum/CumProd.
 
 An op along one axis (ArgMax, CumSum) sees its input as [outer, axis, inner]."""
 from __future__ import annotations
@@ -254,27 +254,31 @@ binding("ArgMin")(_make_arg(True))
 
 
 @njit(cache=True, error_model="numpy")
-def _cumsum(x, out, outer, n, inner, exclusive, reverse):
-    """out = running sums of x [outer, n, inner] along the middle axis (from its end when reversed;
-    each element left out of its own sum when exclusive)."""
+def _cumulative(x, out, outer, n, inner, exclusive, reverse, product):
+    """out = running sums (or products) of x [outer, n, inner] along the middle axis (from its end when
+    reversed; each element left out of its own total when exclusive)."""
     for o in range(outer):
         for i in range(inner):
             base = o * n * inner + i
-            total = x[base] * 0
+            total = x[base] * 0 + product
             for step in range(n):
                 k = n - 1 - step if reverse else step
                 v = x[base + k * inner]
                 if exclusive:
                     out[base + k * inner] = total
-                    total += v
-                else:
-                    total += v
+                total = total * v if product else total + v
+                if not exclusive:
                     out[base + k * inner] = total
 
 
-@binding("CumSum")
-def CumSum(inputs, outputs, exclusive=0, reverse=0):
-    x = inputs[0]
-    axis = int(inputs[1].reshape(())) % x.ndim
-    outer, n, inner = _outer_axis_inner(x.shape, axis)
-    return [(_cumsum, (flat(x), flat(outputs[0]), outer, n, inner, bool(exclusive), bool(reverse)))]
+def _make_cumulative(product: bool):
+    def bind(inputs, outputs, exclusive=0, reverse=0):
+        x = inputs[0]
+        outer, n, inner = _outer_axis_inner(x.shape, int(inputs[1].reshape(())) % x.ndim)
+        return [(_cumulative, (flat(x), flat(outputs[0]), outer, n, inner, bool(exclusive), bool(reverse), product))]
+
+    return bind
+
+
+binding("CumSum")(_make_cumulative(False))
+binding("CumProd")(_make_cumulative(True))

@@ -265,7 +265,7 @@ CONSTANT_INPUTS = {
     "Squeeze": (1,), "Unsqueeze": (1,), "Resize": (1, 2, 3), "Upsample": (1,), "ReduceSum": (1,),
     "ReduceMean": (1,), "ReduceMax": (1,), "ReduceMin": (1,), "ReduceL2": (1,), "ConstantOfShape": (0,),
     "Range": (0, 1, 2), "Dropout": (1, 2), "Trilu": (1,), "ReduceL1": (1,), "ReduceSumSquare": (1,),
-    "ReduceLogSum": (1,), "ReduceLogSumExp": (1,), "ReduceProd": (1,), "CumSum": (1,),
+    "ReduceLogSum": (1,), "ReduceLogSumExp": (1,), "ReduceProd": (1,), "CumSum": (1,), "CumProd": (1,),
 }
 for _op_type, _indices in CONSTANT_INPUTS.items():
     if (DEFAULT_DOMAIN, _op_type) in OPS:

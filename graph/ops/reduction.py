@@ -12,7 +12,8 @@ ONNX ops (ReduceProd has none: it would divide by elements that may be zero).
 
 ArgMax/ArgMin give int64 positions and have no gradient. CumSum(X, axis) sums
 along one axis (`exclusive` leaves each element out, `reverse` runs from the
-end); its gradient is the CumSum of dY in the other direction.
+end); its gradient is the CumSum of dY in the other direction. CumProd
+multiplies alike and has no gradient (as ReduceProd).
 
 Their gradient `ReduceGrad(dY, X)` broadcasts dY back over the reduced
 axes (divided by the count for a mean); X is read for its shape only.
@@ -26,7 +27,18 @@ from ..errors import ModelError, UnsupportedOpError
 from ..ir import ODTRAIN_DOMAIN, TensorType
 from . import attr_axes, grad, no_grad, op
 
-FOLDS = {"ReduceSum": np.sum, "ReduceMean": np.mean, "ReduceMax": np.max, "ReduceMin": np.min,
+def _extreme(dtype: np.dtype, largest: bool):
+    """The largest (or smallest) value of a dtype: what a maximum (minimum) over no elements is."""
+    if dtype == np.bool_:
+        return largest
+    if np.issubdtype(dtype, np.floating):
+        return np.inf if largest else -np.inf
+    return np.iinfo(dtype).max if largest else np.iinfo(dtype).min
+
+
+FOLDS = {"ReduceSum": np.sum, "ReduceMean": np.mean,
+         "ReduceMax": lambda x, axis, keepdims: np.max(x, axis=axis, keepdims=keepdims, initial=_extreme(x.dtype, False)),
+         "ReduceMin": lambda x, axis, keepdims: np.min(x, axis=axis, keepdims=keepdims, initial=_extreme(x.dtype, True)),
          "ReduceL2": lambda x, axis, keepdims: np.sqrt(np.sum(np.square(x), axis=axis, keepdims=keepdims)),
          "ReduceL1": lambda x, axis, keepdims: np.sum(np.abs(x), axis=axis, keepdims=keepdims),
          "ReduceSumSquare": lambda x, axis, keepdims: np.sum(np.square(x), axis=axis, keepdims=keepdims),
@@ -126,8 +138,9 @@ def _reduce_log_sum_exp_grad(ctx):  # dX = broadcast(dY) · exp(X - broadcast(Y)
     ctx.set_grad(0, ctx.emit("Mul", [_spread(ctx, ctx.GO(0)), weights]))
 
 
-no_grad("ReduceProd", "its gradient, the product of the other elements, is not implemented (dividing Y by X fails "
-                      "where X is zero)")
+PRODUCT_HAS_NO_GRADIENT = ("its gradient, the products of the other elements, is not implemented (dividing Y by X "
+                           "fails where X is zero)")
+no_grad("ReduceProd", PRODUCT_HAS_NO_GRADIENT)
 
 
 def _arg_rule(node, types, consts):
@@ -158,7 +171,7 @@ for _name in ("ArgMax", "ArgMin"):
     no_grad(_name, "its output is an integer position")
 
 
-def cumsum_axis(node, axis_value, rank: int | None) -> int:
+def cumulative_axis(node, axis_value, rank: int | None) -> int:
     if axis_value is None:
         raise UnsupportedOpError(f"{node.describe()}: its axis input '{node.inputs[1]}' must be a constant")
     axis = int(np.asarray(axis_value).reshape(()))
@@ -170,20 +183,26 @@ def cumsum_axis(node, axis_value, rank: int | None) -> int:
 
 
 @op("CumSum", shape_only=(1,))
-def _cumsum_rule(node, types, consts):
+@op("CumProd", shape_only=(1,))
+def _cumulative_rule(node, types, consts):
     x = types[0]
-    axis = cumsum_axis(node, consts[1], None if x.shape is None else len(x.shape))
+    axis = cumulative_axis(node, consts[1], None if x.shape is None else len(x.shape))
     if consts[0] is not None:
         value = consts[0]
         if node.attrs.get("reverse", 0):
             value = np.flip(value, axis)
-        total = np.cumsum(value, axis=axis, dtype=value.dtype)
-        if node.attrs.get("exclusive", 0):
-            total = total - value
+        product = node.op_type == "CumProd"
+        total = (np.cumprod if product else np.cumsum)(value, axis=axis, dtype=value.dtype)
+        if node.attrs.get("exclusive", 0):  # shift by one along the axis, the identity first
+            total = np.concatenate([np.full_like(np.take(value, [0], axis), 1 if product else 0),
+                                    np.delete(total, -1, axis)], axis=axis)
         if node.attrs.get("reverse", 0):
             total = np.flip(total, axis)
         return [x], [np.ascontiguousarray(total)]
     return [x]
+
+
+no_grad("CumProd", PRODUCT_HAS_NO_GRADIENT)
 
 
 @grad("CumSum")
