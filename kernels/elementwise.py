@@ -3,9 +3,8 @@
 Op codes (arguments, so one compiled kernel serves a family):
   binary: 0 add, 1 sub, 2 mul, 3 div, 4 relu-grad(dy, y), 5 sigmoid-grad(dy, y), 6 tanh-grad(dy, y),
           7 pow, 8 max, 9 min, 10 erf-grad(dy, x), 11 atan-grad(dy, x), 12 gelu-grad(dy, x),
-          13 gelu-tanh-grad(dy, x), 14 mod (the divisor's sign), 15 fmod (the dividend's sign)
-  integer binary (a kernel of their own: shifts do not type on floats):
-          0 shift left, 1 shift right, 2 bitwise and, 3 or, 4 xor
+          13 gelu-tanh-grad(dy, x), 14 mod (the divisor's sign), 15 fmod (the dividend's sign),
+          16 shift left, 17 shift right, 18 bitwise and, 19 or, 20 xor (integers only)
   unary:  0 neg, 1 abs, 2 exp, 3 log, 4 relu, 5 sigmoid, 6 tanh, 7 sign, 8 sqrt, 9 reciprocal, 10 copy,
           11 erf, 12 atan, 13 gelu, 14 gelu-tanh, 15 floor, 16 ceil
   compare: 0 ==, 1 <, 2 >, 3 <=, 4 >=, 5 and, 6 or, 7 xor
@@ -33,7 +32,8 @@ from .layout import broadcast_layout, flat
 BINARY = {"Add": 0, "Sub": 1, "Mul": 2, "Div": 3, "ReluGrad": 4, "SigmoidGrad": 5, "TanhGrad": 6,
           "Pow": 7, "Max": 8, "Min": 9, "ErfGrad": 10, "AtanGrad": 11, "Mod": 14}
 FMOD = 15
-INTEGER_BINARY = {"BitShiftLeft": 0, "BitShiftRight": 1, "BitwiseAnd": 2, "BitwiseOr": 3, "BitwiseXor": 4}
+SHIFT = {"LEFT": 16, "RIGHT": 17}
+BITWISE = {"BitwiseAnd": 18, "BitwiseOr": 19, "BitwiseXor": 20}
 UNARY = {"Neg": 0, "Abs": 1, "Exp": 2, "Log": 3, "Relu": 4, "Sigmoid": 5, "Tanh": 6, "Sign": 7,
          "Sqrt": 8, "Reciprocal": 9, "Identity": 10, "Erf": 11, "Atan": 12, "Floor": 15, "Ceil": 16}
 COPY = UNARY["Identity"]
@@ -163,9 +163,37 @@ def _c_fmod(x, y):
     return lambda x, y: np.fmod(x, y)
 
 
+def integer_op(code, x, y):
+    """Shifts and bitwise operations (codes 16-20) on integers; x itself for other types, which never
+    reach it (a shift does not type on floats, and one compiled kernel serves every code)."""
+    return x
+
+
+@overload(integer_op)
+def _integer_op(code, x, y):
+    if not (isinstance(x, types.Integer) and isinstance(y, types.Integer)):
+        return lambda code, x, y: x
+    bits = x.bitwidth
+
+    def on_integers(code, x, y):
+        if code <= 17 and (y < 0 or y >= bits):  # shifted out entirely
+            return -1 if code == 17 and x < 0 else 0
+        if code == 16:
+            return x << y
+        if code == 17:
+            return x >> y
+        if code == 18:
+            return x & y
+        if code == 19:
+            return x | y
+        return x ^ y  # 20
+
+    return on_integers
+
+
 @njit(cache=True, inline="always")
 def _binary_op(code, x, y):
-    """The cheap binary ops (codes 0-9, 14, 15); the transcendental gradients have their own kernels."""
+    """The cheap binary ops (codes 0-9, 14-20); the transcendental gradients have their own kernels."""
     if code == 0:
         return x + y
     if code == 1:
@@ -188,6 +216,8 @@ def _binary_op(code, x, y):
         return x % y
     if code == 15:
         return c_fmod(x, y)
+    if code >= 16:
+        return integer_op(code, x, y)
     return min(x, y)  # 9
 
 
@@ -424,34 +454,6 @@ def _compare_strided(code, a, b, out, dims, sa, sb):
 
 
 @njit(cache=True, error_model="numpy")
-def _integer_strided(code, a, b, out, dims, sa, sb, bits):
-    """out (flat over dims) = a <shift or bitwise op> b over a broadcast 4-D layout (integers of `bits` bits).
-    A shift by a negative count or by `bits` or more gives 0 (or -1 shifting a negative number right)."""
-    k = 0
-    for i0 in range(dims[0]):
-        for i1 in range(dims[1]):
-            for i2 in range(dims[2]):
-                ia = i0 * sa[0] + i1 * sa[1] + i2 * sa[2]
-                ib = i0 * sb[0] + i1 * sb[1] + i2 * sb[2]
-                for i3 in range(dims[3]):
-                    x = a[ia + i3 * sa[3]]
-                    y = b[ib + i3 * sb[3]]
-                    if code <= 1 and (y < 0 or y >= bits):
-                        out[k] = -1 if code == 1 and x < 0 else 0
-                    elif code == 0:
-                        out[k] = x << y
-                    elif code == 1:
-                        out[k] = x >> y
-                    elif code == 2:
-                        out[k] = x & y
-                    elif code == 3:
-                        out[k] = x | y
-                    else:
-                        out[k] = x ^ y
-                    k += 1
-
-
-@njit(cache=True, error_model="numpy")
 def _where_strided(cond, a, b, out, dims, sc, sa, sb):
     """out (flat over dims) = a if cond else b, each operand broadcast through its strides."""
     k = 0
@@ -577,26 +579,14 @@ def Mod(inputs, outputs, fmod=0):
     return binary_calls(FMOD if fmod else BINARY["Mod"], inputs[0], inputs[1], outputs[0])
 
 
-def integer_calls(code: int, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> list:
-    dims, _, sa, sb = broadcast_layout(out.shape, a.shape, b.shape)
-    return [(_integer_strided, (code, flat(a), flat(b), flat(out), dims, sa, sb, 8 * out.dtype.itemsize))]
-
-
 @binding("BitShift")
 def BitShift(inputs, outputs, direction="LEFT"):
     direction = direction.decode() if isinstance(direction, bytes) else direction
-    return integer_calls(INTEGER_BINARY[f"BitShift{direction.title()}"], inputs[0], inputs[1], outputs[0])
+    return binary_calls(SHIFT[direction], inputs[0], inputs[1], outputs[0])
 
 
-def _make_integer(code):
-    def bind(inputs, outputs):
-        return integer_calls(code, inputs[0], inputs[1], outputs[0])
-
-    return bind
-
-
-for _name in ("BitwiseAnd", "BitwiseOr", "BitwiseXor"):
-    binding(_name)(_make_integer(INTEGER_BINARY[_name]))
+for _name, _code in BITWISE.items():
+    binding(_name)(_make_binary(_code))
 
 
 @binding("Min")

@@ -40,40 +40,13 @@ def _logsumexp(x, n, d):
 
 
 @njit(cache=True, error_model="numpy")
-def _reduce_loss(loss, total, weight_sum, reduction):
-    """loss[0] ← the sum, or the weighted mean, of the per-sample losses (reduction none wrote them already)."""
-    if reduction == 1:
-        loss[0] = total
-    elif reduction == 2:
-        loss[0] = total / weight_sum if weight_sum > 0 else 0.0
-
-
-@njit(cache=True, error_model="numpy")
-def _sample_gradient(dloss, x, labels, weights, has_weights, ignore_index, reduction, weight_sum, n, d):
-    """(label, g · w[label]) of sample (n, d): its loss's gradient times its weight (÷ Σ w for mean)."""
-    y, w = _sample_weight(labels, weights, has_weights, ignore_index, x.shape[1], n, d)
-    g = dloss[n * x.shape[2] + d] if reduction == 0 else dloss[0]
-    if reduction == 2:
-        g = g / weight_sum if weight_sum > 0 else 0.0
-    return y, g * w
-
-
-@njit(cache=True, error_model="numpy")
-def _weight_sum(x, labels, weights, has_weights, ignore_index):
-    total = 0.0
-    for n in range(x.shape[0]):
-        for d in range(x.shape[2]):
-            total += _sample_weight(labels, weights, has_weights, ignore_index, x.shape[1], n, d)[1]
-    return total
-
-
-@njit(cache=True, error_model="numpy")
-def _sce_forward(x, labels, weights, has_weights, ignore_index, reduction, loss, log_prob, want_log_prob):
-    """loss ← cross-entropy of softmax(x) against labels; log_prob ← log softmax(x) if wanted."""
+def _class_loss(x, labels, weights, has_weights, ignore_index, reduction, softmax, loss, log_prob, want_log_prob):
+    """loss ← cross-entropy of softmax(x) against labels (softmax) or negative log-likelihood of the
+    log-probabilities x; log_prob ← log softmax(x) if wanted."""
     total, weight_sum = 0.0, 0.0
     for n in range(x.shape[0]):
         for d in range(x.shape[2]):
-            lse = _logsumexp(x, n, d)
+            lse = _logsumexp(x, n, d) if softmax else 0.0
             if want_log_prob:
                 for c in range(x.shape[1]):
                     log_prob[n, c, d] = x[n, c, d] - lse
@@ -83,25 +56,36 @@ def _sce_forward(x, labels, weights, has_weights, ignore_index, reduction, loss,
                 loss[n * x.shape[2] + d] = value
             total += value
             weight_sum += w
-    _reduce_loss(loss, total, weight_sum, reduction)
+    if reduction == 1:
+        loss[0] = total
+    elif reduction == 2:
+        loss[0] = total / weight_sum if weight_sum > 0 else 0.0
 
 
 @njit(cache=True, error_model="numpy")
-def _sce_backward(dloss, x, labels, weights, has_weights, ignore_index, reduction, dx):
-    """dx ← gradient of the loss with respect to the scores x."""
-    weight_sum = _weight_sum(x, labels, weights, has_weights, ignore_index) if reduction == 2 else 0.0
+def _class_loss_backward(dloss, x, labels, weights, has_weights, ignore_index, reduction, softmax, dx):
+    """dx ← gradient of the loss with respect to the scores (softmax) or log-probabilities x."""
+    weight_sum = 0.0
+    if reduction == 2:
+        for n in range(x.shape[0]):
+            for d in range(x.shape[2]):
+                weight_sum += _sample_weight(labels, weights, has_weights, ignore_index, x.shape[1], n, d)[1]
     for n in range(x.shape[0]):
         for d in range(x.shape[2]):
-            y, scale = _sample_gradient(dloss, x, labels, weights, has_weights, ignore_index, reduction, weight_sum,
-                                        n, d)
-            if scale == 0.0:
+            y, w = _sample_weight(labels, weights, has_weights, ignore_index, x.shape[1], n, d)
+            g = dloss[n * x.shape[2] + d] if reduction == 0 else dloss[0]
+            if reduction == 2:
+                g = g / weight_sum if weight_sum > 0 else 0.0
+            scale = g * w
+            if scale != 0.0 and softmax:
+                lse = _logsumexp(x, n, d)
+                for c in range(x.shape[1]):
+                    dx[n, c, d] = scale * np.exp(x[n, c, d] - lse)
+            else:
                 for c in range(x.shape[1]):
                     dx[n, c, d] = 0.0
-                continue
-            lse = _logsumexp(x, n, d)
-            for c in range(x.shape[1]):
-                dx[n, c, d] = scale * np.exp(x[n, c, d] - lse)
-            dx[n, y, d] -= scale
+            if scale != 0.0:  # an ignored label (weight 0) may lie outside the classes
+                dx[n, y, d] -= scale
 
 
 def _as_ncd(scores: np.ndarray) -> np.ndarray:
@@ -117,59 +101,26 @@ def _common(inputs, reduction, ignore_index):
     return _as_ncd(scores), labels, weights, has_weights, ignore, REDUCTIONS[reduction]
 
 
-@binding("SoftmaxCrossEntropyLoss")
-def SoftmaxCrossEntropyLoss(inputs, outputs, reduction="mean", ignore_index=None):
-    x, labels, weights, has_weights, ignore, code = _common(inputs, reduction, ignore_index)
-    want_log_prob = len(outputs) > 1 and outputs[1] is not None
-    log_prob = _as_ncd(outputs[1]) if want_log_prob else np.zeros((1, 1, 1), dtype=x.dtype)
-    loss = outputs[0].reshape(-1)
-    return [(_sce_forward, (x, labels, weights, has_weights, ignore, code, loss, log_prob, want_log_prob))]
+def _make_loss(softmax: bool):
+    def bind(inputs, outputs, reduction="mean", ignore_index=None):
+        x, labels, weights, has_weights, ignore, code = _common(inputs, reduction, ignore_index)
+        want_log_prob = len(outputs) > 1 and outputs[1] is not None
+        log_prob = _as_ncd(outputs[1]) if want_log_prob else np.zeros((1, 1, 1), dtype=x.dtype)
+        return [(_class_loss, (x, labels, weights, has_weights, ignore, code, softmax, outputs[0].reshape(-1),
+                               log_prob, want_log_prob))]
+
+    return bind
 
 
-@binding("SoftmaxCrossEntropyLossGrad", ODTRAIN_DOMAIN)
-def SoftmaxCrossEntropyLossGrad(inputs, outputs, reduction="mean", ignore_index=None):
-    dloss = inputs[0].reshape(-1)
-    x, labels, weights, has_weights, ignore, code = _common(inputs[1:], reduction, ignore_index)
-    return [(_sce_backward, (dloss, x, labels, weights, has_weights, ignore, code, _as_ncd(outputs[0])))]
+def _make_loss_grad(softmax: bool):
+    def bind(inputs, outputs, reduction="mean", ignore_index=None):
+        x, labels, weights, has_weights, ignore, code = _common(inputs[1:], reduction, ignore_index)
+        return [(_class_loss_backward, (inputs[0].reshape(-1), x, labels, weights, has_weights, ignore, code, softmax,
+                                        _as_ncd(outputs[0])))]
+
+    return bind
 
 
-@njit(cache=True, error_model="numpy")
-def _nll_forward(x, labels, weights, has_weights, ignore_index, reduction, loss):
-    """loss ← negative log-likelihood of the log-probabilities x at the labels."""
-    total, weight_sum = 0.0, 0.0
-    for n in range(x.shape[0]):
-        for d in range(x.shape[2]):
-            y, w = _sample_weight(labels, weights, has_weights, ignore_index, x.shape[1], n, d)
-            value = 0.0 if w == 0.0 else -w * x[n, y, d]
-            if reduction == 0:
-                loss[n * x.shape[2] + d] = value
-            total += value
-            weight_sum += w
-    _reduce_loss(loss, total, weight_sum, reduction)
-
-
-@njit(cache=True, error_model="numpy")
-def _nll_backward(dloss, x, labels, weights, has_weights, ignore_index, reduction, dx):
-    """dx ← gradient of the loss with respect to the log-probabilities x."""
-    weight_sum = _weight_sum(x, labels, weights, has_weights, ignore_index) if reduction == 2 else 0.0
-    for n in range(x.shape[0]):
-        for d in range(x.shape[2]):
-            y, scale = _sample_gradient(dloss, x, labels, weights, has_weights, ignore_index, reduction, weight_sum,
-                                        n, d)
-            for c in range(x.shape[1]):
-                dx[n, c, d] = 0.0
-            if scale != 0.0:
-                dx[n, y, d] = -scale
-
-
-@binding("NegativeLogLikelihoodLoss")
-def NegativeLogLikelihoodLoss(inputs, outputs, reduction="mean", ignore_index=None):
-    x, labels, weights, has_weights, ignore, code = _common(inputs, reduction, ignore_index)
-    return [(_nll_forward, (x, labels, weights, has_weights, ignore, code, outputs[0].reshape(-1)))]
-
-
-@binding("NegativeLogLikelihoodLossGrad", ODTRAIN_DOMAIN)
-def NegativeLogLikelihoodLossGrad(inputs, outputs, reduction="mean", ignore_index=None):
-    dloss = inputs[0].reshape(-1)
-    x, labels, weights, has_weights, ignore, code = _common(inputs[1:], reduction, ignore_index)
-    return [(_nll_backward, (dloss, x, labels, weights, has_weights, ignore, code, _as_ncd(outputs[0])))]
+for _name, _softmax in (("SoftmaxCrossEntropyLoss", True), ("NegativeLogLikelihoodLoss", False)):
+    binding(_name)(_make_loss(_softmax))
+    binding(f"{_name}Grad", ODTRAIN_DOMAIN)(_make_loss_grad(_softmax))

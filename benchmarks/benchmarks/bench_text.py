@@ -64,7 +64,7 @@ class TransformerTraining(_Steps):
 
 
 def _recurrent_model(kind: str, vocab=64, embed=32, hidden=64):
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import helper
 
     rng = np.random.default_rng(common.SEED)
     gates = 3 if kind == "GRU" else 4
@@ -77,11 +77,18 @@ def _recurrent_model(kind: str, vocab=64, embed=32, hidden=64):
              helper.make_node(kind, ["e_t", "W", "R", "B"], ["Y"], hidden_size=hidden),
              helper.make_node("Squeeze", ["Y", "axes"], ["h"]), helper.make_node("MatMul", ["h", "head"], ["l"]),
              helper.make_node("Transpose", ["l"], ["output"], perm=[1, 2, 0])]
+    return _next_token_model("recurrent", nodes, params, vocab), vocab
+
+
+def _next_token_model(name: str, nodes, params: dict, vocab: int):
+    """A model from tokens [batch, seq] to logits [batch, vocab, seq] ('output')."""
+    from onnx import TensorProto, helper, numpy_helper
+
     graph = helper.make_graph(
-        nodes, "recurrent", [helper.make_tensor_value_info("tokens", TensorProto.INT64, ["batch", "seq"])],
+        nodes, name, [helper.make_tensor_value_info("tokens", TensorProto.INT64, ["batch", "seq"])],
         [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["batch", vocab, "seq"])],
         [numpy_helper.from_array(v, name=k) for k, v in params.items()])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), vocab
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
 class RecurrentTraining(_Steps):
@@ -108,7 +115,7 @@ class RecurrentTraining(_Steps):
 
 
 def _mixer_model(kind: str, vocab=64, embed=32):
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import helper
 
     rng = np.random.default_rng(common.SEED)
     init = lambda *s: (rng.standard_normal(s) / np.sqrt(s[-1])).astype(np.float32)  # noqa: E731
@@ -126,11 +133,7 @@ def _mixer_model(kind: str, vocab=64, embed=32):
     nodes = [helper.make_node("Gather", ["emb", "tokens"], ["e"]), *mixing,
              helper.make_node("MatMul", ["h", "head"], ["l"]),
              helper.make_node("Transpose", ["l"], ["output"], perm=[0, 2, 1])]
-    graph = helper.make_graph(
-        nodes, "mixer", [helper.make_tensor_value_info("tokens", TensorProto.INT64, ["batch", "seq"])],
-        [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["batch", vocab, "seq"])],
-        [numpy_helper.from_array(v, name=k) for k, v in params.items()])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), vocab
+    return _next_token_model("mixer", nodes, params, vocab), vocab
 
 
 class MixerTraining(RecurrentTraining):
