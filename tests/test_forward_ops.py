@@ -184,3 +184,18 @@ def test_inputs_that_configure_ops_bind_as_constants_one_plan_per_value():
         feeds = {"x": x + k0, "axes": np.array(axes, np.int64), "k0": np.array(k0, np.int64),
                  "one": np.array(1, np.int64)}
         assert_outputs_match(session.run(None, feeds), ReferenceEvaluator(model).run(None, feeds))
+
+
+def test_models_older_than_opset_9_load_when_their_ops_have_not_changed_since():
+    """And means at opset 7 what it means at 9: the model loads as it is. Upsample-7 took its scales as an
+    attribute, an input from opset 9 on: the model is refused with the way out."""
+    inputs = [("a", TensorProto.BOOL, [2, 3]), ("b", TensorProto.BOOL, [3])]
+    logic = _model([helper.make_node("And", ["a", "b"], ["y"])], inputs)
+    logic.opset_import[0].version = 7
+    feeds = {"a": np.array([[True, False, True], [False, False, True]]), "b": np.array([True, True, False])}
+    assert_outputs_match(InferenceSession(logic).run(None, feeds), [feeds["a"] & feeds["b"]])
+    upsample = _model([helper.make_node("Upsample", ["x"], ["y"], scales=[1.0, 2.0])],
+                      [("x", TensorProto.FLOAT, [2, 3])])
+    upsample.opset_import[0].version = 7
+    with pytest.raises(OdtrainError, match="opset 7 is older than 9; re-export it"):
+        InferenceSession(upsample)
