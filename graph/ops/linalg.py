@@ -177,7 +177,8 @@ def einsum_terms(node, ranks: list[int]) -> tuple[list[str], str]:
     spare = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz" if c not in equation]
     width = max([rank - len(t.replace("...", "")) for t, rank in zip(terms, ranks) if "..." in t], default=0)
     broadcast = "".join(spare[:width])
-    spelled = [t.replace("...", broadcast[width - (rank - len(t.replace("...", ""))):]) for t, rank in zip(terms, ranks)]
+    spelled = [t.replace("...", broadcast[width - (rank - len(t.replace("...", ""))):])
+               for t, rank in zip(terms, ranks)]
     for term, rank in zip(spelled, ranks):
         if len(term) != rank or not term.isalpha() and term:
             raise ModelError(f"{node.describe()}: equation '{equation}' does not fit operands of ranks {ranks}")

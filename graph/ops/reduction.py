@@ -37,8 +37,8 @@ def _extreme(dtype: np.dtype, largest: bool):
 
 
 FOLDS = {"ReduceSum": np.sum, "ReduceMean": np.mean,
-         "ReduceMax": lambda x, axis, keepdims: np.max(x, axis=axis, keepdims=keepdims, initial=_extreme(x.dtype, False)),
-         "ReduceMin": lambda x, axis, keepdims: np.min(x, axis=axis, keepdims=keepdims, initial=_extreme(x.dtype, True)),
+         "ReduceMax": lambda x, axis, keepdims: np.max(x, axis, keepdims=keepdims, initial=_extreme(x.dtype, False)),
+         "ReduceMin": lambda x, axis, keepdims: np.min(x, axis, keepdims=keepdims, initial=_extreme(x.dtype, True)),
          "ReduceL2": lambda x, axis, keepdims: np.sqrt(np.sum(np.square(x), axis=axis, keepdims=keepdims)),
          "ReduceL1": lambda x, axis, keepdims: np.sum(np.abs(x), axis=axis, keepdims=keepdims),
          "ReduceSumSquare": lambda x, axis, keepdims: np.sum(np.square(x), axis=axis, keepdims=keepdims),
