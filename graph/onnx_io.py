@@ -102,7 +102,7 @@ def graph_from_proto(proto: onnx.ModelProto, source: str = "model") -> Graph:
     import onnx.defs
 
     opsets = _opsets((o.domain, o.version) for o in proto.opset_import)
-    _check_opsets(opsets, {n.domain for n in proto.graph.node}, source)
+    _check_opsets(opsets, [(n.domain, n.op_type) for n in proto.graph.node], source)
     # Only this path compares the opset with the newest the onnx package knows. The files the wire
     # path reads were saved by odtrain from graphs that passed this check when first loaded, and
     # what runs on a device is decided by odtrain's own op rules, not by onnx's schemas.
@@ -118,7 +118,7 @@ def graph_from_proto(proto: onnx.ModelProto, source: str = "model") -> Graph:
 def graph_from_model(model: ModelData, source: str = "model") -> Graph:
     """The IR of a model as `onnx_wire` reads it; its value types are the ones it holds (no inference)."""
     opsets = _opsets(model.opset_import)
-    _check_opsets(opsets, {n.domain for n in model.graph.nodes}, source)
+    _check_opsets(opsets, [(n.domain, n.op_type) for n in model.graph.nodes], source)
     return _build_graph(model, opsets, source)
 
 
@@ -126,11 +126,29 @@ def _opsets(opset_import) -> dict[str, int]:
     return {(DEFAULT_DOMAIN if domain == "ai.onnx" else domain): int(version) for domain, version in opset_import}
 
 
-def _check_opsets(opsets: dict[str, int], used_domains: set[str], source: str) -> None:
-    """What every model must pass, whichever reader read it: a recent enough opset, standard ops only."""
-    if opsets.get(DEFAULT_DOMAIN, MIN_DEFAULT_OPSET) < MIN_DEFAULT_OPSET:
-        raise ModelError(f"{source}: opset {opsets[DEFAULT_DOMAIN]} is older than {MIN_DEFAULT_OPSET}; "
+def _unchanged_since(op_types, opset: int) -> bool:
+    """Whether each standard op type means at MIN_DEFAULT_OPSET what it means at an older `opset` (And,
+    Or, Not... have not changed since): a model of such ops is read as it is."""
+    import onnx.defs  # only for models older than MIN_DEFAULT_OPSET
+
+    def version(op: str, at: int) -> int:
+        return onnx.defs.get_schema(op, at).since_version
+
+    try:
+        return all(version(op, opset) == version(op, MIN_DEFAULT_OPSET) for op in op_types)
+    except onnx.defs.SchemaError:
+        return False
+
+
+def _check_opsets(opsets: dict[str, int], nodes, source: str) -> None:
+    """What every model must pass, whichever reader read it: a recent enough opset (or older ops that have
+    not changed since), standard ops only. `nodes` are the (domain, op type) of each node."""
+    opset = opsets.get(DEFAULT_DOMAIN, MIN_DEFAULT_OPSET)
+    standard = {op for domain, op in nodes if domain in (DEFAULT_DOMAIN, "ai.onnx")}
+    if opset < MIN_DEFAULT_OPSET and not _unchanged_since(standard, opset):
+        raise ModelError(f"{source}: opset {opset} is older than {MIN_DEFAULT_OPSET}; "
                          "re-export it with a newer opset (torch.onnx.export(..., opset_version=17))")
+    used_domains = {domain for domain, _ in nodes}
     known = (DEFAULT_DOMAIN, ODTRAIN_DOMAIN, "ai.onnx.ml", "ai.onnx.preview.training")
     foreign = sorted(d for d in opsets if d not in known)
     if any(d in used_domains for d in foreign):

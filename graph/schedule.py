@@ -15,6 +15,10 @@ Steps:
 
 Names the order is made of: a node recomputed in the backward pass (and each
 of its outputs) is named `<original>::recomputed`.
+
+`configuring_inputs` names the graph inputs whose values shape the plan
+(axes, pads, target shapes, sizes, k fed by the caller): a runtime binds
+their fed values as constants, one plan per distinct value.
 """
 from __future__ import annotations
 
@@ -69,6 +73,27 @@ def bind_types(graph: Graph, known: dict[str, TensorType], constants: dict[str, 
             if out_values is not None:
                 folded[name] = np.asarray(out_values[i], order="C")  # keeps 0-d values 0-d
     return types, folded
+
+
+def configuring_inputs(graph: Graph) -> list[str]:
+    """The graph inputs that an op reads at one of its constant inputs (`OpDef.constant_inputs`),
+    directly or through the ops computing that input (not through inputs read for their shape
+    only, such as Shape's), in the order of `graph.inputs`."""
+    producers = graph.producers()
+    fed = set(graph.inputs) - set(graph.initializers)
+    pending = [name for node in graph.nodes for k, name in enumerate(node.inputs)
+               if name and k in lookup(node).constant_inputs]
+    seen: set[str] = set()
+    while pending:
+        name = pending.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        producer = producers.get(name)
+        if producer is not None:
+            shape_only = lookup(producer).shape_only
+            pending.extend(i for k, i in enumerate(producer.inputs) if i and k not in shape_only)
+    return [name for name in graph.inputs if name in fed and name in seen]
 
 
 def execution_order(graph: Graph, folded: dict[str, np.ndarray], wanted: list[str]) -> list[Node]:

@@ -72,17 +72,22 @@ class StepPlan:
 
 def plan_step(graph: Graph, feed_types: dict[str, TensorType], parameter_types: dict[str, TensorType],
               scratch_bytes: ScratchBytes, held: set[str] = frozenset(), memory_budget: int | None = None,
-              fused_updates: dict[str, str] | None = None) -> StepPlan:
+              fused_updates: dict[str, str] | None = None,
+              bound_feeds: dict[str, np.ndarray] | None = None) -> StepPlan:
     """Plan `graph` for `feed_types`, its parameters (held outside the arena) of `parameter_types`.
 
     `held` names outputs written to memory of their own (gradient buffers); `memory_budget` caps
     the arena (MemoryBudgetError when no recomputation meets it); `fused_updates` maps gradient
-    outputs to the parameters they update during the backward pass.
+    outputs to the parameters they update during the backward pass. `bound_feeds` maps graph
+    inputs to fed values bound as constants (the axes, shapes or sizes an op reads while shapes
+    bind): the plan holds for those values only, and a step is fed the other inputs, `feeds`.
     """
     fused_updates = fused_updates or {}
+    bound_feeds = bound_feeds or {}
     live_outputs = [o for o in graph.outputs if o not in fused_updates]  # an applied gradient dies at its update
-    feeds = [name for name in graph.inputs if name not in parameter_types]
+    feeds = [name for name in graph.inputs if name not in parameter_types and name not in bound_feeds]
     constants = {k: v for k, v in graph.initializers.items() if k not in parameter_types}
+    constants.update(bound_feeds)
     known = {**feed_types, **parameter_types}
     types, folded = bind_types(graph, known, constants)  # the layout adds scratch and recomputed values
     order = execution_order(graph, folded, list(graph.outputs))

@@ -11,7 +11,8 @@ each other, and tests/test_registry.py checks that every registered op has a ker
 Binary and comparison op codes (arguments, so one compiled kernel serves a family):
   binary: 0 add, 1 sub, 2 mul, 3 div, 4 relu-grad(dy, y), 5 sigmoid-grad(dy, y), 6 tanh-grad(dy, y),
           7 pow, 8 max, 9 min, 10 erf-grad(dy, x), 11 atan-grad(dy, x), 12 gelu-grad(dy, x),
-          13 gelu-tanh-grad(dy, x)
+          13 gelu-tanh-grad(dy, x), 14 mod (the divisor's sign), 15 fmod (the dividend's sign),
+          16 shift left, 17 shift right, 18 bitwise and, 19 or, 20 xor (integers only)
   compare: 0 ==, 1 <, 2 >, 3 <=, 4 >=, 5 and, 6 or, 7 xor
 
 The transcendental ops (erf, GELU and their gradients, codes in SPECIAL_*) have kernels of
@@ -29,14 +30,17 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from . import ODTRAIN_DOMAIN, binding
 from .layout import broadcast_layout, flat
 
 BINARY = {"Add": 0, "Sub": 1, "Mul": 2, "Div": 3, "ReluGrad": 4, "SigmoidGrad": 5, "TanhGrad": 6,
-          "Pow": 7, "Max": 8, "Min": 9, "ErfGrad": 10, "AtanGrad": 11}
+          "Pow": 7, "Max": 8, "Min": 9, "ErfGrad": 10, "AtanGrad": 11, "Mod": 14}
 GELU_GRAD, GELU_TANH_GRAD = 12, 13
+FMOD = 15
+SHIFT = {"LEFT": 16, "RIGHT": 17}
+BITWISE = {"BitwiseAnd": 18, "BitwiseOr": 19, "BitwiseXor": 20}
 COMPARE = {"Equal": 0, "Less": 1, "Greater": 2, "LessOrEqual": 3, "GreaterOrEqual": 4, "And": 5, "Or": 6, "Xor": 7}
 
 
@@ -146,9 +150,53 @@ def gelu_tanh_grad(dy, x):
     return dy * (np.float32(0.5) * (np.float32(1.0) + t) + np.float32(0.5) * x * (np.float32(1.0) - t * t) * d_inner)
 
 
+def c_fmod(x, y):
+    """x - y · trunc(x / y), the sign of x (C's fmod); Numba's np.fmod gets it wrong on integers."""
+    return np.fmod(x, y)
+
+
+@overload(c_fmod)
+def _c_fmod(x, y):
+    if isinstance(x, types.Integer) and isinstance(y, types.Integer):
+        def integer_fmod(x, y):
+            r = x % y
+            return r - y if r != 0 and (r < 0) != (x < 0) else r
+
+        return integer_fmod
+    return lambda x, y: np.fmod(x, y)
+
+
+def integer_op(code, x, y):
+    """Shifts and bitwise operations (codes 16-20) on integers; x itself for other types, which never
+    reach it (a shift does not type on floats, and one compiled kernel serves every code)."""
+    return x
+
+
+@overload(integer_op)
+def _integer_op(code, x, y):
+    if not (isinstance(x, types.Integer) and isinstance(y, types.Integer)):
+        return lambda code, x, y: x
+    bits = x.bitwidth
+
+    def on_integers(code, x, y):
+        if code <= 17 and (y < 0 or y >= bits):  # shifted out entirely
+            return -1 if code == 17 and x < 0 else 0
+        if code == 16:
+            return x << y
+        if code == 17:
+            return x >> y
+        if code == 18:
+            return x & y
+        if code == 19:
+            return x | y
+        return x ^ y  # 20
+
+    return on_integers
+
+
 @njit(cache=True, inline="always")
 def _binary_op(code, x, y):
-    """The cheap binary ops (codes 0-9); the transcendental gradients have their own kernels."""
+    """The cheap binary ops (codes 0-9, 14-20); the transcendental gradients have their own kernels."""
     if code == 0:
         return x + y
     if code == 1:
@@ -167,6 +215,12 @@ def _binary_op(code, x, y):
         return x ** y
     if code == 8:
         return max(x, y)
+    if code == 14:
+        return x % y
+    if code == 15:
+        return c_fmod(x, y)
+    if code >= 16:
+        return integer_op(code, x, y)
     return min(x, y)  # 9
 
 
@@ -502,7 +556,7 @@ def _make_unary(kernel, code):
 
 
 for _name, _code in BINARY.items():
-    if _name not in ("Max", "Min"):  # variadic, bound below
+    if _name not in ("Max", "Min", "Mod"):  # variadic, or with attributes: bound below
         binding(_name, ODTRAIN_DOMAIN if _name.endswith("Grad") else "")(_make_binary(_code))
 for _kernel, _table in ((_unary, UNARY), (_special_unary, SPECIAL_UNARY)):
     for _code, _name in enumerate(_table):
@@ -535,6 +589,28 @@ def Sum(inputs, outputs):
 @binding("Max")
 def Max(inputs, outputs):
     return _variadic(BINARY["Max"], inputs, outputs[0])
+
+
+@binding("Mean")
+def Mean(inputs, outputs):
+    out = outputs[0]
+    share = np.array([1 / len(inputs)], dtype=out.dtype)
+    return _variadic(BINARY["Add"], inputs, out) + [(_binary_scalar, (BINARY["Mul"], flat(out), share, flat(out)))]
+
+
+@binding("Mod")
+def Mod(inputs, outputs, fmod=0):
+    return binary_calls(FMOD if fmod else BINARY["Mod"], inputs[0], inputs[1], outputs[0])
+
+
+@binding("BitShift")
+def BitShift(inputs, outputs, direction="LEFT"):
+    direction = direction.decode() if isinstance(direction, bytes) else direction
+    return binary_calls(SHIFT[direction], inputs[0], inputs[1], outputs[0])
+
+
+for _name, _code in BITWISE.items():
+    binding(_name)(_make_binary(_code))
 
 
 @binding("Min")

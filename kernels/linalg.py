@@ -1,4 +1,5 @@
-"""Matrix products through BLAS: Gemm, MatMul (batch broadcasting, 1-D operands) and MatMul's gradients.
+"""Matrix products through BLAS: Gemm, MatMul (batch broadcasting, 1-D operands), MatMul's gradients,
+and Einsum.
 
 Every product is one call of `_gemm_batched`: BLAS ?gemm per matrix of a batch, with the
 transpose flags, element offsets and accumulation (beta) worked out once at bind time.
@@ -6,6 +7,14 @@ Transposes are never copied, and a gradient summed over broadcast batch axes acc
 in place (beta = 1) instead of materialising per-batch products. Where the batch can be
 folded into the rows of one product (activations times a weight matrix, and the weight's
 gradient), it is a single large BLAS call.
+
+Einsum of two operands is one batched product C[b, m, n] = Σ_k A[b, m, k] · B[b, k, n], where
+b are the labels both operands and the output have, m and n the output labels of one operand
+only, and k the labels the output lacks (a label of one operand only is summed against the
+other operand repeated along it). An operand already laid out as [b, m, k] (or [b, k, m]) is
+read in place; any other layout (a permutation, a diagonal, a broadcast) is first copied into
+scratch memory, as is C when the output's label order is not [b, m, n]. One operand is a
+copy through its permuted strides, summed over the labels the output lacks.
 """
 from __future__ import annotations
 
@@ -17,6 +26,8 @@ from numba.extending import intrinsic
 from . import ODTRAIN_DOMAIN, binding
 from .elementwise import gather_call
 from .layout import broadcast_layout, element_strides
+from .reduction import sum_call
+from .tensor import copy_call
 
 
 @intrinsic
@@ -244,3 +255,135 @@ def FusedMatMul(inputs, outputs, transA=0, transB=0, alpha=1.0, permA=None, perm
     b_view = b.transpose(permB) if permB is not None else b
     out_view = out.transpose(np.argsort(permY)) if permY is not None else out
     return view_gemm_calls(a, a_view, b, b_view, out, out_view, int(transA), int(transB), float(alpha))
+
+
+def _einsum_labels(equation: str, ranks: list[int]) -> tuple[list[str], str]:
+    """The operand and output terms of an equation, each '...' replaced by letters it does not use for
+    the broadcast axes (right-aligned across operands), the implicit output written out."""
+    equation = equation.replace(" ", "")
+    inputs, _, output = equation.partition("->")
+    unused = iter(c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz" if c not in equation)
+    named = inputs.split(",")
+    spans = [rank - len(term) + 3 for term, rank in zip(named, ranks) if "..." in term]
+    ellipsis = "".join(next(unused) for _ in range(max(spans, default=0)))
+    terms = [term.replace("...", ellipsis[len(ellipsis) - (rank - len(term) + 3):] if "..." in term else "")
+             for term, rank in zip(named, ranks)]
+    if "->" not in equation:
+        output = ellipsis + "".join(sorted(c for c in set(inputs) if c.isalpha() and inputs.count(c) == 1))
+    return terms, output.replace("...", ellipsis)
+
+
+class _EinsumPlan:
+    """How one Einsum runs at given operand shapes: strides that read each operand in the product's
+    axis order, what must be copied first, and the scratch bytes (64-byte aligned pieces) that takes."""
+
+    def __init__(self, equation: str, shapes: list[tuple], itemsize: int):
+        terms, output = _einsum_labels(equation, [len(shape) for shape in shapes])
+        self.sizes: dict[str, int] = {}
+        for term, shape in zip(terms, shapes):
+            for label, d in zip(term, shape):
+                self.sizes[label] = max(self.sizes.get(label, 1), int(d))
+        self.terms, self.shapes, self.output = terms, [tuple(s) for s in shapes], output
+        self.summed = "".join(dict.fromkeys(c for c in "".join(terms) if c not in output))
+        if len(terms) == 1:
+            self.axes = [output + self.summed]
+            pieces = [self.count(output + self.summed)] if self.summed else []
+        else:
+            a, b = terms
+            self.batch = "".join(c for c in output if c in a and c in b)
+            self.rows = "".join(c for c in output if c in a and c not in b)
+            self.cols = "".join(c for c in output if c in b and c not in a)
+            self.axes = [self.batch + self.rows + self.summed, self.batch + self.summed + self.cols]
+            self.trans = [self._in_place(0, self.batch + self.summed + self.rows),
+                          self._in_place(1, self.batch + self.cols + self.summed)]
+            pieces = [self.count(order) for order, trans in zip(self.axes, self.trans) if trans is None]
+            if output != self.batch + self.rows + self.cols:
+                pieces.append(self.count(self.batch + self.rows + self.cols))
+        self.scratch_bytes = sum(_aligned(count * itemsize) for count in pieces)
+
+    def count(self, labels: str) -> int:
+        return int(np.prod([self.sizes[c] for c in labels], dtype=np.int64))
+
+    def strides(self, operand: int, labels: str) -> list[int]:
+        """Element strides reading operand `operand` along `labels` (0 where it lacks or broadcasts a label;
+        the sum of its axes' strides for a repeated label, the diagonal)."""
+        term, shape = self.terms[operand], self.shapes[operand]
+        own = element_strides(shape, shape)
+        return [sum(own[axis] for axis, c in enumerate(term) if c == label and shape[axis] != 1) for label in labels]
+
+    def _in_place(self, operand: int, transposed: str) -> int | None:
+        """0 (or 1) when the operand is already contiguous in its product order (or with its last two label
+        groups swapped), so BLAS reads it as it is; None when it must be copied."""
+        for flag, labels in ((0, self.axes[operand]), (1, transposed)):
+            dims = [self.sizes[c] for c in labels]
+            kept = [(d, s) for d, s in zip(dims, self.strides(operand, labels)) if d != 1]
+            contiguous = element_strides(tuple(d for d, _ in kept), tuple(d for d, _ in kept))
+            if [s for _, s in kept] == contiguous and self.count(labels) == int(np.prod(self.shapes[operand])):
+                return flag
+        return None
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // 64) * 64
+
+
+def _einsum_scratch(input_specs, output_specs, equation=""):
+    dtype = np.dtype(output_specs[0][1])
+    return _EinsumPlan(_text(equation), [shape for shape, _ in input_specs], dtype.itemsize).scratch_bytes
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+@binding("Einsum", scratch=_einsum_scratch)
+def Einsum(inputs, outputs, equation="", scratch=None):
+    out = outputs[0]
+    plan = _EinsumPlan(_text(equation), [x.shape for x in inputs], out.dtype.itemsize)
+    take = _pieces(scratch, out.dtype)
+    if len(inputs) == 1:
+        x, order = inputs[0], plan.axes[0]
+        dims = [plan.sizes[c] for c in order]
+        if not plan.summed:
+            return [copy_call(x, 0, plan.strides(0, order), out, 0, element_strides(out.shape, out.shape), dims)]
+        rows, total = plan.count(plan.output), plan.count(order)
+        gathered = take(total).reshape(rows, total // max(rows, 1))
+        return [copy_call(x, 0, plan.strides(0, order), gathered, 0, element_strides(dims, dims), dims),
+                *sum_call(gathered, out, (rows, 1), 1.0)]
+    calls, operands = [], []
+    groups = [(plan.batch, plan.rows, plan.summed), (plan.batch, plan.summed, plan.cols)]
+    for index, (x, trans) in enumerate(zip(inputs, plan.trans)):
+        batch, first, second = groups[index]
+        if trans is not None:  # read as it is: [b, first, second], or [b, second, first] with a transpose flag
+            inner = (second, first) if trans else (first, second)
+            operands.append((x.reshape(plan.count(batch), plan.count(inner[0]), plan.count(inner[1])), trans))
+            continue
+        order = plan.axes[index]
+        dims = [plan.sizes[c] for c in order]
+        copy = take(plan.count(order))
+        calls.append(copy_call(x, 0, plan.strides(index, order), copy, 0, element_strides(dims, dims), dims))
+        operands.append((copy.reshape(plan.count(batch), plan.count(first), plan.count(second)), 0))
+    product = plan.batch + plan.rows + plan.cols
+    shape = (plan.count(plan.batch), plan.count(plan.rows), plan.count(plan.cols))
+    result = out.reshape(shape) if plan.output == product else take(plan.count(product)).reshape(shape)
+    (a, trans_a), (b, trans_b) = operands
+    calls += gemm_calls(a, b, result, trans_a, trans_b)
+    if plan.output != product:
+        dims = [plan.sizes[c] for c in product]
+        own = element_strides(out.shape, out.shape)
+        calls.append(copy_call(result, 0, element_strides(dims, dims), out, 0,
+                               [own[plan.output.index(c)] for c in product], dims))
+    return calls
+
+
+def _pieces(scratch, dtype):
+    """take(count): the next 64-byte aligned array of `count` elements of `dtype` in the scratch bytes."""
+    offset = 0
+
+    def take(count: int) -> np.ndarray:
+        nonlocal offset
+        piece = scratch[offset:offset + count * dtype.itemsize].view(dtype)
+        offset += _aligned(count * dtype.itemsize)
+        return piece
+
+    return take

@@ -1,5 +1,8 @@
-"""Reductions: sums over axes (ReduceSum, ReduceMean, SumToShape), maxima, minima and L2 norms
-(ReduceMax, ReduceMin, ReduceL2), and their broadcasts back."""
+"""Reductions: sums over axes (ReduceSum, ReduceMean, SumToShape), the other folds (ReduceMax,
+ReduceMin, ReduceL1, ReduceL2, ReduceSumSquare, ReduceLogSum, ReduceLogSumExp, ReduceProd),
+their broadcasts back, ArgMax/ArgMin, and CumSum/CumProd.
+
+An op along one axis (ArgMax, CumSum) sees its input as [outer, axis, inner]."""
 from __future__ import annotations
 
 import numpy as np
@@ -103,9 +106,14 @@ def ReduceGrad(inputs, outputs, axes=None, keepdims=1, mean=0, noop_with_empty_a
     return [gather_call(dy, out, dims, sx, 1.0 / max(count, 1))]
 
 
+FOLD = {"ReduceMax": 0, "ReduceMin": 1, "ReduceL2": 2, "ReduceL1": 3, "ReduceSumSquare": 4, "ReduceLogSum": 5,
+        "ReduceLogSumExp": 6, "ReduceProd": 7}
+
+
 @njit(cache=True, error_model="numpy")
-def _extremum_strided(code, x, out, dims, sx, so, init):
-    """out[strided] = max (code 0), min (1) or √Σx² (2) of x over the axes where out's stride is 0."""
+def _fold_strided(code, x, out, dims, sx, so, init):
+    """out[strided] = the fold of x over the axes where out's stride is 0: max (code 0), min (1), √Σx² (2),
+    Σ|x| (3), Σx² (4), log Σx (5), log Σ exp x (6, accumulated as a running log-add-exp), Π x (7)."""
     for i in range(out.size):
         out[i] = init
     for i0 in range(dims[0]):
@@ -120,11 +128,24 @@ def _extremum_strided(code, x, out, dims, sx, so, init):
                         out[o] = max(out[o], v)
                     elif code == 1:
                         out[o] = min(out[o], v)
-                    else:
+                    elif code == 2 or code == 4:
                         out[o] += v * v
+                    elif code == 3:
+                        out[o] += abs(v)
+                    elif code == 5:
+                        out[o] += v
+                    elif code == 6:
+                        top = max(out[o], v)
+                        if top != -np.inf:
+                            out[o] = top + np.log1p(np.exp(-abs(out[o] - v)))
+                    else:
+                        out[o] *= v
     if code == 2:
         for i in range(out.size):
             out[i] = np.sqrt(out[i])
+    elif code == 5:
+        for i in range(out.size):
+            out[i] = np.log(out[i])
 
 
 @njit(cache=True, error_model="numpy")
@@ -152,36 +173,34 @@ def _extremum_grad(dy, x, y, dx, dims, sx, sy, ties):
                     dx[k] = dy[o] / ties[o] if x[k] == y[o] else 0
 
 
-def _extremum(code, inputs, outputs, axes, keepdims, noop_with_empty_axes):
-    x, out = inputs[0], outputs[0]
-    reduced = _axes(x, axes, noop_with_empty_axes, inputs[1] if len(inputs) > 1 else None)
-    dims, sx, so = coalesce(x.shape, element_strides(x.shape, x.shape),
-                            element_strides(_keepdims_shape(x.shape, reduced), x.shape))
-    if code == 2:
-        init = 0
-    elif np.issubdtype(out.dtype, np.floating):
-        init = -np.inf if code == 0 else np.inf
-    elif out.dtype == np.bool_:
-        init = code == 1
-    else:
-        info = np.iinfo(out.dtype)
-        init = info.min if code == 0 else info.max
-    return [(_extremum_strided, (code, flat(x), flat(out), dims, sx, so, out.dtype.type(init)))]
+def _fold_start(code: int, dtype: np.dtype):
+    """The value a fold starts from: the identity of its operation."""
+    if code == 7:
+        return 1
+    if code not in (0, 1, 6):
+        return 0
+    if np.issubdtype(dtype, np.floating):
+        return np.inf if code == 1 else -np.inf
+    if dtype == np.bool_:
+        return code == 1
+    info = np.iinfo(dtype)
+    return info.max if code == 1 else info.min
 
 
-@binding("ReduceMax")
-def ReduceMax(inputs, outputs, axes=None, keepdims=1, noop_with_empty_axes=0):
-    return _extremum(0, inputs, outputs, axes, keepdims, noop_with_empty_axes)
+def _make_fold(code: int):
+    def bind(inputs, outputs, axes=None, keepdims=1, noop_with_empty_axes=0):
+        x, out = inputs[0], outputs[0]
+        reduced = _axes(x, axes, noop_with_empty_axes, inputs[1] if len(inputs) > 1 else None)
+        dims, sx, so = coalesce(x.shape, element_strides(x.shape, x.shape),
+                                element_strides(_keepdims_shape(x.shape, reduced), x.shape))
+        start = out.dtype.type(_fold_start(code, out.dtype))
+        return [(_fold_strided, (code, flat(x), flat(out), dims, sx, so, start))]
+
+    return bind
 
 
-@binding("ReduceMin")
-def ReduceMin(inputs, outputs, axes=None, keepdims=1, noop_with_empty_axes=0):
-    return _extremum(1, inputs, outputs, axes, keepdims, noop_with_empty_axes)
-
-
-@binding("ReduceL2")
-def ReduceL2(inputs, outputs, axes=None, keepdims=1, noop_with_empty_axes=0):
-    return _extremum(2, inputs, outputs, axes, keepdims, noop_with_empty_axes)
+for _name, _code in FOLD.items():
+    binding(_name)(_make_fold(_code))
 
 
 def _ties_bytes(input_specs, output_specs, **attrs):
@@ -198,3 +217,68 @@ def ReduceExtremumGrad(inputs, outputs, axes=None, keepdims=1, noop_with_empty_a
                             element_strides(_keepdims_shape(x.shape, reduced), x.shape))
     ties = scratch.view(np.float32)[:y.size]  # the count of ties per group
     return [(_extremum_grad, (flat(dy), flat(x), flat(y), flat(dx), dims, sx, sy, ties))]
+
+
+def _outer_axis_inner(shape: tuple, axis: int) -> tuple[int, int, int]:
+    return (int(np.prod(shape[:axis], dtype=np.int64)), int(shape[axis]),
+            int(np.prod(shape[axis + 1:], dtype=np.int64)))
+
+
+@njit(cache=True, error_model="numpy")
+def _arg_extremum(x, out, outer, n, inner, smallest, last):
+    """out[o, i] = the position along the middle axis of x [outer, n, inner] of its largest (or smallest)
+    element, the first one among ties (or the last)."""
+    for o in range(outer):
+        for i in range(inner):
+            base = o * n * inner + i
+            best, at = x[base], 0
+            for k in range(1, n):
+                v = x[base + k * inner]
+                better = (v < best) if smallest else (v > best)
+                if better or (last and v == best):
+                    best, at = v, k
+            out[o * inner + i] = at
+
+
+def _make_arg(smallest: bool):
+    def bind(inputs, outputs, axis=0, keepdims=1, select_last_index=0):
+        x = inputs[0]
+        outer, n, inner = _outer_axis_inner(x.shape, int(axis) % max(x.ndim, 1))
+        return [(_arg_extremum, (flat(x), flat(outputs[0]), outer, n, inner, smallest, bool(select_last_index)))]
+
+    return bind
+
+
+binding("ArgMax")(_make_arg(False))
+binding("ArgMin")(_make_arg(True))
+
+
+@njit(cache=True, error_model="numpy")
+def _cumulative(x, out, outer, n, inner, exclusive, reverse, product):
+    """out = running sums (or products) of x [outer, n, inner] along the middle axis (from its end when
+    reversed; each element left out of its own total when exclusive)."""
+    for o in range(outer):
+        for i in range(inner):
+            base = o * n * inner + i
+            total = x[base] * 0 + product
+            for step in range(n):
+                k = n - 1 - step if reverse else step
+                v = x[base + k * inner]
+                if exclusive:
+                    out[base + k * inner] = total
+                total = total * v if product else total + v
+                if not exclusive:
+                    out[base + k * inner] = total
+
+
+def _make_cumulative(product: bool):
+    def bind(inputs, outputs, exclusive=0, reverse=0):
+        x = inputs[0]
+        outer, n, inner = _outer_axis_inner(x.shape, int(inputs[1].reshape(())) % x.ndim)
+        return [(_cumulative, (flat(x), flat(outputs[0]), outer, n, inner, bool(exclusive), bool(reverse), product))]
+
+    return bind
+
+
+binding("CumSum")(_make_cumulative(False))
+binding("CumProd")(_make_cumulative(True))

@@ -1,10 +1,12 @@
-"""Fused softmax cross-entropy, forward and backward.
+"""Fused softmax cross-entropy and negative log-likelihood, forward and backward.
 
 Scores are viewed as [N, C, D] (D = 1 for [N, C]) and labels as [N, D]:
 each (n, d) is one sample. With class weights w and ignore_index:
     loss(n, d) = -w[y] · (x[n, y, d] - logsumexp_c x[n, c, d]),  w = 0 when y is ignored
     mean: Σ loss / Σ w[y];  sum: Σ loss;  none: loss per sample
     dx[n, c, d] = g(n, d) · w[y] · (softmax(x)[n, c, d] - [c == y])   (÷ Σ w[y] for mean)
+Negative log-likelihood takes log-probabilities x: loss(n, d) = -w[y] · x[n, y, d], reduced
+alike, and dx[n, c, d] = -g(n, d) · w[y] · [c == y].
 """
 from __future__ import annotations
 
@@ -38,12 +40,13 @@ def _logsumexp(x, n, d):
 
 
 @njit(cache=True, error_model="numpy")
-def _sce_forward(x, labels, weights, has_weights, ignore_index, reduction, loss, log_prob, want_log_prob):
-    """loss ← cross-entropy of softmax(x) against labels; log_prob ← log softmax(x) if wanted."""
+def _class_loss(x, labels, weights, has_weights, ignore_index, reduction, softmax, loss, log_prob, want_log_prob):
+    """loss ← cross-entropy of softmax(x) against labels (softmax) or negative log-likelihood of the
+    log-probabilities x; log_prob ← log softmax(x) if wanted."""
     total, weight_sum = 0.0, 0.0
     for n in range(x.shape[0]):
         for d in range(x.shape[2]):
-            lse = _logsumexp(x, n, d)
+            lse = _logsumexp(x, n, d) if softmax else 0.0
             if want_log_prob:
                 for c in range(x.shape[1]):
                     log_prob[n, c, d] = x[n, c, d] - lse
@@ -60,8 +63,8 @@ def _sce_forward(x, labels, weights, has_weights, ignore_index, reduction, loss,
 
 
 @njit(cache=True, error_model="numpy")
-def _sce_backward(dloss, x, labels, weights, has_weights, ignore_index, reduction, dx):
-    """dx ← gradient of the loss with respect to the scores x."""
+def _class_loss_backward(dloss, x, labels, weights, has_weights, ignore_index, reduction, softmax, dx):
+    """dx ← gradient of the loss with respect to the scores (softmax) or log-probabilities x."""
     weight_sum = 0.0
     if reduction == 2:
         for n in range(x.shape[0]):
@@ -74,14 +77,15 @@ def _sce_backward(dloss, x, labels, weights, has_weights, ignore_index, reductio
             if reduction == 2:
                 g = g / weight_sum if weight_sum > 0 else 0.0
             scale = g * w
-            if scale == 0.0:
+            if scale != 0.0 and softmax:
+                lse = _logsumexp(x, n, d)
+                for c in range(x.shape[1]):
+                    dx[n, c, d] = scale * np.exp(x[n, c, d] - lse)
+            else:
                 for c in range(x.shape[1]):
                     dx[n, c, d] = 0.0
-                continue
-            lse = _logsumexp(x, n, d)
-            for c in range(x.shape[1]):
-                dx[n, c, d] = scale * np.exp(x[n, c, d] - lse)
-            dx[n, y, d] -= scale
+            if scale != 0.0:  # an ignored label (weight 0) may lie outside the classes
+                dx[n, y, d] -= scale
 
 
 def _as_ncd(scores: np.ndarray) -> np.ndarray:
@@ -97,17 +101,26 @@ def _common(inputs, reduction, ignore_index):
     return _as_ncd(scores), labels, weights, has_weights, ignore, REDUCTIONS[reduction]
 
 
-@binding("SoftmaxCrossEntropyLoss")
-def SoftmaxCrossEntropyLoss(inputs, outputs, reduction="mean", ignore_index=None):
-    x, labels, weights, has_weights, ignore, code = _common(inputs, reduction, ignore_index)
-    want_log_prob = len(outputs) > 1 and outputs[1] is not None
-    log_prob = _as_ncd(outputs[1]) if want_log_prob else np.zeros((1, 1, 1), dtype=x.dtype)
-    loss = outputs[0].reshape(-1)
-    return [(_sce_forward, (x, labels, weights, has_weights, ignore, code, loss, log_prob, want_log_prob))]
+def _make_loss(softmax: bool):
+    def bind(inputs, outputs, reduction="mean", ignore_index=None):
+        x, labels, weights, has_weights, ignore, code = _common(inputs, reduction, ignore_index)
+        want_log_prob = len(outputs) > 1 and outputs[1] is not None
+        log_prob = _as_ncd(outputs[1]) if want_log_prob else np.zeros((1, 1, 1), dtype=x.dtype)
+        return [(_class_loss, (x, labels, weights, has_weights, ignore, code, softmax, outputs[0].reshape(-1),
+                               log_prob, want_log_prob))]
+
+    return bind
 
 
-@binding("SoftmaxCrossEntropyLossGrad", ODTRAIN_DOMAIN)
-def SoftmaxCrossEntropyLossGrad(inputs, outputs, reduction="mean", ignore_index=None):
-    dloss = inputs[0].reshape(-1)
-    x, labels, weights, has_weights, ignore, code = _common(inputs[1:], reduction, ignore_index)
-    return [(_sce_backward, (dloss, x, labels, weights, has_weights, ignore, code, _as_ncd(outputs[0])))]
+def _make_loss_grad(softmax: bool):
+    def bind(inputs, outputs, reduction="mean", ignore_index=None):
+        x, labels, weights, has_weights, ignore, code = _common(inputs[1:], reduction, ignore_index)
+        return [(_class_loss_backward, (inputs[0].reshape(-1), x, labels, weights, has_weights, ignore, code, softmax,
+                                        _as_ncd(outputs[0])))]
+
+    return bind
+
+
+for _name, _softmax in (("SoftmaxCrossEntropyLoss", True), ("NegativeLogLikelihoodLoss", False)):
+    binding(_name)(_make_loss(_softmax))
+    binding(f"{_name}Grad", ODTRAIN_DOMAIN)(_make_loss_grad(_softmax))

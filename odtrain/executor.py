@@ -60,24 +60,29 @@ class BoundGraph:
     their views of the gradient buffer: with `accumulate` they are added
     into it, otherwise the producing kernels write into it directly.
     `fused_updates` maps gradient outputs to (parameter, update(gradient)).
+    `bound_feeds` maps graph inputs to fed values bound as constants (the
+    axes, shapes or sizes an op reads while shapes bind): the plan holds
+    for those values only, and a step is fed the other inputs, `feeds`.
     """
 
     def __init__(self, graph: Graph, feed_types: dict[str, TensorType], external: dict[str, np.ndarray],
                  gradient_sinks: dict[str, np.ndarray] | None = None, accumulate: bool = False,
                  check_finite: tuple[str, ...] = (), memory_budget: int | None = None,
-                 fused_updates: dict | None = None, arena: SharedArena | None = None):
+                 fused_updates: dict | None = None, arena: SharedArena | None = None,
+                 bound_feeds: dict[str, np.ndarray] | None = None):
         runtime.load()  # Numba's CPU target, BLAS, serial BLAS unless asked (odtrain/threads.py)
         self.graph = graph
         self._updates = {grad: update for grad, (_, update) in (fused_updates or {}).items()}
         sinks = gradient_sinks or {}
         step = plan_step(graph, feed_types, {k: TensorType(v.dtype, tuple(v.shape)) for k, v in external.items()},
                          scratch_bytes, held=set() if accumulate else set(sinks), memory_budget=memory_budget,
-                         fused_updates={grad: param for grad, (param, _) in (fused_updates or {}).items()})
+                         fused_updates={grad: param for grad, (param, _) in (fused_updates or {}).items()},
+                         bound_feeds=bound_feeds)
         self.step_plan = step
         self.plan, self.types, self.feeds = step.plan, step.types, step.feeds
         self.constant_bytes, self.recomputed = step.constant_bytes, step.recomputed
         outside = dict(external)
-        outside.update({k: np.ascontiguousarray(v) for k, v in step.folded.items()})
+        outside.update({k: np.asarray(v, order="C") for k, v in step.folded.items()})  # keeps 0-d values 0-d
         if not accumulate:
             outside.update({name: sink.reshape(self.types[name].shape) for name, sink in sinks.items()})
         for name, source in step.views.items():

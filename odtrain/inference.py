@@ -2,6 +2,11 @@
 
 The call mirrors onnxruntime.InferenceSession.run, so an exported model runs on
 the same device, with the same kernels and planned arena, without a second runtime.
+
+A plan is bound per signature of the feeds: their shapes and dtypes, and the
+values of the inputs that configure an op (axes, pads, target shapes, sizes, k
+fed as inputs: `graph.schedule.configuring_inputs`), which bind as constants.
+The last PLAN_CACHE_SIZE plans are kept.
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from .graph.errors import InputError
 from .graph.ir import TensorType
 from .graph.onnx_io import load_graph
 from .graph.ops import check_supported
+from .graph.schedule import configuring_inputs
 
 PLAN_CACHE_SIZE = 4
 _ONNX_TYPE_NAMES = {"float32": "float", "float64": "double", "int64": "int64", "int32": "int32", "bool": "bool",
@@ -34,6 +40,7 @@ class InferenceSession:
     def __init__(self, model, providers=None):
         self._graph = load_graph(model, "model")
         check_supported(self._graph.nodes, "model")
+        self._configuring = frozenset(configuring_inputs(self._graph))
         self._plans: OrderedDict = OrderedDict()
 
     def get_inputs(self) -> list["NodeArg"]:
@@ -59,12 +66,17 @@ class InferenceSession:
             declared = graph.value_types.get(name)
             if declared is not None and array.dtype != declared.dtype:
                 raise InputError(f"input '{name}' must be {declared.dtype}, got {array.dtype}")
-        signature = tuple((a.dtype.str, a.shape) for a in arrays)
+        feeds = dict(zip(graph.inputs, arrays))
+        signature = tuple((a.dtype.str, a.shape, a.tobytes() if n in self._configuring else None)
+                          for n, a in feeds.items())
         bound = self._plans.get(signature)
         if bound is None:
-            types = {n: TensorType(a.dtype, a.shape) for n, a in zip(graph.inputs, arrays)}
-            bound = self._plans[signature] = BoundGraph(graph, types, {})
+            types = {n: TensorType(a.dtype, a.shape) for n, a in feeds.items()}
+            values = {n: np.array(a) for n, a in feeds.items() if n in self._configuring}  # a copy: the plan keeps it
+            bound = self._plans[signature] = BoundGraph(graph, types, {}, bound_feeds=values)
             if len(self._plans) > PLAN_CACHE_SIZE:
                 self._plans.popitem(last=False)
-        bound.run(arrays)
+        else:
+            self._plans.move_to_end(signature)
+        bound.run([feeds[n] for n in bound.feeds])
         return [bound.output(name) for name in (output_names or graph.outputs)]

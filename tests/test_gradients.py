@@ -255,6 +255,47 @@ GRADIENT_CASES["GRU batch first, no initial state"] = _recurrent_case(
 GRADIENT_CASES["LSTM batch first, no initial state"] = _recurrent_case("LSTM", "forward", layout=1, with_state=False)
 
 
+# ---- ops of exported decoders and the conformance suite -------------------------------------------------
+
+for _fmod in (0, 1):  # away from the jumps (where A/B is whole): dA = dY, dB = -dY · (A - Y) / B
+    GRADIENT_CASES[f"Mod fmod={_fmod}"] = GradientCase(
+        [node("Mod", ["a", "b"], fmod=_fmod)],
+        {"a": np.array([[2.3, -2.3, 5.1], [-4.7, 0.6, 3.3]], np.float32), "b": np.array([1.5, -1.1, 2.0], np.float32)})
+GRADIENT_CASES["Mean of three, broadcast"] = GradientCase(
+    [node("Mean", ["a", "b", "c"])], {"a": rand(2, 3), "b": rand(3), "c": rand(2, 1)})
+for _axis in (1, -1):
+    for _reverse in (0, 1):
+        for _exclusive in (0, 1):
+            GRADIENT_CASES[f"CumSum axis={_axis} reverse={_reverse} exclusive={_exclusive}"] = GradientCase(
+                [node("CumSum", ["x", "axis"], exclusive=_exclusive, reverse=_reverse)], {"x": rand(2, 3, 4)},
+                {"axis": np.array(_axis, np.int64)})
+for _equation, _shapes in [("ij,jk->ik", [(3, 4), (4, 2)]), ("bij,bjk->bik", [(2, 3, 4), (2, 4, 2)]),
+                           ("bhid,bhjd->bhij", [(2, 2, 3, 4), (2, 2, 5, 4)]), ("ij->ji", [(3, 4)]),
+                           ("i,j->ij", [(3,), (4,)]), ("ij->i", [(3, 4)]),
+                           ("...ij,...jk->...ik", [(2, 1, 3, 4), (3, 4, 2)]), ("ijk,jl->il", [(2, 3, 4), (3, 5)]),
+                           ("ij,kj", [(3, 4), (2, 4)])]:
+    _params = {f"x{i}": rand(*shape) for i, shape in enumerate(_shapes)}
+    GRADIENT_CASES[f"Einsum {_equation}"] = GradientCase(
+        [node("Einsum", list(_params), equation=_equation)], _params, opset=12)
+for _reduction in ("mean", "sum", "none"):
+    for _weighted in (False, True):
+        _labels = np.array([[0, 2], [1, 3], [3, 3]], dtype=np.int64)  # [N=3, D=2], C=4, one ignored label
+        _inputs, _constants = ["log_prob", "labels"], {"labels": _labels}
+        if _weighted:
+            _constants["weights"] = np.array([0.5, 1.0, 2.0, 1.5], dtype=np.float32)
+            _inputs.append("weights")
+        GRADIENT_CASES[f"NegativeLogLikelihoodLoss after LogSoftmax {_reduction}{' weighted' if _weighted else ''}"] = \
+            GradientCase([node("LogSoftmax", ["scores"], ["log_prob"], axis=1),
+                          node("NegativeLogLikelihoodLoss", _inputs, reduction=_reduction, ignore_index=2)],
+                         {"scores": rand(3, 4, 2, low=-2, high=2)}, _constants)
+for _op in ("ReduceL1", "ReduceSumSquare", "ReduceLogSum", "ReduceLogSumExp"):
+    for _keepdims in (0, 1):
+        GRADIENT_CASES[f"{_op} axes as input keepdims={_keepdims}"] = GradientCase(
+            [node(_op, ["x", "axes"], keepdims=_keepdims)],
+            {"x": rand(2, 3, 4, low=0.5, high=2.0) if _op == "ReduceLogSum" else away_from_zero(2, 3, 4)},
+            {"axes": np.array([0, -1], np.int64)}, opset=18)
+
+
 @pytest.mark.parametrize("name", list(GRADIENT_CASES))
 def test_gradient(name, tmp_path):
     GRADIENT_CASES[name].check(tmp_path)

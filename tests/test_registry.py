@@ -7,7 +7,7 @@ from odtrain.graph.ops import OPS
 from odtrain.kernels import BINDINGS
 
 # Ops that never reach a kernel: views share their input's bytes, constants fold when shapes bind.
-NO_KERNEL = {("", "Reshape"), ("", "Flatten"), ("", "Identity"), ("", "Shape"), ("", "Constant")}
+NO_KERNEL = {("", "Reshape"), ("", "Flatten"), ("", "Identity"), ("", "Shape"), ("", "Size"), ("", "Constant")}
 NO_KERNEL |= {("ai.odtrain", "ApplyUpdate")}  # the executor calls the optimizer for it
 NO_KERNEL |= {("", "Squeeze"), ("", "Unsqueeze")}  # views
 

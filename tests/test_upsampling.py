@@ -242,10 +242,6 @@ def test_unsupported_forms_are_declined_clearly():
                            {"w": rand(2, 2, 3, 3)}, inputs=[("x", np.float32, x.shape)])
     with pytest.raises(OdtrainError, match="output_shape"):
         InferenceSession(too_large).run(None, {"x": x})
-    fed_scales = make_model([node("Resize", ["x", "", "s"])], {},
-                            inputs=[("x", np.float32, x.shape), ("s", np.float32, [4])])
-    with pytest.raises(OdtrainError, match="scales input 's' must be a constant"):
-        InferenceSession(fed_scales).run(None, {"x": x, "s": UP})
     both = make_model([node("Resize", ["x", "", "s", "z"])], {"s": UP, "z": ints(1, 2, 8, 8)},
                       inputs=[("x", np.float32, x.shape)])
     with pytest.raises(OdtrainError, match="exactly one of scales and sizes"):
@@ -254,6 +250,18 @@ def test_unsupported_forms_are_declined_clearly():
                           inputs=[("x", np.float32, x.shape)])
     with pytest.raises(OdtrainError, match="mode='bicubic'"):
         InferenceSession(bad_mode).run(None, {"x": x})
+
+
+def test_scales_fed_as_an_input_bind_one_plan_per_value():
+    """Scales fed by the caller set the output shape: each distinct value binds its own plan."""
+    x = rand(1, 2, 4, 4)
+    model = make_model([node("Resize", ["x", "", "s"])], {},
+                       inputs=[("x", np.float32, x.shape), ("s", np.float32, [4])])
+    session = InferenceSession(model)
+    for scales in (UP, floats(1, 1, 0.5, 1.5), UP):
+        got = session.run(None, {"x": x, "s": scales})
+        assert_matches(got, reference_outputs(model, {"x": x, "s": scales}))
+    assert len(session._plans) == 2
 
 
 def test_scales_that_train_or_freeze_are_refused_with_the_way_out(tmp_path):

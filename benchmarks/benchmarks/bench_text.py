@@ -4,6 +4,8 @@ TransformerTraining: one warm AdamW step of the reference 2-layer encoder (tests
 Gather embedding, attention, LayerNorm, Erf GELU), one eval step, peak memory and the arena size.
 RecurrentTraining: one warm step of a GRU or LSTM next-token predictor built with onnx.helper
 (embedding, recurrent layer, per-position logits, CrossEntropy over [batch, vocab, seq]).
+MixerTraining: the same predictor with its positions mixed by one op instead: Einsum attention
+("bid,bjd->bij" scores, "bij,bjd->bid" mixing) or CumSum running sums.
 """
 import numpy as np
 
@@ -62,7 +64,7 @@ class TransformerTraining(_Steps):
 
 
 def _recurrent_model(kind: str, vocab=64, embed=32, hidden=64):
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import helper
 
     rng = np.random.default_rng(common.SEED)
     gates = 3 if kind == "GRU" else 4
@@ -75,21 +77,29 @@ def _recurrent_model(kind: str, vocab=64, embed=32, hidden=64):
              helper.make_node(kind, ["e_t", "W", "R", "B"], ["Y"], hidden_size=hidden),
              helper.make_node("Squeeze", ["Y", "axes"], ["h"]), helper.make_node("MatMul", ["h", "head"], ["l"]),
              helper.make_node("Transpose", ["l"], ["output"], perm=[1, 2, 0])]
+    return _next_token_model("recurrent", nodes, params, vocab), vocab
+
+
+def _next_token_model(name: str, nodes, params: dict, vocab: int):
+    """A model from tokens [batch, seq] to logits [batch, vocab, seq] ('output')."""
+    from onnx import TensorProto, helper, numpy_helper
+
     graph = helper.make_graph(
-        nodes, "recurrent", [helper.make_tensor_value_info("tokens", TensorProto.INT64, ["batch", "seq"])],
+        nodes, name, [helper.make_tensor_value_info("tokens", TensorProto.INT64, ["batch", "seq"])],
         [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["batch", vocab, "seq"])],
         [numpy_helper.from_array(v, name=k) for k, v in params.items()])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), vocab
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
 class RecurrentTraining(_Steps):
     params = ["GRU", "LSTM"]
     param_names = ["layer"]
+    build = staticmethod(_recurrent_model)
 
     def setup(self, layer):
         from odtrain import artifacts
 
-        model, vocab = _recurrent_model(layer)
+        model, vocab = self.build(layer)
         directory = common.scratch_dir(f"{layer}-artifacts")
         params = [t.name for t in model.graph.initializer if t.name != "axes"]
         artifacts.generate_artifacts(model, requires_grad=params, loss=artifacts.LossType.CrossEntropyLoss,
@@ -102,3 +112,31 @@ class RecurrentTraining(_Steps):
 
     def time_train_step(self, layer):
         self._train_step()
+
+
+def _mixer_model(kind: str, vocab=64, embed=32):
+    from onnx import helper
+
+    rng = np.random.default_rng(common.SEED)
+    init = lambda *s: (rng.standard_normal(s) / np.sqrt(s[-1])).astype(np.float32)  # noqa: E731
+    params = {"emb": init(vocab, embed), "wq": init(embed, embed), "head": init(embed, vocab)}
+    if kind == "Einsum":
+        params["wk"] = init(embed, embed)
+        mixing = [helper.make_node("MatMul", ["e", "wq"], ["q"]), helper.make_node("MatMul", ["e", "wk"], ["k"]),
+                  helper.make_node("Einsum", ["q", "k"], ["scores"], equation="bid,bjd->bij"),
+                  helper.make_node("Softmax", ["scores"], ["p"], axis=-1),
+                  helper.make_node("Einsum", ["p", "e"], ["h"], equation="bij,bjd->bid")]
+    else:
+        params["axes"] = np.array(1, np.int64)
+        mixing = [helper.make_node("MatMul", ["e", "wq"], ["q"]), helper.make_node("CumSum", ["q", "axes"], ["c"]),
+                  helper.make_node("Tanh", ["c"], ["h"])]
+    nodes = [helper.make_node("Gather", ["emb", "tokens"], ["e"]), *mixing,
+             helper.make_node("MatMul", ["h", "head"], ["l"]),
+             helper.make_node("Transpose", ["l"], ["output"], perm=[0, 2, 1])]
+    return _next_token_model("mixer", nodes, params, vocab), vocab
+
+
+class MixerTraining(RecurrentTraining):
+    params = ["Einsum", "CumSum"]
+    param_names = ["mixer"]
+    build = staticmethod(_mixer_model)

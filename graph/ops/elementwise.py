@@ -12,7 +12,10 @@ never sees kernel codes. GELU, which has an attribute, is registered apart.
 
 Every op here folds to a constant when its inputs are constants (shape
 arithmetic such as Gather(Shape(x)) / 2, Sqrt(Cast(...)) in exported
-attention). Comparisons and logic ops give booleans and have no gradient.
+attention). Comparisons and logic ops give booleans and have no gradient;
+BitShift and the bitwise ops take integers only and have none either. Mod
+follows its divisor's sign (Python's %), or its dividend's with fmod=1 (C's
+fmod); Mean is a Sum divided by the number of inputs.
 """
 from __future__ import annotations
 
@@ -43,21 +46,42 @@ BINARY_FOLDS = {
     "Pow": _pow, "Equal": np.equal, "Less": np.less, "Greater": np.greater, "LessOrEqual": np.less_equal,
     "GreaterOrEqual": np.greater_equal, "And": np.logical_and, "Or": np.logical_or, "Xor": np.logical_xor,
 }
-VARIADIC_FOLDS = {"Sum": np.add, "Max": np.maximum, "Min": np.minimum}
+# Binaries whose function an attribute chooses: Mod's fmod (C's sign of the dividend, or the divisor's),
+# BitShift's direction.
+ATTRIBUTE_FOLDS = {
+    "Mod": lambda attrs: np.fmod if attrs.get("fmod", 0) else np.mod,
+    "BitShift": lambda attrs: np.left_shift if _direction(attrs) == "LEFT" else np.right_shift,
+}
+INTEGER_BINARIES = {"BitShift", "BitwiseAnd", "BitwiseOr", "BitwiseXor"}
+BINARY_FOLDS.update({"BitwiseAnd": np.bitwise_and, "BitwiseOr": np.bitwise_or, "BitwiseXor": np.bitwise_xor})
+VARIADIC_FOLDS = {"Sum": np.add, "Max": np.maximum, "Min": np.minimum, "Mean": np.add}
 COMPARISONS = ("Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "And", "Or", "Xor")
+
+
+def _direction(attrs) -> str:
+    direction = attrs.get("direction", "")
+    return direction.decode() if isinstance(direction, bytes) else direction
 
 
 def _broadcast_rule(node, types, consts):
     present = [t for t in types if t is not None]
     dtype = np.dtype(np.bool_) if node.op_type in COMPARISONS else present[0].dtype
+    if node.op_type in INTEGER_BINARIES and dtype.kind not in "iu":
+        raise ModelError(f"{node.describe()}: {node.op_type} takes integer tensors, got {present[0]}")
+    if node.op_type == "BitShift" and _direction(node.attrs) not in ("LEFT", "RIGHT"):
+        raise ModelError(f"{node.describe()}: direction must be 'LEFT' or 'RIGHT', got {_direction(node.attrs)!r}")
     if all(c is not None for c in consts) and consts:
         fold = BINARY_FOLDS.get(node.op_type)
+        if node.op_type in ATTRIBUTE_FOLDS:
+            fold = ATTRIBUTE_FOLDS[node.op_type](node.attrs)
         if fold is not None:
             value = np.asarray(fold(np.asarray(consts[0]), np.asarray(consts[1])))
         else:
             value = np.asarray(consts[0])
             for other in consts[1:]:
                 value = VARIADIC_FOLDS[node.op_type](value, other)
+            if node.op_type == "Mean":
+                value = value / len(consts)
         value = np.asarray(value.astype(dtype), order="C")
         return [TensorType(value.dtype, value.shape)], [value]
     if any(t.shape is None for t in present):
@@ -73,8 +97,11 @@ for _name in ("Add", "Sub", "Mul", "Div"):
     op(_name, inplace=((0, 0), (0, 1)))(_broadcast_rule)
 op("Sum", inplace=((0, 0),))(_broadcast_rule)
 op("Pow", inplace=((0, 0),), passes=2.0)(_broadcast_rule)
-for _name in ("Max", "Min"):
+for _name in ("Max", "Min", "Mean"):
     op(_name, inplace=((0, 0),))(_broadcast_rule)
+op("Mod", inplace=((0, 0), (0, 1)))(_broadcast_rule)
+for _name in sorted(INTEGER_BINARIES):
+    op(_name, inplace=((0, 0), (0, 1)))(_broadcast_rule)
 for _name in COMPARISONS:
     op(_name)(_broadcast_rule)
     no_grad(_name, "its output is boolean")
@@ -196,6 +223,26 @@ def _sum_grad(ctx):
             ctx.set_grad(i, ctx.sum_to_input(ctx.GO(0), i))
 
 
+@grad("Mean")
+def _mean_grad(ctx):  # dX_i = dY / n
+    count = len(ctx.node.inputs)
+    from .tensor import dtype_of
+
+    share = ctx.emit("Div", [ctx.GO(0), ctx.constant(np.array(count, dtype_of(ctx, ctx.O(0)) or np.float32), "count")])
+    for i in range(count):
+        if ctx.needs(i):
+            ctx.set_grad(i, ctx.sum_to_input(share, i))
+
+
+@grad("Mod")
+def _mod_grad(ctx):  # dA = dY, dB = -dY · q with q = (A - Y) / B: floor(A / B), or trunc(A / B) for fmod
+    if ctx.needs(0):
+        ctx.set_grad(0, ctx.sum_to_input(ctx.GO(0), 0))
+    if ctx.needs(1):
+        quotient = ctx.emit("Div", [ctx.emit("Sub", [ctx.I(0), ctx.O(0)]), ctx.I(1)])
+        ctx.set_grad(1, ctx.sum_to_input(ctx.emit("Neg", [ctx.emit("Mul", [ctx.GO(0), quotient])]), 1))
+
+
 @grad("Sub")
 def _sub_grad(ctx):  # dA = dY, dB = -dY
     if ctx.needs(0):
@@ -218,6 +265,10 @@ def _div_grad(ctx):  # dA = dY / B, dB = -dY * Y / B
     if ctx.needs(1):
         scaled = ctx.emit("Div", [ctx.emit("Mul", [ctx.GO(0), ctx.O(0)]), ctx.I(1)])
         ctx.set_grad(1, ctx.sum_to_input(ctx.emit("Neg", [scaled]), 1))
+
+
+for _name in INTEGER_BINARIES:
+    no_grad(_name, "it works on the bits of integers")
 
 
 @grad("Pow")

@@ -1,9 +1,13 @@
-"""Matrix products: Gemm and MatMul, with their gradients as products again.
+"""Matrix products: Gemm, MatMul and Einsum, with their gradients as products again.
 
 Gemm: Y = alpha · A' · B' + beta · C, where A' = Aᵀ if transA, B' = Bᵀ if transB.
 MatMul: numpy matmul semantics, batch dimensions broadcast, 1-D operands promoted.
 Its gradients are `MatMulGradA`/`MatMulGradB`: BLAS products with transpose flags
 (no transposed copies), the broadcast batch axes summed by accumulating products.
+Einsum: one or two operands (a transpose, a sum, a diagonal, or a contraction that
+BLAS runs as a batched product); its gradient is an Einsum of dY with the other
+operand onto the operand's labels (dA of "ij,jk->ik" is "ik,jk->ij"), broadcast
+over the labels neither has (the summed axes of "ij->i").
 """
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import math
 
 import numpy as np
 
-from ..errors import ModelError
+from ..errors import ModelError, UnsupportedOpError
 from ..ir import ODTRAIN_DOMAIN, TensorType
 from . import broadcast_shapes, grad, op
 
@@ -178,3 +182,72 @@ def _fused_matmul_grad(ctx):
         out = _inverse(perm_b)
         ctx.set_grad(1, product(a, dy, b, 1 - ta, 0, perm_a, perm_dy, out) if not tb else
                      product(dy, a, b, 1, ta, perm_dy, perm_a, out))
+
+
+def einsum_terms(node, ranks: list[int]) -> tuple[list[str], str]:
+    """Einsum's operand terms and output term, with '...' spelled out as letters the equation does not
+    use (the same letters for the same broadcast axes, aligned at the right) and an implicit output
+    made explicit (the broadcast axes, then the letters used once, in alphabetical order)."""
+    equation = node.attrs.get("equation", "")
+    equation = (equation.decode() if isinstance(equation, bytes) else equation).replace(" ", "")
+    left, arrow, right = equation.partition("->")
+    terms = left.split(",")
+    if len(terms) != len(ranks):
+        raise ModelError(f"{node.describe()}: equation '{equation}' names {len(terms)} operands, it has {len(ranks)}")
+    spare = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz" if c not in equation]
+    width = max([rank - len(t.replace("...", "")) for t, rank in zip(terms, ranks) if "..." in t], default=0)
+    broadcast = "".join(spare[:width])
+    spelled = [t.replace("...", broadcast[width - (rank - len(t.replace("...", ""))):])
+               for t, rank in zip(terms, ranks)]
+    for term, rank in zip(spelled, ranks):
+        if len(term) != rank or not term.isalpha() and term:
+            raise ModelError(f"{node.describe()}: equation '{equation}' does not fit operands of ranks {ranks}")
+    if arrow:
+        output = right.replace("...", broadcast)
+    else:
+        output = broadcast + "".join(sorted(c for c in set(left) if c.isalpha() and left.count(c) == 1))
+    if len(set(output)) != len(output) or not set(output) <= set("".join(spelled)):
+        raise ModelError(f"{node.describe()}: the output of '{equation}' repeats a label or names one no operand has")
+    return spelled, output
+
+
+@op("Einsum")
+def _einsum_rule(node, types, consts):
+    if len(types) > 2:
+        raise UnsupportedOpError(f"{node.describe()}: Einsum of {len(types)} operands; odtrain runs one or two "
+                                 "(split the equation into pairwise Einsums)")
+    if any(t.shape is None for t in types):
+        return [TensorType(types[0].dtype, None)]
+    terms, output = einsum_terms(node, [len(t.shape) for t in types])
+    sizes: dict[str, int | str] = {}
+    for term, t in zip(terms, types):
+        for label, d in zip(term, t.shape):
+            known = sizes.setdefault(label, d)
+            if known == 1:
+                sizes[label] = d
+            elif d != 1 and d != known and isinstance(d, int) and isinstance(known, int):
+                raise ModelError(f"{node.describe()}: label '{label}' stands for axes of sizes {known} and {d}")
+    return [TensorType(types[0].dtype, tuple(sizes[label] for label in output))]
+
+
+@grad("Einsum")
+def _einsum_grad(ctx):  # dX_i = einsum(dY, the other operand -> X_i's labels), broadcast over labels they lack
+    terms, output = einsum_terms(ctx.node, [ctx.rank(name) for name in ctx.node.inputs])
+    for i, term in enumerate(terms):
+        if not ctx.needs(i):
+            continue
+        if len(set(term)) != len(term):
+            raise UnsupportedOpError(f"{ctx.node.describe()}: no gradient through a diagonal (a label repeated in "
+                                     f"operand {i})")
+        sources = [(output, ctx.GO(0))] + [(t, ctx.I(j)) for j, t in enumerate(terms) if j != i]
+        known = set("".join(t for t, _ in sources))
+        kept = "".join(label for label in term if label in known)
+        equation = ",".join(t for t, _ in sources) + "->" + kept
+        grad_name = ctx.emit("Einsum", [name for _, name in sources], {"equation": equation})
+        if kept != term:  # labels only X_i has: dY does not depend on where along them, so dX repeats along them
+            axes = [axis for axis, label in enumerate(term) if label not in known]
+            sizes = ctx.emit("Gather", [ctx.emit("Shape", [ctx.I(i)]), ctx.constant(np.array(axes, np.int64), "axes")])
+            ones = ctx.emit("Expand", [ctx.constant(np.ones((), np.float32), "one"), sizes])
+            missing = "".join(term[axis] for axis in axes)
+            grad_name = ctx.emit("Einsum", [grad_name, ones], {"equation": f"{kept},{missing}->{term}"})
+        ctx.set_grad(i, ctx.sum_to_input(grad_name, i))

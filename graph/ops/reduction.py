@@ -1,13 +1,19 @@
-"""Reductions over axes, and the broadcast-undoing `SumToShape`.
+"""Reductions over axes, arg-extrema, cumulative sums, and the broadcast-undoing `SumToShape`.
 
-ReduceSum/ReduceMean/ReduceMax/ReduceMin/ReduceL2 take `axes` as an attribute
-(older opsets) or as a constant second input (ReduceSum from opset 13, the
-others from 18). No axes means all axes, unless `noop_with_empty_axes` is set.
-Constant inputs fold.
+ReduceSum/ReduceMean/ReduceMax/ReduceMin/ReduceL1/ReduceL2/ReduceSumSquare/ReduceLogSum/
+ReduceLogSumExp/ReduceProd take `axes` as an attribute (older opsets) or as a constant second
+input (ReduceSum from opset 13, the others from 18). No axes means all axes, unless
+`noop_with_empty_axes` is set. Constant inputs fold.
 
 ReduceMax/ReduceMin's gradient `ReduceExtremumGrad(dY, X, Y)` hands dY to the
 elements equal to the extremum, shared evenly among ties (as PyTorch's amax).
-ReduceL2's is X · broadcast(dY / Y).
+ReduceL2's is X · broadcast(dY / Y); the others are written the same way from
+ONNX ops (ReduceProd has none: it would divide by elements that may be zero).
+
+ArgMax/ArgMin give int64 positions and have no gradient. CumSum(X, axis) sums
+along one axis (`exclusive` leaves each element out, `reverse` runs from the
+end); its gradient is the CumSum of dY in the other direction. CumProd
+multiplies alike and has no gradient (as ReduceProd).
 
 Their gradient `ReduceGrad(dY, X)` broadcasts dY back over the reduced
 axes (divided by the count for a mean); X is read for its shape only.
@@ -17,11 +23,28 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import ModelError, UnsupportedOpError
 from ..ir import ODTRAIN_DOMAIN, TensorType
-from . import attr_axes, grad, op
+from . import attr_axes, grad, no_grad, op
 
-FOLDS = {"ReduceSum": np.sum, "ReduceMean": np.mean, "ReduceMax": np.max, "ReduceMin": np.min,
-         "ReduceL2": lambda x, axis, keepdims: np.sqrt(np.sum(np.square(x), axis=axis, keepdims=keepdims))}
+def _extreme(dtype: np.dtype, largest: bool):
+    """The largest (or smallest) value of a dtype: what a maximum (minimum) over no elements is."""
+    if dtype == np.bool_:
+        return largest
+    if np.issubdtype(dtype, np.floating):
+        return np.inf if largest else -np.inf
+    return np.iinfo(dtype).max if largest else np.iinfo(dtype).min
+
+
+FOLDS = {"ReduceSum": np.sum, "ReduceMean": np.mean,
+         "ReduceMax": lambda x, axis, keepdims: np.max(x, axis, keepdims=keepdims, initial=_extreme(x.dtype, False)),
+         "ReduceMin": lambda x, axis, keepdims: np.min(x, axis, keepdims=keepdims, initial=_extreme(x.dtype, True)),
+         "ReduceL2": lambda x, axis, keepdims: np.sqrt(np.sum(np.square(x), axis=axis, keepdims=keepdims)),
+         "ReduceL1": lambda x, axis, keepdims: np.sum(np.abs(x), axis=axis, keepdims=keepdims),
+         "ReduceSumSquare": lambda x, axis, keepdims: np.sum(np.square(x), axis=axis, keepdims=keepdims),
+         "ReduceLogSum": lambda x, axis, keepdims: np.log(np.sum(x, axis=axis, keepdims=keepdims)),
+         "ReduceLogSumExp": lambda x, axis, keepdims: np.log(np.sum(np.exp(x), axis=axis, keepdims=keepdims)),
+         "ReduceProd": np.prod}
 
 
 def reduced_axes(node, consts, rank: int) -> tuple[int, ...]:
@@ -83,11 +106,109 @@ grad("ReduceMax")(_extremum_grad)
 grad("ReduceMin")(_extremum_grad)
 
 
+def _spread(ctx, name: str) -> str:
+    """A reduced value broadcast back over the input's shape."""
+    return ctx.odtrain("ReduceGrad", [name, ctx.I(0)], {**_reduce_attrs(ctx), "mean": 0})
+
+
 @grad("ReduceL2")
 def _reduce_l2_grad(ctx):  # dX = X · broadcast(dY / Y)
-    ratio = ctx.emit("Div", [ctx.GO(0), ctx.O(0)])
-    spread = ctx.odtrain("ReduceGrad", [ratio, ctx.I(0)], {**_reduce_attrs(ctx), "mean": 0})
-    ctx.set_grad(0, ctx.emit("Mul", [spread, ctx.I(0)]))
+    ctx.set_grad(0, ctx.emit("Mul", [_spread(ctx, ctx.emit("Div", [ctx.GO(0), ctx.O(0)])), ctx.I(0)]))
+
+
+@grad("ReduceL1")
+def _reduce_l1_grad(ctx):  # dX = sign(X) · broadcast(dY)
+    ctx.set_grad(0, ctx.emit("Mul", [_spread(ctx, ctx.GO(0)), ctx.emit("Sign", [ctx.I(0)])]))
+
+
+@grad("ReduceSumSquare")
+def _reduce_sum_square_grad(ctx):  # dX = 2 X · broadcast(dY)
+    twice = ctx.emit("Add", [ctx.I(0), ctx.I(0)])
+    ctx.set_grad(0, ctx.emit("Mul", [_spread(ctx, ctx.GO(0)), twice]))
+
+
+@grad("ReduceLogSum")
+def _reduce_log_sum_grad(ctx):  # dX = broadcast(dY / exp(Y)): dY over the sum
+    ctx.set_grad(0, _spread(ctx, ctx.emit("Div", [ctx.GO(0), ctx.emit("Exp", [ctx.O(0)])])))
+
+
+@grad("ReduceLogSumExp")
+def _reduce_log_sum_exp_grad(ctx):  # dX = broadcast(dY) · exp(X - broadcast(Y)): dY times the softmax
+    weights = ctx.emit("Exp", [ctx.emit("Sub", [ctx.I(0), _spread(ctx, ctx.O(0))])])
+    ctx.set_grad(0, ctx.emit("Mul", [_spread(ctx, ctx.GO(0)), weights]))
+
+
+PRODUCT_HAS_NO_GRADIENT = ("its gradient, the products of the other elements, is not implemented (dividing Y by X "
+                           "fails where X is zero)")
+no_grad("ReduceProd", PRODUCT_HAS_NO_GRADIENT)
+
+
+def _arg_rule(node, types, consts):
+    x = types[0]
+    if x.shape is None:
+        return [TensorType(np.dtype(np.int64), None)]
+    rank = len(x.shape)
+    axis = int(node.attrs.get("axis", 0))
+    if not -rank <= axis < max(rank, 1):
+        raise ModelError(f"{node.describe()}: axis {axis} is out of range for {x}")
+    axis %= max(rank, 1)
+    keep = node.attrs.get("keepdims", 1)
+    if consts[0] is not None:
+        value = consts[0]
+        if node.attrs.get("select_last_index", 0):
+            value = np.flip(value, axis)
+        found = (np.argmax if node.op_type == "ArgMax" else np.argmin)(value, axis=axis)
+        if node.attrs.get("select_last_index", 0):
+            found = value.shape[axis] - 1 - found
+        found = np.asarray(np.expand_dims(found, axis) if keep else found, np.int64)
+        return [TensorType(found.dtype, found.shape)], [found]
+    shape = tuple(1 if a == axis else d for a, d in enumerate(x.shape) if a != axis or keep)
+    return [TensorType(np.dtype(np.int64), shape)]
+
+
+for _name in ("ArgMax", "ArgMin"):
+    op(_name)(_arg_rule)
+    no_grad(_name, "its output is an integer position")
+
+
+def cumulative_axis(node, axis_value, rank: int | None) -> int:
+    if axis_value is None:
+        raise UnsupportedOpError(f"{node.describe()}: its axis input '{node.inputs[1]}' must be a constant")
+    axis = int(np.asarray(axis_value).reshape(()))
+    if rank is not None:
+        if not -rank <= axis < rank:
+            raise ModelError(f"{node.describe()}: axis {axis} is out of range for rank {rank}")
+        axis %= rank
+    return axis
+
+
+@op("CumSum", shape_only=(1,), constant_inputs=(1,))
+@op("CumProd", shape_only=(1,), constant_inputs=(1,))
+def _cumulative_rule(node, types, consts):
+    x = types[0]
+    axis = cumulative_axis(node, consts[1], None if x.shape is None else len(x.shape))
+    if consts[0] is not None:
+        value = consts[0]
+        if node.attrs.get("reverse", 0):
+            value = np.flip(value, axis)
+        product = node.op_type == "CumProd"
+        total = (np.cumprod if product else np.cumsum)(value, axis=axis, dtype=value.dtype)
+        if node.attrs.get("exclusive", 0):  # shift by one along the axis, the identity first
+            total = np.concatenate([np.full_like(np.take(value, [0], axis), 1 if product else 0),
+                                    np.delete(total, -1, axis)], axis=axis)
+        if node.attrs.get("reverse", 0):
+            total = np.flip(total, axis)
+        return [x], [np.ascontiguousarray(total)]
+    return [x]
+
+
+no_grad("CumProd", PRODUCT_HAS_NO_GRADIENT)
+
+
+@grad("CumSum")
+def _cumsum_grad(ctx):  # dX = CumSum(dY) in the other direction, as exclusive as the forward one
+    attrs = {"exclusive": ctx.attr("exclusive", 0), "reverse": 1 - ctx.attr("reverse", 0)}
+    ctx.set_grad(0, ctx.emit("CumSum", [ctx.GO(0), ctx.I(1)], attrs))
 
 
 @op("ReduceExtremumGrad", ODTRAIN_DOMAIN)

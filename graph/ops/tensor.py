@@ -1,6 +1,6 @@
 """Shape, layout and indexing ops: Reshape, Flatten, Squeeze, Unsqueeze, Transpose, Expand, Tile, Slice,
 Concat, Split, Gather, GatherElements, GatherND, ScatterElements, ScatterND, Where, Cast, CastLike,
-Trilu, Shape, Constant, ConstantOfShape, Range.
+Trilu, Shape, Size, Constant, ConstantOfShape, Range.
 
 Reshape, Flatten, Squeeze and Unsqueeze are views: their output shares the input's bytes.
 Every op here folds to a constant when all of its inputs are constants, so the shape
@@ -567,7 +567,7 @@ def trilu_mask(shape: tuple, k: int, upper: bool) -> np.ndarray:
     return (cols - rows >= k) if upper else (cols - rows <= k)
 
 
-@op("Trilu", shape_only=(1,))
+@op("Trilu", shape_only=(1,), constant_inputs=(1,))
 def _trilu_rule(node, types, consts):
     x = types[0]
     k = int(np.asarray(_const_input(node, consts, 1, "k")).reshape(())) if len(node.inputs) > 1 and node.inputs[1] else 0
@@ -584,7 +584,7 @@ def _trilu_grad(ctx):  # dX = trilu(dY): the same elements pass
     ctx.set_grad(0, ctx.emit("Trilu", [ctx.GO(0)] + ([ctx.I(1)] if ctx.I(1) else []), {"upper": ctx.attr("upper", 1)}))
 
 
-# ---- Shape, Constant, ConstantOfShape, Range: constants once shapes are bound -----------------
+# ---- Shape, Size, Constant, ConstantOfShape, Range: constants once shapes are bound -----------------
 
 
 @op("Shape", shape_only=(0,))
@@ -596,6 +596,14 @@ def _shape_rule(node, types, consts):
         dims = np.array(x.shape[start:end], dtype=np.int64)
         return [TensorType(np.dtype(np.int64), dims.shape)], [dims]
     return [TensorType(np.dtype(np.int64), None if rank is None else (rank,))]
+
+
+@op("Size", shape_only=(0,))
+def _size_rule(node, types, consts):
+    x = types[0]
+    if x.is_static:
+        return _folded([np.array(x.size, dtype=np.int64)])
+    return [TensorType(np.dtype(np.int64), ())]
 
 
 @op("Constant")
@@ -644,6 +652,7 @@ def _range_rule(node, types, consts):
 
 
 no_grad("Shape", "its output is an integer shape")
+no_grad("Size", "its output is an integer count")
 no_grad("Constant", "it has no inputs")
 no_grad("ConstantOfShape", "its output depends only on a shape")
 no_grad("Range", "its output depends only on its scalar bounds, which set a shape")
