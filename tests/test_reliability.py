@@ -9,10 +9,12 @@ import shutil
 import numpy as np
 import onnx
 import pytest
+import safetensors.numpy
 from onnx import helper
 
 from odtrain import (ArgumentError, ArtifactNotFoundError, CheckpointError, InputError, ModelError, NonFiniteError,
                      OdtrainError, ParameterError, StateError, UnsupportedOpError, artifacts)
+from odtrain import checkpoint as checkpoint_file
 from odtrain.api import CheckpointState, LinearLRScheduler, Module, Optimizer
 from oracles import make_model
 
@@ -72,9 +74,12 @@ def damaged_checkpoint(root, how):
         blob[-100] ^= 1
         target.write_bytes(bytes(blob))
     elif how == "version":
-        target.write_bytes(source.replace(b'"format_version":"1"', b'"format_version":"7"'))
+        target.write_bytes(source.replace(f'"format_version":"{checkpoint_file.FORMAT_VERSION}"'.encode(),
+                                          b'"format_version":"7"'))
     elif how == "foreign":
         target.write_bytes((root / "model.onnx").read_bytes())
+    elif how == "other tool":  # well-formed safetensors, as PyTorch and Hugging Face write them
+        target.write_bytes(safetensors.numpy.save({"weight": np.ones(3, np.float32)}, metadata={"format": "pt"}))
     return target
 
 
@@ -130,9 +135,14 @@ ROWS = {
     "optimizer of other artifacts": (mismatched_optimizer, ParameterError, "fc2.weight"),
     # checkpoints
     "truncated checkpoint": (lambda e: CheckpointState.load_checkpoint(damaged_checkpoint(e[0], "truncated")), CheckpointError, "ckpt_truncated"),
-    "flipped checkpoint byte": (lambda e: CheckpointState.load_checkpoint(damaged_checkpoint(e[0], "flipped")), CheckpointError, "checksum"),
-    "newer checkpoint version": (lambda e: CheckpointState.load_checkpoint(damaged_checkpoint(e[0], "version")), CheckpointError, "'7'"),
-    "foreign checkpoint": (lambda e: CheckpointState.load_checkpoint(damaged_checkpoint(e[0], "foreign")), CheckpointError, "ckpt_foreign"),
+    "flipped checkpoint byte": (lambda e: CheckpointState.load_checkpoint(damaged_checkpoint(e[0], "flipped")), CheckpointError,
+                                "ckpt_flipped' is damaged: its tensors or metadata do not match the checksum"),
+    "newer checkpoint version": (lambda e: CheckpointState.load_checkpoint(damaged_checkpoint(e[0], "version")), CheckpointError,
+                                 "ckpt_version' is of format version '7', newer than this odtrain reads"),
+    "ONNX file as checkpoint": (lambda e: CheckpointState.load_checkpoint(damaged_checkpoint(e[0], "foreign")), CheckpointError,
+                                "ckpt_foreign' is truncated (its header runs past the end of the file)"),
+    "checkpoint of another tool": (lambda e: CheckpointState.load_checkpoint(damaged_checkpoint(e[0], "other tool")), CheckpointError,
+                                   "ckpt_other tool' is not an odtrain checkpoint (no odtrain format tag"),
     "missing checkpoint": (lambda e: CheckpointState.load_checkpoint(e[0] / "none"), ArtifactNotFoundError, "none"),
     "list property": (lambda e: session(e)[0].properties.__setitem__("classes", [1, 2]), ArgumentError, "'classes'"),
     "non-string property name": (lambda e: session(e)[0].properties.__setitem__(3, 1), ArgumentError, "3"),
