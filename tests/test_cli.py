@@ -7,6 +7,7 @@ on stderr and a non-zero exit code.
 """
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -120,7 +121,7 @@ def test_check_a_trainable_model(here, capsys):
                                     "frozen_tensors": ["fc1.weight", "fc1.bias"]}
 
 
-def _model_with(path, middle_ops):
+def _model_with(path, middle_ops, width=8):
     """input[batch, 64] -> fc1 -> middle ops (elementwise, in order) -> fc2 -> output[batch, 10]."""
     rng = np.random.default_rng(0)
     nodes, value = [helper.make_node("Gemm", ["input", "w1"], ["h0"], transB=1, name="fc1")], "h0"
@@ -129,7 +130,7 @@ def _model_with(path, middle_ops):
         value = f"h{index + 1}"
     nodes.append(helper.make_node("Gemm", [value, "w2"], ["output"], transB=1, name="fc2"))
     weights = [numpy_helper.from_array(rng.normal(size=shape).astype(np.float32), name)
-               for name, shape in (("w1", (8, 64)), ("w2", (10, 8)))]
+               for name, shape in (("w1", (width, 64)), ("w2", (10, width)))]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("input", 1, ["batch", 64])],
                               [helper.make_tensor_value_info("output", 1, ["batch", 10])], weights)
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
@@ -454,14 +455,38 @@ def test_progress_bar_without_tqdm_redraws_one_line_on_a_terminal(monkeypatch):
     assert drawn.endswith("\r") and "\n" not in drawn
 
 
-def test_memory_budget_flag_trains_identically_or_names_what_works(here, capsys):
+def test_memory_budget_flag_recomputes_and_trains_identically_or_names_what_works(here, capsys, monkeypatch):
+    """An MLP with Sigmoid and Tanh between its layers, whose arena recomputation can shrink: trained under
+    the smallest budget odtrain names, its training step recomputes activations in a smaller arena and
+    ends with the loss and parameters of an unconstrained run, bit for bit."""
+    from odtrain import executor
+
+    _model_with(here / "deep.onnx", ["Sigmoid", "Tanh", "Sigmoid", "Tanh"], width=128)
+    for folder in ("deep_free", "deep_tight"):
+        shutil.rmtree(here / folder, ignore_errors=True)
+        assert odtrain_main(capsys, "prepare", "deep.onnx", "-o", folder, "--lr", "0.01")[0] == 0
     settings = ["--data", "train.npz", "--epochs", "1", "--batch-size", BATCH, "--seed", "3", "--json"]
-    free, tight = fresh_artifacts(here, "free"), fresh_artifacts(here, "tight")
-    code, out, _ = odtrain_main(capsys, "train", free, *settings)
-    assert code == 0
-    code, out_budget, _ = odtrain_main(capsys, "train", tight, *settings, "--memory-budget", "1MB")
-    assert code == 0 and json.loads(out_budget)["history"][0]["loss"] == json.loads(out)["history"][0]["loss"]
-    code, _, err = odtrain_main(capsys, "train", fresh_artifacts(here, "tiny"), *settings, "--memory-budget", "64")
+    code, _, err = odtrain_main(capsys, "train", "deep_tight", *settings, "--memory-budget", "64")
     assert code == 2 and "at least" in one_line(err)
-    code, _, err = odtrain_main(capsys, "train", tight, *settings, "--memory-budget", "lots")
+    smallest = int(re.search(r"at least ([\d,]+)", err).group(1).replace(",", ""))
+    bound = []
+    original = executor.BoundGraph.__init__
+
+    def recording(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        bound.append(self)
+
+    monkeypatch.setattr(executor.BoundGraph, "__init__", recording)
+    code, out, _ = odtrain_main(capsys, "train", "deep_free", *settings)
+    assert code == 0 and bound and not any(b.recomputed for b in bound)
+    unconstrained, bound[:] = max(b.plan.arena_bytes for b in bound), []
+    code, out_budget, _ = odtrain_main(capsys, "train", "deep_tight", *settings, "--memory-budget", smallest)
+    assert code == 0
+    recomputing = [b for b in bound if b.recomputed]
+    assert recomputing and all(b.plan.arena_bytes <= smallest < unconstrained for b in recomputing)
+    assert [e["loss"] for e in json.loads(out_budget)["history"]] == [e["loss"] for e in json.loads(out)["history"]]
+    free, tight = trained_state(here / "deep_free")[0], trained_state(here / "deep_tight")[0]
+    for name in free:
+        np.testing.assert_array_equal(tight[name], free[name], err_msg=name)
+    code, _, err = odtrain_main(capsys, "train", "deep_tight", *settings, "--memory-budget", "lots")
     assert code == 2 and "'lots' is not a size" in one_line(err)
