@@ -189,6 +189,37 @@ def test_prepare_text_output_and_refusal_to_overwrite(here, capsys):
     assert odtrain_main(capsys, "prepare", "mlp.onnx", "-o", "again", "--force")[0] == 0
 
 
+def test_long_parameter_lists_are_summarised_unless_verbose(here, capsys):
+    """40 parameters: prepare, check and a selection error show a count and the first and last three."""
+    nodes, value = [], "input"
+    for index in range(39):
+        nodes.append(helper.make_node("Add", [value, f"b{index:02d}"], [f"h{index}"], name=f"shift{index}"))
+        value = f"h{index}"
+    nodes.append(helper.make_node("Gemm", [value, "w"], ["output"], transB=1, name="head"))
+    weights = [numpy_helper.from_array(np.zeros(64, np.float32), f"b{index:02d}") for index in range(39)]
+    weights.append(numpy_helper.from_array(np.ones((10, 64), np.float32), "w"))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("input", 1, ["batch", 64])],
+                              [helper.make_tensor_value_info("output", 1, ["batch", 10])], weights)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(here / "many.onnx"))
+    summary = "b00, b01, b02, ... 33 more (--verbose lists all) ..., b36, b37, b38"
+    everything = ", ".join(f"b{index:02d}" for index in range(39))
+
+    shutil.rmtree(here / "many", ignore_errors=True)
+    code, out, _ = odtrain_main(capsys, "prepare", "many.onnx", "-o", "many", "--train-last", "1")
+    assert code == 0 and f"frozen: 2,496 values in 39 tensors ({summary})" in out.splitlines()
+    assert max(map(len, out.splitlines())) < 160
+    code, out, _ = odtrain_main(capsys, "prepare", "many.onnx", "-o", "many", "--train-last", "1", "--force", "-v")
+    assert code == 0 and f"frozen: 2,496 values in 39 tensors ({everything})" in out.splitlines()
+
+    code, out, _ = odtrain_main(capsys, "check", "many.onnx", "--freeze", "w")
+    assert code == 0 and f"2,496 trainable in 39 tensors ({summary}); 640 frozen in 1 tensor (w)" in out
+    code, out, _ = odtrain_main(capsys, "check", "many.onnx", "--freeze", "w", "--verbose")
+    assert code == 0 and f"2,496 trainable in 39 tensors ({everything}); 640 frozen in 1 tensor (w)" in out
+
+    code, _, err = odtrain_main(capsys, "check", "many.onnx", "--requires-grad", "fc*")
+    assert code == 2 and "'fc*' matches no parameter; the 40 parameters are: b00, b01, b02, ... 34 more" in one_line(err)
+
+
 # ---- train, eval, export, inspect --------------------------------------------------------------------------
 
 
@@ -394,7 +425,7 @@ ERRORS = [
     (["eval", "art", "--data", "train.npz", "--x", "pixels"], "has no array 'pixels'"),
     (["eval", "art", "--data", "val_bad_labels.npz"], "holds non-integer values"),
     (["check", "missing.onnx"], "model file 'missing.onnx' does not exist"),
-    (["check", "mlp.onnx", "--requires-grad", "conv*"], "'conv*' matches no parameter; the parameters are: fc1"),
+    (["check", "mlp.onnx", "--requires-grad", "conv*"], "'conv*' matches no parameter; the 4 parameters are: fc1.weight, fc1.bias, fc2.weight, fc2.bias"),
     (["prepare", "mlp.onnx", "-o", "x", "--train-last", "3"], "give a number from 1 to 2"),
     (["prepare", "mlp.onnx", "-o", "x", "--freeze", "fc1.*", "--train-last", "1"], "not allowed with argument"),
     (["export", "art", "-o", "out.onnx", "--outputs", "logits"], "graph_output_names ['logits']"),
