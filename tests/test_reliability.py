@@ -59,6 +59,14 @@ def escaping_model(root):
     return str(folder / "m.onnx")
 
 
+def foreign_domain_model():
+    """Two nodes of a domain odtrain does not implement, declared in the model's opset imports."""
+    model = model_with([helper.make_node("NoSuchOp", ["x"], ["a"], domain="com.example", name="mystery"),
+                        helper.make_node("Frobnicate", ["a", "w"], ["y"], domain="com.example")])
+    model.opset_import.append(helper.make_opsetid("com.example", 1))
+    return model
+
+
 def generate(model, directory, **kwargs):
     kwargs.setdefault("loss", artifacts.LossType.MSELoss)
     return artifacts.generate_artifacts(model, artifact_directory=directory, **kwargs)
@@ -109,7 +117,10 @@ ROWS = {
     "unsupported op": (lambda e: generate(model_with([helper.make_node("Hardmax", ["x"], ["y"], name="pick")]), e[0] / "o", requires_grad=[]),
                        UnsupportedOpError, "Hardmax node 'pick'"),
     "foreign domain op": (lambda e: generate(model_with([helper.make_node("FusedGemm", ["x", "w"], ["y"], domain="com.microsoft", name="fg")]), e[0] / "o"),
-                          ModelError, "com.microsoft"),
+                          UnsupportedOpError, "FusedGemm node 'fg' of domain 'com.microsoft'"),
+    "nodes of a declared foreign domain": (lambda e: generate(foreign_domain_model(), e[0] / "o"), UnsupportedOpError,
+                                           "com.example: NoSuchOp node 'mystery' of domain 'com.example'; Frobnicate node "
+                                           "'Frobnicate_1' of domain 'com.example'"),
     "opset from the future": (lambda e: generate(model_with([helper.make_node("MatMul", ["x", "w"], ["y"])], opset=99), e[0] / "o"),
                               ModelError, "opset 99"),
     "external data escapes": (lambda e: generate(escaping_model(e[0]), e[0] / "o"), ModelError, "'w' keeps its data at '../secret.bin'"),
