@@ -25,20 +25,14 @@ from .graph.ir import ODTRAIN_DOMAIN, Graph, Node, TensorType
 from .graph.ops import is_view, lookup
 from .graph.autodiff import LOSS_SEED
 from .graph.ops.training import APPLY_UPDATE
-from .graph.planner import ALIGNMENT, SCRATCH_SUFFIX, plan_memory
+from .allocation import aligned_buffer, allocate
+from .graph.planner import SCRATCH_SUFFIX, plan_memory
 from .graph.recompute import RECOMPUTE_SUFFIX, choose_kept, rewrite, saved_activations, split_forward_backward
 from .graph.schedule import bind_types, execution_order, memory_aware_order
 from .kernels import BINDINGS, SCRATCH
 from . import runtime
 from .graph.optimizers import AdamW, SGDMomentum
 from .kernels.optim import adamw_update, add_into, assert_finite, copy_into, sgd_momentum_update, sgd_update
-
-
-def aligned_buffer(nbytes: int) -> np.ndarray:
-    """A uint8 buffer whose first byte is ALIGNMENT-aligned."""
-    raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
-    start = (-raw.ctypes.data) % ALIGNMENT
-    return raw[start:start + nbytes]
 
 
 class BoundGraph:
@@ -72,6 +66,7 @@ class BoundGraph:
             outside.update({name: sink.reshape(types[name].shape) for name, sink in sinks.items()})
         self.constant_bytes = sum(np.asarray(v).nbytes for v in folded.values())
         self.recomputed = 0
+        unbudgeted = order
         if memory_budget is not None:
             order = self._fit_budget(order, types, outside, external, int(memory_budget))
         if fused_updates:
@@ -88,7 +83,12 @@ class BoundGraph:
         self.types = types
         self._order, self._outside, self._arena_values = order, storage, arena_values
         self._check_finite, self._accumulated_sinks = check_finite, (sinks if accumulate else {})
-        (arena or SharedArena()).attach(self)
+        (arena or SharedArena()).attach(self, lambda nbytes: self._budget_advice(unbudgeted, types, outside, external,
+                                                                                 nbytes))
+
+    def describe(self) -> str:
+        """The graph and the input shapes it is bound to."""
+        return f"graph '{self.graph.name}' at inputs " + ", ".join(f"{name} {self.types[name]}" for name in self.feeds)
 
     def attach(self, buffer: np.ndarray) -> None:
         """Lay the arena values into `buffer` (at least the plan's arena bytes) and bind the calls of a step."""
@@ -167,11 +167,23 @@ class BoundGraph:
 
     def _fit_budget(self, order, types, outside, external, budget: int):
         """The order, with activations recomputed in backward so that the arena fits `budget` bytes."""
+        rewritten, size, unconstrained = self._recompute_within(order, types, outside, external, budget)
+        if rewritten is None:
+            raise MemoryBudgetError(
+                f"a memory budget of {budget:,} bytes cannot be met for these input shapes: the smallest arena "
+                f"odtrain can plan, recomputing activations, is {size:,} bytes (without recomputation "
+                f"{unconstrained:,}); raise the budget to at least {size:,} or use a smaller batch")
+        self.recomputed = sum(1 for n in rewritten if n.name.endswith(RECOMPUTE_SUFFIX))
+        return rewritten
+
+    def _recompute_within(self, order, types, outside, external, budget: int):
+        """(the order recomputing activations in backward so that the arena fits `budget`, or None; that
+        arena's bytes, or else the smallest odtrain can plan; the arena's bytes without recomputation)."""
         _, backward = split_forward_backward(order, LOSS_SEED)
         storage, _ = self._storage_outside_arena(order, types, outside, external)
         unconstrained, arena_values, _ = self._layout(order, types, storage)
         if unconstrained.arena_bytes <= budget:
-            return order
+            return order, unconstrained.arena_bytes, unconstrained.arena_bytes
         saved = saved_activations(order, backward, arena_values)
         producers = {o: n for n in order if id(n) not in backward for o in n.outputs if o}
 
@@ -182,13 +194,24 @@ class BoundGraph:
 
         kept, size = choose_kept(saved, producers, plan_of, budget, types, arena_values, unconstrained)
         if kept is None:
-            raise MemoryBudgetError(
-                f"a memory budget of {budget:,} bytes cannot be met for these input shapes: the smallest arena "
-                f"odtrain can plan, recomputing activations, is {size:,} bytes (without recomputation "
-                f"{unconstrained.arena_bytes:,}); raise the budget to at least {size:,} or use a smaller batch")
-        rewritten = _typed_clones(rewrite(order, backward, kept, arena_values), types)
-        self.recomputed = sum(1 for n in rewritten if n.name.endswith(RECOMPUTE_SUFFIX))
-        return rewritten
+            return None, size, unconstrained.arena_bytes
+        return _typed_clones(rewrite(order, backward, kept, arena_values), types), size, unconstrained.arena_bytes
+
+    def _budget_advice(self, order, types, outside, external, nbytes: int) -> str:
+        """Which memory_budget makes the step of `order` fit `nbytes`, recomputing activations, or that none does."""
+        if not split_forward_backward(order, LOSS_SEED)[1]:
+            return "Without a backward pass there is nothing to recompute (memory_budget applies to training steps); " \
+                   "use smaller inputs"
+        largest = max(self.plan.groups, key=lambda g: g.nbytes)
+        if largest.nbytes > nbytes:
+            return (f"No memory_budget can help: recomputation does not split a value, and '{largest.values[0]}' "
+                    "alone is larger; use smaller inputs")
+        rewritten, size, _ = self._recompute_within(order, types, outside, external, nbytes)
+        if rewritten is None:
+            return (f"No memory_budget fits: recomputing activations, the smallest arena odtrain can plan is "
+                    f"{size:,} bytes; use smaller inputs")
+        return (f"memory_budget={nbytes:,} fits: recomputing activations in the backward pass, the arena is "
+                f"{size:,} bytes")
 
     def _bind_node(self, node, storage, types):
         if node.key == (ODTRAIN_DOMAIN, APPLY_UPDATE):  # the optimizer update of one parameter
@@ -244,9 +267,11 @@ class SharedArena:
     def nbytes(self) -> int:
         return self.buffer.nbytes
 
-    def attach(self, bound: BoundGraph) -> None:
+    def attach(self, bound: BoundGraph, advice=None) -> None:
+        """Lay `bound` into the buffer, first replacing it with a larger one if its plan needs more
+        (`advice(bytes)` says what memory_budget fits when the machine cannot hold that; allocation.allocate)."""
         if bound.plan.arena_bytes > self.buffer.nbytes:
-            self.buffer = aligned_buffer(bound.plan.arena_bytes)
+            self.buffer = allocate(bound.plan, bound.describe(), advice)
             for user in list(self._users):
                 user.attach(self.buffer)
         self._users.add(bound)

@@ -12,8 +12,9 @@ import pytest
 import safetensors.numpy
 from onnx import helper
 
-from odtrain import (ArgumentError, ArtifactNotFoundError, CheckpointError, InputError, ModelError, NonFiniteError,
-                     OdtrainError, ParameterError, StateError, UnsupportedOpError, artifacts)
+from odtrain import (ArgumentError, ArtifactNotFoundError, CheckpointError, InferenceSession, InputError,
+                     MemoryBudgetError, ModelError, NonFiniteError, OdtrainError, ParameterError, StateError,
+                     UnsupportedOpError, artifacts)
 from odtrain import checkpoint as checkpoint_file
 from odtrain.api import CheckpointState, LinearLRScheduler, Module, Optimizer
 from oracles import make_model
@@ -65,6 +66,33 @@ def foreign_domain_model():
                         helper.make_node("Frobnicate", ["a", "w"], ["y"], domain="com.example")])
     model.opset_import.append(helper.make_opsetid("com.example", 1))
     return model
+
+
+def expanded(side: int, constant: bool = False):
+    """x (or a constant) [1, 4] -> Expand to [side, side, 4] ('bomb') -> ReduceMean: a scalar from a huge value."""
+    source = "c" if constant else "x"
+    nodes = [helper.make_node("Mul", [source, "w"], ["a"], name="scale"),
+             helper.make_node("Expand", ["a", "shape"], ["b"], name="bomb"),
+             helper.make_node("ReduceMean", ["b"], ["y"], keepdims=0, name="mean")]
+    if constant:
+        nodes.append(helper.make_node("Add", ["y", "x"], ["z"], name="shift"))
+    return make_model(nodes, {"w": np.ones((1, 4), np.float32), "c": np.ones((1, 1, 4), np.float32),
+                              "shape": np.array([side, side, 4], np.int64)},
+                      inputs=[("x", np.float32, ["batch", 1, 4])], outputs=[("z" if constant else "y", np.float32, None)])
+
+
+def memory_bomb_training_step(env):
+    """The step needs 149 GiB: refused before allocating, on a machine said to have 64 GiB (so that the
+    row never allocates, even where 149 GiB would be granted)."""
+    from unittest import mock
+
+    from odtrain import allocation
+
+    generate(expanded(100_000), env[0] / "bomb", requires_grad=["w"], loss=None)
+    state = CheckpointState.load_checkpoint(env[0] / "bomb" / "checkpoint")
+    module = Module(env[0] / "bomb" / "training_model.onnx", state)
+    with mock.patch.object(allocation, "memory_limit", return_value=(64 * 2**30, "this machine's memory")):
+        module(np.ones((1, 1, 4), np.float32))
 
 
 def generate(model, directory, **kwargs):
@@ -144,6 +172,13 @@ ROWS = {
     "eval model as training model": (lambda e: Module(e[0] / "art" / "eval_model.onnx", session(e)[0]), ModelError, "eval_model.onnx"),
     "training model as optimizer": (lambda e: Optimizer(e[0] / "art" / "training_model.onnx", session(e)[1]), ModelError, "not an odtrain optimizer model"),
     "optimizer of other artifacts": (mismatched_optimizer, ParameterError, "fc2.weight"),
+    "memory bomb": (memory_bomb_training_step, MemoryBudgetError,
+                    "more than this machine's memory (64.00 GiB); its largest values: 'b' float32[100000x100000x4] "
+                    "(149.01 GiB, written by Expand node 'bomb')"),
+    "memory bomb at inference": (lambda e: InferenceSession(expanded(10**7)).run(None, {"x": np.ones((1, 1, 4), np.float32)}),
+                                 MemoryBudgetError, "'b' float32[10000000x10000000x4] (1.42 PiB"),
+    "constant too large to fold": (lambda e: InferenceSession(expanded(10**7, constant=True)).run(None, {"x": np.ones((1, 1, 4), np.float32)}),
+                                   MemoryBudgetError, "Expand node 'bomb': its output, computed once as a constant"),
     # checkpoints
     "truncated checkpoint": (lambda e: CheckpointState.load_checkpoint(damaged_checkpoint(e[0], "truncated")), CheckpointError, "ckpt_truncated"),
     "flipped checkpoint byte": (lambda e: CheckpointState.load_checkpoint(damaged_checkpoint(e[0], "flipped")), CheckpointError,
