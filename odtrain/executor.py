@@ -4,7 +4,9 @@ Binding (once per input-shape signature):
 - every value gets a static type (`graph.schedule.bind_types`), constants fold;
 - storage: parameters and constants are held outside the arena; a view op
   over them is a numpy view; every other value gets arena bytes from the
-  memory plan (`graph.planner.plan_memory`), verified before use;
+  memory plan (`graph.planner.plan_memory`), verified before use, and
+  allocated only if the machine can hold it (`odtrain.allocation`: else a
+  MemoryBudgetError, before any work, says what memory_budget would fit);
 - each node's kernel binding turns it into (kernel, args) calls on views.
 A step copies the feeds into their arena slots and runs the calls: no
 lookups, no allocation. Graphs that never run at the same time (a
@@ -17,6 +19,7 @@ call per parameter.
 from __future__ import annotations
 
 import weakref
+from functools import partial
 
 import numpy as np
 
@@ -83,8 +86,7 @@ class BoundGraph:
         self.types = types
         self._order, self._outside, self._arena_values = order, storage, arena_values
         self._check_finite, self._accumulated_sinks = check_finite, (sinks if accumulate else {})
-        (arena or SharedArena()).attach(self, lambda nbytes: self._budget_advice(unbudgeted, types, outside, external,
-                                                                                 nbytes))
+        (arena or SharedArena()).attach(self, partial(self._budget_advice, unbudgeted, types, outside, external))
 
     def describe(self) -> str:
         """The graph and the input shapes it is bound to."""
