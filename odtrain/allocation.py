@@ -81,6 +81,25 @@ def allocate(plan: Plan, what: str, advice: Callable[[int], str] | None = None) 
         raise MemoryBudgetError(_refusal(plan, what, reason, advised)) from None
 
 
+def budget_advice(plan: Plan, trains: bool, fit_budget: Callable[[int], object], nbytes: int) -> str:
+    """Which memory_budget makes a step fit `nbytes`, or that none does. `plan` is the step's plan,
+    `trains` whether it has a backward pass, `fit_budget(budget)` raises MemoryBudgetError (with the
+    smallest arena odtrain can plan) when recomputing activations cannot meet `budget`."""
+    if not trains:
+        return "Without a backward pass there is nothing to recompute (memory_budget applies to training steps); " \
+               "use smaller inputs"
+    largest = max(plan.groups, key=lambda g: g.nbytes)
+    if largest.nbytes > nbytes:
+        return (f"No memory_budget can help: recomputation does not split a value, and '{largest.values[0]}' alone "
+                "is larger; use smaller inputs")
+    try:
+        fit_budget(nbytes)
+    except MemoryBudgetError as refusal:
+        return (f"No memory_budget fits: recomputing activations, the smallest arena odtrain can plan is "
+                f"{refusal.smallest_bytes:,} bytes; use smaller inputs")
+    return f"memory_budget={nbytes:,} fits, recomputing activations in the backward pass"
+
+
 def largest_values(plan: Plan, count: int = LARGEST_SHOWN) -> list[str]:
     """The first value of each of the `count` largest storage groups, with its type, size and writer."""
     shown = []

@@ -19,7 +19,6 @@ call per parameter.
 from __future__ import annotations
 
 import weakref
-from functools import partial
 
 import numpy as np
 
@@ -28,7 +27,7 @@ from .graph.ir import ODTRAIN_DOMAIN, Graph, Node, TensorType
 from .graph.ops import is_view, lookup
 from .graph.autodiff import LOSS_SEED
 from .graph.ops.training import APPLY_UPDATE
-from .allocation import aligned_buffer, allocate
+from .allocation import aligned_buffer, allocate, budget_advice
 from .graph.planner import SCRATCH_SUFFIX, plan_memory
 from .graph.recompute import RECOMPUTE_SUFFIX, choose_kept, rewrite, saved_activations, split_forward_backward
 from .graph.schedule import bind_types, execution_order, memory_aware_order
@@ -86,7 +85,12 @@ class BoundGraph:
         self.types = types
         self._order, self._outside, self._arena_values = order, storage, arena_values
         self._check_finite, self._accumulated_sinks = check_finite, (sinks if accumulate else {})
-        (arena or SharedArena()).attach(self, partial(self._budget_advice, unbudgeted, types, outside, external))
+
+        def advice(nbytes: int) -> str:  # asked only when the machine cannot hold the arena
+            return budget_advice(self.plan, bool(split_forward_backward(unbudgeted, LOSS_SEED)[1]),
+                                 lambda budget: self._fit_budget(unbudgeted, types, outside, external, budget), nbytes)
+
+        (arena or SharedArena()).attach(self, advice)
 
     def describe(self) -> str:
         """The graph and the input shapes it is bound to."""
@@ -169,23 +173,11 @@ class BoundGraph:
 
     def _fit_budget(self, order, types, outside, external, budget: int):
         """The order, with activations recomputed in backward so that the arena fits `budget` bytes."""
-        rewritten, size, unconstrained = self._recompute_within(order, types, outside, external, budget)
-        if rewritten is None:
-            raise MemoryBudgetError(
-                f"a memory budget of {budget:,} bytes cannot be met for these input shapes: the smallest arena "
-                f"odtrain can plan, recomputing activations, is {size:,} bytes (without recomputation "
-                f"{unconstrained:,}); raise the budget to at least {size:,} or use a smaller batch")
-        self.recomputed = sum(1 for n in rewritten if n.name.endswith(RECOMPUTE_SUFFIX))
-        return rewritten
-
-    def _recompute_within(self, order, types, outside, external, budget: int):
-        """(the order recomputing activations in backward so that the arena fits `budget`, or None; that
-        arena's bytes, or else the smallest odtrain can plan; the arena's bytes without recomputation)."""
         _, backward = split_forward_backward(order, LOSS_SEED)
         storage, _ = self._storage_outside_arena(order, types, outside, external)
         unconstrained, arena_values, _ = self._layout(order, types, storage)
         if unconstrained.arena_bytes <= budget:
-            return order, unconstrained.arena_bytes, unconstrained.arena_bytes
+            return order
         saved = saved_activations(order, backward, arena_values)
         producers = {o: n for n in order if id(n) not in backward for o in n.outputs if o}
 
@@ -196,24 +188,14 @@ class BoundGraph:
 
         kept, size = choose_kept(saved, producers, plan_of, budget, types, arena_values, unconstrained)
         if kept is None:
-            return None, size, unconstrained.arena_bytes
-        return _typed_clones(rewrite(order, backward, kept, arena_values), types), size, unconstrained.arena_bytes
-
-    def _budget_advice(self, order, types, outside, external, nbytes: int) -> str:
-        """Which memory_budget makes the step of `order` fit `nbytes`, recomputing activations, or that none does."""
-        if not split_forward_backward(order, LOSS_SEED)[1]:
-            return "Without a backward pass there is nothing to recompute (memory_budget applies to training steps); " \
-                   "use smaller inputs"
-        largest = max(self.plan.groups, key=lambda g: g.nbytes)
-        if largest.nbytes > nbytes:
-            return (f"No memory_budget can help: recomputation does not split a value, and '{largest.values[0]}' "
-                    "alone is larger; use smaller inputs")
-        rewritten, size, _ = self._recompute_within(order, types, outside, external, nbytes)
-        if rewritten is None:
-            return (f"No memory_budget fits: recomputing activations, the smallest arena odtrain can plan is "
-                    f"{size:,} bytes; use smaller inputs")
-        return (f"memory_budget={nbytes:,} fits: recomputing activations in the backward pass, the arena is "
-                f"{size:,} bytes")
+            raise MemoryBudgetError(
+                f"a memory budget of {budget:,} bytes cannot be met for these input shapes: the smallest arena "
+                f"odtrain can plan, recomputing activations, is {size:,} bytes (without recomputation "
+                f"{unconstrained.arena_bytes:,}); raise the budget to at least {size:,} or use a smaller batch",
+                smallest_bytes=size)
+        rewritten = _typed_clones(rewrite(order, backward, kept, arena_values), types)
+        self.recomputed = sum(1 for n in rewritten if n.name.endswith(RECOMPUTE_SUFFIX))
+        return rewritten
 
     def _bind_node(self, node, storage, types):
         if node.key == (ODTRAIN_DOMAIN, APPLY_UPDATE):  # the optimizer update of one parameter
