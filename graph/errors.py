@@ -52,5 +52,12 @@ class NonFiniteError(OdtrainError, FloatingPointError):
     """A NaN or infinity in an input, the loss or a gradient, found by Module(..., check_finite=True)."""
 
 
-class MemoryBudgetError(OdtrainError, ValueError):
-    """A memory budget that no plan, even with recomputation, can meet; names the smallest that works."""
+class MemoryBudgetError(OdtrainError, ValueError, MemoryError):
+    """A plan that does not fit: a memory budget that no plan, even with recomputation, can meet (names
+    the smallest that works), or an arena or constant larger than the machine can hold (names the plan's
+    size, its largest values and the memory budget that would fit, if any). `smallest_bytes`: the
+    smallest arena odtrain can plan for the step, when known."""
+
+    def __init__(self, message: str, smallest_bytes: int | None = None):
+        super().__init__(message)
+        self.smallest_bytes = smallest_bytes

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .errors import ArtifactNotFoundError, ModelError
+from .errors import ArtifactNotFoundError, ModelError, UnsupportedOpError
 from .ir import DEFAULT_DOMAIN, ODTRAIN_DOMAIN, Graph, Node, TensorType
 from .onnx_wire import (EXTERNAL, AttributeData, AttributeType, GraphData, ModelData, NodeData, TensorData,
                         ValueInfoData, element_type_name, numpy_dtype, read_model)
@@ -102,7 +102,7 @@ def graph_from_proto(proto: onnx.ModelProto, source: str = "model") -> Graph:
     import onnx.defs
 
     opsets = _opsets((o.domain, o.version) for o in proto.opset_import)
-    _check_opsets(opsets, [(n.domain, n.op_type) for n in proto.graph.node], source)
+    _check_opsets(opsets, proto.graph.node, source)
     # Only this path compares the opset with the newest the onnx package knows. The files the wire
     # path reads were saved by odtrain from graphs that passed this check when first loaded, and
     # what runs on a device is decided by odtrain's own op rules, not by onnx's schemas.
@@ -118,7 +118,7 @@ def graph_from_proto(proto: onnx.ModelProto, source: str = "model") -> Graph:
 def graph_from_model(model: ModelData, source: str = "model") -> Graph:
     """The IR of a model as `onnx_wire` reads it; its value types are the ones it holds (no inference)."""
     opsets = _opsets(model.opset_import)
-    _check_opsets(opsets, [(n.domain, n.op_type) for n in model.graph.nodes], source)
+    _check_opsets(opsets, model.graph.nodes, source)
     return _build_graph(model, opsets, source)
 
 
@@ -142,18 +142,26 @@ def _unchanged_since(op_types, opset: int) -> bool:
 
 def _check_opsets(opsets: dict[str, int], nodes, source: str) -> None:
     """What every model must pass, whichever reader read it: a recent enough opset (or older ops that have
-    not changed since), standard ops only. `nodes` are the (domain, op type) of each node."""
+    not changed since), standard ops only. `nodes` are NodeProtos or NodeData (op_type, name, domain)."""
     opset = opsets.get(DEFAULT_DOMAIN, MIN_DEFAULT_OPSET)
-    standard = {op for domain, op in nodes if domain in (DEFAULT_DOMAIN, "ai.onnx")}
+    standard = {n.op_type for n in nodes if n.domain in (DEFAULT_DOMAIN, "ai.onnx")}
     if opset < MIN_DEFAULT_OPSET and not _unchanged_since(standard, opset):
         raise ModelError(f"{source}: opset {opset} is older than {MIN_DEFAULT_OPSET}; "
                          "re-export it with a newer opset (torch.onnx.export(..., opset_version=17))")
-    used_domains = {domain for domain, _ in nodes}
-    known = (DEFAULT_DOMAIN, ODTRAIN_DOMAIN, "ai.onnx.ml", "ai.onnx.preview.training")
-    foreign = sorted(d for d in opsets if d not in known)
-    if any(d in used_domains for d in foreign):
-        raise ModelError(f"{source}: it uses ops of the domains {[d for d in foreign if d in used_domains]}, which "
-                         "odtrain does not implement; export the model with standard ONNX ops only")
+    known = (DEFAULT_DOMAIN, "ai.onnx", ODTRAIN_DOMAIN, "ai.onnx.ml", "ai.onnx.preview.training")
+    foreign = [(index, n) for index, n in enumerate(nodes) if n.domain not in known]
+    if foreign:
+        shown = [f"{n.op_type} node '{_node_name(n, index)}' of domain '{n.domain}'" for index, n in foreign[:10]]
+        more = f"; and {len(foreign) - 10} more" if len(foreign) > 10 else ""
+        domains = sorted({n.domain for _, n in foreign})
+        raise UnsupportedOpError(f"{source}: odtrain implements no ops of the domain{'s' * (len(domains) > 1)} "
+                                 f"{', '.join(domains)}: {'; '.join(shown)}{more}; export the model with standard "
+                                 "ONNX ops only")
+
+
+def _node_name(node, index: int) -> str:
+    """A node's name, or `<op type>_<index in the graph>` for an unnamed one."""
+    return node.name or f"{node.op_type}_{index}"
 
 
 def _build_graph(model: ModelData, opsets: dict[str, int], source: str) -> Graph:
@@ -178,7 +186,7 @@ def _build_graph(model: ModelData, opsets: dict[str, int], source: str) -> Graph
             attrs = {a.name: _attr_value(a) for a in n.attributes}
         except ModelError as error:
             raise ModelError(f"{source}: node '{n.name or index}' ({n.op_type}): {error}") from None
-        nodes.append(Node(n.op_type, list(n.inputs), list(n.outputs), attrs, n.name or f"{n.op_type}_{index}", n.domain))
+        nodes.append(Node(n.op_type, list(n.inputs), list(n.outputs), attrs, _node_name(n, index), n.domain))
     _pin_legacy_softmax_axis(nodes, opsets.get(DEFAULT_DOMAIN, 0), value_types, source)
     inputs = [i.name for i in g.inputs if i.name not in initializers]
     return Graph(nodes, inputs, [o.name for o in g.outputs], initializers, value_types, opsets, g.name or "graph")

@@ -14,7 +14,9 @@ A plan is built by three pure steps over the execution order:
 
 The lower bound is the largest sum of live group sizes at any step: no
 placement of this order and these groups can use less. `Plan.verify()`
-proves that no two groups overlap in both time and address.
+proves that no two groups overlap in both time and address, that every
+value lives within its group's span, and that no node writes into a group
+(in place) while a value written there earlier is still to be read.
 
 Reading a plan (pure functions of it):
 - `no_reuse_bytes`: the arena if nothing shared bytes, neither over time nor
@@ -68,6 +70,7 @@ class Plan:
     steps: int = 0
     types: dict[str, TensorType] = field(default_factory=dict)
     written: dict[str, int] = field(default_factory=dict)  # arena value -> the step that writes it
+    read_until: dict[str, int] = field(default_factory=dict)  # arena value -> its last read (steps + 1: output)
 
     @property
     def no_reuse_bytes(self) -> int:
@@ -102,9 +105,11 @@ class Plan:
         return self.groups[self.group_of[value]].offset
 
     def verify(self) -> None:
-        """Raise AssertionError unless placements are aligned, in bounds and free of live overlaps."""
+        """Raise AssertionError unless placements are aligned, in bounds and free of live overlaps, and no
+        value is overwritten in place while it is still to be read."""
         if not self.groups:
             return
+        self._verify_lifetimes()
         starts = np.array([g.start for g in self.groups])
         ends = np.array([g.end for g in self.groups])
         lows = np.array([g.offset for g in self.groups])
@@ -122,6 +127,24 @@ class Plan:
         for name, index in self.group_of.items():
             assert name in self.groups[index].values
             assert self.types[name].nbytes <= self.groups[index].nbytes
+
+    def _verify_lifetimes(self) -> None:
+        """Every value lives within its group's span; a node that writes a group's bytes (any output
+        but a view's) does so at the last read of every value written there before it."""
+        for name, index in self.group_of.items():
+            g = self.groups[index]
+            assert g.start <= self.written[name] and self.read_until[name] <= g.end, \
+                f"'{name}' lives outside its group's steps {g.start}..{g.end}"
+        for step, node in enumerate(self.order, start=1):
+            opdef = lookup(node)
+            viewed = is_view(opdef, [self.types.get(i) for i in node.inputs], [self.types.get(o) for o in node.outputs])
+            for o_index, out in enumerate(node.outputs):
+                if out not in self.group_of or (o_index == 0 and viewed):
+                    continue
+                for name in self.groups[self.group_of[out]].values:
+                    assert not (self.written[name] < step < self.read_until[name]), \
+                        f"{node.describe()} writes '{out}' over '{name}', which is read until step " \
+                        f"{self.read_until[name]} (this is step {step})"
 
     def render(self, width: int = 60) -> str:
         """A text timeline: one row per storage group, its offset, size and live steps."""
@@ -211,7 +234,7 @@ def plan_memory(order: list[Node], types: dict[str, TensorType], arena_values: s
     _place(groups)
     arena = max((g.offset + g.nbytes for g in groups), default=0)
     return Plan(order, groups, group_of, arena, int(live_profile(groups, len(order)).max()), len(order), dict(types),
-                {name: first[name] for name in group_of})
+                {name: first[name] for name in group_of}, {name: last[name] for name in group_of})
 
 
 def training_categories(plan: Plan, seed: str) -> dict[str, str]:

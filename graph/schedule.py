@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import ModelError
+from .errors import MemoryBudgetError, ModelError
 from .ir import ODTRAIN_DOMAIN, Graph, Node, TensorType
 from .ops import lookup
 from .ops.training import APPLY_UPDATE
@@ -59,6 +59,10 @@ def bind_types(graph: Graph, known: dict[str, TensorType], constants: dict[str, 
             result = opdef.infer(node, in_types, in_consts)
         except ModelError:
             raise
+        except MemoryError as error:  # folding to a constant: numpy's error names the size
+            raise MemoryBudgetError(f"{node.describe()}: its output, computed once as a constant from constant "
+                                    f"inputs {[str(t) for t in in_types]}, cannot be allocated ({error}); use "
+                                    "smaller shapes") from None
         except Exception as error:
             raise ModelError(f"{node.describe()}: cannot compute its output types from inputs "
                              f"{[str(t) for t in in_types]}: {error}") from None

@@ -187,7 +187,8 @@ class _Layout:
             raise MemoryBudgetError(
                 f"a memory budget of {budget:,} bytes cannot be met for these input shapes: the smallest arena "
                 f"odtrain can plan, recomputing activations, is {size:,} bytes (without recomputation "
-                f"{unconstrained.arena_bytes:,}); raise the budget to at least {size:,} or use a smaller batch")
+                f"{unconstrained.arena_bytes:,}); raise the budget to at least {size:,} or use a smaller batch",
+                smallest_bytes=size)
         return self._typed_clones(rewrite(order, backward, kept, arena_values))
 
     def _typed_clones(self, order: list[Node]) -> list[Node]:

@@ -2,7 +2,10 @@
 
 `odtrain.artifacts.generate_artifacts` prepares a forward-only ONNX model for
 training (offline); `odtrain.api` trains it on the device with ONNX Runtime
-training's API. Heavy modules load on first use, so `import odtrain` is cheap.
+training's API; `odtrain.InferenceSession` runs a model as
+`onnxruntime.InferenceSession` does. Heavy modules load on first use (the
+names below that need them resolve through `__getattr__`), so `import odtrain`
+imports neither numpy, Numba nor onnx.
 """
 import os as _os
 
@@ -33,7 +36,24 @@ from .graph.errors import (  # noqa: E402
 
 __version__ = "0.1.0"
 
+_LAZY = {"InferenceSession": "inference"}  # top-level name -> the module that defines it, imported on first use
+
 __all__ = [
     "OdtrainError", "ModelError", "UnsupportedOpError", "InputError", "ArgumentError",
     "ParameterError", "CheckpointError", "ArtifactNotFoundError", "StateError", "NonFiniteError", "MemoryBudgetError", "__version__",
+    *_LAZY,
 ]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        from importlib import import_module
+
+        value = getattr(import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'odtrain' has no attribute '{name}'")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

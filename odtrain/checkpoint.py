@@ -7,18 +7,25 @@ Layout (a safetensors file):
   `trainable`/`frozen` (JSON name lists, in order), `properties` (JSON of
   {name: [type, value]}), `optimizer` (JSON: kind, step, learning rates) when
   saved, `nominal` ("1": shapes only, values to be supplied later) with
-  `shapes`, and `sha256` over every tensor's name, dtype, shape and bytes.
+  `shapes`, and `sha256` over every tensor's name, dtype, shape and bytes and
+  (from format version 2) every other metadata entry; version 1 files, whose
+  checksum covers the tensors only, are still read.
 
 Guarantees: nothing is unpickled or evaluated; a truncated, damaged, foreign
 or newer-version file is refused with the reason; saving writes a temporary
-file in the same folder, flushes and fsyncs it, renames it over the target
-and fsyncs the folder, so a crash leaves either the old or the new file.
+file `.<name>.<random>.tmp` in the same folder, flushes and fsyncs it, renames
+it over the target and fsyncs the folder, so a crash leaves either the old or
+the new file. A save first removes the temporary files that earlier saves of
+the same file left when they were killed: a writer holds an exclusive `flock`
+on its temporary file, so a file nobody holds is stale (the kernel drops a
+dead process's locks); without `fcntl` (Windows) nothing is removed.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import re
 import struct
 import tempfile
 from dataclasses import dataclass, field
@@ -26,10 +33,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import safetensors.numpy
 
+try:
+    import fcntl
+except ImportError:  # Windows: stale temporary files are left alone
+    fcntl = None
+
 from .graph.errors import ArtifactNotFoundError, CheckpointError
 
 FORMAT = "odtrain-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+CHECKSUM_COVERS_METADATA = {"1": False, "2": True}  # every version this odtrain reads
 PARAM_PREFIX = "param/"
 OPTIMIZER_PREFIX = "optimizer/"
 
@@ -44,12 +57,15 @@ class CheckpointContents:
     nominal: bool = False
 
 
-def _digest(tensors: dict[str, np.ndarray]) -> str:
+def _digest(tensors: dict[str, np.ndarray], metadata: dict[str, str] | None) -> str:
+    """sha256 over the tensors, then over the metadata entries other than the digest itself (if given)."""
     h = hashlib.sha256()
     for name in sorted(tensors):
         array = np.ascontiguousarray(tensors[name])
         h.update(f"{name}|{array.dtype.str}|{array.shape}|".encode())
         h.update(array.tobytes())
+    if metadata is not None:
+        h.update(json.dumps(sorted((k, v) for k, v in metadata.items() if k != "sha256")).encode())
     return h.hexdigest()
 
 
@@ -72,8 +88,11 @@ def _read_header(blob: bytes, path: str) -> dict:
     if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
         refuse("not an odtrain checkpoint (no odtrain format tag; ONNX Runtime's flatbuffer checkpoints are not read)")
     version = metadata.get("format_version", "")
-    if not version.isdigit() or int(version) > FORMAT_VERSION:
+    version = version if isinstance(version, str) else repr(version)
+    if version.isdigit() and int(version) > FORMAT_VERSION:
         refuse(f"of format version {version!r}, newer than this odtrain reads ({FORMAT_VERSION}); upgrade odtrain")
+    if version not in CHECKSUM_COVERS_METADATA:
+        refuse(f"damaged (its format version {version!r} is none that odtrain wrote)")
     return metadata
 
 
@@ -83,9 +102,10 @@ def _decode(blob: bytes, path: str) -> tuple[dict[str, np.ndarray], dict[str, st
         tensors = safetensors.numpy.load(blob)
     except Exception as error:  # SafetensorError and friends: offsets, sizes, dtypes
         raise CheckpointError(f"checkpoint '{path}' is truncated or damaged ({error}); it cannot be loaded") from None
-    if metadata.get("sha256") != _digest(tensors):
-        raise CheckpointError(f"checkpoint '{path}' is damaged: its tensor data does not match the checksum "
-                              "it was saved with; it cannot be loaded")
+    covered = metadata if CHECKSUM_COVERS_METADATA[metadata["format_version"]] else None
+    if metadata.get("sha256") != _digest(tensors, covered):
+        raise CheckpointError(f"checkpoint '{path}' is damaged: its tensors or metadata do not match the "
+                              "checksum it was saved with; it cannot be loaded")
     return tensors, metadata
 
 
@@ -98,16 +118,56 @@ def _json(metadata: dict, key: str, path: str, default=None):
         raise CheckpointError(f"checkpoint '{path}' is damaged (metadata '{key}' is not valid JSON)") from None
 
 
+def _locked_temporary(folder: str, name: str) -> tuple[int, str]:
+    """A new temporary file `.<name>.<random>.tmp` in `folder`, open and locked against removal as stale."""
+    while True:
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
+        if fcntl is None:
+            return fd, tmp
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if os.fstat(fd).st_nlink:  # not removed as stale between its creation and the lock
+            return fd, tmp
+        os.close(fd)
+
+
+def remove_stale_temporaries(path: str) -> list[str]:
+    """Remove the temporary files of earlier saves of `path` whose writers are gone; returns their names."""
+    if fcntl is None:
+        return []
+    folder, name = os.path.split(os.path.abspath(path))
+    pattern = re.compile(rf"\.{re.escape(name)}\.[A-Za-z0-9_]{{8}}\.tmp")  # tempfile.mkstemp's random part
+    removed = []
+    for entry in os.listdir(folder):
+        if not pattern.fullmatch(entry):
+            continue
+        candidate = os.path.join(folder, entry)
+        try:
+            fd = os.open(candidate, os.O_RDONLY)
+        except OSError:  # removed meanwhile, or not ours to read
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.unlink(candidate)
+            removed.append(entry)
+        except OSError:  # a live save holds it
+            pass
+        finally:
+            os.close(fd)
+    return removed
+
+
 def write_atomically(path: str, blob: bytes) -> None:
-    """Write `blob` to `path` so that a crash at any moment leaves the old file or the new one, whole."""
+    """Write `blob` to `path` so that a crash at any moment leaves the old file or the new one, whole;
+    first remove the temporary files that killed earlier saves of `path` left behind."""
     folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    remove_stale_temporaries(path)
+    fd, tmp = _locked_temporary(folder, os.path.basename(path))
     try:
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(fd, "wb") as f:  # closing it releases the lock: after the rename
             f.write(blob)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+            os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -137,7 +197,7 @@ def save(path, contents: CheckpointContents) -> None:
         for state_name, per_param in contents.optimizer_tensors.items():
             for name, array in per_param.items():
                 tensors[f"{OPTIMIZER_PREFIX}{name}/{state_name}"] = array
-    metadata["sha256"] = _digest(tensors)
+    metadata["sha256"] = _digest(tensors, metadata)
     write_atomically(path, safetensors.numpy.save({k: np.ascontiguousarray(v) for k, v in tensors.items()}, metadata=metadata))
 
 

@@ -43,6 +43,18 @@ def _count(number: int, noun: str) -> str:
     return f"{number:,} {noun}" + ("" if number == 1 else "s")
 
 
+SHOWN_AT_EACH_END = 3  # a long list of names shows this many first and last ones; --verbose shows all
+
+
+def _names(names: list[str], verbose: bool = False) -> str:
+    """The names, comma-separated; a long list (MobileNetV2 has 262 parameters) as its first and last few."""
+    if verbose or len(names) <= 2 * SHOWN_AT_EACH_END + 1:
+        return ", ".join(names)
+    hidden = len(names) - 2 * SHOWN_AT_EACH_END
+    return ", ".join(names[:SHOWN_AT_EACH_END] + [f"... {hidden} more (--verbose lists all) ..."]
+                     + names[-SHOWN_AT_EACH_END:])
+
+
 def _shape(shape) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]" if shape is not None else "[?]"
 
@@ -82,7 +94,7 @@ def _parameter_groups(graph, loss_inputs) -> tuple[list[tuple[str, list[str]]], 
     return groups, [n for n in graph.initializers if n in used and n in updated]
 
 
-def _select_parameters(graph, loss_inputs, requires_grad=None, freeze=None, train_last=None):
+def _select_parameters(graph, loss_inputs, requires_grad=None, freeze=None, train_last=None, verbose=False):
     """(trainable, frozen) parameter names from glob patterns or a count of last layers."""
     from fnmatch import fnmatchcase
 
@@ -93,7 +105,8 @@ def _select_parameters(graph, loss_inputs, requires_grad=None, freeze=None, trai
     patterns = requires_grad or freeze
     for pattern in patterns or ():
         if not any(fnmatchcase(n, pattern) for n in names):
-            raise ArgumentError(f"'{pattern}' matches no parameter; the parameters are: {', '.join(names)}")
+            raise ArgumentError(f"'{pattern}' matches no parameter; the {_count(len(names), 'parameter')} are: "
+                                f"{_names(names, verbose)}")
     if requires_grad:
         trainable = [n for n in names if any(fnmatchcase(n, p) for p in requires_grad)]
     elif freeze:
@@ -101,7 +114,8 @@ def _select_parameters(graph, loss_inputs, requires_grad=None, freeze=None, trai
     elif train_last is not None:
         if not 1 <= train_last <= len(groups):
             raise ArgumentError(f"--train-last {train_last}: the model has {len(groups)} layers with parameters "
-                                f"({', '.join(node for node, _ in groups)}); give a number from 1 to {len(groups)}")
+                                f"({_names([node for node, _ in groups], verbose)}); give a number from 1 to "
+                                f"{len(groups)}")
         trainable = [n for _, group in groups[-train_last:] for n in group]
     else:
         trainable = names
@@ -187,7 +201,8 @@ def _check(args) -> int:
         raise ArgumentError("name a model to check (odtrain check MODEL.onnx), or list the supported ops with --ops")
     graph = load_graph(args.model, "model")
     loss_inputs = _loss_inputs(graph, args.loss_input)
-    trainable, frozen = _select_parameters(graph, loss_inputs, args.requires_grad, args.freeze, args.train_last)
+    trainable, frozen = _select_parameters(graph, loss_inputs, args.requires_grad, args.freeze, args.train_last,
+                                           args.verbose)
     no_kernel, no_gradient = _missing_support(graph, trainable, loss_inputs)
     arena, trial_error = (None, None)
     if not no_kernel and not no_gradient:
@@ -219,9 +234,9 @@ def _check(args) -> int:
             print("  every op has a kernel" + ("" if no_gradient else ", and a gradient rule wherever a trainable "
                                                "parameter depends on it"))
         p = report["parameters"]
-        frozen_text = f" in {_count(len(frozen), 'tensor')} ({', '.join(frozen)})" if frozen else ""
+        frozen_text = f" in {_count(len(frozen), 'tensor')} ({_names(frozen, args.verbose)})" if frozen else ""
         print(f"parameters: {p['trainable']:,} trainable in {_count(len(trainable), 'tensor')} "
-              f"({', '.join(trainable)}); {p['frozen']:,} frozen{frozen_text}")
+              f"({_names(trainable, args.verbose)}); {p['frozen']:,} frozen{frozen_text}")
         if trial_error:
             print(f"  generating and binding the artifacts failed: {trial_error}")
         elif ok:
@@ -245,7 +260,8 @@ def _prepare(args) -> int:
 
     graph = load_graph(args.model, "model")
     loss_inputs = _loss_inputs(graph, args.loss_input)
-    trainable, frozen = _select_parameters(graph, loss_inputs, args.requires_grad, args.freeze, args.train_last)
+    trainable, frozen = _select_parameters(graph, loss_inputs, args.requires_grad, args.freeze, args.train_last,
+                                           args.verbose)
     if args.lr <= 0:
         raise ArgumentError(f"--lr must be > 0, got {args.lr}")
     checkpoint = ArtifactPaths.of(args.output).checkpoint
@@ -278,8 +294,10 @@ def _prepare(args) -> int:
 
     inputs = Session(args.output, with_optimizer=False).inputs
     print(f"artifacts written to {args.output}/: {', '.join(result['files'])}")
-    print(f"trainable: {result['trainable_values']:,} values in {', '.join(trainable)}")
-    print(f"frozen: {result['frozen_values']:,} values in {', '.join(frozen)}" if frozen else "frozen: none")
+    print(f"trainable: {result['trainable_values']:,} values in {_count(len(trainable), 'tensor')} "
+          f"({_names(trainable, args.verbose)})")
+    print(f"frozen: {result['frozen_values']:,} values in {_count(len(frozen), 'tensor')} "
+          f"({_names(frozen, args.verbose)})" if frozen else "frozen: none")
     print(f"loss: {args.loss} on '{loss_inputs[0]}'; optimizer: {args.optimizer}, learning rate {args.lr:g}")
     print(f"training data feeds: {', '.join(s.describe() for s in inputs)}")
     return 0
@@ -487,6 +505,8 @@ def _add_selection_options(command) -> None:
                        "pattern; the others train")
     which.add_argument("--train-last", type=int, metavar="N", help="train only the last N layers with parameters "
                        "(parameters grouped by the node that uses them, in graph order)")
+    command.add_argument("-v", "--verbose", action="store_true", help="list every parameter name (a long list "
+                         "shows its first and last few)")
 
 
 def _add_training_commands(commands) -> None:

@@ -8,6 +8,8 @@ outside the arena, the memory plan); the executor only lays out and binds:
 - storage: parameters, folded constants and gradient sinks are arrays of
   their own, and the plan's outside views are numpy views of them; every
   other value is a view of the arena at its planned offset;
+- the arena is allocated only if the machine can hold it (`odtrain.allocation`:
+  else a MemoryBudgetError, before any work, says what memory_budget would fit);
 - each node's kernel binding turns it into (kernel, args) calls on views.
 A step copies the feeds into their arena slots and runs the calls: no
 lookups, no allocation. Graphs that never run at the same time (a
@@ -27,19 +29,14 @@ from .graph.errors import InputError, ModelError, NonFiniteError, UnsupportedOpE
 from .graph.ir import ODTRAIN_DOMAIN, Graph, Node, TensorType
 from .graph.ops import is_view, lookup
 from .graph.ops.training import APPLY_UPDATE
-from .graph.planner import ALIGNMENT
+from .allocation import aligned_buffer, allocate, budget_advice
+from .graph.autodiff import LOSS_SEED
+from .graph.schedule import split_forward_backward
 from .graph.step_plan import plan_step
 from .kernels import BINDINGS, SCRATCH
 from . import runtime
 from .graph.optimizers import AdamW, SGDMomentum
 from .kernels.optim import adamw_update, add_into, assert_finite, copy_into, sgd_momentum_update, sgd_update
-
-
-def aligned_buffer(nbytes: int) -> np.ndarray:
-    """A uint8 buffer whose first byte is ALIGNMENT-aligned."""
-    raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
-    start = (-raw.ctypes.data) % ALIGNMENT
-    return raw[start:start + nbytes]
 
 
 def scratch_bytes(node: Node, types: dict[str, TensorType]) -> int:
@@ -74,10 +71,15 @@ class BoundGraph:
         self.graph = graph
         self._updates = {grad: update for grad, (_, update) in (fused_updates or {}).items()}
         sinks = gradient_sinks or {}
-        step = plan_step(graph, feed_types, {k: TensorType(v.dtype, tuple(v.shape)) for k, v in external.items()},
-                         scratch_bytes, held=set() if accumulate else set(sinks), memory_budget=memory_budget,
-                         fused_updates={grad: param for grad, (param, _) in (fused_updates or {}).items()},
-                         bound_feeds=bound_feeds)
+        parameter_types = {k: TensorType(v.dtype, tuple(v.shape)) for k, v in external.items()}
+
+        def planned(budget: int | None):
+            return plan_step(graph, feed_types, parameter_types, scratch_bytes,
+                             held=set() if accumulate else set(sinks), memory_budget=budget,
+                             fused_updates={grad: param for grad, (param, _) in (fused_updates or {}).items()},
+                             bound_feeds=bound_feeds)
+
+        step = planned(memory_budget)
         self.step_plan = step
         self.plan, self.types, self.feeds = step.plan, step.types, step.feeds
         self.constant_bytes, self.recomputed = step.constant_bytes, step.recomputed
@@ -89,7 +91,15 @@ class BoundGraph:
             outside[name] = outside[source].reshape(self.types[name].shape)
         self._outside = outside
         self._check_finite, self._accumulated_sinks = check_finite, (sinks if accumulate else {})
-        (arena or SharedArena()).attach(self)
+
+        def advice(nbytes: int) -> str:  # asked only when the machine cannot hold the arena
+            return budget_advice(self.plan, bool(split_forward_backward(step.order, LOSS_SEED)[1]), planned, nbytes)
+
+        (arena or SharedArena()).attach(self, advice)
+
+    def describe(self) -> str:
+        """The graph and the input shapes it is bound to."""
+        return f"graph '{self.graph.name}' at inputs " + ", ".join(f"{name} {self.types[name]}" for name in self.feeds)
 
     def attach(self, buffer: np.ndarray) -> None:
         """Lay the arena values into `buffer` (at least the plan's arena bytes) and bind the calls of a step."""
@@ -166,9 +176,11 @@ class SharedArena:
     def nbytes(self) -> int:
         return self.buffer.nbytes
 
-    def attach(self, bound: BoundGraph) -> None:
+    def attach(self, bound: BoundGraph, advice=None) -> None:
+        """Lay `bound` into the buffer, first replacing it with a larger one if its plan needs more
+        (`advice(bytes)` says what memory_budget fits when the machine cannot hold that; allocation.allocate)."""
         if bound.plan.arena_bytes > self.buffer.nbytes:
-            self.buffer = aligned_buffer(bound.plan.arena_bytes)
+            self.buffer = allocate(bound.plan, bound.describe(), advice)
             for user in list(self._users):
                 user.attach(self.buffer)
         self._users.add(bound)

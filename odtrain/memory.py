@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .allocation import format_bytes
 from .artifact_paths import ArtifactPaths
 from .graph.autodiff import LOSS_SEED
 from .graph.errors import ArtifactNotFoundError
@@ -129,13 +130,6 @@ class MemoryReport:
         lines.append(row("predicted peak", self.peak_bytes, "with the parameters"))
         lines.append(RUNTIME_FLOOR)
         return "\n".join(lines)
-
-
-def format_bytes(nbytes: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{nbytes:,} B"
 
 
 def report(module) -> MemoryReport:

@@ -175,6 +175,40 @@ def test_frozen_parameters_do_not_train(mlp_reference, tmp_path):
     assert module.get_contiguous_parameters(trainable_only=False).size == module.get_parameters_size(False)
 
 
+def test_sgd_steps_match_the_update_in_float64(mlp_reference, tmp_path):
+    """After one step and after each of four more (the learning rate changed midway), every trainable
+    value is w - lr·g computed in float64 from the same float32 w and g, within float32's rounding: the
+    subtraction rounds to within u·|w - lr·g| (u = 2⁻²⁴), and lr and the product lr·g round to within
+    u·|lr·g| each. The bound u·(|w - lr·g| + 3·|lr·g|) leaves room for second-order terms; the subtraction
+    alone reaches its first term (this run: 0.9997 of the bound on the worst value). A learning rate 1% off
+    moves most values by several bounds, which the last assertion checks."""
+    path, meta, golden = mlp_reference
+    artifacts.generate_artifacts(str(path), requires_grad=meta["requires_grad"], loss=artifacts.LossType.CrossEntropyLoss,
+                                 optimizer=artifacts.OptimType.SGD, artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state)
+    optimizer = Optimizer(tmp_path / "optimizer_model.onnx", module)
+    unit = 2.0 ** -24
+    worst, telling = 0.0, []
+    for step, lr in enumerate([meta["sgd"]["lr"]] * 3 + [0.05] * 2):
+        optimizer.set_learning_rate(lr)
+        module(golden["x"][step], golden["y"][step])
+        before = {n: state.parameters[n].data.astype(np.float64) for n in meta["requires_grad"]}
+        grads = {n: state.parameters[n].grad.astype(np.float64) for n in meta["requires_grad"]}
+        optimizer.step()
+        module.lazy_reset_grad()
+        for name in meta["requires_grad"]:
+            update = lr * grads[name]
+            expected = before[name] - update
+            bound = unit * (np.abs(expected) + 3 * np.abs(update))
+            error = np.abs(state.parameters[name].data - expected)
+            assert (error <= bound).all(), (step, name, float((error / np.maximum(bound, 1e-45)).max()))
+            worst = max(worst, float((error / np.maximum(bound, 1e-45)).max()))
+            telling.append(np.mean(0.01 * np.abs(update) > 2 * bound))
+    assert worst > 0  # float32 arithmetic, not a float64 copy
+    assert min(telling) > 0.5, telling  # a 1% learning-rate error would fail on most values
+
+
 def test_nominal_checkpoint_needs_values_before_training(mlp_reference, tmp_path):
     path, meta, golden = mlp_reference
     artifacts.generate_artifacts(str(path), requires_grad=meta["requires_grad"], loss=artifacts.LossType.CrossEntropyLoss,

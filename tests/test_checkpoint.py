@@ -1,10 +1,13 @@
 """Checkpoints: bit-exact round trips, refusal of damaged files, atomic replacement."""
+import hashlib
 import os
 
 import numpy as np
 import pytest
+import safetensors.numpy
 
 from odtrain import ArtifactNotFoundError, CheckpointError
+from odtrain import checkpoint as checkpoint_file
 from odtrain.api import CheckpointState, Module, Optimizer
 
 
@@ -85,30 +88,98 @@ def test_flipped_byte_in_data_is_refused(mlp_artifacts, tmp_path):
     damaged = bytearray(blob)
     damaged[len(blob) // 2] ^= 0x40
     path.write_bytes(bytes(damaged))
-    with pytest.raises(CheckpointError, match="checksum"):
+    with pytest.raises(CheckpointError, match="is damaged: its tensors or metadata do not match the checksum"):
+        CheckpointState.load_checkpoint(path)
+
+
+def test_edited_metadata_fails_the_checksum(mlp_artifacts, tmp_path):
+    """The checksum covers the metadata: a changed property (or parameter list) is damage, not a new value."""
+    state = CheckpointState.load_checkpoint(mlp_artifacts / "checkpoint")
+    state.properties["epoch"] = 3
+    path = tmp_path / "ckpt"
+    CheckpointState.save_checkpoint(state, path)
+    blob = path.read_bytes()
+    stored = b'[\\"int\\", 3]'
+    assert blob.count(stored) == 1
+    path.write_bytes(blob.replace(stored, b'[\\"int\\", 4]'))
+    with pytest.raises(CheckpointError, match="is damaged: its tensors or metadata do not match the checksum"):
         CheckpointState.load_checkpoint(path)
 
 
 def test_damaged_header_is_refused(mlp_artifacts, tmp_path):
     path, blob = _saved(mlp_artifacts, tmp_path)
     damaged = bytearray(blob)
-    damaged[12] = ord("}")
+    assert damaged[8] == ord("{")  # the header's opening brace (the keys after it come in any order)
+    damaged[8] = ord("}")
     path.write_bytes(bytes(damaged))
-    with pytest.raises(CheckpointError, match="damaged"):
+    with pytest.raises(CheckpointError, match=r"is damaged \(its header is not valid JSON\)"):
         CheckpointState.load_checkpoint(path)
 
 
-def test_foreign_file_is_refused(tmp_path):
-    path = tmp_path / "model.onnx"
+def _onnx_bytes(path):
     path.write_bytes(b"\x08\x07\x12\x07pytorch" * 10)
-    with pytest.raises(CheckpointError, match="not an odtrain checkpoint|truncated"):
+
+
+def _other_tool_safetensors(path):
+    """A well-formed safetensors file as PyTorch and Hugging Face write them (format tag "pt")."""
+    path.write_bytes(safetensors.numpy.save({"weight": np.ones((2, 3), np.float32)}, metadata={"format": "pt"}))
+
+
+def _untagged_safetensors(path):
+    path.write_bytes(safetensors.numpy.save({"weight": np.ones((2, 3), np.float32)}))
+
+
+@pytest.mark.parametrize("write, reason", [
+    (_onnx_bytes, "is truncated (its header runs past the end of the file)"),
+    (_other_tool_safetensors, "is not an odtrain checkpoint (no odtrain format tag"),
+    (_untagged_safetensors, "is not an odtrain checkpoint (no odtrain format tag"),
+], ids=["onnx bytes", "safetensors of another tool", "safetensors without metadata"])
+def test_foreign_file_is_refused_with_its_reason(tmp_path, write, reason):
+    path = tmp_path / "foreign"
+    write(path)
+    with pytest.raises(CheckpointError) as info:
         CheckpointState.load_checkpoint(path)
+    assert f"'{path}' {reason}" in str(info.value)
+
+
+def _with_version(blob: bytes, version: str) -> bytes:
+    tag = f'"format_version":"{checkpoint_file.FORMAT_VERSION}"'.encode()
+    assert blob.count(tag) == 1
+    return blob.replace(tag, f'"format_version":"{version}"'.encode())
 
 
 def test_newer_format_version_is_refused(mlp_artifacts, tmp_path):
     path, blob = _saved(mlp_artifacts, tmp_path)
-    path.write_bytes(blob.replace(b'"format_version":"1"', b'"format_version":"9"'))
-    with pytest.raises(CheckpointError, match="version"):
+    path.write_bytes(_with_version(blob, "9"))
+    with pytest.raises(CheckpointError, match=rf"of format version '9', newer than this odtrain reads "
+                                              rf"\({checkpoint_file.FORMAT_VERSION}\); upgrade odtrain"):
+        CheckpointState.load_checkpoint(path)
+
+
+def test_format_version_odtrain_never_wrote_is_damage(mlp_artifacts, tmp_path):
+    path, blob = _saved(mlp_artifacts, tmp_path)
+    path.write_bytes(_with_version(blob, "0"))
+    with pytest.raises(CheckpointError, match=r"is damaged \(its format version '0' is none that odtrain wrote\)"):
+        CheckpointState.load_checkpoint(path)
+
+
+def test_format_version_1_still_loads(tmp_path):
+    """Version 1 files, whose sha256 covers each tensor's name, dtype, shape and bytes (in name order) and
+    not the metadata, load; their tensors are still checked."""
+    tensors = {"param/b": np.arange(3, dtype=np.float32), "param/w": np.ones((2, 3), np.float32)}
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        digest.update(f"{name}|{tensors[name].dtype.str}|{tensors[name].shape}|".encode())
+        digest.update(tensors[name].tobytes())
+    metadata = {"format": "odtrain-checkpoint", "format_version": "1", "trainable": '["w"]', "frozen": '["b"]',
+                "properties": '{"epoch": ["int", 2]}', "sha256": digest.hexdigest()}
+    path = tmp_path / "v1"
+    path.write_bytes(safetensors.numpy.save(tensors, metadata=metadata))
+    loaded = CheckpointState.load_checkpoint(path)
+    assert loaded.properties["epoch"] == 2 and loaded.parameters["w"].requires_grad
+    np.testing.assert_array_equal(loaded.parameters["b"].data, tensors["param/b"])
+    path.write_bytes(safetensors.numpy.save({**tensors, "param/b": tensors["param/b"] + 1}, metadata=metadata))
+    with pytest.raises(CheckpointError, match="do not match the checksum"):
         CheckpointState.load_checkpoint(path)
 
 
@@ -132,6 +203,24 @@ def test_failed_save_leaves_the_old_checkpoint_whole(mlp_artifacts, tmp_path, mo
         CheckpointState.save_checkpoint(state, path)
     assert path.read_bytes() == blob
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # the temporary file is gone
+
+
+def test_a_save_removes_the_stale_temporaries_of_that_checkpoint_only(mlp_artifacts, tmp_path):
+    """Killed saves leave `.<name>.<random>.tmp` files; the next save of the same checkpoint removes them,
+    but not a temporary file that a running save still holds, nor other checkpoints' or other files."""
+    import fcntl
+
+    path, _ = _saved(mlp_artifacts, tmp_path)
+    stale = [".ckpt.a1b2c3d4.tmp", ".ckpt.zz_99xyz.tmp"]
+    kept = [".other.a1b2c3d4.tmp", ".ckpt.abc.tmp", ".ckpt.old.a1b2c3d4.tmp", "ckpt.a1b2c3d4.tmp", ".ckpt.a1b2c3d4.tmpx"]
+    for name in stale + kept + [".ckpt.held0000.tmp"]:
+        (tmp_path / name).write_bytes(b"x" * 100)
+    with open(tmp_path / ".ckpt.held0000.tmp", "rb") as held:  # a save in progress elsewhere holds its lock
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        CheckpointState.save_checkpoint(CheckpointState.load_checkpoint(path), path)
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept + [".ckpt.held0000.tmp", "ckpt"])
+    CheckpointState.save_checkpoint(CheckpointState.load_checkpoint(path), path)  # its writer is gone now
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept + ["ckpt"])
 
 
 def test_no_pickle_anywhere():

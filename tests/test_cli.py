@@ -7,6 +7,7 @@ on stderr and a non-zero exit code.
 """
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -120,7 +121,7 @@ def test_check_a_trainable_model(here, capsys):
                                     "frozen_tensors": ["fc1.weight", "fc1.bias"]}
 
 
-def _model_with(path, middle_ops):
+def _model_with(path, middle_ops, width=8):
     """input[batch, 64] -> fc1 -> middle ops (elementwise, in order) -> fc2 -> output[batch, 10]."""
     rng = np.random.default_rng(0)
     nodes, value = [helper.make_node("Gemm", ["input", "w1"], ["h0"], transB=1, name="fc1")], "h0"
@@ -129,7 +130,7 @@ def _model_with(path, middle_ops):
         value = f"h{index + 1}"
     nodes.append(helper.make_node("Gemm", [value, "w2"], ["output"], transB=1, name="fc2"))
     weights = [numpy_helper.from_array(rng.normal(size=shape).astype(np.float32), name)
-               for name, shape in (("w1", (8, 64)), ("w2", (10, 8)))]
+               for name, shape in (("w1", (width, 64)), ("w2", (10, width)))]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("input", 1, ["batch", 64])],
                               [helper.make_tensor_value_info("output", 1, ["batch", 10])], weights)
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
@@ -186,6 +187,37 @@ def test_prepare_text_output_and_refusal_to_overwrite(here, capsys):
     code, _, err = odtrain_main(capsys, "prepare", "mlp.onnx", "-o", "again")
     assert code == 2 and "--force" in one_line(err)
     assert odtrain_main(capsys, "prepare", "mlp.onnx", "-o", "again", "--force")[0] == 0
+
+
+def test_long_parameter_lists_are_summarised_unless_verbose(here, capsys):
+    """40 parameters: prepare, check and a selection error show a count and the first and last three."""
+    nodes, value = [], "input"
+    for index in range(39):
+        nodes.append(helper.make_node("Add", [value, f"b{index:02d}"], [f"h{index}"], name=f"shift{index}"))
+        value = f"h{index}"
+    nodes.append(helper.make_node("Gemm", [value, "w"], ["output"], transB=1, name="head"))
+    weights = [numpy_helper.from_array(np.zeros(64, np.float32), f"b{index:02d}") for index in range(39)]
+    weights.append(numpy_helper.from_array(np.ones((10, 64), np.float32), "w"))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("input", 1, ["batch", 64])],
+                              [helper.make_tensor_value_info("output", 1, ["batch", 10])], weights)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(here / "many.onnx"))
+    summary = "b00, b01, b02, ... 33 more (--verbose lists all) ..., b36, b37, b38"
+    everything = ", ".join(f"b{index:02d}" for index in range(39))
+
+    shutil.rmtree(here / "many", ignore_errors=True)
+    code, out, _ = odtrain_main(capsys, "prepare", "many.onnx", "-o", "many", "--train-last", "1")
+    assert code == 0 and f"frozen: 2,496 values in 39 tensors ({summary})" in out.splitlines()
+    assert max(map(len, out.splitlines())) < 160
+    code, out, _ = odtrain_main(capsys, "prepare", "many.onnx", "-o", "many", "--train-last", "1", "--force", "-v")
+    assert code == 0 and f"frozen: 2,496 values in 39 tensors ({everything})" in out.splitlines()
+
+    code, out, _ = odtrain_main(capsys, "check", "many.onnx", "--freeze", "w")
+    assert code == 0 and f"2,496 trainable in 39 tensors ({summary}); 640 frozen in 1 tensor (w)" in out
+    code, out, _ = odtrain_main(capsys, "check", "many.onnx", "--freeze", "w", "--verbose")
+    assert code == 0 and f"2,496 trainable in 39 tensors ({everything}); 640 frozen in 1 tensor (w)" in out
+
+    code, _, err = odtrain_main(capsys, "check", "many.onnx", "--requires-grad", "fc*")
+    assert code == 2 and "'fc*' matches no parameter; the 40 parameters are: b00, b01, b02, ... 34 more" in one_line(err)
 
 
 # ---- train, eval, export, inspect --------------------------------------------------------------------------
@@ -393,7 +425,7 @@ ERRORS = [
     (["eval", "art", "--data", "train.npz", "--x", "pixels"], "has no array 'pixels'"),
     (["eval", "art", "--data", "val_bad_labels.npz"], "holds non-integer values"),
     (["check", "missing.onnx"], "model file 'missing.onnx' does not exist"),
-    (["check", "mlp.onnx", "--requires-grad", "conv*"], "'conv*' matches no parameter; the parameters are: fc1"),
+    (["check", "mlp.onnx", "--requires-grad", "conv*"], "'conv*' matches no parameter; the 4 parameters are: fc1.weight, fc1.bias, fc2.weight, fc2.bias"),
     (["prepare", "mlp.onnx", "-o", "x", "--train-last", "3"], "give a number from 1 to 2"),
     (["prepare", "mlp.onnx", "-o", "x", "--freeze", "fc1.*", "--train-last", "1"], "not allowed with argument"),
     (["export", "art", "-o", "out.onnx", "--outputs", "logits"], "graph_output_names ['logits']"),
@@ -454,14 +486,38 @@ def test_progress_bar_without_tqdm_redraws_one_line_on_a_terminal(monkeypatch):
     assert drawn.endswith("\r") and "\n" not in drawn
 
 
-def test_memory_budget_flag_trains_identically_or_names_what_works(here, capsys):
+def test_memory_budget_flag_recomputes_and_trains_identically_or_names_what_works(here, capsys, monkeypatch):
+    """An MLP with Sigmoid and Tanh between its layers, whose arena recomputation can shrink: trained under
+    the smallest budget odtrain names, its training step recomputes activations in a smaller arena and
+    ends with the loss and parameters of an unconstrained run, bit for bit."""
+    from odtrain import executor
+
+    _model_with(here / "deep.onnx", ["Sigmoid", "Tanh", "Sigmoid", "Tanh"], width=128)
+    for folder in ("deep_free", "deep_tight"):
+        shutil.rmtree(here / folder, ignore_errors=True)
+        assert odtrain_main(capsys, "prepare", "deep.onnx", "-o", folder, "--lr", "0.01")[0] == 0
     settings = ["--data", "train.npz", "--epochs", "1", "--batch-size", BATCH, "--seed", "3", "--json"]
-    free, tight = fresh_artifacts(here, "free"), fresh_artifacts(here, "tight")
-    code, out, _ = odtrain_main(capsys, "train", free, *settings)
-    assert code == 0
-    code, out_budget, _ = odtrain_main(capsys, "train", tight, *settings, "--memory-budget", "1MB")
-    assert code == 0 and json.loads(out_budget)["history"][0]["loss"] == json.loads(out)["history"][0]["loss"]
-    code, _, err = odtrain_main(capsys, "train", fresh_artifacts(here, "tiny"), *settings, "--memory-budget", "64")
+    code, _, err = odtrain_main(capsys, "train", "deep_tight", *settings, "--memory-budget", "64")
     assert code == 2 and "at least" in one_line(err)
-    code, _, err = odtrain_main(capsys, "train", tight, *settings, "--memory-budget", "lots")
+    smallest = int(re.search(r"at least ([\d,]+)", err).group(1).replace(",", ""))
+    bound = []
+    original = executor.BoundGraph.__init__
+
+    def recording(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        bound.append(self)
+
+    monkeypatch.setattr(executor.BoundGraph, "__init__", recording)
+    code, out, _ = odtrain_main(capsys, "train", "deep_free", *settings)
+    assert code == 0 and bound and not any(b.recomputed for b in bound)
+    unconstrained, bound[:] = max(b.plan.arena_bytes for b in bound), []
+    code, out_budget, _ = odtrain_main(capsys, "train", "deep_tight", *settings, "--memory-budget", smallest)
+    assert code == 0
+    recomputing = [b for b in bound if b.recomputed]
+    assert recomputing and all(b.plan.arena_bytes <= smallest < unconstrained for b in recomputing)
+    assert [e["loss"] for e in json.loads(out_budget)["history"]] == [e["loss"] for e in json.loads(out)["history"]]
+    free, tight = trained_state(here / "deep_free")[0], trained_state(here / "deep_tight")[0]
+    for name in free:
+        np.testing.assert_array_equal(tight[name], free[name], err_msg=name)
+    code, _, err = odtrain_main(capsys, "train", "deep_tight", *settings, "--memory-budget", "lots")
     assert code == 2 and "'lots' is not a size" in one_line(err)

@@ -1,6 +1,7 @@
 """Checkpoints survive SIGKILL mid-save; loaders survive hostile files; long runs do not leak."""
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -8,10 +9,12 @@ import textwrap
 import time
 
 import numpy as np
+import onnx
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from odtrain import OdtrainError
+from odtrain import CheckpointError, ModelError, OdtrainError
 from odtrain.api import CheckpointState, Module, Optimizer
 from odtrain.graph.onnx_io import load_graph
 
@@ -51,18 +54,23 @@ def test_sigkill_during_saves_never_corrupts_the_checkpoint(mlp_artifacts, tmp_p
         np.testing.assert_array_equal(loaded.parameters["fc2.bias"].data, np.full(10, counter, np.float32))
         np.testing.assert_array_equal(loaded.parameters["fc1.weight"].data, state.parameters["fc1.weight"].data)
         last = kill + 1
-    leftovers = [p.name for p in tmp_path.iterdir() if p.name != "checkpoint"]
-    assert all(name.endswith(".tmp") for name in leftovers)  # a killed save may leave its temporary file only
+        leftovers = [p.name for p in tmp_path.iterdir() if p.name != "checkpoint"]
+        # A killed save may leave its temporary file; the next save removes it, so they never pile up.
+        assert all(name.startswith(".checkpoint.") and name.endswith(".tmp") for name in leftovers), leftovers
+        assert len(leftovers) <= 1, leftovers
+    CheckpointState.save_checkpoint(CheckpointState.load_checkpoint(target), target)
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint"]
 
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-def _mutate(blob: bytes, data) -> bytes:
+def _mutate(blob: bytes, data, within: int | None = None) -> bytes:
+    """`blob` after 1 to 8 random flips, cuts, insertions and overwrites (in its first `within` bytes)."""
     blob = bytearray(blob)
     for _ in range(data.draw(st.integers(1, 8))):
         kind = data.draw(st.sampled_from(["flip", "cut", "insert", "overwrite"]))
-        at = data.draw(st.integers(0, max(len(blob) - 1, 0)))
+        at = data.draw(st.integers(0, max(min(len(blob), within or len(blob)) - 1, 0)))
         if kind == "flip" and blob:
             blob[at] ^= 1 << data.draw(st.integers(0, 7))
         elif kind == "cut":
@@ -74,33 +82,56 @@ def _mutate(blob: bytes, data) -> bytes:
     return bytes(blob)
 
 
+# Every refusal names the file and its reason; a checkpoint's checksum covers all it holds, so any change
+# to its bytes is refused, while an ONNX file has none: a changed one may load, but then as ONNX reads it.
+CHECKPOINT_REFUSAL = re.compile(r" is (truncated|damaged|not an odtrain checkpoint|of format version '\d+', newer)")
+
+
 @FUZZ
 @given(data=st.data())
-def test_checkpoint_loader_raises_only_odtrain_errors(mlp_artifacts, tmp_path, data):
+def test_a_damaged_checkpoint_is_refused_with_its_reason(mlp_artifacts, tmp_path, data):
     good = (mlp_artifacts / "checkpoint").read_bytes()
+    header = 8 + int.from_bytes(good[:8], "little")  # the length, then the JSON of names, shapes and metadata
     blob = data.draw(st.one_of(st.binary(max_size=200), st.just(good[:4096]).map(lambda b: _mutate(b, data)),
-                               st.builds(lambda: _mutate(good, data))))
+                               st.builds(lambda: _mutate(good, data)), st.builds(lambda: _mutate(good, data, header))))
     path = tmp_path / "fuzzed"
     path.write_bytes(blob)
-    try:
+    if blob == good:  # the mutations undid each other
         CheckpointState.load_checkpoint(path)
-    except OdtrainError:
-        pass
+        return
+    with pytest.raises(CheckpointError) as refusal:
+        CheckpointState.load_checkpoint(path)
+    message = str(refusal.value)
+    assert message.startswith(f"checkpoint '{path}'") and CHECKPOINT_REFUSAL.search(message), message
 
 
 @FUZZ
 @given(data=st.data())
-def test_onnx_loader_raises_only_odtrain_errors(mlp_artifacts, tmp_path, data):
+def test_a_damaged_onnx_model_is_refused_or_read_as_onnx_reads_it(mlp_artifacts, tmp_path, data):
     good = (mlp_artifacts / "eval_model.onnx").read_bytes()
     blob = data.draw(st.one_of(st.binary(max_size=200), st.builds(lambda: _mutate(good, data))))
     path = tmp_path / "fuzzed.onnx"
     path.write_bytes(blob)
     try:
-        state = CheckpointState.load_checkpoint(mlp_artifacts / "checkpoint")
+        parsed = onnx.load_from_string(blob)
+    except Exception:  # protobuf's DecodeError and the like: not ONNX at all
+        parsed = None
+    try:
+        graph = load_graph(path)
+    except ModelError as error:
+        assert str(path) in str(error), str(error)
+        if parsed is None:
+            assert f"'{path}' is not a readable ONNX model" in str(error), str(error)
+        return
+    assert parsed is not None, "odtrain read a file that onnx cannot parse"
+    assert [(n.domain, n.op_type, list(n.input), list(n.output)) for n in parsed.graph.node] == \
+        [(n.domain, n.op_type, n.inputs, n.outputs) for n in graph.nodes]
+    assert list(graph.outputs) == [o.name for o in parsed.graph.output]
+    state = CheckpointState.load_checkpoint(mlp_artifacts / "checkpoint")
+    try:  # as the eval model of a session: bound to the training model's parameters, or refused
         Module(mlp_artifacts / "training_model.onnx", state, path)
-        load_graph(path)
-    except OdtrainError:
-        pass
+    except OdtrainError as error:
+        assert str(path) in str(error), str(error)
 
 
 def _rss_kib() -> int:

@@ -1,5 +1,6 @@
 """Memory: recomputation under a budget gives identical results, recomputes cheap ops rather than
 products, never random ones; impossible budgets say what works."""
+import re
 from collections import Counter
 
 import numpy as np
@@ -235,3 +236,68 @@ def test_train_and_eval_at_every_batch_size_share_one_arena(deep_mlp):
                for b in bound)
     from odtrain.memory import report
     assert report(shared).arena_bytes == shared._arena.nbytes
+
+
+def _machine_with(monkeypatch, nbytes: int) -> list[int]:
+    """Pretend the process can hold `nbytes`; returns the sizes of the arena buffers allocated from now on."""
+    from odtrain import allocation
+
+    monkeypatch.setattr(allocation, "memory_limit", lambda: (nbytes, "a test's limit"))
+    requested, allocate = [], allocation.aligned_buffer
+    monkeypatch.setattr(allocation, "aligned_buffer", lambda n: requested.append(n) or allocate(n))
+    return requested
+
+
+def test_an_arena_beyond_the_machine_is_refused_naming_the_budget_that_fits(deep_mlp, monkeypatch):
+    """Refused before allocating, with the plan's size and its largest values and their nodes; the
+    memory_budget it names trains in an arena within the limit, exactly as the unconstrained step."""
+    from odtrain.memory import format_bytes
+
+    directory, x, y = deep_mlp
+    losses, params, free = train(directory, x, y)
+    arena, limit = free.plan.arena_bytes, free.plan.arena_bytes * 3 // 4
+    requested = _machine_with(monkeypatch, limit)
+    with pytest.raises(MemoryBudgetError) as refusal:
+        train(directory, x, y)
+    message = str(refusal.value)
+    assert isinstance(refusal.value, MemoryError) and max(requested, default=0) <= limit
+    assert f"needs an arena of {format_bytes(arena)} ({arena:,} bytes), more than a test's limit" in message
+    values = re.search(r"its largest values: (.*)\. ", message).group(1).split("; ")
+    assert len(values) == 3 and all(re.fullmatch(r"'\w+' float32\[32x64\] \(8.00 KiB, (an input|written by [\w:]+ node "
+                                                 r"'\w+')\)", value) for value in values), values
+    budget = int(re.search(r"memory_budget=([\d,]+) fits", message).group(1).replace(",", ""))
+    assert budget == limit
+    budget_losses, budget_params, tight = train(directory, x, y, memory_budget=budget)
+    assert tight.plan.arena_bytes <= limit and tight.recomputed > 0 and max(requested) <= limit
+    assert budget_losses == losses
+    np.testing.assert_array_equal(budget_params, params)
+
+
+def test_a_machine_no_budget_fits_is_named(deep_mlp, monkeypatch):
+    directory, x, y = deep_mlp
+    _, _, free = train(directory, x, y)
+    limit = max(g.nbytes for g in free.plan.groups) + 64  # every value fits, two at once do not
+    _machine_with(monkeypatch, limit)
+    with pytest.raises(MemoryBudgetError, match="No memory_budget fits: recomputing activations, the smallest arena "
+                                                "odtrain can plan is [\\d,]+ bytes; use smaller inputs"):
+        train(directory, x, y)
+    _machine_with(monkeypatch, limit - 128)
+    with pytest.raises(MemoryBudgetError, match="No memory_budget can help: recomputation does not split a value"):
+        train(directory, x, y)
+
+
+def test_a_failed_allocation_becomes_a_memory_budget_error(deep_mlp, monkeypatch):
+    """Below the machine's limit the allocation is tried; numpy's MemoryError (memory others hold) is refused
+    the same way, naming the plan."""
+    from odtrain import allocation
+
+    def refuse(nbytes):
+        if nbytes:
+            raise MemoryError(f"Unable to allocate {nbytes} bytes")
+        return np.empty(0, np.uint8)
+
+    monkeypatch.setattr(allocation, "aligned_buffer", refuse)
+    directory, x, y = deep_mlp
+    with pytest.raises(MemoryBudgetError, match="the memory plan needs an arena of .*, more than could be allocated "
+                                                ".*; its largest values: '"):
+        train(directory, x, y)

@@ -5,11 +5,12 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from odtrain.graph.ir import Node, TensorType
-from odtrain.graph.planner import ALIGNMENT, plan_memory
+from odtrain.graph.planner import ALIGNMENT, Plan, StorageGroup, aligned, plan_memory
 
 F32 = np.dtype(np.float32)
 
@@ -72,6 +73,23 @@ def test_in_place_reuse_only_when_the_input_dies():
     assert plan.group_of["a"] == plan.group_of["x"]  # x dies at the first Relu
     assert plan.group_of["b"] != plan.group_of["a"]  # a is still read by Add
     assert plan.group_of["c"] in (plan.group_of["a"], plan.group_of["b"])
+
+
+def test_verify_refuses_a_value_written_in_place_over_one_still_live():
+    """One group for x, a, b, c: no two groups overlap, yet the second Relu writes b over a, which
+    the Add still reads; verify names them. Writing c over both at the Add, where they die, is fine."""
+    t = TensorType(F32, (100,))
+    nodes = [Node("Relu", ["x"], ["a"]), Node("Relu", ["a"], ["b"]), Node("Add", ["a", "b"], ["c"])]
+    written, read_until = {"x": 0, "a": 1, "b": 2, "c": 3}, {"x": 1, "a": 3, "b": 3, "c": 4}
+
+    def plan_of(values):
+        group = StorageGroup(values, aligned(t.nbytes), 0, 4, offset=0)
+        return Plan(nodes, [group], {v: 0 for v in values}, group.nbytes, group.nbytes, 3, dict.fromkeys("xabc", t),
+                    {v: written[v] for v in values}, {v: read_until[v] for v in values})
+
+    plan_of(["x", "a", "c"]).verify()
+    with pytest.raises(AssertionError, match="Relu node producing \\['b'\\] writes 'b' over 'a', which is read until step 3"):
+        plan_of(["x", "a", "b", "c"]).verify()
 
 
 def test_mlp_plan_reaches_its_lower_bound(mlp_artifacts, mlp_reference):

@@ -9,10 +9,13 @@ import shutil
 import numpy as np
 import onnx
 import pytest
+import safetensors.numpy
 from onnx import helper
 
-from odtrain import (ArgumentError, ArtifactNotFoundError, CheckpointError, InputError, ModelError, NonFiniteError,
-                     OdtrainError, ParameterError, StateError, UnsupportedOpError, artifacts)
+from odtrain import (ArgumentError, ArtifactNotFoundError, CheckpointError, InferenceSession, InputError,
+                     MemoryBudgetError, ModelError, NonFiniteError, OdtrainError, ParameterError, StateError,
+                     UnsupportedOpError, artifacts)
+from odtrain import checkpoint as checkpoint_file
 from odtrain.api import CheckpointState, LinearLRScheduler, Module, Optimizer
 from oracles import make_model
 
@@ -57,6 +60,41 @@ def escaping_model(root):
     return str(folder / "m.onnx")
 
 
+def foreign_domain_model():
+    """Two nodes of a domain odtrain does not implement, declared in the model's opset imports."""
+    model = model_with([helper.make_node("NoSuchOp", ["x"], ["a"], domain="com.example", name="mystery"),
+                        helper.make_node("Frobnicate", ["a", "w"], ["y"], domain="com.example")])
+    model.opset_import.append(helper.make_opsetid("com.example", 1))
+    return model
+
+
+def expanded(side: int, constant: bool = False):
+    """x (or a constant) [1, 4] -> Expand to [side, side, 4] ('bomb') -> ReduceMean: a scalar from a huge value."""
+    source = "c" if constant else "x"
+    nodes = [helper.make_node("Mul", [source, "w"], ["a"], name="scale"),
+             helper.make_node("Expand", ["a", "shape"], ["b"], name="bomb"),
+             helper.make_node("ReduceMean", ["b"], ["y"], keepdims=0, name="mean")]
+    if constant:
+        nodes.append(helper.make_node("Add", ["y", "x"], ["z"], name="shift"))
+    return make_model(nodes, {"w": np.ones((1, 4), np.float32), "c": np.ones((1, 1, 4), np.float32),
+                              "shape": np.array([side, side, 4], np.int64)},
+                      inputs=[("x", np.float32, ["batch", 1, 4])], outputs=[("z" if constant else "y", np.float32, None)])
+
+
+def memory_bomb_training_step(env):
+    """The step needs 149 GiB: refused before allocating, on a machine said to have 64 GiB (so that the
+    row never allocates, even where 149 GiB would be granted)."""
+    from unittest import mock
+
+    from odtrain import allocation
+
+    generate(expanded(100_000), env[0] / "bomb", requires_grad=["w"], loss=None)
+    state = CheckpointState.load_checkpoint(env[0] / "bomb" / "checkpoint")
+    module = Module(env[0] / "bomb" / "training_model.onnx", state)
+    with mock.patch.object(allocation, "memory_limit", return_value=(64 * 2**30, "this machine's memory")):
+        module(np.ones((1, 1, 4), np.float32))
+
+
 def generate(model, directory, **kwargs):
     kwargs.setdefault("loss", artifacts.LossType.MSELoss)
     return artifacts.generate_artifacts(model, artifact_directory=directory, **kwargs)
@@ -72,9 +110,12 @@ def damaged_checkpoint(root, how):
         blob[-100] ^= 1
         target.write_bytes(bytes(blob))
     elif how == "version":
-        target.write_bytes(source.replace(b'"format_version":"1"', b'"format_version":"7"'))
+        target.write_bytes(source.replace(f'"format_version":"{checkpoint_file.FORMAT_VERSION}"'.encode(),
+                                          b'"format_version":"7"'))
     elif how == "foreign":
         target.write_bytes((root / "model.onnx").read_bytes())
+    elif how == "other tool":  # well-formed safetensors, as PyTorch and Hugging Face write them
+        target.write_bytes(safetensors.numpy.save({"weight": np.ones(3, np.float32)}, metadata={"format": "pt"}))
     return target
 
 
@@ -104,7 +145,10 @@ ROWS = {
     "unsupported op": (lambda e: generate(model_with([helper.make_node("Hardmax", ["x"], ["y"], name="pick")]), e[0] / "o", requires_grad=[]),
                        UnsupportedOpError, "Hardmax node 'pick'"),
     "foreign domain op": (lambda e: generate(model_with([helper.make_node("FusedGemm", ["x", "w"], ["y"], domain="com.microsoft", name="fg")]), e[0] / "o"),
-                          ModelError, "com.microsoft"),
+                          UnsupportedOpError, "FusedGemm node 'fg' of domain 'com.microsoft'"),
+    "nodes of a declared foreign domain": (lambda e: generate(foreign_domain_model(), e[0] / "o"), UnsupportedOpError,
+                                           "com.example: NoSuchOp node 'mystery' of domain 'com.example'; Frobnicate node "
+                                           "'Frobnicate_1' of domain 'com.example'"),
     "opset from the future": (lambda e: generate(model_with([helper.make_node("MatMul", ["x", "w"], ["y"])], opset=99), e[0] / "o"),
                               ModelError, "opset 99"),
     "external data escapes": (lambda e: generate(escaping_model(e[0]), e[0] / "o"), ModelError, "'w' keeps its data at '../secret.bin'"),
@@ -128,11 +172,23 @@ ROWS = {
     "eval model as training model": (lambda e: Module(e[0] / "art" / "eval_model.onnx", session(e)[0]), ModelError, "eval_model.onnx"),
     "training model as optimizer": (lambda e: Optimizer(e[0] / "art" / "training_model.onnx", session(e)[1]), ModelError, "not an odtrain optimizer model"),
     "optimizer of other artifacts": (mismatched_optimizer, ParameterError, "fc2.weight"),
+    "memory bomb": (memory_bomb_training_step, MemoryBudgetError,
+                    "more than this machine's memory (64.00 GiB); its largest values: 'b' float32[100000x100000x4] "
+                    "(149.01 GiB, written by Expand node 'bomb')"),
+    "memory bomb at inference": (lambda e: InferenceSession(expanded(10**7)).run(None, {"x": np.ones((1, 1, 4), np.float32)}),
+                                 MemoryBudgetError, "'b' float32[10000000x10000000x4] (1.42 PiB"),
+    "constant too large to fold": (lambda e: InferenceSession(expanded(10**7, constant=True)).run(None, {"x": np.ones((1, 1, 4), np.float32)}),
+                                   MemoryBudgetError, "Expand node 'bomb': its output, computed once as a constant"),
     # checkpoints
     "truncated checkpoint": (lambda e: CheckpointState.load_checkpoint(damaged_checkpoint(e[0], "truncated")), CheckpointError, "ckpt_truncated"),
-    "flipped checkpoint byte": (lambda e: CheckpointState.load_checkpoint(damaged_checkpoint(e[0], "flipped")), CheckpointError, "checksum"),
-    "newer checkpoint version": (lambda e: CheckpointState.load_checkpoint(damaged_checkpoint(e[0], "version")), CheckpointError, "'7'"),
-    "foreign checkpoint": (lambda e: CheckpointState.load_checkpoint(damaged_checkpoint(e[0], "foreign")), CheckpointError, "ckpt_foreign"),
+    "flipped checkpoint byte": (lambda e: CheckpointState.load_checkpoint(damaged_checkpoint(e[0], "flipped")), CheckpointError,
+                                "ckpt_flipped' is damaged: its tensors or metadata do not match the checksum"),
+    "newer checkpoint version": (lambda e: CheckpointState.load_checkpoint(damaged_checkpoint(e[0], "version")), CheckpointError,
+                                 "ckpt_version' is of format version '7', newer than this odtrain reads"),
+    "ONNX file as checkpoint": (lambda e: CheckpointState.load_checkpoint(damaged_checkpoint(e[0], "foreign")), CheckpointError,
+                                "ckpt_foreign' is truncated (its header runs past the end of the file)"),
+    "checkpoint of another tool": (lambda e: CheckpointState.load_checkpoint(damaged_checkpoint(e[0], "other tool")), CheckpointError,
+                                   "ckpt_other tool' is not an odtrain checkpoint (no odtrain format tag"),
     "missing checkpoint": (lambda e: CheckpointState.load_checkpoint(e[0] / "none"), ArtifactNotFoundError, "none"),
     "list property": (lambda e: session(e)[0].properties.__setitem__("classes", [1, 2]), ArgumentError, "'classes'"),
     "non-string property name": (lambda e: session(e)[0].properties.__setitem__(3, 1), ArgumentError, "3"),

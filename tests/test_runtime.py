@@ -1,4 +1,5 @@
-"""The process floor: the runtime loads without scipy.linalg's package, saved models load without inference."""
+"""The process floor: `import odtrain` is cheap, the runtime loads without scipy.linalg's package, saved models
+load without inference."""
 import json
 import os
 import subprocess
@@ -6,6 +7,7 @@ import sys
 
 import numpy as np
 import onnx
+import pytest
 from onnx import helper
 
 from odtrain.graph import onnx_io
@@ -75,3 +77,38 @@ def test_saved_models_carry_inferred_types_and_load_without_inference(tmp_path, 
         assert loaded.value_types[name] == inferred.value_types[name], name
     onnx_io.graph_from_proto(model)  # a model from elsewhere is still inferred
     assert len(calls) == 1
+
+
+IMPORT_PROBE = r"""
+import json, sys
+heavy = lambda: sorted({m.split(".")[0] for m in sys.modules} & {"numpy", "numba", "onnx", "scipy"})
+import odtrain
+after_import = heavy()
+from odtrain import InferenceSession
+import odtrain.inference
+print(json.dumps({"after_import": after_import, "after_name": heavy(), "listed": "InferenceSession" in dir(odtrain),
+                  "same": InferenceSession is odtrain.inference.InferenceSession}))
+"""
+
+
+def test_import_odtrain_is_cheap_and_inference_session_is_top_level():
+    """`import odtrain` imports none of numpy, Numba, onnx, scipy; `from odtrain import InferenceSession`
+    (onnxruntime's name) adds numpy only, and is odtrain.inference's class."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-c", IMPORT_PROBE], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout) == {"after_import": [], "after_name": ["numpy"], "listed": True, "same": True}
+
+
+def test_inference_session_runs_a_model(tmp_path):
+    import odtrain
+
+    w = np.arange(12, dtype=np.float32).reshape(3, 4) / 10
+    path = tmp_path / "m.onnx"
+    onnx.save(make_model([helper.make_node("MatMul", ["x", "w"], ["y"])], {"w": w}, inputs=[("x", np.float32, ["batch", 3])]),
+              str(path))
+    x = np.ones((2, 3), np.float32)
+    (y,) = odtrain.InferenceSession(str(path)).run(None, {"x": x})
+    np.testing.assert_allclose(y, x @ w, rtol=1e-6)
+    with pytest.raises(AttributeError, match="no attribute 'InferenceSessions'"):
+        odtrain.InferenceSessions

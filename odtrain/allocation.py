@@ -1,0 +1,124 @@
+"""The arena of a plan, or a MemoryBudgetError before any work when the machine cannot hold it.
+
+`allocate(plan, what, advice)` returns the plan's arena buffer (ALIGNMENT-aligned), or raises a
+MemoryBudgetError that says the plan's size, its largest values with the nodes that write them, and
+`advice(bytes)`: the memory_budget that fits those bytes by recomputing activations, or that none does.
+
+- A plan larger than the most memory this process can ever hold (`memory_limit`: physical memory, or
+  a container's or `ulimit -v`'s lower limit) is refused without trying: Linux may grant such a
+  request lazily and kill the process when a step first touches the pages.
+- Below that limit the allocation is tried, and numpy's MemoryError (memory others hold) becomes the
+  same error, advised against the memory free at that moment.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import numpy as np
+
+from .graph.errors import MemoryBudgetError
+from .graph.planner import ALIGNMENT, Plan
+
+LARGEST_SHOWN = 3
+_CONTAINER_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # cgroup v2, v1
+
+
+def format_bytes(nbytes: int) -> str:
+    """A size in the largest binary unit it reaches, e.g. '1.50 MiB'."""
+    for unit, scale in (("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:,} B"
+
+
+def memory_limit() -> tuple[int, str] | None:
+    """(bytes, what sets them): the most memory this process can hold, or None when nothing says."""
+    limits = []
+    try:
+        limits.append((os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory"))
+    except (AttributeError, ValueError, OSError):
+        pass
+    for path in _CONTAINER_LIMITS:
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limits.append((int(text), f"this container's memory limit ({path})"))
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft != resource.RLIM_INFINITY:
+            limits.append((soft, "this process's address-space limit (ulimit -v)"))
+    except (ImportError, ValueError, OSError):
+        pass
+    return min(limits) if limits else None
+
+
+def free_memory() -> int | None:
+    """Bytes of memory free now (not counting caches the kernel could drop), or None when unknown."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def aligned_buffer(nbytes: int) -> np.ndarray:
+    """A uint8 buffer whose first byte is ALIGNMENT-aligned."""
+    raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
+    start = (-raw.ctypes.data) % ALIGNMENT
+    return raw[start:start + nbytes]
+
+
+def allocate(plan: Plan, what: str, advice: Callable[[int], str] | None = None) -> np.ndarray:
+    """The arena of `plan`, or a MemoryBudgetError naming what `what` (the graph and its inputs) needs."""
+    limit = memory_limit()
+    if limit is not None and plan.arena_bytes > limit[0]:
+        raise MemoryBudgetError(_refusal(plan, what, f"more than {limit[1]} ({format_bytes(limit[0])})",
+                                         advice(limit[0]) if advice else ""))
+    try:
+        return aligned_buffer(plan.arena_bytes)
+    except MemoryError:
+        free = free_memory()
+        reason = "more than could be allocated" + (f" ({format_bytes(free)} free)" if free is not None else "")
+        advised = advice(free) if advice and free is not None and free < plan.arena_bytes else ""
+        raise MemoryBudgetError(_refusal(plan, what, reason, advised)) from None
+
+
+def budget_advice(plan: Plan, trains: bool, fit_budget: Callable[[int], object], nbytes: int) -> str:
+    """Which memory_budget makes a step fit `nbytes`, or that none does. `plan` is the step's plan,
+    `trains` whether it has a backward pass, `fit_budget(budget)` raises MemoryBudgetError (with the
+    smallest arena odtrain can plan) when recomputing activations cannot meet `budget`."""
+    if not trains:
+        return "Without a backward pass there is nothing to recompute (memory_budget applies to training steps); " \
+               "use smaller inputs"
+    largest = max(plan.groups, key=lambda g: g.nbytes)
+    if largest.nbytes > nbytes:
+        return (f"No memory_budget can help: recomputation does not split a value, and '{largest.values[0]}' alone "
+                "is larger; use smaller inputs")
+    try:
+        fit_budget(nbytes)
+    except MemoryBudgetError as refusal:
+        return (f"No memory_budget fits: recomputing activations, the smallest arena odtrain can plan is "
+                f"{refusal.smallest_bytes:,} bytes; use smaller inputs")
+    return f"memory_budget={nbytes:,} fits, recomputing activations in the backward pass"
+
+
+def largest_values(plan: Plan, count: int = LARGEST_SHOWN) -> list[str]:
+    """The first value of each of the `count` largest storage groups, with its type, size and writer."""
+    shown = []
+    for group in sorted(plan.groups, key=lambda g: -g.nbytes)[:count]:
+        name = min(group.values, key=lambda v: plan.written.get(v, group.start))
+        step = plan.written.get(name, group.start)
+        writer = f"written by {plan.order[step - 1].describe()}" if step > 0 else "an input"
+        shown.append(f"'{name}' {plan.types[name]} ({format_bytes(group.nbytes)}, {writer})")
+    return shown
+
+
+def _refusal(plan: Plan, what: str, reason: str, advice: str) -> str:
+    return (f"{what}: the memory plan needs an arena of {format_bytes(plan.arena_bytes)} ({plan.arena_bytes:,} "
+            f"bytes), {reason}; its largest values: {'; '.join(largest_values(plan))}"
+            + (f". {advice}" if advice else ""))

@@ -1,0 +1,196 @@
+"""The mutation audit: small deliberate bugs, one at a time; each must fail at least one test.
+
+    python tests/mutants.py                               # every mutant against the whole suite
+    python tests/mutants.py --list                        # the mutants and what each breaks
+    python tests/mutants.py --run-mutants sgd-lr,format-tag -- tests/test_api.py tests/test_checkpoint.py
+
+How it runs:
+- Each run (the unmutated baseline first, then one per mutant) gets a scratch copy of the checkout:
+  the files git tracks or would track, as they are on disk, and the Numba cache beside the kernels,
+  so that kernels the mutant leaves alone load instead of compiling. The checkout itself is never
+  written; the copy is deleted afterwards.
+- A mutant is one exact text replacement in one file; a text that is not found exactly once is
+  reported as stale and nothing runs.
+- pytest runs in the copy (`-p no:cacheprovider`, the copy first on PYTHONPATH so that subprocesses
+  import it too, the kernel cache in the copy) and writes a JUnit report. A mutant's killing tests
+  are those that fail or error with it and pass in the baseline.
+
+Prints one row per mutant (its killing tests, or SURVIVED); exit code 1 if a mutant survives, 2 if
+a mutant is stale.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ElementTree
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SHOWN_KILLERS = 6  # a row lists this many killing tests, then a count of the others
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    breaks: str
+    path: str  # relative to the checkout
+    find: str
+    replace: str
+
+
+MUTANTS = [
+    Mutant("sgd-lr", "SGD's learning rate 1% too high", "kernels/optim.py",
+           "def sgd_update(w, g, lr):\n    rate = np.float32(lr)\n",
+           "def sgd_update(w, g, lr):\n    rate = np.float32(lr * 1.01)\n"),
+    Mutant("adamw-lr", "AdamW's learning rate 1% too high", "kernels/optim.py",
+           "def adamw_update(w, g, m, v, lr, beta1, beta2, eps, weight_decay, step, bias_correction):\n",
+           "def adamw_update(w, g, m, v, lr, beta1, beta2, eps, weight_decay, step, bias_correction):\n"
+           "    lr = lr * 1.01\n"),
+    Mutant("adamw-bias-correction", "AdamW without bias correction", "kernels/optim.py",
+           "        step_size = lr * math.sqrt(1.0 - beta2 ** step) / (1.0 - beta1 ** step)\n",
+           "        step_size = lr\n"),
+    Mutant("relu-gradient", "Relu's gradient passes every incoming gradient", "graph/ops/elementwise.py",
+           '"Relu": Unary(lambda x: np.maximum(x, 0), gradient="Y")',
+           '"Relu": Unary(lambda x: np.maximum(x, 0), gradient=lambda g: g.GO(0))'),
+    Mutant("in-place-liveness", "the planner writes in place over an input that is still to be read",
+           "graph/planner.py", "if g.end == step and g.nbytes", "if g.nbytes"),
+    Mutant("checksum", "the checkpoint's checksum is not checked", "odtrain/checkpoint.py",
+           '    if metadata.get("sha256") != _digest(tensors, covered):\n', "    if False:\n"),
+    Mutant("format-tag", "the checkpoint's format tag is not checked", "odtrain/checkpoint.py",
+           'if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:',
+           "if not isinstance(metadata, dict):"),
+    Mutant("format-version", "a newer checkpoint format version is not refused as newer", "odtrain/checkpoint.py",
+           "    if version.isdigit() and int(version) > FORMAT_VERSION:\n", "    if False:\n"),
+]
+
+
+def stale(mutant: Mutant, root: Path = ROOT) -> str | None:
+    """Why `mutant` cannot be applied to the checkout at `root`, or None."""
+    source = root / mutant.path
+    if not source.is_file():
+        return f"{mutant.path} does not exist"
+    count = source.read_text().count(mutant.find)
+    return None if count == 1 else f"its text occurs {count} times in {mutant.path}, not once"
+
+
+def _checkout_files(root: Path) -> list[str]:
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    kernel_cache = [str(p.relative_to(root)) for p in (root / "kernels" / "__pycache__").glob("*.nb[ic]")]
+    return [name for name in listed if name and (root / name).is_file()] + kernel_cache
+
+
+def scratch_copy(root: Path = ROOT) -> Path:
+    """A copy of the checkout in a new temporary folder (modification times kept: Numba's cache checks them)."""
+    target = Path(tempfile.mkdtemp(prefix="odtrain-mutant-"))
+    for name in _checkout_files(root):
+        (target / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(root / name, target / name)
+    return target
+
+
+def run_tests(copy: Path, pytest_args: list[str], timeout: float) -> tuple[set[str], int, float]:
+    """(ids of the tests that failed or errored, tests run, seconds) of pytest in `copy`."""
+    report = copy / "mutants-junit.xml"
+    env = {k: v for k, v in os.environ.items() if k not in ("ODTRAIN_CACHE_DIR", "NUMBA_CACHE_DIR")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(copy), os.environ.get("PYTHONPATH")]))
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
+                    *pytest_args], cwd=copy, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   timeout=timeout)
+    seconds = time.perf_counter() - start
+    if not report.is_file():
+        raise RuntimeError(f"pytest wrote no report in {copy} (collection failed?)")
+    failed, total = set(), 0
+    for case in ElementTree.parse(report).iter("testcase"):
+        total += 1
+        if case.find("failure") is not None or case.find("error") is not None:
+            failed.add(_test_id(copy, case.get("classname", ""), case.get("name", "")))
+    return failed, total, seconds
+
+
+def _test_id(copy: Path, classname: str, name: str) -> str:
+    """pytest's id of a JUnit test case: `tests.test_x.TestY` + `name` -> `tests/test_x.py::TestY::name`."""
+    parts = classname.split(".")
+    for split in range(len(parts), 0, -1):
+        module = "/".join(parts[:split]) + ".py"
+        if (copy / module).is_file():
+            return "::".join([module, *parts[split:], name])
+    return "::".join([*parts, name])
+
+
+def audit(mutants: list[Mutant], pytest_args: list[str], timeout: float, out=print) -> dict[str, list[str]]:
+    """Each mutant's killing tests (sorted; empty: it survived), after a baseline run."""
+    copy = scratch_copy()
+    try:
+        baseline, total, seconds = run_tests(copy, pytest_args, timeout)
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
+    out(f"baseline: {total} tests, {len(baseline)} failing without any mutant ({seconds:.0f} s)"
+        + "".join(f"\n  {test}" for test in sorted(baseline)))
+    killed = {}
+    for mutant in mutants:
+        copy = scratch_copy()
+        try:
+            source = copy / mutant.path
+            source.write_text(source.read_text().replace(mutant.find, mutant.replace))
+            failed, total, seconds = run_tests(copy, pytest_args, timeout)
+        finally:
+            shutil.rmtree(copy, ignore_errors=True)
+        killed[mutant.name] = sorted(failed - baseline)
+        out(f"{mutant.name}: {len(killed[mutant.name])} killing tests of {total} ({seconds:.0f} s)")
+    return killed
+
+
+def table(mutants: list[Mutant], killed: dict[str, list[str]]) -> str:
+    rows = ["| mutant | what it breaks | killed by |", "|---|---|---|"]
+    for mutant in mutants:
+        tests = killed[mutant.name]
+        shown = ", ".join(f"`{t}`" for t in tests[:SHOWN_KILLERS])
+        more = f" and {len(tests) - SHOWN_KILLERS} more" if len(tests) > SHOWN_KILLERS else ""
+        rows.append(f"| {mutant.name} | {mutant.breaks} | {f'{len(tests)}: {shown}{more}' if tests else 'SURVIVED'} |")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Run the suite against each mutant and report which tests kill it.",
+                                     epilog="Arguments after `--` go to pytest (default: tests).")
+    parser.add_argument("--run-mutants", metavar="NAMES", help="comma-separated mutant names (default: all)")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per pytest run (default: 3600)")
+    parser.add_argument("--verbose", action="store_true", help="list every killing test, not the first few")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pytest_args = argv[argv.index("--") + 1:] if "--" in argv else ["tests"]
+    args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    by_name = {m.name: m for m in MUTANTS}
+    if args.list:
+        for m in MUTANTS:
+            print(f"{m.name:<24} {m.breaks} ({m.path})")
+        return 0
+    names = args.run_mutants.split(",") if args.run_mutants else list(by_name)
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        parser.error(f"unknown mutants {unknown}; the mutants are {list(by_name)}")
+    chosen = [by_name[n] for n in names]
+    problems = {m.name: stale(m) for m in chosen if stale(m)}
+    if problems:
+        for name, problem in problems.items():
+            print(f"{name}: stale mutant: {problem}", file=sys.stderr)
+        return 2
+    killed = audit(chosen, pytest_args, args.timeout)
+    if args.verbose:
+        for mutant in chosen:
+            print(f"\n{mutant.name}:" + "".join(f"\n  {test}" for test in killed[mutant.name]))
+    print()
+    print(table(chosen, killed))
+    return 1 if any(not tests for tests in killed.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
