@@ -102,7 +102,7 @@ def graph_from_proto(proto: onnx.ModelProto, source: str = "model") -> Graph:
     import onnx.defs
 
     opsets = _opsets((o.domain, o.version) for o in proto.opset_import)
-    _check_opsets(opsets, {n.domain for n in proto.graph.node}, source)
+    _check_opsets(opsets, proto.graph.node, source)
     # Only this path compares the opset with the newest the onnx package knows. The files the wire
     # path reads were saved by odtrain from graphs that passed this check when first loaded, and
     # what runs on a device is decided by odtrain's own op rules, not by onnx's schemas.
@@ -118,7 +118,7 @@ def graph_from_proto(proto: onnx.ModelProto, source: str = "model") -> Graph:
 def graph_from_model(model: ModelData, source: str = "model") -> Graph:
     """The IR of a model as `onnx_wire` reads it; its value types are the ones it holds (no inference)."""
     opsets = _opsets(model.opset_import)
-    _check_opsets(opsets, {n.domain for n in model.graph.nodes}, source)
+    _check_opsets(opsets, model.graph.nodes, source)
     return _build_graph(model, opsets, source)
 
 
@@ -126,16 +126,19 @@ def _opsets(opset_import) -> dict[str, int]:
     return {(DEFAULT_DOMAIN if domain == "ai.onnx" else domain): int(version) for domain, version in opset_import}
 
 
-def _check_opsets(opsets: dict[str, int], used_domains: set[str], source: str) -> None:
+def _check_opsets(opsets: dict[str, int], nodes, source: str) -> None:
     """What every model must pass, whichever reader read it: a recent enough opset, standard ops only."""
     if opsets.get(DEFAULT_DOMAIN, MIN_DEFAULT_OPSET) < MIN_DEFAULT_OPSET:
         raise ModelError(f"{source}: opset {opsets[DEFAULT_DOMAIN]} is older than {MIN_DEFAULT_OPSET}; "
                          "re-export it with a newer opset (torch.onnx.export(..., opset_version=17))")
-    known = (DEFAULT_DOMAIN, ODTRAIN_DOMAIN, "ai.onnx.ml", "ai.onnx.preview.training")
-    foreign = sorted(d for d in opsets if d not in known)
-    if any(d in used_domains for d in foreign):
-        raise ModelError(f"{source}: it uses ops of the domains {[d for d in foreign if d in used_domains]}, which "
-                         "odtrain does not implement; export the model with standard ONNX ops only")
+    known = (DEFAULT_DOMAIN, "ai.onnx", ODTRAIN_DOMAIN, "ai.onnx.ml", "ai.onnx.preview.training")
+    foreign = [n for n in nodes if n.domain not in known]
+    if foreign:
+        listed = "; ".join(f"node '{n.name or '(unnamed)'}' ({n.domain}::{n.op_type})" for n in foreign[:10])
+        more = f"; and {len(foreign) - 10} more" if len(foreign) > 10 else ""
+        raise ModelError(f"{source}: it uses ops of the domains {sorted({n.domain for n in foreign})}, which odtrain "
+                         f"does not implement: {listed}{more}. Export the model with standard ONNX ops only "
+                         "(onnxruntime's quantizer writes them with quant_format=QuantFormat.QDQ)")
 
 
 def _build_graph(model: ModelData, opsets: dict[str, int], source: str) -> Graph:

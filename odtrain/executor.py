@@ -27,7 +27,7 @@ from .graph.autodiff import LOSS_SEED
 from .graph.ops.training import APPLY_UPDATE
 from .graph.planner import ALIGNMENT, SCRATCH_SUFFIX, plan_memory
 from .graph.recompute import RECOMPUTE_SUFFIX, choose_kept, rewrite, saved_activations, split_forward_backward
-from .graph.schedule import bind_types, execution_order, memory_aware_order
+from .graph.schedule import bind_types, defer_constant_work, execution_order, memory_aware_order
 from .kernels import BINDINGS, SCRATCH
 from . import runtime
 from .graph.optimizers import AdamW, SGDMomentum
@@ -68,6 +68,7 @@ class BoundGraph:
         sinks = gradient_sinks or {}
         outside = dict(external)
         outside.update({k: np.ascontiguousarray(v) for k, v in folded.items()})
+        order = defer_constant_work(order, set(outside))  # e.g. an int8 weight's dequantization, just in time
         if not accumulate:
             outside.update({name: sink.reshape(types[name].shape) for name, sink in sinks.items()})
         self.constant_bytes = sum(np.asarray(v).nbytes for v in folded.values())

@@ -21,6 +21,8 @@ GRADIENT_CHECKED |= {"Conv", "BatchNormalization", "MaxPool", "AveragePool", "Gl
                      "Clip", "LeakyRelu", "HardSigmoid", "HardSwish", "Pad", "Dropout", "BatchNormalizationActivation"}
 # upsampling ops (tests/test_upsampling.py)
 GRADIENT_CHECKED |= {"ConvTranspose", "Resize", "Upsample"}
+# fake quantization, the straight-through estimator (tests/test_quantize.py)
+GRADIENT_CHECKED |= {"FakeQuantize"}
 
 
 def test_every_registered_op_has_a_kernel():
