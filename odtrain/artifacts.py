@@ -8,7 +8,10 @@
 writes `{prefix}training_model.onnx`, `{prefix}eval_model.onnx`, `{prefix}optimizer_model.onnx` and
 `{prefix}checkpoint`. Parameters named in `requires_grad` train, those in `frozen_params` are kept in
 the checkpoint without training; other initializers stay constants of the models. With
-`requires_grad=None`, every floating-point initializer not in `frozen_params` trains.
+`requires_grad=None`, every floating-point initializer not in `frozen_params` trains, except the
+scales and zero points of quantization, and integer weights that DequantizeLinear reads are frozen.
+A frozen quantized weight takes its scale and zero point into the checkpoint with it, where it
+stays int8 (graph/ops/quantize.py).
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from .graph.autodiff import build_gradient_graph
 from .graph.errors import ArgumentError, ModelError, ParameterError
 from .graph.ir import Graph, TensorType
 from .graph.ops import OPS, check_supported
+from .graph.ops.quantize import dequantized_weights, quantization_inputs
 from .graph.losses import LossType, add_loss, parse_loss
 from .graph.onnx_io import graph_from_proto, read_model_proto, save_graph
 from .graph.optimizers import SGD, AdamW, OptimType, SGDMomentum, build_optimizer_graph, parse_optimizer
@@ -47,11 +51,14 @@ def _select_parameters(graph, requires_grad, frozen_params):
     if requires_grad is None:
         configuring = {node.inputs[k] for node in graph.nodes if node.key in OPS
                        for k in OPS[node.key].constant_inputs if k < len(node.inputs)}
+        configuring |= quantization_inputs(graph)
         state |= configuring  # shapes, axes and scales are neither trained nor frozen: they stay constants
         trainable = [n for n in floating if n not in frozen and n not in state]
         frozen += [n for n in floating if n in state and n not in frozen and n not in configuring]
+        frozen += [n for n in dequantized_weights(graph) if n not in frozen]  # int8 weights: frozen, not constants
     else:
         trainable = list(requires_grad)
+    frozen += quantization_parameters(graph, frozen, trainable)
     for name in trainable + frozen:
         if name not in graph.initializers:
             raise ParameterError(f"'{name}' is not an initializer of the model; its parameters are: "
@@ -64,6 +71,17 @@ def _select_parameters(graph, requires_grad, frozen_params):
             raise ArgumentError(f"parameter '{name}' is {graph.initializers[name].dtype}; only float32 parameters train")
     order = list(graph.initializers)
     return sorted(trainable, key=order.index), sorted(frozen, key=order.index)
+
+
+def quantization_parameters(graph, frozen, trainable=()) -> list[str]:
+    """The scales and zero points that go with the frozen quantized weights among `frozen` (integer
+    initializers read by DequantizeLinear), not yet in `frozen` or `trainable`: a frozen int8 weight is
+    held in the checkpoint with its scale and zero point."""
+    weights = dequantized_weights(graph)
+    extra: list[str] = []
+    for name in frozen:
+        extra += [n for n in weights.get(name, ()) if n not in frozen and n not in trainable and n not in extra]
+    return extra
 
 
 def to_eval_graph(graph):

@@ -67,11 +67,13 @@ def _parameter_groups(graph, loss_inputs) -> tuple[list[tuple[str, list[str]]], 
     import numpy as np
 
     from .artifacts import _state_inputs
+    from .graph.ops.quantize import quantization_inputs
 
     used = graph.prune(list(loss_inputs)).initializers
     updated = _state_inputs(graph)
+    quantization = quantization_inputs(graph)  # scales and zero points configure, never train
     candidates = {n for n, v in graph.initializers.items()
-                  if n in used and n not in updated and np.issubdtype(v.dtype, np.floating)}
+                  if n in used and n not in updated and n not in quantization and np.issubdtype(v.dtype, np.floating)}
     groups, seen = [], set()
     for node in graph.nodes:
         names = [i for i in node.inputs if i in candidates and i not in seen]
@@ -82,8 +84,12 @@ def _parameter_groups(graph, loss_inputs) -> tuple[list[tuple[str, list[str]]], 
 
 
 def _select_parameters(graph, loss_inputs, requires_grad=None, freeze=None, train_last=None):
-    """(trainable, frozen) parameter names from glob patterns or a count of last layers."""
+    """(trainable, frozen) parameter names from glob patterns or a count of last layers; quantized
+    (integer) weights are frozen with their scales and zero points."""
     from fnmatch import fnmatchcase
+
+    from .artifacts import quantization_parameters
+    from .graph.ops.quantize import dequantized_weights
 
     groups, updated = _parameter_groups(graph, loss_inputs)
     names = [n for _, group in groups for n in group]
@@ -106,7 +112,10 @@ def _select_parameters(graph, loss_inputs, requires_grad=None, freeze=None, trai
         trainable = names
     if not trainable:
         raise ArgumentError("no parameter is left to train: freeze fewer parameters")
-    return trainable, [n for n in names if n not in trainable] + updated
+    frozen = [n for n in names if n not in trainable] + updated
+    used = graph.prune(list(loss_inputs)).initializers
+    frozen += [n for n in dequantized_weights(graph) if n in used]  # int8 weights, with their scales below
+    return trainable, frozen + [n for n in quantization_parameters(graph, frozen) if n not in trainable]
 
 
 def _loss_inputs(graph, loss_input):

@@ -78,13 +78,19 @@ def dynamic_mlp(path) -> str:
 
 def personalize_parameters(model_path) -> tuple[list[str], list[str]]:
     """(requires_grad, frozen_params) for the QDQ MobileNetV2: the float head trains, every other
-    initializer (int8 weights, int32 biases, scales, zero points, running statistics) is frozen."""
+    initializer on the way to the output (int8 weights, int32 biases, scales, zero points, running
+    statistics) is frozen. (With batch statistics the quantizer also quantizes the running-statistics
+    outputs, which lead nowhere.)"""
     import onnx
 
     meta = json.loads((DATA / "mobilenetv2_personalize" / "meta.json").read_text())
-    model = onnx.load(str(model_path), load_external_data=False)
+    graph = onnx.load(str(model_path), load_external_data=False).graph
+    needed = {o.name for o in graph.output}
+    for node in reversed(graph.node):
+        if needed.intersection(node.output):
+            needed.update(node.input)
     trainable = list(meta["requires_grad"])
-    return trainable, [t.name for t in model.graph.initializer if t.name not in trainable]
+    return trainable, [t.name for t in graph.initializer if t.name in needed and t.name not in trainable]
 
 
 if __name__ == "__main__":

@@ -302,6 +302,13 @@ def fuse_quantize_pairs(graph: Graph) -> Graph:
     return graph
 
 
+def quantization_inputs(graph: Graph) -> set[str]:
+    """Initializers that are scales or zero points of QuantizeLinear and DequantizeLinear nodes: they
+    configure the quantization and never train (they may be frozen with their weights)."""
+    return {name for node in graph.nodes if node.key in (("", "QuantizeLinear"), ("", "DequantizeLinear"))
+            for name in node.inputs[1:3] if name in graph.initializers}
+
+
 def dequantized_weights(graph: Graph) -> dict[str, list[str]]:
     """Integer initializers that DequantizeLinear nodes read, each with the initializers that go with it
     (its scales and zero points): a frozen quantized weight and its parameters."""
