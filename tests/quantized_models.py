@@ -8,7 +8,11 @@
 - `dynamic_mlp`: the reference MLP through `quantize_dynamic` (DynamicQuantizeLinear + MatMulInteger).
 
 They are generated rather than stored (the QDQ MobileNetV2 is 2.8 MB): the tests build them once per
-session; `python tests/quantized_models.py FOLDER` writes both into FOLDER.
+session; `python tests/quantized_models.py FOLDER` writes them into FOLDER, the MobileNetV2s as
+workload folders for benchmarks/compare.py:
+
+    python tests/quantized_models.py /tmp/qmodels
+    python benchmarks/compare.py --models /tmp/qmodels --workload mobilenetv2_qdq_inference --systems odtrain
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import json
 import os
 import pathlib
 import sys
+import tempfile
 
 import numpy as np
 
@@ -59,12 +64,12 @@ def qdq_mobilenetv2(path, inference_form: bool = False) -> str:
         def get_next(self):
             return next(self.feeds, None)
 
-    source = DATA / "mobilenetv2_personalize" / "forward.onnx"
-    if inference_form:
-        source = with_running_statistics(source, f"{path}.float.onnx")
-    quantize_static(str(source), str(path), GoldenBatches(),
-                    quant_format=QuantFormat.QDQ, activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
-                    nodes_to_exclude=[HEAD])
+    with tempfile.TemporaryDirectory() as scratch:
+        source = DATA / "mobilenetv2_personalize" / "forward.onnx"
+        if inference_form:
+            source = with_running_statistics(source, os.path.join(scratch, "forward.onnx"))
+        quantize_static(str(source), str(path), GoldenBatches(), quant_format=QuantFormat.QDQ,
+                        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, nodes_to_exclude=[HEAD])
     return str(path)
 
 
@@ -93,9 +98,25 @@ def personalize_parameters(model_path) -> tuple[list[str], list[str]]:
     return trainable, [t.name for t in graph.initializer if t.name in needed and t.name not in trainable]
 
 
+def write_workload(folder, inference_form: bool = False) -> str:
+    """A workload folder for benchmarks/compare.py (--models PARENT --workload NAME): the QDQ MobileNetV2
+    as forward.onnx, meta.json with its head trainable and the rest frozen, the golden batches."""
+    folder = pathlib.Path(folder)
+    os.makedirs(folder, exist_ok=True)
+    model = qdq_mobilenetv2(folder / "forward.onnx", inference_form)
+    meta = json.loads((DATA / "mobilenetv2_personalize" / "meta.json").read_text())
+    meta["name"] = folder.name
+    meta["requires_grad"], meta["frozen_params"] = personalize_parameters(model)
+    (folder / "meta.json").write_text(json.dumps(meta, indent=1))
+    golden = folder / "golden.npz"
+    if not golden.exists():
+        os.symlink(DATA / "mobilenetv2_personalize" / "golden.npz", golden)
+    return str(folder)
+
+
 if __name__ == "__main__":
     folder = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else ".")
     os.makedirs(folder, exist_ok=True)
-    print(qdq_mobilenetv2(folder / "mobilenetv2_qdq.onnx"))
-    print(qdq_mobilenetv2(folder / "mobilenetv2_qdq_inference.onnx", inference_form=True))
+    print(write_workload(folder / "mobilenetv2_qdq"))
+    print(write_workload(folder / "mobilenetv2_qdq_inference", inference_form=True))
     print(dynamic_mlp(folder / "mlp_dynamic.onnx"))
