@@ -185,6 +185,70 @@ def FakeQuantizeGrad(inputs, outputs, axis=1, block_size=0, qmin=0, qmax=255):
                         qrange=(qmin, qmax))]
 
 
+@njit(cache=True, error_model="numpy")
+def _symmetric_scales(w, qmax, scales):
+    """scales[a] = max |w[o, a, i]| over o and i, / qmax (1 where the weights are all zero)."""
+    scales[:] = 0
+    for o in range(w.shape[0]):
+        for a in range(w.shape[1]):
+            row = w[o, a]
+            largest = scales[a]
+            for i in range(row.size):
+                largest = max(largest, abs(row[i]))
+            scales[a] = largest
+    for a in range(scales.size):
+        scales[a] = scales[a] / qmax if scales[a] > 0 else np.float32(1.0)
+
+
+@njit(cache=True, error_model="numpy")
+def _observe_range(x, stored, updated, averaging, training, qmin, qmax, scale, zero):
+    """The activation range (updated in training: set by the first batch, then moved by `averaging` towards
+    each batch's min and max), and the scale and zero point it gives (see FakeQuantizeRange)."""
+    low, high = stored[0], stored[1]
+    if training:
+        batch_low, batch_high = x[0], x[0]
+        for i in range(x.size):
+            batch_low = min(batch_low, x[i])
+            batch_high = max(batch_high, x[i])
+        if low == 0 and high == 0:
+            low, high = batch_low, batch_high
+        else:
+            low += averaging * (batch_low - low)
+            high += averaging * (batch_high - high)
+        updated[0], updated[1] = low, high
+    low, high = min(low, np.float32(0.0)), max(high, np.float32(0.0))
+    s = (high - low) / (qmax - qmin)
+    s = s if s > 0 else np.float32(1.0)
+    scale[0] = s
+    zero[0] = np.rint(min(max(qmin - low / s, qmin), qmax))
+
+
+@binding("FakeQuantizeWeight", ODTRAIN_DOMAIN, scratch=lambda specs_in, specs_out, axis=0, **attrs:
+         4 * (1 if axis < 0 else int(specs_in[0][0][axis])))
+def FakeQuantizeWeight(inputs, outputs, axis=0, qmax=127, scratch=None):
+    w, y = inputs[0], outputs[0]
+    per_tensor = axis < 0 or w.ndim == 0
+    scales = scratch.view(np.float32)[:1 if per_tensor else w.shape[axis]]
+    x3, s3, _ = groups_view(w.shape, scales.size, scales.shape, 0 if per_tensor else axis, 0)
+    outer, length, inner = (1, 1, w.size) if per_tensor else x3
+    return [(_symmetric_scales, (w.reshape(outer, length, inner), np.float32(qmax), scales)),
+            affine_call(FAKE, w, scales, None, y, axis=0 if per_tensor else axis, qrange=(-qmax - 1, qmax))]
+
+
+@binding("FakeQuantizeRange", ODTRAIN_DOMAIN, scratch=lambda specs_in, specs_out, **attrs:
+         0 if len(specs_out) > 2 and specs_out[2] else 2 * ALIGNMENT)
+def FakeQuantizeRange(inputs, outputs, qmin=0, qmax=255, averaging=0.01, training_mode=1, scratch=None):
+    x, stored, y = inputs[0], inputs[1], outputs[0]
+    updated = outputs[1] if len(outputs) > 1 and outputs[1] is not None else stored
+    if len(outputs) > 3 and outputs[2] is not None:
+        scale, zero = outputs[2], outputs[3]
+    else:  # the eval form: scale and zero point in the node's scratch
+        scale, zero = scratch[:4].view(np.float32), scratch[ALIGNMENT:ALIGNMENT + 4].view(np.float32)
+    return [(_observe_range, (x.reshape(-1), stored, updated, np.float32(averaging), bool(training_mode),
+                              np.float32(qmin), np.float32(qmax), scale, zero)),
+            affine_call(FAKE, x, scale, zero, y, qrange=(qmin, qmax))]
+
+
 # ---- integer products ---------------------------------------------------------------------------------
 
 

@@ -29,8 +29,10 @@ from .graph.ops.quantize import dequantized_weights, quantization_inputs
 from .graph.losses import LossType, add_loss, parse_loss
 from .graph.onnx_io import graph_from_proto, read_model_proto, save_graph
 from .graph.optimizers import SGD, AdamW, OptimType, SGDMomentum, build_optimizer_graph, parse_optimizer
+from .graph.qat import QatConfig, insert_fake_quantization
 
-__all__ = ["generate_artifacts", "build_training_graphs", "LossType", "OptimType", "AdamW", "SGD", "SGDMomentum"]
+__all__ = ["generate_artifacts", "build_training_graphs", "LossType", "OptimType", "AdamW", "SGD", "SGDMomentum",
+           "QatConfig"]
 
 
 def _state_inputs(graph) -> set[str]:
@@ -114,16 +116,19 @@ def _is_block(value) -> bool:
 
 
 def build_training_graphs(model, requires_grad=None, frozen_params=None, loss=None, additional_output_names=None,
-                          loss_input_names=None) -> TrainingGraphs:
+                          loss_input_names=None, qat: QatConfig | None = None) -> TrainingGraphs:
     """Forward model + loss -> training graph (with `<param>_grad` outputs) and eval graph.
 
     `loss` is a LossType, an odtrain.onnxblock Block (whose build takes the loss inputs and returns the loss
-    name, or (loss, *extra outputs)), or None when the model's output is the loss.
+    name, or (loss, *extra outputs)), or None when the model's output is the loss. `qat` inserts fake
+    quantization (graph/qat.py); its activation ranges join the frozen parameters.
     """
     proto, path = read_model_proto(model, "model")
     graph = graph_from_proto(proto, path or "model")
     check_supported(graph.nodes, f"model '{path}'" if path else "model")
     trainable, frozen = _select_parameters(graph, requires_grad, frozen_params)
+    if qat is not None:
+        frozen += insert_fake_quantization(graph, qat, trainable + frozen)
     if not trainable:
         raise ArgumentError("no parameter requires a gradient: list parameters in requires_grad")
 
@@ -193,11 +198,14 @@ def build_training_graphs(model, requires_grad=None, frozen_params=None, loss=No
 def generate_artifacts(model, requires_grad=None, frozen_params=None, loss=None, optimizer=None,
                        artifact_directory=None, prefix: str = "", ort_format: bool = False,
                        custom_op_library=None, additional_output_names=None, nominal_checkpoint: bool = False,
-                       loss_input_names=None) -> None:
+                       loss_input_names=None, qat: QatConfig | None = None) -> None:
     """Write the training artifacts for `model` (an onnx.ModelProto or a path) into `artifact_directory`.
 
     `loss` and `optimizer` also accept odtrain.onnxblock blocks (a custom loss; onnxblock.optim.AdamW, SGD,
-    SGDMomentum)."""
+    SGDMomentum). `qat=QatConfig()` trains with fake quantization; the exported inference model is then a
+    QDQ model with int8 weights."""
+    if qat is not None and not isinstance(qat, QatConfig):
+        raise ArgumentError(f"qat must be an artifacts.QatConfig, got {type(qat).__name__}")
     if ort_format:
         raise ArgumentError("ort_format=True does not apply: odtrain reads and writes ONNX files, not ORT format")
     if custom_op_library is not None:
@@ -206,7 +214,8 @@ def generate_artifacts(model, requires_grad=None, frozen_params=None, loss=None,
     if _is_block(optimizer):
         optimizer = optimizer.config
     optimizer = parse_optimizer(optimizer) if optimizer is not None else None
-    built = build_training_graphs(model, requires_grad, frozen_params, loss, additional_output_names, loss_input_names)
+    built = build_training_graphs(model, requires_grad, frozen_params, loss, additional_output_names, loss_input_names,
+                                  qat)
     trainable, values = built.trainable, built.values
 
     directory = os.fspath(artifact_directory) if artifact_directory is not None else os.getcwd()

@@ -275,9 +275,10 @@ def _prepare(args) -> int:
     if args.optimizer == "sgd" and args.weight_decay:
         raise ArgumentError("--weight-decay applies to AdamW only")
     extra = [o for o in graph.outputs if o in loss_inputs] + [o for o in graph.outputs if o not in loss_inputs]
+    qat = artifacts.QatConfig() if args.qat else None
     artifacts.generate_artifacts(args.model, requires_grad=trainable, frozen_params=frozen, loss=_loss_type(args.loss),
                                  optimizer=optimizer, artifact_directory=args.output,
-                                 additional_output_names=extra, loss_input_names=loss_inputs)
+                                 additional_output_names=extra, loss_input_names=loss_inputs, qat=qat)
     state = CheckpointState.load_checkpoint(checkpoint)
     state.properties["learning_rate"] = float(args.lr)
     state.properties["loss"] = args.loss
@@ -289,7 +290,7 @@ def _prepare(args) -> int:
     result = {"artifacts": args.output, "files": [os.path.basename(p) for p in files],
               "trainable": trainable, "frozen": frozen, "trainable_values": sum(sizes[n] for n in trainable),
               "frozen_values": sum(sizes[n] for n in frozen), "loss": args.loss, "optimizer": args.optimizer,
-              "learning_rate": args.lr}
+              "learning_rate": args.lr, "qat": bool(args.qat)}
     if args.json:
         _print_json(result)
         return 0
@@ -300,6 +301,9 @@ def _prepare(args) -> int:
     print(f"trainable: {result['trainable_values']:,} values in {', '.join(trainable)}")
     print(f"frozen: {result['frozen_values']:,} values in {', '.join(frozen)}" if frozen else "frozen: none")
     print(f"loss: {args.loss} on '{loss_inputs[0]}'; optimizer: {args.optimizer}, learning rate {args.lr:g}")
+    if qat is not None:
+        print(f"quantization-aware training: {qat.weight_dtype} weights per {'channel' if qat.per_channel else 'tensor'}, "
+              f"{qat.activation_dtype} activations per tensor; `odtrain export` writes a QDQ model")
     print(f"training data feeds: {', '.join(s.describe() for s in inputs)}")
     return 0
 
@@ -532,6 +536,9 @@ def _add_training_commands(commands) -> None:
     prepare.add_argument("--lr", type=float, default=1e-3, help="learning rate that `odtrain train` uses unless "
                          "told otherwise (default: 0.001)")
     prepare.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default: 0)")
+    prepare.add_argument("--qat", action="store_true", help="quantization-aware training: fake-quantize the weights "
+                         "(int8, symmetric, per channel) and inputs (uint8, per tensor) of Conv, MatMul and Gemm; "
+                         "the exported model is then a QDQ model with int8 weights")
     prepare.add_argument("--force", action="store_true", help="replace artifacts already in ARTIFACT_DIR")
     prepare.add_argument("--json", action="store_true", help="print the result as JSON")
     prepare.set_defaults(handler=_prepare)

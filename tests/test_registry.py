@@ -22,7 +22,7 @@ GRADIENT_CHECKED |= {"Conv", "BatchNormalization", "MaxPool", "AveragePool", "Gl
 # upsampling ops (tests/test_upsampling.py)
 GRADIENT_CHECKED |= {"ConvTranspose", "Resize", "Upsample"}
 # fake quantization, the straight-through estimator (tests/test_quantize.py)
-GRADIENT_CHECKED |= {"FakeQuantize"}
+GRADIENT_CHECKED |= {"FakeQuantize", "FakeQuantizeWeight", "FakeQuantizeRange"}
 
 
 def test_every_registered_op_has_a_kernel():
