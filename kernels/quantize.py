@@ -227,12 +227,11 @@ def _observe_range(x, stored, updated, averaging, training, qmin, qmax, scale, z
          4 * (1 if axis < 0 else int(specs_in[0][0][axis])))
 def FakeQuantizeWeight(inputs, outputs, axis=0, qmax=127, scratch=None):
     w, y = inputs[0], outputs[0]
-    per_tensor = axis < 0 or w.ndim == 0
-    scales = scratch.view(np.float32)[:1 if per_tensor else w.shape[axis]]
-    x3, s3, _ = groups_view(w.shape, scales.size, scales.shape, 0 if per_tensor else axis, 0)
-    outer, length, inner = (1, 1, w.size) if per_tensor else x3
-    return [(_symmetric_scales, (w.reshape(outer, length, inner), np.float32(qmax), scales)),
-            affine_call(FAKE, w, scales, None, y, axis=0 if per_tensor else axis, qrange=(-qmax - 1, qmax))]
+    axis = -1 if axis < 0 or w.ndim == 0 else axis  # -1: one scale for the tensor
+    scales = scratch.view(np.float32)[:1 if axis < 0 else w.shape[axis]]
+    w3, _, _ = groups_view(w.shape, scales.size, scales.shape, axis, 0)
+    return [(_symmetric_scales, (w.reshape(w3), np.float32(qmax), scales)),
+            affine_call(FAKE, w, scales, None, y, axis=axis, qrange=(-qmax - 1, qmax))]
 
 
 @binding("FakeQuantizeRange", ODTRAIN_DOMAIN, scratch=lambda specs_in, specs_out, **attrs:

