@@ -22,6 +22,9 @@ x lay inside the representable range [(qmin - z) · s, (qmax - z) · s] and is z
 clipped: dx = dy · 1[(qmin - z)·s ≤ x ≤ (qmax - z)·s] (FakeQuantizeGrad). Rounding itself is
 treated as the identity; scales and zero points receive no gradient.
 
+Quantization-aware training (graph/qat.py) inserts FakeQuantizeWeight and FakeQuantizeRange,
+described where they are registered below.
+
 Memory: DequantizeLinear never folds to a constant, so an int8 weight stays int8 in memory
 and is dequantized at each use into arena bytes that live only until its reader runs.
 """
@@ -76,9 +79,9 @@ def _require_quantized(node, t: TensorType, what: str, allowed=tuple(QUANTIZED_R
 
 def check_groups(node, x_shape: tuple, scale: TensorType, zero: TensorType | None) -> None:
     """Refuse a scale (and zero point) whose shape is neither per tensor, per axis nor per block of x."""
-    if zero is not None and zero.is_static and scale.is_static and zero.size != scale.size or \
-            zero is not None and zero.is_static and scale.is_static and zero.size > 1 and zero.shape != scale.shape:
-        raise ModelError(f"{node.describe()}: zero point {zero} and scale {scale} differ in shape")
+    if zero is not None and zero.is_static and scale.is_static:
+        if zero.size != scale.size or (zero.size > 1 and zero.shape != scale.shape):
+            raise ModelError(f"{node.describe()}: zero point {zero} and scale {scale} differ in shape")
     if x_shape is None or scale.shape is None or scale.size == 1 and scale.is_static:
         return
     rank = len(x_shape)
@@ -228,55 +231,6 @@ def _fake_quantize_grad_rule(node, types, consts):
     return [types[0]]
 
 
-# ---- quantization-aware training (graph/qat.py inserts these) --------------------------------------
-
-
-# FakeQuantizeWeight(w; axis, qmax) = FakeQuantize(w, s, 0) with symmetric scales s = max|w| / qmax per index
-# of `axis` (axis = -1 for one scale over the tensor), recomputed from the weight at every step. No value is
-# clipped (|w / s| <= qmax), so the straight-through gradient is the identity.
-@op("FakeQuantizeWeight", ODTRAIN_DOMAIN)
-def _fake_quantize_weight_rule(node, types, consts):
-    if types[0].dtype != FLOAT32:
-        raise UnsupportedOpError(f"{node.describe()}: its weight is {types[0]}; odtrain quantizes float32")
-    return [types[0]]
-
-
-@grad("FakeQuantizeWeight", ODTRAIN_DOMAIN)
-def _fake_quantize_weight_grad(ctx):  # dw = dy: the symmetric range holds every value
-    ctx.set_grad(0, ctx.GO(0))
-
-
-# FakeQuantizeRange(x, range; qmin, qmax, averaging, training_mode) -> (y, range_out, scale, zero_point):
-# activations quantized per tensor with the range [min, max] that training tracks: in training mode the
-# batch's min and max update it (the first batch sets it: a range of [0, 0] is unset; then
-# range += averaging · (batch - range)), written over the range parameter in the checkpoint; then
-# s = (max' - min') / (qmax - qmin) and z = rint(clamp(qmin - min' / s)), where min' = min(min, 0) and
-# max' = max(max, 0), and y = FakeQuantize(x, s, z). The eval form reads the range without updating it.
-@op("FakeQuantizeRange", ODTRAIN_DOMAIN, inplace=((0, 0),), updates=((1, 1),))
-def _fake_quantize_range_rule(node, types, consts):
-    x, stored = types[0], types[1]
-    if x.dtype != FLOAT32:
-        raise UnsupportedOpError(f"{node.describe()}: its input is {x}; odtrain quantizes float32")
-    if stored.dtype != FLOAT32 or stored.shape != (2,):
-        raise ModelError(f"{node.describe()}: its range {stored} must be float32[2] (min, max)")
-    scalar = TensorType(FLOAT32, (1,))
-    return [x, stored, scalar, scalar][:len(node.outputs)]
-
-
-@eval_form("FakeQuantizeRange", ODTRAIN_DOMAIN)
-def _fake_quantize_range_eval(node):
-    return Node(node.op_type, list(node.inputs), node.outputs[:1], {**node.attrs, "training_mode": 0}, node.name,
-                node.domain)
-
-
-@grad("FakeQuantizeRange", ODTRAIN_DOMAIN)
-def _fake_quantize_range_grad(ctx):  # dx = dy where x lay inside the range, as FakeQuantize
-    if ctx.needs(0):
-        scale, zero = ctx.forward_output(2, "scale"), ctx.forward_output(3, "zero_point")
-        attrs = {"qmin": ctx.attr("qmin"), "qmax": ctx.attr("qmax")}
-        ctx.set_grad(0, ctx.odtrain("FakeQuantizeGrad", [ctx.GO(0), ctx.I(0), scale, zero], attrs))
-
-
 def fake_quantize_node(quantize: Node, dequantize: Node, qmin: int, qmax: int) -> Node:
     """The FakeQuantize node standing for `quantize` followed by `dequantize` (writing its output)."""
     attrs = {"axis": int(quantize.attrs.get("axis", 1)), "block_size": int(quantize.attrs.get("block_size", 0) or 0),
@@ -360,3 +314,52 @@ def dequantized_weights(graph: Graph) -> dict[str, list[str]]:
         companions = weights.setdefault(node.inputs[0], [])
         companions.extend(n for n in node.inputs[1:] if n in graph.initializers and n not in companions)
     return weights
+
+
+# ---- quantization-aware training (graph/qat.py inserts these) --------------------------------------
+
+
+# FakeQuantizeWeight(w; axis, qmax) = FakeQuantize(w, s, 0) with symmetric scales s = max|w| / qmax per index
+# of `axis` (axis = -1 for one scale over the tensor), recomputed from the weight at every step. No value is
+# clipped (|w / s| <= qmax), so the straight-through gradient is the identity.
+@op("FakeQuantizeWeight", ODTRAIN_DOMAIN)
+def _fake_quantize_weight_rule(node, types, consts):
+    if types[0].dtype != FLOAT32:
+        raise UnsupportedOpError(f"{node.describe()}: its weight is {types[0]}; odtrain quantizes float32")
+    return [types[0]]
+
+
+@grad("FakeQuantizeWeight", ODTRAIN_DOMAIN)
+def _fake_quantize_weight_grad(ctx):  # dw = dy: the symmetric range holds every value
+    ctx.set_grad(0, ctx.GO(0))
+
+
+# FakeQuantizeRange(x, range; qmin, qmax, averaging, training_mode) -> (y, range_out, scale, zero_point):
+# activations quantized per tensor with the range [min, max] that training tracks: in training mode the
+# batch's min and max update it (the first batch sets it: a range of [0, 0] is unset; then
+# range += averaging · (batch - range)), written over the range parameter in the checkpoint; then
+# s = (max' - min') / (qmax - qmin) and z = rint(clamp(qmin - min' / s)), where min' = min(min, 0) and
+# max' = max(max, 0), and y = FakeQuantize(x, s, z). The eval form reads the range without updating it.
+@op("FakeQuantizeRange", ODTRAIN_DOMAIN, inplace=((0, 0),), updates=((1, 1),))
+def _fake_quantize_range_rule(node, types, consts):
+    x, stored = types[0], types[1]
+    if x.dtype != FLOAT32:
+        raise UnsupportedOpError(f"{node.describe()}: its input is {x}; odtrain quantizes float32")
+    if stored.dtype != FLOAT32 or stored.shape != (2,):
+        raise ModelError(f"{node.describe()}: its range {stored} must be float32[2] (min, max)")
+    scalar = TensorType(FLOAT32, (1,))
+    return [x, stored, scalar, scalar][:len(node.outputs)]
+
+
+@eval_form("FakeQuantizeRange", ODTRAIN_DOMAIN)
+def _fake_quantize_range_eval(node):
+    return Node(node.op_type, list(node.inputs), node.outputs[:1], {**node.attrs, "training_mode": 0}, node.name,
+                node.domain)
+
+
+@grad("FakeQuantizeRange", ODTRAIN_DOMAIN)
+def _fake_quantize_range_grad(ctx):  # dx = dy where x lay inside the range, as FakeQuantize
+    if ctx.needs(0):
+        scale, zero = ctx.forward_output(2, "scale"), ctx.forward_output(3, "zero_point")
+        attrs = {"qmin": ctx.attr("qmin"), "qmax": ctx.attr("qmax")}
+        ctx.set_grad(0, ctx.odtrain("FakeQuantizeGrad", [ctx.GO(0), ctx.I(0), scale, zero], attrs))
