@@ -23,6 +23,7 @@ from .fusion import fuse_for_training
 from .ir import DEFAULT_DOMAIN, Graph, NameScope, Node
 from .ops import OPS, GradContext, lookup
 from .ops.nn import fuse_normalization_activations
+from .ops.quantize import fuse_quantize_pairs
 
 GRAD_SUFFIX = "_grad"
 LOSS_SEED = "loss_grad_seed"
@@ -81,6 +82,7 @@ def build_gradient_graph(graph: Graph, loss: str, trainable: list[str], without_
     """
     training = fuse_for_training(graph)  # a copy, with exported patterns fused (graph/fusion.py)
     fuse_normalization_activations(training)  # BatchNormalization → Relu/Clip (graph/ops/nn.py)
+    fuse_quantize_pairs(training)  # QuantizeLinear → DequantizeLinear: FakeQuantize (graph/ops/quantize.py)
     builder = BackwardBuilder(training)
     reaches_param = _depends_on(training, set(trainable))
     if loss not in reaches_param:

@@ -156,7 +156,7 @@ def _check_opsets(opsets: dict[str, int], nodes, source: str) -> None:
         domains = sorted({n.domain for _, n in foreign})
         raise UnsupportedOpError(f"{source}: odtrain implements no ops of the domain{'s' * (len(domains) > 1)} "
                                  f"{', '.join(domains)}: {'; '.join(shown)}{more}; export the model with standard "
-                                 "ONNX ops only")
+                                 "ONNX ops only (onnxruntime's quantizer writes them with quant_format=QuantFormat.QDQ)")
 
 
 def _node_name(node, index: int) -> str:

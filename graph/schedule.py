@@ -12,6 +12,10 @@ Steps:
 - `memory_aware_order`: a topological reordering that keeps fewer bytes alive.
 - `with_updates`: fused optimizer updates, each placed right after the last
   node that reads its parameter or produces its gradient.
+- `defer_constant_work`: nodes that compute only from values held outside
+  the arena (parameters, constants), such as the DequantizeLinear of an
+  int8 weight, move to just before their first reader, so that their
+  outputs live for a step instead of from the start.
 
 Names the order is made of: a node recomputed in the backward pass (and each
 of its outputs) is named `<original>::recomputed`.
@@ -113,6 +117,37 @@ def execution_order(graph: Graph, folded: dict[str, np.ndarray], wanted: list[st
         needed.update(i for k, i in enumerate(node.inputs) if i and k not in shape_only)
     order.reverse()
     return order
+
+
+def defer_constant_work(order: list[Node], held: set[str]) -> list[Node]:
+    """`order` with each node whose inputs are all in `held` (values outside the arena) or made by such
+    nodes placed just before the first node that reads its outputs; other nodes keep their order.
+    Their inputs live outside the arena, so no arena value lives longer for it."""
+    derived = set(held)
+    movable: set[int] = set()
+    for node in order:
+        if node.inputs and all(not i or i in derived for i in node.inputs):
+            movable.add(id(node))
+            derived.update(o for o in node.outputs if o)
+    producer = {o: node for node in order if id(node) in movable for o in node.outputs if o}
+    result: list[Node] = []
+    placed: set[int] = set()
+
+    def place(node: Node) -> None:
+        for name in node.inputs:
+            before = producer.get(name)
+            if before is not None and id(before) not in placed:
+                place(before)
+        placed.add(id(node))
+        result.append(node)
+
+    for node in order:
+        if id(node) not in movable:
+            place(node)
+    for node in order:  # read by no other node (a graph output of constants only): at the end
+        if id(node) not in placed:
+            place(node)
+    return result
 
 
 def memory_aware_order(order: list[Node], nbytes: dict[str, int], keep: set[str],

@@ -38,8 +38,8 @@ from .ir import Graph, Node, TensorType
 from .ops import is_view, lookup
 from .planner import SCRATCH_SUFFIX, Plan, plan_memory
 from .recompute import choose_kept, rewrite, saved_activations
-from .schedule import (RECOMPUTE_SUFFIX, bind_types, execution_order, memory_aware_order, split_forward_backward,
-                       with_updates)
+from .schedule import (RECOMPUTE_SUFFIX, bind_types, defer_constant_work, execution_order, memory_aware_order,
+                       split_forward_backward, with_updates)
 
 ScratchBytes = Callable[[Node, dict[str, TensorType]], int]  # bytes of working memory a node's kernel needs
 
@@ -91,6 +91,7 @@ def plan_step(graph: Graph, feed_types: dict[str, TensorType], parameter_types: 
     known = {**feed_types, **parameter_types}
     types, folded = bind_types(graph, known, constants)  # the layout adds scratch and recomputed values
     order = execution_order(graph, folded, list(graph.outputs))
+    order = defer_constant_work(order, set(parameter_types) | set(folded))  # e.g. an int8 weight's dequantization
     given = set(parameter_types) | set(folded) | set(held)
     layout = _Layout(graph, types, feeds, live_outputs, scratch_bytes, given, set(parameter_types))
     recomputed = 0

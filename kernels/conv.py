@@ -19,7 +19,7 @@ Convolution:
   a contiguous multiply-add, the padded plane split into stride phases),
   channels-last for narrow ones (each tap a multiply-add over the channels);
   the kernels are in depthwise.py.
-- work memory is the node's arena scratch (declared by `_conv_scratch`,
+- work memory is the node's arena scratch (declared by `conv_scratch`,
   placed by the planner for that one step): im2col columns K·chunk·P, rows
   gathered from several images M/G·chunk·P, and dW's sums (G + 1)·K·M/G
   floats; e.g. 1.35 MB for MobileNetV2's first layer at 224x224. Depthwise:
@@ -451,9 +451,9 @@ class _ConvLayout:
             self.columns = int(np.prod(self.padded_shape))
             self.rows = int(np.prod(self.rows_shape))
 
-    def depthwise_work(self, scratch):
+    def depthwise_work(self, scratch, dtype=np.float32):
         """(padded input plane, one output/gradient plane, taps [M/G, K, G]) for the depthwise kernels."""
-        memory = scratch.view(np.float32)
+        memory = scratch.view(dtype)
         padded = memory[:self.columns].reshape(self.padded_shape)
         rows = memory[self.columns:self.columns + self.rows].reshape(self.rows_shape)
         start = self.columns + self.rows
@@ -461,9 +461,10 @@ class _ConvLayout:
         taps = memory[start:start + self.partial].reshape(self.out_per_group, self.k, groups)
         return padded, rows, taps
 
-    def work(self, scratch, sums: bool = False):
-        """(columns, rows[, dW sums [G, K, M/G], product [K, M/G]]) as float32 views of the node's scratch."""
-        memory = scratch.view(np.float32) if scratch is not None else np.zeros(0, np.float32)
+    def work(self, scratch, sums: bool = False, dtype=np.float32):
+        """(columns, rows[, dW sums [G, K, M/G], product [K, M/G]]) as views of the node's scratch (float32,
+        or the dtype the convolution runs in)."""
+        memory = scratch.view(dtype) if scratch is not None else np.zeros(0, dtype)
         columns = memory[:self.columns]
         rows = memory[self.columns:self.columns + self.rows]
         if not sums:
@@ -476,7 +477,7 @@ class _ConvLayout:
         return columns, rows, totals, product
 
 
-def _conv_scratch(op_type: str):
+def conv_scratch(op_type: str):
     """The scratch-size rule of Conv, ConvInputGrad or ConvWeightGrad: bytes of im2col work memory."""
 
     def size(specs_in, specs_out, **attrs):
@@ -489,28 +490,28 @@ def _conv_scratch(op_type: str):
         else:
             layout = _ConvLayout(shapes_in[1], shape_out, shapes_in[0], **attrs)
         extra = layout.partial if op_type == "ConvWeightGrad" or layout.depthwise else 0
-        return 4 * (layout.columns + layout.rows + extra)
+        return np.dtype(specs_in[0][1]).itemsize * (layout.columns + layout.rows + extra)
 
     return size
 
 
-@binding("Conv", scratch=_conv_scratch("Conv"))
+@binding("Conv", scratch=conv_scratch("Conv"))
 def Conv(inputs, outputs, scratch=None, **attrs):
     x, w, y = inputs[0], inputs[1], outputs[0]
     bias = inputs[2] if len(inputs) > 2 and inputs[2] is not None else None
     layout = _ConvLayout(x.shape, w.shape, y.shape, **attrs)
-    b = bias.reshape(layout.groups, layout.out_per_group) if bias is not None else np.zeros((1, 1), np.float32)
+    b = bias.reshape(layout.groups, layout.out_per_group) if bias is not None else np.zeros((1, 1), x.dtype)
     xv, wv = x.reshape(layout.x6), w.reshape(layout.w3)
-    if layout.depthwise:
-        padded, rows, taps = layout.depthwise_work(scratch)
+    if layout.depthwise:  # float32, or float64 for the integer convolutions (kernels/quantize.py)
+        padded, rows, taps = layout.depthwise_work(scratch, x.dtype)
         return [(_depthwise_forward, (x.reshape(layout.x5), wv, b, bias is not None, y.reshape(layout.y6), layout.geom,
                                       layout.columns_of_taps, padded, rows, taps[0], layout.channels_last))]
-    columns, rows = layout.work(scratch)
+    columns, rows = layout.work(scratch, dtype=x.dtype)
     return [(_conv_forward, (xv, wv, b, bias is not None, y.reshape(layout.y4), columns, rows, layout.geom,
                              layout.chunk, layout.pointwise, layout.block))]
 
 
-@binding("ConvInputGrad", ODTRAIN_DOMAIN, scratch=_conv_scratch("ConvInputGrad"))
+@binding("ConvInputGrad", ODTRAIN_DOMAIN, scratch=conv_scratch("ConvInputGrad"))
 def ConvInputGrad(inputs, outputs, scratch=None, **attrs):
     dy, w, dx = inputs[0], inputs[1], outputs[0]
     layout = _ConvLayout(dx.shape, w.shape, dy.shape, **attrs)
@@ -524,7 +525,7 @@ def ConvInputGrad(inputs, outputs, scratch=None, **attrs):
                                 layout.pointwise, layout.block))]
 
 
-@binding("ConvWeightGrad", ODTRAIN_DOMAIN, scratch=_conv_scratch("ConvWeightGrad"))
+@binding("ConvWeightGrad", ODTRAIN_DOMAIN, scratch=conv_scratch("ConvWeightGrad"))
 def ConvWeightGrad(inputs, outputs, scratch=None, **attrs):
     dy, x, dw = inputs[0], inputs[1], outputs[0]
     layout = _ConvLayout(x.shape, dw.shape, dy.shape, **attrs)

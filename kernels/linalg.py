@@ -161,7 +161,7 @@ def Gemm(inputs, outputs, alpha=1.0, beta=1.0, transA=0, transB=0):
     return [gather_call(c, out, dims, sc, beta)] + gemm_calls(a, b, out, transA, transB, alpha, accumulate=True)
 
 
-def _promoted(a_shape: tuple, b_shape: tuple, y_shape: tuple):
+def promoted_shapes(a_shape: tuple, b_shape: tuple, y_shape: tuple):
     """MatMul's operands as matrices (1-D promoted) and the output shape that goes with them."""
     a2 = (1,) + tuple(a_shape) if len(a_shape) == 1 else tuple(a_shape)
     b2 = tuple(b_shape) + (1,) if len(b_shape) == 1 else tuple(b_shape)
@@ -176,7 +176,7 @@ def _promoted(a_shape: tuple, b_shape: tuple, y_shape: tuple):
 @binding("MatMul")
 def MatMul(inputs, outputs):
     a, b, out = inputs[0], inputs[1], outputs[0]
-    a2, b2, y2 = _promoted(a.shape, b.shape, out.shape)
+    a2, b2, y2 = promoted_shapes(a.shape, b.shape, out.shape)
     return gemm_calls(a.reshape(a2), b.reshape(b2), out.reshape(y2))
 
 
@@ -184,7 +184,7 @@ def MatMul(inputs, outputs):
 def MatMulGradA(inputs, outputs):
     """dA = dY · Bᵀ, summed over the batch axes A was broadcast along."""
     dy, b, da = inputs[0], inputs[1], outputs[0]
-    a2, b2, y2 = _promoted(da.shape, b.shape, dy.shape)
+    a2, b2, y2 = promoted_shapes(da.shape, b.shape, dy.shape)
     return gemm_calls(dy.reshape(y2), b.reshape(b2), da.reshape(a2), trans_b=1)
 
 
@@ -192,7 +192,7 @@ def MatMulGradA(inputs, outputs):
 def MatMulGradB(inputs, outputs):
     """dB = Aᵀ · dY, summed over the batch axes B was broadcast along."""
     a, dy, db = inputs[0], inputs[1], outputs[0]
-    a2, b2, y2 = _promoted(a.shape, db.shape, dy.shape)
+    a2, b2, y2 = promoted_shapes(a.shape, db.shape, dy.shape)
     return gemm_calls(a.reshape(a2), dy.reshape(y2), db.reshape(b2), trans_a=1)
 
 

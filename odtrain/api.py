@@ -33,6 +33,7 @@ from .graph.onnx_io import load_graph, save_graph
 from .graph.ops import check_supported
 from .graph.optimizers import read_optimizer_graph
 from .graph.planner import Plan
+from .graph.qat import quantized_for_inference
 from .signals import deferred_interrupt
 from .state import OptimizerState, ParameterStore, PropertyBag
 
@@ -510,7 +511,7 @@ class Module:
                 inference.initializers[name] = store.data(name).copy()
         inference.inputs = [n for n in inference.inputs if n not in store]
         inference.name = "inference"
-        save_graph(inference, inference_model_uri)
+        save_graph(quantized_for_inference(inference), inference_model_uri)  # QAT's fake quantization as QDQ
 
 
 class Optimizer:

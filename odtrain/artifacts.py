@@ -8,7 +8,10 @@
 writes the files of an artifact folder (`odtrain.artifact_paths`: the training, eval and optimizer
 models and the checkpoint), each name prefixed by `prefix`. Parameters named in `requires_grad` train, those in `frozen_params` are kept in
 the checkpoint without training; other initializers stay constants of the models. With
-`requires_grad=None`, every floating-point initializer not in `frozen_params` trains.
+`requires_grad=None`, every floating-point initializer not in `frozen_params` trains, except the
+scales and zero points of quantization, and integer weights that DequantizeLinear reads are frozen.
+A frozen quantized weight takes its scale and zero point into the checkpoint with it, where it
+stays int8 (graph/ops/quantize.py).
 """
 from __future__ import annotations
 
@@ -23,11 +26,14 @@ from .graph.autodiff import build_gradient_graph
 from .graph.errors import ArgumentError, ModelError, ParameterError
 from .graph.ir import Graph, TensorType
 from .graph.ops import OPS, check_supported
+from .graph.ops.quantize import dequantized_weights, quantization_inputs
 from .graph.losses import LossType, add_loss, parse_loss
 from .graph.onnx_io import graph_from_proto, read_model_proto, save_graph
 from .graph.optimizers import SGD, AdamW, OptimType, SGDMomentum, build_optimizer_graph, parse_optimizer
+from .graph.qat import QatConfig, insert_fake_quantization
 
-__all__ = ["generate_artifacts", "build_training_graphs", "LossType", "OptimType", "AdamW", "SGD", "SGDMomentum"]
+__all__ = ["generate_artifacts", "build_training_graphs", "LossType", "OptimType", "AdamW", "SGD", "SGDMomentum",
+           "QatConfig"]
 
 
 def _state_inputs(graph) -> set[str]:
@@ -48,11 +54,14 @@ def _select_parameters(graph, requires_grad, frozen_params):
     if requires_grad is None:
         configuring = {node.inputs[k] for node in graph.nodes if node.key in OPS
                        for k in OPS[node.key].constant_inputs if k < len(node.inputs)}
+        configuring |= quantization_inputs(graph)
         state |= configuring  # shapes, axes and scales are neither trained nor frozen: they stay constants
         trainable = [n for n in floating if n not in frozen and n not in state]
         frozen += [n for n in floating if n in state and n not in frozen and n not in configuring]
+        frozen += [n for n in dequantized_weights(graph) if n not in frozen]  # int8 weights: frozen, not constants
     else:
         trainable = list(requires_grad)
+    frozen += quantization_parameters(graph, frozen, trainable)
     for name in trainable + frozen:
         if name not in graph.initializers:
             raise ParameterError(f"'{name}' is not an initializer of the model; its parameters are: "
@@ -65,6 +74,17 @@ def _select_parameters(graph, requires_grad, frozen_params):
             raise ArgumentError(f"parameter '{name}' is {graph.initializers[name].dtype}; only float32 parameters train")
     order = list(graph.initializers)
     return sorted(trainable, key=order.index), sorted(frozen, key=order.index)
+
+
+def quantization_parameters(graph, frozen, trainable=()) -> list[str]:
+    """The scales and zero points that go with the frozen quantized weights among `frozen` (integer
+    initializers read by DequantizeLinear), not yet in `frozen` or `trainable`: a frozen int8 weight is
+    held in the checkpoint with its scale and zero point."""
+    weights = dequantized_weights(graph)
+    extra: list[str] = []
+    for name in frozen:
+        extra += [n for n in weights.get(name, ()) if n not in frozen and n not in trainable and n not in extra]
+    return extra
 
 
 def to_eval_graph(graph):
@@ -91,19 +111,22 @@ class TrainingGraphs:
 
 
 def build_training_graphs(model, requires_grad=None, frozen_params=None, loss=None, additional_output_names=None,
-                          loss_input_names=None) -> TrainingGraphs:
+                          loss_input_names=None, qat: QatConfig | None = None) -> TrainingGraphs:
     """Forward model + loss -> training graph (with `<param>_grad` outputs) and eval graph.
 
     `loss` is a LossType; or an object with a method `build_loss(graph, loss_inputs)` that adds the loss to
     the forward graph and returns (the scalar loss's name, extra output names), as odtrain.onnxblock
     blocks do (their build takes the loss inputs and returns the loss name, or (loss, *extra outputs));
-    or None when the model's output is the loss.
+    or None when the model's output is the loss. `qat` inserts fake
+    quantization (graph/qat.py); its activation ranges join the frozen parameters.
     """
     custom_loss = hasattr(loss, "build_loss")
     proto, path = read_model_proto(model, "model")
     graph = graph_from_proto(proto, path or "model")
     check_supported(graph.nodes, f"model '{path}'" if path else "model")
     trainable, frozen = _select_parameters(graph, requires_grad, frozen_params)
+    if qat is not None:
+        frozen += insert_fake_quantization(graph, qat, trainable + frozen)
     if not trainable:
         raise ArgumentError("no parameter requires a gradient: list parameters in requires_grad")
 
@@ -171,11 +194,14 @@ def build_training_graphs(model, requires_grad=None, frozen_params=None, loss=No
 def generate_artifacts(model, requires_grad=None, frozen_params=None, loss=None, optimizer=None,
                        artifact_directory=None, prefix: str = "", ort_format: bool = False,
                        custom_op_library=None, additional_output_names=None, nominal_checkpoint: bool = False,
-                       loss_input_names=None) -> None:
+                       loss_input_names=None, qat: QatConfig | None = None) -> None:
     """Write the training artifacts for `model` (an onnx.ModelProto or a path) into `artifact_directory`.
 
     `loss` and `optimizer` also accept odtrain.onnxblock blocks (a custom loss; onnxblock.optim.AdamW, SGD,
-    SGDMomentum: objects that carry an optimizer `config`)."""
+    SGDMomentum: objects that carry an optimizer `config`). `qat=QatConfig()` trains with fake quantization; the exported inference model is then a
+    QDQ model with int8 weights."""
+    if qat is not None and not isinstance(qat, QatConfig):
+        raise ArgumentError(f"qat must be an artifacts.QatConfig, got {type(qat).__name__}")
     if ort_format:
         raise ArgumentError("ort_format=True does not apply: odtrain reads and writes ONNX files, not ORT format")
     if custom_op_library is not None:
@@ -183,7 +209,8 @@ def generate_artifacts(model, requires_grad=None, frozen_params=None, loss=None,
                             "ONNX Runtime custom-op libraries")
     optimizer = getattr(optimizer, "config", optimizer)  # an optimizer block's hyper-parameters
     optimizer = parse_optimizer(optimizer) if optimizer is not None else None
-    built = build_training_graphs(model, requires_grad, frozen_params, loss, additional_output_names, loss_input_names)
+    built = build_training_graphs(model, requires_grad, frozen_params, loss, additional_output_names, loss_input_names,
+                                  qat)
     trainable, values = built.trainable, built.values
 
     paths = ArtifactPaths.of(artifact_directory if artifact_directory is not None else os.getcwd(), prefix)

@@ -80,11 +80,13 @@ def _parameter_groups(graph, loss_inputs) -> tuple[list[tuple[str, list[str]]], 
     import numpy as np
 
     from .artifacts import _state_inputs
+    from .graph.ops.quantize import quantization_inputs
 
     used = graph.prune(list(loss_inputs)).initializers
     updated = _state_inputs(graph)
+    quantization = quantization_inputs(graph)  # scales and zero points configure, never train
     candidates = {n for n, v in graph.initializers.items()
-                  if n in used and n not in updated and np.issubdtype(v.dtype, np.floating)}
+                  if n in used and n not in updated and n not in quantization and np.issubdtype(v.dtype, np.floating)}
     groups, seen = [], set()
     for node in graph.nodes:
         names = [i for i in node.inputs if i in candidates and i not in seen]
@@ -95,8 +97,12 @@ def _parameter_groups(graph, loss_inputs) -> tuple[list[tuple[str, list[str]]], 
 
 
 def _select_parameters(graph, loss_inputs, requires_grad=None, freeze=None, train_last=None, verbose=False):
-    """(trainable, frozen) parameter names from glob patterns or a count of last layers."""
+    """(trainable, frozen) parameter names from glob patterns or a count of last layers; quantized
+    (integer) weights are frozen with their scales and zero points."""
     from fnmatch import fnmatchcase
+
+    from .artifacts import quantization_parameters
+    from .graph.ops.quantize import dequantized_weights
 
     groups, updated = _parameter_groups(graph, loss_inputs)
     names = [n for _, group in groups for n in group]
@@ -121,7 +127,10 @@ def _select_parameters(graph, loss_inputs, requires_grad=None, freeze=None, trai
         trainable = names
     if not trainable:
         raise ArgumentError("no parameter is left to train: freeze fewer parameters")
-    return trainable, [n for n in names if n not in trainable] + updated
+    frozen = [n for n in names if n not in trainable] + updated
+    used = graph.prune(list(loss_inputs)).initializers
+    frozen += [n for n in dequantized_weights(graph) if n in used]  # int8 weights, with their scales below
+    return trainable, frozen + [n for n in quantization_parameters(graph, frozen) if n not in trainable]
 
 
 def _loss_inputs(graph, loss_input):
@@ -272,9 +281,10 @@ def _prepare(args) -> int:
     if args.optimizer == "sgd" and args.weight_decay:
         raise ArgumentError("--weight-decay applies to AdamW only")
     extra = [o for o in graph.outputs if o in loss_inputs] + [o for o in graph.outputs if o not in loss_inputs]
+    qat = artifacts.QatConfig() if args.qat else None
     artifacts.generate_artifacts(args.model, requires_grad=trainable, frozen_params=frozen, loss=_loss_type(args.loss),
                                  optimizer=optimizer, artifact_directory=args.output,
-                                 additional_output_names=extra, loss_input_names=loss_inputs)
+                                 additional_output_names=extra, loss_input_names=loss_inputs, qat=qat)
     state = CheckpointState.load_checkpoint(checkpoint)
     state.properties["learning_rate"] = float(args.lr)
     state.properties["loss"] = args.loss
@@ -286,7 +296,7 @@ def _prepare(args) -> int:
     result = {"artifacts": args.output, "files": [os.path.basename(p) for p in files],
               "trainable": trainable, "frozen": frozen, "trainable_values": sum(sizes[n] for n in trainable),
               "frozen_values": sum(sizes[n] for n in frozen), "loss": args.loss, "optimizer": args.optimizer,
-              "learning_rate": args.lr}
+              "learning_rate": args.lr, "qat": bool(args.qat)}
     if args.json:
         _print_json(result)
         return 0
@@ -299,6 +309,9 @@ def _prepare(args) -> int:
     print(f"frozen: {result['frozen_values']:,} values in {_count(len(frozen), 'tensor')} "
           f"({_names(frozen, args.verbose)})" if frozen else "frozen: none")
     print(f"loss: {args.loss} on '{loss_inputs[0]}'; optimizer: {args.optimizer}, learning rate {args.lr:g}")
+    if qat is not None:
+        print(f"quantization-aware training: {qat.weight_dtype} weights per {'channel' if qat.per_channel else 'tensor'}, "
+              f"{qat.activation_dtype} activations per tensor; `odtrain export` writes a QDQ model")
     print(f"training data feeds: {', '.join(s.describe() for s in inputs)}")
     return 0
 
@@ -533,6 +546,9 @@ def _add_training_commands(commands) -> None:
     prepare.add_argument("--lr", type=float, default=1e-3, help="learning rate that `odtrain train` uses unless "
                          "told otherwise (default: 0.001)")
     prepare.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default: 0)")
+    prepare.add_argument("--qat", action="store_true", help="quantization-aware training: fake-quantize the weights "
+                         "(int8, symmetric, per channel) and inputs (uint8, per tensor) of Conv, MatMul and Gemm; "
+                         "the exported model is then a QDQ model with int8 weights")
     prepare.add_argument("--force", action="store_true", help="replace artifacts already in ARTIFACT_DIR")
     prepare.add_argument("--json", action="store_true", help="print the result as JSON")
     prepare.set_defaults(handler=_prepare)

@@ -25,8 +25,7 @@ from .windows import _auto_pad, _ints, _require_float32, _spatial_rank, window_o
 
 
 def _rank_and_group(node, x: TensorType, w: TensorType) -> tuple[int, int]:
-    """The spatial rank and group count of a Conv or ConvTranspose whose input and weight shapes are known."""
-    _require_float32(node, x)
+    """The spatial rank and group count of a convolution whose input and weight shapes are known."""
     rank = _spatial_rank(node, x)
     if len(w.shape) != rank + 2:
         raise ModelError(f"{node.describe()}: weight {w} does not match input {x}")
@@ -45,8 +44,14 @@ def _conv_window_reads(node, types, out) -> float:  # its im2col: each output po
 @op("Conv", flops=_conv_flops, window_reads=_conv_window_reads)
 def _conv_rule(node, types, consts):
     x, w = types[0], types[1]
+    _require_float32(node, x)
+    return [TensorType(x.dtype, conv_output_shape(node, x, w))]
+
+
+def conv_output_shape(node, x: TensorType, w: TensorType) -> tuple | None:
+    """The output shape of a convolution (Conv, ConvInteger, QLinearConv) of x by w, after checking that they fit."""
     if x.shape is None or w.shape is None:
-        return [TensorType(x.dtype, None)]
+        return None
     rank, group = _rank_and_group(node, x, w)
     channels, per_group = x.shape[1], w.shape[1]
     if isinstance(channels, int) and channels != per_group * group:
@@ -57,7 +62,7 @@ def _conv_rule(node, types, consts):
     kernel = node.attrs.get("kernel_shape") or list(w.shape[2:])
     if list(kernel) != list(w.shape[2:]):
         raise ModelError(f"{node.describe()}: kernel_shape {list(kernel)} differs from the weight's {w}")
-    return [TensorType(x.dtype, (x.shape[0], w.shape[0]) + window_output_shape(node, x.shape[2:], list(kernel)))]
+    return (x.shape[0], w.shape[0]) + window_output_shape(node, x.shape[2:], list(kernel))
 
 
 CONV_ATTRS = ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides")
@@ -155,6 +160,7 @@ def _conv_transpose_flops(node, types, out) -> float:  # weight [C, M/group, k..
 @op("ConvTranspose", flops=_conv_transpose_flops)
 def _conv_transpose_rule(node, types, consts):
     x, w = types[0], types[1]
+    _require_float32(node, x)
     if x.shape is None or w.shape is None:
         return [TensorType(x.dtype, None)]
     rank, group = _rank_and_group(node, x, w)
