@@ -24,7 +24,7 @@ golden.npz (x/y, one batch per step, reused cyclically; x cast to meta's input d
              it (warm); the ratios use the warm runs.
   ort        onnxruntime.training with `torch` blocked: the runtime alone.
   ort_torch  the same with a plain `import onnxruntime.training.api`, which imports torch.
-  torch      eager PyTorch running the ONNX graph op by op (_torch_ops covers all five workloads),
+  torch      eager PyTorch running the ONNX graph op by op (torch_ops covers all five workloads),
              torch.optim.AdamW (meta's lr, betas, eps 1e-6, no decay) and cross-entropy.
 odtrain and ort share the worker code; only the imported package differs. Artifacts are made in a
 separate process first; for ONNX Runtime with its workarounds (a ModelProto instead of a path,
@@ -200,7 +200,7 @@ def torch_program(args):
     return {"nodes": nodes, "drop": drop, "consts": consts, "input": g.input[0].name, "output": g.output[0].name}
 
 
-def _torch_ops():
+def torch_ops():
     """ONNX op -> torch, for the ops of the reference models (2-D convolutions, symmetric pads)."""
     import torch
     import torch.nn.functional as F
@@ -259,7 +259,7 @@ def run_torch(args):
     t_import = time.perf_counter() - t_start
     floor = {"floor_rss_mib": rss_kib() / 1024, "floor_anon_mib": rss_kib("RssAnon") / 1024}
     torch.set_num_threads(args.threads)
-    ops = _torch_ops()
+    ops = torch_ops()
     meta, np_batches, golden = load_workload(args)
     batches = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in np_batches]
     program = torch_program(args)  # parsed before timing, as the ONNX systems parse while preparing
