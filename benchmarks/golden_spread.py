@@ -22,10 +22,11 @@ trajectory, takes at every step the float32 gradient at the same parameters, the
 trajectory once per parameter with only that parameter's float32-minus-float64 gradient difference added,
 for SGD and AdamW, and prints how far each rerun's losses move.
 
-From the repository root (the reference venv holds torch and onnx; see compare.py; odtrain runs in its own):
+From the repository root (REFERENCE_VENV holds torch and onnx, as ../shared/COMPARE.md sets it up; odtrain runs
+in its own venv):
 
-    /work/ortref/bin/python benchmarks/golden_spread.py --odtrain-python .venv/bin/python --json spread.json
-    /work/ortref/bin/python benchmarks/golden_spread.py --attribute cnn
+    REFERENCE_VENV/bin/python benchmarks/golden_spread.py --odtrain-python .venv/bin/python --json spread.json
+    REFERENCE_VENV/bin/python benchmarks/golden_spread.py --attribute cnn
 """
 import argparse
 import json
