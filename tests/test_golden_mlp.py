@@ -30,7 +30,10 @@ def test_first_ten_losses_match_golden(optimizer, as_proto, mlp_reference, tmp_p
         if step == 0:  # the losses of SGD move less under a 1% learning-rate error than float32 spreads them
             ratio = learning_rate_ratio(before, {n: state.parameters[n].data for n in before}, optimizer,
                                         meta[optimizer], golden)
-    np.testing.assert_allclose(losses, golden[f"{optimizer}_losses"], rtol=1e-4)
+    # Measured (benchmarks/golden_spread.py): odtrain's losses within 1.1e-7 (SGD) and 2.1e-7 (AdamW) of golden under
+    # OpenBLAS's Haswell, Zen and Sandybridge kernels at 1 and 2 threads, PyTorch float32 within 2.4e-7 of float64;
+    # a 1% learning-rate error moves them 2.0e-5 (SGD) and 2.0e-4 (AdamW).
+    np.testing.assert_allclose(losses, golden[f"{optimizer}_losses"], rtol=2e-6)
     assert abs(ratio - 1) < LEARNING_RATE_RATIO_TOLERANCE, ratio
 
 
