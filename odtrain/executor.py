@@ -28,8 +28,8 @@ from .graph.ops.training import APPLY_UPDATE
 from .graph.planner import ALIGNMENT, SCRATCH_SUFFIX, plan_memory
 from .graph.recompute import RECOMPUTE_SUFFIX, choose_kept, rewrite, saved_activations, split_forward_backward
 from .graph.schedule import bind_types, execution_order, memory_aware_order
-from .kernels import BINDINGS, SCRATCH
-from . import runtime
+from .kernels import BINDINGS, PARALLEL, SCRATCH
+from . import runtime, threads as thread_policy
 from .graph.optimizers import AdamW, SGDMomentum
 from .kernels.optim import adamw_update, add_into, assert_finite, copy_into, sgd_momentum_update, sgd_update
 
@@ -41,21 +41,35 @@ def aligned_buffer(nbytes: int) -> np.ndarray:
     return raw[start:start + nbytes]
 
 
+def scratch_bytes(node: Node, types: dict[str, TensorType], threads: int) -> int:
+    """The working memory, in bytes, that the kernel binding of `node` declares at `threads` threads (0 if none)."""
+    size_of = SCRATCH.get(node.key)
+    if size_of is None:
+        return 0
+    specs_in = [(types[i].shape, types[i].dtype) if i else None for i in node.inputs]
+    specs_out = [(types[o].shape, types[o].dtype) if o else None for o in node.outputs]
+    extra = {"threads": threads} if node.key in PARALLEL else {}
+    return int(size_of(specs_in, specs_out, **node.attrs, **extra))
+
+
 class BoundGraph:
-    """One graph at one set of feed shapes: plan, arena, and the calls of a step.
+    """One graph at one set of feed shapes and thread count: plan, arena, and the calls of a step.
 
     `external` maps parameter names to the arrays that hold them (views of
     the flat parameter buffer). `gradient_sinks` maps gradient outputs to
     their views of the gradient buffer: with `accumulate` they are added
     into it, otherwise the producing kernels write into it directly.
+    `threads` is the step's thread count: parallel kernels are bound to split their work into
+    that many parts, with their scratch sized for it, and a run uses that many of Numba's threads.
     """
 
     def __init__(self, graph: Graph, feed_types: dict[str, TensorType], external: dict[str, np.ndarray],
                  gradient_sinks: dict[str, np.ndarray] | None = None, accumulate: bool = False,
                  check_finite: tuple[str, ...] = (), memory_budget: int | None = None,
-                 fused_updates: dict | None = None, arena: SharedArena | None = None):
-        runtime.load()  # Numba's CPU target, BLAS, serial BLAS unless asked (odtrain/threads.py)
+                 fused_updates: dict | None = None, arena: SharedArena | None = None, threads: int = 1):
+        runtime.load()  # Numba's CPU target, BLAS on one thread, Numba's threading layer (odtrain/threads.py)
         self.graph = graph
+        self.threads = int(threads)
         fused_updates = fused_updates or {}
         # Gradients applied during the backward pass die at their update, not at the end of the step.
         self.live_outputs = [o for o in graph.outputs if o not in fused_updates]
@@ -140,12 +154,7 @@ class BoundGraph:
         arena_values.update(o for node in order for o in node.outputs if o and o not in storage)
         scratch = {}
         for index, node in enumerate(order):
-            size_of = SCRATCH.get(node.key)
-            if size_of is None:
-                continue
-            specs_in = [(types[i].shape, types[i].dtype) if i else None for i in node.inputs]
-            specs_out = [(types[o].shape, types[o].dtype) if o else None for o in node.outputs]
-            nbytes = int(size_of(specs_in, specs_out, **node.attrs))
+            nbytes = scratch_bytes(node, types, self.threads)
             if nbytes > 0:
                 name = f"{node.name}{SCRATCH_SUFFIX}"
                 types[name] = TensorType(np.dtype(np.uint8), (nbytes,))
@@ -204,6 +213,8 @@ class BoundGraph:
         inputs = [storage[i] if i else None for i in node.inputs]
         outputs = [storage[o] if o else None for o in node.outputs]
         extra = {"scratch": storage[self.scratch[id(node)]]} if id(node) in self.scratch else {}
+        if node.key in PARALLEL:
+            extra["threads"] = self.threads
         try:
             return bind(inputs, outputs, **node.attrs, **extra)
         except TypeError as error:
@@ -214,6 +225,7 @@ class BoundGraph:
     def run(self, feeds: list[np.ndarray]) -> None:
         for view, value in zip(self.feed_views, feeds):
             np.copyto(view, value, casting="no")
+        previous = thread_policy.use(self.threads) if self.threads > 1 else None
         try:
             for kernel, args in self.calls:
                 kernel(*args)
@@ -221,6 +233,9 @@ class BoundGraph:
             raise NonFiniteError(f"{self.graph.name}: {error}") from None
         except ValueError as error:  # a kernel's check on the data (e.g. a label out of range)
             raise InputError(f"{self.graph.name}: {error}; check the inputs' values") from None
+        finally:
+            if previous is not None:
+                thread_policy.use(previous)
 
     def output(self, name: str) -> np.ndarray:
         return self.storage[name].copy()

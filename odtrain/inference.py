@@ -1,7 +1,8 @@
 """Inference with odtrain's own runtime: `InferenceSession(model).run(output_names, feeds)`.
 
 The call mirrors onnxruntime.InferenceSession.run, so an exported model runs on
-the same device, with the same kernels and planned arena, without a second runtime.
+the same device, with the same kernels and planned arena, without a second runtime,
+on odtrain's default thread count (odtrain.threads.get_num_threads).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from .graph.errors import InputError
 from .graph.ir import TensorType
 from .graph.onnx_io import load_graph
 from .graph.ops import check_supported
+from .threads import get_num_threads
 
 PLAN_CACHE_SIZE = 4
 _ONNX_TYPE_NAMES = {"float32": "float", "float64": "double", "int64": "int64", "int32": "int32", "bool": "bool",
@@ -59,11 +61,12 @@ class InferenceSession:
             declared = graph.value_types.get(name)
             if declared is not None and array.dtype != declared.dtype:
                 raise InputError(f"input '{name}' must be {declared.dtype}, got {array.dtype}")
-        signature = tuple((a.dtype.str, a.shape) for a in arrays)
+        threads = get_num_threads()
+        signature = tuple((a.dtype.str, a.shape) for a in arrays) + (threads,)
         bound = self._plans.get(signature)
         if bound is None:
             types = {n: TensorType(a.dtype, a.shape) for n, a in zip(graph.inputs, arrays)}
-            bound = self._plans[signature] = BoundGraph(graph, types, {})
+            bound = self._plans[signature] = BoundGraph(graph, types, {}, threads=threads)
             if len(self._plans) > PLAN_CACHE_SIZE:
                 self._plans.popitem(last=False)
         bound.run(arrays)

@@ -1,0 +1,112 @@
+"""Threads: the one setting, parallel kernels against their serial twins and the oracles, reproducibility.
+
+Parallel kernels split their work only when it pays (kernels/parts.py); these tests force the split on
+small shapes (MIN_PARALLEL_WORK = 0), so every parallel kernel runs its parts, also on a 1-core machine
+(a step split for 2 threads gives the same bits whatever threads run its parts).
+"""
+import threading
+
+import numpy as np
+import pytest
+from onnx import helper
+
+import odtrain.threads as thread_policy
+from odtrain import ArgumentError, artifacts
+from odtrain.api import CheckpointState, Module
+from odtrain.kernels import parts
+from oracles import gradient_check, make_model
+from test_vision import GRADIENT_CASES
+
+# What splits differ in: partial sums over parts of the batch (weight gradients, batch statistics) added
+# in another order. Measured over the cases below: at most 4.8e-7 of the tensor's largest magnitude.
+PARTS_RTOL = 1e-5
+
+
+@pytest.fixture
+def split_everything(monkeypatch):
+    monkeypatch.setattr(parts, "MIN_PARALLEL_WORK", 0)
+
+
+def node(op, inputs, outputs=("y",), **attrs):
+    return helper.make_node(op, inputs, list(outputs), **attrs)
+
+
+def _train(tmp_path, nodes, params, constants, threads, steps=1, seed=0):
+    """(losses, gradients after the last step, parameters) of `steps` SGD steps on sum(output · R)."""
+    rng = np.random.default_rng(seed)
+    from oracles import _with_weighted_sum, reference_outputs
+
+    probe = make_model(nodes, {**params, **constants})
+    weights = rng.standard_normal(np.asarray(reference_outputs(probe)[0]).shape).astype(np.float32)
+    model = make_model(_with_weighted_sum(nodes, "y", weights), {**params, **constants, "gc_weights": weights},
+                       outputs=[("loss", np.float32, [])])
+    folder = tmp_path / f"threads{threads}"
+    if not (folder / "checkpoint").exists():
+        artifacts.generate_artifacts(model, requires_grad=list(params), loss=None, optimizer=artifacts.OptimType.SGD,
+                                     artifact_directory=folder)
+    state = CheckpointState.load_checkpoint(folder / "checkpoint")
+    module = Module(folder / "training_model.onnx", state, num_threads=threads)
+    from odtrain.api import Optimizer
+
+    optimizer = Optimizer(folder / "optimizer_model.onnx", module)
+    losses = []
+    for _ in range(steps):
+        losses.append(float(module()))
+        grads = {name: state.parameters[name].grad.copy() for name in params}
+        optimizer.step()
+        module.lazy_reset_grad()
+    return losses, grads, {name: state.parameters[name].data.copy() for name in params}
+
+
+def _close(a, b, rtol=PARTS_RTOL):
+    scale = max(float(np.abs(a).max()), 1e-30)
+    assert float(np.abs(a - b).max()) <= rtol * scale, (float(np.abs(a - b).max()), scale)
+
+
+PARALLEL_CASES = sorted(name for name in GRADIENT_CASES if name.startswith("conv"))
+
+
+@pytest.mark.parametrize("name", PARALLEL_CASES)
+def test_parallel_parts_match_the_oracle(name, tmp_path, split_everything):
+    """Each parallel kernel, split into parts, against float64 finite differences."""
+    thread_policy.set_num_threads(2)
+    try:
+        nodes, params, *constants = GRADIENT_CASES[name]
+        gradient_check(nodes, params, constants=constants[0] if constants else None, tmp_path=tmp_path)
+    finally:
+        thread_policy._process_default = None
+
+
+@pytest.mark.parametrize("name", PARALLEL_CASES)
+def test_two_threads_match_one(name, tmp_path, split_everything):
+    nodes, params, *constants = GRADIENT_CASES[name]
+    constants = constants[0] if constants else {}
+    one = _train(tmp_path, nodes, params, constants, threads=1)
+    two = _train(tmp_path, nodes, params, constants, threads=2)
+    np.testing.assert_allclose(one[0], two[0], rtol=PARTS_RTOL)
+    for key in params:
+        _close(one[1][key], two[1][key])
+
+
+def test_thread_counts_are_checked(tmp_path):
+    for bad in (0, -1, 1.5, True, "two", "0", None):
+        with pytest.raises(ArgumentError, match="num_threads"):
+            thread_policy.checked(bad)
+    assert thread_policy.checked(3) == 3 and thread_policy.checked("2") == 2
+
+
+def test_the_default_is_the_cores_this_process_may_use(monkeypatch):
+    monkeypatch.delenv(thread_policy.ENVIRONMENT, raising=False)
+    monkeypatch.setattr(thread_policy, "_process_default", None)
+    monkeypatch.setattr(thread_policy.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7}, raising=False)
+    monkeypatch.setattr(thread_policy, "pool_size", lambda: 6)
+    assert thread_policy.get_num_threads() == 6  # the cores we may use, at most Numba's pool
+    monkeypatch.setattr(thread_policy.os, "sched_getaffinity", lambda pid: {3}, raising=False)
+    assert thread_policy.get_num_threads() == 1
+    monkeypatch.setenv(thread_policy.ENVIRONMENT, "3")
+    assert thread_policy.get_num_threads() == 3
+    monkeypatch.setenv(thread_policy.ENVIRONMENT, "many")
+    with pytest.raises(ArgumentError, match=thread_policy.ENVIRONMENT):
+        thread_policy.get_num_threads()
+    thread_policy.set_num_threads(2)
+    assert thread_policy.get_num_threads() == 2
