@@ -12,9 +12,9 @@ from onnx import helper
 
 import odtrain.threads as thread_policy
 from odtrain import ArgumentError, artifacts
-from odtrain.api import CheckpointState, Module
+from odtrain.api import CheckpointState, Module, Optimizer
 from odtrain.kernels import parts
-from oracles import gradient_check, make_model
+from oracles import gradient_check, make_model, reference_outputs, with_weighted_sum
 from test_vision import GRADIENT_CASES
 
 # What splits differ in: partial sums over parts of the batch (weight gradients, batch statistics) added
@@ -32,13 +32,12 @@ def node(op, inputs, outputs=("y",), **attrs):
 
 
 def _train(tmp_path, nodes, params, constants, threads, steps=1, seed=0):
-    """(losses, gradients after the last step, parameters) of `steps` SGD steps on sum(output · R)."""
+    """(losses, gradients after the last step, parameters) of `steps` SGD steps on sum(output · R), and
+    whether the step ran parallel kernels."""
     rng = np.random.default_rng(seed)
-    from oracles import _with_weighted_sum, reference_outputs
-
     probe = make_model(nodes, {**params, **constants})
     weights = rng.standard_normal(np.asarray(reference_outputs(probe)[0]).shape).astype(np.float32)
-    model = make_model(_with_weighted_sum(nodes, "y", weights), {**params, **constants, "gc_weights": weights},
+    model = make_model(with_weighted_sum(nodes, "y", weights), {**params, **constants, "gc_weights": weights},
                        outputs=[("loss", np.float32, [])])
     folder = tmp_path / f"threads{threads}"
     if not (folder / "checkpoint").exists():
@@ -46,8 +45,6 @@ def _train(tmp_path, nodes, params, constants, threads, steps=1, seed=0):
                                      artifact_directory=folder)
     state = CheckpointState.load_checkpoint(folder / "checkpoint")
     module = Module(folder / "training_model.onnx", state, num_threads=threads)
-    from odtrain.api import Optimizer
-
     optimizer = Optimizer(folder / "optimizer_model.onnx", module)
     losses = []
     for _ in range(steps):
@@ -55,7 +52,9 @@ def _train(tmp_path, nodes, params, constants, threads, steps=1, seed=0):
         grads = {name: state.parameters[name].grad.copy() for name in params}
         optimizer.step()
         module.lazy_reset_grad()
-    return losses, grads, {name: state.parameters[name].data.copy() for name in params}
+    split = any(getattr(kernel, "__name__", "").endswith("_parts") for plan in module._train.plans.values()
+                for kernel, _ in plan.calls)
+    return losses, grads, {name: state.parameters[name].data.copy() for name in params}, split
 
 
 def _close(a, b, rtol=PARTS_RTOL):
@@ -63,7 +62,12 @@ def _close(a, b, rtol=PARTS_RTOL):
     assert float(np.abs(a - b).max()) <= rtol * scale, (float(np.abs(a - b).max()), scale)
 
 
-PARALLEL_CASES = sorted(name for name in GRADIENT_CASES if name.startswith("conv"))
+PARALLEL_FAMILIES = ("conv", "max_pool", "average_pool", "global_", "batch_norm")
+PARALLEL_CASES = sorted(name for name in GRADIENT_CASES if name.startswith(PARALLEL_FAMILIES))
+# Kernels split where no sum crosses a part (planes, channels): every value as in the serial kernel.
+EXACT = ("max_pool", "average_pool", "global_", "batch_norm")
+# A general convolution splits its batch: one image stays serial.
+ONE_IMAGE = {"conv_3d_same", "conv_one_row_strided"}
 
 
 @pytest.mark.parametrize("name", PARALLEL_CASES)
@@ -83,6 +87,9 @@ def test_two_threads_match_one(name, tmp_path, split_everything):
     constants = constants[0] if constants else {}
     one = _train(tmp_path, nodes, params, constants, threads=1)
     two = _train(tmp_path, nodes, params, constants, threads=2)
+    assert not one[3] and two[3] == (name not in ONE_IMAGE), "parallel kernels run when the step is bound for them"
+    if name.startswith(EXACT):
+        assert one[0] == two[0] and all(np.array_equal(one[1][k], two[1][k]) for k in params)
     np.testing.assert_allclose(one[0], two[0], rtol=PARTS_RTOL)
     for key in params:
         _close(one[1][key], two[1][key])
