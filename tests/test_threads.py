@@ -62,10 +62,27 @@ def _close(a, b, rtol=PARTS_RTOL):
     assert float(np.abs(a - b).max()) <= rtol * scale, (float(np.abs(a - b).max()), scale)
 
 
-PARALLEL_FAMILIES = ("conv", "max_pool", "average_pool", "global_", "batch_norm")
-PARALLEL_CASES = sorted(name for name in GRADIENT_CASES if name.startswith(PARALLEL_FAMILIES))
-# Kernels split where no sum crosses a part (planes, channels): every value as in the serial kernel.
-EXACT = ("max_pool", "average_pool", "global_", "batch_norm")
+rng = np.random.default_rng(7)
+
+
+def rand(*shape, low=-1.0, high=1.0):
+    return rng.uniform(low, high, shape).astype(np.float32)
+
+
+CASES = {name: case for name, case in GRADIENT_CASES.items()
+         if name.startswith(("conv", "max_pool", "average_pool", "global_", "batch_norm"))}
+CASES.update({
+    "layer_norm": ([node("LayerNormalization", ["x", "s", "b"], epsilon=1e-3)],
+                   {"x": rand(5, 3, 4), "s": rand(4, low=0.5, high=1.5), "b": rand(4)}),
+    "layer_norm_statistics_broadcast": ([node("LayerNormalization", ["x", "s", "b"], ["y", "mean", "inv"], axis=1)],
+                                        {"x": rand(3, 3, 4), "s": rand(4, low=0.5, high=1.5), "b": rand(1)}),
+    "softmax": ([node("Softmax", ["x"])], {"x": rand(4, 3, 5, low=-2, high=2)}),
+    "softmax_middle_axis": ([node("Softmax", ["x"], axis=1)], {"x": rand(4, 3, 5, low=-2, high=2)}),
+    "log_softmax": ([node("LogSoftmax", ["x"], axis=1)], {"x": rand(4, 3, 5, low=-2, high=2)}),
+})
+PARALLEL_CASES = sorted(CASES)
+# Kernels split where no sum crosses a part (planes, channels, rows): every value as in the serial kernel.
+EXACT = ("max_pool", "average_pool", "global_", "batch_norm", "softmax", "log_softmax")
 # A general convolution splits its batch: one image stays serial.
 ONE_IMAGE = {"conv_3d_same", "conv_one_row_strided"}
 
@@ -75,7 +92,7 @@ def test_parallel_parts_match_the_oracle(name, tmp_path, split_everything):
     """Each parallel kernel, split into parts, against float64 finite differences."""
     thread_policy.set_num_threads(2)
     try:
-        nodes, params, *constants = GRADIENT_CASES[name]
+        nodes, params, *constants = CASES[name]
         gradient_check(nodes, params, constants=constants[0] if constants else None, tmp_path=tmp_path)
     finally:
         thread_policy._process_default = None
@@ -83,7 +100,7 @@ def test_parallel_parts_match_the_oracle(name, tmp_path, split_everything):
 
 @pytest.mark.parametrize("name", PARALLEL_CASES)
 def test_two_threads_match_one(name, tmp_path, split_everything):
-    nodes, params, *constants = GRADIENT_CASES[name]
+    nodes, params, *constants = CASES[name]
     constants = constants[0] if constants else {}
     one = _train(tmp_path, nodes, params, constants, threads=1)
     two = _train(tmp_path, nodes, params, constants, threads=2)
