@@ -10,8 +10,8 @@ block or a transposed view is one call without a copy.
 - Operands are arrays of any layout: the call reads from the element `offset` past each
   array's first element with the given leading dimension (row stride, in elements).
 - `product(a, b, c)` is c = a · b for 2-D views with a unit stride along one axis.
-- `gemm_rows(...)` splits one product's rows into `parts` blocks run in one parallel region,
-  for products large enough to pay for it (BLAS itself runs one thread: odtrain.threads).
+- `gemm_batched_parts(...)` runs a batch of products in parallel parts, of the products or of their
+  rows (BLAS itself runs one thread: odtrain.threads).
 """
 from __future__ import annotations
 
@@ -88,14 +88,20 @@ def product(a, b, c):
 
 
 @njit(cache=True, error_model="numpy", parallel=True)
-def gemm_rows(trans_a, trans_b, m, n, k, alpha, a, a_offset, lda, b, b_offset, ldb, beta, c, c_offset, ldc, parts):
-    """gemm with the m rows of c cut into `parts` blocks, one BLAS call per block, in one parallel region.
-    Row r of op(a) starts r·lda elements in (r when a is transposed); each element of c is computed as
-    in the whole product."""
-    row_step = 1 if trans_a else lda
-    for part in prange(parts):
-        begin = part * m // parts
-        rows = (part + 1) * m // parts - begin
-        if rows > 0:
-            gemm(trans_a, trans_b, rows, n, k, alpha, a, a_offset + begin * row_step, lda, b, b_offset, ldb, beta,
-                 c, c_offset + begin * ldc, ldc)
+def gemm_batched_parts(a, b, out, m, n, k, trans_a, trans_b, lda, ldb, ldc, a_offsets, b_offsets, out_offsets, betas,
+                       alpha, bounds, by_rows):
+    """out[o_i] = alpha · op(a[a_i]) · op(b[b_i]) + betas[i] · out[o_i] for each product i, in parallel parts:
+    `by_rows`, part p computes rows [bounds[p], bounds[p + 1]) of every product, in product order (so
+    products that share an output add up as in one thread); otherwise the products [bounds[p], bounds[p + 1])
+    (their outputs distinct). Row r of op(a) starts r·lda elements in (r when a is transposed)."""
+    a_row = 1 if trans_a else lda
+    for p in prange(bounds.size - 1):
+        if by_rows:
+            first, rows = bounds[p], bounds[p + 1] - bounds[p]
+            for i in range(a_offsets.size):
+                gemm(trans_a, trans_b, rows, n, k, alpha, a, a_offsets[i] + first * a_row, lda, b, b_offsets[i], ldb,
+                     betas[i], out, out_offsets[i] + first * ldc, ldc)
+        else:
+            for i in range(bounds[p], bounds[p + 1]):
+                gemm(trans_a, trans_b, m, n, k, alpha, a, a_offsets[i], lda, b, b_offsets[i], ldb, betas[i], out,
+                     out_offsets[i], ldc)

@@ -8,13 +8,16 @@ SGD: w ← w - lr·g.
 SGD with momentum (torch.optim.SGD; μ momentum, τ dampening, λ weight decay):
     d ← g + λ·w;  b ← d on the first step, else μ·b + (1-τ)·d
     w ← w - lr·(d + μ·b) with Nesterov, else w ← w - lr·b
+
+Each update is elementwise: its `_parts` twin runs it on parts of the buffers (kernels/parts.py) in one
+parallel region, every value as in the serial loop.
 """
 from __future__ import annotations
 
 import math
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 
 @njit(cache=True, error_model="numpy")
@@ -68,6 +71,26 @@ def sgd_momentum_update(w, g, b, lr, momentum, dampening, weight_decay, nesterov
             b[i] = bi
             d = d + mu * bi if nesterov else bi
         w[i] -= rate * d
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def adamw_update_parts(w, g, m, v, lr, beta1, beta2, eps, weight_decay, step, bias_correction, bounds):
+    for p in prange(bounds.size - 1):
+        a, b = bounds[p], bounds[p + 1]
+        adamw_update(w[a:b], g[a:b], m[a:b], v[a:b], lr, beta1, beta2, eps, weight_decay, step, bias_correction)
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def sgd_update_parts(w, g, lr, bounds):
+    for p in prange(bounds.size - 1):
+        sgd_update(w[bounds[p]:bounds[p + 1]], g[bounds[p]:bounds[p + 1]], lr)
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def sgd_momentum_update_parts(w, g, b, lr, momentum, dampening, weight_decay, nesterov, first_step, bounds):
+    for p in prange(bounds.size - 1):
+        lo, hi = bounds[p], bounds[p + 1]
+        sgd_momentum_update(w[lo:hi], g[lo:hi], b[lo:hi], lr, momentum, dampening, weight_decay, nesterov, first_step)
 
 
 @njit(cache=True, error_model="numpy")

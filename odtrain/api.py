@@ -210,6 +210,10 @@ class _GraphSession:
         self.sinks = {g: store.grad(p).reshape(-1) for g, p in self.grad_outputs.items()}
         self.plans: OrderedDict = OrderedDict()
 
+    def threads(self) -> int:
+        """The thread count of this session's steps: the module's num_threads, else the process default."""
+        return self.num_threads or get_num_threads()
+
     def feeds(self, user_inputs) -> tuple[list[np.ndarray], tuple]:
         if len(user_inputs) == 1 and isinstance(user_inputs[0], (list, tuple)) and len(self.input_names) > 1:
             user_inputs = tuple(user_inputs[0])
@@ -241,7 +245,7 @@ class _GraphSession:
         from .executor import BoundGraph
 
         accumulate = self.with_gradients and not self.state._reset_grad_pending
-        threads = self.num_threads or get_num_threads()
+        threads = self.threads()
         signature = signature + (accumulate, threads)
         plan = self.plans.get(signature)
         if plan is None:
@@ -442,8 +446,9 @@ class Optimizer:
         state = self._state._optimizer
         moments = {key: flat[start:stop] for key, flat in state.moments.items()}
 
-        def update(gradient):
-            apply_optimizer(self._config, weights, gradient, moments, state.learning_rate, state.step + 1)
+        def update(gradient):  # inside the training step, which runs at the module's threads
+            apply_optimizer(self._config, weights, gradient, moments, state.learning_rate, state.step + 1,
+                            self._module._train.threads())
 
         return update
 
@@ -461,7 +466,8 @@ class Optimizer:
             raise NonFiniteError(f"optimizer step {opt.step + 1} refused: the gradient of parameter "
                                  f"'{store.first_nonfinite_gradient()}' is not finite; the parameters are unchanged")
         with deferred_interrupt():
-            apply_optimizer(self._config, weights, store.grad_flat, opt.moments, opt.learning_rate, opt.step + 1)
+            apply_optimizer(self._config, weights, store.grad_flat, opt.moments, opt.learning_rate, opt.step + 1,
+                            self._module._train.threads())
             opt.step += 1
 
     def set_learning_rate(self, learning_rate: float) -> None:

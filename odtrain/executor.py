@@ -31,7 +31,9 @@ from .graph.schedule import bind_types, execution_order, memory_aware_order
 from .kernels import BINDINGS, PARALLEL, SCRATCH
 from . import runtime, threads as thread_policy
 from .graph.optimizers import AdamW, SGDMomentum
-from .kernels.optim import adamw_update, add_into, assert_finite, copy_into, sgd_momentum_update, sgd_update
+from .kernels.optim import (adamw_update, adamw_update_parts, add_into, assert_finite, copy_into, sgd_momentum_update,
+                            sgd_momentum_update_parts, sgd_update, sgd_update_parts)
+from .kernels.parts import part_bounds, part_count
 
 
 def aligned_buffer(nbytes: int) -> np.ndarray:
@@ -292,14 +294,24 @@ def _typed_clones(order, types):
 
 
 def apply_optimizer(config, weights: np.ndarray, grads: np.ndarray, moments: dict[str, np.ndarray],
-                    learning_rate: float, step: int) -> None:
-    """One fused update of the trainable block by the optimizer model's node (AdamW, SGD or SGDMomentum)."""
-    if isinstance(config, AdamW):
-        adamw_update(weights, grads, moments["momentum0"], moments["momentum1"], float(learning_rate),
-                     float(config.betas[0]), float(config.betas[1]), float(config.eps), float(config.weight_decay),
-                     float(step), bool(config.bias_correction))
-    elif isinstance(config, SGDMomentum):
-        sgd_momentum_update(weights, grads, moments["momentum_buffer"], float(learning_rate), float(config.momentum),
-                            float(config.dampening), float(config.weight_decay), bool(config.nesterov), step == 1)
-    else:
-        sgd_update(weights, grads, float(learning_rate))
+                    learning_rate: float, step: int, threads: int = 1) -> None:
+    """One fused update of the trainable block by the optimizer model's node (AdamW, SGD or SGDMomentum),
+    on parts of the block in parallel at `threads` threads when the block is large enough."""
+    parts = part_count(threads, weights.size, weights.size)
+    split = (part_bounds(weights.size, parts),) if parts > 1 else ()
+    previous = thread_policy.use(threads) if split else None
+    try:
+        if isinstance(config, AdamW):
+            (adamw_update_parts if split else adamw_update)(
+                weights, grads, moments["momentum0"], moments["momentum1"], float(learning_rate),
+                float(config.betas[0]), float(config.betas[1]), float(config.eps), float(config.weight_decay),
+                float(step), bool(config.bias_correction), *split)
+        elif isinstance(config, SGDMomentum):
+            (sgd_momentum_update_parts if split else sgd_momentum_update)(
+                weights, grads, moments["momentum_buffer"], float(learning_rate), float(config.momentum),
+                float(config.dampening), float(config.weight_decay), bool(config.nesterov), step == 1, *split)
+        else:
+            (sgd_update_parts if split else sgd_update)(weights, grads, float(learning_rate), *split)
+    finally:
+        if previous is not None:
+            thread_policy.use(previous)

@@ -79,6 +79,15 @@ CASES.update({
     "softmax": ([node("Softmax", ["x"])], {"x": rand(4, 3, 5, low=-2, high=2)}),
     "softmax_middle_axis": ([node("Softmax", ["x"], axis=1)], {"x": rand(4, 3, 5, low=-2, high=2)}),
     "log_softmax": ([node("LogSoftmax", ["x"], axis=1)], {"x": rand(4, 3, 5, low=-2, high=2)}),
+    "gemm_rows": ([node("Gemm", ["x", "w", "b"], transB=1)], {"x": rand(40, 6), "w": rand(5, 6), "b": rand(5)}),
+    "matmul_products": ([node("MatMul", ["a", "b"])], {"a": rand(3, 4, 5), "b": rand(3, 5, 6)}),
+    # B's gradient sums over the batch into one output: rows of every product, in product order
+    "matmul_shared_output_rows": ([node("MatMul", ["a", "b"])], {"a": rand(4, 2, 40), "b": rand(1, 40, 3)}),
+    "attention_heads": ([node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]), node("MatMul", ["q", "kt"], ["s"]),
+                         node("Mul", ["s", "scale"], ["ss"]), node("Softmax", ["ss"], ["p"], axis=-1),
+                         node("MatMul", ["p", "v"])],
+                        {"q": rand(2, 2, 17, 4), "k": rand(2, 2, 17, 4), "v": rand(2, 2, 17, 4)},
+                        {"scale": np.array(0.5, np.float32)}),
 })
 PARALLEL_CASES = sorted(CASES)
 # Kernels split where no sum crosses a part (planes, channels, rows): every value as in the serial kernel.
@@ -134,3 +143,22 @@ def test_the_default_is_the_cores_this_process_may_use(monkeypatch):
         thread_policy.get_num_threads()
     thread_policy.set_num_threads(2)
     assert thread_policy.get_num_threads() == 2
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd", "sgd_momentum_nesterov"])
+def test_parallel_optimizer_updates_are_the_serial_ones(kind, split_everything):
+    from odtrain.executor import apply_optimizer
+    from odtrain.graph.optimizers import SGD, AdamW, SGDMomentum
+
+    config = {"adamw": AdamW(weight_decay=0.01), "sgd": SGD(),
+              "sgd_momentum_nesterov": SGDMomentum(momentum=0.9, nesterov=True, weight_decay=1e-3)}[kind]
+    runs = []
+    for threads in (1, 2, 3):
+        same = np.random.default_rng(3)
+        weights, grads = same.standard_normal((2, 1001), np.float32)
+        moments = {name: same.uniform(0, 1, 1001).astype(np.float32) for name in config.state_names}
+        for step in (1, 2):
+            apply_optimizer(config, weights, grads, moments, 1e-2, step, threads)
+        runs.append((weights, *moments.values()))
+    for other in runs[1:]:
+        assert all(np.array_equal(a, b) for a, b in zip(runs[0], other))
