@@ -26,6 +26,7 @@ in part order), but differs from another thread count in rounding (README: "Thre
 """
 from __future__ import annotations
 
+import contextlib
 import operator
 import os
 
@@ -81,6 +82,19 @@ def set_num_threads(count: int) -> None:
     """Use `count` threads in the steps of modules created without num_threads (from their next step)."""
     global _process_default
     _process_default = checked(count)
+
+
+@contextlib.contextmanager
+def process_default(count, what: str = "--threads"):
+    """set_num_threads(count) for the duration of a `with` block (nothing when count is None)."""
+    global _process_default
+    previous = _process_default
+    if count is not None:
+        _process_default = checked(count, what)
+    try:
+        yield
+    finally:
+        _process_default = previous
 
 
 def configure() -> None:

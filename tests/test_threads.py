@@ -162,3 +162,68 @@ def test_parallel_optimizer_updates_are_the_serial_ones(kind, split_everything):
         runs.append((weights, *moments.values()))
     for other in runs[1:]:
         assert all(np.array_equal(a, b) for a, b in zip(runs[0], other))
+
+
+@pytest.fixture(scope="module")
+def cnn(tmp_path_factory):
+    """AdamW artifacts of the reference CNN (convolutions, batch norms, pooling, a product) and its batches."""
+    from conftest import reference_model
+
+    path, meta, golden = reference_model("cnn")
+    folder = tmp_path_factory.mktemp("cnn")
+    artifacts.generate_artifacts(str(path), requires_grad=meta["requires_grad"], frozen_params=meta["frozen_params"],
+                                 loss=artifacts.LossType.CrossEntropyLoss, optimizer=artifacts.OptimType.AdamW,
+                                 artifact_directory=folder)
+    return folder, [(golden["x"][step].astype(np.float32), golden["y"][step]) for step in range(3)]
+
+
+def _cnn_run(cnn, threads):
+    """Parameters and losses after three AdamW steps of a fresh module."""
+    folder, batches = cnn
+    state = CheckpointState.load_checkpoint(folder / "checkpoint")
+    module = Module(folder / "training_model.onnx", state, num_threads=threads)
+    optimizer = Optimizer(folder / "optimizer_model.onnx", module)
+    losses = []
+    for x, y in batches:
+        losses.append(module(x, y))
+        optimizer.step()
+        module.lazy_reset_grad()
+    return np.array(losses), state._store.flat.copy()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_run_is_bit_for_bit_reproducible(cnn, threads):
+    """One thread runs the serial kernels; more threads split the work into parts fixed when the step is bound,
+    their partial sums added in part order: either way, the same bits at every run."""
+    first, second = _cnn_run(cnn, threads), _cnn_run(cnn, threads)
+    assert np.array_equal(first[0], second[0]) and np.array_equal(first[1], second[1])
+
+
+def test_two_modules_train_at_once_in_two_python_threads(cnn):
+    """Each Python thread keeps its own thread count (Numba's is per calling thread) and the runs interleave
+    kernel by kernel: each ends exactly as when run alone."""
+    alone = {threads: _cnn_run(cnn, threads) for threads in (1, 2)}
+    results, errors = {}, []
+
+    def run(threads):
+        try:
+            results[threads] = _cnn_run(cnn, threads)
+        except BaseException as error:  # reported below, in the test's thread
+            errors.append(error)
+
+    workers = [threading.Thread(target=run, args=(threads,)) for threads in (1, 2)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert not errors, errors
+    for threads in (1, 2):
+        assert np.array_equal(results[threads][1], alone[threads][1]), threads
+
+
+def test_the_command_line_sets_the_threads(capsys):
+    from conftest import odtrain_main
+
+    code, _, err = odtrain_main(capsys, "train", "missing-folder", "--data", "none.npz", "--threads", "0")
+    assert code == 2 and "--threads must be a positive whole number" in err
+    assert thread_policy._process_default is None  # the setting lasts as long as the command
