@@ -88,10 +88,14 @@ CASES.update({
                          node("MatMul", ["p", "v"])],
                         {"q": rand(2, 2, 17, 4), "k": rand(2, 2, 17, 4), "v": rand(2, 2, 17, 4)},
                         {"scale": np.array(0.5, np.float32)}),
+    "gather_embedding": ([node("Gather", ["emb", "ids"])], {"emb": rand(5, 3)},
+                         {"ids": np.array([[0, 2, 2], [4, 0, 2]], dtype=np.int64)}),
+    "gather_axis": ([node("Gather", ["x", "ids"], axis=1)], {"x": rand(2, 4, 3)},
+                    {"ids": np.array([3, -1, 0, 3], dtype=np.int64)}),
 })
 PARALLEL_CASES = sorted(CASES)
 # Kernels split where no sum crosses a part (planes, channels, rows): every value as in the serial kernel.
-EXACT = ("max_pool", "average_pool", "global_", "batch_norm", "softmax", "log_softmax")
+EXACT = ("max_pool", "average_pool", "global_", "batch_norm", "softmax", "log_softmax", "gather")
 # A general convolution splits its batch: one image stays serial.
 ONE_IMAGE = {"conv_3d_same", "conv_one_row_strided"}
 
@@ -119,6 +123,22 @@ def test_two_threads_match_one(name, tmp_path, split_everything):
     np.testing.assert_allclose(one[0], two[0], rtol=PARTS_RTOL)
     for key in params:
         _close(one[1][key], two[1][key])
+
+
+def test_an_index_out_of_range_stops_a_parallel_gather(tmp_path, split_everything):
+    from odtrain import InputError
+    from odtrain.inference import InferenceSession
+
+    model = make_model([node("Gather", ["emb", "ids"])], {"emb": rand(5, 3)},
+                       inputs=[("ids", np.int64, [4])])
+    thread_policy.set_num_threads(2)
+    try:
+        session = InferenceSession(model)
+        assert session.run(None, {"ids": np.array([0, 4, 1, 2])})[0].shape == (4, 3)
+        with pytest.raises(InputError, match="outside the gathered axis"):
+            session.run(None, {"ids": np.array([0, 1, 5, 2])})
+    finally:
+        thread_policy._process_default = None
 
 
 def test_thread_counts_are_checked(tmp_path):
