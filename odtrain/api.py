@@ -24,7 +24,7 @@ from .graph.onnx_io import load_graph, save_graph
 from .graph.ops import check_supported
 from .graph.optimizers import read_optimizer_graph
 from .signals import deferred_interrupt
-from .threads import checked as checked_threads, get_num_threads
+from .threads import checked as checked_threads, get_num_threads, usable
 from .state import OptimizerState, ParameterStore, PropertyBag
 
 DEFAULT_LEARNING_RATE = 1e-3
@@ -212,7 +212,7 @@ class _GraphSession:
 
     def threads(self) -> int:
         """The thread count of this session's steps: the module's num_threads, else the process default."""
-        return self.num_threads or get_num_threads()
+        return usable(self.num_threads or get_num_threads())
 
     def feeds(self, user_inputs) -> tuple[list[np.ndarray], tuple]:
         if len(user_inputs) == 1 and isinstance(user_inputs[0], (list, tuple)) and len(self.input_names) > 1:

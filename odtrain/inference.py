@@ -15,7 +15,7 @@ from .graph.errors import InputError
 from .graph.ir import TensorType
 from .graph.onnx_io import load_graph
 from .graph.ops import check_supported
-from .threads import get_num_threads
+from .threads import get_num_threads, usable
 
 PLAN_CACHE_SIZE = 4
 _ONNX_TYPE_NAMES = {"float32": "float", "float64": "double", "int64": "int64", "int32": "int32", "bool": "bool",
@@ -61,7 +61,7 @@ class InferenceSession:
             declared = graph.value_types.get(name)
             if declared is not None and array.dtype != declared.dtype:
                 raise InputError(f"input '{name}' must be {declared.dtype}, got {array.dtype}")
-        threads = get_num_threads()
+        threads = usable(get_num_threads())
         signature = tuple((a.dtype.str, a.shape) for a in arrays) + (threads,)
         bound = self._plans.get(signature)
         if bound is None:

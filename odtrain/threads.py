@@ -18,7 +18,17 @@ products run inside the regions, already split, so threads never multiply, and O
 own pool, whose idle threads spin, never runs.
 
 Numba's threading layer is chosen on purpose, by `configure()` before the pool starts (unless
-the user set NUMBA_THREADING_LAYER): {LAYER_NOTE}
+the user chose one with NUMBA_THREADING_LAYER): OpenMP (libgomp), with OMP_WAIT_POLICY=PASSIVE
+set before libgomp loads, so that threads waiting for the next region sleep instead of spinning.
+Measured on 2 shared cores, a busy machine (benchmarks/README.md, "Threads"): a 2-thread region
+costs 12-16 µs back to back and 20-60 µs after the threads idle; with libgomp's default spinning
+3-4 µs back to back, but 18-47 ms after 1-10 ms of idling, the spinning threads having spent
+their share of the cores; Numba's workqueue layer (condition variables, never spins) 60-110 µs,
+and it is not thread-safe (two regions at once abort the process, e.g. another library's nogil
+kernels in another thread), where OpenMP gives each calling thread its own team. TBB is not
+installed here (and has no aarch64 wheel). If libgomp was loaded before odtrain with its default
+policy (it reads it once), the workqueue layer is used instead. GNU OpenMP does not survive
+fork(): a child forked after its parent ran a region runs its steps on one thread.
 
 With one thread every kernel runs its serial code and a run is bit-for-bit reproducible. With
 n threads a run is reproducible too (the parts are fixed at bind time, partial sums are added
@@ -36,9 +46,7 @@ from .graph.errors import ArgumentError
 ENVIRONMENT = "ODTRAIN_NUM_THREADS"
 _process_default: int | None = None
 _configured = False
-# Measured choices (module docstring): Numba's layer, and the OpenMP runtime's waiting, unless the user set them
-LAYER = "omp"
-WAITING = {"OMP_WAIT_POLICY": "PASSIVE"}
+_forked_from_openmp = False
 
 
 def available_cores() -> int:
@@ -98,19 +106,46 @@ def process_default(count, what: str = "--threads"):
 
 
 def configure() -> None:
-    """Once per process, before the first step: BLAS on one thread, Numba's threading layer and how its
-    idle threads wait (the environment of the OpenMP runtime, read when it loads)."""
+    """Once per process, before the first step: BLAS on one thread, Numba's threading layer (OpenMP with
+    passive waiting, see the module docstring) unless the user chose one, and the fork guard."""
     global _configured
     if _configured:
         return
     set_blas_threads(1)
     from numba import config
 
-    if "NUMBA_THREADING_LAYER" not in os.environ:
-        config.THREADING_LAYER = LAYER
-    for name, value in WAITING.items():
-        os.environ.setdefault(name, value)
+    if "NUMBA_THREADING_LAYER" not in os.environ and config.THREADING_LAYER == "default":
+        if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ or not _openmp_loaded():
+            os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read once, when libgomp loads
+            config.THREADING_LAYER_PRIORITY = ["omp", "workqueue", "tbb"]
+        else:  # an OpenMP runtime that already read its (spinning) wait policy: the passive layer instead
+            config.THREADING_LAYER_PRIORITY = ["workqueue", "omp", "tbb"]
+    os.register_at_fork(after_in_child=_after_fork_in_child)
     _configured = True
+
+
+def _openmp_loaded() -> bool:
+    """Whether the OpenMP runtime that Numba's omp layer links (libgomp.so.1) is in the process already."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return any(os.path.basename(line.split()[-1]).startswith("libgomp.so") for line in maps if "/" in line)
+    except OSError:
+        return False
+
+
+def _after_fork_in_child() -> None:
+    """GNU OpenMP does not survive fork(): Numba terminates a child that enters a parallel region after its
+    parent used one. Such a child runs every step on one thread (serial kernels, no region)."""
+    global _forked_from_openmp
+    from numba.np.ufunc import parallel
+
+    if parallel._is_initialized and parallel.threading_layer() == "omp":
+        _forked_from_openmp = True
+
+
+def usable(count: int) -> int:
+    """The thread count a step may use in this process: `count`, or 1 in a child forked from OpenMP."""
+    return 1 if _forked_from_openmp else count
 
 
 def use(count: int) -> int:

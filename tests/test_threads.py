@@ -4,6 +4,7 @@ Parallel kernels split their work only when it pays (kernels/parts.py); these te
 small shapes (MIN_PARALLEL_WORK = 0), so every parallel kernel runs its parts, also on a 1-core machine
 (a step split for 2 threads gives the same bits whatever threads run its parts).
 """
+import os
 import threading
 
 import numpy as np
@@ -259,3 +260,30 @@ def test_the_command_line_sets_the_threads(capsys):
     code, _, err = odtrain_main(capsys, "train", "missing-folder", "--data", "none.npz", "--threads", "0")
     assert code == 2 and "--threads must be a positive whole number" in err
     assert thread_policy._process_default is None  # the setting lasts as long as the command
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork() is POSIX")
+def test_a_child_forked_after_parallel_steps_trains_on_one_thread(cnn):
+    """GNU OpenMP does not survive fork(): Numba would terminate the child at its first parallel region."""
+    losses, weights = _cnn_run(cnn, 2)
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report and leave without running the parent's exit handlers
+        code = 1
+        try:
+            child = _cnn_run(cnn, 2)
+            os.write(writer, b"same" if np.array_equal(child[1], _cnn_run(cnn, 1)[1]) else b"different")
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(writer)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert os.read(reader, 16) == b"same"  # the child's 2-thread module ran the serial kernels
+
+
+def test_steps_run_on_openmp_with_passive_waiting(cnn):
+    import numba
+
+    _cnn_run(cnn, 2)
+    assert numba.threading_layer() == "omp" and os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
