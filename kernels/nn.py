@@ -94,7 +94,8 @@ def _batch_norm_train(x, scale, bias, mean_in, var_in, y, mean_out, var_out, has
 
 @njit(cache=True, error_model="numpy")
 def _batch_norm_infer(x, scale, bias, mean, var, y, epsilon, stats, low, high, in_place, c0, c1):
-    """y = (x - mean) · γ/√(var + ε) + β with the running statistics (clipped to [low, high]), channels [c0, c1)."""
+    """y = (x - mean) · γ/√(var + ε) + β with the running statistics (clipped to [low, high]) for the channels
+    [c0, c1)."""
     for c in range(c0, c1):
         stats[0, c] = mean[c]
         stats[1, c] = scale[c] / np.sqrt(np.float64(var[c]) + epsilon)

@@ -18,9 +18,10 @@ from odtrain.kernels import parts
 from oracles import gradient_check, make_model, reference_outputs, with_weighted_sum
 from test_vision import GRADIENT_CASES
 
-# What splits differ in: partial sums over parts of the batch (weight gradients, batch statistics) added
-# in another order. Measured over the cases below: at most 4.8e-7 of the tensor's largest magnitude.
-PARTS_RTOL = 1e-5
+# What splits change: sums that cross parts (weight gradients summed per part of the batch, then added;
+# products over another number of images per product). Measured over the cases below: at most 2.1e-7 of
+# the tensor's largest magnitude (conv_depthwise_stride2); the bound leaves 10x room.
+PARTS_RTOL = 2e-6
 
 
 @pytest.fixture
@@ -93,8 +94,8 @@ CASES.update({
                          {"ids": np.array([[0, 2, 2], [4, 0, 2]], dtype=np.int64)}),
     "gather_axis": ([node("Gather", ["x", "ids"], axis=1)], {"x": rand(2, 4, 3)},
                     {"ids": np.array([3, -1, 0, 3], dtype=np.int64)}),
-    "elementwise_chain": ([node("Mul", ["a", "b"], ["m"]), node("Add", ["m", "bias"], ["s"]), node("Relu", ["s"], ["r"]),
-                           node("Tanh", ["r"], ["t"]), node("Mul", ["t", "half"])],
+    "elementwise_chain": ([node("Mul", ["a", "b"], ["m"]), node("Add", ["m", "bias"], ["s"]),
+                           node("Relu", ["s"], ["r"]), node("Tanh", ["r"], ["t"]), node("Mul", ["t", "half"])],
                           {"a": rand(4, 6), "b": rand(4, 6), "bias": rand(6)}, {"half": np.array(0.5, np.float32)}),
     # PyTorch's exact GELU, fused into Gelu and GeluGrad in the training model
     "gelu": ([node("Div", ["x", "root2"], ["d"]), node("Erf", ["d"], ["e"]), node("Add", ["e", "one"], ["a"]),
