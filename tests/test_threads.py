@@ -109,8 +109,6 @@ PARALLEL_CASES = sorted(CASES)
 # Kernels split where no sum crosses a part (planes, channels, rows): every value as in the serial kernel.
 EXACT = ("max_pool", "average_pool", "global_", "batch_norm", "softmax", "log_softmax", "gather", "elementwise",
          "gelu")
-# A general convolution splits its batch: one image stays serial.
-ONE_IMAGE = {"conv_3d_same", "conv_one_row_strided"}
 
 
 @pytest.mark.parametrize("name", PARALLEL_CASES)
@@ -131,7 +129,7 @@ def test_two_threads_match_one(name, tmp_path, split_everything):
     constants = constants[0] if constants else {}
     one = _train(tmp_path, nodes, params, constants, threads=1)
     two = _train(tmp_path, nodes, params, constants, threads=2)
-    assert not one[3] and two[3] == (name not in ONE_IMAGE), "parallel kernels run when the step is bound for them"
+    assert not one[3] and two[3], "parallel kernels run exactly when the step is bound for more than one thread"
     if name.startswith(EXACT):
         assert one[0] == two[0] and all(np.array_equal(one[1][k], two[1][k]) for k in params)
     np.testing.assert_allclose(one[0], two[0], rtol=PARTS_RTOL)
