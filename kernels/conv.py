@@ -35,7 +35,7 @@ import numpy as np
 from numba import njit, prange
 
 from . import ODTRAIN_DOMAIN, binding
-from .blas import product
+from .blas import gemm, product
 from .depthwise import (_depthwise_forward, _depthwise_forward_parts, _depthwise_input_grad,
                         _depthwise_input_grad_parts, _depthwise_weight_grad, _depthwise_weight_grad_parts)
 from .parts import part_bounds, part_count
@@ -47,6 +47,7 @@ COLUMNS = 512  # convolutions batch images into one product until it has this ma
 # cells into blocks below it (when the blocks stay at least MIN_BLOCK wide)
 SMALL_PRODUCT = 1_000_000
 MIN_BLOCK = 64
+MIN_CHANNELS = 16  # output channels per part when a weight gradient splits them (narrower products lose speed)
 ROW_WIDTH = 24  # depthwise convolutions with outputs at least this wide work along rows, others channels-last
 
 
@@ -348,16 +349,18 @@ def _conv_weight_grad(dy, x, dw, col_work, row_work, sums, product, geom, chunk,
 
 
 @njit(cache=True, error_model="numpy", parallel=True)
-def _conv_weight_grad_parts(dy, x, dw, work, columns, rows, geom, chunk, pointwise, bounds):
+def _conv_weight_grad_parts(dy, x, dw, work, columns, rows, product_size, geom, chunk, pointwise, bounds):
     """dw as _conv_weight_grad, each part (bounds) summing its images into its own sums in work[p] (after its
-    columns and rows), in parallel; the parts' sums are then added in part order: the same at every run."""
+    columns and rows; then its chunk product when it has several chunks), in parallel; the parts' sums are
+    then added in part order: the same at every run."""
     groups, per_group, k = dw.shape[0], dw.shape[1], dw.shape[2]
     size = groups * k * per_group
     start = columns + rows
     for part in prange(bounds.size - 1):
         mine = work[part]
         sums = mine[start:start + size].reshape(groups, k, per_group)
-        product = mine[start + size:start + size + k * per_group].reshape(k, per_group)
+        # a part of one chunk never adds a product: its sums stand in
+        product = mine[start + size:start + size + product_size].reshape(k, per_group) if product_size else sums[0]
         _conv_weight_sums(dy, x, mine[:columns], mine[columns:start], sums, product, geom, chunk, pointwise,
                           bounds[part], bounds[part + 1])
     for g in range(groups):
@@ -367,6 +370,45 @@ def _conv_weight_grad_parts(dy, x, dw, work, columns, rows, geom, chunk, pointwi
                 for part in range(1, bounds.size - 1):
                     total += work[part, start + (g * k + j) * per_group + m]
                 dw[g, m, j] = total
+
+
+@njit(cache=True, error_model="numpy")
+def _conv_weight_channels(dy, x, dw, col_work, row_work, sums, geom, chunk, pointwise, m0, m1):
+    """dw[g, m] for the output channels m in [m0, m1), summed over every image: sums[g][:, m] = Σ col · dy[m]ᵀ,
+    each chunk's product added by BLAS (beta = 1), then transposed into dw."""
+    batch, groups, per_group, cells = dy.shape[0], dy.shape[1], dy.shape[2], dy.shape[3]
+    k = sums.shape[1]
+    count = m1 - m0
+    for n0 in range(0, batch, chunk):
+        nb = min(chunk, batch - n0)
+        width = nb * cells
+        for g in range(groups):
+            if nb == 1 and pointwise:
+                col = x[n0, g].reshape(k, cells)
+            else:
+                col = col_work[:k * width].reshape(k, width)
+                _im2col(x, n0, nb, g, geom, col)
+            if nb == 1:
+                grad_rows = dy[n0, g][m0:m1]
+            else:
+                grad_rows = row_work[:count * width].reshape(count, width)
+                _gather_dy(dy[:, :, m0:m1], n0, nb, g, grad_rows)
+            gemm(0, 1, k, count, width, 1.0, col, 0, width, grad_rows, 0, width, 0.0 if n0 == 0 else 1.0, sums,
+                 (g * k) * per_group + m0, per_group)
+    for g in range(groups):
+        for m in range(m0, m1):
+            for j in range(k):
+                dw[g, m, j] = sums[g, j, m]
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _conv_weight_grad_channel_parts(dy, x, dw, work, columns, sums, geom, chunk, pointwise, bounds):
+    """dw as _conv_weight_grad, each part (bounds) computing its own output channels over every image, with
+    its own work memory (im2col columns, then gathered rows): no partial sums to add."""
+    for part in prange(bounds.size - 1):
+        mine = work[part]
+        _conv_weight_channels(dy, x, dw, mine[:columns], mine[columns:], sums, geom, chunk, pointwise, bounds[part],
+                              bounds[part + 1])
 
 
 @njit(cache=True, error_model="numpy")
@@ -405,12 +447,14 @@ class _ConvLayout:
         # parallel parts: of the images; depthwise along rows, of the (image, channel) pairs
         rows_layout = self.depthwise and _as_3d(y_shape[2:])[2] >= ROW_WIDTH
         self.units = batch * group if rows_layout else batch
-        self.parts = part_count(threads, self.units, batch * self.cells * self.k * int(w_shape[0]))
+        work = batch * self.cells * self.k * int(w_shape[0])  # multiply-adds
+        self.parts = part_count(threads, self.units, work)
         self.bounds = part_bounds(self.units, self.parts)
         per_part = -(-batch // self.parts)  # images of the largest part
         self.pointwise = bool((geom[0:6] == 1).all() and (geom[9:12] == 0).all()
                               and tuple(x_shape[2:]) == tuple(y_shape[2:]))
-        self.chunk = int(max(1, min(per_part, -(-COLUMNS // max(self.cells, 1)))))
+        # the parts share the columns of one product: together they hold no more work memory than one thread
+        self.chunk = int(max(1, min(per_part, -(-COLUMNS // (self.parts * max(self.cells, 1))))))
         width = self.chunk * self.cells
         # forward and input-gradient products in blocks of output cells small enough for the small-matrix kernels
         widest = SMALL_PRODUCT // max(self.out_per_group * self.k, 1)
@@ -422,8 +466,19 @@ class _ConvLayout:
         self.columns = 0 if self.depthwise or (self.pointwise and self.chunk == 1) else self.k * width
         self.rows = 0 if self.depthwise or self.chunk == 1 else self.out_per_group * width
         # the weight gradient's transposed sums [G, K, M/G], and one product [K, M/G] to add from later chunks
-        later_chunks = per_part > self.chunk or self.parts > 1  # parallel parts always carve a product
-        self.partial = 0 if self.depthwise else (group + later_chunks) * self.k * self.out_per_group
+        self.product = self.k * self.out_per_group if per_part > self.chunk else 0
+        self.partial = 0 if self.depthwise else group * self.k * self.out_per_group + self.product
+        # Parts of the batch sum their own weight gradients, then add them. Where those sums outweigh the
+        # parts' im2col memory (pointwise convolutions over few cells), the weight gradient splits its output
+        # channels instead: each part all images, no sums to add. Its work memory per part: one thread's
+        # columns, and its channels' gathered rows.
+        self.channel_parts = 1
+        if self.parts > 1 and not self.depthwise and self.partial > self.columns + self.rows:
+            self.channel_parts = part_count(threads, self.out_per_group // MIN_CHANNELS, work)
+        self.channel_chunk = int(max(1, min(batch, -(-COLUMNS // max(self.cells, 1)))))
+        width = self.channel_chunk * self.cells
+        self.channel_columns = 0 if self.pointwise and self.channel_chunk == 1 else self.k * width
+        self.channel_rows = 0 if self.channel_chunk == 1 else -(-self.out_per_group // self.channel_parts) * width
         if self.depthwise:
             x3, y3 = _as_3d(x_shape[2:]), _as_3d(y_shape[2:])
             self.x5 = (batch, group) + x3
@@ -450,6 +505,9 @@ class _ConvLayout:
 
     def scratch_bytes(self, weight_gradient: bool) -> int:
         """Bytes of work memory for all parts (the dW sums only for a weight gradient or depthwise)."""
+        if weight_gradient and self.channel_parts > 1:
+            sums = self.groups * self.k * self.out_per_group
+            return 4 * (self.channel_parts * (self.channel_columns + self.channel_rows) + sums)
         extra = self.partial if weight_gradient or self.depthwise else 0
         return 4 * self.parts * (self.columns + self.rows + extra)
 
@@ -539,9 +597,18 @@ def _weight_grad_calls(layout: _ConvLayout, dy, x, dw, scratch) -> list:
         return [(_depthwise_weight_grad, (dyv, xv, dwv, layout.geom, layout.columns_of_taps, padded, rows, sums,
                                           layout.channels_last))]
     dyv, xv = dy.reshape(layout.y4), x.reshape(layout.x6)
+    if layout.channel_parts > 1:
+        memory = scratch.view(np.float32)
+        per_part = layout.channel_columns + layout.channel_rows
+        work = memory[:layout.channel_parts * per_part].reshape(layout.channel_parts, per_part)
+        sums = memory[work.size:].reshape(layout.groups, layout.k, layout.out_per_group)
+        return [(_conv_weight_grad_channel_parts, (dyv, xv, dwv, work, layout.channel_columns, sums, layout.geom,
+                                                   layout.channel_chunk, layout.pointwise,
+                                                   part_bounds(layout.out_per_group, layout.channel_parts)))]
     if layout.parts > 1:
         return [(_conv_weight_grad_parts, (dyv, xv, dwv, layout.per_part(scratch), layout.columns, layout.rows,
-                                           layout.geom, layout.chunk, layout.pointwise, layout.bounds))]
+                                           layout.product, layout.geom, layout.chunk, layout.pointwise,
+                                           layout.bounds))]
     columns, rows, sums, product = layout.work(scratch, sums=True)
     return [(_conv_weight_grad, (dyv, xv, dwv, columns, rows, sums, product, layout.geom, layout.chunk,
                                  layout.pointwise))]

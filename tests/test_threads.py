@@ -74,6 +74,10 @@ def rand(*shape, low=-1.0, high=1.0):
 CASES = {name: case for name, case in GRADIENT_CASES.items()
          if name.startswith(("conv", "max_pool", "average_pool", "global_", "batch_norm"))}
 CASES.update({
+    # weight gradients that split their output channels (their per-part sums would outweigh the work memory)
+    "conv_pointwise_channel_parts": ([node("Conv", ["x", "w"])], {"x": rand(2, 3, 3, 3), "w": rand(32, 3, 1, 1)}),
+    "conv_one_cell_channel_parts": ([node("Conv", ["x", "w", "b"])],
+                                    {"x": rand(4, 2, 3, 3), "w": rand(48, 2, 3, 3), "b": rand(48)}),
     "layer_norm": ([node("LayerNormalization", ["x", "s", "b"], epsilon=1e-3)],
                    {"x": rand(5, 3, 4), "s": rand(4, low=0.5, high=1.5), "b": rand(4)}),
     "layer_norm_statistics_broadcast": ([node("LayerNormalization", ["x", "s", "b"], ["y", "mean", "inv"], axis=1)],
@@ -106,6 +110,10 @@ CASES.update({
 # ONNX's reference erf rounds to float32: a larger step keeps its rounding out of the differences
 STEPS = {"gelu": 1e-3}
 PARALLEL_CASES = sorted(CASES)
+# Too large for finite differences, against one thread only: a pointwise weight gradient over images of more
+# cells than one product holds (one image per product), its output channels split
+LARGE_CASES = {"conv_pointwise_large_images": ([node("Conv", ["x", "w"])], {"x": rand(2, 4, 24, 24),
+                                                                             "w": rand(32, 4, 1, 1)})}
 # Kernels split where no sum crosses a part (planes, channels, rows): every value as in the serial kernel.
 EXACT = ("max_pool", "average_pool", "global_", "batch_norm", "softmax", "log_softmax", "gather", "elementwise",
          "gelu")
@@ -123,9 +131,9 @@ def test_parallel_parts_match_the_oracle(name, tmp_path, split_everything):
         thread_policy._process_default = None
 
 
-@pytest.mark.parametrize("name", PARALLEL_CASES)
+@pytest.mark.parametrize("name", PARALLEL_CASES + sorted(LARGE_CASES))
 def test_two_threads_match_one(name, tmp_path, split_everything):
-    nodes, params, *constants = CASES[name]
+    nodes, params, *constants = CASES[name] if name in CASES else LARGE_CASES[name]
     constants = constants[0] if constants else {}
     one = _train(tmp_path, nodes, params, constants, threads=1)
     two = _train(tmp_path, nodes, params, constants, threads=2)
