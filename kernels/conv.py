@@ -207,13 +207,31 @@ def _col2im(col, n0, nb, g, geom, dx):
 
 
 @njit(cache=True, error_model="numpy")
-def _gather_dy(dy, n0, nb, g, out):
-    """out[m, b·P + p] = dy[n0 + b, g, m, p]."""
+def _gather_dy(dy, n0, nb, g, out, m0=0):
+    """out[m, b·P + p] = dy[n0 + b, g, m0 + m, p] (out has the rows of the channels wanted)."""
     cells = dy.shape[3]
-    for m in range(dy.shape[2]):
+    for m in range(out.shape[0]):
         for b in range(nb):
             for p in range(cells):
-                out[m, b * cells + p] = dy[n0 + b, g, m, p]
+                out[m, b * cells + p] = dy[n0 + b, g, m0 + m, p]
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _weight_operands(dy, x, col_work, row_work, geom, pointwise, k, n0, nb, g, m0, m1):
+    """(im2col columns [K, nb·P] of the images n0..n0+nb of group g, their dy rows [m1 - m0, nb·P] of the
+    channels m0..m1): the operands of one chunk's weight-gradient product, views of x or dy where they can be."""
+    cells = dy.shape[3]
+    width = nb * cells
+    if nb == 1 and pointwise:
+        col = x[n0, g].reshape(k, cells)
+    else:
+        col = col_work[:k * width].reshape(k, width)
+        _im2col(x, n0, nb, g, geom, col)
+    if nb == 1:
+        return col, dy[n0, g][m0:m1]
+    grad_rows = row_work[:(m1 - m0) * width].reshape(m1 - m0, width)
+    _gather_dy(dy, n0, nb, g, grad_rows, m0)
+    return col, grad_rows
 
 
 @njit(cache=True, error_model="numpy")
@@ -311,22 +329,12 @@ def _conv_input_grad_parts(dy, w, dx, work, columns, geom, chunk, pointwise, blo
 def _conv_weight_sums(dy, x, col_work, row_work, sums, product, geom, chunk, pointwise, begin, end):
     """sums[g] = Σ over the images n in [begin, end) of im2col(x[n, g]) · dy[n, g]ᵀ: dw[g] transposed
     (BLAS's faster order for these shapes); `product` holds one chunk's product before it is added."""
-    groups, per_group, cells = dy.shape[1], dy.shape[2], dy.shape[3]
+    groups, per_group = dy.shape[1], dy.shape[2]
     k = sums.shape[1]
     for n0 in range(begin, end, chunk):
         nb = min(chunk, end - n0)
-        width = nb * cells
         for g in range(groups):
-            if nb == 1 and pointwise:
-                col = x[n0, g].reshape(k, cells)
-            else:
-                col = col_work[:k * width].reshape(k, width)
-                _im2col(x, n0, nb, g, geom, col)
-            if nb == 1:
-                grad_rows = dy[n0, g]
-            else:
-                grad_rows = row_work[:per_group * width].reshape(per_group, width)
-                _gather_dy(dy, n0, nb, g, grad_rows)
+            col, grad_rows = _weight_operands(dy, x, col_work, row_work, geom, pointwise, k, n0, nb, g, 0, per_group)
             if n0 == begin:
                 np.dot(col, grad_rows.T, sums[g])
             else:
@@ -378,22 +386,12 @@ def _conv_weight_channels(dy, x, dw, col_work, row_work, sums, geom, chunk, poin
     each chunk's product added by BLAS (beta = 1), then transposed into dw."""
     batch, groups, per_group, cells = dy.shape[0], dy.shape[1], dy.shape[2], dy.shape[3]
     k = sums.shape[1]
-    count = m1 - m0
     for n0 in range(0, batch, chunk):
         nb = min(chunk, batch - n0)
         width = nb * cells
         for g in range(groups):
-            if nb == 1 and pointwise:
-                col = x[n0, g].reshape(k, cells)
-            else:
-                col = col_work[:k * width].reshape(k, width)
-                _im2col(x, n0, nb, g, geom, col)
-            if nb == 1:
-                grad_rows = dy[n0, g][m0:m1]
-            else:
-                grad_rows = row_work[:count * width].reshape(count, width)
-                _gather_dy(dy[:, :, m0:m1], n0, nb, g, grad_rows)
-            gemm(0, 1, k, count, width, 1.0, col, 0, width, grad_rows, 0, width, 0.0 if n0 == 0 else 1.0, sums,
+            col, grad_rows = _weight_operands(dy, x, col_work, row_work, geom, pointwise, k, n0, nb, g, m0, m1)
+            gemm(0, 1, k, m1 - m0, width, 1.0, col, 0, width, grad_rows, 0, width, 0.0 if n0 == 0 else 1.0, sums,
                  (g * k) * per_group + m0, per_group)
     for g in range(groups):
         for m in range(m0, m1):
@@ -541,19 +539,26 @@ class _ConvLayout:
         return columns, rows, totals, product
 
 
+def _depthwise_calls(layout: _ConvLayout, serial, parallel, arrays: tuple, scratch, weight_gradient=False) -> list:
+    """The call of a depthwise kernel on `arrays`: its parallel twin on parts of the units, or the serial
+    kernel (over all units; a weight gradient gets the whole dW sums, the others the taps of one multiplier)."""
+    if layout.parts > 1:
+        return [(parallel, arrays + (layout.geom, layout.columns_of_taps, layout.per_part(scratch), layout.padded_shape,
+                                     layout.rows_shape, layout.sums_shape, layout.channels_last, layout.bounds))]
+    padded, rows, taps = layout.depthwise_work(scratch)
+    if weight_gradient:
+        return [(serial, arrays + (layout.geom, layout.columns_of_taps, padded, rows, taps, layout.channels_last))]
+    return [(serial, arrays + (layout.geom, layout.columns_of_taps, padded, rows, taps[0], layout.channels_last, 0,
+                               layout.units))]
+
+
 def _forward_calls(layout: _ConvLayout, x, w, bias, y, scratch) -> list:
     """y = conv(x, w) (+ bias [G, M/G] when given): the calls, serial or in parts."""
     wv = w.reshape(layout.w3)
     b = bias if bias is not None else np.zeros((1, 1), np.float32)
     if layout.depthwise:
-        xv, yv = x.reshape(layout.x5), y.reshape(layout.y6)
-        if layout.parts > 1:
-            return [(_depthwise_forward_parts, (xv, wv, b, bias is not None, yv, layout.geom, layout.columns_of_taps,
-                                                layout.per_part(scratch), layout.padded_shape, layout.rows_shape,
-                                                layout.sums_shape, layout.channels_last, layout.bounds))]
-        padded, rows, taps = layout.depthwise_work(scratch)
-        return [(_depthwise_forward, (xv, wv, b, bias is not None, yv, layout.geom, layout.columns_of_taps, padded,
-                                      rows, taps[0], layout.channels_last, 0, layout.units))]
+        return _depthwise_calls(layout, _depthwise_forward, _depthwise_forward_parts,
+                                (x.reshape(layout.x5), wv, b, bias is not None, y.reshape(layout.y6)), scratch)
     xv, yv = x.reshape(layout.x6), y.reshape(layout.y4)
     if layout.parts > 1:
         return [(_conv_forward_parts, (xv, wv, b, bias is not None, yv, layout.per_part(scratch), layout.columns,
@@ -567,14 +572,8 @@ def _input_grad_calls(layout: _ConvLayout, dy, w, dx, scratch) -> list:
     """dx = the input gradient of conv(x, w) from dy: the calls, serial or in parts."""
     wv = w.reshape(layout.w3)
     if layout.depthwise:
-        dyv, dxv = dy.reshape(layout.y6), dx.reshape(layout.x5)
-        if layout.parts > 1:
-            return [(_depthwise_input_grad_parts, (dyv, wv, dxv, layout.geom, layout.columns_of_taps,
-                                                   layout.per_part(scratch), layout.padded_shape, layout.rows_shape,
-                                                   layout.sums_shape, layout.channels_last, layout.bounds))]
-        padded, rows, taps = layout.depthwise_work(scratch)
-        return [(_depthwise_input_grad, (dyv, wv, dxv, layout.geom, layout.columns_of_taps, padded, rows, taps[0],
-                                         layout.channels_last, 0, layout.units))]
+        return _depthwise_calls(layout, _depthwise_input_grad, _depthwise_input_grad_parts,
+                                (dy.reshape(layout.y6), wv, dx.reshape(layout.x5)), scratch)
     dyv, dxv = dy.reshape(layout.y4), dx.reshape(layout.x6)
     if layout.parts > 1:
         return [(_conv_input_grad_parts, (dyv, wv, dxv, layout.per_part(scratch), layout.columns, layout.geom,
@@ -588,14 +587,8 @@ def _weight_grad_calls(layout: _ConvLayout, dy, x, dw, scratch) -> list:
     """dw = the weight gradient of conv(x, w) from dy: the calls, serial or in parts."""
     dwv = dw.reshape(layout.w3)
     if layout.depthwise:
-        dyv, xv = dy.reshape(layout.y6), x.reshape(layout.x5)
-        if layout.parts > 1:
-            return [(_depthwise_weight_grad_parts, (dyv, xv, dwv, layout.geom, layout.columns_of_taps,
-                                                    layout.per_part(scratch), layout.padded_shape, layout.rows_shape,
-                                                    layout.sums_shape, layout.channels_last, layout.bounds))]
-        padded, rows, sums = layout.depthwise_work(scratch)
-        return [(_depthwise_weight_grad, (dyv, xv, dwv, layout.geom, layout.columns_of_taps, padded, rows, sums,
-                                          layout.channels_last))]
+        return _depthwise_calls(layout, _depthwise_weight_grad, _depthwise_weight_grad_parts,
+                                (dy.reshape(layout.y6), x.reshape(layout.x5), dwv), scratch, weight_gradient=True)
     dyv, xv = dy.reshape(layout.y4), x.reshape(layout.x6)
     if layout.channel_parts > 1:
         memory = scratch.view(np.float32)

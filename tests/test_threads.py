@@ -16,7 +16,7 @@ from odtrain import ArgumentError, artifacts
 from odtrain.api import CheckpointState, Module, Optimizer
 from odtrain.kernels import parts
 from oracles import gradient_check, make_model, reference_outputs, with_weighted_sum
-from test_vision import GRADIENT_CASES
+from test_vision import GRADIENT_CASES, _artifacts as reference_artifacts
 
 # What splits change: sums that cross parts (weight gradients summed per part of the batch, then added;
 # products over another number of images per product). Measured over the cases below: at most 2.1e-7 of
@@ -207,13 +207,8 @@ def test_parallel_optimizer_updates_are_the_serial_ones(kind, split_everything):
 @pytest.fixture(scope="module")
 def cnn(tmp_path_factory):
     """AdamW artifacts of the reference CNN (convolutions, batch norms, pooling, a product) and its batches."""
-    from conftest import reference_model
-
-    path, meta, golden = reference_model("cnn")
     folder = tmp_path_factory.mktemp("cnn")
-    artifacts.generate_artifacts(str(path), requires_grad=meta["requires_grad"], frozen_params=meta["frozen_params"],
-                                 loss=artifacts.LossType.CrossEntropyLoss, optimizer=artifacts.OptimType.AdamW,
-                                 artifact_directory=folder)
+    _, golden = reference_artifacts("cnn", "adamw", folder)
     return folder, [(golden["x"][step].astype(np.float32), golden["y"][step]) for step in range(3)]
 
 
@@ -225,7 +220,7 @@ def _cnn_run(cnn, threads):
     optimizer = Optimizer(folder / "optimizer_model.onnx", module)
     losses = []
     for x, y in batches:
-        losses.append(module(x, y))
+        losses.append(module(x, y)[0])
         optimizer.step()
         module.lazy_reset_grad()
     return np.array(losses), state._store.flat.copy()
