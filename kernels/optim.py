@@ -73,23 +73,28 @@ def sgd_momentum_update(w, g, b, lr, momentum, dampening, weight_decay, nesterov
         w[i] -= rate * d
 
 
+# Part p of `parts` updates the elements [p·n // parts, (p + 1)·n // parts): bounds computed inside, so that
+# an optimizer step passes no array beyond the buffers.
+
+
 @njit(cache=True, error_model="numpy", parallel=True)
-def adamw_update_parts(w, g, m, v, lr, beta1, beta2, eps, weight_decay, step, bias_correction, bounds):
-    for p in prange(bounds.size - 1):
-        a, b = bounds[p], bounds[p + 1]
+def adamw_update_parts(w, g, m, v, lr, beta1, beta2, eps, weight_decay, step, bias_correction, parts):
+    for p in prange(parts):
+        a, b = p * w.size // parts, (p + 1) * w.size // parts
         adamw_update(w[a:b], g[a:b], m[a:b], v[a:b], lr, beta1, beta2, eps, weight_decay, step, bias_correction)
 
 
 @njit(cache=True, error_model="numpy", parallel=True)
-def sgd_update_parts(w, g, lr, bounds):
-    for p in prange(bounds.size - 1):
-        sgd_update(w[bounds[p]:bounds[p + 1]], g[bounds[p]:bounds[p + 1]], lr)
+def sgd_update_parts(w, g, lr, parts):
+    for p in prange(parts):
+        a, b = p * w.size // parts, (p + 1) * w.size // parts
+        sgd_update(w[a:b], g[a:b], lr)
 
 
 @njit(cache=True, error_model="numpy", parallel=True)
-def sgd_momentum_update_parts(w, g, b, lr, momentum, dampening, weight_decay, nesterov, first_step, bounds):
-    for p in prange(bounds.size - 1):
-        lo, hi = bounds[p], bounds[p + 1]
+def sgd_momentum_update_parts(w, g, b, lr, momentum, dampening, weight_decay, nesterov, first_step, parts):
+    for p in prange(parts):
+        lo, hi = p * w.size // parts, (p + 1) * w.size // parts
         sgd_momentum_update(w[lo:hi], g[lo:hi], b[lo:hi], lr, momentum, dampening, weight_decay, nesterov, first_step)
 
 

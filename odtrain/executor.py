@@ -33,7 +33,7 @@ from . import runtime, threads as thread_policy
 from .graph.optimizers import AdamW, SGDMomentum
 from .kernels.optim import (adamw_update, adamw_update_parts, add_into, assert_finite, copy_into, sgd_momentum_update,
                             sgd_momentum_update_parts, sgd_update, sgd_update_parts)
-from .kernels.parts import part_bounds, part_count
+from .kernels.parts import part_count
 
 
 def aligned_buffer(nbytes: int) -> np.ndarray:
@@ -298,7 +298,7 @@ def apply_optimizer(config, weights: np.ndarray, grads: np.ndarray, moments: dic
     """One fused update of the trainable block by the optimizer model's node (AdamW, SGD or SGDMomentum),
     on parts of the block in parallel at `threads` threads when the block is large enough."""
     parts = part_count(threads, weights.size, weights.size)
-    split = (part_bounds(weights.size, parts),) if parts > 1 else ()
+    split = (parts,) if parts > 1 else ()
     previous = thread_policy.use(threads) if split else None
     try:
         if isinstance(config, AdamW):
