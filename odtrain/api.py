@@ -24,8 +24,8 @@ from .graph.onnx_io import load_graph, save_graph
 from .graph.ops import check_supported
 from .graph.optimizers import read_optimizer_graph
 from .signals import deferred_interrupt
-from .threads import checked as checked_threads, get_num_threads, usable
 from .state import OptimizerState, ParameterStore, PropertyBag
+from .threads import checked as checked_threads, get_num_threads, usable
 
 DEFAULT_LEARNING_RATE = 1e-3
 PLAN_CACHE_SIZE = 4

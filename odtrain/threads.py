@@ -65,12 +65,12 @@ def pool_size() -> int:
 
 
 def checked(count, what: str = "num_threads") -> int:
-    """`count` (an integer, or its digits as text) as a thread count, or an ArgumentError saying what works."""
+    """`count` (a whole number, not a bool) as a thread count, or an ArgumentError saying what works."""
     try:
-        value = int(count) if isinstance(count, str) else operator.index(count)
-    except (TypeError, ValueError):
+        value = None if isinstance(count, bool) else operator.index(count)
+    except TypeError:
         value = None
-    if isinstance(count, bool) or value is None or value < 1:
+    if value is None or value < 1:
         raise ArgumentError(f"{what} must be a positive whole number of threads, got {count!r}")
     return value
 
@@ -80,9 +80,9 @@ def get_num_threads() -> int:
     else the cores this process may run on (at most Numba's pool)."""
     if _process_default is not None:
         return _process_default
-    requested = os.environ.get(ENVIRONMENT)
-    if requested is not None and requested.strip():
-        return checked(requested.strip(), ENVIRONMENT)
+    requested = os.environ.get(ENVIRONMENT, "").strip()
+    if requested:
+        return checked(int(requested) if requested.isdigit() else requested, ENVIRONMENT)
     return min(available_cores(), pool_size())
 
 
