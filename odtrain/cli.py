@@ -306,6 +306,11 @@ def _prepare(args) -> int:
 # ---- train, eval, export, inspect ------------------------------------------------------------------------
 
 
+def _add_threads_option(parser) -> None:
+    parser.add_argument("--threads", type=int, metavar="N", help="threads of each step, kernels and BLAS together "
+                        "(default: ODTRAIN_NUM_THREADS, else every core this process may run on)")
+
+
 def _byte_size(text: str) -> int:
     """'40MB', '1.5GiB', '500000' -> bytes (decimal and binary units)."""
     units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -560,6 +565,7 @@ def _add_training_commands(commands) -> None:
     train.add_argument("--memory-budget", type=_byte_size, metavar="BYTES",
                        help="cap each training step's arena (e.g. 40MB), recomputing activations in the backward "
                        "pass; fails before training, naming the smallest budget that works, if none fits")
+    _add_threads_option(train)
     train.add_argument("--json", action="store_true", help="print the result as JSON instead of progress")
     train.add_argument("--stop-after-steps", type=int, help=argparse.SUPPRESS)
     train.set_defaults(handler=_train)
@@ -571,6 +577,7 @@ def _add_training_commands(commands) -> None:
     evaluate.add_argument("artifacts", metavar="ARTIFACT_DIR", help="a folder written by `odtrain prepare`")
     _add_data_options(evaluate, "test data")
     evaluate.add_argument("--batch-size", type=int, default=256, help="samples per step (default: 256)")
+    _add_threads_option(evaluate)
     evaluate.add_argument("--json", action="store_true", help="print the metrics as JSON")
     evaluate.set_defaults(handler=_eval)
 
@@ -641,8 +648,11 @@ def main(argv=None) -> int:
     if not getattr(args, "handler", None):
         parser.print_help()
         return 2
+    from .threads import process_default
+
     try:
-        return args.handler(args)
+        with process_default(getattr(args, "threads", None)):
+            return args.handler(args)
     except OdtrainError as error:
         message = str(error).replace("\n", " ")
         print(f"odtrain {args.command}: error: {message}", file=sys.stderr)
