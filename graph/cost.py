@@ -10,6 +10,8 @@ one element:
   2 per multiply-add, FLOPS_PER_ELEMENT of them per unit; a Conv also reads a window of its
   input per output element and channel group (its im2col), which is what dominates a
   depthwise Conv.
+- `product_flops` also counts the gradients that are products again (GRADIENT_PRODUCTS: a Conv's
+  input and weight gradients, MatMul's), as the step profile (`odtrain.profile`) reports them.
 - Windowed ops (MaxPool, AveragePool) read WINDOW_READ units per window element.
 - Views (Reshape, Flatten, ...) cost nothing.
 Values without a static type count as one element. The constants come from timing each forward
@@ -37,6 +39,13 @@ PASSES = {
     "Exp": 2.0, "Log": 2.0, "Tanh": 2.0, "Sigmoid": 2.0, "Erf": 2.0, "Gelu": 2.0, "Pow": 2.0, "Sqrt": 2.0,
 }
 PRODUCTS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul", "FusedMatMul", "GRU", "LSTM"})
+# Gradients that are products again, as many operations as the forward product they differentiate:
+# op type -> (forward op, positions of its two operands among the gradient's inputs, position of dY).
+GRADIENT_PRODUCTS = {
+    "ConvInputGrad": ("Conv", 2, 1, 0), "ConvWeightGrad": ("Conv", 1, 2, 0),  # (dY, W, X), (dY, X, W)
+    "ConvTransposeInputGrad": ("ConvTranspose", 2, 1, 0), "ConvTransposeWeightGrad": ("ConvTranspose", 1, 2, 0),
+    "MatMulGradA": ("MatMul", 2, 1, 0), "MatMulGradB": ("MatMul", 0, 2, 1),  # (dY, B, A), (A, dY, B)
+}
 
 
 def _size(t: TensorType | None) -> int:
@@ -50,7 +59,15 @@ def _typed(types: dict, names) -> list[TensorType | None]:
 
 
 def product_flops(node: Node, types: dict) -> float:
-    """Operations (2 per multiply-add) of a product node at its bound shapes."""
+    """Operations (2 per multiply-add) of a product node, or of a gradient that is one (GRADIENT_PRODUCTS),
+    at its bound shapes; 0 for any other node."""
+    if node.op_type in GRADIENT_PRODUCTS:
+        forward, x, w, dy = GRADIENT_PRODUCTS[node.op_type]
+        if len(node.inputs) <= max(x, w, dy):
+            return 0.0
+        return product_flops(Node(forward, [node.inputs[x], node.inputs[w]], [node.inputs[dy]], node.attrs), types)
+    if node.op_type not in PRODUCTS:
+        return 0.0
     ins = _typed(types, node.inputs)
     out = types.get(node.outputs[0]) if node.outputs and node.outputs[0] else None
     if any(t is None or not t.is_static for t in ins[:2]) or out is None or not out.is_static:

@@ -100,15 +100,18 @@ class BoundGraph:
         self.arena = buffer
         self.storage = storage
         self.feed_views = [storage[name] for name in self.feeds]
-        calls = []
+        calls, call_nodes = [], []
         for node in self._order:
             calls.extend(self._bind_node(node, storage, self.types))
             for name in node.outputs:  # stop before a non-finite value reaches the backward pass
                 if name in self._check_finite:
                     calls.append((assert_finite, (storage[name].reshape(-1),)))
+            call_nodes.extend([node] * (len(calls) - len(call_nodes)))
         for name, sink in self._accumulated_sinks.items():
             calls.append((add_into, (sink, storage[name].reshape(-1))))
+            call_nodes.append(None)
         self.calls = calls
+        self.call_nodes = call_nodes  # the node each call belongs to (None: a gradient added into its sink)
 
     @staticmethod
     def _storage_outside_arena(order, types, outside, external):
@@ -210,6 +213,11 @@ class BoundGraph:
             raise ModelError(f"{node.describe()}: unsupported attributes {sorted(node.attrs)}: {error}") from None
         except ValueError as error:
             raise ModelError(f"{node.describe()}: {error}") from None
+
+    @property
+    def order(self) -> list[Node]:
+        """The nodes of a step in execution order, recomputed and update nodes included."""
+        return self._order
 
     def run(self, feeds: list[np.ndarray]) -> None:
         for view, value in zip(self.feed_views, feeds):

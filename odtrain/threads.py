@@ -19,11 +19,12 @@ import ctypes
 import os
 
 _SETTERS = ("scipy_openblas_set_num_threads", "scipy_openblas_set_num_threads64_", "openblas_set_num_threads")
+_GETTERS = ("scipy_openblas_get_num_threads", "scipy_openblas_get_num_threads64_", "openblas_get_num_threads")
 _applied = False
 
 
-def _scipy_blas_setter():
-    """The thread-count setter of the OpenBLAS that scipy.linalg.cython_blas is linked to, or None."""
+def _scipy_blas_function(names: tuple[str, ...]):
+    """The first of `names` exported by the OpenBLAS that scipy.linalg.cython_blas is linked to, or None."""
     try:
         from .runtime import load_blas
 
@@ -37,10 +38,10 @@ def _scipy_blas_setter():
             library = ctypes.CDLL(path)
         except OSError:
             continue
-        for name in _SETTERS:
-            setter = getattr(library, name, None)
-            if setter is not None:
-                return setter
+        for name in names:
+            function = getattr(library, name, None)
+            if function is not None:
+                return function
     return None
 
 
@@ -48,11 +49,17 @@ def set_num_threads(count: int) -> bool:
     """Use `count` threads in odtrain's BLAS products; returns whether the BLAS library was found."""
     global _applied
     _applied = True
-    setter = _scipy_blas_setter()
+    setter = _scipy_blas_function(_SETTERS)
     if setter is None:
         return False
     setter(ctypes.c_int(max(int(count), 1)))
     return True
+
+
+def get_num_threads() -> int | None:
+    """The threads odtrain's BLAS products use now, or None where the BLAS library was not found."""
+    getter = _scipy_blas_function(_GETTERS)
+    return None if getter is None else int(getter())
 
 
 def apply_default() -> None:

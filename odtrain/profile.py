@@ -1,0 +1,298 @@
+"""Where a training step's time goes: per node, per op type, per phase, and the products against the GEMM peak.
+
+    report = odtrain.profile.profile_artifacts("artifacts", batch_size=32, steps=10, threads=None)
+    print(report.render()); report.to_dict(); report.nodes[0].seconds
+
+How it measures:
+- The artifacts are loaded as `odtrain train` loads them (CheckpointState, Module, Optimizer) and the
+  training step is bound at `batch_size` (`odtrain.memory.bind_at_batch`). Float inputs are drawn from
+  a normal distribution (fixed seed), integer inputs (labels, token ids) are zeros.
+- Each step runs twice, alternating: once as training runs it (`module(...)`, `optimizer.step()`,
+  `lazy_reset_grad()`), timed as a whole; once as a timed twin of the executor's loop (`timed_calls`),
+  which runs the same bound calls with a clock read around each. The untimed loop is not touched.
+- A node's time is the sum of its calls' times in one step; reported is its median over `steps`
+  steps after `warmup` steps (compilation or cache loading, first touches of the arena). The profiled
+  total is the sum of those medians; beside it stands the median untimed step, so the clock's own
+  cost (well under a microsecond a call) can be judged.
+- Phases: forward (up to the loss), backward (the nodes that depend on the loss gradient seed),
+  optimizer (`Optimizer.step()`, or the updates fused into backward), feeds (copying the inputs in).
+- Products: nodes for which `graph.cost.product_flops` counts operations (Conv, Gemm, MatMul,
+  FusedMatMul and their gradients that are products). Their time includes what runs around BLAS in
+  the same kernel (a convolution's im2col, a bias broadcast). GF/s = those operations over that time.
+- The peak is a float32 square MatMul (PEAK_SIZE³) bound by the executor, through the same BLAS
+  and kernel the products call, at 1 thread and at the step's and the machine's thread counts: the best of PEAK_REPEATS runs,
+  measured once per process and thread count.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .graph.autodiff import LOSS_SEED
+from .graph.cost import product_flops
+from .graph.errors import ArgumentError
+from .graph.ir import Graph, Node, TensorType
+from .graph.ops.training import APPLY_UPDATE
+from .graph.recompute import split_forward_backward
+
+PEAK_SIZE = 1024
+PEAK_REPEATS = 5
+PHASES = ("feeds", "forward", "backward", "optimizer")
+_peaks: dict[int, float] = {}
+
+
+def timed_calls(calls: list, elapsed: np.ndarray) -> None:
+    """Run a bound step's calls in order, as `BoundGraph.run` does, writing each call's seconds to `elapsed`."""
+    clock = time.perf_counter
+    for index, (kernel, args) in enumerate(calls):
+        start = clock()
+        kernel(*args)
+        elapsed[index] = clock() - start
+
+
+def gemm_peak(threads: int) -> float:
+    """GF/s of a float32 PEAK_SIZE³ MatMul bound by the executor, as a step's products are, with `threads`
+    BLAS threads (best of PEAK_REPEATS), measured once per process; the thread setting is restored after."""
+    threads = max(int(threads), 1)
+    if threads not in _peaks:
+        from .executor import BoundGraph
+        from .threads import get_num_threads, set_num_threads
+
+        rng = np.random.default_rng(0)
+        square = TensorType(np.dtype(np.float32), (PEAK_SIZE, PEAK_SIZE))
+        operands = {name: rng.standard_normal(square.shape, dtype=np.float32) for name in ("a", "b")}
+        graph = Graph([Node("MatMul", ["a", "b"], ["y"], name="peak")], ["a", "b"], ["y"],
+                      value_types={"a": square, "b": square, "y": square})
+        product = BoundGraph(graph, {}, operands)  # operands held outside the arena: a run is the product alone
+        previous = get_num_threads()
+        set_num_threads(threads)
+        try:
+            product.run([])  # the kernel loaded, BLAS's threads started
+            best = float("inf")
+            for _ in range(PEAK_REPEATS):
+                start = time.perf_counter()
+                product.run([])
+                best = min(best, time.perf_counter() - start)
+        finally:
+            if previous is not None:
+                set_num_threads(previous)
+        _peaks[threads] = 2.0 * PEAK_SIZE ** 3 / best / 1e9
+    return _peaks[threads]
+
+
+@dataclass
+class NodeTime:
+    """One node of the step (or a pseudo-node: the feeds, the optimizer step, a gradient accumulation)."""
+
+    name: str
+    op_type: str
+    phase: str
+    calls: int
+    seconds: float  # median over the profiled steps of the node's calls' summed time
+    flops: float = 0.0  # operations of a product (2 per multiply-add), 0 for other nodes
+
+    @property
+    def gflops_per_second(self) -> float | None:
+        return self.flops / self.seconds / 1e9 if self.flops and self.seconds > 0 else None
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "op_type": self.op_type, "phase": self.phase, "calls": self.calls,
+                "ms": 1e3 * self.seconds, "gflop": self.flops / 1e9, "gflops_per_second": self.gflops_per_second}
+
+
+@dataclass
+class OpTypeTime:
+    """The nodes of one op type in one phase, summed."""
+
+    op_type: str
+    phase: str
+    nodes: int
+    calls: int
+    seconds: float
+    flops: float
+
+    @property
+    def gflops_per_second(self) -> float | None:
+        return self.flops / self.seconds / 1e9 if self.flops and self.seconds > 0 else None
+
+    def to_dict(self) -> dict:
+        return {"op_type": self.op_type, "phase": self.phase, "nodes": self.nodes, "calls": self.calls,
+                "ms": 1e3 * self.seconds, "gflop": self.flops / 1e9, "gflops_per_second": self.gflops_per_second}
+
+
+@dataclass
+class StepProfile:
+    artifacts: str
+    batch_size: int
+    steps: int
+    threads: int | None  # BLAS threads during the step (None: the BLAS library was not found)
+    step_seconds: float  # median of the untimed steps
+    nodes: list[NodeTime] = field(default_factory=list)  # in execution order
+    peaks: dict[int, float] = field(default_factory=dict)  # BLAS threads -> float32 GEMM GF/s
+
+    @property
+    def profiled_seconds(self) -> float:
+        return sum(n.seconds for n in self.nodes)
+
+    @property
+    def phases(self) -> dict[str, float]:
+        return {phase: sum(n.seconds for n in self.nodes if n.phase == phase) for phase in PHASES}
+
+    @property
+    def op_types(self) -> list[OpTypeTime]:
+        """Per (phase, op type), in phase order, the slowest first within a phase."""
+        groups: dict[tuple[str, str], OpTypeTime] = {}
+        for n in self.nodes:
+            group = groups.setdefault((n.phase, n.op_type), OpTypeTime(n.op_type, n.phase, 0, 0, 0.0, 0.0))
+            group.nodes, group.calls = group.nodes + 1, group.calls + n.calls
+            group.seconds, group.flops = group.seconds + n.seconds, group.flops + n.flops
+        return sorted(groups.values(), key=lambda g: (PHASES.index(g.phase), -g.seconds))
+
+    @property
+    def product_seconds(self) -> float:
+        return sum(n.seconds for n in self.nodes if n.flops)
+
+    @property
+    def product_flops(self) -> float:
+        return sum(n.flops for n in self.nodes)
+
+    @property
+    def peak(self) -> float | None:
+        """The GEMM peak at the step's thread count."""
+        return self.peaks.get(self.threads or 1)
+
+    def _of_peak(self, gflops: float | None) -> float | None:
+        return gflops / self.peak if gflops and self.peak else None
+
+    def to_dict(self) -> dict:
+        product_gflops = self.product_flops / self.product_seconds / 1e9 if self.product_seconds else None
+        return {"artifacts": self.artifacts, "batch_size": self.batch_size, "steps": self.steps,
+                "threads": self.threads, "step_ms": 1e3 * self.step_seconds,
+                "profiled_ms": 1e3 * self.profiled_seconds,
+                "phases_ms": {k: 1e3 * v for k, v in self.phases.items()},
+                "products": {"ms": 1e3 * self.product_seconds, "gflop": self.product_flops / 1e9,
+                             "gflops_per_second": product_gflops, "of_peak": self._of_peak(product_gflops)},
+                "gemm_peak_gflops_per_second": {str(k): v for k, v in sorted(self.peaks.items())},
+                "op_types": [g.to_dict() for g in self.op_types],
+                "nodes": [n.to_dict() for n in self.nodes]}
+
+    def render(self, top: int = 15) -> str:
+        total = self.profiled_seconds or 1.0
+        ms = (lambda seconds: f"{1e3 * seconds:.2f}")
+        share = (lambda seconds: f"{100 * seconds / total:.1f}")
+        rate = (lambda gf: f"{gf:.1f}" if gf else "")
+        of_peak = (lambda gf: f"{100 * self._of_peak(gf):.0f}%" if self._of_peak(gf) else "")
+        threads = "BLAS threads unknown" if self.threads is None else f"{self.threads} BLAS thread(s)"
+        lines = [f"profile of {self.artifacts}: training step at batch size {self.batch_size}, {threads}, "
+                 f"medians of {self.steps} steps",
+                 f"step {ms(self.step_seconds)} ms (untimed loop); profiled {ms(self.profiled_seconds)} ms: "
+                 + ", ".join(f"{phase} {ms(s)} ms ({share(s)}%)" for phase, s in self.phases.items())]
+        if self.product_seconds:
+            gf = self.product_flops / self.product_seconds / 1e9
+            peaks = ", ".join(f"{v:.1f} at {k} thread{'s' * (k > 1)}" for k, v in sorted(self.peaks.items()))
+            lines.append(f"products (BLAS): {ms(self.product_seconds)} ms ({share(self.product_seconds)}%), "
+                         f"{self.product_flops / 1e9:.3f} GFLOP, {gf:.1f} GF/s"
+                         + (f" = {of_peak(gf)} of the GEMM peak at {self.threads or 1} thread(s)" if self.peak else "")
+                         + (f"; float32 GEMM peak (GF/s): {peaks}" if peaks else ""))
+        header = ("phase", "op type", "nodes", "calls", "ms", "%", "GFLOP", "GF/s", "of peak")
+        rows = [header] + [(g.phase, g.op_type, str(g.nodes), str(g.calls), ms(g.seconds), share(g.seconds),
+                            f"{g.flops / 1e9:.3f}" if g.flops else "", rate(g.gflops_per_second),
+                            of_peak(g.gflops_per_second)) for g in self.op_types]
+        lines += ["", "by op type:"] + _table(rows, 2)
+        slowest = sorted(self.nodes, key=lambda n: -n.seconds)[:top]
+        header = ("node", "op type", "phase", "calls", "ms", "%", "GF/s", "of peak")
+        rows = [header] + [(n.name, n.op_type, n.phase, str(n.calls), ms(n.seconds), share(n.seconds),
+                            rate(n.gflops_per_second), of_peak(n.gflops_per_second)) for n in slowest]
+        lines += ["", f"the {len(slowest)} slowest of {len(self.nodes)} nodes:"] + _table(rows, 3)
+        return "\n".join(lines)
+
+
+def _table(rows: list[tuple], text_columns: int) -> list[str]:
+    """Rows as aligned lines: the first `text_columns` columns flush left, the numbers flush right."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    text = (lambda row: "  " + "  ".join(v.ljust(w) if i < text_columns else v.rjust(w)
+                                         for i, (v, w) in enumerate(zip(row, widths))).rstrip())
+    return [text(row) for row in rows]
+
+
+def _random_feeds(views: list[np.ndarray], seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(v.shape).astype(v.dtype) if v.dtype.kind == "f" else np.zeros(v.shape, v.dtype)
+            for v in views]
+
+
+def _phase_of(node, backward: set[int]) -> str:
+    if node is not None and node.op_type == APPLY_UPDATE:  # an update fused into the backward pass
+        return "optimizer"
+    return "backward" if node is None or id(node) in backward else "forward"
+
+
+def profile_artifacts(directory, batch_size: int, steps: int = 10, threads: int | None = None, warmup: int = 2,
+                      seed: int = 0) -> StepProfile:
+    """Profile the training step of an artifact folder at `batch_size` (see the module docstring).
+
+    `threads` sets odtrain's threads for the run (`odtrain.threads.set_num_threads`); None keeps the
+    process's setting. Runs `warmup + steps` steps of each loop; the parameters train as they would."""
+    from .memory import bind_at_batch
+    from .threads import get_num_threads, set_num_threads
+    from .training import Session
+
+    for label, value, least in (("batch size", batch_size, 1), ("steps", steps, 1), ("warmup", warmup, 0),
+                                ("threads", 1 if threads is None else threads, 1)):
+        if not isinstance(value, (int, np.integer)) or value < least:
+            raise ArgumentError(f"{label} must be an integer of at least {least}, got {value!r}")
+    directory = os.fspath(directory)
+    session = Session(directory, fresh_optimizer=True)
+    if threads is not None:
+        set_num_threads(threads)
+    module, optimizer, train = session.module, session.optimizer, session.module._train
+    bound = bind_at_batch(train, int(batch_size))
+    feeds = _random_feeds(bound.feed_views, seed)
+    _, backward = split_forward_backward(bound.order, LOSS_SEED)
+    untimed, feed_times, optimizer_times = [], [], []
+    elapsed = np.zeros((warmup + steps, len(bound.calls)))
+    clock = time.perf_counter
+    for step in range(warmup + steps):
+        start = clock()
+        module(*feeds)
+        optimizer.step()
+        module.lazy_reset_grad()
+        untimed.append(clock() - start)
+
+        start = clock()
+        for view, value in zip(bound.feed_views, feeds):
+            np.copyto(view, value, casting="no")
+        feed_times.append(clock() - start)
+        timed_calls(bound.calls, elapsed[step])
+        start = clock()
+        optimizer.step()
+        optimizer_times.append(clock() - start)
+        module.lazy_reset_grad()
+    elapsed = elapsed[warmup:]
+
+    columns: dict[int, list[int]] = {}  # node id -> its calls' columns
+    owners = {}
+    for column, node in enumerate(bound.call_nodes):
+        columns.setdefault(id(node), []).append(column)
+        owners[id(node)] = node
+    nodes = [NodeTime("(inputs)", "copy", "feeds", len(feeds), statistics.median(feed_times[warmup:]))]
+    for key, cols in columns.items():
+        node = owners[key]
+        seconds = float(np.median(elapsed[:, cols].sum(axis=1)))
+        if node is None:
+            nodes.append(NodeTime("(gradient accumulation)", "Add", "backward", len(cols), seconds))
+        else:
+            nodes.append(NodeTime(node.name or node.op_type, node.op_type, _phase_of(node, backward), len(cols),
+                                  seconds, product_flops(node, bound.types)))
+    if not train.fused:
+        nodes.append(NodeTime("(optimizer step)", session.state._optimizer.kind, "optimizer", 1,
+                              statistics.median(optimizer_times[warmup:])))
+    step_threads = get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    peaks = {count: gemm_peak(count) for count in sorted({1, step_threads or 1, cores})}
+    return StepProfile(directory, int(batch_size), int(steps), step_threads, statistics.median(untimed[warmup:]),
+                       nodes, peaks)
