@@ -139,6 +139,12 @@ def broadcast_batch(*batches: tuple) -> tuple:
     return tuple(max(dims) for dims in zip(*padded)) if rank else ()
 
 
+def bias_call(c: np.ndarray, out: np.ndarray, beta: float = 1.0):
+    """out ← beta · C broadcast to out's shape: the start of a product that BLAS adds to (beta = 1)."""
+    dims, _, sc = broadcast_layout(out.shape, c.shape)
+    return gather_call(c, out, dims, sc, beta)
+
+
 @binding("Gemm")
 def Gemm(inputs, outputs, alpha=1.0, beta=1.0, transA=0, transB=0):
     a, b, out = inputs[0], inputs[1], outputs[0]
@@ -146,8 +152,7 @@ def Gemm(inputs, outputs, alpha=1.0, beta=1.0, transA=0, transB=0):
     if c is None or beta == 0.0:
         return gemm_calls(a, b, out, transA, transB, alpha)
     # out ← beta · C (broadcast), then out += alpha · A' · B' inside BLAS
-    dims, _, sc = broadcast_layout(out.shape, c.shape)
-    return [gather_call(c, out, dims, sc, beta)] + gemm_calls(a, b, out, transA, transB, alpha, accumulate=True)
+    return [bias_call(c, out, beta)] + gemm_calls(a, b, out, transA, transB, alpha, accumulate=True)
 
 
 def _promoted(a_shape: tuple, b_shape: tuple, y_shape: tuple):
@@ -236,8 +241,14 @@ def view_gemm_calls(a: np.ndarray, a_view: np.ndarray, b: np.ndarray, b_view: np
 
 @binding("FusedMatMul", ODTRAIN_DOMAIN)
 def FusedMatMul(inputs, outputs, transA=0, transB=0, alpha=1.0, permA=None, permB=None, permY=None):
-    """out = alpha · op(A') · op(B') stored through permY, summed over the batch axes `out` lacks."""
+    """out = alpha · op(A') · op(B') stored through permY (+ bias, without perms), summed over the batch axes
+    `out` lacks."""
     a, b, out = inputs[0], inputs[1], outputs[0]
+    bias = inputs[3] if len(inputs) > 3 else None
+    if bias is not None:  # out ← bias (broadcast), then out += alpha · op(A) · op(B) inside BLAS
+        if permA is not None or permB is not None or permY is not None:
+            raise ValueError("a bias is added to products without permA, permB or permY only")
+        return [bias_call(bias, out)] + gemm_calls(a, b, out, int(transA), int(transB), float(alpha), accumulate=True)
     if permA is None and permB is None and permY is None:
         return gemm_calls(a, b, out, int(transA), int(transB), float(alpha))
     a_view = a.transpose(permA) if permA is not None else a

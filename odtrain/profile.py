@@ -20,8 +20,8 @@ How it measures:
   FusedMatMul and their gradients that are products). Their time includes what runs around BLAS in
   the same kernel (a convolution's im2col, a bias broadcast). GF/s = those operations over that time.
 - The peak is a float32 square MatMul (PEAK_SIZE³) bound by the executor, through the same BLAS
-  and kernel the products call, at 1 thread and at the step's and the machine's thread counts: the best of PEAK_REPEATS runs,
-  measured once per process and thread count.
+  and kernel the products call, at 1 thread and at the step's and the machine's thread counts:
+  the best of PEAK_REPEATS runs, measured once per process and thread count.
 """
 from __future__ import annotations
 

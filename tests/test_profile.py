@@ -90,7 +90,8 @@ def test_products_count_their_operations(profiled, bound_step):
     expected = {}
     for node in bound_step.order:
         if node.op_type == "Conv":
-            expected[node.name] = conv_flops(*(types[v].shape for v in (node.inputs[0], node.inputs[1], node.outputs[0])))
+            x, w, y = (types[v].shape for v in (node.inputs[0], node.inputs[1], node.outputs[0]))
+            expected[node.name] = conv_flops(x, w, y)
         elif node.op_type in ("ConvInputGrad", "ConvWeightGrad"):  # (dY, W, X) and (dY, X, W): the forward's work
             dy, w = types[node.inputs[0]].shape, types[node.inputs[1 if node.op_type == "ConvInputGrad" else 2]].shape
             expected[node.name] = conv_flops(None, w, dy)
