@@ -1,7 +1,9 @@
 """Matrix products through BLAS: Gemm, MatMul (batch broadcasting, 1-D operands) and MatMul's gradients.
 
 Every product is one call of `_gemm_batched`: BLAS ?gemm per matrix of a batch, with the
-transpose flags, element offsets and accumulation (beta) worked out once at bind time.
+transpose flags, element offsets and accumulation (beta) worked out once at bind time. A batch
+of small products (attention's, one per head) whose output matrices are distinct runs them in
+parallel over Numba's threads (`numba.get_num_threads()`), each on one BLAS thread.
 Transposes are never copied, and a gradient summed over broadcast batch axes accumulates
 in place (beta = 1) instead of materialising per-batch products. Where the batch can be
 folded into the rows of one product (activations times a weight matrix, and the weight's
@@ -10,7 +12,7 @@ gradient), it is a single large BLAS call.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, types
+from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -73,6 +75,16 @@ def _gemm_batched(a, b, out, m, n, k, trans_a, trans_b, lda, ldb, ldc, a_offsets
                    out, out_offsets[i], ldc)
 
 
+@njit(cache=True, error_model="numpy", parallel=True)
+def _gemm_batched_parallel(a, b, out, m, n, k, trans_a, trans_b, lda, ldb, ldc, a_offsets, b_offsets, out_offsets,
+                           betas, alpha):
+    """_gemm_batched with the products spread over Numba's threads; each product writes an output matrix
+    of its own (no two share an offset), so any split gives the same bits."""
+    for i in prange(a_offsets.size):
+        _blas_gemm(trans_a, trans_b, m, n, k, alpha, a, a_offsets[i], lda, b, b_offsets[i], ldb, betas[i],
+                   out, out_offsets[i], ldc)
+
+
 @njit(cache=True, error_model="numpy")
 def _zero(out):
     for i in range(out.size):
@@ -121,6 +133,11 @@ def gemm_calls(a: np.ndarray, b: np.ndarray, out: np.ndarray, trans_a: int = 0, 
     return _calls(a, b, out, m, n, k, trans_a, trans_b, lda, ldb, ldc, a_offsets, b_offsets, out_offsets, betas, alpha)
 
 
+# OpenBLAS runs a product of at most 4·65536 multiply-adds (m·n·k) on one thread whatever its setting;
+# a batch of such products (attention's, per head) is split across Numba's threads instead.
+SMALL_PRODUCT = 4 * 65536
+
+
 def _calls(a, b, out, m, n, k, trans_a, trans_b, lda, ldb, ldc, a_offsets, b_offsets, out_offsets, betas, alpha):
     dtype = out.dtype.type
     if m == 0 or n == 0:
@@ -128,7 +145,9 @@ def _calls(a, b, out, m, n, k, trans_a, trans_b, lda, ldb, ldc, a_offsets, b_off
     if k == 0:  # an empty sum: the product is zero (BLAS refuses zero leading dimensions)
         return [] if all(beta == 1.0 for beta in betas) else [(_zero, (out.reshape(-1),))]
     lda, ldb, ldc = max(int(lda), 1), max(int(ldb), 1), max(int(ldc), 1)
-    return [(_gemm_batched, (a.reshape(-1), b.reshape(-1), out.reshape(-1), int(m), int(n), int(k), int(trans_a),
+    parallel = len(out_offsets) > 1 and m * n * k <= SMALL_PRODUCT and len(set(map(int, out_offsets))) == len(out_offsets)
+    kernel = _gemm_batched_parallel if parallel else _gemm_batched
+    return [(kernel, (a.reshape(-1), b.reshape(-1), out.reshape(-1), int(m), int(n), int(k), int(trans_a),
                              int(trans_b), int(lda), int(ldb), int(ldc), a_offsets, b_offsets, out_offsets,
                              np.asarray(betas, dtype=out.dtype), dtype(alpha)))]
 
