@@ -40,7 +40,7 @@ from .graph.ops.training import APPLY_UPDATE
 from .graph.recompute import split_forward_backward
 
 PEAK_SIZE = 1024
-PEAK_REPEATS = 5
+PEAK_REPEATS = 10
 PHASES = ("feeds", "forward", "backward", "optimizer")
 _peaks: dict[int, float] = {}
 
@@ -251,6 +251,9 @@ def profile_artifacts(directory, batch_size: int, steps: int = 10, threads: int 
         set_num_threads(threads)
     module, optimizer, train = session.module, session.optimizer, session.module._train
     bound = bind_at_batch(train, int(batch_size))
+    step_threads = get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    peaks = {count: gemm_peak(count) for count in sorted({1, step_threads or 1, cores})}
     feeds = _random_feeds(bound.feed_views, seed)
     _, backward = split_forward_backward(bound.order, LOSS_SEED)
     untimed, feed_times, optimizer_times = [], [], []
@@ -291,8 +294,5 @@ def profile_artifacts(directory, batch_size: int, steps: int = 10, threads: int 
     if not train.fused:
         nodes.append(NodeTime("(optimizer step)", session.state._optimizer.kind, "optimizer", 1,
                               statistics.median(optimizer_times[warmup:])))
-    step_threads = get_num_threads()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    peaks = {count: gemm_peak(count) for count in sorted({1, step_threads or 1, cores})}
     return StepProfile(directory, int(batch_size), int(steps), step_threads, statistics.median(untimed[warmup:]),
                        nodes, peaks)
