@@ -84,8 +84,22 @@ def gemm_peak(threads: int) -> float:
     return _peaks[threads]
 
 
+class _Rate:
+    """Seconds and operations, and the GF/s they make."""
+
+    seconds: float
+    flops: float
+
+    @property
+    def gflops_per_second(self) -> float | None:
+        return self.flops / self.seconds / 1e9 if self.flops and self.seconds > 0 else None
+
+    def _rates(self) -> dict:
+        return {"ms": 1e3 * self.seconds, "gflop": self.flops / 1e9, "gflops_per_second": self.gflops_per_second}
+
+
 @dataclass
-class NodeTime:
+class NodeTime(_Rate):
     """One node of the step (or a pseudo-node: the feeds, the optimizer step, a gradient accumulation)."""
 
     name: str
@@ -95,17 +109,12 @@ class NodeTime:
     seconds: float  # median over the profiled steps of the node's calls' summed time
     flops: float = 0.0  # operations of a product (2 per multiply-add), 0 for other nodes
 
-    @property
-    def gflops_per_second(self) -> float | None:
-        return self.flops / self.seconds / 1e9 if self.flops and self.seconds > 0 else None
-
     def to_dict(self) -> dict:
-        return {"name": self.name, "op_type": self.op_type, "phase": self.phase, "calls": self.calls,
-                "ms": 1e3 * self.seconds, "gflop": self.flops / 1e9, "gflops_per_second": self.gflops_per_second}
+        return {"name": self.name, "op_type": self.op_type, "phase": self.phase, "calls": self.calls, **self._rates()}
 
 
 @dataclass
-class OpTypeTime:
+class OpTypeTime(_Rate):
     """The nodes of one op type in one phase, summed."""
 
     op_type: str
@@ -115,13 +124,9 @@ class OpTypeTime:
     seconds: float
     flops: float
 
-    @property
-    def gflops_per_second(self) -> float | None:
-        return self.flops / self.seconds / 1e9 if self.flops and self.seconds > 0 else None
-
     def to_dict(self) -> dict:
         return {"op_type": self.op_type, "phase": self.phase, "nodes": self.nodes, "calls": self.calls,
-                "ms": 1e3 * self.seconds, "gflop": self.flops / 1e9, "gflops_per_second": self.gflops_per_second}
+                **self._rates()}
 
 
 @dataclass

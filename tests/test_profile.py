@@ -12,25 +12,19 @@ import math
 import numpy as np
 import pytest
 
-from odtrain import artifacts
 from odtrain.api import CheckpointState, Module
 from odtrain.graph.cost import product_flops
 from odtrain.graph.ir import Node, TensorType
 from odtrain.memory import bind_at_batch
 from odtrain.profile import PHASES, gemm_peak, profile_artifacts, timed_calls
-from conftest import odtrain_main, reference_model
+from conftest import odtrain_main, reference_artifacts
 
 BATCH, STEPS = 4, 2
 
 
 @pytest.fixture(scope="module")
 def cnn_artifacts(tmp_path_factory):
-    path, meta, _ = reference_model("cnn")
-    directory = tmp_path_factory.mktemp("cnn_profile")
-    artifacts.generate_artifacts(str(path), requires_grad=meta["requires_grad"], frozen_params=meta["frozen_params"],
-                                 loss=artifacts.LossType.CrossEntropyLoss, optimizer=artifacts.OptimType.AdamW,
-                                 artifact_directory=directory)
-    return directory
+    return reference_artifacts("cnn", tmp_path_factory.mktemp("cnn_profile"))
 
 
 @pytest.fixture(scope="module")
