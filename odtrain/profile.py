@@ -30,6 +30,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+import numba
 import numpy as np
 
 from .graph.autodiff import LOSS_SEED
@@ -135,6 +136,7 @@ class StepProfile:
     batch_size: int
     steps: int
     threads: int | None  # BLAS threads during the step (None: the BLAS library was not found)
+    numba_threads: int  # the threads Numba's parallel kernels split their work over
     step_seconds: float  # median of the untimed steps
     nodes: list[NodeTime] = field(default_factory=list)  # in execution order
     peaks: dict[int, float] = field(default_factory=dict)  # BLAS threads -> float32 GEMM GF/s
@@ -176,7 +178,7 @@ class StepProfile:
     def to_dict(self) -> dict:
         product_gflops = self.product_flops / self.product_seconds / 1e9 if self.product_seconds else None
         return {"artifacts": self.artifacts, "batch_size": self.batch_size, "steps": self.steps,
-                "threads": self.threads, "step_ms": 1e3 * self.step_seconds,
+                "threads": self.threads, "numba_threads": self.numba_threads, "step_ms": 1e3 * self.step_seconds,
                 "profiled_ms": 1e3 * self.profiled_seconds,
                 "phases_ms": {k: 1e3 * v for k, v in self.phases.items()},
                 "products": {"ms": 1e3 * self.product_seconds, "gflop": self.product_flops / 1e9,
@@ -191,7 +193,8 @@ class StepProfile:
         share = (lambda seconds: f"{100 * seconds / total:.1f}")
         rate = (lambda gf: f"{gf:.1f}" if gf else "")
         of_peak = (lambda gf: f"{100 * self._of_peak(gf):.0f}%" if self._of_peak(gf) else "")
-        threads = "BLAS threads unknown" if self.threads is None else f"{self.threads} BLAS thread(s)"
+        threads = ("BLAS threads unknown" if self.threads is None else f"{self.threads} BLAS thread(s)") + \
+            f", {self.numba_threads} Numba thread(s)"
         lines = [f"profile of {self.artifacts}: training step at batch size {self.batch_size}, {threads}, "
                  f"medians of {self.steps} steps",
                  f"step {ms(self.step_seconds)} ms (untimed loop); profiled {ms(self.profiled_seconds)} ms: "
@@ -299,5 +302,5 @@ def profile_artifacts(directory, batch_size: int, steps: int = 10, threads: int 
     if not train.fused:
         nodes.append(NodeTime("(optimizer step)", session.state._optimizer.kind, "optimizer", 1,
                               statistics.median(optimizer_times[warmup:])))
-    return StepProfile(directory, int(batch_size), int(steps), step_threads, statistics.median(untimed[warmup:]),
-                       nodes, peaks)
+    return StepProfile(directory, int(batch_size), int(steps), step_threads, numba.get_num_threads(),
+                       statistics.median(untimed[warmup:]), nodes, peaks)

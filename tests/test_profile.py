@@ -135,7 +135,7 @@ def test_cli_json_has_every_node_and_op_type(cnn_artifacts, capsys):
     code, out, _ = odtrain_main(capsys, "profile", cnn_artifacts, "--batch-size", BATCH, "--steps", 1, "--json")
     assert code == 0
     report = json.loads(out)
-    assert {"artifacts", "batch_size", "steps", "threads", "step_ms", "profiled_ms", "phases_ms", "products",
+    assert {"artifacts", "batch_size", "steps", "threads", "numba_threads", "step_ms", "profiled_ms", "phases_ms", "products",
             "gemm_peak_gflops_per_second", "op_types", "nodes"} <= set(report)
     assert list(report["phases_ms"]) == list(PHASES)
     assert report["batch_size"] == BATCH and report["steps"] == 1
