@@ -478,7 +478,8 @@ def _memory(args) -> int:
 def _profile(args) -> int:
     from .profile import profile_artifacts
 
-    report = profile_artifacts(args.artifacts, args.batch_size, steps=args.steps, threads=args.threads)
+    report = profile_artifacts(args.artifacts, args.batch_size, steps=args.steps, threads=args.threads,
+                               clock=args.clock)
     if args.json:
         _print_json(report.to_dict())
     else:
@@ -621,6 +622,8 @@ def _add_training_commands(commands) -> None:
     profile.add_argument("--batch-size", type=int, required=True, help="samples per step")
     profile.add_argument("--steps", type=int, default=10, help="profiled steps, after 2 warm-up steps (default: 10)")
     profile.add_argument("--threads", type=int, help="threads for the run (default: odtrain's setting)")
+    profile.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="wall time (default), or the "
+                         "process's CPU time, all threads summed: steadier on a busy machine, blind to parallel speed-up")
     profile.add_argument("--top", type=int, default=15, help="nodes listed, the slowest first (default: 15)")
     profile.add_argument("--json", action="store_true", help="print every node and op type as JSON (times in ms)")
     profile.set_defaults(handler=_profile)

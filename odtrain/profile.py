@@ -14,6 +14,9 @@ How it measures:
   steps after `warmup` steps (compilation or cache loading, first touches of the arena). The profiled
   total is the sum of those medians; beside it stands the median untimed step, so the clock's own
   cost (well under a microsecond a call) can be judged.
+- The clock is wall time, or with `clock="cpu"` the process's CPU time, every thread summed: the
+  work a call did, steady on a busy machine where wall times stretch with every preemption, but
+  blind to parallel speed-up (a kernel split over two threads costs its CPU time on both).
 - Phases: forward (up to the loss), backward (the nodes that depend on the loss gradient seed),
   optimizer (`Optimizer.step()`, or the updates fused into backward), feeds (copying the inputs in).
 - Products: nodes for which `graph.cost.product_flops` counts operations (Conv, Gemm, MatMul,
@@ -43,23 +46,25 @@ from .graph.recompute import split_forward_backward
 PEAK_SIZE = 1024
 PEAK_REPEATS = 10
 PHASES = ("feeds", "forward", "backward", "optimizer")
-_peaks: dict[int, float] = {}
+# wall: elapsed time; cpu: CPU time of the process, every thread summed (the work done, whoever waited)
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+_peaks: dict[tuple[int, str], float] = {}
 
 
-def timed_calls(calls: list, elapsed: np.ndarray) -> None:
+def timed_calls(calls: list, elapsed: np.ndarray, clock=time.perf_counter) -> None:
     """Run a bound step's calls in order, as `BoundGraph.run` does, writing each call's seconds to `elapsed`."""
-    clock = time.perf_counter
     for index, (kernel, args) in enumerate(calls):
         start = clock()
         kernel(*args)
         elapsed[index] = clock() - start
 
 
-def gemm_peak(threads: int) -> float:
+def gemm_peak(threads: int, clock: str = "wall") -> float:
     """GF/s of a float32 PEAK_SIZE³ MatMul bound by the executor, as a step's products are, with `threads`
-    BLAS threads (best of PEAK_REPEATS), measured once per process; the thread setting is restored after."""
-    threads = max(int(threads), 1)
-    if threads not in _peaks:
+    BLAS threads (best of PEAK_REPEATS) on `clock` (CLOCKS), measured once per process; the thread setting
+    is restored after."""
+    threads, read = max(int(threads), 1), CLOCKS[clock]
+    if (threads, clock) not in _peaks:
         from .executor import BoundGraph
         from .threads import get_num_threads, set_num_threads
 
@@ -75,14 +80,14 @@ def gemm_peak(threads: int) -> float:
             product.run([])  # the kernel loaded, BLAS's threads started
             best = float("inf")
             for _ in range(PEAK_REPEATS):
-                start = time.perf_counter()
+                start = read()
                 product.run([])
-                best = min(best, time.perf_counter() - start)
+                best = min(best, read() - start)
         finally:
             if previous is not None:
                 set_num_threads(previous)
-        _peaks[threads] = 2.0 * PEAK_SIZE ** 3 / best / 1e9
-    return _peaks[threads]
+        _peaks[threads, clock] = 2.0 * PEAK_SIZE ** 3 / best / 1e9
+    return _peaks[threads, clock]
 
 
 class _Rate:
@@ -140,6 +145,7 @@ class StepProfile:
     step_seconds: float  # median of the untimed steps
     nodes: list[NodeTime] = field(default_factory=list)  # in execution order
     peaks: dict[int, float] = field(default_factory=dict)  # BLAS threads -> float32 GEMM GF/s
+    clock: str = "wall"  # what the seconds are (CLOCKS)
 
     @property
     def profiled_seconds(self) -> float:
@@ -178,7 +184,8 @@ class StepProfile:
     def to_dict(self) -> dict:
         product_gflops = self.product_flops / self.product_seconds / 1e9 if self.product_seconds else None
         return {"artifacts": self.artifacts, "batch_size": self.batch_size, "steps": self.steps,
-                "threads": self.threads, "numba_threads": self.numba_threads, "step_ms": 1e3 * self.step_seconds,
+                "threads": self.threads, "numba_threads": self.numba_threads, "clock": self.clock,
+                "step_ms": 1e3 * self.step_seconds,
                 "profiled_ms": 1e3 * self.profiled_seconds,
                 "phases_ms": {k: 1e3 * v for k, v in self.phases.items()},
                 "products": {"ms": 1e3 * self.product_seconds, "gflop": self.product_flops / 1e9,
@@ -195,8 +202,9 @@ class StepProfile:
         of_peak = (lambda gf: f"{100 * self._of_peak(gf):.0f}%" if self._of_peak(gf) else "")
         threads = ("BLAS threads unknown" if self.threads is None else f"{self.threads} BLAS thread(s)") + \
             f", {self.numba_threads} Numba thread(s)"
+        clock = "wall time" if self.clock == "wall" else "CPU time of every thread"
         lines = [f"profile of {self.artifacts}: training step at batch size {self.batch_size}, {threads}, "
-                 f"medians of {self.steps} steps",
+                 f"medians of {self.steps} steps, {clock}",
                  f"step {ms(self.step_seconds)} ms (untimed loop); profiled {ms(self.profiled_seconds)} ms: "
                  + ", ".join(f"{phase} {ms(s)} ms ({share(s)}%)" for phase, s in self.phases.items())]
         if self.product_seconds:
@@ -240,7 +248,7 @@ def _phase_of(node, backward: set[int]) -> str:
 
 
 def profile_artifacts(directory, batch_size: int, steps: int = 10, threads: int | None = None, warmup: int = 2,
-                      seed: int = 0) -> StepProfile:
+                      seed: int = 0, clock: str = "wall") -> StepProfile:
     """Profile the training step of an artifact folder at `batch_size` (see the module docstring).
 
     `threads` sets odtrain's threads for the run (`odtrain.threads.set_num_threads`); None keeps the
@@ -253,6 +261,8 @@ def profile_artifacts(directory, batch_size: int, steps: int = 10, threads: int 
                                 ("threads", 1 if threads is None else threads, 1)):
         if not isinstance(value, (int, np.integer)) or value < least:
             raise ArgumentError(f"{label} must be an integer of at least {least}, got {value!r}")
+    if clock not in CLOCKS:
+        raise ArgumentError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
     directory = os.fspath(directory)
     session = Session(directory, fresh_optimizer=True)
     if threads is not None:
@@ -261,27 +271,27 @@ def profile_artifacts(directory, batch_size: int, steps: int = 10, threads: int 
     bound = bind_at_batch(train, int(batch_size))
     step_threads = get_num_threads()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    peaks = {count: gemm_peak(count) for count in sorted({1, step_threads or 1, cores})}
+    peaks = {count: gemm_peak(count, clock) for count in sorted({1, step_threads or 1, cores})}
     feeds = _random_feeds(bound.feed_views, seed)
     _, backward = split_forward_backward(bound.order, LOSS_SEED)
     untimed, feed_times, optimizer_times = [], [], []
     elapsed = np.zeros((warmup + steps, len(bound.calls)))
-    clock = time.perf_counter
+    read = CLOCKS[clock]
     for step in range(warmup + steps):
-        start = clock()
+        start = read()
         module(*feeds)
         optimizer.step()
         module.lazy_reset_grad()
-        untimed.append(clock() - start)
+        untimed.append(read() - start)
 
-        start = clock()
+        start = read()
         for view, value in zip(bound.feed_views, feeds):
             np.copyto(view, value, casting="no")
-        feed_times.append(clock() - start)
-        timed_calls(bound.calls, elapsed[step])
-        start = clock()
+        feed_times.append(read() - start)
+        timed_calls(bound.calls, elapsed[step], read)
+        start = read()
         optimizer.step()
-        optimizer_times.append(clock() - start)
+        optimizer_times.append(read() - start)
         module.lazy_reset_grad()
     elapsed = elapsed[warmup:]
 
@@ -303,4 +313,4 @@ def profile_artifacts(directory, batch_size: int, steps: int = 10, threads: int 
         nodes.append(NodeTime("(optimizer step)", session.state._optimizer.kind, "optimizer", 1,
                               statistics.median(optimizer_times[warmup:])))
     return StepProfile(directory, int(batch_size), int(steps), step_threads, numba.get_num_threads(),
-                       statistics.median(untimed[warmup:]), nodes, peaks)
+                       statistics.median(untimed[warmup:]), nodes, peaks, clock)
