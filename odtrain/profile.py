@@ -251,7 +251,7 @@ def profile_artifacts(directory, batch_size: int, steps: int = 10, threads: int 
                       seed: int = 0, clock: str = "wall") -> StepProfile:
     """Profile the training step of an artifact folder at `batch_size` (see the module docstring).
 
-    `threads` sets odtrain's threads for the run (`odtrain.threads.set_num_threads`); None keeps the
+    `threads` sets odtrain's threads (`odtrain.threads.set_num_threads`, which stays set); None keeps the
     process's setting. Runs `warmup + steps` steps of each loop; the parameters train as they would."""
     from .memory import bind_at_batch
     from .threads import get_num_threads, set_num_threads
