@@ -96,6 +96,12 @@ def gemm_calls(a: np.ndarray, b: np.ndarray, out: np.ndarray, trans_a: int = 0, 
                   threads)
 
 
+# OpenBLAS runs a product of at most 4·65536 multiply-adds (m·n·k) on one thread whatever its setting: a
+# batch of such products (attention's, per head) with distinct outputs is split into whole products, even
+# when there are fewer of them than threads, never into blocks of rows.
+SMALL_PRODUCT = 4 * 65536
+
+
 def _calls(a, b, out, m, n, k, trans_a, trans_b, lda, ldb, ldc, a_offsets, b_offsets, out_offsets, betas, alpha,
            threads: int = 1):
     dtype = out.dtype.type
@@ -109,7 +115,8 @@ def _calls(a, b, out, m, n, k, trans_a, trans_b, lda, ldb, ldc, a_offsets, b_off
     count, work = len(out_offsets), len(out_offsets) * int(m) * int(n) * int(k)
     if part_count(threads, max(count, m // MIN_ROWS), work) == 1:
         return [(_gemm_batched, args)]
-    if count >= threads and len(set(out_offsets.tolist())) == count:  # whole products
+    distinct = len(set(out_offsets.tolist())) == count
+    if distinct and (count >= threads or int(m) * int(n) * int(k) <= SMALL_PRODUCT):  # whole products
         parts = part_count(threads, count, work)
         return [(gemm_batched_parts, args + (part_bounds(count, parts), False))]
     parts = part_count(threads, m // MIN_ROWS, work)
@@ -124,6 +131,12 @@ def broadcast_batch(*batches: tuple) -> tuple:
     return tuple(max(dims) for dims in zip(*padded)) if rank else ()
 
 
+def bias_call(c: np.ndarray, out: np.ndarray, beta: float = 1.0):
+    """out ← beta · C broadcast to out's shape: the start of a product that BLAS adds to (beta = 1)."""
+    dims, _, sc = broadcast_layout(out.shape, c.shape)
+    return gather_call(c, out, dims, sc, beta)
+
+
 @binding("Gemm", parallel=True)
 def Gemm(inputs, outputs, alpha=1.0, beta=1.0, transA=0, transB=0, threads=1):
     a, b, out = inputs[0], inputs[1], outputs[0]
@@ -131,9 +144,7 @@ def Gemm(inputs, outputs, alpha=1.0, beta=1.0, transA=0, transB=0, threads=1):
     if c is None or beta == 0.0:
         return gemm_calls(a, b, out, transA, transB, alpha, threads=threads)
     # out ← beta · C (broadcast), then out += alpha · A' · B' inside BLAS
-    dims, _, sc = broadcast_layout(out.shape, c.shape)
-    return [gather_call(c, out, dims, sc, beta)] + gemm_calls(a, b, out, transA, transB, alpha, accumulate=True,
-                                                              threads=threads)
+    return [bias_call(c, out, beta)] + gemm_calls(a, b, out, transA, transB, alpha, accumulate=True, threads=threads)
 
 
 def _promoted(a_shape: tuple, b_shape: tuple, y_shape: tuple):
@@ -223,8 +234,15 @@ def view_gemm_calls(a: np.ndarray, a_view: np.ndarray, b: np.ndarray, b_view: np
 
 @binding("FusedMatMul", ODTRAIN_DOMAIN, parallel=True)
 def FusedMatMul(inputs, outputs, transA=0, transB=0, alpha=1.0, permA=None, permB=None, permY=None, threads=1):
-    """out = alpha · op(A') · op(B') stored through permY, summed over the batch axes `out` lacks."""
+    """out = alpha · op(A') · op(B') stored through permY (+ bias, without perms), summed over the batch axes
+    `out` lacks."""
     a, b, out = inputs[0], inputs[1], outputs[0]
+    bias = inputs[3] if len(inputs) > 3 else None
+    if bias is not None:  # out ← bias (broadcast), then out += alpha · op(A) · op(B) inside BLAS
+        if permA is not None or permB is not None or permY is not None:
+            raise ValueError("a bias is added to products without permA, permB or permY only")
+        return [bias_call(bias, out)] + gemm_calls(a, b, out, int(transA), int(transB), float(alpha), accumulate=True,
+                                                   threads=threads)
     if permA is None and permB is None and permY is None:
         return gemm_calls(a, b, out, int(transA), int(transB), float(alpha), threads=threads)
     a_view = a.transpose(permA) if permA is not None else a

@@ -12,7 +12,8 @@ gradients and optimizer moments live in the state's flat buffers.
 Beyond ONNX Runtime's API, for tools that look at a session without running
 it (the CLI, the memory report, the training loop, benchmarks):
 `Module.bind_at(batch_size, training)` binds a step and returns its
-`BoundStep` (memory plan, folded constants, recomputation);
+`BoundStep` (memory plan, folded constants, recomputation), and
+`Module.bound_graph_at(batch_size, training)` the executor's BoundGraph of it;
 `Module.bound_steps()` lists the steps bound so far; `Module.arena_bytes`,
 `Module.input_types(training)`, `Module.graph(training)`, `Module.state`, and
 `CheckpointState.buffer_bytes()` (a `StateBuffers`).
@@ -319,6 +320,11 @@ class _GraphSession:
 
     def bind_at(self, batch_size: int) -> BoundStep:
         """Bind the plan (a BoundGraph, cached) that a call with inputs of batch `batch_size` runs."""
+        signature, bound = self.bound_at(batch_size)
+        return self.bound_step(signature, bound)
+
+    def bound_at(self, batch_size: int):
+        """(signature, BoundGraph) of the plan, bound and cached, that a call with inputs of batch `batch_size` runs."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise ArgumentError(f"the batch size must be a positive integer, got {batch_size!r}")
         arrays = []
@@ -334,7 +340,7 @@ class _GraphSession:
                 shape.append(int(batch_size) if isinstance(dim, str) else dim)
             arrays.append(np.zeros(shape, dtype=declared.dtype))
         feeds, signature = self.feeds(arrays)
-        return self.bound_step(signature, self.bound(signature, feeds))
+        return signature, self.bound(signature, feeds)
 
     def bound_step(self, signature, bound) -> BoundStep:
         return BoundStep(self.mode, tuple(item for item in signature if isinstance(item, tuple)), bound.plan,
@@ -456,6 +462,12 @@ class Module:
         """Bind the training (or eval) step for inputs of batch `batch_size`, as a call with such inputs
         would, without running it; only the first axis of the inputs may be symbolic."""
         return self._session_of(training).bind_at(batch_size)
+
+    def bound_graph_at(self, batch_size: int, training: bool = True):
+        """The executor's plan (odtrain.executor.BoundGraph: its calls, their nodes, storage) that bind_at
+        binds, for tools that run or time a step's calls one by one (odtrain.profile, benchmarks); read it,
+        do not change it."""
+        return self._session_of(training).bound_at(batch_size)[1]
 
     def bound_steps(self) -> list[BoundStep]:
         """The steps bound so far: training steps, then eval steps, each from least to most recently used."""

@@ -2,7 +2,7 @@
 
 Commands, in the order of the workflow: check (can odtrain train this model?), prepare (the
 artifacts), train (odtrain.training.fit), eval, export (the inference model), inspect, memory (what a
-training step at a batch size holds, odtrain.memory).
+training step at a batch size holds, odtrain.memory), profile (where its time goes, odtrain.profile).
 
 Exit code 0 on success; on a user error, one line on stderr and exit code 2; 1 when `check` finds
 the model untrainable; 130 (SIGINT) or 143 (SIGTERM) when training stopped after saving.
@@ -488,6 +488,18 @@ def _memory(args) -> int:
     return 0
 
 
+def _profile(args) -> int:
+    from .profile import profile_artifacts
+
+    report = profile_artifacts(args.artifacts, args.batch_size, steps=args.steps, threads=args.threads,
+                               clock=args.clock)
+    if args.json:
+        _print_json(report.to_dict())
+    else:
+        print(report.render(top=args.top))
+    return 0
+
+
 def _add_data_options(command, what: str) -> None:
     command.add_argument("--data", action="append", required=True, metavar="PATH",
                          help=f"{what}: an .npz file, a folder of images (one sub-folder per class), or .npy "
@@ -615,6 +627,23 @@ def _add_training_commands(commands) -> None:
     memory.add_argument("--plot", metavar="FILE.png", help="also draw the training step's live bytes per step, "
                         'by category (needs matplotlib: pip install "odtrain[plot]")')
     memory.set_defaults(handler=_memory)
+
+    profile = commands.add_parser(
+        "profile", help="show where a training step's time goes",
+        description="Run the training step at --batch-size with a clock around each kernel call and report "
+        "the time per node and per op type, for the forward pass, the backward pass and the optimizer; the "
+        "matrix products' time and GF/s against this machine's float32 GEMM peak (measured here, at 1 thread "
+        "and at the step's and the machine's thread counts). The parameters train during the run; the "
+        "checkpoint file is not written.")
+    profile.add_argument("artifacts", metavar="ARTIFACT_DIR", help="a folder written by `odtrain prepare`")
+    profile.add_argument("--batch-size", type=int, required=True, help="samples per step")
+    profile.add_argument("--steps", type=int, default=10, help="profiled steps, after 2 warm-up steps (default: 10)")
+    profile.add_argument("--threads", type=int, help="threads for the run (default: odtrain's setting)")
+    profile.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="wall time (default), or the "
+                         "process's CPU time, all threads summed: steadier on a busy machine, blind to parallel speed-up")
+    profile.add_argument("--top", type=int, default=15, help="nodes listed, the slowest first (default: 15)")
+    profile.add_argument("--json", action="store_true", help="print every node and op type as JSON (times in ms)")
+    profile.set_defaults(handler=_profile)
 
 
 def build_parser() -> argparse.ArgumentParser:

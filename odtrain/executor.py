@@ -118,15 +118,18 @@ class BoundGraph:
         self.arena = buffer
         self.storage = storage
         self.feed_views = [storage[name] for name in self.feeds]
-        calls = []
+        calls, call_nodes = [], []
         for index, node in enumerate(self.step_plan.order):
             calls.extend(self._bind_node(index, node, storage))
             for name in node.outputs:  # stop before a non-finite value reaches the backward pass
                 if name in self._check_finite:
                     calls.append((assert_finite, (storage[name].reshape(-1),)))
+            call_nodes.extend([node] * (len(calls) - len(call_nodes)))
         for name, sink in self._accumulated_sinks.items():
             calls.append((add_into, (sink, storage[name].reshape(-1))))
+            call_nodes.append(None)
         self.calls = calls
+        self.call_nodes = call_nodes  # the node each call belongs to (None: a gradient added into its sink)
 
     def _bind_node(self, index: int, node: Node, storage: dict[str, np.ndarray]):
         types = self.types
@@ -151,6 +154,11 @@ class BoundGraph:
             raise ModelError(f"{node.describe()}: unsupported attributes {sorted(node.attrs)}: {error}") from None
         except ValueError as error:
             raise ModelError(f"{node.describe()}: {error}") from None
+
+    @property
+    def order(self) -> list[Node]:
+        """The nodes of a step in execution order, recomputed and update nodes included."""
+        return self.step_plan.order
 
     def run(self, feeds: list[np.ndarray]) -> None:
         for view, value in zip(self.feed_views, feeds):
