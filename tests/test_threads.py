@@ -71,8 +71,9 @@ def rand(*shape, low=-1.0, high=1.0):
     return rng.uniform(low, high, shape).astype(np.float32)
 
 
-CASES = {name: case for name, case in GRADIENT_CASES.items()
-         if name.startswith(("conv", "max_pool", "average_pool", "global_", "batch_norm"))}
+VISION_CASES = {name: case for name, case in GRADIENT_CASES.items()
+                if name.startswith(("conv", "max_pool", "average_pool", "global_", "batch_norm"))}
+CASES = {name: (case.nodes, case.params, case.constants) for name, case in VISION_CASES.items()}
 CASES.update({
     # weight gradients that split their output channels (their per-part sums would outweigh the work memory)
     "conv_pointwise_channel_parts": ([node("Conv", ["x", "w"])], {"x": rand(2, 3, 3, 3), "w": rand(32, 3, 1, 1)}),
@@ -108,7 +109,7 @@ CASES.update({
               "half": np.array(0.5, np.float32)}),
 })
 # ONNX's reference erf rounds to float32: a larger step keeps its rounding out of the differences
-STEPS = {"gelu": 1e-3}
+STEPS = {"gelu": 1e-3, **{name: case.step for name, case in VISION_CASES.items()}}
 PARALLEL_CASES = sorted(CASES)
 # Too large for finite differences, against one thread only: a pointwise weight gradient over images of more
 # cells than one product holds (one image per product), its output channels split
