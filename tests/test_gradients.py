@@ -319,7 +319,7 @@ def test_a_bias_added_to_a_product_moves_into_it(x_shape, bias_shape, fuses, bia
     the product (its output starts as the broadcast bias, BLAS adds onto it); the gradients must not change."""
     nodes = [node("Transpose", ["w"], ["w_t"], perm=[1, 0]), node("MatMul", ["x", "w_t"], ["p"]),
              node("Add", ["b", "p"] if bias_first else ["p", "b"])]
-    gradient_check(nodes, {"x": rand(*x_shape), "w": rand(5, 4), "b": rand(*bias_shape)}, tmp_path=tmp_path)
+    GradientCase(nodes, {"x": rand(*x_shape), "w": rand(5, 4), "b": rand(*bias_shape)}).check(tmp_path)
     training = onnx.load(str(tmp_path / "training_model.onnx"))
     with_bias = [n for n in training.graph.node if n.op_type == "FusedMatMul" and len(n.input) == 4]
     assert [list(n.input[2:]) for n in with_bias] == ([["", "b"]] if fuses else [])
