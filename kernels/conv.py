@@ -410,9 +410,9 @@ def _conv_weight_grad_channel_parts(dy, x, dw, work, columns, sums, geom, chunk,
 
 
 @njit(cache=True, error_model="numpy")
-def _conv_bias_grad(dy, db):
-    """db[m] = Σ_n Σ_p dy[n, m, p], summed in float64."""
-    for m in range(dy.shape[1]):
+def _conv_bias_grad(dy, db, m0, m1):
+    """db[m] = Σ_n Σ_p dy[n, m, p], summed in float64, for the channels m in [m0, m1)."""
+    for m in range(m0, m1):
         total = 0.0
         for n in range(dy.shape[0]):
             row = dy[n, m]
@@ -421,6 +421,13 @@ def _conv_bias_grad(dy, db):
                 partial += row[p]
             total += partial
         db[m] = total
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _conv_bias_grad_parts(dy, db, bounds):
+    """_conv_bias_grad on parts of the channels (bounds), in parallel: each sum as in one thread."""
+    for p in prange(bounds.size - 1):
+        _conv_bias_grad(dy, db, bounds[p], bounds[p + 1])
+
 
 class _ConvLayout:
     """How a convolution runs, from the shapes of X, W and Y and the step's threads: views, geometry, kernel
@@ -645,10 +652,14 @@ def ConvWeightGrad(inputs, outputs, scratch=None, **attrs):
     return _weight_grad_calls(_ConvLayout(x.shape, dw.shape, dy.shape, **attrs), dy, x, dw, scratch)
 
 
-@binding("ConvBiasGrad", ODTRAIN_DOMAIN)
-def ConvBiasGrad(inputs, outputs):
+@binding("ConvBiasGrad", ODTRAIN_DOMAIN, parallel=True)
+def ConvBiasGrad(inputs, outputs, threads=1):
     dy = inputs[0]
-    return [(_conv_bias_grad, (dy.reshape(dy.shape[0], dy.shape[1], -1), outputs[0]))]
+    args = (dy.reshape(dy.shape[0], dy.shape[1], -1), outputs[0])
+    parts = part_count(threads, dy.shape[1], dy.size)
+    if parts == 1:
+        return [(_conv_bias_grad, args + (0, dy.shape[1]))]
+    return [(_conv_bias_grad_parts, args + (part_bounds(dy.shape[1], parts),))]
 
 
 # ---- ConvTranspose: the convolution kernels with X and Y exchanged --------------------------------

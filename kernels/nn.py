@@ -316,6 +316,29 @@ def _activation_grad(code, dy, v, a_in, b_in, out, in_place):
         _activation_grad_loops(code, dy, v, a_in[0], b_in[0], out)
 
 
+@njit(cache=True, error_model="numpy", parallel=True)
+def _activation_parts(code, x, a_in, b_in, out, bounds):
+    """_activation on parts of the flat arrays (bounds), in parallel."""
+    for p in prange(bounds.size - 1):
+        _activation(code, x[bounds[p]:bounds[p + 1]], a_in, b_in, out[bounds[p]:bounds[p + 1]])
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _activation_grad_parts(code, dy, v, a_in, b_in, out, in_place, bounds):
+    """_activation_grad on parts of the flat arrays (bounds), in parallel."""
+    for p in prange(bounds.size - 1):
+        lo, hi = bounds[p], bounds[p + 1]
+        _activation_grad(code, dy[lo:hi], v[lo:hi], a_in, b_in, out[lo:hi], in_place)
+
+
+def _flat_call(kernel, parallel_kernel, args, size: int, threads: int) -> list:
+    """[(kernel, args)], or the parallel twin on parts of the `size` elements when the work pays for it."""
+    parts = part_count(threads, size, size)
+    if parts == 1:
+        return [(kernel, args)]
+    return [(parallel_kernel, args + (part_bounds(size, parts),))]
+
+
 def _scalar(value: float) -> np.ndarray:
     return np.array([value], dtype=np.float32)
 
@@ -340,26 +363,29 @@ def _flat(array: np.ndarray) -> np.ndarray:
 
 
 def _make_activation(op_type):
-    def bind(inputs, outputs, **attrs):
+    def bind(inputs, outputs, threads=1, **attrs):
         a, b = _activation_params(op_type, inputs, attrs)
-        return [(_activation, (ACTIVATIONS[op_type], _flat(inputs[0]), a, b, _flat(outputs[0])))]
+        out = _flat(outputs[0])
+        return _flat_call(_activation, _activation_parts, (ACTIVATIONS[op_type], _flat(inputs[0]), a, b, out),
+                          out.size, threads)
 
     return bind
 
 
 def _make_activation_grad(op_type):
-    def bind(inputs, outputs, **attrs):
+    def bind(inputs, outputs, threads=1, **attrs):
         a, b = _activation_params(op_type, inputs[1:], attrs)
         dy, out = _flat(inputs[0]), _flat(outputs[0])
         in_place = bool(np.shares_memory(dy, out))
-        return [(_activation_grad, (ACTIVATIONS[op_type], dy, _flat(inputs[1]), a, b, out, in_place))]
+        return _flat_call(_activation_grad, _activation_grad_parts,
+                          (ACTIVATIONS[op_type], dy, _flat(inputs[1]), a, b, out, in_place), out.size, threads)
 
     return bind
 
 
 for _op in ACTIVATIONS:
-    binding(_op)(_make_activation(_op))
-    binding(f"{_op}Grad", ODTRAIN_DOMAIN)(_make_activation_grad(_op))
+    binding(_op, parallel=True)(_make_activation(_op))
+    binding(f"{_op}Grad", ODTRAIN_DOMAIN, parallel=True)(_make_activation_grad(_op))
 
 
 # ---- Pad -----------------------------------------------------------------------------------------

@@ -72,7 +72,7 @@ def rand(*shape, low=-1.0, high=1.0):
 
 
 CASES = {name: case for name, case in GRADIENT_CASES.items()
-         if name.startswith(("conv", "max_pool", "average_pool", "global_", "batch_norm"))}
+         if name.startswith(("conv", "max_pool", "average_pool", "global_", "batch_norm", "clip", "leaky_relu", "hard_"))}
 CASES.update({
     # weight gradients that split their output channels (their per-part sums would outweigh the work memory)
     "conv_pointwise_channel_parts": ([node("Conv", ["x", "w"])], {"x": rand(2, 3, 3, 3), "w": rand(32, 3, 1, 1)}),
@@ -116,7 +116,7 @@ LARGE_CASES = {"conv_pointwise_large_images": ([node("Conv", ["x", "w"])], {"x":
                                                                              "w": rand(32, 4, 1, 1)})}
 # Kernels split where no sum crosses a part (planes, channels, rows): every value as in the serial kernel.
 EXACT = ("max_pool", "average_pool", "global_", "batch_norm", "softmax", "log_softmax", "gather", "elementwise",
-         "gelu")
+         "gelu", "clip", "leaky_relu", "hard_")
 
 
 @pytest.mark.parametrize("name", PARALLEL_CASES)
