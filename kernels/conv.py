@@ -24,6 +24,14 @@ Convolution:
   gathered from several images M/G·chunk·P, and dW's sums (G + 1)·K·M/G
   floats; e.g. 1.35 MB for MobileNetV2's first layer at 224x224. Depthwise:
   one padded plane (rows) or one padded image, channels-last.
+- threads (kernels/parts.py): each kernel's `_parts` twin splits the batch
+  (depthwise along rows: the image-channel pairs) into one part per thread,
+  in one parallel region, each part with its own work memory. The parts
+  share one thread's product width (COLUMNS / parts each), so together they
+  hold about the work memory of one thread. Each part sums its images' dW
+  into its own sums, added in part order after; where those sums outweigh
+  the work memory (pointwise convolutions over few cells), the weight
+  gradient splits its output channels instead, each part over all images.
 
 ConvTranspose runs the convolution kernels with X and Y exchanged: its forward is a convolution's
 input gradient (col2im), its input gradient a convolution forward, its weight gradient a
