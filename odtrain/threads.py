@@ -23,10 +23,12 @@ set before libgomp loads, so that threads waiting for the next region sleep inst
 Measured on 2 shared cores, a busy machine (benchmarks/README.md, "Threads"): a 2-thread region
 costs 12-16 µs back to back and 20-60 µs after the threads idle; with libgomp's default spinning
 3-4 µs back to back, but 18-47 ms after 1-10 ms of idling, the spinning threads having spent
-their share of the cores; Numba's workqueue layer (condition variables, never spins) 60-110 µs,
-and it is not thread-safe (two regions at once abort the process, e.g. another library's nogil
-kernels in another thread), where OpenMP gives each calling thread its own team. TBB is not
-installed here (and has no aarch64 wheel). If libgomp was loaded before odtrain with its default
+their share of the cores; Numba's workqueue layer (condition variables, never spins) 60-110 µs.
+Thread safety: odtrain's kernels hold the GIL, so two modules trained in two Python threads take
+turns kernel by kernel on either layer (tests/test_threads.py), but two regions at once, e.g.
+another library's nogil parallel kernels in another thread, terminate the process under
+workqueue ("Concurrent access has been detected"; measured), where OpenMP gives each calling
+thread its own team. TBB is not installed here (and has no aarch64 wheel). If libgomp was loaded before odtrain with its default
 policy (it reads it once), the workqueue layer is used instead. GNU OpenMP does not survive
 fork(): a child forked after its parent ran a region runs its steps on one thread.
 
