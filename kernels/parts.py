@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import numpy as np
 
-# Below this many multiply-adds (or element updates) a parallel region costs more than it saves: a region
-# costs 2-3 µs with hot threads and 10-25 µs after they idle, and ~2^16 float32 multiply-adds take ~10 µs
-MIN_PARALLEL_WORK = 1 << 16
+# Below this many multiply-adds (or elements) a parallel region costs more than it saves. Measured here: a
+# 2-thread region with passive waiting (odtrain/threads.py) costs 12-16 µs back to back on a busy machine;
+# the cheapest kernel, a float32 add, takes 13 µs for 2^16 elements and 29 µs for 2^17 on one thread, so
+# from 2^17 elements half the work saves about what the region costs
+MIN_PARALLEL_WORK = 1 << 17
 
 
 def part_count(threads: int, units: int, work: int) -> int:

@@ -20,10 +20,12 @@ own pool, whose idle threads spin, never runs.
 Numba's threading layer is chosen on purpose, by `configure()` before the pool starts (unless
 the user chose one with NUMBA_THREADING_LAYER): OpenMP (libgomp), with OMP_WAIT_POLICY=PASSIVE
 set before libgomp loads, so that threads waiting for the next region sleep instead of spinning.
-Measured on 2 shared cores, a busy machine (benchmarks/README.md, "Threads"): a 2-thread region
-costs 12-16 µs back to back and 20-60 µs after the threads idle; with libgomp's default spinning
-3-4 µs back to back, but 18-47 ms after 1-10 ms of idling, the spinning threads having spent
-their share of the cores; Numba's workqueue layer (condition variables, never spins) 60-110 µs.
+Measured on 2 shared cores, a busy machine (benchmarks/threads.py): a 2-thread region costs
+12-16 µs back to back and 20-60 µs after the threads idle; with libgomp's default spinning 3-4 µs
+back to back, but 18-47 ms after 1-10 ms of idling, the spinning threads having spent their share
+of the cores; Numba's workqueue layer (condition variables, never spins) 60-110 µs. A whole cnn
+training step at 2 threads took 1.11x the one-thread step there with passive waiting, 5.65x with
+libgomp's default spinning.
 Thread safety: odtrain's kernels hold the GIL, so two modules trained in two Python threads take
 turns kernel by kernel on either layer (tests/test_threads.py), but two regions at once, e.g.
 another library's nogil parallel kernels in another thread, terminate the process under
