@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import numpy as np
 
-# Below this many multiply-adds (or elements) a parallel region costs more than it saves. Measured here: a
-# 2-thread region with passive waiting (odtrain/threads.py) costs 12-16 µs back to back on a busy machine;
-# the cheapest kernel, a float32 add, takes 13 µs for 2^16 elements and 29 µs for 2^17 on one thread, so
-# from 2^17 elements half the work saves about what the region costs
-MIN_PARALLEL_WORK = 1 << 17
+# Below this many multiply-adds (or elements) a parallel region costs more than it saves. Measured here (2 cores,
+# passive waiting, odtrain/threads.py): a 2-thread region costs 12-20 µs back to back, 30-85 µs after the
+# threads idle; the cheapest kernel, a float32 add, on 2^16 / 2^18 / 2^20 elements: 13.5 / 48.8 / 272 µs on
+# one thread, 26.5 / 49.4 / 142.5 µs in 2 parts. From 2^18 every kernel gains or breaks even.
+MIN_PARALLEL_WORK = 1 << 18
 
 
 def part_count(threads: int, units: int, work: int) -> int:

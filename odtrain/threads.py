@@ -20,19 +20,23 @@ own pool, whose idle threads spin, never runs.
 Numba's threading layer is chosen on purpose, by `configure()` before the pool starts (unless
 the user chose one with NUMBA_THREADING_LAYER): OpenMP (libgomp), with OMP_WAIT_POLICY=PASSIVE
 set before libgomp loads, so that threads waiting for the next region sleep instead of spinning.
-Measured on 2 shared cores, a busy machine (benchmarks/threads.py): a 2-thread region costs
-12-16 µs back to back and 20-60 µs after the threads idle; with libgomp's default spinning 3-4 µs
-back to back, but 18-47 ms after 1-10 ms of idling, the spinning threads having spent their share
-of the cores; Numba's workqueue layer (condition variables, never spins) 60-110 µs. A whole cnn
-training step at 2 threads took 1.11x the one-thread step there with passive waiting, 5.65x with
-libgomp's default spinning.
+Measured on this 2-core VM (benchmarks/threads.py regions, medians of 3 processes), one 2-thread
+region, back to back / after 1 ms idle / after 10 ms idle:
+- OpenMP, passive waiting: 18 / 30 / 85 µs on a near-quiet machine; 12 / 19 / 55 µs on a busy one;
+- OpenMP, libgomp's default spinning: 2.6 / 9.3 / 97 µs near-quiet, but 12 ms / 24 ms / 19 ms busy:
+  spinning threads spend their share of the cores, then wait for it;
+- Numba's workqueue layer (condition variables, never spins): 57 / 106 / 182 µs near-quiet;
+- GOMP_SPINCOUNT=1000 or 5000 without a policy: 58 or 255 µs back to back (the wait spins out).
+A whole cnn training step at 2 threads on the busy machine took 1.11x the one-thread step with
+passive waiting, 5.65x with libgomp's default spinning.
 Thread safety: odtrain's kernels hold the GIL, so two modules trained in two Python threads take
 turns kernel by kernel on either layer (tests/test_threads.py), but two regions at once, e.g.
 another library's nogil parallel kernels in another thread, terminate the process under
 workqueue ("Concurrent access has been detected"; measured), where OpenMP gives each calling
-thread its own team. TBB is not installed here (and has no aarch64 wheel). If libgomp was loaded before odtrain with its default
-policy (it reads it once), the workqueue layer is used instead. GNU OpenMP does not survive
-fork(): a child forked after its parent ran a region runs its steps on one thread.
+thread its own team. TBB is not installed here (and has no aarch64 wheel).
+If libgomp was loaded before odtrain with its default policy (it reads it once), the workqueue
+layer is used instead. GNU OpenMP does not survive fork(): a child forked after its parent ran a
+region runs its steps on one thread.
 
 With one thread every kernel runs its serial code and a run is bit-for-bit reproducible. With
 n threads a run is reproducible too (the parts are fixed at bind time, partial sums are added
