@@ -62,52 +62,78 @@ def _loss_type(name: str):
 # ---- check and prepare: which parameters train, and whether they can --------------------------------
 
 
-def _parameter_groups(graph, loss_inputs) -> tuple[list[tuple[str, list[str]]], list[str]]:
-    """Float parameters on the way to the loss, grouped by the first node consuming them, in graph order;
-    and the parameters that ops update as state (running statistics), which never train."""
-    import numpy as np
-
-    from .artifacts import _state_inputs
+def _parameter_groups(graph, loss_inputs):
+    """Float parameters on the way to the loss, grouped by the first node consuming them, in graph order; the
+    parameters that ops update as state (running statistics), which never train; and the initializers the
+    default selection leaves out (odtrain.graph.parameters), with the reason."""
+    from .graph.parameters import configuring_inputs, default_selection
 
     used = graph.prune(list(loss_inputs)).initializers
-    updated = _state_inputs(graph)
-    candidates = {n for n, v in graph.initializers.items()
-                  if n in used and n not in updated and np.issubdtype(v.dtype, np.floating)}
+    selection = default_selection(graph)
+    left_out = {n: why for n, why in selection.left_out.items() if n in used}
+    explicit = {n for n in used if n not in selection.state and n not in configuring_inputs(graph)
+                and n in selection.trainable + list(left_out)}
     groups, seen = [], set()
     for node in graph.nodes:
-        names = [i for i in node.inputs if i in candidates and i not in seen]
+        names = [i for i in node.inputs if i in explicit and i not in seen]
         if names:
             seen.update(names)
             groups.append((node.name, names))
-    return groups, [n for n in graph.initializers if n in used and n in updated]
+    return groups, [n for n in selection.state if n in used], left_out
 
 
 def _select_parameters(graph, loss_inputs, requires_grad=None, freeze=None, train_last=None):
-    """(trainable, frozen) parameter names from glob patterns or a count of last layers."""
+    """(trainable, frozen, left out) parameter names from glob patterns or a count of last layers. Patterns in
+    requires_grad may name what the default leaves out (a rotary table); the other choices start from the default."""
     from fnmatch import fnmatchcase
 
-    groups, updated = _parameter_groups(graph, loss_inputs)
-    names = [n for _, group in groups for n in group]
+    groups, updated, left_out = _parameter_groups(graph, loss_inputs)
+    names = [n for _, group in groups for n in group if n not in left_out]
     if not names:
         raise ArgumentError("the model has no floating-point initializers to train")
-    patterns = requires_grad or freeze
-    for pattern in patterns or ():
-        if not any(fnmatchcase(n, pattern) for n in names):
-            raise ArgumentError(f"'{pattern}' matches no parameter; the parameters are: {', '.join(names)}")
+    candidates = [n for _, group in groups for n in group] if requires_grad else names
+    for pattern in requires_grad or freeze or ():
+        if not any(fnmatchcase(n, pattern) for n in candidates):
+            raise ArgumentError(f"'{pattern}' matches no parameter; the parameters are: {', '.join(candidates)}")
     if requires_grad:
-        trainable = [n for n in names if any(fnmatchcase(n, p) for p in requires_grad)]
+        trainable = [n for n in candidates if any(fnmatchcase(n, p) for p in requires_grad)]
+        left_out = {n: why for n, why in left_out.items() if n not in trainable}
     elif freeze:
         trainable = [n for n in names if not any(fnmatchcase(n, p) for p in freeze)]
     elif train_last is not None:
-        if not 1 <= train_last <= len(groups):
-            raise ArgumentError(f"--train-last {train_last}: the model has {len(groups)} layers with parameters "
-                                f"({', '.join(node for node, _ in groups)}); give a number from 1 to {len(groups)}")
-        trainable = [n for _, group in groups[-train_last:] for n in group]
+        layers = [(node, [n for n in group if n not in left_out]) for node, group in groups]
+        layers = [(node, group) for node, group in layers if group]
+        if not 1 <= train_last <= len(layers):
+            raise ArgumentError(f"--train-last {train_last}: the model has {len(layers)} layers with parameters "
+                                f"({', '.join(node for node, _ in layers)}); give a number from 1 to {len(layers)}")
+        trainable = [n for _, group in layers[-train_last:] for n in group]
     else:
         trainable = names
     if not trainable:
         raise ArgumentError("no parameter is left to train: freeze fewer parameters")
-    return trainable, [n for n in names if n not in trainable] + updated
+    return trainable, [n for n in names if n not in trainable] + updated, left_out
+
+
+def _loss_layout(graph, loss_inputs, args) -> tuple[int | None, int | None, str]:
+    """(class_axis, ignore_index, what to tell the user) for --loss ce: the flags, else detected from the output."""
+    from .graph.losses import detect_class_axis
+
+    if args.loss != "ce":
+        if args.class_axis is not None or args.ignore_index is not None:
+            raise ArgumentError(f"--class-axis and --ignore-index apply to --loss ce, not {args.loss}")
+        return None, None, ""
+    output = graph.value_types.get(loss_inputs[0])
+    if args.class_axis is not None:
+        axis, how = (-1 if args.class_axis == "last" else 1), "--class-axis"
+    elif output is not None:
+        axis, why = detect_class_axis(output)
+        how = f"detected: {why}"
+    else:
+        axis, how = 1, "the output's shape is unknown"
+    ignore = args.ignore_index if args.ignore_index is not None else (-100 if axis == -1 else None)
+    where = "the last axis" if axis == -1 else "axis 1"
+    text = f"classes on {where} ({how})" + (f"; labels equal to {ignore} are ignored" if ignore is not None else "")
+    return (axis if axis == -1 else None), ignore, text
 
 
 def _loss_inputs(graph, loss_input):
@@ -148,7 +174,26 @@ def _missing_support(graph, trainable, loss_inputs):
     return no_kernel, no_gradient
 
 
-def _trial_bind(model, trainable, frozen, loss, loss_inputs, batch_size: int = 2):
+def _training_choices(graph, args) -> dict:
+    """What check and prepare hand to generate_artifacts, from the model and the command's options, with
+    `left_out` and `loss_text` (what to tell the user) besides."""
+    loss_inputs = _loss_inputs(graph, args.loss_input)
+    trainable, frozen, left_out = _select_parameters(graph, loss_inputs, args.requires_grad, args.freeze,
+                                                     args.train_last)
+    class_axis, ignore_index, loss_text = _loss_layout(graph, loss_inputs, args)
+    return {"requires_grad": trainable, "frozen_params": frozen, "loss": _loss_type(args.loss),
+            "loss_input_names": loss_inputs, "class_axis": class_axis, "ignore_index": ignore_index,
+            "left_out": left_out, "loss_text": loss_text}
+
+
+def _artifact_options(choices: dict) -> dict:
+    return {k: v for k, v in choices.items() if k not in ("left_out", "loss_text")}
+
+
+TRIAL_SEQUENCE_LENGTH = 8
+
+
+def _trial_bind(model, choices: dict, batch_size: int = 2):
     """Generate the artifacts in a temporary folder and bind their training and eval steps: (arena bytes, error)."""
     import tempfile
 
@@ -157,14 +202,19 @@ def _trial_bind(model, trainable, frozen, loss, loss_inputs, batch_size: int = 2
 
     with tempfile.TemporaryDirectory(prefix="odtrain-check-") as folder:
         try:
-            artifacts.generate_artifacts(model, requires_grad=trainable, frozen_params=frozen, loss=_loss_type(loss),
-                                         artifact_directory=folder, loss_input_names=loss_inputs)
+            artifacts.generate_artifacts(model, artifact_directory=folder, **_artifact_options(choices))
             paths = ArtifactPaths.of(folder)
             state = CheckpointState.load_checkpoint(paths.checkpoint)
             module = Module(paths.training_model, state, paths.eval_model)
-            return max(module.bind_at(batch_size, training).arena_bytes for training in (True, False)), None
+            return max(module.bind_at(batch_size, training, TRIAL_SEQUENCE_LENGTH).arena_bytes
+                       for training in (True, False)), None
         except OdtrainError as error:
             return None, str(error)
+
+
+def _print_left_out(left_out: dict) -> None:
+    for name, why in left_out.items():
+        print(f"  left out: {name}: {why}")
 
 
 def _check(args) -> int:
@@ -186,12 +236,12 @@ def _check(args) -> int:
     if not args.model:
         raise ArgumentError("name a model to check (odtrain check MODEL.onnx), or list the supported ops with --ops")
     graph = load_graph(args.model, "model")
-    loss_inputs = _loss_inputs(graph, args.loss_input)
-    trainable, frozen = _select_parameters(graph, loss_inputs, args.requires_grad, args.freeze, args.train_last)
+    choices = _training_choices(graph, args)
+    trainable, frozen, loss_inputs = choices["requires_grad"], choices["frozen_params"], choices["loss_input_names"]
     no_kernel, no_gradient = _missing_support(graph, trainable, loss_inputs)
     arena, trial_error = (None, None)
     if not no_kernel and not no_gradient:
-        arena, trial_error = _trial_bind(args.model, trainable, frozen, args.loss, loss_inputs)
+        arena, trial_error = _trial_bind(args.model, choices)
     sizes = {n: int(graph.initializers[n].size) for n in trainable + frozen}
     ok = not no_kernel and not no_gradient and trial_error is None
     report = {
@@ -202,7 +252,8 @@ def _check(args) -> int:
         "no_gradient": [{"node": n.name, "op_type": n.op_type, "reason": r} for n, r in no_gradient],
         "parameters": {"trainable": sum(sizes[n] for n in trainable), "frozen": sum(sizes[n] for n in frozen),
                        "trainable_tensors": trainable, "frozen_tensors": frozen},
-        "error": trial_error, "arena_bytes_at_batch_2": arena,
+        "left_out": choices["left_out"], "loss_layout": choices["loss_text"], "error": trial_error,
+        "arena_bytes_at_batch_2": arena,
     }
     if args.json:
         _print_json(report)
@@ -222,11 +273,16 @@ def _check(args) -> int:
         frozen_text = f" in {_count(len(frozen), 'tensor')} ({', '.join(frozen)})" if frozen else ""
         print(f"parameters: {p['trainable']:,} trainable in {_count(len(trainable), 'tensor')} "
               f"({', '.join(trainable)}); {p['frozen']:,} frozen{frozen_text}")
+        _print_left_out(choices["left_out"])
+        if choices["loss_text"]:
+            print(f"loss: {args.loss} on '{loss_inputs[0]}', {choices['loss_text']}")
         if trial_error:
             print(f"  generating and binding the artifacts failed: {trial_error}")
         elif ok:
-            print(f"odtrain can train this model (loss {args.loss}; a training step at batch size 2 plans "
-                  f"{arena:,} bytes of arena)")
+            sequence = any(isinstance(d, str) for n in graph.inputs for d in (graph.value_types[n].shape or ())[1:])
+            at = f"batch size 2, sequence length {TRIAL_SEQUENCE_LENGTH}" if sequence else "batch size 2"
+            print(f"odtrain can train this model (loss {args.loss}; a training step at {at} plans {arena:,} bytes "
+                  "of arena)")
     if ok:
         return 0
     problems = [f"{_count(len(no_kernel), 'op')} without a kernel"] if no_kernel else []
@@ -244,8 +300,8 @@ def _prepare(args) -> int:
     from .graph.onnx_io import load_graph
 
     graph = load_graph(args.model, "model")
-    loss_inputs = _loss_inputs(graph, args.loss_input)
-    trainable, frozen = _select_parameters(graph, loss_inputs, args.requires_grad, args.freeze, args.train_last)
+    choices = _training_choices(graph, args)
+    trainable, frozen, loss_inputs = choices["requires_grad"], choices["frozen_params"], choices["loss_input_names"]
     if args.lr <= 0:
         raise ArgumentError(f"--lr must be > 0, got {args.lr}")
     checkpoint = ArtifactPaths.of(args.output).checkpoint
@@ -256,9 +312,8 @@ def _prepare(args) -> int:
     if args.optimizer == "sgd" and args.weight_decay:
         raise ArgumentError("--weight-decay applies to AdamW only")
     extra = [o for o in graph.outputs if o in loss_inputs] + [o for o in graph.outputs if o not in loss_inputs]
-    artifacts.generate_artifacts(args.model, requires_grad=trainable, frozen_params=frozen, loss=_loss_type(args.loss),
-                                 optimizer=optimizer, artifact_directory=args.output,
-                                 additional_output_names=extra, loss_input_names=loss_inputs)
+    artifacts.generate_artifacts(args.model, optimizer=optimizer, artifact_directory=args.output,
+                                 additional_output_names=extra, **_artifact_options(choices))
     state = CheckpointState.load_checkpoint(checkpoint)
     state.properties["learning_rate"] = float(args.lr)
     state.properties["loss"] = args.loss
@@ -269,8 +324,8 @@ def _prepare(args) -> int:
     files = (paths.training_model, paths.eval_model, paths.optimizer_model, paths.checkpoint)
     result = {"artifacts": args.output, "files": [os.path.basename(p) for p in files],
               "trainable": trainable, "frozen": frozen, "trainable_values": sum(sizes[n] for n in trainable),
-              "frozen_values": sum(sizes[n] for n in frozen), "loss": args.loss, "optimizer": args.optimizer,
-              "learning_rate": args.lr}
+              "frozen_values": sum(sizes[n] for n in frozen), "left_out": choices["left_out"], "loss": args.loss,
+              "loss_layout": choices["loss_text"], "optimizer": args.optimizer, "learning_rate": args.lr}
     if args.json:
         _print_json(result)
         return 0
@@ -280,7 +335,9 @@ def _prepare(args) -> int:
     print(f"artifacts written to {args.output}/: {', '.join(result['files'])}")
     print(f"trainable: {result['trainable_values']:,} values in {', '.join(trainable)}")
     print(f"frozen: {result['frozen_values']:,} values in {', '.join(frozen)}" if frozen else "frozen: none")
-    print(f"loss: {args.loss} on '{loss_inputs[0]}'; optimizer: {args.optimizer}, learning rate {args.lr:g}")
+    _print_left_out(choices["left_out"])
+    layout = f", {choices['loss_text']}" if choices["loss_text"] else ""
+    print(f"loss: {args.loss} on '{loss_inputs[0]}'{layout}; optimizer: {args.optimizer}, learning rate {args.lr:g}")
     print(f"training data feeds: {', '.join(s.describe() for s in inputs)}")
     return 0
 
@@ -339,11 +396,14 @@ def _eval(args) -> int:
         _print_json(metrics)
         return 0
     parts = [f"loss {metrics['loss']:.4f}"]
+    if "perplexity" in metrics:
+        parts.append(f"perplexity {metrics['perplexity']:.4g}")
     if "accuracy" in metrics:
         parts.append(f"accuracy {metrics['accuracy']:.1%}")
     if "mse" in metrics:
         parts += [f"MSE {metrics['mse']:.4g}", f"MAE {metrics['mae']:.4g}"]
-    print(f"{', '.join(parts)} on {metrics['samples']} samples")
+    labelled = f" ({metrics['labels']:,} labels counted)" if metrics.get("labels", metrics["samples"]) != metrics["samples"] else ""
+    print(f"{', '.join(parts)} on {metrics['samples']} samples{labelled}")
     return 0
 
 
@@ -392,8 +452,8 @@ def _inspect(args) -> int:
     if not paths.missing("training_model", "eval_model"):
         module = Session(folder, checkpoint=checkpoint, with_optimizer=False).module
         try:
-            plans = {"training step": module.bind_at(args.batch_size, training=True).plan,
-                     "eval step": module.bind_at(args.batch_size, training=False).plan}
+            plans = {"training step": module.bind_at(args.batch_size, True, args.seq_len).plan,
+                     "eval step": module.bind_at(args.batch_size, False, args.seq_len).plan}
             report["memory_plan"] = {"batch_size": args.batch_size, **{
                 name: {"arena_bytes": p.arena_bytes, "lower_bound": p.lower_bound, "ops": p.steps}
                 for name, p in plans.items()}}
@@ -446,7 +506,7 @@ def _memory(args) -> int:
         from .memory_plot import require_matplotlib
 
         require_matplotlib()  # before the plans are bound
-    result = memory.from_artifacts(args.artifacts, args.batch_size, args.budget)
+    result = memory.from_artifacts(args.artifacts, args.batch_size, args.budget, args.seq_len)
     budget = (f"memory budget {memory.format_bytes(args.budget)} ({args.budget:,} B)" if args.budget
               else "no memory budget")
     if args.plot:
@@ -458,7 +518,8 @@ def _memory(args) -> int:
         _print_json({"artifacts": args.artifacts, "batch_size": args.batch_size, "budget_bytes": args.budget,
                      **result.to_dict(), "plot": args.plot})
         return 0
-    print(f"memory of {args.artifacts} at batch size {args.batch_size}, {budget}")
+    sequence = f", sequence length {args.seq_len}" if args.seq_len else ""
+    print(f"memory of {args.artifacts} at batch size {args.batch_size}{sequence}, {budget}")
     print(result.render())
     if args.plot:
         print(f"timeline of the training step written to {args.plot}")
@@ -480,6 +541,12 @@ def _add_selection_options(command) -> None:
                          help="cross-entropy (default), mean squared error, binary cross-entropy on logits, or L1")
     command.add_argument("--loss-input", metavar="NAME", help="the model output the loss scores "
                          "(default: the only output)")
+    command.add_argument("--class-axis", choices=("1", "last"), help="for --loss ce: the classes are on axis 1 "
+                         "(ONNX's scores [N, C, ...], labels [N, ...]) or on the last axis (logits [batch, seq, "
+                         "vocab], labels [batch, seq]); default: the last axis when the output is [N, seq, C] with "
+                         "a symbolic seq, else axis 1")
+    command.add_argument("--ignore-index", type=int, metavar="LABEL", help="for --loss ce: labels with this value "
+                         "(padding) do not count (default: -100 with the classes last, else none)")
     which = command.add_mutually_exclusive_group()
     which.add_argument("--requires-grad", nargs="+", metavar="NAME", help="parameters to train, by name or glob "
                        "pattern ('fc2.*'); the others are frozen")
@@ -570,6 +637,8 @@ def _add_training_commands(commands) -> None:
         "state and, for an artifact folder, the memory plan of a training and an eval step at --batch-size.")
     inspect.add_argument("target", metavar="ARTIFACT_DIR|CHECKPOINT", help="an artifact folder or a checkpoint file")
     inspect.add_argument("--batch-size", type=int, default=32, help="batch size of the memory plan (default: 32)")
+    inspect.add_argument("--seq-len", type=int, metavar="N", help="length of the inputs' other symbolic axes "
+                         "(a language model's sequence) in the memory plan")
     inspect.add_argument("--plan", action="store_true", help="also print each plan's timeline")
     inspect.add_argument("--json", action="store_true", help="print the report as JSON")
     inspect.set_defaults(handler=_inspect)
@@ -582,6 +651,8 @@ def _add_training_commands(commands) -> None:
         "runtime floor is not included.")
     memory.add_argument("artifacts", metavar="ARTIFACT_DIR", help="a folder written by `odtrain prepare`")
     memory.add_argument("--batch-size", type=int, required=True, help="samples per step")
+    memory.add_argument("--seq-len", type=int, metavar="N", help="length of the inputs' other symbolic axes "
+                        "(a language model's sequence)")
     memory.add_argument("--budget", type=_byte_size, metavar="BYTES", help="plan the training step under this "
                         "arena budget (e.g. 40MB), recomputing activations as `train --memory-budget` does")
     memory.add_argument("--json", action="store_true", help="print the report as JSON (sizes in bytes)")

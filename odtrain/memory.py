@@ -155,9 +155,11 @@ def report(module) -> MemoryReport:
     return result
 
 
-def from_artifacts(directory, batch_size: int, memory_budget: int | None = None) -> MemoryReport:
+def from_artifacts(directory, batch_size: int, memory_budget: int | None = None,
+                   sequence_length: int | None = None) -> MemoryReport:
     """The report of an artifact folder's training step (and eval step, if it has an eval model) at
-    `batch_size`, planned under `memory_budget` bytes if given: the plans are bound, no step runs.
+    `batch_size` (and `sequence_length` for the inputs' other symbolic axes), planned under `memory_budget`
+    bytes if given: the plans are bound, no step runs.
 
     Optimizer state is what the folder's optimizer model creates (none without one). Raises
     MemoryBudgetError when no plan meets the budget."""
@@ -175,5 +177,5 @@ def from_artifacts(directory, batch_size: int, memory_budget: int | None = None)
     if paths.has("optimizer_model"):
         Optimizer(paths.optimizer_model, module)
     for training in (True, False) if with_eval else (True,):
-        module.bind_at(batch_size, training)
+        module.bind_at(batch_size, training, sequence_length)
     return report(module)
