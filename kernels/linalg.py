@@ -65,6 +65,9 @@ def _blas_gemm(typingctx, trans_a, trans_b, m, n, k, alpha, a, a_offset, lda, b,
     return sig, codegen
 
 
+blas_gemm = _blas_gemm  # for kernels of other families that multiply blocks of their own arrays
+
+
 @njit(cache=True, error_model="numpy")
 def _gemm_batched(a, b, out, m, n, k, trans_a, trans_b, lda, ldb, ldc, a_offsets, b_offsets, out_offsets, betas, alpha):
     """out[o_i] = alpha · op(a[a_i]) · op(b[b_i]) + betas[i] · out[o_i] for each product i of a batch."""

@@ -21,6 +21,8 @@ GRADIENT_CHECKED |= {"Conv", "BatchNormalization", "MaxPool", "AveragePool", "Gl
                      "Clip", "LeakyRelu", "HardSigmoid", "HardSwish", "Pad", "Dropout", "BatchNormalizationActivation"}
 # upsampling ops (tests/test_upsampling.py)
 GRADIENT_CHECKED |= {"ConvTranspose", "Resize", "Upsample"}
+# decoder ops (tests/test_attention.py, the fused forms through their decomposed patterns)
+GRADIENT_CHECKED |= {"RMSNormalization", "RotaryEmbedding", "Attention"}
 
 
 def test_every_registered_op_has_a_kernel():

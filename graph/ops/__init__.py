@@ -256,7 +256,7 @@ class GradContext:
 
 # Fill the registry: each family module registers its ops on import.
 from . import (  # noqa: E402,F401
-    conv, elementwise, linalg, nn, normalization, pool, recurrent, reduction, resize, tensor, training)
+    attention, conv, elementwise, linalg, nn, normalization, pool, recurrent, reduction, resize, tensor, training)
 
 # Inputs that configure an op rather than feed it (shapes, axes, scales, pads): they must be constants of
 # the model, never receive a gradient, and are never chosen as trainable parameters.
