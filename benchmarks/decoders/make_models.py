@@ -15,7 +15,8 @@ heads, 2 key/value heads, eager attention) with seeded random weights. Written p
 - `dynamo23.onnx`: the dynamo exporter at opset 23 with RMSNorm, rotary embedding and attention
   written as `F.rms_norm`, `torch.onnx.ops.rotary_embedding` and `torch.onnx.ops.attention`, so the
   file holds the single ONNX ops RMSNormalization, RotaryEmbedding and Attention;
-- `golden.npz` and `meta.json` (see tests/data/decoders/README.md): the batches, the losses of 10 SGD
+- `golden.npz` and `meta.json` (see tests/data/decoders/README.md; `onnx_names` maps a torch parameter
+  name to a file's initializer where they differ): the batches, the losses of 10 SGD
   and 10 AdamW steps (ONNX Runtime's AdamW), step-0 float64 gradients, and the same trajectories in
   float32 with their measured distance from float64, which the tests take as their tolerance.
 
@@ -154,6 +155,23 @@ def _strip_node_metadata(path) -> None:
     for node in model.graph.node:
         del node.metadata_props[:]
     onnx.save(model, str(path))
+
+
+def onnx_names(model, path) -> dict[str, str]:
+    """torch parameter name -> the file's initializer name, where they differ (the dynamo exporter names a
+    tied embedding after lm_head): a parameter missing by name is found by its values."""
+    arrays = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer}
+    named = parameters(model)
+    names = {}
+    for name, parameter in named.items():
+        value = parameter.detach().numpy()
+        if name in arrays and np.array_equal(arrays[name], value):
+            continue
+        found = [n for n, a in arrays.items() if n not in named and a.shape == value.shape and np.array_equal(a, value)]
+        if len(found) != 1:
+            raise ValueError(f"{path}: {len(found)} initializers hold the values of {name}: {found}")
+        names[name] = found[0]
+    return names
 
 
 def _check_export(model, path, family: str) -> float:
@@ -329,6 +347,7 @@ def write_family(family: str, out_dir: pathlib.Path, seed: int, dynamo18: bool, 
         files["dynamo23.onnx"] = "dynamo exporter, opset 23: RMSNormalization, RotaryEmbedding, Attention"
         export_error = {name: _check_export(single if name == "dynamo23.onnx" else model, folder / name, family)
                         for name in files}
+    renamed = {name: onnx_names(model, folder / name) for name in files}
     data = batches(model.config.vocab_size, seed)
 
     def fresh():
@@ -340,7 +359,8 @@ def write_family(family: str, out_dir: pathlib.Path, seed: int, dynamo18: bool, 
     meta = {"family": family, "files": files, "config": {**SIZES, **FAMILIES[family][2]},
             "inputs": ["input_ids", "attention_mask"], "output": "logits", "labels": "labels [batch, seq], next token",
             "ignore_index": IGNORE_INDEX, "steps": STEPS, "batch": BATCH, "seq": SEQ,
-            "requires_grad": list(parameters(model)), "adamw_settings": ADAMW, **meta_runs,
+            "requires_grad": list(parameters(model)), "onnx_names": {k: v for k, v in renamed.items() if v},
+            "adamw_settings": ADAMW, **meta_runs,
             "export_max_abs_error": export_error,
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "onnx": onnx.__version__}}
     if lora:
