@@ -29,6 +29,7 @@ from . import checkpoint as checkpoint_file
 from .graph.autodiff import GRAD_SUFFIX
 from .graph.errors import ArgumentError, InputError, ModelError, NonFiniteError, ParameterError, StateError
 from .graph.ir import Graph, TensorType
+from .graph.lora import merge_adapters
 from .graph.onnx_io import load_graph, save_graph
 from .graph.ops import check_supported
 from .graph.optimizers import read_optimizer_graph
@@ -514,7 +515,7 @@ class Module:
                 inference.initializers[name] = store.data(name).copy()
         inference.inputs = [n for n in inference.inputs if n not in store]
         inference.name = "inference"
-        save_graph(inference, inference_model_uri)
+        save_graph(merge_adapters(inference), inference_model_uri)  # LoRA adapters merged into their weights
 
 
 class Optimizer:

@@ -30,10 +30,12 @@ from .graph.ops import OPS, check_supported
 from .graph.losses import LossType, add_loss, parse_loss
 from .graph.onnx_io import graph_from_proto, read_model_proto, save_graph
 from .graph.optimizers import SGD, AdamW, OptimType, SGDMomentum, build_optimizer_graph, parse_optimizer
+from .graph.lora import add_adapters
 from .graph.parameters import NO_GRADIENT, default_selection
+from .lora import LoraConfig, target_weights
 
-__all__ = ["generate_artifacts", "build_training_graphs", "GeneratedArtifacts", "LossType", "OptimType", "AdamW", "SGD",
-           "SGDMomentum"]
+__all__ = ["generate_artifacts", "build_training_graphs", "GeneratedArtifacts", "LoraConfig", "LossType", "OptimType",
+           "AdamW", "SGD", "SGDMomentum"]
 
 
 def _select_parameters(graph, requires_grad, frozen_params):
@@ -85,21 +87,38 @@ class TrainingGraphs:
     left_out: dict[str, str] = field(default_factory=dict)  # initializers the default selection did not train, why
 
 
+def _with_adapters(graph, lora: LoraConfig, requires_grad, frozen_params):
+    """(the graph with LoRA adapters, trainable, frozen, left out): the adapters train with `requires_grad` (extra
+    parameters, e.g. norms); every other parameter of the default selection is frozen, kept in the checkpoint."""
+    if not isinstance(lora, LoraConfig):
+        raise ArgumentError(f"lora must be an odtrain.artifacts.LoraConfig, got {type(lora).__name__}")
+    base = default_selection(graph, frozen_params or ())
+    adapted, adapters = add_adapters(graph, target_weights(graph, lora), lora.rank, lora.scale, lora.seed)
+    extra = list(requires_grad or [])
+    frozen = [n for n in base.trainable if n not in extra] + list(frozen_params or []) + base.state
+    return adapted, list(adapters) + extra, frozen, base.left_out
+
+
 def build_training_graphs(model, requires_grad=None, frozen_params=None, loss=None, additional_output_names=None,
-                          loss_input_names=None, class_axis=None, ignore_index=None) -> TrainingGraphs:
+                          loss_input_names=None, class_axis=None, ignore_index=None, lora=None) -> TrainingGraphs:
     """Forward model + loss -> training graph (with `<param>_grad` outputs) and eval graph.
 
     `loss` is a LossType; or an object with a method `build_loss(graph, loss_inputs)` that adds the loss to
     the forward graph and returns (the scalar loss's name, extra output names), as odtrain.onnxblock
     blocks do (their build takes the loss inputs and returns the loss name, or (loss, *extra outputs));
     or None when the model's output is the loss. `class_axis` and `ignore_index` configure
-    LossType.CrossEntropyLoss (odtrain.graph.losses).
+    LossType.CrossEntropyLoss (odtrain.graph.losses). With `lora` (a LoraConfig), adapters train on the
+    targeted weights, with the parameters `requires_grad` names; the rest is frozen (odtrain.graph.lora).
     """
     custom_loss = hasattr(loss, "build_loss")
     proto, path = read_model_proto(model, "model")
     graph = graph_from_proto(proto, path or "model")
     check_supported(graph.nodes, f"model '{path}'" if path else "model")
+    lora_left_out = {}
+    if lora is not None:
+        graph, requires_grad, frozen_params, lora_left_out = _with_adapters(graph, lora, requires_grad, frozen_params)
     trainable, frozen, left_out = _select_parameters(graph, requires_grad, frozen_params)
+    left_out.update(lora_left_out)
     if not trainable:
         raise ArgumentError("no parameter requires a gradient: list parameters in requires_grad")
 
@@ -178,13 +197,15 @@ class GeneratedArtifacts:
 def generate_artifacts(model, requires_grad=None, frozen_params=None, loss=None, optimizer=None,
                        artifact_directory=None, prefix: str = "", ort_format: bool = False,
                        custom_op_library=None, additional_output_names=None, nominal_checkpoint: bool = False,
-                       loss_input_names=None, class_axis=None, ignore_index=None) -> GeneratedArtifacts:
+                       loss_input_names=None, class_axis=None, ignore_index=None, lora=None) -> GeneratedArtifacts:
     """Write the training artifacts for `model` (an onnx.ModelProto or a path) into `artifact_directory`.
 
     `loss` and `optimizer` also accept odtrain.onnxblock blocks (a custom loss; onnxblock.optim.AdamW, SGD,
     SGDMomentum: objects that carry an optimizer `config`). With LossType.CrossEntropyLoss, `class_axis=-1`
     reads the classes on the last axis (logits [batch, seq, vocab], labels [batch, seq]) instead of ONNX's
     axis 1, and labels equal to `ignore_index` (e.g. -100 on padding) are left out of the loss.
+    `lora=LoraConfig(rank, alpha, target_params=[...])` trains low-rank adapters of the targeted weights
+    (and what `requires_grad` names) instead of the weights; export merges them back.
 
     Returns what was written and which parameters train; with `requires_grad=None`, `left_out` names the
     floating-point initializers left as constants (rotary tables, single values, ...) with the reason."""
@@ -196,7 +217,7 @@ def generate_artifacts(model, requires_grad=None, frozen_params=None, loss=None,
     optimizer = getattr(optimizer, "config", optimizer)  # an optimizer block's hyper-parameters
     optimizer = parse_optimizer(optimizer) if optimizer is not None else None
     built = build_training_graphs(model, requires_grad, frozen_params, loss, additional_output_names, loss_input_names,
-                                  class_axis, ignore_index)
+                                  class_axis, ignore_index, lora)
     trainable, values = built.trainable, built.values
 
     paths = ArtifactPaths.of(artifact_directory if artifact_directory is not None else os.getcwd(), prefix)

@@ -181,9 +181,19 @@ def _training_choices(graph, args) -> dict:
     trainable, frozen, left_out = _select_parameters(graph, loss_inputs, args.requires_grad, args.freeze,
                                                      args.train_last)
     class_axis, ignore_index, loss_text = _loss_layout(graph, loss_inputs, args)
-    return {"requires_grad": trainable, "frozen_params": frozen, "loss": _loss_type(args.loss),
-            "loss_input_names": loss_inputs, "class_axis": class_axis, "ignore_index": ignore_index,
-            "left_out": left_out, "loss_text": loss_text}
+    choices = {"requires_grad": trainable, "frozen_params": frozen, "loss": _loss_type(args.loss),
+               "loss_input_names": loss_inputs, "class_axis": class_axis, "ignore_index": ignore_index,
+               "left_out": left_out, "loss_text": loss_text}
+    if getattr(args, "lora_rank", None):  # adapters train, with the parameters --requires-grad names
+        from .artifacts import LoraConfig
+
+        if args.freeze or args.train_last is not None:
+            raise ArgumentError("with --lora-rank every weight is frozen: name parameters to train besides the "
+                                "adapters with --requires-grad")
+        alpha = args.lora_alpha if args.lora_alpha is not None else 2.0 * args.lora_rank
+        choices.update(requires_grad=trainable if args.requires_grad else None, frozen_params=None,
+                       lora=LoraConfig(args.lora_rank, alpha, args.lora_targets or ["*"], seed=args.lora_seed))
+    return choices
 
 
 def _artifact_options(choices: dict) -> dict:
@@ -312,15 +322,16 @@ def _prepare(args) -> int:
     if args.optimizer == "sgd" and args.weight_decay:
         raise ArgumentError("--weight-decay applies to AdamW only")
     extra = [o for o in graph.outputs if o in loss_inputs] + [o for o in graph.outputs if o not in loss_inputs]
-    artifacts.generate_artifacts(args.model, optimizer=optimizer, artifact_directory=args.output,
-                                 additional_output_names=extra, **_artifact_options(choices))
+    generated = artifacts.generate_artifacts(args.model, optimizer=optimizer, artifact_directory=args.output,
+                                             additional_output_names=extra, **_artifact_options(choices))
+    trainable, frozen = generated.trainable, generated.frozen
     state = CheckpointState.load_checkpoint(checkpoint)
     state.properties["learning_rate"] = float(args.lr)
     state.properties["loss"] = args.loss
     state.properties["optimizer"] = args.optimizer
     CheckpointState.save_checkpoint(state, checkpoint)
     paths = ArtifactPaths.find(args.output)
-    sizes = {n: int(graph.initializers[n].size) for n in trainable + frozen}
+    sizes = {n: int(state.parameters[n].data.size) for n in trainable + frozen}
     files = (paths.training_model, paths.eval_model, paths.optimizer_model, paths.checkpoint)
     result = {"artifacts": args.output, "files": [os.path.basename(p) for p in files],
               "trainable": trainable, "frozen": frozen, "trainable_values": sum(sizes[n] for n in trainable),
@@ -333,7 +344,10 @@ def _prepare(args) -> int:
 
     inputs = Session(args.output, with_optimizer=False).inputs
     print(f"artifacts written to {args.output}/: {', '.join(result['files'])}")
-    print(f"trainable: {result['trainable_values']:,} values in {', '.join(trainable)}")
+    lora = choices.get("lora")
+    adapters = f" (LoRA rank {lora.rank}, alpha {lora.alpha:g}: {len(trainable) - len(choices['requires_grad'] or [])}" \
+        " adapter matrices)" if lora else ""
+    print(f"trainable: {result['trainable_values']:,} values{adapters} in {', '.join(trainable)}")
     print(f"frozen: {result['frozen_values']:,} values in {', '.join(frozen)}" if frozen else "frozen: none")
     _print_left_out(choices["left_out"])
     layout = f", {choices['loss_text']}" if choices["loss_text"] else ""
@@ -412,6 +426,8 @@ def _export(args) -> int:
     from .training import Session
 
     session = Session(args.artifacts, with_optimizer=False)
+    if args.adapters_only:
+        return _export_adapters(session, args)
     outputs = args.outputs or session.prediction_outputs
     if not outputs:
         raise ArgumentError(f"the eval model of '{args.artifacts}' computes only the loss; name the values to "
@@ -425,6 +441,27 @@ def _export(args) -> int:
     else:
         print(f"inference model written to {args.output}: {', '.join(result['inputs'])} -> "
               f"{', '.join(result['outputs'])}")
+    return 0
+
+
+def _export_adapters(session, args) -> int:
+    """The trained parameters of LoRA artifacts (adapters, and what trained besides them) as a safetensors file."""
+    from .lora import is_adapter, write_adapters
+
+    state = session.state
+    trained = [n for n, p in state.parameters.items() if p.requires_grad]
+    if not any(is_adapter(n) for n in trained):
+        raise ArgumentError(f"'{args.artifacts}' has no LoRA adapters; prepare the model with --lora-rank R, or "
+                            "export the whole model without --adapters-only")
+    scales = write_adapters(args.output, {n: state.parameters[n].data for n in trained},
+                            session.module.graph(training=False))
+    nbytes = sum(state.parameters[n].data.nbytes for n in trained)
+    result = {"adapters": args.output, "tensors": trained, "bytes": nbytes, "scales": scales}
+    if args.json:
+        _print_json(result)
+    else:
+        print(f"adapters written to {args.output}: {len(trained)} tensors, {nbytes:,} bytes of parameters "
+              f"({len(scales)} adapted weights)")
     return 0
 
 
@@ -580,6 +617,14 @@ def _add_training_commands(commands) -> None:
     prepare.add_argument("--lr", type=float, default=1e-3, help="learning rate that `odtrain train` uses unless "
                          "told otherwise (default: 0.001)")
     prepare.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default: 0)")
+    prepare.add_argument("--lora-rank", type=int, metavar="R", help="train LoRA adapters of rank R on the weights "
+                         "of matrix products instead of the weights (frozen; export merges the adapters back); "
+                         "--requires-grad names parameters to train besides them (e.g. norms)")
+    prepare.add_argument("--lora-alpha", type=float, metavar="ALPHA", help="scale the adapters' update by "
+                         "ALPHA/R (default: 2R)")
+    prepare.add_argument("--lora-targets", nargs="+", metavar="NAME", help="the weights to adapt, by name or glob "
+                         "pattern (default: every weight that feeds a MatMul or Gemm)")
+    prepare.add_argument("--lora-seed", type=int, default=0, help="seed of the adapters' initial values (default: 0)")
     prepare.add_argument("--force", action="store_true", help="replace artifacts already in ARTIFACT_DIR")
     prepare.add_argument("--json", action="store_true", help="print the result as JSON")
     prepare.set_defaults(handler=_prepare)
@@ -628,6 +673,8 @@ def _add_training_commands(commands) -> None:
     export.add_argument("artifacts", metavar="ARTIFACT_DIR", help="a folder written by `odtrain prepare`")
     export.add_argument("-o", "--output", required=True, metavar="MODEL.onnx", help="the file to write")
     export.add_argument("--outputs", nargs="+", metavar="NAME", help="values to output (default: the model's outputs)")
+    export.add_argument("--adapters-only", action="store_true", help="write only the trained LoRA adapters (and "
+                        "the parameters trained with them) as a safetensors file to -o, not the merged model")
     export.add_argument("--json", action="store_true", help="print the result as JSON")
     export.set_defaults(handler=_export)
 

@@ -1,4 +1,5 @@
-"""Llama- and Qwen2-style causal LMs exported by PyTorch's exporters train along PyTorch's golden trajectories.
+"""Llama- and Qwen2-style causal LMs exported by PyTorch's exporters train along PyTorch's golden trajectories,
+fully and with LoRA adapters.
 
 The models and goldens are tests/data/decoders (benchmarks/decoders/make_models.py). Each file trains 10 SGD
 and 10 AdamW steps on logits [batch, seq, vocab] against next-token labels with padding ignored; the losses
@@ -90,3 +91,19 @@ def test_decoder_matches_pytorch(family, export, optimizer, tmp_path):
     assert gradient_error(grads, golden, names) < TOLERANCE * meta["adamw"]["float32_grad_error"]
     if optimizer == "adamw":
         exports_like_onnxruntime(module, golden, tmp_path)
+
+
+@pytest.mark.slow
+def test_lora_matches_pytorch_lora(tmp_path):
+    """Adapters on every q and v projection (PyTorch adds them by forward hooks from graph/lora_init.py's values)
+    and the final norm train along PyTorch's trajectory; the export merges them into the weights."""
+    folder, meta, golden = decoder("llama")
+    lora = meta["lora"]
+    names = {n: n for n in (k[len("lora/grad64/"):] for k in golden.files if k.startswith("lora/grad64/"))}
+    config = artifacts.LoraConfig(lora["rank"], lora["alpha"], lora["target_params"], seed=lora["seed"])
+    losses, grads, module = train_along_golden(folder / "torchscript17.onnx", golden, "adamw", lora["lr"], tmp_path,
+                                               names, requires_grad=lora["requires_grad"], lora=config)
+    assert sorted(module.graph().outputs[2:]) == sorted(f"{n}_grad" for n in names)  # adapters and norm only
+    np.testing.assert_allclose(losses, golden["lora/adamw_losses"], rtol=TOLERANCE * lora["float32_loss_error"])
+    assert gradient_error(grads, golden, names, "lora/") < TOLERANCE * lora["float32_grad_error"]
+    exports_like_onnxruntime(module, golden, tmp_path)
