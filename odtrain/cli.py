@@ -373,6 +373,26 @@ def _byte_size(text: str) -> int:
     return int(value)
 
 
+def _data(args, paths):
+    """The data a command reads: its paths, or windows of a text file with --tokenizer and --seq-len."""
+    if paths is None:
+        return None
+    texts = [p for p in paths if str(p).endswith(".txt")]
+    if args.tokenizer is None:
+        if texts:
+            raise ArgumentError(f"'{texts[0]}' is text: give the tokenizer that encodes it with --tokenizer "
+                                "tokenizer.json, and --seq-len N")
+        if args.seq_len is not None:
+            raise ArgumentError("--seq-len cuts a text file into windows: give --tokenizer and a .txt file too")
+        return paths
+    if len(paths) != 1 or args.seq_len is None:
+        raise ArgumentError("with --tokenizer give one text file (--data corpus.txt) and the window length "
+                            "(--seq-len N)")
+    from .text import TextSource
+
+    return TextSource(paths[0], args.tokenizer, args.seq_len)
+
+
 def _train(args) -> int:
     from .api import CheckpointState
     from .training import fit
@@ -383,7 +403,8 @@ def _train(args) -> int:
         print(f"odtrain train: note: '{paths.checkpoint}' holds an unfinished run (epoch "
               f"{properties['epoch'] + 1}, step {properties['step_in_epoch']}); this run starts anew from its "
               "parameters (--resume continues it)", file=sys.stderr)
-    result = fit(args.artifacts, args.data, val=args.val, epochs=args.epochs, batch_size=args.batch_size,
+    result = fit(args.artifacts, _data(args, args.data), val=_data(args, args.val), epochs=args.epochs,
+                 batch_size=args.batch_size,
                  learning_rate=args.lr, lr_schedule=args.lr_schedule, warmup_steps=args.warmup, seed=args.seed,
                  checkpoint_every=args.checkpoint_every, resume=args.resume, x=args.x, y=args.y,
                  log=None if args.json else print, progress=not args.json, stop_after_steps=args.stop_after_steps,
@@ -405,7 +426,7 @@ def _train(args) -> int:
 def _eval(args) -> int:
     from .training import evaluate
 
-    metrics = evaluate(args.artifacts, args.data, batch_size=args.batch_size, x=args.x, y=args.y)
+    metrics = evaluate(args.artifacts, _data(args, args.data), batch_size=args.batch_size, x=args.x, y=args.y)
     if args.json:
         _print_json(metrics)
         return 0
@@ -565,12 +586,17 @@ def _memory(args) -> int:
 
 def _add_data_options(command, what: str) -> None:
     command.add_argument("--data", action="append", required=True, metavar="PATH",
-                         help=f"{what}: an .npz file, a folder of images (one sub-folder per class), or .npy "
-                         "files, one per model input in input order (--data x.npy --data y.npy)")
+                         help=f"{what}: an .npz file, a folder of images (one sub-folder per class), .npy "
+                         "files, one per model input in input order (--data x.npy --data y.npy), or a text file "
+                         "for a language model (with --tokenizer and --seq-len)")
     command.add_argument("--x", action="append", metavar="NAME", help="the .npz array feeding the model's data "
                          "input, once per data input (default: the array named like the input, or x, images, inputs)")
     command.add_argument("--y", metavar="NAME", help="the .npz array of labels or targets "
                          "(default: 'labels'/'target', or y)")
+    command.add_argument("--tokenizer", metavar="TOKENIZER.json", help="for a language model: encode the text file "
+                         "given to --data with this tokenizers file (pip install \"odtrain[text]\")")
+    command.add_argument("--seq-len", type=int, metavar="N", help="with --tokenizer: windows of N tokens, each "
+                         "token's label the next one")
 
 
 def _add_selection_options(command) -> None:

@@ -43,6 +43,7 @@ from .artifact_paths import OPTIMIZER_MODEL, ArtifactPaths
 from .graph.errors import ArgumentError, ArtifactNotFoundError, StateError
 from .graph.losses import cross_entropy_layout
 from .progress import progress_bar
+from .text import TextSource
 
 SCHEDULES = ("constant", "linear", "cosine")
 LOSS_KINDS = {"SoftmaxCrossEntropyLoss": "ce"}
@@ -104,9 +105,12 @@ class Session:
         return list(self.module.graph(training=False).outputs[1:])
 
     def dataset(self, source, x=None, y=None) -> data_files.Dataset:
-        """A Dataset for this model from paths, a Dataset, a dict of arrays or arrays in input order."""
+        """A Dataset for this model from paths, a Dataset, a text.TextSource, a dict of arrays or arrays in input
+        order."""
         if isinstance(source, data_files.Dataset):
             return source
+        if isinstance(source, TextSource):
+            return source.dataset(self.inputs)
         if isinstance(source, (str, os.PathLike)) or (isinstance(source, (list, tuple)) and source
                                                         and all(isinstance(s, (str, os.PathLike)) for s in source)):
             return data_files.load(source, self.inputs, x, y)
