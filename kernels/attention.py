@@ -30,7 +30,7 @@ import numpy as np
 from numba import njit
 
 from . import ODTRAIN_DOMAIN, binding
-from .layout import element_strides, flat
+from .layout import element_strides, flat, float_buffers
 from .linalg import blas_gemm
 
 # ---- rotary embeddings ----------------------------------------------------------------------------------
@@ -88,31 +88,33 @@ def _rotate_pairs_cache_grad(dy, x, positions, dcos, dsin, batch, heads, seq, xb
                     dsin[co + i] += g_hi * a - g_lo * e
 
 
+@njit(cache=True, inline="always", error_model="numpy")
+def _rolled(x, row, d, split, keep):
+    """r(x)[d] of one row: -x[d + split] for the first `keep` elements, then x[d - keep]."""
+    return -x[row + d + split] if d < keep else x[row + d - keep]
+
+
 @njit(cache=True, error_model="numpy")
 def _rotate_half(x, cos, sin, y, batch, heads, seq, cb, ch, cs, width, split, inverse):
     """y ← x·cos + r(x)·sin per row of `width` with r(x) = [-x[split:], x[:split]] (its transpose when
     `inverse`); x and y are contiguous [batch, heads, seq, width], the caches broadcast through strides."""
     keep = width - split
-    for b in range(batch):
-        for h in range(heads):
-            for s in range(seq):
-                xo = ((b * heads + h) * seq + s) * width
-                co = b * cb + h * ch + s * cs
-                for d in range(width):
-                    if inverse:  # dx[d] = dy[d]·c[d] + Σ over the outputs that read x[d] through r
-                        turned = -x[xo + d - split] * sin[co + d - split] if d >= split else \
-                            x[xo + d + keep] * sin[co + d + keep]
-                    else:
-                        turned = (-x[xo + d + split] if d < keep else x[xo + d - keep]) * sin[co + d]
-                    y[xo + d] = x[xo + d] * cos[co + d] + turned
+    for row in range(batch * heads * seq):
+        s, bh = row % seq, row // seq
+        xo, co = row * width, (bh // heads) * cb + (bh % heads) * ch + s * cs
+        for d in range(width):
+            if inverse:  # dx[d] = dy[d]·c[d] + the term of the output that reads x[d] through r
+                turned = -x[xo + d - split] * sin[co + d - split] if d >= split else x[xo + d + keep] * sin[co + d + keep]
+            else:
+                turned = _rolled(x, xo, d, split, keep) * sin[co + d]
+            y[xo + d] = x[xo + d] * cos[co + d] + turned
 
 
 @njit(cache=True, error_model="numpy")
 def _rotate_half_cache_grad(dy, x, dcos, dsin, batch, heads, seq, cb, ch, cs, width, split):
     """dcos += dy·x, dsin += dy·r(x), summed over the axes the caches broadcast along."""
-    for i in range(dcos.size):
-        dcos[i] = 0
-        dsin[i] = 0
+    dcos[:] = 0
+    dsin[:] = 0
     keep = width - split
     for b in range(batch):
         for h in range(heads):
@@ -120,9 +122,8 @@ def _rotate_half_cache_grad(dy, x, dcos, dsin, batch, heads, seq, cb, ch, cs, wi
                 xo = ((b * heads + h) * seq + s) * width
                 co = b * cb + h * ch + s * cs
                 for d in range(width):
-                    turned = -x[xo + d + split] if d < keep else x[xo + d - keep]
                     dcos[co + d] += dy[xo + d] * x[xo + d]
-                    dsin[co + d] += dy[xo + d] * turned
+                    dsin[co + d] += dy[xo + d] * _rolled(x, xo, d, split, keep)
 
 
 class _RotaryLayout:
@@ -418,15 +419,6 @@ def _grad_scratch(specs_in, specs_out, q_num_heads=0, kv_num_heads=0, **attrs):
     return 4 * 3 * layout.seq * layout.keys
 
 
-def _floats(scratch, *sizes):
-    memory = scratch.view(np.float32)
-    views, start = [], 0
-    for size in sizes:
-        views.append(memory[start:start + size])
-        start += size
-    return views
-
-
 @binding("Attention", scratch=_forward_scratch)
 def Attention(inputs, outputs, scratch=None, scale=None, is_causal=0, q_num_heads=0, kv_num_heads=0, softcap=0.0,
               qk_matmul_output_mode=0, softmax_precision=None, left_window_size=-1, right_window_size=-1):
@@ -439,7 +431,7 @@ def Attention(inputs, outputs, scratch=None, scale=None, is_causal=0, q_num_head
     if past_key is not None:
         pieces += [0 if present[0] is not None else layout.batch * layout.kv_heads * layout.keys * layout.head_size,
                    0 if present[1] is not None else layout.batch * layout.kv_heads * layout.keys * layout.v_head_size]
-    raw, probs, *caches = _floats(scratch, *pieces)
+    raw, probs, *caches = float_buffers(scratch, *pieces)
     calls = []
     k_offs, k_ld = layout.heads(layout.kv_heads, layout.new_keys, layout.head_size)
     v_offs, v_ld = layout.heads(layout.kv_heads, layout.new_keys, layout.v_head_size)
@@ -479,7 +471,7 @@ def AttentionGrad(inputs, outputs, scratch=None, scale=None, is_causal=0, q_num_
     dy, q, k, v = inputs[:4]
     mask, nonpad = (inputs[i] if len(inputs) > i else None for i in (4, 5))
     layout = _AttentionLayout(q.shape, k.shape, v.shape, 0, q_num_heads, kv_num_heads)
-    raw, probs, dprobs = _floats(scratch, *[layout.seq * layout.keys] * 3)
+    raw, probs, dprobs = float_buffers(scratch, *[layout.seq * layout.keys] * 3)
     wanted = [outputs[i] if len(outputs) > i else None for i in range(3)]
     dq, dk, dv = (flat(o) if o is not None else np.zeros(0, np.float32) for o in wanted)
     q_offs, q_ld = layout.heads(layout.q_heads, layout.seq, layout.head_size)

@@ -43,6 +43,13 @@ def _count(number: int, noun: str) -> str:
     return f"{number:,} {noun}" + ("" if number == 1 else "s")
 
 
+def _names(names, shown: int = 6) -> str:
+    """Names joined by commas, the first `shown` of a long list and how many more."""
+    names = list(names)
+    more = f", ... and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
 def _shape(shape) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]" if shape is not None else "[?]"
 
@@ -345,10 +352,18 @@ def _prepare(args) -> int:
     inputs = Session(args.output, with_optimizer=False).inputs
     print(f"artifacts written to {args.output}/: {', '.join(result['files'])}")
     lora = choices.get("lora")
-    adapters = f" (LoRA rank {lora.rank}, alpha {lora.alpha:g}: {len(trainable) - len(choices['requires_grad'] or [])}" \
-        " adapter matrices)" if lora else ""
-    print(f"trainable: {result['trainable_values']:,} values{adapters} in {', '.join(trainable)}")
-    print(f"frozen: {result['frozen_values']:,} values in {', '.join(frozen)}" if frozen else "frozen: none")
+    if lora:
+        from .lora import is_adapter
+
+        adapted = [n.rsplit(".lora_", 1)[0] for n in trainable if n.endswith(".lora_A")]
+        others = [n for n in trainable if not is_adapter(n)]
+        print(f"trainable: {result['trainable_values']:,} values: LoRA adapters of rank {lora.rank} (alpha "
+              f"{lora.alpha:g}) on {_count(len(adapted), 'weight')} ({_names(adapted)})"
+              + (f", and {_names(others)}" if others else ""))
+    else:
+        print(f"trainable: {result['trainable_values']:,} values in {_names(trainable)}")
+    print(f"frozen: {result['frozen_values']:,} values in {_count(len(frozen), 'tensor')} ({_names(frozen)})"
+          if frozen else "frozen: none")
     _print_left_out(choices["left_out"])
     layout = f", {choices['loss_text']}" if choices["loss_text"] else ""
     print(f"loss: {args.loss} on '{loss_inputs[0]}'{layout}; optimizer: {args.optimizer}, learning rate {args.lr:g}")

@@ -177,7 +177,7 @@ def test_command_line_prepares_lora_and_exports_adapters_alone(tmp_path, capsys)
     code, out, err = odtrain_main(capsys, "prepare", tmp_path / "lm.onnx", "-o", tmp_path / "a", "--lora-rank", "2",
                                   "--lora-targets", "*.weight", "--requires-grad", "g")
     assert code == 0, err
-    assert "(LoRA rank 2, alpha 4: 4 adapter matrices) in g, q.weight.lora_A" in out
+    assert "LoRA adapters of rank 2 (alpha 4) on 2 weights (q.weight, head.weight), and g" in out
     code, out, err = odtrain_main(capsys, "export", tmp_path / "a", "-o", tmp_path / "adapters.safetensors",
                                   "--adapters-only")
     assert code == 0, err

@@ -96,10 +96,15 @@ def _rotary_grad(ctx, full_width: bool):  # dX = Rᵀ·dY (the inverse rotation)
     attrs = {k: ctx.attr(k) for k in ROTARY_ATTRIBUTES if ctx.attr(k) is not None}
     attrs["full_width"] = int(full_width)
     caches = ctx.needs(1) or ctx.needs(2)
-    inputs = [ctx.GO(0), ctx.I(1), ctx.I(2), ctx.I(3), ctx.I(0) if caches else ""]  # I(3): split or position_ids
+    _first_three_grads(ctx, "RotaryEmbeddingGrad", [ctx.GO(0), ctx.I(1), ctx.I(2), ctx.I(3),  # I(3): split or ids
+                                                    ctx.I(0) if caches else ""], attrs)
+
+
+def _first_three_grads(ctx, op_type: str, inputs: list[str], attrs: dict) -> None:
+    """Emit the gradient op (trailing omitted inputs dropped) whose outputs are inputs 0-2's gradients."""
     while not inputs[-1]:
         inputs.pop()
-    grads = ctx.odtrain("RotaryEmbeddingGrad", inputs, attrs, outputs=[ctx.needs(0), ctx.needs(1), ctx.needs(2)])
+    grads = ctx.odtrain(op_type, inputs, attrs, outputs=[ctx.needs(0), ctx.needs(1), ctx.needs(2)])
     for i in range(3):
         if ctx.needs(i):
             ctx.set_grad(i, grads[i])
@@ -178,13 +183,7 @@ def _attention_grad(ctx):  # dV = Pᵀ·dY;  dT = P ⊙ (dY·Vᵀ - rowsum);  dQ
         raise UnsupportedOpError(f"{node.describe()}: a trainable parameter feeds its attn_mask, which gets no "
                                  "gradient; freeze it")
     attrs = {k: ctx.attr(k) for k in ATTENTION_ATTRIBUTES if ctx.attr(k) is not None}
-    inputs = [ctx.GO(0), ctx.I(0), ctx.I(1), ctx.I(2), ctx.I(3), ctx.I(6)]
-    while not inputs[-1]:
-        inputs.pop()
-    grads = ctx.odtrain("AttentionGrad", inputs, attrs, outputs=[ctx.needs(0), ctx.needs(1), ctx.needs(2)])
-    for i in range(3):
-        if ctx.needs(i):
-            ctx.set_grad(i, grads[i])
+    _first_three_grads(ctx, "AttentionGrad", [ctx.GO(0), ctx.I(0), ctx.I(1), ctx.I(2), ctx.I(3), ctx.I(6)], attrs)
 
 
 @op("AttentionGrad", ODTRAIN_DOMAIN)
