@@ -52,6 +52,8 @@ LORA = {"rank": 4, "alpha": 8.0, "seed": 0, "target_params": ["*q_proj.weight", 
         "requires_grad": ["model.norm.weight"], "lr": 1e-2}
 SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64)
+BENCHMARK_SIZES = dict(vocab_size=4096, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+                       num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256)
 
 
 def _load_lora_init():
@@ -375,8 +377,13 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=pathlib.Path, default=REPO / "tests" / "data" / "decoders")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--benchmark", type=pathlib.Path, metavar="MODEL.onnx",
+                        help="instead, export BENCHMARK_SIZES' Llama (TorchScript, opset 17) for lora_step.py")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
+    if args.benchmark:
+        export_torchscript(build("llama", sizes=BENCHMARK_SIZES, seed=args.seed), args.benchmark)
+        return
     for family in FAMILIES:
         meta = write_family(family, args.out, args.seed, dynamo18=family == "llama", lora=family == "llama")
         print(family, json.dumps({k: meta[k] for k in ("sgd", "adamw", "export_max_abs_error")}))
