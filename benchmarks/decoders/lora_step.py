@@ -97,7 +97,13 @@ def main(argv=None):
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--torch-threads", type=int, help="torch.set_num_threads (default: PyTorch's own choice; "
+                        "odtrain's threads follow ODTRAIN_NUM_THREADS)")
     args = parser.parse_args(argv)
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
     if args.system == "odtrain":
         import tempfile
 
@@ -106,7 +112,8 @@ def main(argv=None):
                                            directory)
     else:
         times, trainable = run_torch(args.kind, args.batch, args.seq, args.steps, args.warmup)
-    print(json.dumps({"system": args.system, "kind": args.kind, "trainable": int(trainable),
+    print(json.dumps({"system": args.system, "kind": args.kind, "torch_threads": args.torch_threads,
+                      "trainable": int(trainable),
                       "step_ms": 1000 * float(np.median(times)),
                       "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
