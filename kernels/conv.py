@@ -32,12 +32,10 @@ convolution's weight gradient with X in dY's place.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, types
-from numba.core import cgutils
-from numba.extending import intrinsic
-from numba.np.linalg import ensure_blas
+from numba import njit
 
 from . import ODTRAIN_DOMAIN, binding
+from .blas import blas_gemm
 from .depthwise import _depthwise_forward, _depthwise_input_grad, _depthwise_weight_grad
 from .windows import _as_3d, _text, _valid_range, window_geometry
 
@@ -53,44 +51,11 @@ ROW_WIDTH = 24  # depthwise convolutions with outputs at least this wide work al
 # ---- BLAS products on strided views ---------------------------------------------------------------
 
 
-@intrinsic
-def _xxgemm(typingctx, trans_a, trans_b, m, n, k, a, lda, b, ldb, c, ldc):
-    """Row-major c[m, n] = op(a)[m, k] · op(b)[k, n] through the BLAS that np.dot uses (Numba's
-    numba_xxgemm), with leading dimensions, so operands and result may be strided views."""
-    if not all(isinstance(t, types.Array) for t in (a, b, c)) or not a.dtype == b.dtype == c.dtype \
-            or c.dtype not in (types.float32, types.float64):
-        return None
-    ensure_blas()
-    dtype = c.dtype
-    signature = types.int32(trans_a, trans_b, m, n, k, a, lda, b, ldb, c, ldc)
-
-    def codegen(context, builder, sig, args):
-        ir = cgutils.ir
-        char, pointer, intp = ir.IntType(8), ir.IntType(8).as_pointer(), cgutils.intp_t
-        function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), [
-            char, char, char, intp, intp, intp, pointer, pointer, intp, pointer, intp, pointer, pointer, intp]),
-            "numba_xxgemm")
-        kinds = sig.args
-
-        def data(i):
-            return builder.bitcast(context.make_array(kinds[i])(context, builder, args[i]).data, pointer)
-
-        def size(i):
-            return context.cast(builder, args[i], kinds[i], types.intp)
-
-        def flag(i):
-            on = context.cast(builder, args[i], kinds[i], types.boolean)
-            return builder.select(on, ir.Constant(char, ord("t")), ir.Constant(char, ord("n")))
-
-        def constant(value):
-            return builder.bitcast(cgutils.alloca_once_value(builder, context.get_constant(dtype, value)), pointer)
-
-        kind = ir.Constant(char, ord("s" if dtype == types.float32 else "d"))
-        # row-major c = op(a)·op(b) is column-major cᵀ = op(b)ᵀ·op(a)ᵀ
-        return builder.call(function, (kind, flag(1), flag(0), size(3), size(2), size(4), constant(1.0), data(7),
-                                       size(8), data(5), size(6), constant(0.0), data(9), size(10)))
-
-    return signature, codegen
+@njit(cache=True, error_model="numpy", inline="always")
+def _xxgemm(trans_a, trans_b, m, n, k, a, lda, b, ldb, c, ldc):
+    """Row-major c[m, n] = op(a)[m, k] · op(b)[k, n] on views with leading dimensions (strided blocks)."""
+    one, zero = c.dtype.type(1.0), c.dtype.type(0.0)
+    return blas_gemm(trans_a, trans_b, m, n, k, one, a, 0, lda, b, 0, ldb, zero, c, 0, ldc)
 
 
 @njit(cache=True, error_model="numpy", inline="always")

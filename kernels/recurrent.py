@@ -27,7 +27,7 @@ from numba import njit
 from . import ODTRAIN_DOMAIN, binding
 from .elementwise import fast_sigmoid, fast_tanh
 from .layout import flat
-from .linalg import _blas_gemm
+from .blas import blas_gemm as _blas_gemm
 
 ONE = np.float32(1.0)
 

@@ -25,7 +25,7 @@ _applied = False
 def _scipy_blas_setter():
     """The thread-count setter of the OpenBLAS that scipy.linalg.cython_blas is linked to, or None."""
     try:
-        from .runtime import load_blas
+        from .blas import load_blas
 
         load_blas()  # scipy's BLAS table, the one Numba's products call
         with open("/proc/self/maps") as maps:
