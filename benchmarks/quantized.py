@@ -97,7 +97,8 @@ def onnxruntime_training_workload(source: Path, folder: Path) -> None:
             users.setdefault(tuple(node.input[1:]), []).append(node)
     for shared, quantizers in users.items():
         for count, quantize in enumerate(quantizers[1:], start=1):
-            dequantize = next(n for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] == quantize.output[0])
+            dequantize = next(n for n in graph.node
+                              if n.op_type == "DequantizeLinear" and n.input[0] == quantize.output[0])
             for position, name in enumerate(shared, start=1):
                 copy = graph.initializer.add()
                 copy.CopyFrom(initializers[name])
@@ -213,8 +214,11 @@ def qat_digits(directory: Path, epochs: int) -> dict:
         runtime = quantized_models.onnxruntime_outputs(exported, {"input": test_x})[0]
         result[f"{name}_onnxruntime_accuracy"] = float((runtime.argmax(1) == test_y).mean())
         result[f"{name}_odtrain_eval_accuracy"] = float((logits.argmax(1) == test_y).mean())
-        result[f"{name}_int8_initializers"] = sum(t.data_type == TensorProto.INT8
-                                                  for t in onnx.load(str(exported)).graph.initializer)
+        graph = onnx.load(str(exported)).graph
+        stored = {t.name: t.data_type for t in graph.initializer}
+        dequantized = [stored[n.input[0]] for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] in stored]
+        result[f"{name}_int8_weights"] = dequantized.count(TensorProto.INT8)
+        result[f"{name}_int32_biases"] = dequantized.count(TensorProto.INT32)
     result["held_out"] = len(test_y)
     return result
 
@@ -320,10 +324,12 @@ def rows(results: dict) -> list[tuple[str, str, str]]:
         return f"{100 * q[key]:.1f}% ({round(q[key] * q['held_out'])}/{q['held_out']})"
 
     table += [(f"QAT, digits classifier, {q['epochs']} epochs", "onnxruntime held-out accuracy: int8 QAT export",
-               f"{accuracy('qat_onnxruntime_accuracy')}; {q['qat_int8_initializers']} int8 initializers; "
+               f"{accuracy('qat_onnxruntime_accuracy')}; {q['qat_int8_weights']} int8 weights, "
+               f"{q['qat_int32_biases']} int32 biases; "
                f"odtrain's fake-quantized eval {accuracy('qat_odtrain_eval_accuracy')}"),
               ("", "... float-trained export", accuracy("float_onnxruntime_accuracy")),
-              ("", "QAT - float", f"{100 * (q['qat_onnxruntime_accuracy'] - q['float_onnxruntime_accuracy']):+.1f} points")]
+              ("", "QAT - float",
+               f"{100 * (q['qat_onnxruntime_accuracy'] - q['float_onnxruntime_accuracy']):+.1f} points")]
     timing = results.get("timing")
     if timing:
         runs = timing["runs"]
@@ -334,7 +340,8 @@ def rows(results: dict) -> list[tuple[str, str, str]]:
                 ratio = (f"; {run['median_step_ms'] / float_run['median_step_ms']:.2f}x the float step, "
                          f"{run['peak_rss_mib'] / float_run['peak_rss_mib']:.2f}x its peak")
             added = "-" if run["train_rss_mib"] is None else f"{run['train_rss_mib']:.0f}"
-            table.append((f"step, batch 8: {label}", f"median of {run['processes']} process" + "es" * (run["processes"] != 1),
+            processes = f"median of {run['processes']} process" + "es" * (run["processes"] != 1)
+            table.append((f"step, batch 8: {label}", processes,
                           f"{run['median_step_ms']:.1f} ms, peak RSS {run['peak_rss_mib']:.0f} MiB "
                           f"(training adds {added}), step-0 loss {run['loss0']:.4f}{ratio}"))
         for label, error in timing["errors"].items():

@@ -597,11 +597,79 @@ def test_qat_digits_classifier_exports_an_int8_model_onnxruntime_runs(tmp_path):
         weights = {t.name: numpy_helper.to_array(t) for t in exported.graph.initializer}
         assert weights["fc1.weight_quantized"].dtype == np.int8 and weights["fc2.weight_quantized"].dtype == np.int8
         assert not {"fc1.weight", "fc2.weight"} & set(weights)  # no float copy of the weights
-        # onnxruntime's graph as written computes odtrain's eval numbers; its fused integer kernels (u8 x s8 on
-        # AVX2) may not, hence accuracy, not logits, against the float model
+        # onnxruntime's graph as written computes odtrain's eval numbers but for the int32 biases' rounding; its
+        # fused integer kernels (u8 x s8 on AVX2) may not, hence accuracy, not logits, against the float model
         literal = onnxruntime_outputs(exported, {"input": test_x}, optimized=False)[0]
-        np.testing.assert_allclose(literal, logits, rtol=1e-5, atol=1e-5)
+        assert (np.abs(literal - logits) <= _last_product_bound(exported) + 1e-5 * np.abs(logits).max()).all()
     assert accuracy["qat"] >= accuracy["float"] - 0.03, accuracy  # measured 95.5% against 95.3%
+
+
+def _last_product_bound(model) -> np.ndarray:
+    """How far a QDQ model's outputs may move when each value entering its last Gemm moves by one quantization
+    step and the Gemm's int32 bias by half of its own: s_x · Σ_k |w_jk| + s_b / 2, per output."""
+    initializers = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    producer = {output: node for node in model.graph.node for output in node.output}
+    gemm = [node for node in model.graph.node if node.op_type == "Gemm"][-1]
+    x, weight, bias = (producer[name] for name in gemm.input)
+    weight_values = initializers[weight.input[0]].astype(np.float64) * initializers[weight.input[1]][:, None]
+    return initializers[x.input[1]] * np.abs(weight_values).sum(axis=1) + initializers[bias.input[1]] / 2
+
+
+def test_qat_export_quantizes_biases_to_int32(tmp_path):
+    """A Conv → Relu → Gemm network trained with QAT: the export reads each bias as int32 through
+    DequantizeLinear with scale input_scale × weight_scale (per channel) and zero point 0, as onnxruntime's
+    quantizer writes it. onnxruntime runs it; its outputs are the fake-quantized eval model's but for one
+    quantization step of the values entering the Gemm (the Conv bias's rounding, at most half of a step far
+    smaller than theirs, may move one across a rounding boundary) and half a step of the Gemm's bias."""
+    from odtrain import artifacts
+    from odtrain.api import CheckpointState, Module, Optimizer
+
+    rng = np.random.default_rng(31)
+    params = {"conv.weight": rng.normal(0, 0.3, (3, 2, 3, 3)).astype(np.float32),
+              "conv.bias": rng.normal(0, 0.2, 3).astype(np.float32),
+              "fc.weight": rng.normal(0, 0.1, (5, 108)).astype(np.float32),
+              "fc.bias": rng.normal(0, 0.2, 5).astype(np.float32)}
+    nodes = [helper.make_node("Conv", ["input", "conv.weight", "conv.bias"], ["conv"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["conv"], ["relu"]), helper.make_node("Flatten", ["relu"], ["flat"]),
+             helper.make_node("Gemm", ["flat", "fc.weight", "fc.bias"], ["output"], transB=1)]
+    model = make_model(nodes, params, [("input", np.float32, ("batch", 2, 6, 6))], [("output", np.float32, ("batch", 5))])
+    artifacts.generate_artifacts(model, requires_grad=list(params), loss=artifacts.LossType.CrossEntropyLoss,
+                                 optimizer=artifacts.OptimType.AdamW, artifact_directory=tmp_path,
+                                 additional_output_names=["output"], qat=artifacts.QatConfig())
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx")
+    optimizer = Optimizer(tmp_path / "optimizer_model.onnx", module)
+    x = rng.normal(0, 1, (64, 2, 6, 6)).astype(np.float32)
+    y = rng.integers(0, 5, 64)
+    for start in range(0, 64, 16):
+        module(x[start:start + 16], y[start:start + 16])
+        optimizer.step()
+        module.lazy_reset_grad()
+    module.eval()
+    _, logits = module(x, y)
+    module.export_model_for_inferencing(tmp_path / "inference.onnx", ["output"])
+    exported = onnx.load(tmp_path / "inference.onnx")
+
+    initializers = {t.name: numpy_helper.to_array(t) for t in exported.graph.initializer}
+    producer = {output: node for node in exported.graph.node for output in node.output}
+    steps = {}
+    for product in (n for n in exported.graph.node if n.op_type in ("Conv", "Gemm")):
+        x_dq, weight_dq, bias_dq = (producer[name] for name in product.input)
+        assert bias_dq.op_type == "DequantizeLinear" and helper.get_attribute_value(bias_dq.attribute[0]) == 0
+        values, scale, zero = (initializers[name] for name in bias_dq.input)
+        assert values.dtype == np.int32 and zero.dtype == np.int32 and not zero.any()
+        input_scale, weight_scale = initializers[x_dq.input[1]], initializers[weight_dq.input[1]]
+        np.testing.assert_array_equal(scale, input_scale * weight_scale)  # float32, as onnxruntime's quantizer
+        bias = state.parameters[{"Conv": "conv.bias", "Gemm": "fc.bias"}[product.op_type]].data
+        np.testing.assert_array_equal(values, np.rint(bias / scale))
+        steps[product.op_type] = input_scale, scale
+    assert steps["Conv"][1].max() / 2 < steps["Gemm"][0] / 10  # the Conv bias moves a Gemm input by far less than a step
+    assert not {"conv.bias", "fc.bias"} & set(initializers)  # no float copy of the biases
+
+    literal = onnxruntime_outputs(exported, {"input": x}, optimized=False)[0]
+    assert onnxruntime_outputs(exported, {"input": x})[0].shape == literal.shape  # and its optimised session runs it
+    np.testing.assert_allclose(InferenceSession(exported).run(None, {"input": x})[0], literal, rtol=1e-5, atol=1e-6)
+    assert (np.abs(literal - logits) <= _last_product_bound(exported) + 1e-5 * np.abs(logits).max()).all()
 
 
 def test_prepare_with_qat_from_the_command_line(tmp_path, capsys):
