@@ -216,7 +216,8 @@ def qat_digits(directory: Path, epochs: int) -> dict:
         result[f"{name}_odtrain_eval_accuracy"] = float((logits.argmax(1) == test_y).mean())
         graph = onnx.load(str(exported)).graph
         stored = {t.name: t.data_type for t in graph.initializer}
-        dequantized = [stored[n.input[0]] for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] in stored]
+        dequantized = [stored[n.input[0]] for n in graph.node
+                       if n.op_type == "DequantizeLinear" and n.input[0] in stored]
         result[f"{name}_int8_weights"] = dequantized.count(TensorProto.INT8)
         result[f"{name}_int32_biases"] = dequantized.count(TensorProto.INT32)
     result["held_out"] = len(test_y)

@@ -632,7 +632,8 @@ def test_qat_export_quantizes_biases_to_int32(tmp_path):
     nodes = [helper.make_node("Conv", ["input", "conv.weight", "conv.bias"], ["conv"], pads=[1, 1, 1, 1]),
              helper.make_node("Relu", ["conv"], ["relu"]), helper.make_node("Flatten", ["relu"], ["flat"]),
              helper.make_node("Gemm", ["flat", "fc.weight", "fc.bias"], ["output"], transB=1)]
-    model = make_model(nodes, params, [("input", np.float32, ("batch", 2, 6, 6))], [("output", np.float32, ("batch", 5))])
+    model = make_model(nodes, params, [("input", np.float32, ("batch", 2, 6, 6))],
+                       [("output", np.float32, ("batch", 5))])
     artifacts.generate_artifacts(model, requires_grad=list(params), loss=artifacts.LossType.CrossEntropyLoss,
                                  optimizer=artifacts.OptimType.AdamW, artifact_directory=tmp_path,
                                  additional_output_names=["output"], qat=artifacts.QatConfig())
@@ -663,7 +664,8 @@ def test_qat_export_quantizes_biases_to_int32(tmp_path):
         bias = state.parameters[{"Conv": "conv.bias", "Gemm": "fc.bias"}[product.op_type]].data
         np.testing.assert_array_equal(values, np.rint(bias / scale))
         steps[product.op_type] = input_scale, scale
-    assert steps["Conv"][1].max() / 2 < steps["Gemm"][0] / 10  # the Conv bias moves a Gemm input by far less than a step
+    # the Conv bias's rounding moves a Gemm input by far less than a step
+    assert steps["Conv"][1].max() / 2 < steps["Gemm"][0] / 10
     assert not {"conv.bias", "fc.bias"} & set(initializers)  # no float copy of the biases
 
     literal = onnxruntime_outputs(exported, {"input": x}, optimized=False)[0]
