@@ -68,7 +68,7 @@ MIB = 1024 * 1024
 # ---------------------------------------------------------------- the models
 def write_models(folder: Path) -> None:
     """The two QDQ workloads, the float one (a link to tests/data) and the variants ONNX Runtime training takes."""
-    for name, _ in FORMS.items():
+    for name in FORMS:
         quantized_models.write_workload(folder / name, inference_form=name.endswith("_inference"))
         onnxruntime_training_workload(folder / name, folder / (name + ORT_SUFFIX))
     os.symlink(quantized_models.DATA / FLOAT, folder / FLOAT)
@@ -114,7 +114,7 @@ def onnxruntime_training_workload(source: Path, folder: Path) -> None:
     os.symlink((source / "golden.npz").resolve(), folder / "golden.npz")
 
 
-# ---------------------------------------------------------------- 1-3: in this process
+# ---------------------------------------------------------------- 1-4: in one process
 def outputs_against_onnxruntime(path) -> dict:
     from odtrain.inference import InferenceSession
 
@@ -244,18 +244,15 @@ def measure_in_process(scratch: Path, qat_epochs: int) -> None:
 # ---------------------------------------------------------------- 5: fresh processes
 def timed_runs(args, models: Path, scratch: Path) -> dict:
     """Alternating fresh processes of compare.py's worker; per label the median of each metric over the
-    counted rounds, or the error that stopped its preparation."""
+    counted rounds, or the error that stopped it."""
     runs = [(f"odtrain, {FORMS[name]}", "odtrain", name) for name in FORMS]
     runs.append(("odtrain, float", "odtrain", FLOAT))
-    if args.ort_python:
+    if args.ort_python:  # the QDQ models as odtrain takes them, then as ONNX Runtime training can
+        runs += [(f"ORT training, {FORMS[name]}", "ort", name) for name in FORMS]
         runs += [(f"ORT training, {FORMS[name]}, scales as constants", "ort", name + ORT_SUFFIX) for name in FORMS]
         runs.append(("ORT training, float", "ort", FLOAT))
     results, errors, artifact_folders = {}, {}, {}
     cache = str(scratch / "numba")
-    if args.ort_python:  # ONNX Runtime training given the QDQ model as odtrain is
-        for name in FORMS:
-            literal = spawn(args, models, "ort", name, "prepare", scratch / f"ort-{name}", cache)
-            errors[f"ORT training, {FORMS[name]}"] = literal.get("error", "prepared")
     for label, system, workload in runs:
         prepared = spawn(args, models, system, workload, "prepare", scratch / f"{system}-{workload}", cache)
         if "error" in prepared:
