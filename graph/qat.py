@@ -14,7 +14,11 @@ exported from it.
 `quantized_for_inference(graph)` (the inference model, parameters embedded as initializers) turns
 each FakeQuantizeWeight into an int8 initializer read by DequantizeLinear (per channel: axis), and
 each FakeQuantizeRange into QuantizeLinear → DequantizeLinear with the scale and zero point of its
-stored range: a standard QDQ model that computes the same numbers as the eval model.
+stored range: a standard QDQ model that computes the eval model's numbers. The bias of a Conv or
+Gemm whose input and weight are both quantized becomes int32, as onnxruntime's quantizer writes it:
+scale input_scale × weight_scale (per channel with the weight), zero point 0, read by
+DequantizeLinear. That rounds each bias by at most half of its step, a small fraction of the
+output's own quantization step; the eval model keeps the float bias.
 """
 from __future__ import annotations
 
@@ -150,12 +154,15 @@ def quantized_for_inference(graph: Graph) -> Graph:
     replaced by standard QuantizeLinear/DequantizeLinear with int8 weights; returns the graph."""
     names = NameScope(graph)
     nodes: list[Node] = []
+    scales: dict[str, np.ndarray] = {}  # a dequantized value -> its scale
     for node in graph.nodes:
         if node.key == (ODTRAIN_DOMAIN, "FakeQuantizeWeight"):
-            nodes.append(_dequantized_weight(graph, node, names))
+            nodes.append(_dequantized_weight(graph, node, names, scales))
         elif node.key == (ODTRAIN_DOMAIN, "FakeQuantizeRange"):
-            nodes.extend(_quantize_dequantize(graph, node, names))
+            nodes.extend(_quantize_dequantize(graph, node, names, scales))
         else:
+            if node.key in ((DEFAULT_DOMAIN, "Conv"), (DEFAULT_DOMAIN, "Gemm")):
+                nodes.extend(_int32_bias(graph, node, names, scales))
             nodes.append(node)
     graph.nodes = nodes
     read = {name for node in nodes for name in node.inputs}
@@ -170,7 +177,7 @@ def _constant(graph: Graph, node: Node, name: str) -> np.ndarray:
     return graph.initializers[name]
 
 
-def _dequantized_weight(graph: Graph, node: Node, names: NameScope) -> Node:
+def _dequantized_weight(graph: Graph, node: Node, names: NameScope, scales: dict) -> Node:
     weight = node.inputs[0]
     axis = int(node.attrs.get("axis", 0))
     if axis >= 0 and graph.opsets.get(DEFAULT_DOMAIN, PER_AXIS_OPSET) < PER_AXIS_OPSET:
@@ -181,11 +188,12 @@ def _dequantized_weight(graph: Graph, node: Node, names: NameScope) -> Node:
     quantized, scale_name, zero_name = (names.fresh(f"{weight}_quantized"), names.fresh(f"{weight}_scale"),
                                         names.fresh(f"{weight}_zero_point"))
     graph.initializers.update({quantized: values, scale_name: scale, zero_name: np.zeros(scale.shape, np.int8)})
+    scales[node.outputs[0]] = scale
     attrs = {"axis": axis} if axis >= 0 else {}
     return Node("DequantizeLinear", [quantized, scale_name, zero_name], node.outputs[:1], attrs, node.name)
 
 
-def _quantize_dequantize(graph: Graph, node: Node, names: NameScope) -> list[Node]:
+def _quantize_dequantize(graph: Graph, node: Node, names: NameScope, scales: dict) -> list[Node]:
     value, stored = node.inputs[0], node.inputs[1]
     qmin, qmax = int(node.attrs["qmin"]), int(node.attrs["qmax"])
     scale, zero = range_parameters(_constant(graph, node, stored), qmin, qmax)
@@ -193,5 +201,36 @@ def _quantize_dequantize(graph: Graph, node: Node, names: NameScope) -> list[Nod
     scale_name, zero_name, quantized = (names.fresh(f"{value}_scale"), names.fresh(f"{value}_zero_point"),
                                         names.fresh(f"{value}_quantized"))
     graph.initializers.update({scale_name: np.asarray(scale, np.float32), zero_name: np.asarray(zero, dtype)})
+    scales[node.outputs[0]] = np.asarray(scale, np.float32)
     return [Node("QuantizeLinear", [value, scale_name, zero_name], [quantized], {}, f"{node.name}_quantize"),
             Node("DequantizeLinear", [quantized, scale_name, zero_name], node.outputs[:1], {}, f"{node.name}_dequantize")]
+
+
+def _int32_bias(graph: Graph, node: Node, names: NameScope, scales: dict) -> list[Node]:
+    """In place on `node` (a Conv or Gemm): its float bias as int32 values read by DequantizeLinear, with scale
+    input_scale × weight_scale and zero point 0, when its input and weight are quantized; returns that
+    DequantizeLinear, or nothing where the bias stays float (none, not a constant, not one value per output
+    channel, or a Gemm that scales it: alpha or beta other than 1)."""
+    bias = node.inputs[2] if len(node.inputs) > 2 else ""
+    x, weight = node.inputs[0], node.inputs[1]
+    if not bias or bias not in graph.initializers or x not in scales or weight not in scales:
+        return []
+    if node.op_type == "Gemm" and (node.attrs.get("alpha", 1.0) != 1.0 or node.attrs.get("beta", 1.0) != 1.0):
+        return []
+    values = np.asarray(graph.initializers[bias], np.float32)
+    scale = (scales[x] * scales[weight]).astype(np.float32)  # float32, as onnxruntime's quantizer multiplies
+    if values.ndim != 1 or scale.ndim > 1 or (scale.ndim == 1 and scale.size != values.size):
+        return []
+    info = np.iinfo(np.int32)
+    quantized = np.clip(np.rint(values / scale).astype(np.float64), info.min, info.max).astype(np.int32)
+    quantized_name, scale_name, zero_name, dequantized = (
+        names.fresh(f"{bias}_quantized"), names.fresh(f"{bias}_scale"), names.fresh(f"{bias}_zero_point"),
+        names.fresh(f"{bias}_dequantized"))
+    graph.initializers.update({quantized_name: quantized, scale_name: scale,
+                               zero_name: np.zeros(scale.shape, np.int32)})
+    if bias in graph.value_types:
+        graph.value_types[dequantized] = graph.value_types[bias]
+    node.inputs[2] = dequantized
+    attrs = {"axis": 0} if scale.ndim == 1 else {}
+    return [Node("DequantizeLinear", [quantized_name, scale_name, zero_name], [dequantized], attrs,
+                 names.fresh(f"{bias}_dequantize"))]
