@@ -23,9 +23,10 @@ Convolution:
   the kernels are in depthwise.py.
 - work memory is the node's arena scratch (declared by `conv_scratch`,
   placed by the planner for that one step): im2col columns K·chunk·P, rows
-  gathered from several images M/G·chunk·P, and dW's sums (G + 1)·K·M/G
-  floats; e.g. 1.35 MB for MobileNetV2's first layer at 224x224. Depthwise:
-  one padded plane (rows) or one padded image, channels-last.
+  gathered from several images M/G·chunk·P (in a forward, also its
+  transposed product), and dW's sums (G + 1)·K·M/G floats; e.g. 1.35 MB
+  for MobileNetV2's first layer at 224x224. Depthwise: one padded plane
+  (rows) or one padded image, channels-last.
 - threads (kernels/parts.py): each kernel's `_parts` twin splits the batch
   (depthwise along rows: the image-channel pairs) into one part per thread,
   in one parallel region, each part with its own work memory. The parts
