@@ -7,9 +7,11 @@ axes and `geom` of windows.py.
 Convolution:
 - general: im2col + one BLAS product per group: Y_g = W_g · col(X_g). When
   an image has few output cells (P < COLUMNS), `chunk` images share one
-  product (their columns side by side), so BLAS sees a wide matrix. Thin
-  products (M/G·K small) instead go to BLAS in blocks of each image's cells
-  (SMALL_PRODUCT), strided views straight into Y (forward) or out of dY (dcol).
+  product (their columns side by side), so BLAS sees a wide matrix. With few
+  output channels and a deep K (TRANSPOSED_CHANNELS) the forward product runs
+  as Y_gᵀ = col(X_g)ᵀ · W_gᵀ into work memory, then is transposed into Y.
+  (Cutting products into blocks of cells for OpenBLAS's small-matrix kernels
+  was slower here, by 0-15%: this CPU's OpenBLAS has none for these shapes.)
   Pointwise convolutions (1x1, stride 1, no padding) skip im2col; for
   stride 1 with the output as wide as the input, each im2col row is one
   shifted contiguous copy of the image (edge columns zeroed after).
@@ -21,9 +23,10 @@ Convolution:
   the kernels are in depthwise.py.
 - work memory is the node's arena scratch (declared by `conv_scratch`,
   placed by the planner for that one step): im2col columns K·chunk·P, rows
-  gathered from several images M/G·chunk·P, and dW's sums (G + 1)·K·M/G
-  floats; e.g. 1.35 MB for MobileNetV2's first layer at 224x224. Depthwise:
-  one padded plane (rows) or one padded image, channels-last.
+  gathered from several images M/G·chunk·P (in a forward, also its
+  transposed product), and dW's sums (G + 1)·K·M/G floats; e.g. 1.35 MB
+  for MobileNetV2's first layer at 224x224. Depthwise: one padded plane
+  (rows) or one padded image, channels-last.
 - threads (kernels/parts.py): each kernel's `_parts` twin splits the batch
   (depthwise along rows: the image-channel pairs) into one part per thread,
   in one parallel region, each part with its own work memory. The parts
@@ -50,36 +53,14 @@ from .parts import part_bounds, part_count
 from .windows import _as_3d, _text, _valid_range, window_geometry
 
 COLUMNS = 512  # convolutions batch images into one product until it has this many columns
-# OpenBLAS multiplies products of up to 100³ multiply-adds (M·N·K) with its small-matrix kernels, ~1.5x
-# faster here for the thin products of narrow convolutions: products above that are cut along the output
-# cells into blocks below it (when the blocks stay at least MIN_BLOCK wide)
-SMALL_PRODUCT = 1_000_000
-MIN_BLOCK = 64
+# Forward products with at most this many output channels per group and at least this deep a K run as
+# Yᵀ = im2colᵀ · Wᵀ, then a transpose into Y: OpenBLAS here is ~15% faster with the few channels as its
+# row count (16 channels, K = 144, 1024 cells: 5.3-5.6 ms against 6.2-6.5 ms for 32 images, im2col included);
+# with K = 27 (3 input channels) or 64 channels it is slower
+TRANSPOSED_CHANNELS = 32
+TRANSPOSED_DEPTH = 64
 MIN_CHANNELS = 16  # output channels per part when a weight gradient splits them (narrower products lose speed)
 ROW_WIDTH = 24  # depthwise convolutions with outputs at least this wide work along rows, others channels-last
-
-
-# ---- BLAS products on strided views ---------------------------------------------------------------
-
-
-@njit(cache=True, error_model="numpy", inline="always")
-def _products_to_images(a, b, c, n0, nb, cells, block):
-    """c[n0 + i] = a · b[:, i·P:(i + 1)·P] for the nb images of a chunk (b [rows, nb·P], c [N, M, P]),
-    one product per `block` output cells."""
-    for i in range(nb):
-        for j in range(0, cells, block):
-            end = min(j + block, cells)
-            product(a, b[:, i * cells + j:i * cells + end], c[n0 + i][:, j:end])
-
-
-@njit(cache=True, error_model="numpy", inline="always")
-def _products_from_images(a, b, c, n0, nb, cells, block):
-    """c[:, i·P:(i + 1)·P] = a · b[n0 + i] for the nb images of a chunk (b [N, M, P], c [rows, nb·P]),
-    one product per `block` output cells."""
-    for i in range(nb):
-        for j in range(0, cells, block):
-            end = min(j + block, cells)
-            product(a, b[n0 + i][:, j:end], c[:, i * cells + j:i * cells + end])
 
 
 # ---- convolution: im2col + BLAS ------------------------------------------------------------------
@@ -242,11 +223,27 @@ def _weight_operands(dy, x, col_work, row_work, geom, pointwise, k, n0, nb, g, m
     return col, grad_rows
 
 
+@njit(cache=True, error_model="numpy", inline="always")
+def _transposed_to_images(product_t, y, n0, nb, g):
+    """y[n0 + b, g, m, p] = product_t[b·P + p, m]: a chunk's transposed product into its images, in blocks of
+    64 cells so both sides stay in cache."""
+    per_group, cells = y.shape[2], y.shape[3]
+    for b in range(nb):
+        image = y[n0 + b, g]
+        source = product_t[b * cells:(b + 1) * cells]
+        for p0 in range(0, cells, 64):
+            p1 = min(p0 + 64, cells)
+            for m in range(per_group):
+                target = image[m]
+                for p in range(p0, p1):
+                    target[p] = source[p, m]
+
+
 @njit(cache=True, error_model="numpy")
-def _conv_forward(x, w, bias, has_bias, y, col_work, row_work, geom, chunk, pointwise, block, begin, end):
+def _conv_forward(x, w, bias, has_bias, y, col_work, row_work, geom, chunk, pointwise, transposed, begin, end):
     """y[n, g] = w[g] · im2col(x[n, g]) (+ bias) for the images n in [begin, end), `chunk` images per im2col
-    and per product, or with `block` one product per `block` output cells of each image, written straight
-    into y."""
+    and per product; `transposed`: the product computed as yᵀ = im2colᵀ · w[g]ᵀ into row_work, then transposed
+    into y (BLAS's faster order when the output channels are few)."""
     groups, per_group, cells = y.shape[1], y.shape[2], y.shape[3]
     k = w.shape[2]
     for n0 in range(begin, end, chunk):
@@ -254,26 +251,25 @@ def _conv_forward(x, w, bias, has_bias, y, col_work, row_work, geom, chunk, poin
         width = nb * cells
         for g in range(groups):
             if nb == 1 and pointwise:
-                if block:
-                    _products_to_images(w[g], x[n0, g].reshape(k, cells), y[:, g], n0, 1, cells, block)
-                else:
-                    np.dot(w[g], x[n0, g].reshape(k, cells), y[n0, g])
+                np.dot(w[g], x[n0, g].reshape(k, cells), y[n0, g])
                 continue
             col = col_work[:k * width].reshape(k, width)
             _im2col(x, n0, nb, g, geom, col)
-            if block:
-                _products_to_images(w[g], col, y[:, g], n0, nb, cells, block)
+            if transposed:
+                product_t = row_work[:width * per_group].reshape(width, per_group)
+                product(col.T, w[g].T, product_t)
+                _transposed_to_images(product_t, y, n0, nb, g)
                 continue
             if nb == 1:
                 np.dot(w[g], col, y[n0, g])
                 continue
-            product = row_work[:per_group * width].reshape(per_group, width)
-            np.dot(w[g], col, product)
+            wide = row_work[:per_group * width].reshape(per_group, width)
+            np.dot(w[g], col, wide)
             for b in range(nb):
                 for m in range(per_group):
                     target = y[n0 + b, g, m]
                     for p in range(cells):
-                        target[p] = product[m, b * cells + p]
+                        target[p] = wide[m, b * cells + p]
     if has_bias:
         for n in range(begin, end):
             for g in range(groups):
@@ -285,19 +281,19 @@ def _conv_forward(x, w, bias, has_bias, y, col_work, row_work, geom, chunk, poin
 
 
 @njit(cache=True, error_model="numpy", parallel=True)
-def _conv_forward_parts(x, w, bias, has_bias, y, work, columns, geom, chunk, pointwise, block, bounds):
+def _conv_forward_parts(x, w, bias, has_bias, y, work, columns, geom, chunk, pointwise, transposed, bounds):
     """_conv_forward on the images [bounds[p], bounds[p + 1]) of each part p, in parallel, each part with
-    its own work memory: work[p] holds its im2col columns, then its gathered rows."""
+    its own work memory: work[p] holds its im2col columns, then its gathered rows (or transposed product)."""
     for part in prange(bounds.size - 1):
         mine = work[part]
-        _conv_forward(x, w, bias, has_bias, y, mine[:columns], mine[columns:], geom, chunk, pointwise, block,
+        _conv_forward(x, w, bias, has_bias, y, mine[:columns], mine[columns:], geom, chunk, pointwise, transposed,
                       bounds[part], bounds[part + 1])
 
 
 @njit(cache=True, error_model="numpy")
-def _conv_input_grad(dy, w, dx, col_work, row_work, geom, chunk, pointwise, block, begin, end):
-    """dx = col2im(w[g]ᵀ · dy[n, g]) for the images n in [begin, end) and every group (with `block`, one
-    product per `block` cells of each image, read straight from dy)."""
+def _conv_input_grad(dy, w, dx, col_work, row_work, geom, chunk, pointwise, begin, end):
+    """dx = col2im(w[g]ᵀ · dy[n, g]) for the images n in [begin, end) and every group, `chunk` images per
+    product (their dy rows gathered side by side)."""
     groups, per_group, cells = dy.shape[1], dy.shape[2], dy.shape[3]
     k = w.shape[2]
     for n0 in range(begin, end, chunk):
@@ -305,15 +301,10 @@ def _conv_input_grad(dy, w, dx, col_work, row_work, geom, chunk, pointwise, bloc
         width = nb * cells
         for g in range(groups):
             if nb == 1 and pointwise:
-                if block:
-                    _products_from_images(w[g].T, dy[:, g], dx[n0, g].reshape(k, cells), n0, 1, cells, block)
-                else:
-                    np.dot(w[g].T, dy[n0, g], dx[n0, g].reshape(k, cells))
+                np.dot(w[g].T, dy[n0, g], dx[n0, g].reshape(k, cells))
                 continue
             col = col_work[:k * width].reshape(k, width)
-            if block:
-                _products_from_images(w[g].T, dy[:, g], col, n0, nb, cells, block)
-            elif nb == 1:
+            if nb == 1:
                 np.dot(w[g].T, dy[n0, g], col)
             else:
                 gathered = row_work[:per_group * width].reshape(per_group, width)
@@ -325,11 +316,11 @@ def _conv_input_grad(dy, w, dx, col_work, row_work, geom, chunk, pointwise, bloc
 
 
 @njit(cache=True, error_model="numpy", parallel=True)
-def _conv_input_grad_parts(dy, w, dx, work, columns, geom, chunk, pointwise, block, bounds):
+def _conv_input_grad_parts(dy, w, dx, work, columns, geom, chunk, pointwise, bounds):
     """_conv_input_grad on the images of each part (bounds), in parallel, each with its own work[p]."""
     for part in prange(bounds.size - 1):
         mine = work[part]
-        _conv_input_grad(dy, w, dx, mine[:columns], mine[columns:], geom, chunk, pointwise, block, bounds[part],
+        _conv_input_grad(dy, w, dx, mine[:columns], mine[columns:], geom, chunk, pointwise, bounds[part],
                          bounds[part + 1])
 
 
@@ -469,15 +460,14 @@ class _ConvLayout:
         # the parts share the columns of one product: together they hold no more work memory than one thread
         self.chunk = int(max(1, min(per_part, -(-COLUMNS // (self.parts * max(self.cells, 1))))))
         width = self.chunk * self.cells
-        # forward and input-gradient products in blocks of output cells small enough for the small-matrix kernels
-        widest = SMALL_PRODUCT // max(self.out_per_group * self.k, 1)
-        self.block = 0
-        if MIN_BLOCK <= widest < width and self.cells > 0:
-            blocks = -(-self.cells // widest)
-            self.block = int(-(-self.cells // blocks))
+        # forward products as yᵀ = im2colᵀ · Wᵀ (then transposed into Y) for few output channels and a deep K
+        self.transposed = bool(not self.depthwise and not self.pointwise and self.out_per_group <= TRANSPOSED_CHANNELS
+                               and self.k >= TRANSPOSED_DEPTH)
         # float32 elements of work memory per part: im2col columns, gathered rows (several images), a partial dW
         self.columns = 0 if self.depthwise or (self.pointwise and self.chunk == 1) else self.k * width
         self.rows = 0 if self.depthwise or self.chunk == 1 else self.out_per_group * width
+        # the forward's rows: gathered from several images, or its transposed product
+        self.forward_rows = self.out_per_group * width if self.transposed else self.rows
         # the weight gradient's transposed sums [G, K, M/G], and one product [K, M/G] to add from later chunks
         self.product = self.k * self.out_per_group if per_part > self.chunk else 0
         self.partial = 0 if self.depthwise else group * self.k * self.out_per_group + self.product
@@ -516,14 +506,16 @@ class _ConvLayout:
             self.rows = int(np.prod(self.rows_shape))
             self.partial = int(np.prod(self.sums_shape))
 
-    def scratch_bytes(self, weight_gradient: bool, itemsize: int = 4) -> int:
-        """Bytes of work memory for all parts (the dW sums only for a weight gradient or depthwise), in
-        elements of `itemsize` bytes (float32, or float64 for the integer convolutions of quantize.py)."""
+    def scratch_bytes(self, weight_gradient: bool, itemsize: int = 4, forward: bool = False) -> int:
+        """Bytes of work memory for all parts (the dW sums only for a weight gradient or depthwise; the
+        forward's rows for a `forward` convolution), in elements of `itemsize` bytes (float32, or float64 for
+        the integer convolutions of quantize.py)."""
         if weight_gradient and self.channel_parts > 1:
             sums = self.groups * self.k * self.out_per_group
             return itemsize * (self.channel_parts * (self.channel_columns + self.channel_rows) + sums)
         extra = self.partial if weight_gradient or self.depthwise else 0
-        return itemsize * self.parts * (self.columns + self.rows + extra)
+        rows = self.forward_rows if forward and not self.depthwise else self.rows
+        return itemsize * self.parts * (self.columns + rows + extra)
 
     def per_part(self, scratch) -> np.ndarray:
         """The scratch as float32 [parts, elements per part]."""
@@ -540,12 +532,12 @@ class _ConvLayout:
         taps = memory[start:start + self.partial].reshape(self.sums_shape)
         return padded, rows, taps
 
-    def work(self, scratch, sums: bool = False, dtype=np.float32):
+    def work(self, scratch, sums: bool = False, dtype=np.float32, forward: bool = False):
         """(columns, rows[, dW sums [G, K, M/G], product [K, M/G]]) as views of the node's scratch (float32,
-        or the dtype the convolution runs in)."""
+        or the dtype the convolution runs in; a `forward` convolution's rows)."""
         memory = scratch.view(dtype) if scratch is not None else np.zeros(0, dtype)
         columns = memory[:self.columns]
-        rows = memory[self.columns:self.columns + self.rows]
+        rows = memory[self.columns:self.columns + (self.forward_rows if forward else self.rows)]
         if not sums:
             return columns, rows
         start = self.columns + self.rows
@@ -579,10 +571,10 @@ def _forward_calls(layout: _ConvLayout, x, w, bias, y, scratch) -> list:
     xv, yv = x.reshape(layout.x6), y.reshape(layout.y4)
     if layout.parts > 1:
         return [(_conv_forward_parts, (xv, wv, b, bias is not None, yv, layout.per_part(scratch), layout.columns,
-                                       layout.geom, layout.chunk, layout.pointwise, layout.block, layout.bounds))]
-    columns, rows = layout.work(scratch, dtype=x.dtype)
+                                       layout.geom, layout.chunk, layout.pointwise, layout.transposed, layout.bounds))]
+    columns, rows = layout.work(scratch, dtype=x.dtype, forward=True)
     return [(_conv_forward, (xv, wv, b, bias is not None, yv, columns, rows, layout.geom, layout.chunk,
-                             layout.pointwise, layout.block, 0, xv.shape[0]))]
+                             layout.pointwise, layout.transposed, 0, xv.shape[0]))]
 
 
 def _input_grad_calls(layout: _ConvLayout, dy, w, dx, scratch) -> list:
@@ -594,10 +586,10 @@ def _input_grad_calls(layout: _ConvLayout, dy, w, dx, scratch) -> list:
     dyv, dxv = dy.reshape(layout.y4), dx.reshape(layout.x6)
     if layout.parts > 1:
         return [(_conv_input_grad_parts, (dyv, wv, dxv, layout.per_part(scratch), layout.columns, layout.geom,
-                                          layout.chunk, layout.pointwise, layout.block, layout.bounds))]
+                                          layout.chunk, layout.pointwise, layout.bounds))]
     columns, rows = layout.work(scratch)
-    return [(_conv_input_grad, (dyv, wv, dxv, columns, rows, layout.geom, layout.chunk, layout.pointwise,
-                                layout.block, 0, dxv.shape[0]))]
+    return [(_conv_input_grad, (dyv, wv, dxv, columns, rows, layout.geom, layout.chunk, layout.pointwise, 0,
+                                dxv.shape[0]))]
 
 
 def _weight_grad_calls(layout: _ConvLayout, dy, x, dw, scratch) -> list:
@@ -636,7 +628,8 @@ def conv_scratch(op_type: str):
             layout = _ConvLayout(shape_out, shapes_in[1], shapes_in[0], **attrs)
         else:
             layout = _ConvLayout(shapes_in[1], shape_out, shapes_in[0], **attrs)
-        return layout.scratch_bytes(op_type == "ConvWeightGrad", np.dtype(specs_in[0][1]).itemsize)
+        return layout.scratch_bytes(op_type == "ConvWeightGrad", np.dtype(specs_in[0][1]).itemsize,
+                                    op_type == "Conv")
 
     return size
 
@@ -723,7 +716,7 @@ def _conv_transpose_scratch(op_type: str):
             layout = _transpose_layout(out, second, first, **attrs)
         else:  # dY, X -> dW
             layout = _transpose_layout(second, out, first, **attrs)
-        return layout.scratch_bytes(op_type == "ConvTransposeWeightGrad")
+        return layout.scratch_bytes(op_type == "ConvTransposeWeightGrad", forward=op_type == "ConvTransposeInputGrad")
 
     return size
 

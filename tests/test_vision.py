@@ -268,24 +268,22 @@ def test_gradient(name, tmp_path):
     GRADIENT_CASES[name].check(tmp_path)
 
 
-@pytest.mark.parametrize("name, small", [("conv_bias_strides_pads", 300), ("conv_groups_dilations", 100),
-                                         ("conv_pointwise", 48)])
-def test_gradient_with_products_in_blocks_of_cells(name, small, tmp_path, monkeypatch):
-    """Forward and input-gradient products cut into blocks of output cells (as for large images), here
-    forced on small ones: a few cells per block, groups and pointwise included."""
+@pytest.mark.parametrize("name", ["conv_bias_strides_pads", "conv_groups_dilations", "conv_1d"])
+def test_gradient_with_transposed_forward_products(name, tmp_path, monkeypatch):
+    """The forward product as Yᵀ = im2colᵀ · Wᵀ, then transposed into Y (as for few output channels and a deep
+    K), here forced on small ones: strides, pads, groups and several images per product included."""
     from odtrain.kernels import conv
 
-    monkeypatch.setattr(conv, "SMALL_PRODUCT", small)
-    monkeypatch.setattr(conv, "MIN_BLOCK", 2)
-    blocks, original = [], conv._ConvLayout.__init__
+    monkeypatch.setattr(conv, "TRANSPOSED_DEPTH", 1)
+    chosen, original = [], conv._ConvLayout.__init__
 
     def record(layout, *args, **kwargs):
         original(layout, *args, **kwargs)
-        blocks.append((layout.block, layout.cells))
+        chosen.append(layout.transposed)
 
     monkeypatch.setattr(conv._ConvLayout, "__init__", record)
     GRADIENT_CASES[name].check(tmp_path)
-    assert blocks and all(0 < block < cells for block, cells in blocks)
+    assert chosen and all(chosen)
 
 
 def test_gradient_of_clip_with_attributes(tmp_path):  # opset 6-10: bounds are attributes
