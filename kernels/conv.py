@@ -452,7 +452,8 @@ def _depthwise_frames(geom, padded, out_spatial, channels=0):
     zeros in front (extents T = Q + R; every Q is at least the output's extent).
     taps: 0 the tap's phase, 1 its forward offset (pitch Q), 2 its backward offset (pitch T), 3 the taps in
     order, 4 the taps ordered by phase, 5 zeros (dY's single frame). frame: Q[3], T[3], R[3], the forward
-    and backward lengths, then each phase's first index into taps[4] (S0·S1·S2 + 1 values)."""
+    and backward lengths, then each phase's first index into taps[4] (S0·S1·S2 + 1 values); channels-last,
+    then the offset of each output cell of a row in the padded image (its last oW values)."""
     kernel, strides, dilations = geom[0:3], geom[3:6], geom[6:9]
     phases_of = [int(s) for s in strides]
     q = [-(-int(padded[a]) // phases_of[a]) for a in range(3)]
@@ -467,15 +468,18 @@ def _depthwise_frames(geom, padded, out_spatial, channels=0):
     backward = (back[:, 0] * t[1] + back[:, 1]) * t[2] + back[:, 2]
     order = np.arange(cells.shape[0])
     by_phase = np.argsort(phase, kind="stable")
+    pixels = []
     if channels:
         forward = ((cells[:, 0] * int(padded[1]) + cells[:, 1]) * int(padded[2]) + cells[:, 2]) * channels
         backward = backward * channels
+        pixels = list(np.arange(int(out_spatial[2])) * int(strides[2]) * channels)
     taps = np.stack([phase, forward, backward, order, by_phase, np.zeros_like(order)]).astype(np.int64)
     o = [int(v) for v in out_spatial]
     forward_length = (o[0] - 1) * q[1] * q[2] + (o[1] - 1) * q[2] + o[2]
     backward_length = (q[0] - 1) * t[1] * t[2] + (q[1] - 1) * t[2] + q[2]
     starts = np.searchsorted(phase[by_phase], np.arange(int(np.prod(strides)) + 1))
-    frame = np.array(q + t + [int(r) for r in reach] + [forward_length, backward_length] + list(starts), np.int64)
+    frame = np.array(q + t + [int(r) for r in reach] + [forward_length, backward_length] + list(starts) + pixels,
+                     np.int64)
     return taps, frame
 
 

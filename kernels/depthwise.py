@@ -268,9 +268,10 @@ def _depthwise_forward(x, w, bias, has_bias, y, geom, taps, frame, padded, rows,
     for n in range(begin, end):
         _to_channels_last(x[n], image, pads[0], pads[1], pads[2])
         for m in range(per_group):
-            for k in range(w.shape[2]):
-                for g in range(groups):
-                    weights[k, g] = w[g, m, k]
+            if per_group > 1 or n == begin:  # the taps of one multiplier, channels last: once per call if M/G = 1
+                for k in range(w.shape[2]):
+                    for g in range(groups):
+                        weights[k, g] = w[g, m, k]
             for od in range(y.shape[3]):
                 for oh in range(y.shape[4]):
                     for ow in range(y.shape[5]):
@@ -310,9 +311,10 @@ def _depthwise_input_grad(dy, w, dx, geom, taps, frame, padded, rows, weights, p
         framed = grad.reshape((pitch[0], pitch[1], pitch[2], groups))
         for n in range(begin, end):
             for m in range(per_group):
-                for k in range(w.shape[2]):
-                    for g in range(groups):
-                        weights[k, g] = w[g, m, k]
+                if per_group > 1 or n == begin:
+                    for k in range(w.shape[2]):
+                        for g in range(groups):
+                            weights[k, g] = w[g, m, k]
                 _to_channels_last(dy[n, :, m], framed, frame[6], frame[7], frame[8])
                 for d in range(geom[9], geom[9] + dx.shape[2]):
                     for h in range(geom[10], geom[10] + dx.shape[3]):
@@ -331,9 +333,10 @@ def _depthwise_input_grad(dy, w, dx, geom, taps, frame, padded, rows, weights, p
     for n in range(begin, end):
         padded[:] = 0
         for m in range(per_group):
-            for k in range(w.shape[2]):
-                for g in range(groups):
-                    weights[k, g] = w[g, m, k]
+            if per_group > 1 or n == begin:
+                for k in range(w.shape[2]):
+                    for g in range(groups):
+                        weights[k, g] = w[g, m, k]
             _to_channels_last(dy[n, :, m], grad_rows, 0, 0, 0)
             for od in range(dy.shape[3]):
                 for oh in range(dy.shape[4]):
@@ -373,30 +376,20 @@ def _depthwise_weight_sums(dy, x, sums, geom, taps, frame, padded, rows, padded_
                 _to_frame(dy[n, g, m], grad, (1, 1, 1), (0, 0, 0), pitch)
                 _tap_sums(grad[0, :length], planes, taps[0], taps[1], sums[g, m])
         return
-    kd_count, kh_count, kw_count = geom[0], geom[1], geom[2]
     image = padded.reshape(padded_shape)
     grad_rows = rows[:dy.shape[3] * dy.shape[4] * dy.shape[5] * groups].reshape((dy.shape[3], dy.shape[4],
                                                                                  dy.shape[5], groups))
     padded[:] = 0
-    out_w = dy.shape[5]
+    pixels = frame[frame.size - dy.shape[5]:]  # each output cell of a row: its offset in the image, times G
     for n in range(begin, end):
         _to_channels_last(x[n], image, geom[9], geom[10], geom[11])
         for m in range(per_group):
             _to_channels_last(dy[n, :, m], grad_rows, 0, 0, 0)
             for od in range(dy.shape[3]):
                 for oh in range(dy.shape[4]):
-                    for ow in range(out_w):
-                        grad = grad_rows[od, oh, ow]
-                        k = 0
-                        for kd in range(kd_count):
-                            for kh in range(kh_count):
-                                for kw in range(kw_count):
-                                    source = image[od * geom[3] + kd * geom[6], oh * geom[4] + kh * geom[7],
-                                                   ow * geom[5] + kw * geom[8]]
-                                    total = sums[m, k]
-                                    for g in range(groups):
-                                        total[g] += grad[g] * source[g]
-                                    k += 1
+                    corner = (od * geom[3] * padded_shape[1] + oh * geom[4]) * padded_shape[2] * groups
+                    for k in range(taps.shape[1]):  # a row of output cells, three a pass, into the tap's sums
+                        _channel_multiply_add(sums[m, k], padded, corner + taps[1, k], pixels, grad_rows[od, oh])
 
 
 @njit(cache=True, error_model="numpy", fastmath=REDUCTION)
