@@ -29,67 +29,62 @@ REDUCTION = {"reassoc", "contract"}
 
 
 @njit(cache=True, error_model="numpy")
-def _to_frame(plane, frame, strides, pads, pitch):
-    """frame[phase(c), flat(c // S)] = plane[c - pads] for every cell c of the plane shifted by `pads`, where
-    phase(c) = ((c0 % S0)·S1 + c1 % S1)·S2 + c2 % S2 and flat(q) = (q0·pitch0 + q1)·pitch1 + q2; other cells
-    of frame are left as they are (zero once, and the border stays zero for every plane of a call)."""
+def _frame_copy(plane, frame, strides, pads, pitch, into_frame):
+    """frame[phase(c), flat(c // S)] = plane[c - pads] (into_frame) or the reverse, for every cell c of the
+    plane shifted by `pads`, where phase(c) = ((c0 % S0)·S1 + c1 % S1)·S2 + c2 % S2 and
+    flat(q) = (q0·pitch0 + q1)·pitch1 + q2. Other cells of frame are left as they are: zeroed once, the
+    border stays zero for every plane of a call."""
     s0, s1, s2 = strides[0], strides[1], strides[2]
-    width = plane.shape[2]
+    width, half = plane.shape[2], plane.shape[2] // 2
     for d in range(plane.shape[0]):
         r0, q0 = (d + pads[0]) % s0, (d + pads[0]) // s0
         for h in range(plane.shape[1]):
             r1, q1 = (h + pads[1]) % s1, (h + pads[1]) // s1
-            source, phase, start = plane[d, h], (r0 * s1 + r1) * s2, (q0 * pitch[0] + q1) * pitch[1]
+            line, phase, start = plane[d, h], (r0 * s1 + r1) * s2, (q0 * pitch[0] + q1) * pitch[1]
             if s2 == 1:
-                target = frame[phase, start + pads[2]:start + pads[2] + width]
-                for t in range(width):
-                    target[t] = source[t]
-                continue
-            if s2 == 2:  # source pairs (w, w + 1) go to one index of each phase: an interleaved, vectorised copy
+                cells = frame[phase, start + pads[2]:start + pads[2] + width]
+                if into_frame:
+                    for t in range(width):
+                        cells[t] = line[t]
+                else:
+                    for t in range(width):
+                        line[t] = cells[t]
+            elif s2 == 2:  # pairs (w, w + 1) of the line go to one index of each phase: an interleaved copy
                 evens = frame[phase + pads[2] % 2, start + pads[2] // 2:start + pitch[1]]
                 odds = frame[phase + (pads[2] + 1) % 2, start + (pads[2] + 1) // 2:start + pitch[1]]
-                for t in range(width // 2):
-                    evens[t] = source[2 * t]
-                    odds[t] = source[2 * t + 1]
-                if width % 2:
-                    evens[width // 2] = source[width - 1]
-                continue
-            for r2 in range(s2):
-                lo, hi = _valid_range(r2 - pads[2], s2, width, pitch[1])
-                target, first = frame[phase + r2, start:start + hi], lo * s2 + r2 - pads[2]
-                for t in range(lo, hi):
-                    target[t] = source[first + (t - lo) * s2]
+                if into_frame:
+                    for t in range(half):
+                        evens[t] = line[2 * t]
+                        odds[t] = line[2 * t + 1]
+                    if width % 2:
+                        evens[half] = line[width - 1]
+                else:
+                    for t in range(half):
+                        line[2 * t] = evens[t]
+                        line[2 * t + 1] = odds[t]
+                    if width % 2:
+                        line[width - 1] = evens[half]
+            else:
+                for r2 in range(s2):
+                    lo, hi = _valid_range(r2 - pads[2], s2, width, pitch[1])
+                    cells, first = frame[phase + r2, start + lo:start + hi], lo * s2 + r2 - pads[2]
+                    for t in range(hi - lo):
+                        if into_frame:
+                            cells[t] = line[first + t * s2]
+                        else:
+                            line[first + t * s2] = cells[t]
+
+
+@njit(cache=True, error_model="numpy")
+def _to_frame(plane, frame, strides, pads, pitch):
+    """Copies plane into frame (see _frame_copy)."""
+    _frame_copy(plane, frame, strides, pads, pitch, True)
 
 
 @njit(cache=True, error_model="numpy")
 def _from_frame(frame, plane, strides, pads, pitch):
-    """plane[c - pads] = frame[phase(c), flat(c // S)]: the inverse of _to_frame."""
-    s0, s1, s2 = strides[0], strides[1], strides[2]
-    width = plane.shape[2]
-    for d in range(plane.shape[0]):
-        r0, q0 = (d + pads[0]) % s0, (d + pads[0]) // s0
-        for h in range(plane.shape[1]):
-            r1, q1 = (h + pads[1]) % s1, (h + pads[1]) // s1
-            target, phase, start = plane[d, h], (r0 * s1 + r1) * s2, (q0 * pitch[0] + q1) * pitch[1]
-            if s2 == 1:
-                source = frame[phase, start + pads[2]:start + pads[2] + width]
-                for t in range(width):
-                    target[t] = source[t]
-                continue
-            if s2 == 2:  # the interleaved copy of _to_frame, reversed
-                evens = frame[phase + pads[2] % 2, start + pads[2] // 2:start + pitch[1]]
-                odds = frame[phase + (pads[2] + 1) % 2, start + (pads[2] + 1) // 2:start + pitch[1]]
-                for t in range(width // 2):
-                    target[2 * t] = evens[t]
-                    target[2 * t + 1] = odds[t]
-                if width % 2:
-                    target[width - 1] = evens[width // 2]
-                continue
-            for r2 in range(s2):
-                lo, hi = _valid_range(r2 - pads[2], s2, width, pitch[1])
-                source, first = frame[phase + r2, start:start + hi], lo * s2 + r2 - pads[2]
-                for t in range(lo, hi):
-                    target[first + (t - lo) * s2] = source[t]
+    """Copies frame back into plane: the inverse of _to_frame."""
+    _frame_copy(plane, frame, strides, pads, pitch, False)
 
 
 @njit(cache=True, error_model="numpy")
