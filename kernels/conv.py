@@ -17,18 +17,19 @@ Convolution:
   shifted contiguous copy of the image (edge columns zeroed after).
   Backward: dcol = W_gᵀ · dY_g then col2im (input); dW_gᵀ = Σ col · dY_gᵀ
   (weight; BLAS's faster order for these shapes).
-- depthwise (C/G = 1): a direct loop, along rows for wide outputs (each tap
-  a contiguous multiply-add, the padded plane split into stride phases),
-  channels-last for narrow ones (each tap a multiply-add over the channels);
+- depthwise (C/G = 1): a direct loop, over whole planes for wide outputs (the
+  padded plane split into stride phases, flattened, nine taps a pass),
+  channels-last for narrow ones (three taps a multiply-add over the channels);
   the kernels are in depthwise.py.
 - work memory is the node's arena scratch (declared by `conv_scratch`,
   placed by the planner for that one step): im2col columns K·chunk·P, rows
   gathered from several images M/G·chunk·P (in a forward, also its
   transposed product), and dW's sums (G + 1)·K·M/G floats; e.g. 1.35 MB
-  for MobileNetV2's first layer at 224x224. Depthwise: one padded plane
-  (rows) or one padded image, channels-last.
+  for MobileNetV2's first layer at 224x224. Depthwise: one padded plane in
+  phases and one framed plane, or one padded image and one output plane
+  (dY framed), channels-last.
 - threads (kernels/parts.py): each kernel's `_parts` twin splits the batch
-  (depthwise along rows: the image-channel pairs) into one part per thread,
+  (depthwise in planes: the image-channel pairs) into one part per thread,
   in one parallel region, each part with its own work memory. The parts
   share one thread's product width (COLUMNS / parts each), so together they
   hold about the work memory of one thread. Each part sums its images' dW
@@ -60,7 +61,9 @@ COLUMNS = 512  # convolutions batch images into one product until it has this ma
 TRANSPOSED_CHANNELS = 32
 TRANSPOSED_DEPTH = 64
 MIN_CHANNELS = 16  # output channels per part when a weight gradient splits them (narrower products lose speed)
-ROW_WIDTH = 24  # depthwise convolutions with outputs at least this wide work along rows, others channels-last
+# depthwise convolutions with outputs at least this wide work in planes, others channels-last (MobileNetV2,
+# batch 8, 1 thread: planes 1.6-2.8x faster at 24 and 48 wide, channels-last 1.1-1.4x faster at 12 and below)
+PLANE_WIDTH = 24
 
 
 # ---- convolution: im2col + BLAS ------------------------------------------------------------------
@@ -428,6 +431,49 @@ def _conv_bias_grad_parts(dy, db, bounds):
         _conv_bias_grad(dy, db, bounds[p], bounds[p + 1])
 
 
+def _depthwise_frames(geom, padded, out_spatial, channels=0):
+    """(taps int64 [6, K], frame int64) of the depthwise planes layout (kernels/depthwise.py, _to_frame), or
+    channels-last (`channels` > 0) with offsets in elements of the padded image [..., channels] (taps[1])
+    and of dY framed (taps[2], for unit strides, where the phases are the planes themselves).
+
+    The padded input plane is split into S0·S1·S2 stride phases of Q = ceil(padded / S) cells a side; tap k
+    at padded cell o·S + k·d reads phase (k·d) % S at q = o + (k·d) // S, so over the output cells
+    flattened at the phases' pitch every tap reads one contiguous run. The input gradient gathers: phase r
+    of dX at q is Σ over the taps of phase r of w · dY[q - (k·d) // S], from dY framed with R = max (k·d) // S
+    zeros in front (extents T = Q + R; every Q is at least the output's extent).
+    taps: 0 the tap's phase, 1 its forward offset (pitch Q), 2 its backward offset (pitch T), 3 the taps in
+    order, 4 the taps ordered by phase, 5 zeros (dY's single frame). frame: Q[3], T[3], R[3], the forward
+    and backward lengths, then each phase's first index into taps[4] (S0·S1·S2 + 1 values); channels-last,
+    then the offset of each output cell of a row in the padded image (its last oW values)."""
+    kernel, strides, dilations = geom[0:3], geom[3:6], geom[6:9]
+    phases_of = [int(s) for s in strides]
+    q = [-(-int(padded[a]) // phases_of[a]) for a in range(3)]
+    cells = np.stack(np.meshgrid(*[np.arange(int(k)) for k in kernel], indexing="ij"), -1).reshape(-1, 3)
+    cells = cells * dilations
+    phase_of, shift = cells % strides, cells // strides
+    phase = (phase_of[:, 0] * strides[1] + phase_of[:, 1]) * strides[2] + phase_of[:, 2]
+    reach = shift.max(axis=0)
+    t = [q[a] + int(reach[a]) for a in range(3)]
+    forward = (shift[:, 0] * q[1] + shift[:, 1]) * q[2] + shift[:, 2]
+    back = reach - shift
+    backward = (back[:, 0] * t[1] + back[:, 1]) * t[2] + back[:, 2]
+    order = np.arange(cells.shape[0])
+    by_phase = np.argsort(phase, kind="stable")
+    pixels = []
+    if channels:
+        forward = ((cells[:, 0] * int(padded[1]) + cells[:, 1]) * int(padded[2]) + cells[:, 2]) * channels
+        backward = backward * channels
+        pixels = list(np.arange(int(out_spatial[2])) * int(strides[2]) * channels)
+    taps = np.stack([phase, forward, backward, order, by_phase, np.zeros_like(order)]).astype(np.int64)
+    o = [int(v) for v in out_spatial]
+    forward_length = (o[0] - 1) * q[1] * q[2] + (o[1] - 1) * q[2] + o[2]
+    backward_length = (q[0] - 1) * t[1] * t[2] + (q[1] - 1) * t[2] + q[2]
+    starts = np.searchsorted(phase[by_phase], np.arange(int(np.prod(strides)) + 1))
+    frame = np.array(q + t + [int(r) for r in reach] + [forward_length, backward_length] + list(starts) + pixels,
+                     np.int64)
+    return taps, frame
+
+
 class _ConvLayout:
     """How a convolution runs, from the shapes of X, W and Y and the step's threads: views, geometry, kernel
     choice, how many parts of the batch run in parallel (kernels/parts.py), work sizes per part."""
@@ -448,9 +494,9 @@ class _ConvLayout:
         self.w3 = (group, self.out_per_group, self.k)
         self.depthwise = self.in_per_group == 1 and self.k > 1
         geom = self.geom
-        # parallel parts: of the images; depthwise along rows, of the (image, channel) pairs
-        rows_layout = self.depthwise and _as_3d(y_shape[2:])[2] >= ROW_WIDTH
-        self.units = batch * group if rows_layout else batch
+        # parallel parts: of the images; depthwise in planes, of the (image, channel) pairs
+        planes_layout = self.depthwise and _as_3d(y_shape[2:])[2] >= PLANE_WIDTH
+        self.units = batch * group if planes_layout else batch
         work = batch * self.cells * self.k * int(w_shape[0])  # multiply-adds
         self.parts = part_count(threads, self.units, work)
         self.bounds = part_bounds(self.units, self.parts)
@@ -487,21 +533,19 @@ class _ConvLayout:
             self.x5 = (batch, group) + x3
             padded = tuple(max(x3[a] + geom[9 + a], (y3[a] - 1) * geom[3 + a] + (geom[a] - 1) * geom[6 + a] + 1)
                            for a in range(3))
-            self.channels_last = not rows_layout
-            self.columns_of_taps = np.zeros((2, 1), np.int64)
-            if self.channels_last:  # the padded image, one output plane, the taps or dW sums: all [..., G]
+            self.channels_last = not planes_layout
+            self.taps, self.frame = _depthwise_frames(geom, padded, y3, group if self.channels_last else 0)
+            if self.channels_last:  # the padded image, one output plane (or dY framed), the taps or dW sums: [..., G]
                 self.padded_shape = padded + (group,)
-                self.rows_shape = y3 + (group,)
+                unit_strides = bool((geom[3:6] == 1).all())
+                self.rows_shape = tuple(int(t) for t in self.frame[3:6]) + (group,) if unit_strides else y3 + (group,)
                 self.sums_shape = (self.out_per_group, self.k, group)
-            else:  # one padded plane in stride phases; an unused stand-in for the output plane
-                stride = int(geom[5])
-                self.padded_shape = (stride,) + padded[:2] + (-(-padded[2] // stride),)
-                taps = np.arange(int(geom[2])) * int(geom[8])
-                self.columns_of_taps = np.stack([taps % stride, taps // stride]).astype(np.int64)
-                self.rows_shape = (1, 1, 1, 1)
-                # serial: taps stand-in [M/G, K, 1] (dW sums go straight to dW); parts: dW sums [G, M/G, K]
-                self.sums_shape = (group, self.out_per_group, self.k) if self.parts > 1 else (self.out_per_group,
-                                                                                             self.k, 1)
+            else:  # the planes of one image channel in stride phases, and one framed plane of dY or Y
+                frame_size = int(np.prod(self.frame[3:6]))
+                self.padded_shape = (int(np.prod(geom[3:6])), frame_size, 1, 1)
+                self.rows_shape = (1, frame_size, 1, 1)
+                # serial: taps stand-in [1, 1, 1] (dW sums go straight to dW); parts: dW sums [G, M/G, K]
+                self.sums_shape = (group, self.out_per_group, self.k) if self.parts > 1 else (1, 1, 1)
             self.columns = int(np.prod(self.padded_shape))
             self.rows = int(np.prod(self.rows_shape))
             self.partial = int(np.prod(self.sums_shape))
@@ -523,14 +567,12 @@ class _ConvLayout:
         return memory.reshape(self.parts, -1) if memory.size else np.zeros((self.parts, 0), np.float32)
 
     def depthwise_work(self, scratch, dtype=np.float32):
-        """(padded input plane, one output/gradient plane, taps [M/G, K, G] or dW sums) for the serial
-        depthwise kernels, as views of the node's scratch in the dtype the convolution runs in."""
+        """(padded planes or image, flat; one output/gradient plane, flat; taps [M/G, K, G] or dW sums) for
+        the serial depthwise kernels, as views of the node's scratch in the dtype the convolution runs in."""
         memory = scratch.view(dtype)
-        padded = memory[:self.columns].reshape(self.padded_shape)
-        rows = memory[self.columns:self.columns + self.rows].reshape(self.rows_shape)
         start = self.columns + self.rows
         taps = memory[start:start + self.partial].reshape(self.sums_shape)
-        return padded, rows, taps
+        return memory[:self.columns], memory[self.columns:start], taps
 
     def work(self, scratch, sums: bool = False, dtype=np.float32, forward: bool = False):
         """(columns, rows[, dW sums [G, K, M/G], product [K, M/G]]) as views of the node's scratch (float32,
@@ -551,14 +593,16 @@ class _ConvLayout:
 def _depthwise_calls(layout: _ConvLayout, serial, parallel, arrays: tuple, scratch, weight_gradient=False) -> list:
     """The call of a depthwise kernel on `arrays`: its parallel twin on parts of the units, or the serial
     kernel (over all units; a weight gradient gets the whole dW sums, the others the taps of one multiplier)."""
+    shapes = (layout.padded_shape, layout.rows_shape)
     if layout.parts > 1:
-        return [(parallel, arrays + (layout.geom, layout.columns_of_taps, layout.per_part(scratch), layout.padded_shape,
-                                     layout.rows_shape, layout.sums_shape, layout.channels_last, layout.bounds))]
+        return [(parallel, arrays + (layout.geom, layout.taps, layout.frame, layout.per_part(scratch)) + shapes
+                 + (layout.sums_shape, layout.channels_last, layout.bounds))]
     padded, rows, taps = layout.depthwise_work(scratch, arrays[0].dtype)
     if weight_gradient:
-        return [(serial, arrays + (layout.geom, layout.columns_of_taps, padded, rows, taps, layout.channels_last))]
-    return [(serial, arrays + (layout.geom, layout.columns_of_taps, padded, rows, taps[0], layout.channels_last, 0,
-                               layout.units))]
+        return [(serial, arrays + (layout.geom, layout.taps, layout.frame, padded, rows, taps) + shapes
+                 + (layout.channels_last,))]
+    return [(serial, arrays + (layout.geom, layout.taps, layout.frame, padded, rows, taps[0]) + shapes
+             + (layout.channels_last, 0, layout.units))]
 
 
 def _forward_calls(layout: _ConvLayout, x, w, bias, y, scratch) -> list:

@@ -182,6 +182,15 @@ GRADIENT_CASES = {
     "conv_depthwise_rows_strided_dilated": GradientCase(
         [node("Conv", ["x", "w"], group=2, pads=[0, 2, 1, 1], strides=[1, 2],
               dilations=[1, 2])], {"x": rand(1, 2, 3, 53), "w": rand(4, 1, 2, 3)}),
+    "conv_depthwise_rows_stride2": GradientCase(  # phases along both axes of the planes
+        [node("Conv", ["x", "w", "b"], group=2, pads=[1, 1, 0, 1], strides=[2, 2])],
+        {"x": rand(1, 2, 7, 50), "w": rand(2, 1, 3, 3), "b": rand(2)}),
+    "conv_depthwise_channels_last_dilated": GradientCase(  # unit strides: dX gathered from dY framed
+        [node("Conv", ["x", "w", "b"], group=3, pads=[2, 1, 1, 2], dilations=[2, 1])],
+        {"x": rand(2, 3, 6, 5), "w": rand(6, 1, 3, 3), "b": rand(6)}),
+    "conv_3d_depthwise_rows": GradientCase(  # phases along depth too
+        [node("Conv", ["x", "w"], group=2, pads=[1, 0, 1, 0, 1, 1], strides=[2, 1, 1])],
+        {"x": rand(1, 2, 4, 2, 25), "w": rand(2, 1, 2, 2, 3)}),
     "conv_1d": GradientCase(
         [node("Conv", ["x", "w"], pads=[1, 2])], {"x": rand(2, 2, 6), "w": rand(3, 2, 3)}),
     "conv_1d_depthwise_dilated": GradientCase(
