@@ -1,4 +1,4 @@
-"""Softmax, LogSoftmax and LayerNormalization kernels, forward and backward.
+"""Softmax, LogSoftmax, LayerNormalization and RMSNormalization kernels, forward and backward.
 
 Tensors are viewed as [outer, n, inner] around the normalised axis (softmax) or as rows of
 the normalised axes (layer norm), so every kernel is a loop over independent rows; the
@@ -266,3 +266,74 @@ def LayerNormalizationGrad(inputs, outputs, axis=-1, epsilon=1e-5):
     index = _param_index(scale.shape, normalised)
     return [(_layer_norm_grad, (flat(dy), flat(x), flat(scale), index, flat(outputs[0]), flat(outputs[1]),
                                 flat(outputs[2]), rows, inner, float(epsilon)))]
+
+
+@njit(cache=True, inline="always", error_model="numpy", fastmath=REDUCE)
+def _row_inverse_rms(x, base, inner, epsilon):
+    squares = np.float32(0.0)
+    for j in range(inner):
+        squares += x[base + j] * x[base + j]
+    return np.float32(1.0) / np.sqrt(squares / inner + epsilon)
+
+
+@njit(cache=True, error_model="numpy", fastmath=REDUCE)
+def _rms_norm(x, scale, scale_index, y, rows, inner, epsilon):
+    """y = x · r · scale per row, r = 1/√(mean(x²) + ε); scale read at scale_index[j] when it broadcasts."""
+    eps = np.float32(epsilon)
+    for r in range(rows):
+        base = r * inner
+        inv = _row_inverse_rms(x, base, inner, eps)
+        if scale_index.size == 0:
+            for j in range(inner):
+                y[base + j] = x[base + j] * inv * scale[j]
+        else:
+            for j in range(inner):
+                y[base + j] = x[base + j] * inv * scale[scale_index[j]]
+
+
+@njit(cache=True, error_model="numpy", fastmath=REDUCE)
+def _rms_norm_grad(dy, x, scale, scale_index, dx, dscale, rows, inner, epsilon):
+    """dx = r · (g - x · r² · mean(g·x)) with g = dy·scale;  dscale = Σ dy·x·r."""
+    eps = np.float32(epsilon)
+    for j in range(inner):
+        dscale[j] = 0
+    for r in range(rows):
+        base = r * inner
+        inv = _row_inverse_rms(x, base, inner, eps)
+        mean_gx = np.float32(0.0)
+        for j in range(inner):
+            s = scale[j] if scale_index.size == 0 else scale[scale_index[j]]
+            mean_gx += dy[base + j] * s * x[base + j]
+            dscale[j] += dy[base + j] * x[base + j] * inv
+        mean_gx /= inner
+        factor = inv * inv * mean_gx
+        for j in range(inner):
+            s = scale[j] if scale_index.size == 0 else scale[scale_index[j]]
+            dx[base + j] = inv * (dy[base + j] * s - x[base + j] * factor)
+
+
+def _rows(x, axis):
+    axis = int(axis) % x.ndim
+    return axis, int(np.prod(x.shape[:axis], dtype=np.int64)), int(np.prod(x.shape[axis:], dtype=np.int64))
+
+
+def RMSNormalization(inputs, outputs, axis=-1, epsilon=1e-5, stash_type=1):
+    x, scale = inputs[0], inputs[1]
+    axis, rows, inner = _rows(x, axis)
+    index = _param_index(scale.shape, x.shape[axis:])
+    return [(_rms_norm, (flat(x), flat(scale), index, flat(outputs[0]), rows, inner, float(epsilon)))]
+
+
+binding("RMSNormalization")(RMSNormalization)
+binding("RMSNormalization", ODTRAIN_DOMAIN)(RMSNormalization)
+
+
+@binding("RMSNormalizationGrad", ODTRAIN_DOMAIN)
+def RMSNormalizationGrad(inputs, outputs, axis=-1, epsilon=1e-5):
+    dy, x, scale = inputs
+    axis, rows, inner = _rows(x, axis)
+    index = _param_index(scale.shape, x.shape[axis:])
+    dx = outputs[0] if outputs[0] is not None else np.zeros_like(x)
+    dscale = outputs[1] if len(outputs) > 1 and outputs[1] is not None else np.zeros(inner, x.dtype)
+    return [(_rms_norm_grad, (flat(dy), flat(x), flat(scale), index, flat(dx), flat(dscale), rows, inner,
+                              float(epsilon)))]
