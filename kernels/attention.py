@@ -307,20 +307,21 @@ def _attention(q, k, v, mask, mask_kind, mask_strides, mask_width, nonpad, past,
 @njit(cache=True, error_model="numpy")
 def _attention_grad(dy, q, k, v, mask, mask_kind, mask_strides, mask_width, nonpad, dq, dk, dv, q_offs, k_offs,
                     v_offs, y_offs, q_ld, k_ld, v_ld, y_ld, batch, q_heads, kv_heads, seq, keys, head_size,
-                    v_head_size, scale, softcap, causal, left, right, raw, probs, dprobs, want_q, want_k, want_v):
-    """dQ, dK, dV of the attention above (no key/value cache), recomputing the scores per head."""
+                    v_head_size, scale, softcap, causal, left, right, raw, probs, dprobs, want_q, want_k, want_v,
+                    no_scores):
+    """dQ, dK, dV of the attention above (no key/value cache), recomputing the scores per head; `no_scores` is
+    an empty array (the scores are not written out)."""
     group = q_heads // kv_heads
     for i in range(dk.size):
         dk[i] = 0
     for i in range(dv.size):
         dv[i] = 0
-    empty = np.zeros(0, dtype=raw.dtype)
     for b in range(batch):
         for h in range(q_heads):
             kh = b * kv_heads + h // group
             qo, yo = q_offs[b * q_heads + h], y_offs[b * q_heads + h]
             _scores(q, k, mask, mask_kind, mask_strides, mask_width, nonpad, 0, qo, k_offs[kh], q_ld, k_ld, b, h,
-                    seq, keys, head_size, scale, softcap, causal, left, right, raw, probs, empty, 0, 0)
+                    seq, keys, head_size, scale, softcap, causal, left, right, raw, probs, no_scores, 0, 0)
             if want_v:
                 blas_gemm(1, 0, keys, v_head_size, seq, 1.0, probs, 0, keys, dy, yo, y_ld, 1.0, dv, v_offs[kh], v_ld)
             if not (want_q or want_k):
@@ -485,4 +486,4 @@ def AttentionGrad(inputs, outputs, scratch=None, scale=None, is_causal=0, q_num_
                                k_offs, v_offs, y_offs, q_ld, k_ld, v_ld, y_ld, layout.batch, layout.q_heads,
                                layout.kv_heads, layout.seq, layout.keys, layout.head_size, layout.v_head_size,
                                *options, raw, probs, dprobs, wanted[0] is not None, wanted[1] is not None,
-                               wanted[2] is not None))]
+                               wanted[2] is not None, np.zeros(0, np.float32)))]

@@ -166,6 +166,46 @@ def test_federated_rounds_exchange_adapters_only(tmp_path):
         np.testing.assert_array_equal(trainer.state.parameters[name].data, params[name])
 
 
+def test_federated_lora_on_a_decoder_sends_the_adapters_and_feeds_tokens_and_mask(tmp_path):
+    """Three clients train LoRA adapters of the Llama-style decoder (tests/data/decoders) on their own token
+    batches, fed as input_ids and attention_mask: each uploads the adapters alone, and the round lowers the
+    loss on all the clients' data."""
+    from conftest import DATA
+
+    model = DATA / "decoders" / "llama" / "torchscript17.onnx"
+    golden = np.load(DATA / "decoders" / "llama" / "golden.npz")
+    result = artifacts.generate_artifacts(str(model), loss=artifacts.LossType.CrossEntropyLoss, class_axis=-1,
+                                          ignore_index=-100, optimizer=artifacts.OptimType.AdamW,
+                                          artifact_directory=tmp_path, lora=artifacts.LoraConfig(8, 16.0, ["*proj.weight"]))
+    trainer = fl.open_artifacts(tmp_path)
+    full = sum(trainer.state.parameters[n].data.size for n in result.frozen)  # what full fine-tuning trains
+    adapters = sum(trainer.state.parameters[n].data.size for n in result.trainable)
+    assert all(n.endswith((".lora_A", ".lora_B")) for n in result.trainable) and 6 * adapters < full
+    ids, mask, labels = (golden[k].reshape(-1, golden[k].shape[-1]) for k in ("input_ids", "attention_mask", "labels"))
+
+    def loss():
+        trainer.module.eval()
+        value = float(trainer.module(ids, mask, labels))  # the eval model's one output: the loss
+        trainer.module.train()
+        return value
+
+    before, frozen = loss(), {n: trainer.state.parameters[n].data.copy() for n in result.frozen}
+    global_buffer = fl.get_parameters(trainer.module)
+    trainer.optimizer.set_learning_rate(1e-2)
+    deltas, counts = [], []
+    for k, part in enumerate(np.array_split(np.arange(len(ids)), 3)):
+        fl.set_parameters(trainer.module, global_buffer)
+        delta, count, _ = fl.train_local(trainer.module, trainer.optimizer, (ids[part], mask[part]), labels[part],
+                                         epochs=2, batch_size=4, seed=[0, k])
+        assert delta.size == adapters == global_buffer.size  # what the device uploads
+        deltas.append(delta)
+        counts.append(count)
+    fl.set_parameters(trainer.module, fl.apply_difference(global_buffer, fl.fedavg(deltas, counts)))
+    assert loss() < before
+    for name, value in frozen.items():
+        np.testing.assert_array_equal(trainer.state.parameters[name].data, value)
+
+
 def test_command_line_prepares_lora_and_exports_adapters_alone(tmp_path, capsys):
     import safetensors.numpy
     from safetensors import safe_open
