@@ -32,8 +32,8 @@ Mean/InvStdDev outputs on LayerNormalization; ir_version=8 and single-output inf
 BatchNormalization in the generated files).
 
 Threads: ONNX Runtime keeps its default pool (one thread per physical core), PyTorch gets
-torch.set_num_threads(--threads, default 2), odtrain keeps its default of one BLAS thread unless
---odtrain-threads N sets ODTRAIN_NUM_THREADS (2 gives every system two threads on 2 cores).
+torch.set_num_threads(--threads, default 2), odtrain keeps its default (every core the process may
+run on) unless --odtrain-threads N sets ODTRAIN_NUM_THREADS.
 
 Reported: import time (torch's includes the one-off import its first AdamW() triggers); session
 creation (checkpoint + Module + Optimizer); first step once the session is ready; process start to
@@ -393,7 +393,7 @@ def report(args, res):
                                if k not in NO_RATIO and ours[k] is not None and res[c][k]}
               for c in ("ort", "torch") if c in res and ours}
     print(f"\nworkload {args.workload}: {args.steps} steps, median after {args.warmup}; "
-          f"{os.cpu_count()} CPUs; torch threads {args.threads}; odtrain threads {args.odtrain_threads or 1}; "
+          f"{os.cpu_count()} CPUs; torch threads {args.threads}; odtrain threads {args.odtrain_threads or 'default'}; "
           f"repeat {args.repeat}")
     table = [["metric"] + cols + list(ratios)]
     for name, key, fmt in ROWS:
@@ -421,7 +421,7 @@ def main():
     p.add_argument("--torch-python", help="default: --ort-python")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     p.add_argument("--odtrain-threads", type=int, default=0,
-                   help="odtrain's BLAS threads (ODTRAIN_NUM_THREADS); default: odtrain's own, one")
+                   help="odtrain's threads (ODTRAIN_NUM_THREADS); default: odtrain's own, every core")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per subprocess")
     p.add_argument("--json", help="also write the results and ratios here")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory")

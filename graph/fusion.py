@@ -14,6 +14,10 @@ the chain's output name, so the rest of the graph is untouched:
       Mul(MatMul(A, B), c)                  → FusedMatMul(A, B, alpha=c)
   BLAS takes the transpose and the scale as arguments; neither is a pass over memory, forward
   or backward, and the weight's gradient comes out untransposed.
+- A bias added to a product (nn.Linear on more than two axes exports MatMul, then Add):
+      Add(FusedMatMul(A, B), bias)          → FusedMatMul(A, B, "", bias)
+  when the bias broadcasts to the product's shape without enlarging it: the output starts as
+  the broadcast bias and BLAS adds the product to it (beta = 1), one pass over the output fewer.
 - Attention's head transposes: a product whose operand is Transpose(x, perm) or whose only
   reader is Transpose(y, perm), with one of the last two axes left contiguous
       MatMul(Transpose(Reshape(q)), Transpose(Reshape(k)))     → FusedMatMul(permA, permB)
@@ -38,6 +42,7 @@ import numpy as np
 
 from .ir import ODTRAIN_DOMAIN, Graph, Node, TensorType
 from .ops import OPS
+from .ops.linalg import adds_into, fused_matmul_shape
 
 FOLD_LIMIT = 1024  # values folded for matching hold at most this many elements
 
@@ -176,6 +181,28 @@ def _match_scaled_product(index: _Index, node: Node):
         attrs["alpha"] = float(attrs.get("alpha", 1.0)) * alpha
         fused = Node("FusedMatMul", list(producer.inputs[:2]), list(node.outputs), attrs, producer.name, ODTRAIN_DOMAIN)
         return [producer, node], fused
+    return None
+
+
+def _match_bias(index: _Index, node: Node):
+    """Add(FusedMatMul(A, B), bias) → FusedMatMul(A, B, "", bias) for a product read and written in place
+    (no perms), when the bias does not enlarge it."""
+    if node.key != ("", "Add"):
+        return None
+    for product_name in node.inputs:
+        product = index.producer.get(product_name)
+        if product is None or product.key != (ODTRAIN_DOMAIN, "FusedMatMul") or len(product.inputs) != 2 or \
+                any(key in product.attrs for key in ("permA", "permB", "permY")) or not index.private(product_name):
+            continue
+        a, b = (index.graph.value_types.get(i) for i in product.inputs)
+        bias = index.graph.value_types.get(_other(node, product_name))
+        if any(t is None or t.shape is None for t in (a, b, bias)) or bias.dtype != a.dtype:
+            continue
+        if not adds_into(bias.shape, fused_matmul_shape(product, a.shape, b.shape)):
+            continue
+        fused = Node("FusedMatMul", list(product.inputs) + ["", _other(node, product_name)], list(node.outputs),
+                     dict(product.attrs), product.name, ODTRAIN_DOMAIN)
+        return [product, node], fused
     return None
 
 
@@ -346,8 +373,8 @@ def _match_rotary(index: _Index, last: Node):
 def fuse_for_training(graph: Graph) -> Graph:
     """A copy of `graph` with the patterns above fused (the input is not modified)."""
     fused = graph.copy()
-    for rewrite in (_gelu_pass, _decoder_pass, _matmul_pass, _matmul_pass):  # the second scales fused products
-        rewrite(fused)
+    for rewrite in (_gelu_pass, _decoder_pass, _matmul_pass, _matmul_pass, _bias_pass):  # the second MatMul pass
+        rewrite(fused)  # scales fused products; biases are added to products that are final
     return fused
 
 
@@ -394,6 +421,10 @@ def _gelu_pass(graph: Graph) -> None:
         return chain, Node("Gelu", [x], list(node.outputs), {}, chain[1].name, ODTRAIN_DOMAIN)
 
     _rewrite_all(graph, match)
+
+
+def _bias_pass(graph: Graph) -> None:
+    _rewrite_all(graph, _match_bias)
 
 
 def _matmul_pass(graph: Graph) -> None:

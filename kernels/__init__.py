@@ -17,22 +17,32 @@ returns its size in bytes from (shape, dtype) pairs; the planner places it
 in the arena for that one step and the binding receives it as `scratch=`,
 a uint8 array.
 
+A binding registered with `parallel=True` splits its work into `threads`
+parts inside one Numba parallel region: it and its scratch-size function
+also receive `threads=` (the step's thread count, fixed when the step is
+bound), so scratch sizes are a function of the thread count. With
+`threads=1` it runs its serial kernels.
+
 Imports numpy and numba only, nothing else of odtrain's.
 """
 from __future__ import annotations
 
 BINDINGS: dict[tuple[str, str], object] = {}
 SCRATCH: dict[tuple[str, str], object] = {}
+PARALLEL: set[tuple[str, str]] = set()
 ODTRAIN_DOMAIN = "ai.odtrain"
 
 
-def binding(op_type: str, domain: str = "", scratch=None):
-    """Register a binding under (domain, op_type), with its scratch-size function if it needs one."""
+def binding(op_type: str, domain: str = "", scratch=None, parallel: bool = False):
+    """Register a binding under (domain, op_type), with its scratch-size function if it needs one; a
+    `parallel` binding (and its scratch-size function) takes the step's thread count as `threads=`."""
 
     def register(fn):
         BINDINGS[(domain, op_type)] = fn
         if scratch is not None:
             SCRATCH[(domain, op_type)] = scratch
+        if parallel:
+            PARALLEL.add((domain, op_type))
         return fn
 
     return register

@@ -5,11 +5,15 @@ which finds scipy's BLAS at run time), with the transpose flags, leading dimensi
 alpha and beta that `np.dot` does not expose. It relies on two Numba internals, `numba_xxgemm`
 and `ensure_blas`: a Numba upgrade must run the linalg, vision and recurrent tests.
 
+`product(a, b, c)` is c = a · b for 2-D views with a unit stride along one axis;
+`gemm_batched_parts(...)` runs a batch of products in parallel parts, of the products or of their
+rows (BLAS itself runs one thread inside them: odtrain.threads).
+
 Imports numpy and numba only.
 """
 from __future__ import annotations
 
-from numba import types
+from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 from numba.np.linalg import ensure_blas
@@ -63,3 +67,46 @@ def blas_gemm(typingctx, trans_a, trans_b, m, n, k, alpha, a, a_offset, lda, b, 
                                  builder.bitcast(beta_slot, void_ptr), pointer(c_, 13, coff, 14), index(ldc_, 15)))
 
     return sig, codegen
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _operand(a):
+    """(transposed, leading dimension) of a 2-D view with unit stride along one of its axes."""
+    size = a.itemsize
+    if a.shape[1] <= 1 or a.strides[1] == size:
+        return 0, max(a.strides[0] // size, a.shape[1], 1)
+    return 1, max(a.strides[1] // size, a.shape[0], 1)
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def product(a, b, c):
+    """c = a · b for 2-D views (each with unit stride along one axis; c along its rows)."""
+    if c.shape[0] == 0 or c.shape[1] == 0:
+        return
+    if a.shape[1] == 0:
+        c[:] = 0
+        return
+    trans_a, lda = _operand(a)
+    trans_b, ldb = _operand(b)
+    blas_gemm(trans_a, trans_b, c.shape[0], c.shape[1], a.shape[1], 1.0, a, 0, lda, b, 0, ldb, 0.0, c, 0,
+         max(c.strides[0] // c.itemsize, c.shape[1], 1))
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def gemm_batched_parts(a, b, out, m, n, k, trans_a, trans_b, lda, ldb, ldc, a_offsets, b_offsets, out_offsets, betas,
+                       alpha, bounds, by_rows):
+    """out[o_i] = alpha · op(a[a_i]) · op(b[b_i]) + betas[i] · out[o_i] for each product i, in parallel parts:
+    `by_rows`, part p computes rows [bounds[p], bounds[p + 1]) of every product, in product order (so
+    products that share an output add up as in one thread); otherwise the products [bounds[p], bounds[p + 1])
+    (their outputs distinct). Row r of op(a) starts r·lda elements in (r when a is transposed)."""
+    a_row = 1 if trans_a else lda
+    for p in prange(bounds.size - 1):
+        if by_rows:
+            first, rows = bounds[p], bounds[p + 1] - bounds[p]
+            for i in range(a_offsets.size):
+                blas_gemm(trans_a, trans_b, rows, n, k, alpha, a, a_offsets[i] + first * a_row, lda, b, b_offsets[i], ldb,
+                     betas[i], out, out_offsets[i] + first * ldc, ldc)
+        else:
+            for i in range(bounds[p], bounds[p + 1]):
+                blas_gemm(trans_a, trans_b, m, n, k, alpha, a, a_offsets[i], lda, b, b_offsets[i], ldb, betas[i], out,
+                     out_offsets[i], ldc)

@@ -24,6 +24,14 @@ Convolution:
   gathered from several images M/G·chunk·P, and dW's sums (G + 1)·K·M/G
   floats; e.g. 1.35 MB for MobileNetV2's first layer at 224x224. Depthwise:
   one padded plane (rows) or one padded image, channels-last.
+- threads (kernels/parts.py): each kernel's `_parts` twin splits the batch
+  (depthwise along rows: the image-channel pairs) into one part per thread,
+  in one parallel region, each part with its own work memory. The parts
+  share one thread's product width (COLUMNS / parts each), so together they
+  hold about the work memory of one thread. Each part sums its images' dW
+  into its own sums, added in part order after; where those sums outweigh
+  the work memory (pointwise convolutions over few cells), the weight
+  gradient splits its output channels instead, each part over all images.
 
 ConvTranspose runs the convolution kernels with X and Y exchanged: its forward is a convolution's
 input gradient (col2im), its input gradient a convolution forward, its weight gradient a
@@ -32,11 +40,13 @@ convolution's weight gradient with X in dY's place.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from . import ODTRAIN_DOMAIN, binding
-from .blas import blas_gemm
-from .depthwise import _depthwise_forward, _depthwise_input_grad, _depthwise_weight_grad
+from .blas import blas_gemm, product
+from .depthwise import (_depthwise_forward, _depthwise_forward_parts, _depthwise_input_grad,
+                        _depthwise_input_grad_parts, _depthwise_weight_grad, _depthwise_weight_grad_parts)
+from .parts import part_bounds, part_count
 from .windows import _as_3d, _text, _valid_range, window_geometry
 
 COLUMNS = 512  # convolutions batch images into one product until it has this many columns
@@ -45,40 +55,11 @@ COLUMNS = 512  # convolutions batch images into one product until it has this ma
 # cells into blocks below it (when the blocks stay at least MIN_BLOCK wide)
 SMALL_PRODUCT = 1_000_000
 MIN_BLOCK = 64
+MIN_CHANNELS = 16  # output channels per part when a weight gradient splits them (narrower products lose speed)
 ROW_WIDTH = 24  # depthwise convolutions with outputs at least this wide work along rows, others channels-last
 
 
 # ---- BLAS products on strided views ---------------------------------------------------------------
-
-
-@njit(cache=True, error_model="numpy", inline="always")
-def _xxgemm(trans_a, trans_b, m, n, k, a, lda, b, ldb, c, ldc):
-    """Row-major c[m, n] = op(a)[m, k] · op(b)[k, n] on views with leading dimensions (strided blocks)."""
-    one, zero = c.dtype.type(1.0), c.dtype.type(0.0)
-    return blas_gemm(trans_a, trans_b, m, n, k, one, a, 0, lda, b, 0, ldb, zero, c, 0, ldc)
-
-
-@njit(cache=True, error_model="numpy", inline="always")
-def _operand(a):
-    """(transposed, leading dimension) of a 2-D view with unit stride along one of its axes."""
-    size = a.itemsize
-    if a.shape[1] <= 1 or a.strides[1] == size:
-        return False, max(a.strides[0] // size, a.shape[1], 1)
-    return True, max(a.strides[1] // size, a.shape[0], 1)
-
-
-@njit(cache=True, error_model="numpy", inline="always")
-def _product(a, b, c):
-    """c = a · b for 2-D views (each with unit stride along one axis; c along its rows)."""
-    if c.shape[0] == 0 or c.shape[1] == 0:
-        return
-    if a.shape[1] == 0:
-        c[:] = 0
-        return
-    trans_a, lda = _operand(a)
-    trans_b, ldb = _operand(b)
-    _xxgemm(trans_a, trans_b, c.shape[0], c.shape[1], a.shape[1], a, lda, b, ldb, c,
-            max(c.strides[0] // c.itemsize, c.shape[1], 1))
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -88,7 +69,7 @@ def _products_to_images(a, b, c, n0, nb, cells, block):
     for i in range(nb):
         for j in range(0, cells, block):
             end = min(j + block, cells)
-            _product(a, b[:, i * cells + j:i * cells + end], c[n0 + i][:, j:end])
+            product(a, b[:, i * cells + j:i * cells + end], c[n0 + i][:, j:end])
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -98,7 +79,7 @@ def _products_from_images(a, b, c, n0, nb, cells, block):
     for i in range(nb):
         for j in range(0, cells, block):
             end = min(j + block, cells)
-            _product(a, b[n0 + i][:, j:end], c[:, i * cells + j:i * cells + end])
+            product(a, b[n0 + i][:, j:end], c[:, i * cells + j:i * cells + end])
 
 
 # ---- convolution: im2col + BLAS ------------------------------------------------------------------
@@ -234,23 +215,42 @@ def _col2im(col, n0, nb, g, geom, dx):
 
 
 @njit(cache=True, error_model="numpy")
-def _gather_dy(dy, n0, nb, g, out):
-    """out[m, b·P + p] = dy[n0 + b, g, m, p]."""
+def _gather_dy(dy, n0, nb, g, out, m0=0):
+    """out[m, b·P + p] = dy[n0 + b, g, m0 + m, p] (out has the rows of the channels wanted)."""
     cells = dy.shape[3]
-    for m in range(dy.shape[2]):
+    for m in range(out.shape[0]):
         for b in range(nb):
             for p in range(cells):
-                out[m, b * cells + p] = dy[n0 + b, g, m, p]
+                out[m, b * cells + p] = dy[n0 + b, g, m0 + m, p]
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _weight_operands(dy, x, col_work, row_work, geom, pointwise, k, n0, nb, g, m0, m1):
+    """(im2col columns [K, nb·P] of the images n0..n0+nb of group g, their dy rows [m1 - m0, nb·P] of the
+    channels m0..m1): the operands of one chunk's weight-gradient product, views of x or dy where they can be."""
+    cells = dy.shape[3]
+    width = nb * cells
+    if nb == 1 and pointwise:
+        col = x[n0, g].reshape(k, cells)
+    else:
+        col = col_work[:k * width].reshape(k, width)
+        _im2col(x, n0, nb, g, geom, col)
+    if nb == 1:
+        return col, dy[n0, g][m0:m1]
+    grad_rows = row_work[:(m1 - m0) * width].reshape(m1 - m0, width)
+    _gather_dy(dy, n0, nb, g, grad_rows, m0)
+    return col, grad_rows
 
 
 @njit(cache=True, error_model="numpy")
-def _conv_forward(x, w, bias, has_bias, y, col_work, row_work, geom, chunk, pointwise, block):
-    """y[n, g] = w[g] · im2col(x[n, g]) (+ bias), `chunk` images per im2col and per product, or with
-    `block` one product per `block` output cells of each image, written straight into y."""
-    batch, groups, per_group, cells = y.shape[0], y.shape[1], y.shape[2], y.shape[3]
+def _conv_forward(x, w, bias, has_bias, y, col_work, row_work, geom, chunk, pointwise, block, begin, end):
+    """y[n, g] = w[g] · im2col(x[n, g]) (+ bias) for the images n in [begin, end), `chunk` images per im2col
+    and per product, or with `block` one product per `block` output cells of each image, written straight
+    into y."""
+    groups, per_group, cells = y.shape[1], y.shape[2], y.shape[3]
     k = w.shape[2]
-    for n0 in range(0, batch, chunk):
-        nb = min(chunk, batch - n0)
+    for n0 in range(begin, end, chunk):
+        nb = min(chunk, end - n0)
         width = nb * cells
         for g in range(groups):
             if nb == 1 and pointwise:
@@ -275,7 +275,7 @@ def _conv_forward(x, w, bias, has_bias, y, col_work, row_work, geom, chunk, poin
                     for p in range(cells):
                         target[p] = product[m, b * cells + p]
     if has_bias:
-        for n in range(batch):
+        for n in range(begin, end):
             for g in range(groups):
                 for m in range(per_group):
                     value = bias[g, m]
@@ -284,14 +284,24 @@ def _conv_forward(x, w, bias, has_bias, y, col_work, row_work, geom, chunk, poin
                         target[p] += value
 
 
+@njit(cache=True, error_model="numpy", parallel=True)
+def _conv_forward_parts(x, w, bias, has_bias, y, work, columns, geom, chunk, pointwise, block, bounds):
+    """_conv_forward on the images [bounds[p], bounds[p + 1]) of each part p, in parallel, each part with
+    its own work memory: work[p] holds its im2col columns, then its gathered rows."""
+    for part in prange(bounds.size - 1):
+        mine = work[part]
+        _conv_forward(x, w, bias, has_bias, y, mine[:columns], mine[columns:], geom, chunk, pointwise, block,
+                      bounds[part], bounds[part + 1])
+
+
 @njit(cache=True, error_model="numpy")
-def _conv_input_grad(dy, w, dx, col_work, row_work, geom, chunk, pointwise, block):
-    """dx = col2im(w[g]ᵀ · dy[n, g]) for every image and group (with `block`, one product per `block`
-    cells of each image, read straight from dy)."""
-    batch, groups, per_group, cells = dy.shape[0], dy.shape[1], dy.shape[2], dy.shape[3]
+def _conv_input_grad(dy, w, dx, col_work, row_work, geom, chunk, pointwise, block, begin, end):
+    """dx = col2im(w[g]ᵀ · dy[n, g]) for the images n in [begin, end) and every group (with `block`, one
+    product per `block` cells of each image, read straight from dy)."""
+    groups, per_group, cells = dy.shape[1], dy.shape[2], dy.shape[3]
     k = w.shape[2]
-    for n0 in range(0, batch, chunk):
-        nb = min(chunk, batch - n0)
+    for n0 in range(begin, end, chunk):
+        nb = min(chunk, end - n0)
         width = nb * cells
         for g in range(groups):
             if nb == 1 and pointwise:
@@ -314,27 +324,26 @@ def _conv_input_grad(dy, w, dx, col_work, row_work, geom, chunk, pointwise, bloc
             _col2im(col, n0, nb, g, geom, dx)
 
 
+@njit(cache=True, error_model="numpy", parallel=True)
+def _conv_input_grad_parts(dy, w, dx, work, columns, geom, chunk, pointwise, block, bounds):
+    """_conv_input_grad on the images of each part (bounds), in parallel, each with its own work[p]."""
+    for part in prange(bounds.size - 1):
+        mine = work[part]
+        _conv_input_grad(dy, w, dx, mine[:columns], mine[columns:], geom, chunk, pointwise, block, bounds[part],
+                         bounds[part + 1])
+
+
 @njit(cache=True, error_model="numpy")
-def _conv_weight_grad(dy, x, dw, col_work, row_work, sums, product, geom, chunk, pointwise):
-    """dw[g] = Σ over images of dy[n, g] · im2col(x[n, g])ᵀ, summed transposed in sums[g] = Σ col · dyᵀ
-    (BLAS's faster order for these shapes), then transposed into dw."""
-    batch, groups, per_group, cells = dy.shape[0], dy.shape[1], dy.shape[2], dy.shape[3]
-    k = dw.shape[2]
-    for n0 in range(0, batch, chunk):
-        nb = min(chunk, batch - n0)
-        width = nb * cells
+def _conv_weight_sums(dy, x, col_work, row_work, sums, product, geom, chunk, pointwise, begin, end):
+    """sums[g] = Σ over the images n in [begin, end) of im2col(x[n, g]) · dy[n, g]ᵀ: dw[g] transposed
+    (BLAS's faster order for these shapes); `product` holds one chunk's product before it is added."""
+    groups, per_group = dy.shape[1], dy.shape[2]
+    k = sums.shape[1]
+    for n0 in range(begin, end, chunk):
+        nb = min(chunk, end - n0)
         for g in range(groups):
-            if nb == 1 and pointwise:
-                col = x[n0, g].reshape(k, cells)
-            else:
-                col = col_work[:k * width].reshape(k, width)
-                _im2col(x, n0, nb, g, geom, col)
-            if nb == 1:
-                grad_rows = dy[n0, g]
-            else:
-                grad_rows = row_work[:per_group * width].reshape(per_group, width)
-                _gather_dy(dy, n0, nb, g, grad_rows)
-            if n0 == 0:
+            col, grad_rows = _weight_operands(dy, x, col_work, row_work, geom, pointwise, k, n0, nb, g, 0, per_group)
+            if n0 == begin:
                 np.dot(col, grad_rows.T, sums[g])
             else:
                 np.dot(col, grad_rows.T, product)
@@ -342,16 +351,76 @@ def _conv_weight_grad(dy, x, dw, col_work, row_work, sums, product, geom, chunk,
                 source = product.reshape(-1)
                 for i in range(target.size):
                     target[i] += source[i]
+
+
+@njit(cache=True, error_model="numpy")
+def _conv_weight_grad(dy, x, dw, col_work, row_work, sums, product, geom, chunk, pointwise):
+    """dw[g] = Σ over images of dy[n, g] · im2col(x[n, g])ᵀ, summed transposed in sums (_conv_weight_sums),
+    then transposed into dw."""
+    _conv_weight_sums(dy, x, col_work, row_work, sums, product, geom, chunk, pointwise, 0, dy.shape[0])
+    for g in range(dw.shape[0]):
+        for m in range(dw.shape[1]):
+            for j in range(dw.shape[2]):
+                dw[g, m, j] = sums[g, j, m]
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _conv_weight_grad_parts(dy, x, dw, work, columns, rows, product_size, geom, chunk, pointwise, bounds):
+    """dw as _conv_weight_grad, each part (bounds) summing its images into its own sums in work[p] (after its
+    columns and rows; then its chunk product when it has several chunks), in parallel; the parts' sums are
+    then added in part order: the same at every run."""
+    groups, per_group, k = dw.shape[0], dw.shape[1], dw.shape[2]
+    size = groups * k * per_group
+    start = columns + rows
+    for part in prange(bounds.size - 1):
+        mine = work[part]
+        sums = mine[start:start + size].reshape(groups, k, per_group)
+        # a part of one chunk never adds a product: its sums stand in
+        product = mine[start + size:start + size + product_size].reshape(k, per_group) if product_size else sums[0]
+        _conv_weight_sums(dy, x, mine[:columns], mine[columns:start], sums, product, geom, chunk, pointwise,
+                          bounds[part], bounds[part + 1])
     for g in range(groups):
         for m in range(per_group):
+            for j in range(k):
+                total = work[0, start + (g * k + j) * per_group + m]
+                for part in range(1, bounds.size - 1):
+                    total += work[part, start + (g * k + j) * per_group + m]
+                dw[g, m, j] = total
+
+
+@njit(cache=True, error_model="numpy")
+def _conv_weight_channels(dy, x, dw, col_work, row_work, sums, geom, chunk, pointwise, m0, m1):
+    """dw[g, m] for the output channels m in [m0, m1), summed over every image: sums[g][:, m] = Σ col · dy[m]ᵀ,
+    each chunk's product added by BLAS (beta = 1), then transposed into dw."""
+    batch, groups, per_group, cells = dy.shape[0], dy.shape[1], dy.shape[2], dy.shape[3]
+    k = sums.shape[1]
+    for n0 in range(0, batch, chunk):
+        nb = min(chunk, batch - n0)
+        width = nb * cells
+        for g in range(groups):
+            col, grad_rows = _weight_operands(dy, x, col_work, row_work, geom, pointwise, k, n0, nb, g, m0, m1)
+            blas_gemm(0, 1, k, m1 - m0, width, 1.0, col, 0, width, grad_rows, 0, width, 0.0 if n0 == 0 else 1.0, sums,
+                 (g * k) * per_group + m0, per_group)
+    for g in range(groups):
+        for m in range(m0, m1):
             for j in range(k):
                 dw[g, m, j] = sums[g, j, m]
 
 
+@njit(cache=True, error_model="numpy", parallel=True)
+def _conv_weight_grad_channel_parts(dy, x, dw, work, columns, sums, geom, chunk, pointwise, bounds):
+    """dw as _conv_weight_grad, each part (bounds) computing its own output channels over every image, with
+    its own work memory (im2col columns, then gathered rows): no partial sums to add."""
+    for part in prange(bounds.size - 1):
+        mine = work[part]
+        _conv_weight_channels(dy, x, dw, mine[:columns], mine[columns:], sums, geom, chunk, pointwise, bounds[part],
+                              bounds[part + 1])
+
+
 @njit(cache=True, error_model="numpy")
-def _conv_bias_grad(dy, db):
-    """db[m] = Σ_n Σ_p dy[n, m, p], summed in float64."""
-    for m in range(dy.shape[1]):
+def _conv_bias_grad(dy, db, m0, m1):
+    """db[m] = Σ_n Σ_p dy[n, m, p], summed in float64, for the channels m in [m0, m1)."""
+    for m in range(m0, m1):
         total = 0.0
         for n in range(dy.shape[0]):
             row = dy[n, m]
@@ -361,11 +430,19 @@ def _conv_bias_grad(dy, db):
             total += partial
         db[m] = total
 
+@njit(cache=True, error_model="numpy", parallel=True)
+def _conv_bias_grad_parts(dy, db, bounds):
+    """_conv_bias_grad on parts of the channels (bounds), in parallel: each sum as in one thread."""
+    for p in prange(bounds.size - 1):
+        _conv_bias_grad(dy, db, bounds[p], bounds[p + 1])
+
+
 class _ConvLayout:
-    """How a convolution runs, from the shapes of X, W and Y: views, geometry, kernel choice, work sizes."""
+    """How a convolution runs, from the shapes of X, W and Y and the step's threads: views, geometry, kernel
+    choice, how many parts of the batch run in parallel (kernels/parts.py), work sizes per part."""
 
     def __init__(self, x_shape, w_shape, y_shape, group=1, auto_pad="NOTSET", dilations=None, kernel_shape=None,
-                 pads=None, strides=None):
+                 pads=None, strides=None, threads=1):
         group = int(group)
         batch, channels = int(x_shape[0]), int(x_shape[1])
         self.groups = group
@@ -380,9 +457,17 @@ class _ConvLayout:
         self.w3 = (group, self.out_per_group, self.k)
         self.depthwise = self.in_per_group == 1 and self.k > 1
         geom = self.geom
+        # parallel parts: of the images; depthwise along rows, of the (image, channel) pairs
+        rows_layout = self.depthwise and _as_3d(y_shape[2:])[2] >= ROW_WIDTH
+        self.units = batch * group if rows_layout else batch
+        work = batch * self.cells * self.k * int(w_shape[0])  # multiply-adds
+        self.parts = part_count(threads, self.units, work)
+        self.bounds = part_bounds(self.units, self.parts)
+        per_part = -(-batch // self.parts)  # images of the largest part
         self.pointwise = bool((geom[0:6] == 1).all() and (geom[9:12] == 0).all()
                               and tuple(x_shape[2:]) == tuple(y_shape[2:]))
-        self.chunk = int(max(1, min(batch, -(-COLUMNS // max(self.cells, 1)))))
+        # the parts share the columns of one product: together they hold no more work memory than one thread
+        self.chunk = int(max(1, min(per_part, -(-COLUMNS // (self.parts * max(self.cells, 1))))))
         width = self.chunk * self.cells
         # forward and input-gradient products in blocks of output cells small enough for the small-matrix kernels
         widest = SMALL_PRODUCT // max(self.out_per_group * self.k, 1)
@@ -390,40 +475,69 @@ class _ConvLayout:
         if MIN_BLOCK <= widest < width and self.cells > 0:
             blocks = -(-self.cells // widest)
             self.block = int(-(-self.cells // blocks))
-        # float32 elements of work memory: im2col columns, gathered rows (several images), a partial dW
+        # float32 elements of work memory per part: im2col columns, gathered rows (several images), a partial dW
         self.columns = 0 if self.depthwise or (self.pointwise and self.chunk == 1) else self.k * width
         self.rows = 0 if self.depthwise or self.chunk == 1 else self.out_per_group * width
         # the weight gradient's transposed sums [G, K, M/G], and one product [K, M/G] to add from later chunks
-        self.partial = 0 if self.depthwise else (group + (batch > self.chunk)) * self.k * self.out_per_group
+        self.product = self.k * self.out_per_group if per_part > self.chunk else 0
+        self.partial = 0 if self.depthwise else group * self.k * self.out_per_group + self.product
+        # Parts of the batch sum their own weight gradients, then add them. Where those sums outweigh the
+        # parts' im2col memory (pointwise convolutions over few cells), the weight gradient splits its output
+        # channels instead: each part all images, no sums to add. Its work memory per part: one thread's
+        # columns, and its channels' gathered rows.
+        self.channel_parts = 1
+        if self.parts > 1 and not self.depthwise and self.partial > self.columns + self.rows:
+            self.channel_parts = part_count(threads, self.out_per_group // MIN_CHANNELS, work)
+        self.channel_chunk = int(max(1, min(batch, -(-COLUMNS // max(self.cells, 1)))))
+        width = self.channel_chunk * self.cells
+        self.channel_columns = 0 if self.pointwise and self.channel_chunk == 1 else self.k * width
+        self.channel_rows = 0 if self.channel_chunk == 1 else -(-self.out_per_group // self.channel_parts) * width
         if self.depthwise:
             x3, y3 = _as_3d(x_shape[2:]), _as_3d(y_shape[2:])
             self.x5 = (batch, group) + x3
             padded = tuple(max(x3[a] + geom[9 + a], (y3[a] - 1) * geom[3 + a] + (geom[a] - 1) * geom[6 + a] + 1)
                            for a in range(3))
-            self.channels_last = y3[2] < ROW_WIDTH
+            self.channels_last = not rows_layout
             self.columns_of_taps = np.zeros((2, 1), np.int64)
-            if self.channels_last:  # the padded image, one output plane, the taps: all [..., G]
+            if self.channels_last:  # the padded image, one output plane, the taps or dW sums: all [..., G]
                 self.padded_shape = padded + (group,)
                 self.rows_shape = y3 + (group,)
-                self.partial = self.out_per_group * self.k * group
-            else:  # one padded plane in stride phases; unused 1-element stand-ins for the rest
+                self.sums_shape = (self.out_per_group, self.k, group)
+            else:  # one padded plane in stride phases; an unused stand-in for the output plane
                 stride = int(geom[5])
                 self.padded_shape = (stride,) + padded[:2] + (-(-padded[2] // stride),)
                 taps = np.arange(int(geom[2])) * int(geom[8])
                 self.columns_of_taps = np.stack([taps % stride, taps // stride]).astype(np.int64)
                 self.rows_shape = (1, 1, 1, 1)
-                self.partial = self.out_per_group * self.k
+                # serial: taps stand-in [M/G, K, 1] (dW sums go straight to dW); parts: dW sums [G, M/G, K]
+                self.sums_shape = (group, self.out_per_group, self.k) if self.parts > 1 else (self.out_per_group,
+                                                                                             self.k, 1)
             self.columns = int(np.prod(self.padded_shape))
             self.rows = int(np.prod(self.rows_shape))
+            self.partial = int(np.prod(self.sums_shape))
+
+    def scratch_bytes(self, weight_gradient: bool, itemsize: int = 4) -> int:
+        """Bytes of work memory for all parts (the dW sums only for a weight gradient or depthwise), in
+        elements of `itemsize` bytes (float32, or float64 for the integer convolutions of quantize.py)."""
+        if weight_gradient and self.channel_parts > 1:
+            sums = self.groups * self.k * self.out_per_group
+            return itemsize * (self.channel_parts * (self.channel_columns + self.channel_rows) + sums)
+        extra = self.partial if weight_gradient or self.depthwise else 0
+        return itemsize * self.parts * (self.columns + self.rows + extra)
+
+    def per_part(self, scratch) -> np.ndarray:
+        """The scratch as float32 [parts, elements per part]."""
+        memory = scratch.view(np.float32) if scratch is not None else np.zeros(0, np.float32)
+        return memory.reshape(self.parts, -1) if memory.size else np.zeros((self.parts, 0), np.float32)
 
     def depthwise_work(self, scratch, dtype=np.float32):
-        """(padded input plane, one output/gradient plane, taps [M/G, K, G]) for the depthwise kernels."""
+        """(padded input plane, one output/gradient plane, taps [M/G, K, G] or dW sums) for the serial
+        depthwise kernels, as views of the node's scratch in the dtype the convolution runs in."""
         memory = scratch.view(dtype)
         padded = memory[:self.columns].reshape(self.padded_shape)
         rows = memory[self.columns:self.columns + self.rows].reshape(self.rows_shape)
         start = self.columns + self.rows
-        groups = self.groups if self.channels_last else 1
-        taps = memory[start:start + self.partial].reshape(self.out_per_group, self.k, groups)
+        taps = memory[start:start + self.partial].reshape(self.sums_shape)
         return padded, rows, taps
 
     def work(self, scratch, sums: bool = False, dtype=np.float32):
@@ -442,6 +556,74 @@ class _ConvLayout:
         return columns, rows, totals, product
 
 
+def _depthwise_calls(layout: _ConvLayout, serial, parallel, arrays: tuple, scratch, weight_gradient=False) -> list:
+    """The call of a depthwise kernel on `arrays`: its parallel twin on parts of the units, or the serial
+    kernel (over all units; a weight gradient gets the whole dW sums, the others the taps of one multiplier)."""
+    if layout.parts > 1:
+        return [(parallel, arrays + (layout.geom, layout.columns_of_taps, layout.per_part(scratch), layout.padded_shape,
+                                     layout.rows_shape, layout.sums_shape, layout.channels_last, layout.bounds))]
+    padded, rows, taps = layout.depthwise_work(scratch, arrays[0].dtype)
+    if weight_gradient:
+        return [(serial, arrays + (layout.geom, layout.columns_of_taps, padded, rows, taps, layout.channels_last))]
+    return [(serial, arrays + (layout.geom, layout.columns_of_taps, padded, rows, taps[0], layout.channels_last, 0,
+                               layout.units))]
+
+
+def _forward_calls(layout: _ConvLayout, x, w, bias, y, scratch) -> list:
+    """y = conv(x, w) (+ bias [G, M/G] when given): the calls, serial or in parts."""
+    wv = w.reshape(layout.w3)
+    b = bias if bias is not None else np.zeros((1, 1), x.dtype)
+    if layout.depthwise:
+        return _depthwise_calls(layout, _depthwise_forward, _depthwise_forward_parts,
+                                (x.reshape(layout.x5), wv, b, bias is not None, y.reshape(layout.y6)), scratch)
+    xv, yv = x.reshape(layout.x6), y.reshape(layout.y4)
+    if layout.parts > 1:
+        return [(_conv_forward_parts, (xv, wv, b, bias is not None, yv, layout.per_part(scratch), layout.columns,
+                                       layout.geom, layout.chunk, layout.pointwise, layout.block, layout.bounds))]
+    columns, rows = layout.work(scratch, dtype=x.dtype)
+    return [(_conv_forward, (xv, wv, b, bias is not None, yv, columns, rows, layout.geom, layout.chunk,
+                             layout.pointwise, layout.block, 0, xv.shape[0]))]
+
+
+def _input_grad_calls(layout: _ConvLayout, dy, w, dx, scratch) -> list:
+    """dx = the input gradient of conv(x, w) from dy: the calls, serial or in parts."""
+    wv = w.reshape(layout.w3)
+    if layout.depthwise:
+        return _depthwise_calls(layout, _depthwise_input_grad, _depthwise_input_grad_parts,
+                                (dy.reshape(layout.y6), wv, dx.reshape(layout.x5)), scratch)
+    dyv, dxv = dy.reshape(layout.y4), dx.reshape(layout.x6)
+    if layout.parts > 1:
+        return [(_conv_input_grad_parts, (dyv, wv, dxv, layout.per_part(scratch), layout.columns, layout.geom,
+                                          layout.chunk, layout.pointwise, layout.block, layout.bounds))]
+    columns, rows = layout.work(scratch)
+    return [(_conv_input_grad, (dyv, wv, dxv, columns, rows, layout.geom, layout.chunk, layout.pointwise,
+                                layout.block, 0, dxv.shape[0]))]
+
+
+def _weight_grad_calls(layout: _ConvLayout, dy, x, dw, scratch) -> list:
+    """dw = the weight gradient of conv(x, w) from dy: the calls, serial or in parts."""
+    dwv = dw.reshape(layout.w3)
+    if layout.depthwise:
+        return _depthwise_calls(layout, _depthwise_weight_grad, _depthwise_weight_grad_parts,
+                                (dy.reshape(layout.y6), x.reshape(layout.x5), dwv), scratch, weight_gradient=True)
+    dyv, xv = dy.reshape(layout.y4), x.reshape(layout.x6)
+    if layout.channel_parts > 1:
+        memory = scratch.view(np.float32)
+        per_part = layout.channel_columns + layout.channel_rows
+        work = memory[:layout.channel_parts * per_part].reshape(layout.channel_parts, per_part)
+        sums = memory[work.size:].reshape(layout.groups, layout.k, layout.out_per_group)
+        return [(_conv_weight_grad_channel_parts, (dyv, xv, dwv, work, layout.channel_columns, sums, layout.geom,
+                                                   layout.channel_chunk, layout.pointwise,
+                                                   part_bounds(layout.out_per_group, layout.channel_parts)))]
+    if layout.parts > 1:
+        return [(_conv_weight_grad_parts, (dyv, xv, dwv, layout.per_part(scratch), layout.columns, layout.rows,
+                                           layout.product, layout.geom, layout.chunk, layout.pointwise,
+                                           layout.bounds))]
+    columns, rows, sums, product = layout.work(scratch, sums=True)
+    return [(_conv_weight_grad, (dyv, xv, dwv, columns, rows, sums, product, layout.geom, layout.chunk,
+                                 layout.pointwise))]
+
+
 def conv_scratch(op_type: str):
     """The scratch-size rule of Conv, ConvInputGrad or ConvWeightGrad: bytes of im2col work memory."""
 
@@ -454,60 +636,40 @@ def conv_scratch(op_type: str):
             layout = _ConvLayout(shape_out, shapes_in[1], shapes_in[0], **attrs)
         else:
             layout = _ConvLayout(shapes_in[1], shape_out, shapes_in[0], **attrs)
-        extra = layout.partial if op_type == "ConvWeightGrad" or layout.depthwise else 0
-        return np.dtype(specs_in[0][1]).itemsize * (layout.columns + layout.rows + extra)
+        return layout.scratch_bytes(op_type == "ConvWeightGrad", np.dtype(specs_in[0][1]).itemsize)
 
     return size
 
 
-@binding("Conv", scratch=conv_scratch("Conv"))
+@binding("Conv", scratch=conv_scratch("Conv"), parallel=True)
 def Conv(inputs, outputs, scratch=None, **attrs):
     x, w, y = inputs[0], inputs[1], outputs[0]
     bias = inputs[2] if len(inputs) > 2 and inputs[2] is not None else None
     layout = _ConvLayout(x.shape, w.shape, y.shape, **attrs)
-    b = bias.reshape(layout.groups, layout.out_per_group) if bias is not None else np.zeros((1, 1), x.dtype)
-    xv, wv = x.reshape(layout.x6), w.reshape(layout.w3)
-    if layout.depthwise:  # float32, or float64 for the integer convolutions (kernels/quantize.py)
-        padded, rows, taps = layout.depthwise_work(scratch, x.dtype)
-        return [(_depthwise_forward, (x.reshape(layout.x5), wv, b, bias is not None, y.reshape(layout.y6), layout.geom,
-                                      layout.columns_of_taps, padded, rows, taps[0], layout.channels_last))]
-    columns, rows = layout.work(scratch, dtype=x.dtype)
-    return [(_conv_forward, (xv, wv, b, bias is not None, y.reshape(layout.y4), columns, rows, layout.geom,
-                             layout.chunk, layout.pointwise, layout.block))]
+    b = bias.reshape(layout.groups, layout.out_per_group) if bias is not None else None
+    return _forward_calls(layout, x, w, b, y, scratch)
 
 
-@binding("ConvInputGrad", ODTRAIN_DOMAIN, scratch=conv_scratch("ConvInputGrad"))
+@binding("ConvInputGrad", ODTRAIN_DOMAIN, scratch=conv_scratch("ConvInputGrad"), parallel=True)
 def ConvInputGrad(inputs, outputs, scratch=None, **attrs):
     dy, w, dx = inputs[0], inputs[1], outputs[0]
-    layout = _ConvLayout(dx.shape, w.shape, dy.shape, **attrs)
-    dxv, wv = dx.reshape(layout.x6), w.reshape(layout.w3)
-    if layout.depthwise:
-        padded, rows, taps = layout.depthwise_work(scratch)
-        return [(_depthwise_input_grad, (dy.reshape(layout.y6), wv, dx.reshape(layout.x5), layout.geom,
-                                         layout.columns_of_taps, padded, rows, taps[0], layout.channels_last))]
-    columns, rows = layout.work(scratch)
-    return [(_conv_input_grad, (dy.reshape(layout.y4), wv, dxv, columns, rows, layout.geom, layout.chunk,
-                                layout.pointwise, layout.block))]
+    return _input_grad_calls(_ConvLayout(dx.shape, w.shape, dy.shape, **attrs), dy, w, dx, scratch)
 
 
-@binding("ConvWeightGrad", ODTRAIN_DOMAIN, scratch=conv_scratch("ConvWeightGrad"))
+@binding("ConvWeightGrad", ODTRAIN_DOMAIN, scratch=conv_scratch("ConvWeightGrad"), parallel=True)
 def ConvWeightGrad(inputs, outputs, scratch=None, **attrs):
     dy, x, dw = inputs[0], inputs[1], outputs[0]
-    layout = _ConvLayout(x.shape, dw.shape, dy.shape, **attrs)
-    xv, dwv = x.reshape(layout.x6), dw.reshape(layout.w3)
-    if layout.depthwise:
-        padded, rows, sums = layout.depthwise_work(scratch)
-        return [(_depthwise_weight_grad, (dy.reshape(layout.y6), x.reshape(layout.x5), dwv, layout.geom,
-                                          layout.columns_of_taps, padded, rows, sums, layout.channels_last))]
-    columns, rows, sums, product = layout.work(scratch, sums=True)
-    return [(_conv_weight_grad, (dy.reshape(layout.y4), xv, dwv, columns, rows, sums, product, layout.geom,
-                                 layout.chunk, layout.pointwise))]
+    return _weight_grad_calls(_ConvLayout(x.shape, dw.shape, dy.shape, **attrs), dy, x, dw, scratch)
 
 
-@binding("ConvBiasGrad", ODTRAIN_DOMAIN)
-def ConvBiasGrad(inputs, outputs):
+@binding("ConvBiasGrad", ODTRAIN_DOMAIN, parallel=True)
+def ConvBiasGrad(inputs, outputs, threads=1):
     dy = inputs[0]
-    return [(_conv_bias_grad, (dy.reshape(dy.shape[0], dy.shape[1], -1), outputs[0]))]
+    args = (dy.reshape(dy.shape[0], dy.shape[1], -1), outputs[0])
+    parts = part_count(threads, dy.shape[1], dy.size)
+    if parts == 1:
+        return [(_conv_bias_grad, args + (0, dy.shape[1]))]
+    return [(_conv_bias_grad_parts, args + (part_bounds(dy.shape[1], parts),))]
 
 
 # ---- ConvTranspose: the convolution kernels with X and Y exchanged --------------------------------
@@ -541,12 +703,13 @@ def _transpose_begin_pads(x_spatial, y_spatial, kernel, auto_pad="NOTSET", dilat
 
 
 def _transpose_layout(x_shape, w_shape, y_shape, group=1, auto_pad="NOTSET", dilations=None, kernel_shape=None,
-                      output_padding=None, output_shape=None, pads=None, strides=None) -> _ConvLayout:
+                      output_padding=None, output_shape=None, pads=None, strides=None, threads=1) -> _ConvLayout:
     """The layout of the convolution whose input is Y and output X (ConvTranspose's shapes)."""
     rank = len(x_shape) - 2
     begin = _transpose_begin_pads(x_shape[2:], y_shape[2:], [int(k) for k in w_shape[2:]], auto_pad, dilations,
                                   output_padding, output_shape, pads, strides)
-    return _ConvLayout(y_shape, w_shape, x_shape, group, "NOTSET", dilations, None, begin + [0] * rank, strides)
+    return _ConvLayout(y_shape, w_shape, x_shape, group, "NOTSET", dilations, None, begin + [0] * rank, strides,
+                       threads)
 
 
 def _conv_transpose_scratch(op_type: str):
@@ -560,8 +723,7 @@ def _conv_transpose_scratch(op_type: str):
             layout = _transpose_layout(out, second, first, **attrs)
         else:  # dY, X -> dW
             layout = _transpose_layout(second, out, first, **attrs)
-        extra = layout.partial if op_type == "ConvTransposeWeightGrad" or layout.depthwise else 0
-        return 4 * (layout.columns + layout.rows + extra)
+        return layout.scratch_bytes(op_type == "ConvTransposeWeightGrad")
 
     return size
 
@@ -577,48 +739,24 @@ def _add_channel_bias(y, bias):
                 row[p] += value
 
 
-@binding("ConvTranspose", scratch=_conv_transpose_scratch("ConvTranspose"))
+@binding("ConvTranspose", scratch=_conv_transpose_scratch("ConvTranspose"), parallel=True)
 def ConvTranspose(inputs, outputs, scratch=None, **attrs):
     x, w, y = inputs[0], inputs[1], outputs[0]
-    layout = _transpose_layout(x.shape, w.shape, y.shape, **attrs)
-    wv = w.reshape(layout.w3)
-    if layout.depthwise:
-        padded, rows, taps = layout.depthwise_work(scratch)
-        calls = [(_depthwise_input_grad, (x.reshape(layout.y6), wv, y.reshape(layout.x5), layout.geom,
-                                          layout.columns_of_taps, padded, rows, taps[0], layout.channels_last))]
-    else:
-        columns, rows = layout.work(scratch)
-        calls = [(_conv_input_grad, (x.reshape(layout.y4), wv, y.reshape(layout.x6), columns, rows, layout.geom,
-                                     layout.chunk, layout.pointwise, layout.block))]
+    calls = _input_grad_calls(_transpose_layout(x.shape, w.shape, y.shape, **attrs), x, w, y, scratch)
     if len(inputs) > 2 and inputs[2] is not None:
         calls.append((_add_channel_bias, (y.reshape(y.shape[0], y.shape[1], -1), inputs[2])))
     return calls
 
 
-@binding("ConvTransposeInputGrad", ODTRAIN_DOMAIN, scratch=_conv_transpose_scratch("ConvTransposeInputGrad"))
+@binding("ConvTransposeInputGrad", ODTRAIN_DOMAIN, scratch=_conv_transpose_scratch("ConvTransposeInputGrad"),
+         parallel=True)
 def ConvTransposeInputGrad(inputs, outputs, scratch=None, **attrs):
     dy, w, dx = inputs[0], inputs[1], outputs[0]
-    layout = _transpose_layout(dx.shape, w.shape, dy.shape, **attrs)
-    wv, no_bias = w.reshape(layout.w3), np.zeros((1, 1), np.float32)
-    if layout.depthwise:
-        padded, rows, taps = layout.depthwise_work(scratch)
-        return [(_depthwise_forward, (dy.reshape(layout.x5), wv, no_bias, False, dx.reshape(layout.y6), layout.geom,
-                                      layout.columns_of_taps, padded, rows, taps[0], layout.channels_last))]
-    columns, rows = layout.work(scratch)
-    return [(_conv_forward, (dy.reshape(layout.x6), wv, no_bias, False, dx.reshape(layout.y4), columns, rows,
-                             layout.geom, layout.chunk, layout.pointwise, layout.block))]
+    return _forward_calls(_transpose_layout(dx.shape, w.shape, dy.shape, **attrs), dy, w, None, dx, scratch)
 
 
-@binding("ConvTransposeWeightGrad", ODTRAIN_DOMAIN, scratch=_conv_transpose_scratch("ConvTransposeWeightGrad"))
+@binding("ConvTransposeWeightGrad", ODTRAIN_DOMAIN, scratch=_conv_transpose_scratch("ConvTransposeWeightGrad"),
+         parallel=True)
 def ConvTransposeWeightGrad(inputs, outputs, scratch=None, **attrs):
     dy, x, dw = inputs[0], inputs[1], outputs[0]
-    layout = _transpose_layout(x.shape, dw.shape, dy.shape, **attrs)
-    dwv = dw.reshape(layout.w3)
-    if layout.depthwise:
-        padded, rows, sums = layout.depthwise_work(scratch)
-        return [(_depthwise_weight_grad, (x.reshape(layout.y6), dy.reshape(layout.x5), dwv, layout.geom,
-                                          layout.columns_of_taps, padded, rows, sums, layout.channels_last))]
-    columns, rows, sums, product = layout.work(scratch, sums=True)
-    return [(_conv_weight_grad, (x.reshape(layout.y4), dy.reshape(layout.x6), dwv, columns, rows, sums, product,
-                                 layout.geom, layout.chunk, layout.pointwise))]
-
+    return _weight_grad_calls(_transpose_layout(x.shape, dw.shape, dy.shape, **attrs), x, dy, dw, scratch)

@@ -25,15 +25,19 @@ Numba has no vector math library here (no SVML), so `np.exp` and `math.erf` run 
 libm call per element. `fast_exp`, `fast_erf` and `fast_tanh` are float32 polynomial
 approximations (Cephes' expf; Eigen's erf and tanh rational forms, within a few float32
 ulps) that LLVM vectorises: 3-15x faster in softmax, GELU and the recurrent gates.
+
+With threads, the flat kernels (and _binary_rows) have `_parts` twins that run them on parts of
+their elements (rows) in one parallel region; every value is as in one thread.
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, types
+from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
 from . import ODTRAIN_DOMAIN, binding
 from .layout import broadcast_layout, flat
+from .parts import part_bounds, part_count
 
 BINARY = {"Add": 0, "Sub": 1, "Mul": 2, "Div": 3, "ReluGrad": 4, "SigmoidGrad": 5, "TanhGrad": 6,
           "Pow": 7, "Max": 8, "Min": 9, "ErfGrad": 10, "AtanGrad": 11, "Mod": 14}
@@ -500,35 +504,117 @@ def _logical_not(x, out):
         out[i] = not x[i]
 
 
+# ---- the same on parts of the flat arrays (or of the rows), in parallel: every value as in one thread -----
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _unary_parts(code, x, out, bounds):
+    for p in prange(bounds.size - 1):
+        _unary(code, x[bounds[p]:bounds[p + 1]], out[bounds[p]:bounds[p + 1]])
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _special_unary_parts(code, x, out, bounds):
+    for p in prange(bounds.size - 1):
+        _special_unary(code, x[bounds[p]:bounds[p + 1]], out[bounds[p]:bounds[p + 1]])
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _gelu_parts(x, out, bounds):
+    for p in prange(bounds.size - 1):
+        _gelu(x[bounds[p]:bounds[p + 1]], out[bounds[p]:bounds[p + 1]])
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _gelu_inplace_parts(x, bounds):
+    for p in prange(bounds.size - 1):
+        _gelu_inplace(x[bounds[p]:bounds[p + 1]])
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _binary_parts(code, a, b, out, bounds):
+    for p in prange(bounds.size - 1):
+        _binary(code, a[bounds[p]:bounds[p + 1]], b[bounds[p]:bounds[p + 1]], out[bounds[p]:bounds[p + 1]])
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _special_binary_parts(code, dy, x, out, bounds):
+    for p in prange(bounds.size - 1):
+        _special_binary(code, dy[bounds[p]:bounds[p + 1]], x[bounds[p]:bounds[p + 1]], out[bounds[p]:bounds[p + 1]])
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _gelu_grad_parts(dy, x, out, bounds):
+    for p in prange(bounds.size - 1):
+        _gelu_grad(dy[bounds[p]:bounds[p + 1]], x[bounds[p]:bounds[p + 1]], out[bounds[p]:bounds[p + 1]])
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _gelu_grad_into_dy_parts(dy, x, bounds):
+    for p in prange(bounds.size - 1):
+        _gelu_grad_into_dy(dy[bounds[p]:bounds[p + 1]], x[bounds[p]:bounds[p + 1]])
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _binary_scalar_parts(code, a, b, out, bounds):
+    for p in prange(bounds.size - 1):
+        _binary_scalar(code, a[bounds[p]:bounds[p + 1]], b, out[bounds[p]:bounds[p + 1]])
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _binary_rows_parts(code, a, b, out, rows, cols, a_row, b_row, bounds):
+    """_binary_rows on parts of the rows (bounds)."""
+    for p in prange(bounds.size - 1):
+        first = bounds[p]
+        _binary_rows(code, a[first * a_row:], b[first * b_row:], out[first * cols:], bounds[p + 1] - first, cols,
+                     a_row, b_row)
+
+
+# the parallel twin of each kernel over flat arrays (flat bounds), and of _binary_rows (row bounds)
+FLAT_TWINS = {_unary: _unary_parts, _special_unary: _special_unary_parts, _gelu: _gelu_parts,
+              _gelu_inplace: _gelu_inplace_parts, _binary: _binary_parts, _special_binary: _special_binary_parts,
+              _gelu_grad: _gelu_grad_parts, _gelu_grad_into_dy: _gelu_grad_into_dy_parts,
+              _binary_scalar: _binary_scalar_parts, _binary_rows: _binary_rows_parts}
+
+
+def _split(call, units: int, size: int, threads: int):
+    """`call` (kernel, args), or its parallel twin on parts of `units` (elements or rows) of `size` elements."""
+    kernel, args = call
+    parts = part_count(threads, units, size) if kernel in FLAT_TWINS else 1
+    if parts == 1:
+        return call
+    return FLAT_TWINS[kernel], args + (part_bounds(units, parts),)
+
+
 def same_buffer(x: np.ndarray, y: np.ndarray) -> bool:
     """Whether two arena views are one buffer (the planner put an output over its input)."""
     return x.size == y.size and x.size > 0 and x.ctypes.data == y.ctypes.data
 
 
-def unary_call(code: int, x: np.ndarray, out: np.ndarray):
+def unary_call(code: int, x: np.ndarray, out: np.ndarray, threads: int = 1):
     """out = UNARY's map number `code` of x."""
-    return (_unary, (code, flat(x), flat(out)))
+    return _split((_unary, (code, flat(x), flat(out))), out.size, out.size, threads)
 
 
-def binary_calls(code: int, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> list:
+def binary_calls(code: int, a: np.ndarray, b: np.ndarray, out: np.ndarray, threads: int = 1) -> list:
     """The cheapest kernel call computing out = f(a, b) with broadcasting."""
     if code in SPECIAL_BINARY:  # gradients f(dY, X): operands of one shape
         if not (a.shape == b.shape == out.shape):
             raise ValueError(f"a gradient of shapes {a.shape} and {b.shape} into {out.shape}")
         if code == GELU_GRAD:
             if same_buffer(a, out):
-                return [(_gelu_grad_into_dy, (flat(a), flat(b)))]
-            return [(_gelu_grad, (flat(a), flat(b), flat(out)))]
-        return [(_special_binary, (code, flat(a), flat(b), flat(out)))]
+                return [_split((_gelu_grad_into_dy, (flat(a), flat(b))), out.size, out.size, threads)]
+            return [_split((_gelu_grad, (flat(a), flat(b), flat(out))), out.size, out.size, threads)]
+        return [_split((_special_binary, (code, flat(a), flat(b), flat(out))), out.size, out.size, threads)]
     if a.shape == out.shape and b.shape == out.shape:
-        return [(_binary, (code, flat(a), flat(b), flat(out)))]
+        return [_split((_binary, (code, flat(a), flat(b), flat(out))), out.size, out.size, threads)]
     if a.shape == out.shape and b.size == 1:
-        return [(_binary_scalar, (code, flat(a), flat(b), flat(out)))]
+        return [_split((_binary_scalar, (code, flat(a), flat(b), flat(out))), out.size, out.size, threads)]
     dims, _, sa, sb = broadcast_layout(out.shape, a.shape, b.shape)
     if dims[0] == dims[1] == 1 and sa[3] == sb[3] == 1 and (sa[2] in (0, dims[3])) and (sb[2] in (0, dims[3])):
         # rows of a matrix against a row vector (bias, scale) or a full matrix: contiguous inner loops
-        return [(_binary_rows, (code, flat(a), flat(b), flat(out), int(dims[2]), int(dims[3]), int(sa[2]),
-                                int(sb[2])))]
+        return [_split((_binary_rows, (code, flat(a), flat(b), flat(out), int(dims[2]), int(dims[3]), int(sa[2]),
+                                       int(sb[2]))), int(dims[2]), out.size, threads)]
     return [(_binary_strided, (code, flat(a), flat(b), flat(out), dims, sa, sb))]
 
 
@@ -542,32 +628,33 @@ def gather_call(x: np.ndarray, out: np.ndarray, dims, strides, scale: float = 1.
 
 
 def _make_binary(code):
-    def bind(inputs, outputs):
-        return binary_calls(code, inputs[0], inputs[1], outputs[0])
+    def bind(inputs, outputs, threads=1):
+        return binary_calls(code, inputs[0], inputs[1], outputs[0], threads)
 
     return bind
 
 
 def _make_unary(kernel, code):
-    def bind(inputs, outputs):
-        return [(kernel, (code, flat(inputs[0]), flat(outputs[0])))]
+    def bind(inputs, outputs, threads=1):
+        x, out = inputs[0], outputs[0]
+        return [_split((kernel, (code, flat(x), flat(out))), out.size, out.size, threads)]
 
     return bind
 
 
 for _name, _code in BINARY.items():
     if _name not in ("Max", "Min", "Mod"):  # variadic, or with attributes: bound below
-        binding(_name, ODTRAIN_DOMAIN if _name.endswith("Grad") else "")(_make_binary(_code))
+        binding(_name, ODTRAIN_DOMAIN if _name.endswith("Grad") else "", parallel=True)(_make_binary(_code))
 for _kernel, _table in ((_unary, UNARY), (_special_unary, SPECIAL_UNARY)):
     for _code, _name in enumerate(_table):
-        binding(_name)(_make_unary(_kernel, _code))
+        binding(_name, parallel=True)(_make_unary(_kernel, _code))
 
 
-def _variadic(code: int, inputs, out) -> list:
+def _variadic(code: int, inputs, out, threads: int = 1) -> list:
     """out = x0 ∘ x1 ∘ ...; the first pair writes out, the rest combine into it."""
     if len(inputs) == 1:
         if inputs[0].shape == out.shape:
-            return [] if same_buffer(inputs[0], out) else [unary_call(COPY, inputs[0], out)]
+            return [] if same_buffer(inputs[0], out) else [unary_call(COPY, inputs[0], out, threads)]
         dims, _, sx = broadcast_layout(out.shape, inputs[0].shape)
         return [gather_call(inputs[0], out, dims, sx)]
     first = inputs[0]
@@ -575,63 +662,67 @@ def _variadic(code: int, inputs, out) -> list:
         first, second = inputs[1], inputs[0]
     else:
         second = inputs[1]
-    calls = binary_calls(code, first, second, out)
+    calls = binary_calls(code, first, second, out, threads)
     for extra in inputs[2:]:
-        calls += binary_calls(code, out, extra, out)
+        calls += binary_calls(code, out, extra, out, threads)
     return calls
 
 
-@binding("Sum")
-def Sum(inputs, outputs):
-    return _variadic(BINARY["Add"], inputs, outputs[0])
+@binding("Sum", parallel=True)
+def Sum(inputs, outputs, threads=1):
+    return _variadic(BINARY["Add"], inputs, outputs[0], threads)
 
 
-@binding("Max")
-def Max(inputs, outputs):
-    return _variadic(BINARY["Max"], inputs, outputs[0])
+@binding("Max", parallel=True)
+def Max(inputs, outputs, threads=1):
+    return _variadic(BINARY["Max"], inputs, outputs[0], threads)
 
 
-@binding("Mean")
-def Mean(inputs, outputs):
+@binding("Mean", parallel=True)
+def Mean(inputs, outputs, threads=1):
     out = outputs[0]
     share = np.array([1 / len(inputs)], dtype=out.dtype)
-    return _variadic(BINARY["Add"], inputs, out) + [(_binary_scalar, (BINARY["Mul"], flat(out), share, flat(out)))]
+    scale = _split((_binary_scalar, (BINARY["Mul"], flat(out), share, flat(out))), out.size, out.size, threads)
+    return _variadic(BINARY["Add"], inputs, out, threads) + [scale]
 
 
-@binding("Mod")
-def Mod(inputs, outputs, fmod=0):
-    return binary_calls(FMOD if fmod else BINARY["Mod"], inputs[0], inputs[1], outputs[0])
+@binding("Mod", parallel=True)
+def Mod(inputs, outputs, fmod=0, threads=1):
+    return binary_calls(FMOD if fmod else BINARY["Mod"], inputs[0], inputs[1], outputs[0], threads)
 
 
-@binding("BitShift")
-def BitShift(inputs, outputs, direction="LEFT"):
+@binding("BitShift", parallel=True)
+def BitShift(inputs, outputs, direction="LEFT", threads=1):
     direction = direction.decode() if isinstance(direction, bytes) else direction
-    return binary_calls(SHIFT[direction], inputs[0], inputs[1], outputs[0])
+    return binary_calls(SHIFT[direction], inputs[0], inputs[1], outputs[0], threads)
 
 
 for _name, _code in BITWISE.items():
-    binding(_name)(_make_binary(_code))
+    binding(_name, parallel=True)(_make_binary(_code))
 
 
-@binding("Min")
-def Min(inputs, outputs):
-    return _variadic(BINARY["Min"], inputs, outputs[0])
+@binding("Min", parallel=True)
+def Min(inputs, outputs, threads=1):
+    return _variadic(BINARY["Min"], inputs, outputs[0], threads)
 
 
-@binding("Gelu")
-def Gelu(inputs, outputs, approximate="none"):
+@binding("Gelu", parallel=True)
+def Gelu(inputs, outputs, approximate="none", threads=1):
     x, out = inputs[0], outputs[0]
     if approximate != "none":
-        return [(_special_unary, (GELU_TANH, flat(x), flat(out)))]
-    return [(_gelu_inplace, (flat(x),)) if same_buffer(x, out) else (_gelu, (flat(x), flat(out)))]
+        call = (_special_unary, (GELU_TANH, flat(x), flat(out)))
+    else:
+        call = (_gelu_inplace, (flat(x),)) if same_buffer(x, out) else (_gelu, (flat(x), flat(out)))
+    return [_split(call, out.size, out.size, threads)]
 
 
-binding("Gelu", ODTRAIN_DOMAIN)(Gelu)
+binding("Gelu", ODTRAIN_DOMAIN, parallel=True)(Gelu)
 
 
-@binding("GeluGrad", ODTRAIN_DOMAIN)
-def GeluGrad(inputs, outputs, approximate="none"):
-    return binary_calls(GELU_GRAD if approximate == "none" else GELU_TANH_GRAD, inputs[0], inputs[1], outputs[0])
+@binding("GeluGrad", ODTRAIN_DOMAIN, parallel=True)
+def GeluGrad(inputs, outputs, approximate="none", threads=1):
+    return binary_calls(GELU_GRAD if approximate == "none" else GELU_TANH_GRAD, inputs[0], inputs[1], outputs[0],
+                        threads)
 
 
 def _make_compare(code):

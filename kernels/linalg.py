@@ -1,7 +1,7 @@
 """Matrix products through BLAS: Gemm, MatMul (batch broadcasting, 1-D operands), MatMul's gradients,
 and Einsum.
 
-Every product is one call of `_gemm_batched`: BLAS ?gemm per matrix of a batch, with the
+Every product is one call of `_gemm_batched`: BLAS ?gemm (blas.py) per matrix of a batch, with the
 transpose flags, element offsets and accumulation (beta) worked out once at bind time.
 Transposes are never copied, and a gradient summed over broadcast batch axes accumulates
 in place (beta = 1) instead of materialising per-batch products. Where the batch can be
@@ -15,6 +15,10 @@ other operand repeated along it). An operand already laid out as [b, m, k] (or [
 read in place; any other layout (a permutation, a diagonal, a broadcast) is first copied into
 scratch memory, as is C when the output's label order is not [b, m, n]. One operand is a
 copy through its permuted strides, summed over the labels the output lacks.
+
+With threads, a batch of products large enough runs in parallel parts (blas.gemm_batched_parts):
+whole products when there are enough with distinct outputs, else blocks of at least MIN_ROWS rows
+of every product.
 """
 from __future__ import annotations
 
@@ -22,9 +26,10 @@ import numpy as np
 from numba import njit
 
 from . import ODTRAIN_DOMAIN, binding
-from .blas import blas_gemm as _blas_gemm
+from .blas import blas_gemm, gemm_batched_parts
 from .elementwise import gather_call
 from .layout import broadcast_layout, element_strides
+from .parts import part_bounds, part_count
 from .reduction import sum_call
 from .tensor import copy_call
 
@@ -33,7 +38,7 @@ from .tensor import copy_call
 def _gemm_batched(a, b, out, m, n, k, trans_a, trans_b, lda, ldb, ldc, a_offsets, b_offsets, out_offsets, betas, alpha):
     """out[o_i] = alpha · op(a[a_i]) · op(b[b_i]) + betas[i] · out[o_i] for each product i of a batch."""
     for i in range(a_offsets.size):
-        _blas_gemm(trans_a, trans_b, m, n, k, alpha, a, a_offsets[i], lda, b, b_offsets[i], ldb, betas[i],
+        blas_gemm(trans_a, trans_b, m, n, k, alpha, a, a_offsets[i], lda, b, b_offsets[i], ldb, betas[i],
                    out, out_offsets[i], ldc)
 
 
@@ -41,6 +46,9 @@ def _gemm_batched(a, b, out, m, n, k, trans_a, trans_b, lda, ldb, ldc, a_offsets
 def _zero(out):
     for i in range(out.size):
         out[i] = 0
+
+
+MIN_ROWS = 16  # rows of a product per part: fewer make BLAS's blocks inefficient
 
 
 def _batch_offsets(batch: tuple, full: tuple, matrix_size: int) -> np.ndarray:
@@ -53,7 +61,7 @@ def _batch_offsets(batch: tuple, full: tuple, matrix_size: int) -> np.ndarray:
 
 
 def gemm_calls(a: np.ndarray, b: np.ndarray, out: np.ndarray, trans_a: int = 0, trans_b: int = 0,
-               alpha: float = 1.0, accumulate: bool = False) -> list:
+               alpha: float = 1.0, accumulate: bool = False, threads: int = 1) -> list:
     """out = alpha · op(a) · op(b) (+ out when accumulate) over numpy-broadcast batch axes, for arrays of
     rank >= 2. Batch axes that `out` lacks (or has as 1) are summed: each product adds into its slot."""
     if a.dtype not in (np.float32, np.float64) or b.dtype != a.dtype or out.dtype != a.dtype:
@@ -71,10 +79,12 @@ def gemm_calls(a: np.ndarray, b: np.ndarray, out: np.ndarray, trans_a: int = 0, 
     one = np.zeros(1, dtype=np.int64)
     if count > 1 and shared(b_batch) and whole(a_batch) and whole(out_batch) and not trans_a:
         # a batch of row blocks times one matrix: a single product with count·m rows
-        return _calls(a, b, out, count * m, n, k, trans_a, trans_b, lda, ldb, ldc, one, one, one, [beta0], alpha)
+        return _calls(a, b, out, count * m, n, k, trans_a, trans_b, lda, ldb, ldc, one, one, one, [beta0], alpha,
+                      threads)
     if count > 1 and shared(out_batch) and whole(a_batch) and whole(b_batch) and trans_a and not trans_b:
         # Σ_i a_iᵀ · b_i = aᵀ · b with the batches stacked along the rows: one product with count·k_rows
-        return _calls(a, b, out, m, n, count * a.shape[-2], 1, 0, lda, ldb, ldc, one, one, one, [beta0], alpha)
+        return _calls(a, b, out, m, n, count * a.shape[-2], 1, 0, lda, ldb, ldc, one, one, one, [beta0], alpha,
+                      threads)
     a_offsets = _batch_offsets(a_batch, full, a_size)
     b_offsets = _batch_offsets(b_batch, full, b_size)
     out_offsets = _batch_offsets(out_batch, full, out_size)
@@ -82,19 +92,37 @@ def gemm_calls(a: np.ndarray, b: np.ndarray, out: np.ndarray, trans_a: int = 0, 
     for offset in out_offsets:
         betas.append(1.0 if accumulate or offset in seen else 0.0)
         seen.add(int(offset))
-    return _calls(a, b, out, m, n, k, trans_a, trans_b, lda, ldb, ldc, a_offsets, b_offsets, out_offsets, betas, alpha)
+    return _calls(a, b, out, m, n, k, trans_a, trans_b, lda, ldb, ldc, a_offsets, b_offsets, out_offsets, betas, alpha,
+                  threads)
 
 
-def _calls(a, b, out, m, n, k, trans_a, trans_b, lda, ldb, ldc, a_offsets, b_offsets, out_offsets, betas, alpha):
+# OpenBLAS runs a product of at most 4·65536 multiply-adds (m·n·k) on one thread whatever its setting: a
+# batch of such products (attention's, per head) with distinct outputs is split into whole products, even
+# when there are fewer of them than threads, never into blocks of rows.
+SMALL_PRODUCT = 4 * 65536
+
+
+def _calls(a, b, out, m, n, k, trans_a, trans_b, lda, ldb, ldc, a_offsets, b_offsets, out_offsets, betas, alpha,
+           threads: int = 1):
     dtype = out.dtype.type
     if m == 0 or n == 0:
         return []
     if k == 0:  # an empty sum: the product is zero (BLAS refuses zero leading dimensions)
         return [] if all(beta == 1.0 for beta in betas) else [(_zero, (out.reshape(-1),))]
     lda, ldb, ldc = max(int(lda), 1), max(int(ldb), 1), max(int(ldc), 1)
-    return [(_gemm_batched, (a.reshape(-1), b.reshape(-1), out.reshape(-1), int(m), int(n), int(k), int(trans_a),
-                             int(trans_b), int(lda), int(ldb), int(ldc), a_offsets, b_offsets, out_offsets,
-                             np.asarray(betas, dtype=out.dtype), dtype(alpha)))]
+    args = (a.reshape(-1), b.reshape(-1), out.reshape(-1), int(m), int(n), int(k), int(trans_a), int(trans_b), int(lda),
+            int(ldb), int(ldc), a_offsets, b_offsets, out_offsets, np.asarray(betas, dtype=out.dtype), dtype(alpha))
+    count, work = len(out_offsets), len(out_offsets) * int(m) * int(n) * int(k)
+    if part_count(threads, max(count, m // MIN_ROWS), work) == 1:
+        return [(_gemm_batched, args)]
+    distinct = len(set(out_offsets.tolist())) == count
+    if distinct and (count >= threads or int(m) * int(n) * int(k) <= SMALL_PRODUCT):  # whole products
+        parts = part_count(threads, count, work)
+        return [(gemm_batched_parts, args + (part_bounds(count, parts), False))]
+    parts = part_count(threads, m // MIN_ROWS, work)
+    if parts == 1:
+        return [(_gemm_batched, args)]
+    return [(gemm_batched_parts, args + (part_bounds(m, parts), True))]
 
 
 def broadcast_batch(*batches: tuple) -> tuple:
@@ -103,15 +131,20 @@ def broadcast_batch(*batches: tuple) -> tuple:
     return tuple(max(dims) for dims in zip(*padded)) if rank else ()
 
 
-@binding("Gemm")
-def Gemm(inputs, outputs, alpha=1.0, beta=1.0, transA=0, transB=0):
+def bias_call(c: np.ndarray, out: np.ndarray, beta: float = 1.0):
+    """out ← beta · C broadcast to out's shape: the start of a product that BLAS adds to (beta = 1)."""
+    dims, _, sc = broadcast_layout(out.shape, c.shape)
+    return gather_call(c, out, dims, sc, beta)
+
+
+@binding("Gemm", parallel=True)
+def Gemm(inputs, outputs, alpha=1.0, beta=1.0, transA=0, transB=0, threads=1):
     a, b, out = inputs[0], inputs[1], outputs[0]
     c = inputs[2] if len(inputs) > 2 else None
     if c is None or beta == 0.0:
-        return gemm_calls(a, b, out, transA, transB, alpha)
+        return gemm_calls(a, b, out, transA, transB, alpha, threads=threads)
     # out ← beta · C (broadcast), then out += alpha · A' · B' inside BLAS
-    dims, _, sc = broadcast_layout(out.shape, c.shape)
-    return [gather_call(c, out, dims, sc, beta)] + gemm_calls(a, b, out, transA, transB, alpha, accumulate=True)
+    return [bias_call(c, out, beta)] + gemm_calls(a, b, out, transA, transB, alpha, accumulate=True, threads=threads)
 
 
 def promoted_shapes(a_shape: tuple, b_shape: tuple, y_shape: tuple):
@@ -126,27 +159,27 @@ def promoted_shapes(a_shape: tuple, b_shape: tuple, y_shape: tuple):
     return a2, b2, y2
 
 
-@binding("MatMul")
-def MatMul(inputs, outputs):
+@binding("MatMul", parallel=True)
+def MatMul(inputs, outputs, threads=1):
     a, b, out = inputs[0], inputs[1], outputs[0]
     a2, b2, y2 = promoted_shapes(a.shape, b.shape, out.shape)
-    return gemm_calls(a.reshape(a2), b.reshape(b2), out.reshape(y2))
+    return gemm_calls(a.reshape(a2), b.reshape(b2), out.reshape(y2), threads=threads)
 
 
-@binding("MatMulGradA", ODTRAIN_DOMAIN)
-def MatMulGradA(inputs, outputs):
+@binding("MatMulGradA", ODTRAIN_DOMAIN, parallel=True)
+def MatMulGradA(inputs, outputs, threads=1):
     """dA = dY · Bᵀ, summed over the batch axes A was broadcast along."""
     dy, b, da = inputs[0], inputs[1], outputs[0]
     a2, b2, y2 = promoted_shapes(da.shape, b.shape, dy.shape)
-    return gemm_calls(dy.reshape(y2), b.reshape(b2), da.reshape(a2), trans_b=1)
+    return gemm_calls(dy.reshape(y2), b.reshape(b2), da.reshape(a2), trans_b=1, threads=threads)
 
 
-@binding("MatMulGradB", ODTRAIN_DOMAIN)
-def MatMulGradB(inputs, outputs):
+@binding("MatMulGradB", ODTRAIN_DOMAIN, parallel=True)
+def MatMulGradB(inputs, outputs, threads=1):
     """dB = Aᵀ · dY, summed over the batch axes B was broadcast along."""
     a, dy, db = inputs[0], inputs[1], outputs[0]
     a2, b2, y2 = promoted_shapes(a.shape, db.shape, dy.shape)
-    return gemm_calls(a.reshape(a2), dy.reshape(y2), db.reshape(b2), trans_a=1)
+    return gemm_calls(a.reshape(a2), dy.reshape(y2), db.reshape(b2), trans_a=1, threads=threads)
 
 
 def _matrix_layout(view: np.ndarray, trans: int):
@@ -174,14 +207,15 @@ def _view_offsets(view: np.ndarray, base: np.ndarray, full: tuple) -> np.ndarray
 
 
 def view_gemm_calls(a: np.ndarray, a_view: np.ndarray, b: np.ndarray, b_view: np.ndarray, out: np.ndarray,
-                    out_view: np.ndarray, trans_a: int, trans_b: int, alpha: float) -> list:
+                    out_view: np.ndarray, trans_a: int, trans_b: int, alpha: float, threads: int = 1) -> list:
     """out_view = alpha · op(a_view) · op(b_view) where the views are strided views (transposes) of the
     contiguous arrays a, b and out: BLAS reads and writes them in place, one call per matrix of the batch,
     summing into the output matrices that several batch positions share."""
     if out_view.shape[-1] != 1 and out_view.strides[-1] != out_view.itemsize:
         # a column-major output: compute its transpose, outᵀ = op(b)ᵀ · op(a)ᵀ, row-major
         swap = tuple(range(out_view.ndim - 2)) + (out_view.ndim - 1, out_view.ndim - 2)
-        return view_gemm_calls(b, b_view, a, a_view, out, out_view.transpose(swap), 1 - trans_b, 1 - trans_a, alpha)
+        return view_gemm_calls(b, b_view, a, a_view, out, out_view.transpose(swap), 1 - trans_b, 1 - trans_a, alpha,
+                               threads)
     layouts = [_matrix_layout(a_view, trans_a), _matrix_layout(b_view, trans_b), _matrix_layout(out_view, 0)]
     if any(layout is None for layout in layouts):
         raise ValueError("a matrix product over a layout with no contiguous axis")
@@ -195,19 +229,26 @@ def view_gemm_calls(a: np.ndarray, a_view: np.ndarray, b: np.ndarray, b_view: np
         betas.append(1.0 if offset in seen else 0.0)
         seen.add(int(offset))
     return _calls(a, b, out, m, n, k, flag_a, flag_b, lda, ldb, ldc, _view_offsets(a_view, a, full),
-                  _view_offsets(b_view, b, full), out_offsets, betas, alpha)
+                  _view_offsets(b_view, b, full), out_offsets, betas, alpha, threads)
 
 
-@binding("FusedMatMul", ODTRAIN_DOMAIN)
-def FusedMatMul(inputs, outputs, transA=0, transB=0, alpha=1.0, permA=None, permB=None, permY=None):
-    """out = alpha · op(A') · op(B') stored through permY, summed over the batch axes `out` lacks."""
+@binding("FusedMatMul", ODTRAIN_DOMAIN, parallel=True)
+def FusedMatMul(inputs, outputs, transA=0, transB=0, alpha=1.0, permA=None, permB=None, permY=None, threads=1):
+    """out = alpha · op(A') · op(B') stored through permY (+ bias, without perms), summed over the batch axes
+    `out` lacks."""
     a, b, out = inputs[0], inputs[1], outputs[0]
+    bias = inputs[3] if len(inputs) > 3 else None
+    if bias is not None:  # out ← bias (broadcast), then out += alpha · op(A) · op(B) inside BLAS
+        if permA is not None or permB is not None or permY is not None:
+            raise ValueError("a bias is added to products without permA, permB or permY only")
+        return [bias_call(bias, out)] + gemm_calls(a, b, out, int(transA), int(transB), float(alpha), accumulate=True,
+                                                   threads=threads)
     if permA is None and permB is None and permY is None:
-        return gemm_calls(a, b, out, int(transA), int(transB), float(alpha))
+        return gemm_calls(a, b, out, int(transA), int(transB), float(alpha), threads=threads)
     a_view = a.transpose(permA) if permA is not None else a
     b_view = b.transpose(permB) if permB is not None else b
     out_view = out.transpose(np.argsort(permY)) if permY is not None else out
-    return view_gemm_calls(a, a_view, b, b_view, out, out_view, int(transA), int(transB), float(alpha))
+    return view_gemm_calls(a, a_view, b, b_view, out, out_view, int(transA), int(transB), float(alpha), threads)
 
 
 def _einsum_labels(equation: str, ranks: list[int]) -> tuple[list[str], str]:

@@ -3,6 +3,8 @@
 BatchNormalization sums in float64 per channel (Σx, Σx²; backward Σdy,
 Σdy·x), so one pass gives statistics accurate for float32 data. Its output
 pass clamps to [low, high], which is how a fused Relu/Clip costs nothing.
+Channels are independent: with threads, parts of them run in one parallel
+region, each channel computed as in the serial kernel.
 
 Kernels that may run in place loop over one array when they do (an aliasing
 check would otherwise send them to a scalar path).
@@ -10,9 +12,10 @@ check would otherwise send them to a scalar path).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from . import ODTRAIN_DOMAIN, binding
+from .parts import part_bounds, part_count
 from .windows import _text
 
 # Sums may be reassociated (fastmath "reassoc"): they vectorise, and partial sums are no less accurate.
@@ -47,11 +50,11 @@ def _row_grad_sums(x, dy):
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _affine_rows(x, center, factor, shift, low, high, y):
-    """y[n, c] = clip((x[n, c] - center[c]) · factor[c] + shift[c], low, high): the clip is a fused
-    Relu/Clip (±inf when there is none)."""
+def _affine_rows(x, center, factor, shift, low, high, y, c0, c1):
+    """y[n, c] = clip((x[n, c] - center[c]) · factor[c] + shift[c], low, high) for the channels [c0, c1): the
+    clip is a fused Relu/Clip (±inf when there is none)."""
     for n in range(x.shape[0]):
-        for c in range(x.shape[1]):
+        for c in range(c0, c1):
             mean, scale, offset = np.float32(center[c]), np.float32(factor[c]), np.float32(shift[c])
             source, target = x[n, c], y[n, c]
             for i in range(source.size):
@@ -60,18 +63,20 @@ def _affine_rows(x, center, factor, shift, low, high, y):
 
 @njit(cache=True, error_model="numpy")
 def _batch_norm_train(x, scale, bias, mean_in, var_in, y, mean_out, var_out, has_running, momentum, epsilon, stats,
-                      low, high, in_place):
+                      low, high, in_place, c0, c1):
     """y = (x - μ_batch) · γ/√(σ²_batch + ε) + β; running = momentum·running + (1 - momentum)·batch
-    (unbiased variance). The running outputs may alias their inputs: each reads then writes one channel.
-    stats is [3, C] float64 scratch."""
-    stats[:] = 0.0
+    (unbiased variance), for the channels [c0, c1). The running outputs may alias their inputs: each reads
+    then writes one channel. stats is [3, C] float64 scratch."""
+    for c in range(c0, c1):
+        stats[0, c] = 0.0
+        stats[1, c] = 0.0
     for n in range(x.shape[0]):
-        for c in range(x.shape[1]):
+        for c in range(c0, c1):
             s, q = _row_sums(x[n, c])
             stats[0, c] += s
             stats[1, c] += q
     count = x.shape[0] * x.shape[2]
-    for c in range(x.shape[1]):
+    for c in range(c0, c1):
         mean = stats[0, c] / count
         var = max(stats[1, c] / count - mean * mean, 0.0)
         if has_running:
@@ -82,29 +87,30 @@ def _batch_norm_train(x, scale, bias, mean_in, var_in, y, mean_out, var_out, has
         stats[1, c] = scale[c] / np.sqrt(var + epsilon)
         stats[2, c] = bias[c]
     if in_place:  # one array in the loop: no aliasing check sends it to a scalar path
-        _affine_rows(y, stats[0], stats[1], stats[2], low[0], high[0], y)
+        _affine_rows(y, stats[0], stats[1], stats[2], low[0], high[0], y, c0, c1)
     else:
-        _affine_rows(x, stats[0], stats[1], stats[2], low[0], high[0], y)
+        _affine_rows(x, stats[0], stats[1], stats[2], low[0], high[0], y, c0, c1)
 
 
 @njit(cache=True, error_model="numpy")
-def _batch_norm_infer(x, scale, bias, mean, var, y, epsilon, stats, low, high, in_place):
-    """y = (x - mean) · γ/√(var + ε) + β with the running statistics (clipped to [low, high])."""
-    for c in range(x.shape[1]):
+def _batch_norm_infer(x, scale, bias, mean, var, y, epsilon, stats, low, high, in_place, c0, c1):
+    """y = (x - mean) · γ/√(var + ε) + β with the running statistics (clipped to [low, high]) for the channels
+    [c0, c1)."""
+    for c in range(c0, c1):
         stats[0, c] = mean[c]
         stats[1, c] = scale[c] / np.sqrt(np.float64(var[c]) + epsilon)
         stats[2, c] = bias[c]
     if in_place:
-        _affine_rows(y, stats[0], stats[1], stats[2], low[0], high[0], y)
+        _affine_rows(y, stats[0], stats[1], stats[2], low[0], high[0], y, c0, c1)
     else:
-        _affine_rows(x, stats[0], stats[1], stats[2], low[0], high[0], y)
+        _affine_rows(x, stats[0], stats[1], stats[2], low[0], high[0], y, c0, c1)
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _batch_norm_grad_rows(dy, x, coefficients, dx):
-    """dx = a·dy + b·(x - μ) + e per channel, coefficients rows (a, b, e, μ)."""
+def _batch_norm_grad_rows(dy, x, coefficients, dx, c0, c1):
+    """dx = a·dy + b·(x - μ) + e per channel of [c0, c1), coefficients rows (a, b, e, μ)."""
     for n in range(x.shape[0]):
-        for c in range(x.shape[1]):
+        for c in range(c0, c1):
             a, b = np.float32(coefficients[0, c]), np.float32(coefficients[1, c])
             e, mean = np.float32(coefficients[2, c]), np.float32(coefficients[3, c])
             xs, gs, target = x[n, c], dy[n, c], dx[n, c]
@@ -114,20 +120,22 @@ def _batch_norm_grad_rows(dy, x, coefficients, dx):
 
 @njit(cache=True, error_model="numpy")
 def _batch_norm_grad(dy, x, scale, mean_in, var_in, dx, dscale, dbias, dmean, dvar, wants, training, epsilon, sums,
-                     in_place):
-    """Gradients of batch normalization (see graph/ops/nn.py); outputs with wants[i] == 0 are skipped.
-    dx may be dy (in_place): each element is read before it is written. sums is [4, C] float64 scratch."""
-    channels = x.shape[1]
+                     in_place, c0, c1):
+    """Gradients of batch normalization (see graph/ops/nn.py) for the channels [c0, c1); outputs with
+    wants[i] == 0 are skipped. dx may be dy (in_place): each element is read before it is written. sums is
+    [4, C] float64 scratch."""
     count = x.shape[0] * x.shape[2]
-    sums[:] = 0.0  # rows: Σx, Σx², Σdy, Σdy·x
+    for c in range(c0, c1):
+        for row in range(4):  # Σx, Σx², Σdy, Σdy·x
+            sums[row, c] = 0.0
     for n in range(x.shape[0]):
-        for c in range(channels):
+        for c in range(c0, c1):
             s, q, g, gx = _row_grad_sums(x[n, c], dy[n, c])
             sums[0, c] += s
             sums[1, c] += q
             sums[2, c] += g
             sums[3, c] += gx
-    for c in range(channels):
+    for c in range(c0, c1):
         if training:
             mean = sums[0, c] / count
             var = max(sums[1, c] / count - mean * mean, 0.0)
@@ -153,38 +161,75 @@ def _batch_norm_grad(dy, x, scale, mean_in, var_in, dx, dscale, dbias, dmean, dv
     if not wants[0]:
         return
     if in_place:
-        _batch_norm_grad_rows(dx, x, sums, dx)
+        _batch_norm_grad_rows(dx, x, sums, dx, c0, c1)
     else:
-        _batch_norm_grad_rows(dy, x, sums, dx)
+        _batch_norm_grad_rows(dy, x, sums, dx, c0, c1)
+
+
+# ---- the same on parts of the channels, in parallel: each channel is computed as in the serial kernel --
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _batch_norm_train_parts(x, scale, bias, mean_in, var_in, y, mean_out, var_out, has_running, momentum, epsilon,
+                            stats, low, high, in_place, bounds):
+    for p in prange(bounds.size - 1):
+        _batch_norm_train(x, scale, bias, mean_in, var_in, y, mean_out, var_out, has_running, momentum, epsilon,
+                          stats, low, high, in_place, bounds[p], bounds[p + 1])
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _batch_norm_infer_parts(x, scale, bias, mean, var, y, epsilon, stats, low, high, in_place, bounds):
+    for p in prange(bounds.size - 1):
+        _batch_norm_infer(x, scale, bias, mean, var, y, epsilon, stats, low, high, in_place, bounds[p], bounds[p + 1])
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _batch_norm_grad_parts(dy, x, scale, mean_in, var_in, dx, dscale, dbias, dmean, dvar, wants, training, epsilon,
+                           sums, in_place, bounds):
+    for p in prange(bounds.size - 1):
+        _batch_norm_grad(dy, x, scale, mean_in, var_in, dx, dscale, dbias, dmean, dvar, wants, training, epsilon,
+                         sums, in_place, bounds[p], bounds[p + 1])
+
+
+def _over_channels(kernel, parallel_kernel, args, x, threads: int) -> list:
+    """[(kernel, args + (0, C))], or the parallel twin on parts of the channels when the work pays for it."""
+    channels = x.shape[1]
+    parts = part_count(threads, channels, x.size)
+    if parts == 1:
+        return [(kernel, args + (0, channels))]
+    return [(parallel_kernel, args + (part_bounds(channels, parts),))]
 
 
 def _ncs(array: np.ndarray) -> np.ndarray:
     return array.reshape(array.shape[0], array.shape[1], -1)
 
 
-def _batch_norm_calls(inputs, outputs, low, high, epsilon=1e-5, momentum=0.9, training_mode=0, spatial=1):
+def _batch_norm_calls(inputs, outputs, low, high, epsilon=1e-5, momentum=0.9, training_mode=0, spatial=1,
+                      threads=1):
     x, scale, bias, mean, var = inputs[:5]
     y = outputs[0]
     in_place = bool(np.shares_memory(x, y))
     if not training_mode:
-        return [(_batch_norm_infer, (_ncs(x), scale, bias, mean, var, _ncs(y), float(epsilon),
-                                     np.zeros((3, x.shape[1])), low, high, in_place))]
+        return _over_channels(_batch_norm_infer, _batch_norm_infer_parts, (
+            _ncs(x), scale, bias, mean, var, _ncs(y), float(epsilon), np.zeros((3, x.shape[1])), low, high, in_place),
+            x, threads)
     mean_out = outputs[1] if len(outputs) > 1 and outputs[1] is not None else None
     var_out = outputs[2] if len(outputs) > 2 and outputs[2] is not None else None
     has_running = mean_out is not None and var_out is not None
     if not has_running:
         mean_out, var_out = np.zeros_like(mean), np.zeros_like(var)
     stats = np.zeros((3, x.shape[1]), dtype=np.float64)
-    return [(_batch_norm_train, (_ncs(x), scale, bias, mean, var, _ncs(y), mean_out, var_out, has_running,
-                                 float(momentum), float(epsilon), stats, low, high, in_place))]
+    return _over_channels(_batch_norm_train, _batch_norm_train_parts, (
+        _ncs(x), scale, bias, mean, var, _ncs(y), mean_out, var_out, has_running, float(momentum), float(epsilon),
+        stats, low, high, in_place), x, threads)
 
 
-@binding("BatchNormalization")
+@binding("BatchNormalization", parallel=True)
 def BatchNormalization(inputs, outputs, **attrs):
     return _batch_norm_calls(inputs, outputs, _scalar(-np.inf), _scalar(np.inf), **attrs)
 
 
-@binding("BatchNormalizationActivation", ODTRAIN_DOMAIN)
+@binding("BatchNormalizationActivation", ODTRAIN_DOMAIN, parallel=True)
 def BatchNormalizationActivation(inputs, outputs, activation, **attrs):
     """BatchNormalization, then Relu (clip at 0) or Clip (bounds from inputs 5, 6 or min/max attributes)."""
     bounds = {k: attrs.pop(k) for k in ("min", "max") if k in attrs}
@@ -195,8 +240,8 @@ def BatchNormalizationActivation(inputs, outputs, activation, **attrs):
     return _batch_norm_calls(inputs[:5], outputs, low, high, **attrs)
 
 
-@binding("BatchNormalizationGrad", ODTRAIN_DOMAIN)
-def BatchNormalizationGrad(inputs, outputs, epsilon=1e-5, training_mode=1):
+@binding("BatchNormalizationGrad", ODTRAIN_DOMAIN, parallel=True)
+def BatchNormalizationGrad(inputs, outputs, epsilon=1e-5, training_mode=1, threads=1):
     dy, x, scale = inputs[:3]
     channels = scale.shape[0]
     mean = inputs[3] if len(inputs) > 3 and inputs[3] is not None else np.zeros(channels, np.float32)
@@ -207,8 +252,9 @@ def BatchNormalizationGrad(inputs, outputs, epsilon=1e-5, training_mode=1):
     small = [o if o is not None else np.zeros(channels, np.float32) for o in outs[1:]]
     sums = np.zeros((4, channels), dtype=np.float64)
     in_place = outs[0] is not None and bool(np.shares_memory(dy, outs[0]))
-    return [(_batch_norm_grad, (_ncs(dy), _ncs(x), scale, mean, var, dx, *small, wants, bool(training_mode),
-                                float(epsilon), sums, in_place))]
+    return _over_channels(_batch_norm_grad, _batch_norm_grad_parts, (
+        _ncs(dy), _ncs(x), scale, mean, var, dx, *small, wants, bool(training_mode), float(epsilon), sums, in_place),
+        x, threads)
 
 # ---- activations ---------------------------------------------------------------------------------
 # Codes (arguments, so one compiled kernel serves the family), parameters a and b as 1-element arrays:
@@ -270,6 +316,29 @@ def _activation_grad(code, dy, v, a_in, b_in, out, in_place):
         _activation_grad_loops(code, dy, v, a_in[0], b_in[0], out)
 
 
+@njit(cache=True, error_model="numpy", parallel=True)
+def _activation_parts(code, x, a_in, b_in, out, bounds):
+    """_activation on parts of the flat arrays (bounds), in parallel."""
+    for p in prange(bounds.size - 1):
+        _activation(code, x[bounds[p]:bounds[p + 1]], a_in, b_in, out[bounds[p]:bounds[p + 1]])
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _activation_grad_parts(code, dy, v, a_in, b_in, out, in_place, bounds):
+    """_activation_grad on parts of the flat arrays (bounds), in parallel."""
+    for p in prange(bounds.size - 1):
+        lo, hi = bounds[p], bounds[p + 1]
+        _activation_grad(code, dy[lo:hi], v[lo:hi], a_in, b_in, out[lo:hi], in_place)
+
+
+def _flat_call(kernel, parallel_kernel, args, size: int, threads: int) -> list:
+    """[(kernel, args)], or the parallel twin on parts of the `size` elements when the work pays for it."""
+    parts = part_count(threads, size, size)
+    if parts == 1:
+        return [(kernel, args)]
+    return [(parallel_kernel, args + (part_bounds(size, parts),))]
+
+
 def _scalar(value: float) -> np.ndarray:
     return np.array([value], dtype=np.float32)
 
@@ -294,26 +363,29 @@ def _flat(array: np.ndarray) -> np.ndarray:
 
 
 def _make_activation(op_type):
-    def bind(inputs, outputs, **attrs):
+    def bind(inputs, outputs, threads=1, **attrs):
         a, b = _activation_params(op_type, inputs, attrs)
-        return [(_activation, (ACTIVATIONS[op_type], _flat(inputs[0]), a, b, _flat(outputs[0])))]
+        out = _flat(outputs[0])
+        return _flat_call(_activation, _activation_parts, (ACTIVATIONS[op_type], _flat(inputs[0]), a, b, out),
+                          out.size, threads)
 
     return bind
 
 
 def _make_activation_grad(op_type):
-    def bind(inputs, outputs, **attrs):
+    def bind(inputs, outputs, threads=1, **attrs):
         a, b = _activation_params(op_type, inputs[1:], attrs)
         dy, out = _flat(inputs[0]), _flat(outputs[0])
         in_place = bool(np.shares_memory(dy, out))
-        return [(_activation_grad, (ACTIVATIONS[op_type], dy, _flat(inputs[1]), a, b, out, in_place))]
+        return _flat_call(_activation_grad, _activation_grad_parts,
+                          (ACTIVATIONS[op_type], dy, _flat(inputs[1]), a, b, out, in_place), out.size, threads)
 
     return bind
 
 
 for _op in ACTIVATIONS:
-    binding(_op)(_make_activation(_op))
-    binding(f"{_op}Grad", ODTRAIN_DOMAIN)(_make_activation_grad(_op))
+    binding(_op, parallel=True)(_make_activation(_op))
+    binding(f"{_op}Grad", ODTRAIN_DOMAIN, parallel=True)(_make_activation_grad(_op))
 
 
 # ---- Pad -----------------------------------------------------------------------------------------

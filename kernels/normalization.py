@@ -4,15 +4,20 @@ Tensors are viewed as [outer, n, inner] around the normalised axis (softmax) or 
 the normalised axes (layer norm), so every kernel is a loop over independent rows; the
 common case inner = 1 walks contiguous rows that LLVM vectorises. Statistics accumulate in
 float32, two passes (mean, then centred variance), as ONNX Runtime's CPU kernels do.
+
+With threads, each kernel's `_parts` twin runs it on parts of the outer rows (contiguous slabs of
+the flat arrays) in one parallel region; every value is computed as in the serial kernel, except
+LayerNorm's scale and bias gradients, summed per part and then added in part order.
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from . import ODTRAIN_DOMAIN, binding
 from .elementwise import fast_exp, same_buffer
 from .layout import flat
+from .parts import part_bounds, part_count
 
 
 REDUCE = {"reassoc"}  # reductions may reorder their sums: lets LLVM vectorise them (4x on softmax)
@@ -119,39 +124,99 @@ def _log_softmax_grad(dy, y, dx, outer, n, inner):
                 dx[base + j * inner] = dy[base + j * inner] - fast_exp(y[base + j * inner]) * total
 
 
+# ---- softmax on parts of the outer rows, in parallel: part p runs rows [bounds[p], bounds[p + 1]), the
+# flat elements [bounds[p]·n·inner, bounds[p + 1]·n·inner)
+
+
+@njit(cache=True, error_model="numpy", fastmath=REDUCE, parallel=True)
+def _softmax_parts(x, out, outer, n, inner, bounds):
+    for p in prange(bounds.size - 1):
+        a, b = bounds[p] * n * inner, bounds[p + 1] * n * inner
+        _softmax(x[a:b], out[a:b], bounds[p + 1] - bounds[p], n, inner)
+
+
+@njit(cache=True, error_model="numpy", fastmath=REDUCE, parallel=True)
+def _softmax_inplace_parts(x, outer, n, inner, bounds):
+    for p in prange(bounds.size - 1):
+        a, b = bounds[p] * n * inner, bounds[p + 1] * n * inner
+        _softmax_inplace(x[a:b], bounds[p + 1] - bounds[p], n, inner)
+
+
+@njit(cache=True, error_model="numpy", fastmath=REDUCE, parallel=True)
+def _log_softmax_parts(x, out, outer, n, inner, bounds):
+    for p in prange(bounds.size - 1):
+        a, b = bounds[p] * n * inner, bounds[p + 1] * n * inner
+        _log_softmax(x[a:b], out[a:b], bounds[p + 1] - bounds[p], n, inner)
+
+
+@njit(cache=True, error_model="numpy", fastmath=REDUCE, parallel=True)
+def _softmax_grad_parts(dy, y, dx, outer, n, inner, bounds):
+    for p in prange(bounds.size - 1):
+        a, b = bounds[p] * n * inner, bounds[p + 1] * n * inner
+        _softmax_grad(dy[a:b], y[a:b], dx[a:b], bounds[p + 1] - bounds[p], n, inner)
+
+
+@njit(cache=True, error_model="numpy", fastmath=REDUCE, parallel=True)
+def _softmax_grad_inplace_parts(dy, y, outer, n, inner, bounds):
+    for p in prange(bounds.size - 1):
+        a, b = bounds[p] * n * inner, bounds[p + 1] * n * inner
+        _softmax_grad_inplace(dy[a:b], y[a:b], bounds[p + 1] - bounds[p], n, inner)
+
+
+@njit(cache=True, error_model="numpy", fastmath=REDUCE, parallel=True)
+def _log_softmax_grad_parts(dy, y, dx, outer, n, inner, bounds):
+    for p in prange(bounds.size - 1):
+        a, b = bounds[p] * n * inner, bounds[p + 1] * n * inner
+        _log_softmax_grad(dy[a:b], y[a:b], dx[a:b], bounds[p + 1] - bounds[p], n, inner)
+
+
+SOFTMAX_TWINS = {_softmax: _softmax_parts, _softmax_inplace: _softmax_inplace_parts, _log_softmax: _log_softmax_parts,
+                 _softmax_grad: _softmax_grad_parts, _softmax_grad_inplace: _softmax_grad_inplace_parts,
+                 _log_softmax_grad: _log_softmax_grad_parts}
+
+
+def _rows_call(kernel, arrays: tuple, shape, axis, threads: int) -> list:
+    """[(kernel, arrays + (outer, n, inner))], or its parallel twin on parts of the outer rows."""
+    outer, n, inner = _around(shape, axis)
+    parts = part_count(threads, outer, outer * n * inner)
+    if parts == 1:
+        return [(kernel, arrays + (outer, n, inner))]
+    return [(SOFTMAX_TWINS[kernel], arrays + (outer, n, inner, part_bounds(outer, parts)))]
+
+
 def _around(shape, axis):
     axis = int(axis) % len(shape)
     return (int(np.prod(shape[:axis], dtype=np.int64)), int(shape[axis]),
             int(np.prod(shape[axis + 1:], dtype=np.int64)))
 
 
-@binding("Softmax")
-def Softmax(inputs, outputs, axis=-1):
+@binding("Softmax", parallel=True)
+def Softmax(inputs, outputs, axis=-1, threads=1):
     x, out = inputs[0], outputs[0]
     if same_buffer(x, out):
-        return [(_softmax_inplace, (flat(x), *_around(x.shape, axis)))]
-    return [(_softmax, (flat(x), flat(out), *_around(x.shape, axis)))]
+        return _rows_call(_softmax_inplace, (flat(x),), x.shape, axis, threads)
+    return _rows_call(_softmax, (flat(x), flat(out)), x.shape, axis, threads)
 
 
-@binding("LogSoftmax")
-def LogSoftmax(inputs, outputs, axis=-1):
+@binding("LogSoftmax", parallel=True)
+def LogSoftmax(inputs, outputs, axis=-1, threads=1):
     x = inputs[0]
-    return [(_log_softmax, (flat(x), flat(outputs[0]), *_around(x.shape, axis)))]
+    return _rows_call(_log_softmax, (flat(x), flat(outputs[0])), x.shape, axis, threads)
 
 
-@binding("SoftmaxGrad", ODTRAIN_DOMAIN)
-def SoftmaxGrad(inputs, outputs, axis=-1):
+@binding("SoftmaxGrad", ODTRAIN_DOMAIN, parallel=True)
+def SoftmaxGrad(inputs, outputs, axis=-1, threads=1):
     dy, y = inputs
     dx = outputs[0]
     if same_buffer(dy, dx):
-        return [(_softmax_grad_inplace, (flat(dy), flat(y), *_around(y.shape, axis)))]
-    return [(_softmax_grad, (flat(dy), flat(y), flat(dx), *_around(y.shape, axis)))]
+        return _rows_call(_softmax_grad_inplace, (flat(dy), flat(y)), y.shape, axis, threads)
+    return _rows_call(_softmax_grad, (flat(dy), flat(y), flat(dx)), y.shape, axis, threads)
 
 
-@binding("LogSoftmaxGrad", ODTRAIN_DOMAIN)
-def LogSoftmaxGrad(inputs, outputs, axis=-1):
+@binding("LogSoftmaxGrad", ODTRAIN_DOMAIN, parallel=True)
+def LogSoftmaxGrad(inputs, outputs, axis=-1, threads=1):
     dy, y = inputs
-    return [(_log_softmax_grad, (flat(dy), flat(y), flat(outputs[0]), *_around(y.shape, axis)))]
+    return _rows_call(_log_softmax_grad, (flat(dy), flat(y), flat(outputs[0])), y.shape, axis, threads)
 
 
 @njit(cache=True, inline="always", error_model="numpy", fastmath=REDUCE)
@@ -228,6 +293,35 @@ def _layer_norm_grad(dy, x, scale, param_index, dx, dscale, dbias, rows, inner, 
         _layer_norm_grad_rows(dy, x, scale, param_index, False, dx, dscale, dbias, rows, inner, eps)
 
 
+@njit(cache=True, error_model="numpy", fastmath=REDUCE, parallel=True)
+def _layer_norm_parts(x, scale, scale_index, bias, bias_index, has_bias, y, mean_out, inv_out, want_stats, rows,
+                      inner, epsilon, bounds):
+    """_layer_norm on parts of the rows (bounds), in parallel."""
+    for p in prange(bounds.size - 1):
+        lo, hi = bounds[p], bounds[p + 1]
+        stats_lo, stats_hi = (lo, hi) if want_stats else (0, 1)
+        _layer_norm(x[lo * inner:hi * inner], scale, scale_index, bias, bias_index, has_bias, y[lo * inner:hi * inner],
+                    mean_out[stats_lo:stats_hi], inv_out[stats_lo:stats_hi], want_stats, hi - lo, inner, epsilon)
+
+
+@njit(cache=True, error_model="numpy", fastmath=REDUCE, parallel=True)
+def _layer_norm_grad_parts(dy, x, scale, param_index, dx, dscale, dbias, rows, inner, epsilon, partial, bounds):
+    """_layer_norm_grad on parts of the rows (bounds), in parallel, each part summing its dscale and dbias
+    into partial[p] ([2, inner]); the parts' sums are then added in part order."""
+    parts = bounds.size - 1
+    for p in prange(parts):
+        lo, hi = bounds[p] * inner, bounds[p + 1] * inner
+        _layer_norm_grad(dy[lo:hi], x[lo:hi], scale, param_index, dx[lo:hi], partial[p, 0], partial[p, 1],
+                         bounds[p + 1] - bounds[p], inner, epsilon)
+    for j in range(inner):
+        dscale[j] = partial[0, 0, j]
+        dbias[j] = partial[0, 1, j]
+    for p in range(1, parts):
+        for j in range(inner):
+            dscale[j] += partial[p, 0, j]
+            dbias[j] += partial[p, 1, j]
+
+
 def _param_index(param_shape, normalised_shape):
     """Empty when a parameter covers the normalised axes exactly, else each position's index into it."""
     if tuple(param_shape) == tuple(normalised_shape):
@@ -239,8 +333,8 @@ def _param_index(param_shape, normalised_shape):
     return (strides[:, None] * grid).sum(axis=0).astype(np.int64)
 
 
-@binding("LayerNormalization")
-def LayerNormalization(inputs, outputs, axis=-1, epsilon=1e-5, stash_type=1):
+@binding("LayerNormalization", parallel=True)
+def LayerNormalization(inputs, outputs, axis=-1, epsilon=1e-5, stash_type=1, threads=1):
     x, scale = inputs[0], inputs[1]
     bias = inputs[2] if len(inputs) > 2 and inputs[2] is not None else None
     axis = int(axis) % x.ndim
@@ -253,19 +347,28 @@ def LayerNormalization(inputs, outputs, axis=-1, epsilon=1e-5, stash_type=1):
     # an omitted statistic, when the other is wanted, goes to a buffer made here, once
     mean, inv = (flat(s) if s is not None else np.zeros(rows if want_stats else 1, np.float32) for s in stats)
     bias_flat = flat(bias) if bias is not None else np.zeros(1, x.dtype)
-    return [(_layer_norm, (flat(x), flat(scale), scale_index, bias_flat, bias_index, bias is not None, flat(outputs[0]),
-                           mean, inv, want_stats, rows, inner, float(epsilon)))]
+    args = (flat(x), flat(scale), scale_index, bias_flat, bias_index, bias is not None, flat(outputs[0]), mean, inv,
+            want_stats, rows, inner, float(epsilon))
+    parts = part_count(threads, rows, rows * inner)
+    if parts == 1:
+        return [(_layer_norm, args)]
+    return [(_layer_norm_parts, args + (part_bounds(rows, parts),))]
 
 
-@binding("LayerNormalizationGrad", ODTRAIN_DOMAIN)
-def LayerNormalizationGrad(inputs, outputs, axis=-1, epsilon=1e-5):
+@binding("LayerNormalizationGrad", ODTRAIN_DOMAIN, parallel=True)
+def LayerNormalizationGrad(inputs, outputs, axis=-1, epsilon=1e-5, threads=1):
     dy, x, scale = inputs
     axis = int(axis) % x.ndim
     normalised = x.shape[axis:]
     rows, inner = int(np.prod(x.shape[:axis], dtype=np.int64)), int(np.prod(normalised, dtype=np.int64))
     index = _param_index(scale.shape, normalised)
-    return [(_layer_norm_grad, (flat(dy), flat(x), flat(scale), index, flat(outputs[0]), flat(outputs[1]),
-                                flat(outputs[2]), rows, inner, float(epsilon)))]
+    args = (flat(dy), flat(x), flat(scale), index, flat(outputs[0]), flat(outputs[1]), flat(outputs[2]), rows, inner,
+            float(epsilon))
+    parts = part_count(threads, rows, rows * inner)
+    if parts == 1:
+        return [(_layer_norm_grad, args)]
+    # each part's dscale and dbias sums ([parts, 2, inner]), made once here
+    return [(_layer_norm_grad_parts, args + (np.zeros((parts, 2, inner), np.float32), part_bounds(rows, parts)))]
 
 
 @njit(cache=True, inline="always", error_model="numpy", fastmath=REDUCE)

@@ -8,13 +8,16 @@ SGD: w ← w - lr·g.
 SGD with momentum (torch.optim.SGD; μ momentum, τ dampening, λ weight decay):
     d ← g + λ·w;  b ← d on the first step, else μ·b + (1-τ)·d
     w ← w - lr·(d + μ·b) with Nesterov, else w ← w - lr·b
+
+Each update is elementwise: its `_parts` twin runs it on parts of the buffers (kernels/parts.py) in one
+parallel region, every value as in the serial loop.
 """
 from __future__ import annotations
 
 import math
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 
 @njit(cache=True, error_model="numpy")
@@ -68,6 +71,31 @@ def sgd_momentum_update(w, g, b, lr, momentum, dampening, weight_decay, nesterov
             b[i] = bi
             d = d + mu * bi if nesterov else bi
         w[i] -= rate * d
+
+
+# Part p of `parts` updates the elements [p·n // parts, (p + 1)·n // parts): bounds computed inside, so that
+# an optimizer step passes no array beyond the buffers.
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def adamw_update_parts(w, g, m, v, lr, beta1, beta2, eps, weight_decay, step, bias_correction, parts):
+    for p in prange(parts):
+        a, b = p * w.size // parts, (p + 1) * w.size // parts
+        adamw_update(w[a:b], g[a:b], m[a:b], v[a:b], lr, beta1, beta2, eps, weight_decay, step, bias_correction)
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def sgd_update_parts(w, g, lr, parts):
+    for p in prange(parts):
+        a, b = p * w.size // parts, (p + 1) * w.size // parts
+        sgd_update(w[a:b], g[a:b], lr)
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def sgd_momentum_update_parts(w, g, b, lr, momentum, dampening, weight_decay, nesterov, first_step, parts):
+    for p in prange(parts):
+        lo, hi = p * w.size // parts, (p + 1) * w.size // parts
+        sgd_momentum_update(w[lo:hi], g[lo:hi], b[lo:hi], lr, momentum, dampening, weight_decay, nesterov, first_step)
 
 
 @njit(cache=True, error_model="numpy")

@@ -6,13 +6,17 @@ maximum wins, and its gradient recomputes each window's argmax from X, so no ind
 needed; MaxPool windows that tile the input (stride = kernel, no padding or dilation) skip the
 per-cell bounds checks, and 2x2 tiles of planes get their own loops along the rows. AveragePool multiplies each window's sum by 1/count, counts precomputed
 at bind time per window position (input cells, or with count_include_pad also the declared padding).
+
+Planes are independent: with threads, each kernel's `_parts` twin runs it on parts of the planes in one
+parallel region (kernels/parts.py); every value is computed as in the serial kernel.
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from . import ODTRAIN_DOMAIN, binding
+from .parts import part_bounds, part_count
 from .windows import _as_3d, window_geometry
 
 
@@ -209,6 +213,62 @@ def _average_pool_grad(dy, dx, inverse_count, geom):
                                     row[i_w] += share
 
 
+# ---- the same on parts of the planes, in parallel: part p runs planes [bounds[p], bounds[p + 1]) ------
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _max_pool_parts(x, y, indices, want_indices, column_major, geom, tiled, bounds):
+    """Without indices only (their values count planes from the first)."""
+    for p in prange(bounds.size - 1):
+        _max_pool(x[bounds[p]:bounds[p + 1]], y[bounds[p]:bounds[p + 1]], indices, False, column_major, geom, tiled)
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _max_pool_grad_parts(dy, x, dx, geom, tiled, bounds):
+    for p in prange(bounds.size - 1):
+        _max_pool_grad(dy[bounds[p]:bounds[p + 1]], x[bounds[p]:bounds[p + 1]], dx[bounds[p]:bounds[p + 1]], geom,
+                       tiled)
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _max_pool_2x2_parts(x, y, bounds):
+    for p in prange(bounds.size - 1):
+        _max_pool_2x2(x[bounds[p]:bounds[p + 1]], y[bounds[p]:bounds[p + 1]])
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _max_pool_2x2_grad_parts(dy, x, dx, bounds):
+    for p in prange(bounds.size - 1):
+        _max_pool_2x2_grad(dy[bounds[p]:bounds[p + 1]], x[bounds[p]:bounds[p + 1]], dx[bounds[p]:bounds[p + 1]])
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _average_pool_parts(x, y, inverse_count, geom, bounds):
+    for p in prange(bounds.size - 1):
+        _average_pool(x[bounds[p]:bounds[p + 1]], y[bounds[p]:bounds[p + 1]], inverse_count, geom)
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _average_pool_grad_parts(dy, dx, inverse_count, geom, bounds):
+    for p in prange(bounds.size - 1):
+        _average_pool_grad(dy[bounds[p]:bounds[p + 1]], dx[bounds[p]:bounds[p + 1]], inverse_count, geom)
+
+
+PARALLEL_TWINS = {_max_pool: _max_pool_parts, _max_pool_grad: _max_pool_grad_parts, _max_pool_2x2: _max_pool_2x2_parts,
+                  _max_pool_2x2_grad: _max_pool_2x2_grad_parts, _average_pool: _average_pool_parts,
+                  _average_pool_grad: _average_pool_grad_parts}
+
+
+def _calls(kernel, args, threads: int, x_view, y_view, geom, serial: bool = False) -> list:
+    """[(kernel, args)], or its parallel twin on parts of the planes when the work pays for it (a pass over
+    the input, and each output cell's window)."""
+    work = max(int(np.prod(x_view)), int(np.prod(y_view)) * int(np.prod(geom[0:3])))
+    parts = 1 if serial else part_count(threads, x_view[0], work)
+    if parts == 1:
+        return [(kernel, args)]
+    return [(PARALLEL_TWINS[kernel], args + (part_bounds(x_view[0], parts),))]
+
+
 def _pool_views(x_shape, y_shape):
     planes = int(x_shape[0]) * int(x_shape[1])
     return (planes,) + _as_3d(x_shape[2:]), (planes,) + _as_3d(y_shape[2:])
@@ -250,77 +310,79 @@ def _tiles(geom, x_view, y_view) -> bool:
                 and all(y_view[1 + a] * geom[a] <= x_view[1 + a] for a in range(3)))
 
 
-@binding("MaxPool")
-def MaxPool(inputs, outputs, storage_order=0, **attrs):
+@binding("MaxPool", parallel=True)
+def MaxPool(inputs, outputs, storage_order=0, threads=1, **attrs):
     x, y = inputs[0], outputs[0]
     geom, _ = _pool_geometry(x.shape, y.shape, **attrs)
     xv, yv = _pool_views(x.shape, y.shape)
     want = len(outputs) > 1 and outputs[1] is not None
     indices = outputs[1].reshape(yv) if want else np.zeros((1, 1, 1, 1), np.int64)
     if not want and _tiles_2x2(geom, xv, yv):
-        return [(_max_pool_2x2, (x.reshape(xv), y.reshape(yv)))]
-    return [(_max_pool, (x.reshape(xv), y.reshape(yv), indices, want, bool(storage_order), geom,
-                         _tiles(geom, xv, yv)))]
+        return _calls(_max_pool_2x2, (x.reshape(xv), y.reshape(yv)), threads, xv, yv, geom)
+    return _calls(_max_pool, (x.reshape(xv), y.reshape(yv), indices, want, bool(storage_order), geom,
+                              _tiles(geom, xv, yv)), threads, xv, yv, geom, serial=want)
 
 
-@binding("MaxPoolGrad", ODTRAIN_DOMAIN)
-def MaxPoolGrad(inputs, outputs, **attrs):
+@binding("MaxPoolGrad", ODTRAIN_DOMAIN, parallel=True)
+def MaxPoolGrad(inputs, outputs, threads=1, **attrs):
     dy, x, dx = inputs[0], inputs[1], outputs[0]
     geom, _ = _pool_geometry(x.shape, dy.shape, **attrs)
     xv, yv = _pool_views(x.shape, dy.shape)
     if _tiles_2x2(geom, xv, yv, cover=True):
-        return [(_max_pool_2x2_grad, (dy.reshape(yv), x.reshape(xv), dx.reshape(xv)))]
-    return [(_max_pool_grad, (dy.reshape(yv), x.reshape(xv), dx.reshape(xv), geom, _tiles(geom, xv, yv)))]
+        return _calls(_max_pool_2x2_grad, (dy.reshape(yv), x.reshape(xv), dx.reshape(xv)), threads, xv, yv, geom)
+    return _calls(_max_pool_grad, (dy.reshape(yv), x.reshape(xv), dx.reshape(xv), geom, _tiles(geom, xv, yv)),
+                  threads, xv, yv, geom)
 
 
-@binding("AveragePool")
-def AveragePool(inputs, outputs, count_include_pad=0, **attrs):
+@binding("AveragePool", parallel=True)
+def AveragePool(inputs, outputs, count_include_pad=0, threads=1, **attrs):
     x, y = inputs[0], outputs[0]
     geom, end = _pool_geometry(x.shape, y.shape, **attrs)
     xv, yv = _pool_views(x.shape, y.shape)
     inverse = _inverse_counts(x.shape, geom, end, count_include_pad)
-    return [(_average_pool, (x.reshape(xv), y.reshape(yv), inverse, geom))]
+    return _calls(_average_pool, (x.reshape(xv), y.reshape(yv), inverse, geom), threads, xv, yv, geom)
 
 
-@binding("AveragePoolGrad", ODTRAIN_DOMAIN)
-def AveragePoolGrad(inputs, outputs, count_include_pad=0, **attrs):
+@binding("AveragePoolGrad", ODTRAIN_DOMAIN, parallel=True)
+def AveragePoolGrad(inputs, outputs, count_include_pad=0, threads=1, **attrs):
     dy, dx = inputs[0], outputs[0]
     geom, end = _pool_geometry(dx.shape, dy.shape, **attrs)
     xv, yv = _pool_views(dx.shape, dy.shape)
     inverse = _inverse_counts(dx.shape, geom, end, count_include_pad)
-    return [(_average_pool_grad, (dy.reshape(yv), dx.reshape(xv), inverse, geom))]
+    return _calls(_average_pool_grad, (dy.reshape(yv), dx.reshape(xv), inverse, geom), threads, xv, yv, geom)
 
 
-@binding("GlobalMaxPool")
-def GlobalMaxPool(inputs, outputs):
+@binding("GlobalMaxPool", parallel=True)
+def GlobalMaxPool(inputs, outputs, threads=1):
     x, y = inputs[0], outputs[0]
     geom, _ = _global_geometry(x.shape)
     xv, yv = _pool_views(x.shape, y.shape)
-    return [(_max_pool, (x.reshape(xv), y.reshape(yv), np.zeros((1, 1, 1, 1), np.int64), False, False, geom,
-                         True))]
+    return _calls(_max_pool, (x.reshape(xv), y.reshape(yv), np.zeros((1, 1, 1, 1), np.int64), False, False, geom,
+                              True), threads, xv, yv, geom)
 
 
-@binding("GlobalMaxPoolGrad", ODTRAIN_DOMAIN)
-def GlobalMaxPoolGrad(inputs, outputs):
+@binding("GlobalMaxPoolGrad", ODTRAIN_DOMAIN, parallel=True)
+def GlobalMaxPoolGrad(inputs, outputs, threads=1):
     dy, x, dx = inputs[0], inputs[1], outputs[0]
     geom, _ = _global_geometry(x.shape)
     xv, yv = _pool_views(x.shape, dy.shape)
-    return [(_max_pool_grad, (dy.reshape(yv), x.reshape(xv), dx.reshape(xv), geom, True))]
+    return _calls(_max_pool_grad, (dy.reshape(yv), x.reshape(xv), dx.reshape(xv), geom, True), threads, xv, yv,
+                  geom)
 
 
-@binding("GlobalAveragePool")
-def GlobalAveragePool(inputs, outputs):
+@binding("GlobalAveragePool", parallel=True)
+def GlobalAveragePool(inputs, outputs, threads=1):
     x, y = inputs[0], outputs[0]
     geom, _ = _global_geometry(x.shape)
     xv, yv = _pool_views(x.shape, y.shape)
     inverse = np.array([1.0 / max(1, int(np.prod(x.shape[2:])))], np.float32)
-    return [(_average_pool, (x.reshape(xv), y.reshape(yv), inverse, geom))]
+    return _calls(_average_pool, (x.reshape(xv), y.reshape(yv), inverse, geom), threads, xv, yv, geom)
 
 
-@binding("GlobalAveragePoolGrad", ODTRAIN_DOMAIN)
-def GlobalAveragePoolGrad(inputs, outputs):
+@binding("GlobalAveragePoolGrad", ODTRAIN_DOMAIN, parallel=True)
+def GlobalAveragePoolGrad(inputs, outputs, threads=1):
     dy, dx = inputs[0], outputs[0]
     geom, _ = _global_geometry(dx.shape)
     xv, yv = _pool_views(dx.shape, dy.shape)
     inverse = np.array([1.0 / max(1, int(np.prod(dx.shape[2:])))], np.float32)
-    return [(_average_pool_grad, (dy.reshape(yv), dx.reshape(xv), inverse, geom))]
+    return _calls(_average_pool_grad, (dy.reshape(yv), dx.reshape(xv), inverse, geom), threads, xv, yv, geom)

@@ -26,7 +26,7 @@ from numba import njit
 
 from . import ODTRAIN_DOMAIN, binding
 from .elementwise import fast_sigmoid, fast_tanh
-from .blas import blas_gemm as _blas_gemm
+from .blas import blas_gemm
 from .layout import flat, float_buffers
 
 ONE = np.float32(1.0)
@@ -62,7 +62,7 @@ def _check_lengths(lens, steps):
 @njit(cache=True, error_model="numpy")
 def _input_projection(x, w, b, xw, d, rows, inputs, gh, with_recurrent_bias):
     """xw = X·W_dᵀ + Wb_d (+ the first `with_recurrent_bias` entries of Rb_d)."""
-    _blas_gemm(0, 1, rows, gh, inputs, ONE, x, 0, inputs, w, d * gh * inputs, inputs, np.float32(0.0), xw, 0, gh)
+    blas_gemm(0, 1, rows, gh, inputs, ONE, x, 0, inputs, w, d * gh * inputs, inputs, np.float32(0.0), xw, 0, gh)
     base = d * 2 * gh
     for row in range(rows):
         for j in range(gh):
@@ -86,9 +86,9 @@ def _gru_forward(x, w, r, b, lens, h0, has_h0, y, has_y, yh, has_yh, d, reverse,
             h[n * hs + j] = h0[_state_offset(d, n, dirs, batch, hs, layout) + j] if has_h0 else 0
     for s in range(steps):
         if linear_before_reset:
-            _blas_gemm(0, 1, batch, gh, hs, ONE, h, 0, hs, r, d * gh * hs, hs, np.float32(0.0), hr, 0, gh)
+            blas_gemm(0, 1, batch, gh, hs, ONE, h, 0, hs, r, d * gh * hs, hs, np.float32(0.0), hr, 0, gh)
         else:
-            _blas_gemm(0, 1, batch, 2 * hs, hs, ONE, h, 0, hs, r, d * gh * hs, hs, np.float32(0.0), hr, 0, gh)
+            blas_gemm(0, 1, batch, 2 * hs, hs, ONE, h, 0, hs, r, d * gh * hs, hs, np.float32(0.0), hr, 0, gh)
             for n in range(batch):
                 if s >= lens[n]:
                     continue
@@ -96,7 +96,7 @@ def _gru_forward(x, w, r, b, lens, h0, has_h0, y, has_y, yh, has_yh, d, reverse,
                 for j in range(hs):
                     reset = fast_sigmoid(xw[row + hs + j] + hr[n * gh + hs + j])
                     rh[n * hs + j] = reset * h[n * hs + j]
-            _blas_gemm(0, 1, batch, hs, hs, ONE, rh, 0, hs, r, (d * gh + 2 * hs) * hs, hs, np.float32(0.0),
+            blas_gemm(0, 1, batch, hs, hs, ONE, rh, 0, hs, r, (d * gh + 2 * hs) * hs, hs, np.float32(0.0),
                        hr, 2 * hs, gh)
         for n in range(batch):
             if s >= lens[n]:
@@ -141,10 +141,10 @@ def _previous_states(y, h0, has_h0, lens, hprev, d, reverse, steps, batch, hidde
 def _parameter_grads(x, w, dx, dw, db, dr, g, grec, hprev, d, rows, inputs, hidden, gh, rec_rows, accumulate_dx):
     """dX (+)= G·W_d, dW_d = Gᵀ·X, dWb_d = Σ G, dRb_d = Σ Grec, dR_d[:rec_rows] = Grec[:, :rec_rows]ᵀ·Hprev."""
     zero = np.float32(0.0)
-    _blas_gemm(0, 0, rows, inputs, gh, ONE, g, 0, gh, w, d * gh * inputs, inputs,
+    blas_gemm(0, 0, rows, inputs, gh, ONE, g, 0, gh, w, d * gh * inputs, inputs,
                ONE if accumulate_dx else zero, dx, 0, inputs)
-    _blas_gemm(1, 0, gh, inputs, rows, ONE, g, 0, gh, x, 0, inputs, zero, dw, d * gh * inputs, inputs)
-    _blas_gemm(1, 0, rec_rows, hidden, rows, ONE, grec, 0, gh, hprev, 0, hidden, zero, dr, d * gh * hidden, hidden)
+    blas_gemm(1, 0, gh, inputs, rows, ONE, g, 0, gh, x, 0, inputs, zero, dw, d * gh * inputs, inputs)
+    blas_gemm(1, 0, rec_rows, hidden, rows, ONE, grec, 0, gh, hprev, 0, hidden, zero, dr, d * gh * hidden, hidden)
     base = d * 2 * gh
     for j in range(2 * gh):
         db[base + j] = 0
@@ -169,14 +169,14 @@ def _gru_backward(x, w, r, b, lens, h0, has_h0, y, dy, has_dy, dyh, has_dyh, dx,
     _previous_states(y, h0, has_h0, lens, hprev, d, reverse, steps, batch, hs, dirs, layout)
     rbh = d * 2 * gh + gh + 2 * hs
     if lbr:
-        _blas_gemm(0, 1, rows, gh, hs, ONE, hprev, 0, hs, r, d * gh * hs, hs, zero, hr, 0, gh)
+        blas_gemm(0, 1, rows, gh, hs, ONE, hprev, 0, hs, r, d * gh * hs, hs, zero, hr, 0, gh)
     else:
-        _blas_gemm(0, 1, rows, 2 * hs, hs, ONE, hprev, 0, hs, r, d * gh * hs, hs, zero, hr, 0, gh)
+        blas_gemm(0, 1, rows, 2 * hs, hs, ONE, hprev, 0, hs, r, d * gh * hs, hs, zero, hr, 0, gh)
         for row in range(rows):
             for j in range(hs):
                 reset = fast_sigmoid(xw[row * gh + hs + j] + hr[row * gh + hs + j])
                 rh[row * hs + j] = reset * hprev[row * hs + j]
-        _blas_gemm(0, 1, rows, hs, hs, ONE, rh, 0, hs, r, (d * gh + 2 * hs) * hs, hs, zero, hr, 2 * hs, gh)
+        blas_gemm(0, 1, rows, hs, hs, ONE, rh, 0, hs, r, (d * gh + 2 * hs) * hs, hs, zero, hr, 2 * hs, gh)
     for i in range(g.size):
         g[i] = 0
         grec[i] = 0
@@ -220,10 +220,10 @@ def _gru_backward(x, w, r, b, lens, h0, has_h0, y, dy, has_dy, dyh, has_dyh, dx,
                 else:
                     step_rec[n * gh + 2 * hs + j] = dcand
         if lbr:  # dH_prev += [dz, dr, dh̃⊙r] · R
-            _blas_gemm(0, 0, batch, hs, gh, ONE, step_rec, 0, gh, r, d * gh * hs, hs, ONE, dprev, 0, hs)
+            blas_gemm(0, 0, batch, hs, gh, ONE, step_rec, 0, gh, r, d * gh * hs, hs, ONE, dprev, 0, hs)
         else:
             # d(r⊙H) = dh̃ · Rh, then dr = d(r⊙H)⊙H and dH_prev += d(r⊙H)⊙r + [dz, dr] · R_zr
-            _blas_gemm(0, 0, batch, hs, hs, ONE, step_g, 2 * hs, gh, r, (d * gh + 2 * hs) * hs, hs, zero, carry, 0, hs)
+            blas_gemm(0, 0, batch, hs, hs, ONE, step_g, 2 * hs, gh, r, (d * gh + 2 * hs) * hs, hs, zero, carry, 0, hs)
             for n in range(batch):
                 if s >= lens[n]:
                     continue
@@ -236,7 +236,7 @@ def _gru_backward(x, w, r, b, lens, h0, has_h0, y, dy, has_dy, dyh, has_dyh, dx,
                     step_g[n * gh + hs + j] = dreset
                     step_rec[n * gh + hs + j] = dreset
                     dprev[n * hs + j] += drh * reset
-            _blas_gemm(0, 0, batch, hs, 2 * hs, ONE, step_rec, 0, gh, r, d * gh * hs, hs, ONE, dprev, 0, hs)
+            blas_gemm(0, 0, batch, hs, 2 * hs, ONE, step_rec, 0, gh, r, d * gh * hs, hs, ONE, dprev, 0, hs)
         for n in range(batch):
             for j in range(hs):
                 carry[n * hs + j] = dprev[n * hs + j]
@@ -253,7 +253,7 @@ def _gru_backward(x, w, r, b, lens, h0, has_h0, y, dy, has_dy, dyh, has_dyh, dx,
     else:
         _parameter_grads(x, w, dx, dw, db, dr, g, grec, hprev, d, rows, inputs, hs, gh, 2 * hs, accumulate_dx)
         # dRh = dh̃ᵀ · (r⊙H_prev)
-        _blas_gemm(1, 0, hs, hs, rows, ONE, grec, 2 * hs, gh, rh, 0, hs, zero, dr, (d * gh + 2 * hs) * hs, hs)
+        blas_gemm(1, 0, hs, hs, rows, ONE, grec, 2 * hs, gh, rh, 0, hs, zero, dr, (d * gh + 2 * hs) * hs, hs)
 
 
 @njit(cache=True, error_model="numpy")
@@ -272,7 +272,7 @@ def _lstm_forward(x, w, r, b, lens, h0, has_h0, c0, has_c0, p, has_p, y, has_y, 
             h[n * hs + j] = h0[state] if has_h0 else 0
             c[n * hs + j] = c0[state] if has_c0 else 0
     for s in range(steps):
-        _blas_gemm(0, 1, batch, gh, hs, ONE, h, 0, hs, r, d * gh * hs, hs, zero, hr, 0, gh)
+        blas_gemm(0, 1, batch, gh, hs, ONE, h, 0, hs, r, d * gh * hs, hs, zero, hr, 0, gh)
         for n in range(batch):
             if s >= lens[n]:
                 continue
@@ -316,7 +316,7 @@ def _lstm_backward(x, w, r, b, lens, h0, has_h0, c0, has_c0, p, has_p, y, dy, ha
     pb = d * 3 * hs
     _input_projection(x, w, b, xw, d, rows, inputs, gh, gh)
     _previous_states(y, h0, has_h0, lens, hprev, d, reverse, steps, batch, hs, dirs, layout)
-    _blas_gemm(0, 1, rows, gh, hs, ONE, hprev, 0, hs, r, d * gh * hs, hs, ONE, xw, 0, gh)  # all pre-activations
+    blas_gemm(0, 1, rows, gh, hs, ONE, hprev, 0, hs, r, d * gh * hs, hs, ONE, xw, 0, gh)  # all pre-activations
     for n in range(batch):  # replay the cell states: elementwise, cheap
         for j in range(hs):
             carry_c[n * hs + j] = c0[_state_offset(d, n, dirs, batch, hs, layout) + j] if has_c0 else 0
@@ -381,7 +381,7 @@ def _lstm_backward(x, w, r, b, lens, h0, has_h0, c0, has_c0, p, has_p, y, dy, ha
                 step_g[n * gh + 2 * hs + j] = df
                 step_g[n * gh + 3 * hs + j] = dcand
                 dprev[n * hs + j] = 0
-        _blas_gemm(0, 0, batch, hs, gh, ONE, step_g, 0, gh, r, d * gh * hs, hs, ONE, dprev, 0, hs)
+        blas_gemm(0, 0, batch, hs, gh, ONE, step_g, 0, gh, r, d * gh * hs, hs, ONE, dprev, 0, hs)
         for n in range(batch):
             for j in range(hs):
                 carry[n * hs + j] = dprev[n * hs + j]

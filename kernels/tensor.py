@@ -7,15 +7,17 @@ Most ops here are one strided copy, `_copy_strided`: 6 nested loops over a coale
 space, with a start offset and element strides for the source and the destination, so a
 slice, a concatenation slot, a broadcast or a tile is a stride pattern computed once when the
 graph is bound. Gathers check every index against the axis length and raise ValueError
-(an InputError for the caller) instead of reading out of bounds.
+(an InputError for the caller) instead of reading out of bounds. With threads, Gather splits its
+indices and its gradient (a scatter-add) its columns into parallel parts: every value as in one thread.
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from . import ODTRAIN_DOMAIN, binding
 from .layout import element_strides, flat
+from .parts import part_bounds, part_count
 
 COPY_DIMS = 6
 SCATTER = {"none": 0, "add": 1, "mul": 2, "max": 3, "min": 4}
@@ -217,11 +219,11 @@ def _axis_index(k, axis_len):
 
 
 @njit(cache=True, error_model="numpy")
-def _gather(x, indices, out, outer, axis_len, inner):
-    """out[o, j, :] = x[o, indices[j], :] (x may be read-only)."""
+def _gather(x, indices, out, outer, axis_len, inner, j0, j1):
+    """out[o, j, :] = x[o, indices[j], :] for the indices j in [j0, j1) (x may be read-only)."""
     count = indices.size
     for o in range(outer):
-        for j in range(count):
+        for j in range(j0, j1):
             k = _axis_index(indices[j], axis_len)
             src = (o * axis_len + k) * inner
             dst = (o * count + j) * inner
@@ -230,36 +232,69 @@ def _gather(x, indices, out, outer, axis_len, inner):
 
 
 @njit(cache=True, error_model="numpy")
-def _scatter_add(dy, indices, dx, outer, axis_len, inner):
-    """dx = 0; dx[o, indices[j], :] += dy[o, j, :] (Gather's gradient: repeated indices add up)."""
+def _scatter_add(dy, indices, dx, outer, axis_len, inner, c0, c1):
+    """dx = 0; dx[o, indices[j], c] += dy[o, j, c] for the columns c in [c0, c1) (Gather's gradient: repeated
+    indices add up, in index order)."""
     count = indices.size
-    for i in range(dx.size):
-        dx[i] = 0
+    for row in range(outer * axis_len):
+        for i in range(row * inner + c0, row * inner + c1):
+            dx[i] = 0
     for o in range(outer):
         for j in range(count):
             k = _axis_index(indices[j], axis_len)
             src = (o * count + j) * inner
             dst = (o * axis_len + k) * inner
-            for i in range(inner):
+            for i in range(c0, c1):
                 dx[dst + i] += dy[src + i]
+
+
+@njit(cache=True, error_model="numpy")
+def _check_indices(indices, axis_len):
+    """Raise ValueError for an index outside the axis: before a parallel region, which cannot raise."""
+    for j in range(indices.size):
+        _axis_index(indices[j], axis_len)
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _gather_parts(x, indices, out, outer, axis_len, inner, bounds):
+    """_gather on parts of the indices (bounds), in parallel."""
+    _check_indices(indices, axis_len)
+    for p in prange(bounds.size - 1):
+        _gather(x, indices, out, outer, axis_len, inner, bounds[p], bounds[p + 1])
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _scatter_add_parts(dy, indices, dx, outer, axis_len, inner, bounds):
+    """_scatter_add on parts of the columns (bounds), in parallel: each element adds up as in one thread."""
+    _check_indices(indices, axis_len)
+    for p in prange(bounds.size - 1):
+        _scatter_add(dy, indices, dx, outer, axis_len, inner, bounds[p], bounds[p + 1])
 
 
 def _outer_inner(shape, axis):
     return int(np.prod(shape[:axis], dtype=np.int64)), int(shape[axis]), int(np.prod(shape[axis + 1:], dtype=np.int64))
 
 
-@binding("Gather")
-def Gather(inputs, outputs, axis=0):
+@binding("Gather", parallel=True)
+def Gather(inputs, outputs, axis=0, threads=1):
     x, indices, out = inputs[0], inputs[1], outputs[0]
     outer, axis_len, inner = _outer_inner(x.shape, int(axis) % x.ndim)
-    return [(_gather, (flat(x), flat(indices), flat(out), outer, axis_len, inner))]
+    args = (flat(x), flat(indices), flat(out), outer, axis_len, inner)
+    parts = part_count(threads, indices.size, out.size)
+    if parts == 1:
+        return [(_gather, args + (0, indices.size))]
+    return [(_gather_parts, args + (part_bounds(indices.size, parts),))]
 
 
-@binding("GatherGrad", ODTRAIN_DOMAIN)
-def GatherGrad(inputs, outputs, axis=0):
+@binding("GatherGrad", ODTRAIN_DOMAIN, parallel=True)
+def GatherGrad(inputs, outputs, axis=0, threads=1):
     dy, indices, out = inputs[0], inputs[1], outputs[0]
     outer, axis_len, inner = _outer_inner(out.shape, int(axis) % out.ndim)
-    return [(_scatter_add, (flat(dy), flat(indices), flat(out), outer, axis_len, inner))]
+    args = (flat(dy), flat(indices), flat(out), outer, axis_len, inner)
+    parts = part_count(threads, inner, out.size + dy.size)
+    if parts == 1:
+        return [(_scatter_add, args + (0, inner))]
+    return [(_scatter_add_parts, args + (part_bounds(inner, parts),))]
 
 
 @njit(cache=True, inline="always")

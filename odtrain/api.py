@@ -12,7 +12,8 @@ gradients and optimizer moments live in the state's flat buffers.
 Beyond ONNX Runtime's API, for tools that look at a session without running
 it (the CLI, the memory report, the training loop, benchmarks):
 `Module.bind_at(batch_size, training)` binds a step and returns its
-`BoundStep` (memory plan, folded constants, recomputation);
+`BoundStep` (memory plan, folded constants, recomputation), and
+`Module.bound_graph_at(batch_size, training)` the executor's BoundGraph of it;
 `Module.bound_steps()` lists the steps bound so far; `Module.arena_bytes`,
 `Module.input_types(training)`, `Module.graph(training)`, `Module.state`, and
 `CheckpointState.buffer_bytes()` (a `StateBuffers`).
@@ -37,6 +38,7 @@ from .graph.planner import Plan
 from .graph.qat import quantized_for_inference
 from .signals import deferred_interrupt
 from .state import OptimizerState, ParameterStore, PropertyBag
+from .threads import checked as checked_threads, get_num_threads, usable
 
 DEFAULT_LEARNING_RATE = 1e-3
 PLAN_CACHE_SIZE = 4
@@ -232,9 +234,10 @@ class _GraphSession:
     """A loaded training or eval graph, its user inputs and a small cache of bound plans."""
 
     def __init__(self, uri, state: CheckpointState, what: str, with_gradients: bool, check_finite: bool = False,
-                 memory_budget: int | None = None, arena=None):
+                 memory_budget: int | None = None, arena=None, num_threads: int | None = None):
         self.with_gradients = with_gradients
         self.mode = "train" if with_gradients else "eval"
+        self.num_threads = num_threads  # None: the process default (odtrain.threads.get_num_threads) at each bind
         self.arena = arena  # an executor.SharedArena shared with the Module's other session, or None
         self.memory_budget = memory_budget
         self.fused: dict = {}  # gradient output -> (parameter, update) when the optimizer runs inside backward
@@ -265,6 +268,10 @@ class _GraphSession:
         self.external = {n: store.data(n) for n in params}
         self.sinks = {g: store.grad(p).reshape(-1) for g, p in self.grad_outputs.items()}
         self.plans: OrderedDict = OrderedDict()
+
+    def threads(self) -> int:
+        """The thread count of this session's steps: the module's num_threads, else the process default."""
+        return usable(self.num_threads or get_num_threads())
 
     def feeds(self, user_inputs) -> tuple[list[np.ndarray], tuple]:
         if len(user_inputs) == 1 and isinstance(user_inputs[0], (list, tuple)) and len(self.input_names) > 1:
@@ -297,14 +304,15 @@ class _GraphSession:
         from .executor import BoundGraph
 
         accumulate = self.with_gradients and not self.state._reset_grad_pending
-        signature = signature + (accumulate,)
+        threads = self.threads()
+        signature = signature + (accumulate, threads)
         plan = self.plans.get(signature)
         if plan is None:
             types = {name: TensorType(a.dtype, a.shape) for name, a in zip(self.input_names, arrays)}
             guarded = tuple(self.output_names[:1]) if self.check_finite else ()
             sinks = {} if self.fused else self.sinks
             plan = BoundGraph(self.graph, types, self.external, sinks, accumulate and not self.fused, guarded,
-                              self.memory_budget, self.fused, self.arena)
+                              self.memory_budget, self.fused, self.arena, threads=threads)
             self.plans[signature] = plan
             if len(self.plans) > PLAN_CACHE_SIZE:
                 self.plans.popitem(last=False)
@@ -315,6 +323,12 @@ class _GraphSession:
     def bind_at(self, batch_size: int, sequence_length: int | None = None) -> BoundStep:
         """Bind the plan (a BoundGraph, cached) that a call with inputs of batch `batch_size` (and every other
         symbolic axis `sequence_length`) runs."""
+        signature, bound = self.bound_at(batch_size, sequence_length)
+        return self.bound_step(signature, bound)
+
+    def bound_at(self, batch_size: int, sequence_length: int | None = None):
+        """(signature, BoundGraph) of the plan, bound and cached, that a call with inputs of batch `batch_size`
+        (and every other symbolic axis `sequence_length`) runs."""
         for what, value in (("batch size", batch_size), ("sequence length", sequence_length)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
                 raise ArgumentError(f"the {what} must be a positive integer, got {value!r}")
@@ -333,7 +347,7 @@ class _GraphSession:
                 shape.append(dim)
             arrays.append(np.zeros(shape, dtype=declared.dtype))
         feeds, signature = self.feeds(arrays)
-        return self.bound_step(signature, self.bound(signature, feeds))
+        return signature, self.bound(signature, feeds)
 
     def bound_step(self, signature, bound) -> BoundStep:
         return BoundStep(self.mode, tuple(item for item in signature if isinstance(item, tuple)), bound.plan,
@@ -379,13 +393,17 @@ class Module:
     training: bool
 
     def __init__(self, train_model_uri, state: CheckpointState, eval_model_uri=None, device: str = "cpu", *,
-                 check_finite: bool = False, memory_budget: int | None = None):
+                 check_finite: bool = False, memory_budget: int | None = None, num_threads: int | None = None):
         """`check_finite=True` stops a step with NonFiniteError at a NaN or infinity in an input, the loss
         (before the backward pass) or a gradient, naming the step and the parameter.
 
         `memory_budget` (bytes) caps the arena of a training step: the planner recomputes activations
         in the backward pass instead of storing them until the plan fits; if no plan fits, the first
-        call raises MemoryBudgetError with the smallest budget that works."""
+        call raises MemoryBudgetError with the smallest budget that works.
+
+        `num_threads` is the number of threads this module's steps use (kernels and BLAS together);
+        by default odtrain.threads.get_num_threads(): ODTRAIN_NUM_THREADS, else every core the process
+        may run on. `num_threads=1` runs serial kernels and is bit-for-bit reproducible."""
         if not isinstance(state, CheckpointState):
             raise ArgumentError(f"state must be a CheckpointState, got {type(state).__name__}")
         if str(device).split(":")[0] != "cpu":
@@ -393,16 +411,18 @@ class Module:
         self._state = state
         if memory_budget is not None and (not isinstance(memory_budget, (int, np.integer)) or memory_budget <= 0):
             raise ArgumentError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
+        threads = None if num_threads is None else checked_threads(num_threads)
         from .executor import SharedArena
 
         # The train and eval steps, at every input shape, never run at once: one arena serves them all.
         self._arena = SharedArena()
         self._train = _GraphSession(train_model_uri, state, "training model", True, check_finite, memory_budget,
-                                    self._arena)
+                                    self._arena, threads)
         if not self._train.grad_outputs:
             raise ModelError(f"training model '{self._train.uri}' computes no parameter gradients; "
                              "generate it with odtrain.artifacts.generate_artifacts")
-        self._eval = (_GraphSession(eval_model_uri, state, "eval model", False, check_finite, arena=self._arena)
+        self._eval = (_GraphSession(eval_model_uri, state, "eval model", False, check_finite, arena=self._arena,
+                                    num_threads=threads)
                       if eval_model_uri is not None else None)
         self.training = True
 
@@ -449,6 +469,12 @@ class Module:
         """Bind the training (or eval) step for inputs of batch `batch_size`, as a call with such inputs
         would, without running it; symbolic axes after the first take `sequence_length`."""
         return self._session_of(training).bind_at(batch_size, sequence_length)
+
+    def bound_graph_at(self, batch_size: int, training: bool = True):
+        """The executor's plan (odtrain.executor.BoundGraph: its calls, their nodes, storage) that bind_at
+        binds, for tools that run or time a step's calls one by one (odtrain.profile, benchmarks); read it,
+        do not change it."""
+        return self._session_of(training).bound_at(batch_size)[1]
 
     def bound_steps(self) -> list[BoundStep]:
         """The steps bound so far: training steps, then eval steps, each from least to most recently used."""
@@ -556,8 +582,9 @@ class Optimizer:
         state = self._state._optimizer
         moments = {key: flat[start:stop] for key, flat in state.moments.items()}
 
-        def update(gradient):
-            apply_optimizer(self._config, weights, gradient, moments, state.learning_rate, state.step + 1)
+        def update(gradient):  # inside the training step, which runs at the module's threads
+            apply_optimizer(self._config, weights, gradient, moments, state.learning_rate, state.step + 1,
+                            self._module._train.threads())
 
         return update
 
@@ -575,7 +602,8 @@ class Optimizer:
             raise NonFiniteError(f"optimizer step {opt.step + 1} refused: the gradient of parameter "
                                  f"'{store.first_nonfinite_gradient()}' is not finite; the parameters are unchanged")
         with deferred_interrupt():
-            apply_optimizer(self._config, weights, store.grad_flat, opt.moments, opt.learning_rate, opt.step + 1)
+            apply_optimizer(self._config, weights, store.grad_flat, opt.moments, opt.learning_rate, opt.step + 1,
+                            self._module._train.threads())
             opt.step += 1
 
     def set_learning_rate(self, learning_rate: float) -> None:

@@ -1,23 +1,29 @@
-"""Loading scipy's BLAS table, the one Numba's matrix products call, at the cost of that one module.
+"""The BLAS that odtrain's matrix products call: scipy's OpenBLAS, loaded lean, and its thread count.
 
-`import scipy.linalg.cython_blas` would run `scipy.linalg`'s package initialiser, which loads all of
-scipy.linalg (LAPACK wrappers, the array-API layer, numpy.testing and f2py with it): about 15 MiB of
-RSS and a quarter of a second that no kernel uses. `load_blas()` loads the Cython table module by
-itself instead, under its own name, so Numba and its C helpers find it in `sys.modules`; if the
-program imports `scipy.linalg` later, the package is initialised as usual and gets the same module
-as its `cython_blas` attribute. When scipy.linalg is already imported, or the file cannot be found,
-the usual import is used.
+Numba's CPU target checks for BLAS by importing `scipy.linalg.cython_blas`, the table of BLAS
+functions its products (and kernels/blas.py) call. That import would run `scipy.linalg`'s
+package initialiser, which loads all of scipy.linalg (LAPACK wrappers, the array-API layer,
+numpy.testing and f2py with it): about 15 MiB of RSS and a quarter of a second that no kernel
+uses. `load_blas()` loads the Cython table module by itself instead, under its own name, so
+Numba and its C helpers find it in `sys.modules`; if the program imports `scipy.linalg` later,
+the package is initialised as usual and gets the same module as its `cython_blas` attribute.
+When scipy.linalg is already imported, or the file cannot be found, the usual import is used.
 
-A leaf: the runtime (`odtrain.runtime`) and the thread policy (`odtrain.threads`) both use it.
+`set_blas_threads(n)` sets the threads of that OpenBLAS (numpy carries its own copy, which is
+left alone); where the library cannot be found (another BLAS, another OS) it does nothing.
+
+A leaf: imports nothing of odtrain's.
 """
 from __future__ import annotations
 
+import ctypes
 import importlib.machinery
 import importlib.util
 import os
 import sys
 
 _BLAS_MODULE = "scipy.linalg.cython_blas"
+_SETTERS = ("scipy_openblas_set_num_threads", "scipy_openblas_set_num_threads64_", "openblas_set_num_threads")
 
 
 def load_blas() -> None:
@@ -73,3 +79,32 @@ class _AttachToPackage:
 
         spec.loader.exec_module = exec_module
         return spec
+
+
+def set_blas_threads(count: int) -> bool:
+    """Use `count` threads in scipy's OpenBLAS; returns whether the library was found."""
+    setter = _thread_setter()
+    if setter is None:
+        return False
+    setter(ctypes.c_int(max(int(count), 1)))
+    return True
+
+
+def _thread_setter():
+    """The thread-count setter of the OpenBLAS that scipy.linalg.cython_blas is linked to, or None."""
+    try:
+        load_blas()
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "openblas" in line.lower() and "scipy.libs" in line}
+    except (ImportError, OSError):
+        return None
+    for path in sorted(paths):
+        try:
+            library = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for name in _SETTERS:
+            setter = getattr(library, name, None)
+            if setter is not None:
+                return setter
+    return None

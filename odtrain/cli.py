@@ -2,7 +2,7 @@
 
 Commands, in the order of the workflow: check (can odtrain train this model?), prepare (the
 artifacts), train (odtrain.training.fit), eval, export (the inference model), inspect, memory (what a
-training step at a batch size holds, odtrain.memory).
+training step at a batch size holds, odtrain.memory), profile (where its time goes, odtrain.profile).
 
 Exit code 0 on success; on a user error, one line on stderr and exit code 2; 1 when `check` finds
 the model untrainable; 130 (SIGINT) or 143 (SIGTERM) when training stopped after saving.
@@ -405,6 +405,11 @@ def _prepare(args) -> int:
 # ---- train, eval, export, inspect ------------------------------------------------------------------------
 
 
+def _add_threads_option(parser) -> None:
+    parser.add_argument("--threads", type=int, metavar="N", help="threads of each step, kernels and BLAS together "
+                        "(default: ODTRAIN_NUM_THREADS, else every core this process may run on)")
+
+
 def _byte_size(text: str) -> int:
     """'40MB', '1.5GiB', '500000' -> bytes (decimal and binary units)."""
     units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -630,6 +635,18 @@ def _memory(args) -> int:
     return 0
 
 
+def _profile(args) -> int:
+    from .profile import profile_artifacts
+
+    report = profile_artifacts(args.artifacts, args.batch_size, steps=args.steps, threads=args.threads,
+                               clock=args.clock)
+    if args.json:
+        _print_json(report.to_dict())
+    else:
+        print(report.render(top=args.top))
+    return 0
+
+
 def _add_data_options(command, what: str) -> None:
     command.add_argument("--data", action="append", required=True, metavar="PATH",
                          help=f"{what}: an .npz file, a folder of images (one sub-folder per class), .npy "
@@ -729,6 +746,7 @@ def _add_training_commands(commands) -> None:
     train.add_argument("--memory-budget", type=_byte_size, metavar="BYTES",
                        help="cap each training step's arena (e.g. 40MB), recomputing activations in the backward "
                        "pass; fails before training, naming the smallest budget that works, if none fits")
+    _add_threads_option(train)
     train.add_argument("--json", action="store_true", help="print the result as JSON instead of progress")
     train.add_argument("--stop-after-steps", type=int, help=argparse.SUPPRESS)
     train.set_defaults(handler=_train)
@@ -740,6 +758,7 @@ def _add_training_commands(commands) -> None:
     evaluate.add_argument("artifacts", metavar="ARTIFACT_DIR", help="a folder written by `odtrain prepare`")
     _add_data_options(evaluate, "test data")
     evaluate.add_argument("--batch-size", type=int, default=256, help="samples per step (default: 256)")
+    _add_threads_option(evaluate)
     evaluate.add_argument("--json", action="store_true", help="print the metrics as JSON")
     evaluate.set_defaults(handler=_eval)
 
@@ -784,6 +803,23 @@ def _add_training_commands(commands) -> None:
                         'by category (needs matplotlib: pip install "odtrain[plot]")')
     memory.set_defaults(handler=_memory)
 
+    profile = commands.add_parser(
+        "profile", help="show where a training step's time goes",
+        description="Run the training step at --batch-size with a clock around each kernel call and report "
+        "the time per node and per op type, for the forward pass, the backward pass and the optimizer; the "
+        "matrix products' time and GF/s against this machine's float32 GEMM peak (measured here, at 1 thread "
+        "and at the step's and the machine's thread counts). The parameters train during the run; the "
+        "checkpoint file is not written.")
+    profile.add_argument("artifacts", metavar="ARTIFACT_DIR", help="a folder written by `odtrain prepare`")
+    profile.add_argument("--batch-size", type=int, required=True, help="samples per step")
+    profile.add_argument("--steps", type=int, default=10, help="profiled steps, after 2 warm-up steps (default: 10)")
+    profile.add_argument("--threads", type=int, help="threads for the run (default: odtrain's setting)")
+    profile.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="wall time (default), or the "
+                         "process's CPU time, all threads summed: steadier on a busy machine, blind to parallel speed-up")
+    profile.add_argument("--top", type=int, default=15, help="nodes listed, the slowest first (default: 15)")
+    profile.add_argument("--json", action="store_true", help="print every node and op type as JSON (times in ms)")
+    profile.set_defaults(handler=_profile)
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="odtrain", description="Train ONNX models on the device that holds the data.")
@@ -816,8 +852,11 @@ def main(argv=None) -> int:
     if not getattr(args, "handler", None):
         parser.print_help()
         return 2
+    from .threads import process_default
+
     try:
-        return args.handler(args)
+        with process_default(getattr(args, "threads", None)):
+            return args.handler(args)
     except OdtrainError as error:
         message = str(error).replace("\n", " ")
         print(f"odtrain {args.command}: error: {message}", file=sys.stderr)

@@ -4,7 +4,7 @@ The graph layer decides (`graph.step_plan.plan_step`: types, folded
 constants, the order with any recomputation and fused updates, what lives
 outside the arena, the memory plan); the executor only lays out and binds:
 - `scratch_bytes` tells the planner how much working memory a node's kernel
-  needs (the kernels' `scratch=` declarations);
+  needs at the step's thread count (the kernels' `scratch=` declarations);
 - storage: parameters, folded constants and gradient sinks are arrays of
   their own, and the plan's outside views are numpy views of them; every
   other value is a view of the arena at its planned offset;
@@ -22,6 +22,7 @@ call per parameter.
 from __future__ import annotations
 
 import weakref
+from functools import partial
 
 import numpy as np
 
@@ -33,24 +34,27 @@ from .allocation import aligned_buffer, allocate, budget_advice
 from .graph.autodiff import LOSS_SEED
 from .graph.schedule import split_forward_backward
 from .graph.step_plan import plan_step
-from .kernels import BINDINGS, SCRATCH
-from . import runtime
+from .kernels import BINDINGS, PARALLEL, SCRATCH
+from . import runtime, threads as thread_policy
 from .graph.optimizers import AdamW, SGDMomentum
-from .kernels.optim import adamw_update, add_into, assert_finite, copy_into, sgd_momentum_update, sgd_update
+from .kernels.optim import (adamw_update, adamw_update_parts, add_into, assert_finite, copy_into, sgd_momentum_update,
+                            sgd_momentum_update_parts, sgd_update, sgd_update_parts)
+from .kernels.parts import part_count
 
 
-def scratch_bytes(node: Node, types: dict[str, TensorType]) -> int:
-    """The working memory, in bytes, that the kernel binding of `node` declares (0 if none)."""
+def scratch_bytes(node: Node, types: dict[str, TensorType], threads: int = 1) -> int:
+    """The working memory, in bytes, that the kernel binding of `node` declares at `threads` threads (0 if none)."""
     size_of = SCRATCH.get(node.key)
     if size_of is None:
         return 0
     specs_in = [(types[i].shape, types[i].dtype) if i else None for i in node.inputs]
     specs_out = [(types[o].shape, types[o].dtype) if o else None for o in node.outputs]
-    return int(size_of(specs_in, specs_out, **node.attrs))
+    extra = {"threads": threads} if node.key in PARALLEL else {}
+    return int(size_of(specs_in, specs_out, **node.attrs, **extra))
 
 
 class BoundGraph:
-    """One graph at one set of feed shapes: plan, arena, and the calls of a step.
+    """One graph at one set of feed shapes and thread count: plan, arena, and the calls of a step.
 
     `external` maps parameter names to the arrays that hold them (views of
     the flat parameter buffer). `gradient_sinks` maps gradient outputs to
@@ -60,21 +64,24 @@ class BoundGraph:
     `bound_feeds` maps graph inputs to fed values bound as constants (the
     axes, shapes or sizes an op reads while shapes bind): the plan holds
     for those values only, and a step is fed the other inputs, `feeds`.
+    `threads` is the step's thread count: parallel kernels are bound to split their work into
+    that many parts, with their scratch sized for it, and a run uses that many of Numba's threads.
     """
 
     def __init__(self, graph: Graph, feed_types: dict[str, TensorType], external: dict[str, np.ndarray],
                  gradient_sinks: dict[str, np.ndarray] | None = None, accumulate: bool = False,
                  check_finite: tuple[str, ...] = (), memory_budget: int | None = None,
                  fused_updates: dict | None = None, arena: SharedArena | None = None,
-                 bound_feeds: dict[str, np.ndarray] | None = None):
-        runtime.load()  # Numba's CPU target, BLAS, serial BLAS unless asked (odtrain/threads.py)
+                 bound_feeds: dict[str, np.ndarray] | None = None, threads: int = 1):
+        runtime.load()  # Numba's CPU target, BLAS on one thread, Numba's threading layer (odtrain/threads.py)
         self.graph = graph
+        self.threads = int(threads)
         self._updates = {grad: update for grad, (_, update) in (fused_updates or {}).items()}
         sinks = gradient_sinks or {}
         parameter_types = {k: TensorType(v.dtype, tuple(v.shape)) for k, v in external.items()}
 
         def planned(budget: int | None):
-            return plan_step(graph, feed_types, parameter_types, scratch_bytes,
+            return plan_step(graph, feed_types, parameter_types, partial(scratch_bytes, threads=self.threads),
                              held=set() if accumulate else set(sinks), memory_budget=budget,
                              fused_updates={grad: param for grad, (param, _) in (fused_updates or {}).items()},
                              bound_feeds=bound_feeds)
@@ -111,15 +118,18 @@ class BoundGraph:
         self.arena = buffer
         self.storage = storage
         self.feed_views = [storage[name] for name in self.feeds]
-        calls = []
+        calls, call_nodes = [], []
         for index, node in enumerate(self.step_plan.order):
             calls.extend(self._bind_node(index, node, storage))
             for name in node.outputs:  # stop before a non-finite value reaches the backward pass
                 if name in self._check_finite:
                     calls.append((assert_finite, (storage[name].reshape(-1),)))
+            call_nodes.extend([node] * (len(calls) - len(call_nodes)))
         for name, sink in self._accumulated_sinks.items():
             calls.append((add_into, (sink, storage[name].reshape(-1))))
+            call_nodes.append(None)
         self.calls = calls
+        self.call_nodes = call_nodes  # the node each call belongs to (None: a gradient added into its sink)
 
     def _bind_node(self, index: int, node: Node, storage: dict[str, np.ndarray]):
         types = self.types
@@ -136,6 +146,8 @@ class BoundGraph:
         inputs = [storage[i] if i else None for i in node.inputs]
         outputs = [storage[o] if o else None for o in node.outputs]
         extra = {"scratch": storage[self.step_plan.scratch[index]]} if index in self.step_plan.scratch else {}
+        if node.key in PARALLEL:
+            extra["threads"] = self.threads
         try:
             return bind(inputs, outputs, **node.attrs, **extra)
         except TypeError as error:
@@ -143,9 +155,15 @@ class BoundGraph:
         except ValueError as error:
             raise ModelError(f"{node.describe()}: {error}") from None
 
+    @property
+    def order(self) -> list[Node]:
+        """The nodes of a step in execution order, recomputed and update nodes included."""
+        return self.step_plan.order
+
     def run(self, feeds: list[np.ndarray]) -> None:
         for view, value in zip(self.feed_views, feeds):
             np.copyto(view, value, casting="no")
+        previous = thread_policy.use(self.threads) if self.threads > 1 else None
         try:
             for kernel, args in self.calls:
                 kernel(*args)
@@ -153,6 +171,9 @@ class BoundGraph:
             raise NonFiniteError(f"{self.graph.name}: {error}") from None
         except ValueError as error:  # a kernel's check on the data (e.g. a label out of range)
             raise InputError(f"{self.graph.name}: {error}; check the inputs' values") from None
+        finally:
+            if previous is not None:
+                thread_policy.use(previous)
 
     def output(self, name: str) -> np.ndarray:
         return self.storage[name].copy()
@@ -188,14 +209,24 @@ class SharedArena:
 
 
 def apply_optimizer(config, weights: np.ndarray, grads: np.ndarray, moments: dict[str, np.ndarray],
-                    learning_rate: float, step: int) -> None:
-    """One fused update of the trainable block by the optimizer model's node (AdamW, SGD or SGDMomentum)."""
-    if isinstance(config, AdamW):
-        adamw_update(weights, grads, moments["momentum0"], moments["momentum1"], float(learning_rate),
-                     float(config.betas[0]), float(config.betas[1]), float(config.eps), float(config.weight_decay),
-                     float(step), bool(config.bias_correction))
-    elif isinstance(config, SGDMomentum):
-        sgd_momentum_update(weights, grads, moments["momentum_buffer"], float(learning_rate), float(config.momentum),
-                            float(config.dampening), float(config.weight_decay), bool(config.nesterov), step == 1)
-    else:
-        sgd_update(weights, grads, float(learning_rate))
+                    learning_rate: float, step: int, threads: int = 1) -> None:
+    """One fused update of the trainable block by the optimizer model's node (AdamW, SGD or SGDMomentum),
+    on parts of the block in parallel at `threads` threads when the block is large enough."""
+    parts = part_count(threads, weights.size, weights.size)
+    split = (parts,) if parts > 1 else ()
+    previous = thread_policy.use(threads) if split else None
+    try:
+        if isinstance(config, AdamW):
+            (adamw_update_parts if split else adamw_update)(
+                weights, grads, moments["momentum0"], moments["momentum1"], float(learning_rate),
+                float(config.betas[0]), float(config.betas[1]), float(config.eps), float(config.weight_decay),
+                float(step), bool(config.bias_correction), *split)
+        elif isinstance(config, SGDMomentum):
+            (sgd_momentum_update_parts if split else sgd_momentum_update)(
+                weights, grads, moments["momentum_buffer"], float(learning_rate), float(config.momentum),
+                float(config.dampening), float(config.weight_decay), bool(config.nesterov), step == 1, *split)
+        else:
+            (sgd_update_parts if split else sgd_update)(weights, grads, float(learning_rate), *split)
+    finally:
+        if previous is not None:
+            thread_policy.use(previous)

@@ -1,12 +1,13 @@
 """Inference with odtrain's own runtime: `InferenceSession(model).run(output_names, feeds)`.
 
 The call mirrors onnxruntime.InferenceSession.run, so an exported model runs on
-the same device, with the same kernels and planned arena, without a second runtime.
+the same device, with the same kernels and planned arena, without a second runtime,
+on odtrain's default thread count (odtrain.threads.get_num_threads).
 
 A plan is bound per signature of the feeds: their shapes and dtypes, and the
 values of the inputs that configure an op (axes, pads, target shapes, sizes, k
-fed as inputs: `graph.schedule.configuring_inputs`), which bind as constants.
-The last PLAN_CACHE_SIZE plans are kept.
+fed as inputs: `graph.schedule.configuring_inputs`), which bind as constants,
+and the thread count. The last PLAN_CACHE_SIZE plans are kept.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from .graph.ir import TensorType
 from .graph.onnx_io import load_graph
 from .graph.ops import check_supported
 from .graph.schedule import configuring_inputs
+from .threads import get_num_threads, usable
 
 PLAN_CACHE_SIZE = 4
 _ONNX_TYPE_NAMES = {"float32": "float", "float64": "double", "int64": "int64", "int32": "int32", "bool": "bool",
@@ -67,13 +69,14 @@ class InferenceSession:
             if declared is not None and array.dtype != declared.dtype:
                 raise InputError(f"input '{name}' must be {declared.dtype}, got {array.dtype}")
         feeds = dict(zip(graph.inputs, arrays))
+        threads = usable(get_num_threads())
         signature = tuple((a.dtype.str, a.shape, a.tobytes() if n in self._configuring else None)
-                          for n, a in feeds.items())
+                          for n, a in feeds.items()) + (threads,)
         bound = self._plans.get(signature)
         if bound is None:
             types = {n: TensorType(a.dtype, a.shape) for n, a in feeds.items()}
             values = {n: np.array(a) for n, a in feeds.items() if n in self._configuring}  # a copy: the plan keeps it
-            bound = self._plans[signature] = BoundGraph(graph, types, {}, bound_feeds=values)
+            bound = self._plans[signature] = BoundGraph(graph, types, {}, bound_feeds=values, threads=threads)
             if len(self._plans) > PLAN_CACHE_SIZE:
                 self._plans.popitem(last=False)
         else:

@@ -9,20 +9,21 @@ a training process that does not depend on the model, the floor under every sess
   every numpy function it supports, and checks for BLAS by importing
   `scipy.linalg.cython_blas`, the table of BLAS functions its matrix products call.
 
-That import would load all of `scipy.linalg`; `odtrain.blas.load_blas()` loads the one module
-Numba needs (see there).
+`odtrain.blas.load_blas()` loads that one extension module without the rest of scipy.linalg;
+`odtrain.threads.configure()` sets BLAS to one thread and chooses Numba's threading layer.
 
 Measured numbers for the floor are in README.md ("Memory").
 """
 from __future__ import annotations
 
 from .blas import load_blas
+from .threads import configure as configure_threads
 
 _loaded = False
 
 
 def load() -> None:
-    """Load the runtime now (idempotent): BLAS, the thread policy, Numba's CPU target."""
+    """Load the runtime now (idempotent): BLAS, the threads, Numba's CPU target."""
     global _loaded
     if _loaded:
         return
@@ -30,9 +31,7 @@ def load() -> None:
         load_blas()
     except ImportError:  # no scipy: Numba says so at the first matrix product, the only thing that needs it
         pass
-    from .threads import apply_default
-
-    apply_default()
+    configure_threads()
     try:
         from numba.core.registry import cpu_target
     except ImportError:  # a Numba without this layout sets its target up at the first kernel instead

@@ -16,6 +16,18 @@ def reference_model(name: str):
     return folder / "forward.onnx", json.loads((folder / "meta.json").read_text()), np.load(folder / "golden.npz")
 
 
+def reference_artifacts(name: str, directory, optimizer: str = "AdamW"):
+    """Cross-entropy artifacts of a reference model, with its meta.json's trainable and frozen parameters,
+    written to `directory` (returned)."""
+    from odtrain import artifacts
+
+    path, meta, _ = reference_model(name)
+    artifacts.generate_artifacts(str(path), requires_grad=meta["requires_grad"], frozen_params=meta["frozen_params"],
+                                 loss=artifacts.LossType.CrossEntropyLoss,
+                                 optimizer=getattr(artifacts.OptimType, optimizer), artifact_directory=directory)
+    return directory
+
+
 @pytest.fixture(scope="session")
 def mlp_reference():
     return reference_model("mlp")

@@ -35,7 +35,7 @@ def make_model(nodes, initializers: dict, inputs=(), outputs=("y",), opset: int 
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
 
 
-def _with_weighted_sum(nodes, output: str, weights: np.ndarray):
+def with_weighted_sum(nodes, output: str, weights: np.ndarray):
     return list(nodes) + [helper.make_node("Mul", [output, "gc_weights"], ["gc_weighted"]),
                           helper.make_node("ReduceSum", ["gc_weighted"], ["loss"], keepdims=0)]
 
@@ -95,7 +95,7 @@ def gradient_check(nodes, params: dict[str, np.ndarray], output: str = "y", cons
     shape = np.asarray(reference_outputs(probe)[0]).shape
     weights = rng.standard_normal(shape).astype(np.float32)
 
-    full_nodes = _with_weighted_sum(nodes, output, weights)
+    full_nodes = with_weighted_sum(nodes, output, weights)
     model32 = make_model(full_nodes, {**params, **constants, "gc_weights": weights},
                          outputs=[("loss", np.float32, [])], opset=opset)
     artifacts.generate_artifacts(model32, requires_grad=list(params), loss=None,

@@ -28,7 +28,7 @@ from odtrain.graph.ops import OPS
 from conftest import odtrain_main
 
 SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(odtrain.__file__)))
-COMMANDS = ("check", "prepare", "train", "eval", "export", "inspect", "memory", "demo")
+COMMANDS = ("check", "prepare", "train", "eval", "export", "inspect", "memory", "profile", "demo")
 TRAIN_SAMPLES, BATCH = 320, 32  # 10 steps per epoch
 
 

@@ -8,16 +8,17 @@ from odtrain import artifacts
 from odtrain.api import CheckpointState, Module, Optimizer
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 @pytest.mark.parametrize("as_proto", [False, True], ids=["path", "modelproto"])
-def test_first_ten_losses_match_golden(optimizer, as_proto, mlp_reference, tmp_path):
+def test_first_ten_losses_match_golden(optimizer, as_proto, threads, mlp_reference, tmp_path):
     path, meta, golden = mlp_reference
     model = onnx.load(str(path)) if as_proto else str(path)
     kind = artifacts.OptimType.SGD if optimizer == "sgd" else artifacts.OptimType.AdamW
     artifacts.generate_artifacts(model, requires_grad=meta["requires_grad"], frozen_params=meta["frozen_params"],
                                  loss=artifacts.LossType.CrossEntropyLoss, optimizer=kind, artifact_directory=tmp_path)
     state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
-    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx")
+    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx", num_threads=threads)
     opt = Optimizer(tmp_path / "optimizer_model.onnx", module)
     opt.set_learning_rate(meta[optimizer]["lr"])
     module.train()

@@ -307,3 +307,20 @@ def test_exported_attention_heads_fuse_into_strided_products(tmp_path):
     GRADIENT_CASES["exported attention heads"].check(tmp_path)
     ops = [n.op_type for n in onnx.load(str(tmp_path / "training_model.onnx")).graph.node]
     assert "Transpose" not in ops and "MatMul" not in ops and "Mul" not in ops[:ops.index("Softmax")], ops
+
+
+@pytest.mark.parametrize("x_shape, bias_shape, fuses", [
+    ((2, 3, 4), (5,), True), ((2, 3, 4), (3, 1), True), ((2, 3, 4), (2, 3, 5), True),
+    ((3, 4), (2, 3, 5), False),  # the bias would enlarge the product: it stays an Add
+])
+@pytest.mark.parametrize("bias_first", [False, True])
+def test_a_bias_added_to_a_product_moves_into_it(x_shape, bias_shape, fuses, bias_first, tmp_path):
+    """nn.Linear on three axes exports MatMul(x, Transpose(W)), then Add(bias). Training fuses the bias into
+    the product (its output starts as the broadcast bias, BLAS adds onto it); the gradients must not change."""
+    nodes = [node("Transpose", ["w"], ["w_t"], perm=[1, 0]), node("MatMul", ["x", "w_t"], ["p"]),
+             node("Add", ["b", "p"] if bias_first else ["p", "b"])]
+    GradientCase(nodes, {"x": rand(*x_shape), "w": rand(5, 4), "b": rand(*bias_shape)}).check(tmp_path)
+    training = onnx.load(str(tmp_path / "training_model.onnx"))
+    with_bias = [n for n in training.graph.node if n.op_type == "FusedMatMul" and len(n.input) == 4]
+    assert [list(n.input[2:]) for n in with_bias] == ([["", "b"]] if fuses else [])
+    assert ("Add" in [n.op_type for n in training.graph.node]) != fuses

@@ -18,7 +18,7 @@ from odtrain.graph.errors import ArtifactNotFoundError
 from odtrain.graph.ir import Node, TensorType
 from odtrain.graph.planner import ALIGNMENT, CATEGORIES, plan_memory
 from odtrain.memory import from_artifacts, report
-from conftest import odtrain_main, reference_model
+from conftest import odtrain_main, reference_artifacts
 
 BATCH = 16
 
@@ -26,12 +26,7 @@ BATCH = 16
 @pytest.fixture(scope="module")
 def cnn_artifacts(tmp_path_factory):
     """SGD artifacts of the reference CNN (convolutions with scratch, batch norms with frozen statistics)."""
-    path, meta, _ = reference_model("cnn")
-    directory = tmp_path_factory.mktemp("cnn_artifacts")
-    artifacts.generate_artifacts(str(path), requires_grad=meta["requires_grad"], frozen_params=meta["frozen_params"],
-                                 loss=artifacts.LossType.CrossEntropyLoss, optimizer=artifacts.OptimType.SGD,
-                                 artifact_directory=directory)
-    return directory
+    return reference_artifacts("cnn", tmp_path_factory.mktemp("cnn_artifacts"), "SGD")
 
 
 def live_group_bytes(plan) -> np.ndarray:

@@ -77,15 +77,16 @@ def transformer():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-def test_transformer_matches_golden_losses(optimizer, transformer, tmp_path):
+def test_transformer_matches_golden_losses(optimizer, threads, transformer, tmp_path):
     path, meta, golden = transformer
     kind = artifacts.OptimType.SGD if optimizer == "sgd" else artifacts.OptimType.AdamW
     artifacts.generate_artifacts(str(path), requires_grad=meta["requires_grad"], frozen_params=meta["frozen_params"],
                                  loss=artifacts.LossType.CrossEntropyLoss, optimizer=kind, artifact_directory=tmp_path,
                                  additional_output_names=["output"])
     state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
-    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx")
+    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx", num_threads=threads)
     opt = Optimizer(tmp_path / "optimizer_model.onnx", module)
     opt.set_learning_rate(meta[optimizer]["lr"])
     losses = []

@@ -400,9 +400,9 @@ def _artifacts(name, optimizer, directory):
     return meta, golden
 
 
-def _session(directory, meta, optimizer):
+def _session(directory, meta, optimizer, threads=None):
     state = CheckpointState.load_checkpoint(directory / "checkpoint")
-    module = Module(directory / "training_model.onnx", state, directory / "eval_model.onnx")
+    module = Module(directory / "training_model.onnx", state, directory / "eval_model.onnx", num_threads=threads)
     opt = Optimizer(directory / "optimizer_model.onnx", module)
     opt.set_learning_rate(meta[optimizer]["lr"])
     return state, module, opt
@@ -434,10 +434,11 @@ def _op_types(path):
 CNN_LOSS_RTOL = {"sgd": 5e-5, "adamw": 1e-3}
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-def test_cnn_follows_golden_losses(optimizer, tmp_path):
+def test_cnn_follows_golden_losses(optimizer, threads, tmp_path):
     meta, golden = _artifacts("cnn", optimizer, tmp_path)
-    state, module, opt = _session(tmp_path, meta, optimizer)
+    state, module, opt = _session(tmp_path, meta, optimizer, threads)
     before = {n: state.parameters[n].data.astype(np.float64) for n in meta["requires_grad"]}
     losses = _train(module, opt, golden, 1)
     ratio = learning_rate_ratio(before, {n: state.parameters[n].data for n in before}, optimizer, meta[optimizer],
@@ -449,10 +450,11 @@ def test_cnn_follows_golden_losses(optimizer, tmp_path):
     assert ops.count("ConvWeightGrad") == 9 and ops.count("ConvInputGrad") == 8  # the image needs no gradient
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-def test_mobilenetv2_personalize_follows_golden_losses(optimizer, tmp_path):
+def test_mobilenetv2_personalize_follows_golden_losses(optimizer, threads, tmp_path):
     meta, golden = _artifacts("mobilenetv2_personalize", optimizer, tmp_path)
-    _, module, opt = _session(tmp_path, meta, optimizer)
+    _, module, opt = _session(tmp_path, meta, optimizer, threads)
     losses = _train(module, opt, golden, meta["steps"])
     np.testing.assert_allclose(losses, golden[f"{optimizer}_losses"], rtol=1e-4)
     ops = set(_op_types(tmp_path / "training_model.onnx"))  # the frozen backbone runs forward only

@@ -1,11 +1,182 @@
-"""Single op kernels, each over one fixed array, as a step runs them (the binding's prepared calls).
+"""One op at a time, per op family, at 1 thread and at every core: params are (op, threads), as numpy's
+ufunc benchmarks are parameterised by ufunc.
+
+Each op is a node taken from the training step of a reference model (tests/data) bound at the
+model's batch size (meta.json's input shape): of the nodes of that op type that match the case, the
+one with the most work by `graph.cost.node_cost`. It runs alone, bound by the executor in a graph of
+its own: its float inputs are held outside the arena (no copy per run) with fixed-seed values in
+[0.5, 1.5) (no NaN, no denormals), its integer inputs are the step's constants or zeros (valid as
+labels, indices and token ids). `threads` is the thread count the op is bound and run at (`odtrain.threads`).
+
+Families: ConvOps (convolutions and their gradients, depthwise included), ProductOps (Gemm,
+FusedMatMul as a linear layer and as attention's batched products), NormalizationOps, PoolOps,
+ElementwiseOps (activations, their gradients, Softmax, Add), OptimizerOps (the fused AdamW update
+of a model's trainable block).
 
 UnaryOps: every unary op of the elementwise kernels (`odtrain.kernels.elementwise`, tables UNARY and
-SPECIAL_UNARY: a row added there is a parameter here) over 2^20 float32 values, out of place.
+SPECIAL_UNARY: a row added there is a parameter here) over 2^20 float32 values, out of place, as a
+step runs them (the binding's prepared calls, one thread).
 """
+import functools
+import os
+
 import numpy as np
 
 from . import common
+
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+THREADS = sorted({1, CORES})
+
+
+def _dense(node) -> bool:
+    return int(node.attrs.get("group", 1)) == 1
+
+
+def _depthwise(node) -> bool:
+    return int(node.attrs.get("group", 1)) > 1
+
+
+def _linear(node) -> bool:
+    return not any(key in node.attrs for key in ("permA", "permB", "permY"))
+
+
+def _attention(node) -> bool:
+    return "permA" in node.attrs or "permB" in node.attrs
+
+
+# op label -> (reference model, op type, which of its nodes)
+CASES = {
+    "Conv": ("cnn", "Conv", _dense),
+    "ConvInputGrad": ("cnn", "ConvInputGrad", _dense),
+    "ConvWeightGrad": ("cnn", "ConvWeightGrad", _dense),
+    "Conv depthwise": ("mobilenetv2_full", "Conv", _depthwise),
+    "ConvInputGrad depthwise": ("mobilenetv2_full", "ConvInputGrad", _depthwise),
+    "ConvWeightGrad depthwise": ("mobilenetv2_full", "ConvWeightGrad", _depthwise),
+    "Gemm": ("mlp", "Gemm", None),
+    "FusedMatMul linear": ("transformer", "FusedMatMul", _linear),
+    "FusedMatMul attention": ("transformer", "FusedMatMul", _attention),
+    "BatchNormalization": ("cnn", "BatchNormalization", None),
+    "BatchNormalizationActivation": ("cnn", "BatchNormalizationActivation", None),
+    "BatchNormalizationGrad": ("cnn", "BatchNormalizationGrad", None),
+    "LayerNormalization": ("transformer", "LayerNormalization", None),
+    "LayerNormalizationGrad": ("transformer", "LayerNormalizationGrad", None),
+    "MaxPool": ("cnn", "MaxPool", None),
+    "MaxPoolGrad": ("cnn", "MaxPoolGrad", None),
+    "GlobalAveragePool": ("cnn", "GlobalAveragePool", None),
+    "GlobalAveragePoolGrad": ("cnn", "GlobalAveragePoolGrad", None),
+    "Relu": ("cnn", "Relu", None),
+    "ReluGrad": ("cnn", "ReluGrad", None),
+    "ClipGrad": ("mobilenetv2_full", "ClipGrad", None),
+    "Add": ("cnn", "Add", None),
+    "Gelu": ("transformer", "Gelu", None),
+    "GeluGrad": ("transformer", "GeluGrad", None),
+    "Softmax": ("transformer", "Softmax", None),
+    "SoftmaxGrad": ("transformer", "SoftmaxGrad", None),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def training_step(name: str):
+    """(module, optimizer, bound training step) of a reference model at its batch size (meta.json)."""
+    module, optimizer = common.open_training(common.artifacts(name))
+    return module, optimizer, module.bound_graph_at(common.meta(name)["input_shape"][0])
+
+
+@functools.lru_cache(maxsize=None)
+def picked_node(label: str):
+    from odtrain.graph.cost import node_cost
+
+    model, op_type, which = CASES[label]
+    bound = training_step(model)[2]
+    nodes = [n for n in bound.order if n.op_type == op_type and (which is None or which(n))]
+    return bound, max(nodes, key=lambda n: node_cost(n, bound.types))
+
+
+def bind_alone(label: str, threads: int = 1):
+    """The picked node bound in a graph of its own at `threads` threads; returns the BoundGraph (its run
+    takes no feeds)."""
+    from odtrain.executor import BoundGraph
+    from odtrain.graph.ir import Graph
+
+    bound, node = picked_node(label)
+    rng = np.random.default_rng(common.SEED)
+    held, constants = {}, {}
+    for name in dict.fromkeys(i for i in node.inputs if i):
+        t = bound.types[name]
+        if t.dtype.kind == "f":
+            held[name] = rng.uniform(0.5, 1.5, t.shape).astype(t.dtype)
+        elif name in bound.plan.group_of:  # an integer value of the step (labels, indices): zeros are valid
+            held[name] = np.zeros(t.shape, t.dtype)
+        else:  # a constant of the step (a shape, axes)
+            constants[name] = np.asarray(bound.storage[name]).copy()
+    outputs = [o for o in node.outputs if o]  # the first is the graph's output; state updates never are
+    types = {name: bound.types[name] for name in list(held) + list(constants) + outputs}
+    graph = Graph([node], list(held), outputs[:1], constants, types, name=label)
+    return BoundGraph(graph, {}, held, threads=threads)
+
+
+class _OpBenchmark:
+    params = []
+    param_names = ["op", "threads"]
+    timeout = 300
+
+    def setup(self, op, threads):
+        self.bound = bind_alone(op, threads)
+        for _ in range(2):  # compiles or loads the kernel, touches the arena
+            self.bound.run([])
+
+    def time_run(self, op, threads):
+        self.bound.run([])
+
+
+def _family(*labels):
+    return [list(labels), THREADS]
+
+
+class ConvOps(_OpBenchmark):
+    params = _family("Conv", "ConvInputGrad", "ConvWeightGrad", "Conv depthwise", "ConvInputGrad depthwise",
+                     "ConvWeightGrad depthwise")
+
+
+class ProductOps(_OpBenchmark):
+    params = _family("Gemm", "FusedMatMul linear", "FusedMatMul attention")
+
+
+class NormalizationOps(_OpBenchmark):
+    params = _family("BatchNormalization", "BatchNormalizationActivation", "BatchNormalizationGrad",
+                     "LayerNormalization", "LayerNormalizationGrad")
+
+
+class PoolOps(_OpBenchmark):
+    params = _family("MaxPool", "MaxPoolGrad", "GlobalAveragePool", "GlobalAveragePoolGrad")
+
+
+class ElementwiseOps(_OpBenchmark):
+    params = _family("Relu", "ReluGrad", "ClipGrad", "Add", "Gelu", "GeluGrad", "Softmax", "SoftmaxGrad")
+
+
+class OptimizerOps:
+    """The fused AdamW update of a reference model's whole trainable block (one loop over the buffer)."""
+
+    params = [["cnn", "transformer", "mobilenetv2_full"], THREADS]
+    param_names = ["model", "threads"]
+
+    def setup(self, model, threads):
+        from odtrain.executor import apply_optimizer
+
+        module, optimizer, _ = training_step(model)
+        state = module.state
+        weights = np.asarray(module.get_contiguous_parameters(trainable_only=True))  # a copy: the update's cost
+        rng = np.random.default_rng(common.SEED)
+        grads = rng.uniform(-1, 1, weights.size).astype(np.float32)
+        moments = {k: v.copy() for k, v in state._optimizer.moments.items()}
+        self.update = functools.partial(apply_optimizer, optimizer._config, weights, grads, moments, 1e-3, 1,
+                                        threads=threads)
+        self.update()
+
+    def time_update(self, model, threads):
+        self.update()
+
 
 SIZE = 1 << 20
 

@@ -131,14 +131,15 @@ def fused_matmul_shape(node, sa: tuple, sb: tuple) -> tuple:
     return broadcast_shapes(sa[:-2], sb[:-2]) + (m, n)
 
 
-# FusedMatMul(A, B[, like]) = alpha · op(A') · op(B'), batch axes broadcast, where op transposes the last
-# two axes (transA/transB) and A' = transpose(A, permA), B' = transpose(B, permB) (identity when absent);
-# the output is stored as transpose(product, permY). BLAS reads and writes those layouts through strides:
-# no transposed copy is made. With `like` (read for its shape only) the product is summed over the batch
-# axes that `like` does not have (the gradient of a broadcast operand) and the output has like's shape.
-# ONNX Runtime's com.microsoft op of the same name is the case without perms or `like`. Graph fusion
-# (graph/fusion.py) makes it from MatMul(A, Transpose(W)), MatMul · scalar, and the head transposes of
-# attention.
+# FusedMatMul(A, B[, like[, bias]]) = alpha · op(A') · op(B') (+ bias), batch axes broadcast, where op
+# transposes the last two axes (transA/transB) and A' = transpose(A, permA), B' = transpose(B, permB)
+# (identity when absent); the output is stored as transpose(product, permY). BLAS reads and writes those
+# layouts through strides: no transposed copy is made. With `like` (read for its shape only) the product
+# is summed over the batch axes that `like` does not have (the gradient of a broadcast operand) and the
+# output has like's shape. `bias` (numpy-broadcast to the output, never past it) starts the output, and
+# BLAS adds the product to it (beta = 1): no pass of its own. ONNX Runtime's com.microsoft op of the same
+# name is the case without perms, `like` or bias. Graph fusion (graph/fusion.py) makes it from
+# MatMul(A, Transpose(W)), MatMul · scalar, Add(product, bias), and the head transposes of attention.
 def _fused_matmul_flops(node, types, out) -> float:  # the product before any sum over broadcast axes, A through permA
     a, b = types[0].shape, types[1].shape
     perm = node.attrs.get("permA")
@@ -154,7 +155,17 @@ def _fused_matmul_rule(node, types, consts):
         return [TensorType(a.dtype, types[2].shape)]
     if a.shape is None or b.shape is None:
         return [TensorType(a.dtype, None)]
-    return [TensorType(a.dtype, _permuted(fused_matmul_shape(node, a.shape, b.shape), node.attrs.get("permY")))]
+    shape = _permuted(fused_matmul_shape(node, a.shape, b.shape), node.attrs.get("permY"))
+    bias = types[3] if len(types) > 3 else None
+    if bias is not None and bias.shape is not None and not adds_into(bias.shape, shape):
+        raise ModelError(f"{node.describe()}: bias {bias} does not broadcast to the product's shape {list(shape)}")
+    return [TensorType(a.dtype, shape)]
+
+
+def adds_into(bias: tuple, shape: tuple) -> bool:
+    """Whether a tensor of shape `bias` broadcasts to `shape` without making it larger."""
+    return len(bias) <= len(shape) and all(
+        d == 1 or d == s for d, s in zip(bias[::-1], shape[::-1]))
 
 
 @grad("FusedMatMul", ODTRAIN_DOMAIN)
@@ -182,6 +193,8 @@ def _fused_matmul_grad(ctx):
         out = _inverse(perm_b)
         ctx.set_grad(1, product(a, dy, b, 1 - ta, 0, perm_a, perm_dy, out) if not tb else
                      product(dy, a, b, 1, ta, perm_dy, perm_a, out))
+    if ctx.needs(3):  # dBias = dY, summed over the axes the bias was broadcast along
+        ctx.set_grad(3, ctx.sum_to_input(dy, 3))
 
 
 def einsum_terms(node, ranks: list[int]) -> tuple[list[str], str]:

@@ -1,0 +1,117 @@
+"""Matrix-product kernels bound directly: attention's batched per-head products against numpy's einsum,
+split into whole products (even fewer than the threads) only where each product has an output matrix of
+its own, with the same bits at any thread count; a bias added inside the product (beta = 1) against numpy.
+
+Oracles: numpy (einsum, matmul, broadcasting) in float64.
+"""
+import numba
+import numpy as np
+import pytest
+
+from odtrain.kernels import BINDINGS
+from odtrain.kernels.blas import gemm_batched_parts
+from odtrain.kernels.linalg import SMALL_PRODUCT, _gemm_batched
+
+ODTRAIN = "ai.odtrain"
+BATCH, SEQ, HEADS, DIM = 3, 64, 2, 16  # per-head products of SEQ·SEQ·DIM = SMALL_PRODUCT / 4 multiply-adds
+THREADS = 8  # more than the BATCH · HEADS products: split by products all the same
+
+
+def run(calls):
+    for kernel, args in calls:
+        kernel(*args)
+
+
+def rand(*shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def bind(op, inputs, out_shape, **attrs):
+    out = np.full(out_shape, np.nan, np.float32)
+    return BINDINGS[(ODTRAIN if op == "FusedMatMul" else "", op)](inputs, [out], **attrs), out
+
+
+def split_by(calls) -> str:
+    """How a product's one call runs: "serial", "products" (whole products per part) or "rows"."""
+    (kernel, args), = calls
+    if kernel is _gemm_batched:
+        return "serial"
+    assert kernel is gemm_batched_parts
+    return "rows" if args[-1] else "products"
+
+
+def attention_scores(threads=THREADS):
+    """S[b, h] = α · Q[b, :, h] · K[b, :, h]ᵀ with Q, K stored [b, s, h, d] (the heads read in place)."""
+    q, k = rand(BATCH, SEQ, HEADS, DIM), rand(BATCH, SEQ, HEADS, DIM, seed=1)
+    calls, out = bind("FusedMatMul", [q, k], (BATCH, HEADS, SEQ, SEQ), alpha=0.5, permA=[0, 2, 1, 3],
+                      permB=[0, 2, 3, 1], threads=threads)
+    expected = 0.5 * np.einsum("bshd,bthd->bhst", q.astype(np.float64), k.astype(np.float64))
+    return calls, out, expected
+
+
+def test_per_head_products_run_in_parallel_and_match_numpy():
+    calls, out, expected = attention_scores()
+    assert split_by(calls) == "products"
+    run(calls)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_merged_heads_are_written_in_place_in_parallel():
+    """O[b, s, h] = P[b, h] · V[b, :, h], stored with the heads merged ([b, s, h, d], permY)."""
+    p, v = rand(BATCH, HEADS, SEQ, SEQ), rand(BATCH, SEQ, HEADS, DIM, seed=1)
+    calls, out = bind("FusedMatMul", [p, v], (BATCH, SEQ, HEADS, DIM), permB=[0, 2, 1, 3], permY=[0, 2, 1, 3],
+                      threads=THREADS)
+    assert split_by(calls) == "products"
+    run(calls)
+    np.testing.assert_allclose(out, np.einsum("bhst,bthd->bshd", p.astype(np.float64), v.astype(np.float64)),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_products_summed_into_one_output_stay_serial():
+    """dB of a B broadcast over the batch: every product adds into the same matrix."""
+    a, dy = rand(BATCH, SEQ, DIM), rand(BATCH, SEQ, 5, seed=1)
+    b = np.zeros((DIM, 5), np.float32)
+    calls, out = bind("FusedMatMul", [a, dy, b], b.shape, transA=1, threads=THREADS)
+    run(calls)
+    np.testing.assert_allclose(out, np.einsum("bsi,bsj->ij", a.astype(np.float64), dy), rtol=1e-5, atol=1e-5)
+    a4, dy4 = rand(2, BATCH, SEQ, DIM), rand(2, BATCH, SEQ, 5, seed=1)  # summed over the leading axis only
+    like = np.zeros((BATCH, DIM, 5), np.float32)
+    calls, out = bind("FusedMatMul", [a4, dy4, like], like.shape, transA=1, threads=THREADS)
+    assert split_by(calls) != "products"
+    run(calls)
+    np.testing.assert_allclose(out, np.einsum("absi,absj->bij", a4.astype(np.float64), dy4), rtol=1e-5, atol=1e-5)
+
+
+def test_fewer_large_products_than_threads_split_their_rows():
+    side = round(SMALL_PRODUCT ** (1 / 3)) + 1  # m·n·k just above the size OpenBLAS keeps on one thread
+    a, b = rand(2, side, side), rand(2, side, side, seed=1)
+    calls, out = bind("MatMul", [a, b], (2, side, side), threads=THREADS)
+    assert split_by(calls) == "rows"
+    run(calls)
+    np.testing.assert_allclose(out, a.astype(np.float64) @ b.astype(np.float64), rtol=1e-4, atol=1e-4)
+
+
+def test_the_bits_do_not_depend_on_the_thread_count():
+    serial, serial_out, _ = attention_scores(threads=1)
+    assert split_by(serial) == "serial"
+    run(serial)
+    calls, out, _ = attention_scores()
+    results = [serial_out]
+    before = numba.get_num_threads()
+    try:
+        for threads in sorted({1, numba.config.NUMBA_NUM_THREADS}):
+            numba.set_num_threads(threads)
+            out[...] = np.nan
+            run(calls)
+            results.append(out.copy())
+    finally:
+        numba.set_num_threads(before)
+    assert all(np.array_equal(r, results[0]) for r in results)
+
+
+@pytest.mark.parametrize("bias_shape", [(5,), (SEQ, 1), (BATCH, SEQ, 5)])
+def test_a_bias_starts_the_output_and_blas_adds_the_product(bias_shape):
+    x, w, bias = rand(BATCH, SEQ, DIM), rand(5, DIM, seed=1), rand(*bias_shape, seed=2)
+    calls, out = bind("FusedMatMul", [x, w, None, bias], (BATCH, SEQ, 5), transB=1)
+    run(calls)
+    np.testing.assert_allclose(out, x.astype(np.float64) @ w.T.astype(np.float64) + bias, rtol=1e-5, atol=1e-5)
