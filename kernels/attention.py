@@ -21,51 +21,66 @@ row stride); one [seq, kv_seq] score matrix at a time lives in the node's scratc
 backward recomputes T and P instead of keeping them (three score matrices of scratch):
     dV += Pᵀ·dY;  dP = dY·Vᵀ;  dT = P ⊙ (dP - Σ_j dP⊙P) (· (1 - tanh²) under softcap)
     dQ = scale·dT·K;  dK += scale·dTᵀ·Q     (kv heads sum over their query heads)
+With threads, the (batch, kv head) units split into parallel parts (kernels/parts.py), each with
+its own score matrices in the scratch: a unit's query heads, and its dK and dV blocks, belong to
+one part, so every value is summed in the serial order and a run gives the serial bits.
+RotaryEmbedding and its fused form split their rows into parts likewise (not the caches' gradients,
+whose rows several parts would share).
 """
 from __future__ import annotations
 
 import math
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from . import ODTRAIN_DOMAIN, binding
 from .blas import blas_gemm
 from .layout import element_strides, flat, float_buffers
+from .parts import part_bounds, part_count
 
 # ---- rotary embeddings ----------------------------------------------------------------------------------
 
 
 @njit(cache=True, error_model="numpy")
 def _rotate_pairs(x, cos, sin, positions, y, batch, heads, seq, xb, xh, xs, cb, ch, cs, row_width, half, head_size,
-                  rot, interleaved, inverse):
-    """y ← ONNX's rotation of x (its transpose when `inverse`), see the module docstring."""
-    for b in range(batch):
-        for h in range(heads):
-            for s in range(seq):
-                xo = b * xb + h * xh + s * xs
-                if positions.size > 0:
-                    p = positions[b * seq + s]
-                    if p < 0 or p * row_width >= cos.size:
-                        raise ValueError("a position id is outside the rotary cache")
-                    co = p * row_width
+                  rot, interleaved, inverse, first, last):
+    """y ← ONNX's rotation of x (its transpose when `inverse`), see the module docstring, for the (batch,
+    head) units [first, last)."""
+    for unit in range(first, last):
+        b, h = unit // heads, unit % heads
+        for s in range(seq):
+            xo = b * xb + h * xh + s * xs
+            if positions.size > 0:
+                p = positions[b * seq + s]
+                if p < 0 or p * row_width >= cos.size:
+                    raise ValueError("a position id is outside the rotary cache")
+                co = p * row_width
+            else:
+                co = b * cb + h * ch + s * cs
+            for i in range(half):
+                lo = 2 * i if interleaved else i
+                hi = lo + 1 if interleaved else i + half
+                c = cos[co + i]
+                t = sin[co + i]
+                a = x[xo + lo]
+                e = x[xo + hi]
+                if inverse:
+                    y[xo + lo] = a * c + e * t
+                    y[xo + hi] = e * c - a * t
                 else:
-                    co = b * cb + h * ch + s * cs
-                for i in range(half):
-                    lo = 2 * i if interleaved else i
-                    hi = lo + 1 if interleaved else i + half
-                    c = cos[co + i]
-                    t = sin[co + i]
-                    a = x[xo + lo]
-                    e = x[xo + hi]
-                    if inverse:
-                        y[xo + lo] = a * c + e * t
-                        y[xo + hi] = e * c - a * t
-                    else:
-                        y[xo + lo] = a * c - e * t
-                        y[xo + hi] = e * c + a * t
-                for d in range(rot, head_size):
-                    y[xo + d] = x[xo + d]
+                    y[xo + lo] = a * c - e * t
+                    y[xo + hi] = e * c + a * t
+            for d in range(rot, head_size):
+                y[xo + d] = x[xo + d]
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _rotate_pairs_parts(x, cos, sin, positions, y, batch, heads, seq, xb, xh, xs, cb, ch, cs, row_width, half,
+                        head_size, rot, interleaved, inverse, bounds):
+    for p in prange(bounds.size - 1):
+        _rotate_pairs(x, cos, sin, positions, y, batch, heads, seq, xb, xh, xs, cb, ch, cs, row_width, half,
+                      head_size, rot, interleaved, inverse, bounds[p], bounds[p + 1])
 
 
 @njit(cache=True, error_model="numpy")
@@ -95,11 +110,12 @@ def _rolled(x, row, d, split, keep):
 
 
 @njit(cache=True, error_model="numpy")
-def _rotate_half(x, cos, sin, y, batch, heads, seq, cb, ch, cs, width, split, inverse):
+def _rotate_half(x, cos, sin, y, batch, heads, seq, cb, ch, cs, width, split, inverse, first, last):
     """y ← x·cos + r(x)·sin per row of `width` with r(x) = [-x[split:], x[:split]] (its transpose when
-    `inverse`); x and y are contiguous [batch, heads, seq, width], the caches broadcast through strides."""
+    `inverse`), rows [first, last); x and y are contiguous [batch, heads, seq, width], the caches broadcast
+    through strides."""
     keep = width - split
-    for row in range(batch * heads * seq):
+    for row in range(first, last):
         s, bh = row % seq, row // seq
         xo, co = row * width, (bh // heads) * cb + (bh % heads) * ch + s * cs
         for d in range(width):
@@ -108,6 +124,20 @@ def _rotate_half(x, cos, sin, y, batch, heads, seq, cb, ch, cs, width, split, in
             else:
                 turned = _rolled(x, xo, d, split, keep) * sin[co + d]
             y[xo + d] = x[xo + d] * cos[co + d] + turned
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _rotate_half_parts(x, cos, sin, y, batch, heads, seq, cb, ch, cs, width, split, inverse, bounds):
+    for p in prange(bounds.size - 1):
+        _rotate_half(x, cos, sin, y, batch, heads, seq, cb, ch, cs, width, split, inverse, bounds[p], bounds[p + 1])
+
+
+def _rotation_call(kernel, twin, args: tuple, units: int, work: int, threads: int):
+    """(kernel, args + (0, units)), or its parallel twin on parts of the units."""
+    parts = part_count(threads, units, work)
+    if parts == 1:
+        return (kernel, args + (0, units))
+    return (twin, args + (part_bounds(units, parts),))
 
 
 @njit(cache=True, error_model="numpy")
@@ -164,26 +194,37 @@ def _positions(inputs):
     return flat(inputs[3]) if len(inputs) > 3 and inputs[3] is not None else np.zeros(0, np.int64)
 
 
-@binding("RotaryEmbedding")
-def RotaryEmbedding(inputs, outputs, interleaved=0, num_heads=0, rotary_embedding_dim=0):
+def _pairs_call(x, cos, sin, positions, y, layout, interleaved, inverse, threads):
+    args = (flat(x), flat(cos), flat(sin), positions, flat(y), *layout.walk(), layout.head_size, layout.rot,
+            bool(interleaved), inverse)
+    return _rotation_call(_rotate_pairs, _rotate_pairs_parts, args, layout.batch * layout.heads, x.size, threads)
+
+
+def _half_call(x, cos, sin, y, walk, inverse, threads):
+    rows = walk[0] * walk[1] * walk[2]
+    return _rotation_call(_rotate_half, _rotate_half_parts, (flat(x), flat(cos), flat(sin), flat(y), *walk, inverse),
+                          rows, x.size, threads)
+
+
+@binding("RotaryEmbedding", parallel=True)
+def RotaryEmbedding(inputs, outputs, interleaved=0, num_heads=0, rotary_embedding_dim=0, threads=1):
     x, cos, sin = inputs[:3]
     positions = _positions(inputs)
     layout = _RotaryLayout(x.shape, cos.shape, positions.size > 0, num_heads, rotary_embedding_dim)
-    return [(_rotate_pairs, (flat(x), flat(cos), flat(sin), positions, flat(outputs[0]), *layout.walk(),
-                             layout.head_size, layout.rot, bool(interleaved), False))]
+    return [_pairs_call(x, cos, sin, positions, outputs[0], layout, interleaved, False, threads)]
 
 
-@binding("RotaryEmbedding", ODTRAIN_DOMAIN)
-def RotateHalf(inputs, outputs):
+@binding("RotaryEmbedding", ODTRAIN_DOMAIN, parallel=True)
+def RotateHalf(inputs, outputs, threads=1):
     """odtrain's fused `x·cos + rotate_half(x)·sin`: x [batch, heads, seq, head], caches of the full head
     width broadcast to x, the halves split where the exported Slices split them (input 3)."""
     x, cos, sin, split = inputs
-    return [(_rotate_half, (flat(x), flat(cos), flat(sin), flat(outputs[0]), *_half_rotation_walk(x, cos, split),
-                            False))]
+    return [_half_call(x, cos, sin, outputs[0], _half_rotation_walk(x, cos, split), False, threads)]
 
 
-@binding("RotaryEmbeddingGrad", ODTRAIN_DOMAIN)
-def RotaryEmbeddingGrad(inputs, outputs, interleaved=0, num_heads=0, rotary_embedding_dim=0, full_width=0):
+@binding("RotaryEmbeddingGrad", ODTRAIN_DOMAIN, parallel=True)
+def RotaryEmbeddingGrad(inputs, outputs, interleaved=0, num_heads=0, rotary_embedding_dim=0, full_width=0,
+                        threads=1):
     """(dY, cos, sin, position_ids? or the split (full_width), X?) -> dX?, dcos?, dsin? (the caches' need X)."""
     dy, cos, sin = inputs[:3]
     x = inputs[4] if len(inputs) > 4 else None
@@ -194,15 +235,14 @@ def RotaryEmbeddingGrad(inputs, outputs, interleaved=0, num_heads=0, rotary_embe
     if full_width:
         walk = _half_rotation_walk(dy, cos, inputs[3])
         if dx is not None:
-            calls.append((_rotate_half, (flat(dy), flat(cos), flat(sin), flat(dx), *walk, True)))
+            calls.append(_half_call(dy, cos, sin, dx, walk, True, threads))
         if caches:
             calls.append((_rotate_half_cache_grad, (flat(dy), flat(x), flat(dcos), flat(dsin), *walk)))
         return calls
     positions = _positions(inputs)
     layout = _RotaryLayout(dy.shape, cos.shape, positions.size > 0, num_heads, rotary_embedding_dim)
     if dx is not None:
-        calls.append((_rotate_pairs, (flat(dy), flat(cos), flat(sin), positions, flat(dx), *layout.walk(),
-                                      layout.head_size, layout.rot, bool(interleaved), True)))
+        calls.append(_pairs_call(dy, cos, sin, positions, dx, layout, interleaved, True, threads))
     if caches:
         calls.append((_rotate_pairs_cache_grad, (flat(dy), flat(x), positions, flat(dcos), flat(dsin), *layout.walk(),
                                                  bool(interleaved))))
@@ -292,11 +332,12 @@ def _scores(q, k, mask, mask_kind, mask_strides, mask_width, nonpad, past, q_off
 @njit(cache=True, error_model="numpy")
 def _attention(q, k, v, mask, mask_kind, mask_strides, mask_width, nonpad, past, y, qk_out, qk_mode, q_offs, k_offs,
                v_offs, y_offs, q_ld, k_ld, v_ld, y_ld, batch, q_heads, kv_heads, seq, keys, head_size, v_head_size,
-               scale, softcap, causal, left, right, raw, probs):
+               scale, softcap, causal, left, right, raw, probs, first, last):
+    """Y of the key/value units [first, last): unit (batch b, kv head) with its group of query heads."""
     group = q_heads // kv_heads
-    for b in range(batch):
-        for h in range(q_heads):
-            kh = b * kv_heads + h // group
+    for kh in range(first, last):
+        b = kh // kv_heads
+        for h in range((kh % kv_heads) * group, (kh % kv_heads + 1) * group):
             _scores(q, k, mask, mask_kind, mask_strides, mask_width, nonpad, past, q_offs[b * q_heads + h],
                     k_offs[kh], q_ld, k_ld, b, h, seq, keys, head_size, scale, softcap, causal, left, right, raw,
                     probs, qk_out, qk_mode, (b * q_heads + h) * seq * keys)
@@ -304,21 +345,30 @@ def _attention(q, k, v, mask, mask_kind, mask_strides, mask_width, nonpad, past,
                       y_offs[b * q_heads + h], y_ld)
 
 
+@njit(cache=True, error_model="numpy", parallel=True)
+def _attention_parts(q, k, v, mask, mask_kind, mask_strides, mask_width, nonpad, past, y, qk_out, qk_mode, q_offs,
+                     k_offs, v_offs, y_offs, q_ld, k_ld, v_ld, y_ld, batch, q_heads, kv_heads, seq, keys, head_size,
+                     v_head_size, scale, softcap, causal, left, right, raw, probs, bounds):
+    """_attention on parts of the units (bounds) in parallel, part p on its own score matrices."""
+    size = seq * keys
+    for p in prange(bounds.size - 1):
+        _attention(q, k, v, mask, mask_kind, mask_strides, mask_width, nonpad, past, y, qk_out, qk_mode, q_offs,
+                   k_offs, v_offs, y_offs, q_ld, k_ld, v_ld, y_ld, batch, q_heads, kv_heads, seq, keys, head_size,
+                   v_head_size, scale, softcap, causal, left, right, raw[p * size:(p + 1) * size],
+                   probs[p * size:(p + 1) * size], bounds[p], bounds[p + 1])
+
+
 @njit(cache=True, error_model="numpy")
-def _attention_grad(dy, q, k, v, mask, mask_kind, mask_strides, mask_width, nonpad, dq, dk, dv, q_offs, k_offs,
-                    v_offs, y_offs, q_ld, k_ld, v_ld, y_ld, batch, q_heads, kv_heads, seq, keys, head_size,
-                    v_head_size, scale, softcap, causal, left, right, raw, probs, dprobs, want_q, want_k, want_v,
-                    no_scores):
-    """dQ, dK, dV of the attention above (no key/value cache), recomputing the scores per head; `no_scores` is
-    an empty array (the scores are not written out)."""
+def _attention_grad_units(dy, q, k, v, mask, mask_kind, mask_strides, mask_width, nonpad, dq, dk, dv, q_offs, k_offs,
+                          v_offs, y_offs, q_ld, k_ld, v_ld, y_ld, batch, q_heads, kv_heads, seq, keys, head_size,
+                          v_head_size, scale, softcap, causal, left, right, raw, probs, dprobs, want_q, want_k, want_v,
+                          no_scores, first, last):
+    """dQ, and dK, dV added into, of the units [first, last) (see _attention), recomputing the scores per head;
+    `no_scores` is an empty array (the scores are not written out)."""
     group = q_heads // kv_heads
-    for i in range(dk.size):
-        dk[i] = 0
-    for i in range(dv.size):
-        dv[i] = 0
-    for b in range(batch):
-        for h in range(q_heads):
-            kh = b * kv_heads + h // group
+    for kh in range(first, last):
+        b = kh // kv_heads
+        for h in range((kh % kv_heads) * group, (kh % kv_heads + 1) * group):
             qo, yo = q_offs[b * q_heads + h], y_offs[b * q_heads + h]
             _scores(q, k, mask, mask_kind, mask_strides, mask_width, nonpad, 0, qo, k_offs[kh], q_ld, k_ld, b, h,
                     seq, keys, head_size, scale, softcap, causal, left, right, raw, probs, no_scores, 0, 0)
@@ -342,6 +392,45 @@ def _attention_grad(dy, q, k, v, mask, mask_kind, mask_strides, mask_width, nonp
                 blas_gemm(0, 0, seq, head_size, keys, scale, dprobs, 0, keys, k, k_offs[kh], k_ld, 0.0, dq, qo, q_ld)
             if want_k:
                 blas_gemm(1, 0, keys, head_size, seq, scale, dprobs, 0, keys, q, qo, q_ld, 1.0, dk, k_offs[kh], k_ld)
+
+
+@njit(cache=True, error_model="numpy")
+def _zero(out):
+    for i in range(out.size):
+        out[i] = 0
+
+
+@njit(cache=True, error_model="numpy")
+def _attention_grad(dy, q, k, v, mask, mask_kind, mask_strides, mask_width, nonpad, dq, dk, dv, q_offs, k_offs,
+                    v_offs, y_offs, q_ld, k_ld, v_ld, y_ld, batch, q_heads, kv_heads, seq, keys, head_size,
+                    v_head_size, scale, softcap, causal, left, right, raw, probs, dprobs, want_q, want_k, want_v,
+                    no_scores):
+    """dQ, dK, dV of the attention above (no key/value cache)."""
+    _zero(dk)
+    _zero(dv)
+    _attention_grad_units(dy, q, k, v, mask, mask_kind, mask_strides, mask_width, nonpad, dq, dk, dv, q_offs, k_offs,
+                          v_offs, y_offs, q_ld, k_ld, v_ld, y_ld, batch, q_heads, kv_heads, seq, keys, head_size,
+                          v_head_size, scale, softcap, causal, left, right, raw, probs, dprobs, want_q, want_k, want_v,
+                          no_scores, 0, batch * kv_heads)
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _attention_grad_parts(dy, q, k, v, mask, mask_kind, mask_strides, mask_width, nonpad, dq, dk, dv, q_offs, k_offs,
+                          v_offs, y_offs, q_ld, k_ld, v_ld, y_ld, batch, q_heads, kv_heads, seq, keys, head_size,
+                          v_head_size, scale, softcap, causal, left, right, raw, probs, dprobs, want_q, want_k, want_v,
+                          no_scores, bounds):
+    """_attention_grad on parts of the units in parallel: a unit's dK and dV blocks are its part's alone, and
+    its query heads add into them in the serial order."""
+    _zero(dk)
+    _zero(dv)
+    size = seq * keys
+    for p in prange(bounds.size - 1):
+        _attention_grad_units(dy, q, k, v, mask, mask_kind, mask_strides, mask_width, nonpad, dq, dk, dv, q_offs,
+                              k_offs, v_offs, y_offs, q_ld, k_ld, v_ld, y_ld, batch, q_heads, kv_heads, seq, keys,
+                              head_size, v_head_size, scale, softcap, causal, left, right,
+                              raw[p * size:(p + 1) * size], probs[p * size:(p + 1) * size],
+                              dprobs[p * size:(p + 1) * size], want_q, want_k, want_v, no_scores, bounds[p],
+                              bounds[p + 1])
 
 
 @njit(cache=True, error_model="numpy")
@@ -378,6 +467,14 @@ class _AttentionLayout:
         self.past = int(past_len)
         self.keys = self.past + self.new_keys
 
+    def parts(self, threads: int) -> int:
+        """Parallel parts of the (batch, kv head) units at `threads` threads (kernels/parts.py)."""
+        work = self.batch * self.q_heads * self.seq * self.keys * (self.head_size + self.v_head_size)
+        return part_count(threads, self.batch * self.kv_heads, work)
+
+    def bounds(self, parts: int) -> np.ndarray:
+        return part_bounds(self.batch * self.kv_heads, parts)
+
     def heads(self, heads, length, width, rank=None):
         """(offset of each (batch, head) block, row stride) of a [batch, heads, length, width] tensor."""
         index = np.arange(self.batch * heads, dtype=np.int64)
@@ -403,11 +500,11 @@ def _options(scale, softcap, is_causal, left_window_size, right_window_size, hea
             bool(is_causal), int(left_window_size), int(right_window_size))
 
 
-def _forward_scratch(specs_in, specs_out, q_num_heads=0, kv_num_heads=0, **attrs):
+def _forward_scratch(specs_in, specs_out, q_num_heads=0, kv_num_heads=0, threads=1, **attrs):
     past = specs_in[4] if len(specs_in) > 4 else None
     layout = _AttentionLayout(specs_in[0][0], specs_in[1][0], specs_in[2][0], past[0][2] if past else 0,
                               q_num_heads, kv_num_heads)
-    floats = 2 * layout.seq * layout.keys
+    floats = layout.parts(threads) * 2 * layout.seq * layout.keys
     if past is not None:
         for index, width in ((1, layout.head_size), (2, layout.v_head_size)):
             if len(specs_out) <= index or specs_out[index] is None:
@@ -415,19 +512,20 @@ def _forward_scratch(specs_in, specs_out, q_num_heads=0, kv_num_heads=0, **attrs
     return 4 * floats
 
 
-def _grad_scratch(specs_in, specs_out, q_num_heads=0, kv_num_heads=0, **attrs):
+def _grad_scratch(specs_in, specs_out, q_num_heads=0, kv_num_heads=0, threads=1, **attrs):
     layout = _AttentionLayout(specs_in[1][0], specs_in[2][0], specs_in[3][0], 0, q_num_heads, kv_num_heads)
-    return 4 * 3 * layout.seq * layout.keys
+    return 4 * layout.parts(threads) * 3 * layout.seq * layout.keys
 
 
-@binding("Attention", scratch=_forward_scratch)
+@binding("Attention", scratch=_forward_scratch, parallel=True)
 def Attention(inputs, outputs, scratch=None, scale=None, is_causal=0, q_num_heads=0, kv_num_heads=0, softcap=0.0,
-              qk_matmul_output_mode=0, softmax_precision=None, left_window_size=-1, right_window_size=-1):
+              qk_matmul_output_mode=0, softmax_precision=None, left_window_size=-1, right_window_size=-1, threads=1):
     q, k, v = inputs[:3]
     mask, past_key, past_value, nonpad = (inputs[i] if len(inputs) > i else None for i in range(3, 7))
     layout = _AttentionLayout(q.shape, k.shape, v.shape, past_key.shape[2] if past_key is not None else 0,
                               q_num_heads, kv_num_heads)
-    pieces = [layout.seq * layout.keys, layout.seq * layout.keys]
+    parts = layout.parts(threads)
+    pieces = [parts * layout.seq * layout.keys, parts * layout.seq * layout.keys]
     present = [outputs[i] if len(outputs) > i else None for i in (1, 2)]
     if past_key is not None:
         pieces += [0 if present[0] is not None else layout.batch * layout.kv_heads * layout.keys * layout.head_size,
@@ -456,23 +554,25 @@ def Attention(inputs, outputs, scratch=None, scale=None, is_causal=0, q_num_head
     mask_flat, kind, mask_strides, width = _mask_layout(mask, layout)
     qk_out = outputs[3] if len(outputs) > 3 and outputs[3] is not None else None
     options = _options(scale, softcap, is_causal, left_window_size, right_window_size, layout.head_size)
-    calls.append((_attention, (flat(q), k_flat, v_flat, mask_flat, kind, mask_strides, width,
-                               flat(nonpad) if nonpad is not None else np.zeros(0, np.int64), layout.past,
-                               flat(outputs[0]), flat(qk_out) if qk_out is not None else np.zeros(0, np.float32),
-                               int(qk_matmul_output_mode), q_offs, k_offs, v_offs, y_offs, q_ld, k_ld, v_ld, y_ld,
-                               layout.batch, layout.q_heads, layout.kv_heads, layout.seq, layout.keys,
-                               layout.head_size, layout.v_head_size, *options, raw, probs)))
-    return calls
+    args = (flat(q), k_flat, v_flat, mask_flat, kind, mask_strides, width,
+            flat(nonpad) if nonpad is not None else np.zeros(0, np.int64), layout.past, flat(outputs[0]),
+            flat(qk_out) if qk_out is not None else np.zeros(0, np.float32), int(qk_matmul_output_mode), q_offs, k_offs,
+            v_offs, y_offs, q_ld, k_ld, v_ld, y_ld, layout.batch, layout.q_heads, layout.kv_heads, layout.seq,
+            layout.keys, layout.head_size, layout.v_head_size, *options, raw, probs)
+    if parts == 1:
+        return calls + [(_attention, args + (0, layout.batch * layout.kv_heads))]
+    return calls + [(_attention_parts, args + (layout.bounds(parts),))]
 
 
-@binding("AttentionGrad", ODTRAIN_DOMAIN, scratch=_grad_scratch)
+@binding("AttentionGrad", ODTRAIN_DOMAIN, scratch=_grad_scratch, parallel=True)
 def AttentionGrad(inputs, outputs, scratch=None, scale=None, is_causal=0, q_num_heads=0, kv_num_heads=0, softcap=0.0,
-                  left_window_size=-1, right_window_size=-1):
+                  left_window_size=-1, right_window_size=-1, threads=1):
     """(dY, Q, K, V, attn_mask?, nonpad_kv_seqlen?) -> dQ, dK, dV (each optional)."""
     dy, q, k, v = inputs[:4]
     mask, nonpad = (inputs[i] if len(inputs) > i else None for i in (4, 5))
     layout = _AttentionLayout(q.shape, k.shape, v.shape, 0, q_num_heads, kv_num_heads)
-    raw, probs, dprobs = float_buffers(scratch, *[layout.seq * layout.keys] * 3)
+    parts = layout.parts(threads)
+    raw, probs, dprobs = float_buffers(scratch, *[parts * layout.seq * layout.keys] * 3)
     wanted = [outputs[i] if len(outputs) > i else None for i in range(3)]
     dq, dk, dv = (flat(o) if o is not None else np.zeros(0, np.float32) for o in wanted)
     q_offs, q_ld = layout.heads(layout.q_heads, layout.seq, layout.head_size)
@@ -481,9 +581,11 @@ def AttentionGrad(inputs, outputs, scratch=None, scale=None, is_causal=0, q_num_
     y_offs, y_ld = layout.heads(layout.q_heads, layout.seq, layout.v_head_size)
     mask_flat, kind, mask_strides, width = _mask_layout(mask, layout)
     options = _options(scale, softcap, is_causal, left_window_size, right_window_size, layout.head_size)
-    return [(_attention_grad, (flat(dy), flat(q), flat(k), flat(v), mask_flat, kind, mask_strides, width,
-                               flat(nonpad) if nonpad is not None else np.zeros(0, np.int64), dq, dk, dv, q_offs,
-                               k_offs, v_offs, y_offs, q_ld, k_ld, v_ld, y_ld, layout.batch, layout.q_heads,
-                               layout.kv_heads, layout.seq, layout.keys, layout.head_size, layout.v_head_size,
-                               *options, raw, probs, dprobs, wanted[0] is not None, wanted[1] is not None,
-                               wanted[2] is not None, np.zeros(0, np.float32)))]
+    args = (flat(dy), flat(q), flat(k), flat(v), mask_flat, kind, mask_strides, width,
+            flat(nonpad) if nonpad is not None else np.zeros(0, np.int64), dq, dk, dv, q_offs, k_offs, v_offs, y_offs,
+            q_ld, k_ld, v_ld, y_ld, layout.batch, layout.q_heads, layout.kv_heads, layout.seq, layout.keys,
+            layout.head_size, layout.v_head_size, *options, raw, probs, dprobs, wanted[0] is not None,
+            wanted[1] is not None, wanted[2] is not None, np.zeros(0, np.float32))
+    if parts == 1:
+        return [(_attention_grad, args)]
+    return [(_attention_grad_parts, args + (layout.bounds(parts),))]

@@ -7,7 +7,7 @@ float32, two passes (mean, then centred variance), as ONNX Runtime's CPU kernels
 
 With threads, each kernel's `_parts` twin runs it on parts of the outer rows (contiguous slabs of
 the flat arrays) in one parallel region; every value is computed as in the serial kernel, except
-LayerNorm's scale and bias gradients, summed per part and then added in part order.
+the scale (and bias) gradients of LayerNorm and RMSNorm, summed per part and then added in part order.
 """
 from __future__ import annotations
 
@@ -415,28 +415,60 @@ def _rms_norm_grad(dy, x, scale, scale_index, dx, dscale, rows, inner, epsilon):
             dx[base + j] = inv * (dy[base + j] * s - x[base + j] * factor)
 
 
+@njit(cache=True, error_model="numpy", fastmath=REDUCE, parallel=True)
+def _rms_norm_parts(x, scale, scale_index, y, rows, inner, epsilon, bounds):
+    """_rms_norm on parts of the rows (bounds), in parallel."""
+    for p in prange(bounds.size - 1):
+        lo, hi = bounds[p] * inner, bounds[p + 1] * inner
+        _rms_norm(x[lo:hi], scale, scale_index, y[lo:hi], bounds[p + 1] - bounds[p], inner, epsilon)
+
+
+@njit(cache=True, error_model="numpy", fastmath=REDUCE, parallel=True)
+def _rms_norm_grad_parts(dy, x, scale, scale_index, dx, dscale, rows, inner, epsilon, partial, bounds):
+    """_rms_norm_grad on parts of the rows (bounds), in parallel, each part summing its dscale into partial[p];
+    the parts' sums are then added in part order."""
+    parts = bounds.size - 1
+    for p in prange(parts):
+        lo, hi = bounds[p] * inner, bounds[p + 1] * inner
+        _rms_norm_grad(dy[lo:hi], x[lo:hi], scale, scale_index, dx[lo:hi], partial[p], bounds[p + 1] - bounds[p],
+                       inner, epsilon)
+    for j in range(inner):
+        dscale[j] = partial[0, j]
+    for p in range(1, parts):
+        for j in range(inner):
+            dscale[j] += partial[p, j]
+
+
 def _rows(x, axis):
     axis = int(axis) % x.ndim
     return axis, int(np.prod(x.shape[:axis], dtype=np.int64)), int(np.prod(x.shape[axis:], dtype=np.int64))
 
 
-def RMSNormalization(inputs, outputs, axis=-1, epsilon=1e-5, stash_type=1):
+def RMSNormalization(inputs, outputs, axis=-1, epsilon=1e-5, stash_type=1, threads=1):
     x, scale = inputs[0], inputs[1]
     axis, rows, inner = _rows(x, axis)
     index = _param_index(scale.shape, x.shape[axis:])
-    return [(_rms_norm, (flat(x), flat(scale), index, flat(outputs[0]), rows, inner, float(epsilon)))]
+    args = (flat(x), flat(scale), index, flat(outputs[0]), rows, inner, float(epsilon))
+    parts = part_count(threads, rows, rows * inner)
+    if parts == 1:
+        return [(_rms_norm, args)]
+    return [(_rms_norm_parts, args + (part_bounds(rows, parts),))]
 
 
-binding("RMSNormalization")(RMSNormalization)
-binding("RMSNormalization", ODTRAIN_DOMAIN)(RMSNormalization)
+binding("RMSNormalization", parallel=True)(RMSNormalization)
+binding("RMSNormalization", ODTRAIN_DOMAIN, parallel=True)(RMSNormalization)
 
 
-@binding("RMSNormalizationGrad", ODTRAIN_DOMAIN)
-def RMSNormalizationGrad(inputs, outputs, axis=-1, epsilon=1e-5):
+@binding("RMSNormalizationGrad", ODTRAIN_DOMAIN, parallel=True)
+def RMSNormalizationGrad(inputs, outputs, axis=-1, epsilon=1e-5, threads=1):
     dy, x, scale = inputs
     axis, rows, inner = _rows(x, axis)
     index = _param_index(scale.shape, x.shape[axis:])
+    # an omitted output goes to a buffer made here, once
     dx = outputs[0] if outputs[0] is not None else np.zeros_like(x)
     dscale = outputs[1] if len(outputs) > 1 and outputs[1] is not None else np.zeros(inner, x.dtype)
-    return [(_rms_norm_grad, (flat(dy), flat(x), flat(scale), index, flat(dx), flat(dscale), rows, inner,
-                              float(epsilon)))]
+    args = (flat(dy), flat(x), flat(scale), index, flat(dx), flat(dscale), rows, inner, float(epsilon))
+    parts = part_count(threads, rows, rows * inner)
+    if parts == 1:
+        return [(_rms_norm_grad, args)]
+    return [(_rms_norm_grad_parts, args + (np.zeros((parts, inner), np.float32), part_bounds(rows, parts)))]

@@ -94,6 +94,31 @@ def test_decoder_matches_pytorch(family, export, optimizer, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("export", ["torchscript17", "dynamo23"])
+def test_decoder_split_into_parallel_parts_matches_pytorch(export, tmp_path, monkeypatch):
+    """At 2 threads with every kernel split into parts (kernels/parts.py, forced on these small shapes): the
+    fused and the opset-23 RMSNorm, rotary and attention kernels run their parallel twins along the golden."""
+    import odtrain.threads as thread_policy
+    from odtrain.kernels import parts
+
+    monkeypatch.setattr(parts, "MIN_PARALLEL_WORK", 0)
+    thread_policy.set_num_threads(2)
+    try:
+        folder, meta, golden = decoder("llama")
+        names = {n: n for n in meta["requires_grad"]}
+        losses, grads, module = train_along_golden(folder / f"{export}.onnx", golden, "adamw", meta["adamw"]["lr"],
+                                                   tmp_path, names.values(), requires_grad=list(names.values()))
+    finally:
+        thread_policy._process_default = None
+    split = {getattr(kernel, "__name__", "") for plan in module._train.plans.values() for kernel, _ in plan.calls}
+    assert {"_rms_norm_parts", "_rms_norm_grad_parts"} <= split
+    assert ({"_attention_parts", "_attention_grad_parts", "_rotate_pairs_parts"} if export == "dynamo23" else
+            {"_rotate_half_parts"}) <= split
+    np.testing.assert_allclose(losses, golden["adamw_losses"], rtol=TOLERANCE * meta["adamw"]["float32_loss_error"])
+    assert gradient_error(grads, golden, names) < TOLERANCE * meta["adamw"]["float32_grad_error"]
+
+
+@pytest.mark.slow
 def test_lora_matches_pytorch_lora(tmp_path):
     """Adapters on every q and v projection (PyTorch adds them by forward hooks from graph/lora_init.py's values)
     and the final norm train along PyTorch's trajectory; the export merges them into the weights."""
