@@ -470,11 +470,11 @@ class Module:
         would, without running it; symbolic axes after the first take `sequence_length`."""
         return self._session_of(training).bind_at(batch_size, sequence_length)
 
-    def bound_graph_at(self, batch_size: int, training: bool = True):
+    def bound_graph_at(self, batch_size: int, training: bool = True, sequence_length: int | None = None):
         """The executor's plan (odtrain.executor.BoundGraph: its calls, their nodes, storage) that bind_at
         binds, for tools that run or time a step's calls one by one (odtrain.profile, benchmarks); read it,
         do not change it."""
-        return self._session_of(training).bound_at(batch_size)[1]
+        return self._session_of(training).bound_at(batch_size, sequence_length)[1]
 
     def bound_steps(self) -> list[BoundStep]:
         """The steps bound so far: training steps, then eval steps, each from least to most recently used."""

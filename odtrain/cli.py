@@ -639,7 +639,7 @@ def _profile(args) -> int:
     from .profile import profile_artifacts
 
     report = profile_artifacts(args.artifacts, args.batch_size, steps=args.steps, threads=args.threads,
-                               clock=args.clock)
+                               clock=args.clock, sequence_length=args.seq_len)
     if args.json:
         _print_json(report.to_dict())
     else:
@@ -812,6 +812,8 @@ def _add_training_commands(commands) -> None:
         "checkpoint file is not written.")
     profile.add_argument("artifacts", metavar="ARTIFACT_DIR", help="a folder written by `odtrain prepare`")
     profile.add_argument("--batch-size", type=int, required=True, help="samples per step")
+    profile.add_argument("--seq-len", type=int, metavar="N", help="length of the inputs' other symbolic axes "
+                         "(a language model's sequence)")
     profile.add_argument("--steps", type=int, default=10, help="profiled steps, after 2 warm-up steps (default: 10)")
     profile.add_argument("--threads", type=int, help="threads for the run (default: odtrain's setting)")
     profile.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="wall time (default), or the "
