@@ -24,13 +24,45 @@ the chain's output name, so the rest of the graph is untouched:
       Transpose(MatMul(p, Transpose(Reshape(v))), [0, 2, 1, 3]) → FusedMatMul(permB, permY)
   BLAS reads the heads in place through their row stride and writes the merged heads
   directly; the gradients do the same, so neither pass has a transposed copy.
+- RMSNorm as exporters write it (LlamaRMSNorm; a same-type Cast may sit before the weight):
+      Mul(W, Mul(x, Div(1, Sqrt(Add(ReduceMean(Pow(x, 2), [-1]), ε)))))   (Reciprocal for the Div too)
+  → ai.odtrain RMSNormalization(x, W, axis=-1, epsilon=ε): one pass forward, one backward.
+- Rotary embeddings as exporters write `x·cos + rotate_half(x)·sin`, x [batch, heads, seq, head]:
+      Add(Mul(x, cos), Mul(Concat(Neg(Slice(x, h, end)), Slice(x, 0, h), axis=-1), sin))
+  → ai.odtrain RotaryEmbedding(x, cos, sin, h): caches of the full head width broadcast to x, as
+  the decomposed ops read them; h is the Slices' shared boundary (the TorchScript exporter computes
+  it from x's shape, known when the step is bound). Nothing is assumed of the caches' halves or of
+  h. Six passes become one.
+Values computed from constants alone (a Slice's starts through Unsqueeze and Cast, say) are
+folded by the ops' own type rules when a pattern needs them.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .ir import ODTRAIN_DOMAIN, Graph, Node
+from .ir import ODTRAIN_DOMAIN, Graph, Node, TensorType
+from .ops import OPS
 from .ops.linalg import adds_into, fused_matmul_shape
+
+FOLD_LIMIT = 1024  # values folded for matching hold at most this many elements
+
+
+def _fold_small_constants(graph: Graph) -> dict[str, np.ndarray]:
+    """Values computed from small constants alone, by the ops' own type rules (which fold what they can)."""
+    values = {name: np.asarray(value) for name, value in graph.initializers.items()}
+    for node in graph.nodes:
+        opdef = OPS.get(node.key)
+        inputs = [values.get(name) if name else None for name in node.inputs]
+        if opdef is None or opdef.random or any(name and (value is None or value.size > FOLD_LIMIT)
+                                                for name, value in zip(node.inputs, inputs)):
+            continue
+        try:
+            result = opdef.infer(node, [TensorType(v.dtype, v.shape) if v is not None else None for v in inputs], inputs)
+        except Exception:  # a rule that cannot fold these values: the pattern will not match
+            continue
+        if isinstance(result, tuple):
+            values.update((name, np.asarray(value)) for name, value in zip(node.outputs, result[1]) if name)
+    return values
 
 
 class _Index:
@@ -41,16 +73,24 @@ class _Index:
         self.producer = graph.producers()
         self.consumers = graph.consumers()
         self.outputs = set(graph.outputs)
+        self._constants = None
 
     def const(self, name: str):
+        """The value of `name` when constants alone compute it (initializers, Constant nodes, small folds)."""
         if name in self.graph.initializers:
             return np.asarray(self.graph.initializers[name])
-        node = self.producer.get(name)
-        if node is not None and node.op_type == "Constant" and node.key == ("", "Constant"):
-            from .ops.tensor import constant_value
+        if self._constants is None:
+            self._constants = _fold_small_constants(self.graph)
+        return self._constants.get(name)
 
-            return constant_value(node)
-        return None
+    def ints(self, name: str) -> list[int] | None:
+        value = self.const(name) if name else None
+        return None if value is None or not np.issubdtype(value.dtype, np.integer) else \
+            [int(v) for v in value.reshape(-1)]
+
+    def shape(self, name: str):
+        t = self.graph.value_types.get(name)
+        return None if t is None else t.shape
 
     def scalar(self, name: str) -> float | None:
         value = self.const(name)
@@ -208,12 +248,138 @@ def _match_head_transposes(index: _Index, node: Node):
     return (removed, fused) if len(removed) > 1 else None
 
 
+def _through_same_type_cast(index: _Index, name: str) -> str:
+    """The input of a private Cast that changes nothing (float32 to float32), else `name` itself."""
+    cast = index.made_by(name, "Cast")
+    if cast is None or not index.private(name):
+        return name
+    before, after = index.graph.value_types.get(cast.inputs[0]), index.graph.value_types.get(name)
+    return cast.inputs[0] if before is not None and after is not None and before.dtype == after.dtype else name
+
+
+def _match_rms_norm(index: _Index, last: Node):
+    """The nodes of a decomposed RMSNorm ending at `last` (the weight's Mul), and the fused node, or None."""
+    if last.key != ("", "Mul"):
+        return None
+    for scaled_name in last.inputs:
+        weight = _other(last, scaled_name)
+        weight_shape = index.shape(weight)
+        if weight_shape is None or len(weight_shape) != 1 or not index.private(scaled_name):
+            continue
+        normed_name = _through_same_type_cast(index, scaled_name)
+        normed = index.made_by(normed_name, "Mul")
+        if normed is None or (normed_name != scaled_name and not index.private(normed_name)):
+            continue
+        for inverse_name in normed.inputs:
+            x, inverse = _other(normed, inverse_name), index.producer.get(inverse_name)
+            x_shape = index.shape(x)
+            if inverse is None or not index.private(inverse_name) or x_shape is None or not x_shape or \
+                    weight_shape[0] not in (1, x_shape[-1]):
+                continue
+            if inverse.key == ("", "Div") and _near(index.scalar(inverse.inputs[0]), 1.0):
+                root_name = inverse.inputs[1]
+            elif inverse.key == ("", "Reciprocal"):
+                root_name = inverse.inputs[0]
+            else:
+                continue
+            root = index.made_by(root_name, "Sqrt")
+            shifted = index.made_by(root.inputs[0], "Add") if root is not None and index.private(root_name) else None
+            if shifted is None or not index.private(root.inputs[0]):
+                continue
+            for mean_name in shifted.inputs:
+                epsilon = index.scalar(_other(shifted, mean_name))
+                mean = index.made_by(mean_name, "ReduceMean")
+                if epsilon is None or mean is None or not index.private(mean_name):
+                    continue
+                axes = mean.attrs.get("axes") or index.ints(mean.inputs[1] if len(mean.inputs) > 1 else "")
+                if axes is None or [a % len(x_shape) for a in axes] != [len(x_shape) - 1] or \
+                        mean.attrs.get("keepdims", 1) != 1 or not index.private(mean.inputs[0]):
+                    continue
+                square = index.producer.get(mean.inputs[0])
+                if square is None or not ((square.key == ("", "Pow") and square.inputs[0] == x and
+                                           _near(index.scalar(square.inputs[1]), 2.0)) or
+                                          (square.key == ("", "Mul") and square.inputs == [x, x])):
+                    continue
+                chain = [square, mean, shifted, root, inverse, normed] + \
+                    ([index.producer[scaled_name]] if normed_name != scaled_name else []) + [last]
+                return chain, Node("RMSNormalization", [x, weight], list(last.outputs),
+                                   {"axis": -1, "epsilon": epsilon}, normed.name, ODTRAIN_DOMAIN)
+    return None
+
+
+def _same_value(index: _Index, a: str, b: str, depth: int = 4) -> bool:
+    """Whether two values are equal by construction: one name, equal constants, or the same reshaping of
+    equal values (exporters unsqueeze one scalar twice for a Slice's end and the next Slice's start)."""
+    if a == b:
+        return True
+    ints_a, ints_b = index.ints(a), index.ints(b)
+    if ints_a is not None or ints_b is not None:
+        return ints_a is not None and ints_a == ints_b
+    node_a, node_b = index.producer.get(a), index.producer.get(b)
+    return depth > 0 and node_a is not None and node_b is not None and node_a.key == node_b.key and \
+        node_a.op_type in ("Unsqueeze", "Squeeze", "Reshape", "Cast", "Identity") and node_a.attrs == node_b.attrs \
+        and len(node_a.inputs) == len(node_b.inputs) and \
+        all(_same_value(index, i, j, depth - 1) for i, j in zip(node_a.inputs, node_b.inputs))
+
+
+def _slice_of_last_axis(index: _Index, name: str, rank: int):
+    """The private Slice making `name` from the last axis of its input with step 1, or None."""
+    node = index.made_by(name, "Slice")
+    if node is None or not index.private(name) or len(node.inputs) < 4:
+        return None
+    axes = index.ints(node.inputs[3])
+    steps = index.ints(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] else [1]
+    if axes is None or len(axes) != 1 or axes[0] % rank != rank - 1 or steps != [1]:
+        return None
+    return node
+
+
+def _match_rotary(index: _Index, last: Node):
+    """The nodes of `x·cos + rotate_half(x)·sin` ending at `last` (the Add), and the fused node, or None."""
+    if last.key != ("", "Add"):
+        return None
+    for direct_name in last.inputs:
+        turned_name = _other(last, direct_name)
+        direct, turned = index.made_by(direct_name, "Mul"), index.made_by(turned_name, "Mul")
+        if direct is None or turned is None or not index.private(direct_name) or not index.private(turned_name):
+            continue
+        for rotated_name in turned.inputs:
+            sin, concat = _other(turned, rotated_name), index.made_by(rotated_name, "Concat")
+            if concat is None or not index.private(rotated_name) or len(concat.inputs) != 2 or \
+                    int(concat.attrs.get("axis", 0)) not in (-1, 3):
+                continue
+            negated = index.made_by(concat.inputs[0], "Neg")
+            high = _slice_of_last_axis(index, negated.inputs[0], 4) if negated is not None else None
+            low = _slice_of_last_axis(index, concat.inputs[1], 4)
+            if high is None or low is None or not index.private(concat.inputs[0]):
+                continue
+            x = low.inputs[0]
+            x_shape, cos = index.shape(x), _other(direct, x)
+            caches = [index.shape(cos), index.shape(sin)]
+            width = caches[0][-1] if caches[0] else None
+            if high.inputs[0] != x or x not in direct.inputs or x_shape is None or len(x_shape) != 4 or \
+                    not isinstance(width, int) or any(c is None or len(c) > 4 or c[-1] != width for c in caches):
+                continue
+            end = index.ints(high.inputs[2])
+            if index.ints(low.inputs[1]) != [0] or not _same_value(index, low.inputs[2], high.inputs[1]) or \
+                    end is None or end[0] < width:
+                continue
+            chain = [low, high, negated, concat, direct, turned, last]
+            return chain, Node("RotaryEmbedding", [x, cos, sin, low.inputs[2]], list(last.outputs), {}, last.name,
+                               ODTRAIN_DOMAIN)
+    return None
+
+
 def fuse_for_training(graph: Graph) -> Graph:
     """A copy of `graph` with the patterns above fused (the input is not modified)."""
     fused = graph.copy()
-    for rewrite in (_gelu_pass, _matmul_pass, _matmul_pass, _bias_pass):  # the second MatMul pass scales
-        rewrite(fused)  # fused products; biases are added to products that are final
+    for rewrite in (_gelu_pass, _decoder_pass, _matmul_pass, _matmul_pass, _bias_pass):  # the second MatMul pass
+        rewrite(fused)  # scales fused products; biases are added to products that are final
     return fused
+
+
+def _decoder_pass(graph: Graph) -> None:
+    _rewrite_all(graph, lambda index, node: _match_rms_norm(index, node) or _match_rotary(index, node))
 
 
 def _replace(graph: Graph, removed: list[Node], replacement: Node) -> None:

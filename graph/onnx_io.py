@@ -317,15 +317,31 @@ def _value_info(name: str, t: TensorType | None):
     return helper.make_tensor_value_info(name, elem, None if t.shape is None else list(t.shape))
 
 
+def _attribute(node, key: str, value):
+    """An AttributeProto; an empty list carries no type of its own, so the op's schema gives it (a Constant's
+    `value_ints: []` stays ints)."""
+    from onnx import AttributeProto, defs, helper, numpy_helper
+
+    if isinstance(value, np.ndarray):
+        return helper.make_attribute(key, numpy_helper.from_array(value))
+    if isinstance(value, (list, tuple)) and not value:
+        kind = AttributeProto.INTS
+        if node.domain in ("", "ai.onnx") and defs.has(node.op_type):
+            declared = defs.get_schema(node.op_type).attributes.get(key)
+            kind = declared.type if declared is not None else kind
+        return helper.make_attribute(key, [], attr_type=kind)
+    return helper.make_attribute(key, value)
+
+
 def graph_to_proto(graph: Graph, extra_inputs: list[str] = (), producer: str = "odtrain") -> onnx.ModelProto:
     """Build a ModelProto; `extra_inputs` (e.g. parameters held in a checkpoint) become graph inputs."""
     from onnx import helper, numpy_helper
 
     nodes = []
     for node in graph.nodes:
-        attrs = {k: (numpy_helper.from_array(np.asarray(v)) if isinstance(v, np.ndarray) else v)
-                 for k, v in node.attrs.items()}
-        nodes.append(helper.make_node(node.op_type, node.inputs, node.outputs, name=node.name, domain=node.domain, **attrs))
+        made = helper.make_node(node.op_type, node.inputs, node.outputs, name=node.name, domain=node.domain)
+        made.attribute.extend(_attribute(node, key, value) for key, value in sorted(node.attrs.items()))
+        nodes.append(made)
     inputs = [_value_info(n, graph.value_types.get(n)) for n in list(graph.inputs) + list(extra_inputs)]
     outputs = [_value_info(n, graph.value_types.get(n)) for n in graph.outputs]
     initializers = [numpy_helper.from_array(np.asarray(v), name=k) for k, v in graph.initializers.items()]

@@ -53,3 +53,13 @@ def flat(array: np.ndarray) -> np.ndarray:
     view = array.reshape(-1)
     assert np.shares_memory(view, array) or array.size == 0
     return view
+
+
+def float_buffers(scratch: np.ndarray, *sizes: int) -> list:
+    """Consecutive float32 buffers of the given sizes, carved out of a node's arena scratch."""
+    memory = scratch.view(np.float32)
+    buffers, start = [], 0
+    for size in sizes:
+        buffers.append(memory[start:start + size])
+        start += size
+    return buffers

@@ -1,4 +1,4 @@
-"""Softmax, LogSoftmax and LayerNormalization kernels, forward and backward.
+"""Softmax, LogSoftmax, LayerNormalization and RMSNormalization kernels, forward and backward.
 
 Tensors are viewed as [outer, n, inner] around the normalised axis (softmax) or as rows of
 the normalised axes (layer norm), so every kernel is a loop over independent rows; the
@@ -7,7 +7,7 @@ float32, two passes (mean, then centred variance), as ONNX Runtime's CPU kernels
 
 With threads, each kernel's `_parts` twin runs it on parts of the outer rows (contiguous slabs of
 the flat arrays) in one parallel region; every value is computed as in the serial kernel, except
-LayerNorm's scale and bias gradients, summed per part and then added in part order.
+the scale (and bias) gradients of LayerNorm and RMSNorm, summed per part and then added in part order.
 """
 from __future__ import annotations
 
@@ -369,3 +369,106 @@ def LayerNormalizationGrad(inputs, outputs, axis=-1, epsilon=1e-5, threads=1):
         return [(_layer_norm_grad, args)]
     # each part's dscale and dbias sums ([parts, 2, inner]), made once here
     return [(_layer_norm_grad_parts, args + (np.zeros((parts, 2, inner), np.float32), part_bounds(rows, parts)))]
+
+
+@njit(cache=True, inline="always", error_model="numpy", fastmath=REDUCE)
+def _row_inverse_rms(x, base, inner, epsilon):
+    squares = np.float32(0.0)
+    for j in range(inner):
+        squares += x[base + j] * x[base + j]
+    return np.float32(1.0) / np.sqrt(squares / inner + epsilon)
+
+
+@njit(cache=True, error_model="numpy", fastmath=REDUCE)
+def _rms_norm(x, scale, scale_index, y, rows, inner, epsilon):
+    """y = x · r · scale per row, r = 1/√(mean(x²) + ε); scale read at scale_index[j] when it broadcasts."""
+    eps = np.float32(epsilon)
+    for r in range(rows):
+        base = r * inner
+        inv = _row_inverse_rms(x, base, inner, eps)
+        if scale_index.size == 0:
+            for j in range(inner):
+                y[base + j] = x[base + j] * inv * scale[j]
+        else:
+            for j in range(inner):
+                y[base + j] = x[base + j] * inv * scale[scale_index[j]]
+
+
+@njit(cache=True, error_model="numpy", fastmath=REDUCE)
+def _rms_norm_grad(dy, x, scale, scale_index, dx, dscale, rows, inner, epsilon):
+    """dx = r · (g - x · r² · mean(g·x)) with g = dy·scale;  dscale = Σ dy·x·r."""
+    eps = np.float32(epsilon)
+    for j in range(inner):
+        dscale[j] = 0
+    for r in range(rows):
+        base = r * inner
+        inv = _row_inverse_rms(x, base, inner, eps)
+        mean_gx = np.float32(0.0)
+        for j in range(inner):
+            s = scale[j] if scale_index.size == 0 else scale[scale_index[j]]
+            mean_gx += dy[base + j] * s * x[base + j]
+            dscale[j] += dy[base + j] * x[base + j] * inv
+        mean_gx /= inner
+        factor = inv * inv * mean_gx
+        for j in range(inner):
+            s = scale[j] if scale_index.size == 0 else scale[scale_index[j]]
+            dx[base + j] = inv * (dy[base + j] * s - x[base + j] * factor)
+
+
+@njit(cache=True, error_model="numpy", fastmath=REDUCE, parallel=True)
+def _rms_norm_parts(x, scale, scale_index, y, rows, inner, epsilon, bounds):
+    """_rms_norm on parts of the rows (bounds), in parallel."""
+    for p in prange(bounds.size - 1):
+        lo, hi = bounds[p] * inner, bounds[p + 1] * inner
+        _rms_norm(x[lo:hi], scale, scale_index, y[lo:hi], bounds[p + 1] - bounds[p], inner, epsilon)
+
+
+@njit(cache=True, error_model="numpy", fastmath=REDUCE, parallel=True)
+def _rms_norm_grad_parts(dy, x, scale, scale_index, dx, dscale, rows, inner, epsilon, partial, bounds):
+    """_rms_norm_grad on parts of the rows (bounds), in parallel, each part summing its dscale into partial[p];
+    the parts' sums are then added in part order."""
+    parts = bounds.size - 1
+    for p in prange(parts):
+        lo, hi = bounds[p] * inner, bounds[p + 1] * inner
+        _rms_norm_grad(dy[lo:hi], x[lo:hi], scale, scale_index, dx[lo:hi], partial[p], bounds[p + 1] - bounds[p],
+                       inner, epsilon)
+    for j in range(inner):
+        dscale[j] = partial[0, j]
+    for p in range(1, parts):
+        for j in range(inner):
+            dscale[j] += partial[p, j]
+
+
+def _rows(x, axis):
+    axis = int(axis) % x.ndim
+    return axis, int(np.prod(x.shape[:axis], dtype=np.int64)), int(np.prod(x.shape[axis:], dtype=np.int64))
+
+
+def RMSNormalization(inputs, outputs, axis=-1, epsilon=1e-5, stash_type=1, threads=1):
+    x, scale = inputs[0], inputs[1]
+    axis, rows, inner = _rows(x, axis)
+    index = _param_index(scale.shape, x.shape[axis:])
+    args = (flat(x), flat(scale), index, flat(outputs[0]), rows, inner, float(epsilon))
+    parts = part_count(threads, rows, rows * inner)
+    if parts == 1:
+        return [(_rms_norm, args)]
+    return [(_rms_norm_parts, args + (part_bounds(rows, parts),))]
+
+
+binding("RMSNormalization", parallel=True)(RMSNormalization)
+binding("RMSNormalization", ODTRAIN_DOMAIN, parallel=True)(RMSNormalization)
+
+
+@binding("RMSNormalizationGrad", ODTRAIN_DOMAIN, parallel=True)
+def RMSNormalizationGrad(inputs, outputs, axis=-1, epsilon=1e-5, threads=1):
+    dy, x, scale = inputs
+    axis, rows, inner = _rows(x, axis)
+    index = _param_index(scale.shape, x.shape[axis:])
+    # an omitted output goes to a buffer made here, once
+    dx = outputs[0] if outputs[0] is not None else np.zeros_like(x)
+    dscale = outputs[1] if len(outputs) > 1 and outputs[1] is not None else np.zeros(inner, x.dtype)
+    args = (flat(dy), flat(x), flat(scale), index, flat(dx), flat(dscale), rows, inner, float(epsilon))
+    parts = part_count(threads, rows, rows * inner)
+    if parts == 1:
+        return [(_rms_norm_grad, args)]
+    return [(_rms_norm_grad_parts, args + (np.zeros((parts, inner), np.float32), part_bounds(rows, parts)))]

@@ -26,8 +26,8 @@ from numba import njit
 
 from . import ODTRAIN_DOMAIN, binding
 from .elementwise import fast_sigmoid, fast_tanh
-from .layout import flat
 from .blas import blas_gemm
+from .layout import flat, float_buffers
 
 ONE = np.float32(1.0)
 
@@ -423,16 +423,6 @@ def _reversed(direction, d):
     return direction == "reverse" or (direction == "bidirectional" and d == 1)
 
 
-def _float_buffers(scratch: np.ndarray, *sizes: int) -> list:
-    """Consecutive float32 buffers of the given sizes, carved out of the node's arena scratch."""
-    memory = scratch.view(np.float32)
-    buffers, start = [], 0
-    for size in sizes:
-        buffers.append(memory[start:start + size])
-        start += size
-    return buffers
-
-
 def _shape_config(input_specs, attrs):
     x_shape = input_specs[0][0]
     dirs = 2 if attrs.get("direction", "forward") == "bidirectional" else 1
@@ -478,7 +468,7 @@ def GRU(inputs, outputs, hidden_size=None, direction="forward", layout=0, linear
     yh, has_yh = _optional(outputs, 1, 0, x.dtype)
     lens = _lengths(inputs, steps, batch)
     calls = [(_fill_zero, (y,))] if has_y and len(inputs) > 4 and inputs[4] is not None else []
-    work = _float_buffers(scratch, *_gru_sizes(steps, batch, hs))
+    work = float_buffers(scratch, *_gru_sizes(steps, batch, hs))
     for d in range(dirs):
         calls.append((_gru_forward, (flat(x), flat(w), flat(r), b, lens, h0, has_h0, y, has_y, yh, has_yh, d,
                                      _reversed(direction, d), steps, batch, features, hs, dirs, int(layout),
@@ -497,7 +487,7 @@ def GRUGrad(inputs, outputs, hidden_size=None, direction="forward", layout=0, li
     dyh, has_dyh = _optional(inputs, 8, 0, x.dtype)
     lens = _lengths(inputs, steps, batch)
     dx, dw, dr, db, dh0 = (flat(outputs[i]) for i in (0, 1, 2, 3, 5))
-    work = _float_buffers(scratch, *_gru_grad_sizes(steps, batch, hs))
+    work = float_buffers(scratch, *_gru_grad_sizes(steps, batch, hs))
     return [(_gru_backward, (flat(x), flat(w), flat(r), b, lens, h0, has_h0, y, dy, has_dy, dyh, has_dyh, dx, dw, dr,
                              db, dh0, d, _reversed(direction, d), steps, batch, features, hs, dirs, int(layout),
                              int(linear_before_reset), d > 0, *work)) for d in range(dirs)]
@@ -516,7 +506,7 @@ def LSTM(inputs, outputs, hidden_size=None, direction="forward", layout=0, scrat
     yc, has_yc = _optional(outputs, 2, 0, x.dtype)
     lens = _lengths(inputs, steps, batch)
     calls = [(_fill_zero, (y,))] if has_y and len(inputs) > 4 and inputs[4] is not None else []
-    work = _float_buffers(scratch, *_lstm_sizes(steps, batch, hs))
+    work = float_buffers(scratch, *_lstm_sizes(steps, batch, hs))
     for d in range(dirs):
         calls.append((_lstm_forward, (flat(x), flat(w), flat(r), b, lens, h0, has_h0, c0, has_c0, p, has_p, y, has_y,
                                       yh, has_yh, yc, has_yc, d, _reversed(direction, d), steps, batch, features, hs,
@@ -538,7 +528,7 @@ def LSTMGrad(inputs, outputs, hidden_size=None, direction="forward", layout=0, s
     dyc, has_dyc = _optional(inputs, 11, 0, x.dtype)
     lens = _lengths(inputs, steps, batch)
     dx, dw, dr, db, dh0, dc0, dp = (flat(outputs[i]) for i in (0, 1, 2, 3, 5, 6, 7))
-    work = _float_buffers(scratch, *_lstm_grad_sizes(steps, batch, hs))
+    work = float_buffers(scratch, *_lstm_grad_sizes(steps, batch, hs))
     return [(_lstm_backward, (flat(x), flat(w), flat(r), b, lens, h0, has_h0, c0, has_c0, p, has_p, y, dy, has_dy,
                               dyh, has_dyh, dyc, has_dyc, dx, dw, dr, db, dh0, dc0, dp, d, _reversed(direction, d),
                               steps, batch, features, hs, dirs, int(layout), d > 0, *work)) for d in range(dirs)]

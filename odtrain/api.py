@@ -30,6 +30,7 @@ from . import checkpoint as checkpoint_file
 from .graph.autodiff import GRAD_SUFFIX
 from .graph.errors import ArgumentError, InputError, ModelError, NonFiniteError, ParameterError, StateError
 from .graph.ir import Graph, TensorType
+from .graph.lora import merge_adapters
 from .graph.onnx_io import load_graph, save_graph
 from .graph.ops import check_supported
 from .graph.optimizers import read_optimizer_graph
@@ -319,15 +320,18 @@ class _GraphSession:
             self.plans.move_to_end(signature)
         return plan
 
-    def bind_at(self, batch_size: int) -> BoundStep:
-        """Bind the plan (a BoundGraph, cached) that a call with inputs of batch `batch_size` runs."""
-        signature, bound = self.bound_at(batch_size)
+    def bind_at(self, batch_size: int, sequence_length: int | None = None) -> BoundStep:
+        """Bind the plan (a BoundGraph, cached) that a call with inputs of batch `batch_size` (and every other
+        symbolic axis `sequence_length`) runs."""
+        signature, bound = self.bound_at(batch_size, sequence_length)
         return self.bound_step(signature, bound)
 
-    def bound_at(self, batch_size: int):
-        """(signature, BoundGraph) of the plan, bound and cached, that a call with inputs of batch `batch_size` runs."""
-        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-            raise ArgumentError(f"the batch size must be a positive integer, got {batch_size!r}")
+    def bound_at(self, batch_size: int, sequence_length: int | None = None):
+        """(signature, BoundGraph) of the plan, bound and cached, that a call with inputs of batch `batch_size`
+        (and every other symbolic axis `sequence_length`) runs."""
+        for what, value in (("batch size", batch_size), ("sequence length", sequence_length)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
+                raise ArgumentError(f"the {what} must be a positive integer, got {value!r}")
         arrays = []
         for name in self.input_names:
             declared = self.graph.value_types[name]
@@ -335,10 +339,12 @@ class _GraphSession:
                 raise ArgumentError(f"input '{name}' has no declared shape; the memory plan needs one")
             shape = []
             for axis, dim in enumerate(declared.shape):
-                if isinstance(dim, str) and axis > 0:
-                    raise ArgumentError(f"input '{name}' has the symbolic dimension '{dim}' on axis {axis}; only the "
-                                        "batch axis (0) is bound by the batch size")
-                shape.append(int(batch_size) if isinstance(dim, str) else dim)
+                if isinstance(dim, str) and axis > 0 and sequence_length is None:
+                    raise ArgumentError(f"input '{name}' has the symbolic dimension '{dim}' on axis {axis}; the batch "
+                                        "size binds axis 0 only: give a sequence length for the others")
+                if isinstance(dim, str):
+                    dim = int(batch_size) if axis == 0 else int(sequence_length)
+                shape.append(dim)
             arrays.append(np.zeros(shape, dtype=declared.dtype))
         feeds, signature = self.feeds(arrays)
         return signature, self.bound(signature, feeds)
@@ -459,16 +465,16 @@ class Module:
         """The bytes of the arena buffer that every bound step of this module shares."""
         return self._arena.nbytes
 
-    def bind_at(self, batch_size: int, training: bool = True) -> BoundStep:
+    def bind_at(self, batch_size: int, training: bool = True, sequence_length: int | None = None) -> BoundStep:
         """Bind the training (or eval) step for inputs of batch `batch_size`, as a call with such inputs
-        would, without running it; only the first axis of the inputs may be symbolic."""
-        return self._session_of(training).bind_at(batch_size)
+        would, without running it; symbolic axes after the first take `sequence_length`."""
+        return self._session_of(training).bind_at(batch_size, sequence_length)
 
-    def bound_graph_at(self, batch_size: int, training: bool = True):
+    def bound_graph_at(self, batch_size: int, training: bool = True, sequence_length: int | None = None):
         """The executor's plan (odtrain.executor.BoundGraph: its calls, their nodes, storage) that bind_at
         binds, for tools that run or time a step's calls one by one (odtrain.profile, benchmarks); read it,
         do not change it."""
-        return self._session_of(training).bound_at(batch_size)[1]
+        return self._session_of(training).bound_at(batch_size, sequence_length)[1]
 
     def bound_steps(self) -> list[BoundStep]:
         """The steps bound so far: training steps, then eval steps, each from least to most recently used."""
@@ -536,7 +542,8 @@ class Module:
                 inference.initializers[name] = store.data(name).copy()
         inference.inputs = [n for n in inference.inputs if n not in store]
         inference.name = "inference"
-        save_graph(quantized_for_inference(inference), inference_model_uri)  # QAT's fake quantization as QDQ
+        # LoRA adapters merged into their weights, then QAT's fake quantization written as QDQ
+        save_graph(quantized_for_inference(merge_adapters(inference)), inference_model_uri)
 
 
 class Optimizer:

@@ -8,15 +8,19 @@
 writes the files of an artifact folder (`odtrain.artifact_paths`: the training, eval and optimizer
 models and the checkpoint), each name prefixed by `prefix`. Parameters named in `requires_grad` train, those in `frozen_params` are kept in
 the checkpoint without training; other initializers stay constants of the models. With
-`requires_grad=None`, every floating-point initializer not in `frozen_params` trains, except the
-scales and zero points of quantization, and integer weights that DequantizeLinear reads are frozen.
-A frozen quantized weight takes its scale and zero point into the checkpoint with it, where it
-stays int8 (graph/ops/quantize.py).
+`requires_grad=None`, every floating-point initializer not in `frozen_params` trains, except those a
+user would not train (odtrain.graph.parameters: configuring inputs, quantization scales and zero points,
+single values, position tables, initializers no gradient reaches), which the returned GeneratedArtifacts
+lists with reasons; integer weights that DequantizeLinear reads are frozen. A frozen quantized weight
+takes its scale and zero point into the checkpoint with it, where it stays int8 (graph/ops/quantize.py).
+Keywords beyond ONNX Runtime's: `class_axis` and `ignore_index` for cross-entropy on class-last
+outputs (odtrain.graph.losses), `lora` for low-rank adapters (odtrain.graph.lora), `qat` for
+quantization-aware training (odtrain.graph.qat).
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -30,38 +34,29 @@ from .graph.ops.quantize import dequantized_weights, quantization_inputs
 from .graph.losses import LossType, add_loss, parse_loss
 from .graph.onnx_io import graph_from_proto, read_model_proto, save_graph
 from .graph.optimizers import SGD, AdamW, OptimType, SGDMomentum, build_optimizer_graph, parse_optimizer
+from .graph.lora import add_adapters
+from .graph.parameters import NO_GRADIENT, default_selection
 from .graph.qat import QatConfig, insert_fake_quantization
+from .lora import LoraConfig, target_weights
 
-__all__ = ["generate_artifacts", "build_training_graphs", "LossType", "OptimType", "AdamW", "SGD", "SGDMomentum",
-           "QatConfig"]
-
-
-def _state_inputs(graph) -> set[str]:
-    """Initializers that ops update as state (running statistics): parameters, never trained."""
-    names = set()
-    for node in graph.nodes:
-        opdef = OPS.get(node.key)
-        for _, i in (opdef.updates if opdef else ()):
-            if i < len(node.inputs):
-                names.add(node.inputs[i])
-    return names
+__all__ = ["generate_artifacts", "build_training_graphs", "GeneratedArtifacts", "LoraConfig", "LossType", "OptimType",
+           "AdamW", "SGD", "SGDMomentum", "QatConfig"]
 
 
 def _select_parameters(graph, requires_grad, frozen_params):
+    """(trainable, frozen, left out with reasons): named ones, or odtrain.graph.parameters' default selection."""
     floating = [n for n, v in graph.initializers.items() if np.issubdtype(v.dtype, np.floating)]
     frozen = list(frozen_params or [])
-    state = _state_inputs(graph)
+    left_out: dict[str, str] = {}
     if requires_grad is None:
-        configuring = {node.inputs[k] for node in graph.nodes if node.key in OPS
-                       for k in OPS[node.key].constant_inputs if k < len(node.inputs)}
-        configuring |= quantization_inputs(graph)
-        state |= configuring  # shapes, axes and scales are neither trained nor frozen: they stay constants
-        trainable = [n for n in floating if n not in frozen and n not in state]
-        frozen += [n for n in floating if n in state and n not in frozen and n not in configuring]
+        selection = default_selection(graph, frozen)
+        trainable, left_out = selection.trainable, selection.left_out
+        frozen += [n for n in selection.state if n not in left_out]
         frozen += [n for n in dequantized_weights(graph) if n not in frozen]  # int8 weights: frozen, not constants
     else:
         trainable = list(requires_grad)
     frozen += quantization_parameters(graph, frozen, trainable)
+    left_out = {n: why for n, why in left_out.items() if n not in frozen}  # scales frozen with their weights
     for name in trainable + frozen:
         if name not in graph.initializers:
             raise ParameterError(f"'{name}' is not an initializer of the model; its parameters are: "
@@ -73,7 +68,7 @@ def _select_parameters(graph, requires_grad, frozen_params):
         if graph.initializers[name].dtype != np.float32:
             raise ArgumentError(f"parameter '{name}' is {graph.initializers[name].dtype}; only float32 parameters train")
     order = list(graph.initializers)
-    return sorted(trainable, key=order.index), sorted(frozen, key=order.index)
+    return sorted(trainable, key=order.index), sorted(frozen, key=order.index), left_out
 
 
 def quantization_parameters(graph, frozen, trainable=()) -> list[str]:
@@ -108,23 +103,43 @@ class TrainingGraphs:
     frozen: list[str]
     values: dict[str, np.ndarray]
     param_inputs: list[str]  # parameters as extra graph inputs of both models, in checkpoint order
+    left_out: dict[str, str] = field(default_factory=dict)  # initializers the default selection did not train, why
+
+
+def _with_adapters(graph, lora: LoraConfig, requires_grad, frozen_params):
+    """(the graph with LoRA adapters, trainable, frozen, left out): the adapters train with `requires_grad` (extra
+    parameters, e.g. norms); every other parameter of the default selection is frozen, kept in the checkpoint."""
+    if not isinstance(lora, LoraConfig):
+        raise ArgumentError(f"lora must be an odtrain.artifacts.LoraConfig, got {type(lora).__name__}")
+    base = default_selection(graph, frozen_params or ())
+    adapted, adapters = add_adapters(graph, target_weights(graph, lora), lora.rank, lora.scale, lora.seed)
+    extra = list(requires_grad or [])
+    frozen = [n for n in base.trainable if n not in extra] + list(frozen_params or []) + base.state
+    return adapted, list(adapters) + extra, frozen, base.left_out
 
 
 def build_training_graphs(model, requires_grad=None, frozen_params=None, loss=None, additional_output_names=None,
-                          loss_input_names=None, qat: QatConfig | None = None) -> TrainingGraphs:
+                          loss_input_names=None, class_axis=None, ignore_index=None, lora=None,
+                          qat: QatConfig | None = None) -> TrainingGraphs:
     """Forward model + loss -> training graph (with `<param>_grad` outputs) and eval graph.
 
     `loss` is a LossType; or an object with a method `build_loss(graph, loss_inputs)` that adds the loss to
     the forward graph and returns (the scalar loss's name, extra output names), as odtrain.onnxblock
     blocks do (their build takes the loss inputs and returns the loss name, or (loss, *extra outputs));
-    or None when the model's output is the loss. `qat` inserts fake
-    quantization (graph/qat.py); its activation ranges join the frozen parameters.
+    or None when the model's output is the loss. `class_axis` and `ignore_index` configure
+    LossType.CrossEntropyLoss (odtrain.graph.losses). With `lora` (a LoraConfig), adapters train on the
+    targeted weights, with the parameters `requires_grad` names; the rest is frozen (odtrain.graph.lora).
+    `qat` inserts fake quantization (graph/qat.py); its activation ranges join the frozen parameters.
     """
     custom_loss = hasattr(loss, "build_loss")
     proto, path = read_model_proto(model, "model")
     graph = graph_from_proto(proto, path or "model")
     check_supported(graph.nodes, f"model '{path}'" if path else "model")
-    trainable, frozen = _select_parameters(graph, requires_grad, frozen_params)
+    lora_left_out = {}
+    if lora is not None:
+        graph, requires_grad, frozen_params, lora_left_out = _with_adapters(graph, lora, requires_grad, frozen_params)
+    trainable, frozen, left_out = _select_parameters(graph, requires_grad, frozen_params)
+    left_out.update(lora_left_out)
     if qat is not None:
         frozen += insert_fake_quantization(graph, qat, trainable + frozen)
     if not trainable:
@@ -156,7 +171,7 @@ def build_training_graphs(model, requires_grad=None, frozen_params=None, loss=No
         loss_name, block_outputs = loss.build_loss(forward, loss_inputs)
         extra_outputs += [name for name in block_outputs if name not in extra_outputs and name != loss_name]
     else:
-        loss_name = add_loss(forward, parse_loss(loss), loss_inputs)
+        loss_name = add_loss(forward, parse_loss(loss), loss_inputs, class_axis, ignore_index)
     forward.outputs = [loss_name] + extra_outputs
     forward = forward.prune(forward.outputs)
 
@@ -183,23 +198,42 @@ def build_training_graphs(model, requires_grad=None, frozen_params=None, loss=No
             trainable.remove(name)
             params.remove(name)
             forward.initializers[name] = graph.initializers[name]
+            left_out[name] = NO_GRADIENT
         if not trainable:
             raise ArgumentError("no parameter of the model receives a gradient from the loss")
     training_graph = build_gradient_graph(forward, loss_name, trainable)
     eval_graph = to_eval_graph(forward)
     return TrainingGraphs(training_graph, eval_graph, trainable, frozen, {p: graph.initializers[p] for p in params},
-                          [p for p in params if p in used])
+                          [p for p in params if p in used], left_out)
+
+
+@dataclass
+class GeneratedArtifacts:
+    """What generate_artifacts wrote and decided (ONNX Runtime's returns nothing; odtrain's says)."""
+
+    paths: ArtifactPaths
+    trainable: list[str]
+    frozen: list[str]
+    left_out: dict[str, str]  # initializers the default selection left as constants, and why
 
 
 def generate_artifacts(model, requires_grad=None, frozen_params=None, loss=None, optimizer=None,
                        artifact_directory=None, prefix: str = "", ort_format: bool = False,
                        custom_op_library=None, additional_output_names=None, nominal_checkpoint: bool = False,
-                       loss_input_names=None, qat: QatConfig | None = None) -> None:
+                       loss_input_names=None, class_axis=None, ignore_index=None, lora=None,
+                       qat: QatConfig | None = None) -> GeneratedArtifacts:
     """Write the training artifacts for `model` (an onnx.ModelProto or a path) into `artifact_directory`.
 
     `loss` and `optimizer` also accept odtrain.onnxblock blocks (a custom loss; onnxblock.optim.AdamW, SGD,
-    SGDMomentum: objects that carry an optimizer `config`). `qat=QatConfig()` trains with fake quantization; the exported inference model is then a
-    QDQ model with int8 weights."""
+    SGDMomentum: objects that carry an optimizer `config`). With LossType.CrossEntropyLoss, `class_axis=-1`
+    reads the classes on the last axis (logits [batch, seq, vocab], labels [batch, seq]) instead of ONNX's
+    axis 1, and labels equal to `ignore_index` (e.g. -100 on padding) are left out of the loss.
+    `lora=LoraConfig(rank, alpha, target_params=[...])` trains low-rank adapters of the targeted weights
+    (and what `requires_grad` names) instead of the weights; export merges them back. `qat=QatConfig()`
+    trains with fake quantization; the exported inference model is then a QDQ model with int8 weights.
+
+    Returns what was written and which parameters train; with `requires_grad=None`, `left_out` names the
+    floating-point initializers left as constants (rotary tables, single values, ...) with the reason."""
     if qat is not None and not isinstance(qat, QatConfig):
         raise ArgumentError(f"qat must be an artifacts.QatConfig, got {type(qat).__name__}")
     if ort_format:
@@ -210,7 +244,7 @@ def generate_artifacts(model, requires_grad=None, frozen_params=None, loss=None,
     optimizer = getattr(optimizer, "config", optimizer)  # an optimizer block's hyper-parameters
     optimizer = parse_optimizer(optimizer) if optimizer is not None else None
     built = build_training_graphs(model, requires_grad, frozen_params, loss, additional_output_names, loss_input_names,
-                                  qat)
+                                  class_axis, ignore_index, lora, qat)
     trainable, values = built.trainable, built.values
 
     paths = ArtifactPaths.of(artifact_directory if artifact_directory is not None else os.getcwd(), prefix)
@@ -223,3 +257,4 @@ def generate_artifacts(model, requires_grad=None, frozen_params=None, loss=None,
     if nominal_checkpoint:
         checkpoint_file.save(paths.nominal_checkpoint,
                              checkpoint_file.CheckpointContents(values, trainable, nominal=True))
+    return GeneratedArtifacts(paths, trainable, built.frozen, built.left_out)

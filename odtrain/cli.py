@@ -74,55 +74,59 @@ def _loss_type(name: str):
 # ---- check and prepare: which parameters train, and whether they can --------------------------------
 
 
-def _parameter_groups(graph, loss_inputs) -> tuple[list[tuple[str, list[str]]], list[str]]:
-    """Float parameters on the way to the loss, grouped by the first node consuming them, in graph order;
-    and the parameters that ops update as state (running statistics), which never train."""
-    import numpy as np
-
-    from .artifacts import _state_inputs
+def _parameter_groups(graph, loss_inputs):
+    """Float parameters on the way to the loss, grouped by the first node consuming them, in graph order; the
+    parameters that ops update as state (running statistics), which never train; and the initializers the
+    default selection leaves out (odtrain.graph.parameters), with the reason. Configuring inputs and the
+    scales and zero points of quantization are never parameters to choose."""
     from .graph.ops.quantize import quantization_inputs
+    from .graph.parameters import configuring_inputs, default_selection
 
     used = graph.prune(list(loss_inputs)).initializers
-    updated = _state_inputs(graph)
-    quantization = quantization_inputs(graph)  # scales and zero points configure, never train
-    candidates = {n for n, v in graph.initializers.items()
-                  if n in used and n not in updated and n not in quantization and np.issubdtype(v.dtype, np.floating)}
+    selection = default_selection(graph)
+    left_out = {n: why for n, why in selection.left_out.items() if n in used}
+    never = selection.state + list(configuring_inputs(graph) | quantization_inputs(graph))
+    explicit = {n for n in used if n not in never and n in selection.trainable + list(left_out)}
     groups, seen = [], set()
     for node in graph.nodes:
-        names = [i for i in node.inputs if i in candidates and i not in seen]
+        names = [i for i in node.inputs if i in explicit and i not in seen]
         if names:
             seen.update(names)
             groups.append((node.name, names))
-    return groups, [n for n in graph.initializers if n in used and n in updated]
+    return groups, [n for n in selection.state if n in used], left_out
 
 
 def _select_parameters(graph, loss_inputs, requires_grad=None, freeze=None, train_last=None, verbose=False):
-    """(trainable, frozen) parameter names from glob patterns or a count of last layers; quantized
-    (integer) weights are frozen with their scales and zero points."""
+    """(trainable, frozen, left out) parameter names from glob patterns or a count of last layers. Patterns in
+    requires_grad may name what the default leaves out (a rotary table); the other choices start from the default.
+    Quantized (integer) weights are frozen with their scales and zero points."""
     from fnmatch import fnmatchcase
 
     from .artifacts import quantization_parameters
     from .graph.ops.quantize import dequantized_weights
 
-    groups, updated = _parameter_groups(graph, loss_inputs)
-    names = [n for _, group in groups for n in group]
+    groups, updated, left_out = _parameter_groups(graph, loss_inputs)
+    names = [n for _, group in groups for n in group if n not in left_out]
     if not names:
         raise ArgumentError("the model has no floating-point initializers to train")
-    patterns = requires_grad or freeze
-    for pattern in patterns or ():
-        if not any(fnmatchcase(n, pattern) for n in names):
-            raise ArgumentError(f"'{pattern}' matches no parameter; the {_count(len(names), 'parameter')} are: "
-                                f"{_names(names, verbose)}")
+    candidates = [n for _, group in groups for n in group] if requires_grad else names
+    for pattern in requires_grad or freeze or ():
+        if not any(fnmatchcase(n, pattern) for n in candidates):
+            raise ArgumentError(f"'{pattern}' matches no parameter; the {_count(len(candidates), 'parameter')} are: "
+                                f"{_names(candidates, verbose)}")
     if requires_grad:
-        trainable = [n for n in names if any(fnmatchcase(n, p) for p in requires_grad)]
+        trainable = [n for n in candidates if any(fnmatchcase(n, p) for p in requires_grad)]
+        left_out = {n: why for n, why in left_out.items() if n not in trainable}
     elif freeze:
         trainable = [n for n in names if not any(fnmatchcase(n, p) for p in freeze)]
     elif train_last is not None:
-        if not 1 <= train_last <= len(groups):
-            raise ArgumentError(f"--train-last {train_last}: the model has {len(groups)} layers with parameters "
-                                f"({_names([node for node, _ in groups], verbose)}); give a number from 1 to "
-                                f"{len(groups)}")
-        trainable = [n for _, group in groups[-train_last:] for n in group]
+        layers = [(node, [n for n in group if n not in left_out]) for node, group in groups]
+        layers = [(node, group) for node, group in layers if group]
+        if not 1 <= train_last <= len(layers):
+            raise ArgumentError(f"--train-last {train_last}: the model has {len(layers)} layers with parameters "
+                                f"({_names([node for node, _ in layers], verbose)}); give a number from 1 to "
+                                f"{len(layers)}")
+        trainable = [n for _, group in layers[-train_last:] for n in group]
     else:
         trainable = names
     if not trainable:
@@ -130,7 +134,30 @@ def _select_parameters(graph, loss_inputs, requires_grad=None, freeze=None, trai
     frozen = [n for n in names if n not in trainable] + updated
     used = graph.prune(list(loss_inputs)).initializers
     frozen += [n for n in dequantized_weights(graph) if n in used]  # int8 weights, with their scales below
-    return trainable, frozen + [n for n in quantization_parameters(graph, frozen) if n not in trainable]
+    frozen += [n for n in quantization_parameters(graph, frozen) if n not in trainable]
+    return trainable, frozen, {n: why for n, why in left_out.items() if n not in frozen}
+
+
+def _loss_layout(graph, loss_inputs, args) -> tuple[int | None, int | None, str]:
+    """(class_axis, ignore_index, what to tell the user) for --loss ce: the flags, else detected from the output."""
+    from .graph.losses import detect_class_axis
+
+    if args.loss != "ce":
+        if args.class_axis is not None or args.ignore_index is not None:
+            raise ArgumentError(f"--class-axis and --ignore-index apply to --loss ce, not {args.loss}")
+        return None, None, ""
+    output = graph.value_types.get(loss_inputs[0])
+    if args.class_axis is not None:
+        axis, how = (-1 if args.class_axis == "last" else 1), "--class-axis"
+    elif output is not None:
+        axis, why = detect_class_axis(output)
+        how = f"detected: {why}"
+    else:
+        axis, how = 1, "the output's shape is unknown"
+    ignore = args.ignore_index if args.ignore_index is not None else (-100 if axis == -1 else None)
+    where = "the last axis" if axis == -1 else "axis 1"
+    text = f"classes on {where} ({how})" + (f"; labels equal to {ignore} are ignored" if ignore is not None else "")
+    return (axis if axis == -1 else None), ignore, text
 
 
 def _loss_inputs(graph, loss_input):
@@ -171,7 +198,40 @@ def _missing_support(graph, trainable, loss_inputs):
     return no_kernel, no_gradient
 
 
-def _trial_bind(model, trainable, frozen, loss, loss_inputs, batch_size: int = 2):
+def _training_choices(graph, args) -> dict:
+    """What check and prepare hand to generate_artifacts, from the model and the command's options, with
+    `left_out` and `loss_text` (what to tell the user) besides."""
+    loss_inputs = _loss_inputs(graph, args.loss_input)
+    trainable, frozen, left_out = _select_parameters(graph, loss_inputs, args.requires_grad, args.freeze,
+                                                     args.train_last, args.verbose)
+    class_axis, ignore_index, loss_text = _loss_layout(graph, loss_inputs, args)
+    choices = {"requires_grad": trainable, "frozen_params": frozen, "loss": _loss_type(args.loss),
+               "loss_input_names": loss_inputs, "class_axis": class_axis, "ignore_index": ignore_index,
+               "left_out": left_out, "loss_text": loss_text}
+    if getattr(args, "qat", False):
+        from .artifacts import QatConfig
+
+        choices["qat"] = QatConfig()
+    if getattr(args, "lora_rank", None):  # adapters train, with the parameters --requires-grad names
+        from .artifacts import LoraConfig
+
+        if args.freeze or args.train_last is not None:
+            raise ArgumentError("with --lora-rank every weight is frozen: name parameters to train besides the "
+                                "adapters with --requires-grad")
+        alpha = args.lora_alpha if args.lora_alpha is not None else 2.0 * args.lora_rank
+        choices.update(requires_grad=trainable if args.requires_grad else None, frozen_params=None,
+                       lora=LoraConfig(args.lora_rank, alpha, args.lora_targets or ["*"], seed=args.lora_seed))
+    return choices
+
+
+def _artifact_options(choices: dict) -> dict:
+    return {k: v for k, v in choices.items() if k not in ("left_out", "loss_text")}
+
+
+TRIAL_SEQUENCE_LENGTH = 8
+
+
+def _trial_bind(model, choices: dict, batch_size: int = 2):
     """Generate the artifacts in a temporary folder and bind their training and eval steps: (arena bytes, error)."""
     import tempfile
 
@@ -180,14 +240,23 @@ def _trial_bind(model, trainable, frozen, loss, loss_inputs, batch_size: int = 2
 
     with tempfile.TemporaryDirectory(prefix="odtrain-check-") as folder:
         try:
-            artifacts.generate_artifacts(model, requires_grad=trainable, frozen_params=frozen, loss=_loss_type(loss),
-                                         artifact_directory=folder, loss_input_names=loss_inputs)
+            artifacts.generate_artifacts(model, artifact_directory=folder, **_artifact_options(choices))
             paths = ArtifactPaths.of(folder)
             state = CheckpointState.load_checkpoint(paths.checkpoint)
             module = Module(paths.training_model, state, paths.eval_model)
-            return max(module.bind_at(batch_size, training).arena_bytes for training in (True, False)), None
+            return max(module.bind_at(batch_size, training, TRIAL_SEQUENCE_LENGTH).arena_bytes
+                       for training in (True, False)), None
         except OdtrainError as error:
             return None, str(error)
+
+
+def _print_left_out(left_out: dict, verbose: bool = False) -> None:
+    """One line per reason, naming the initializers the default selection left out for it."""
+    reasons: dict[str, list[str]] = {}
+    for name, why in left_out.items():
+        reasons.setdefault(why, []).append(name)
+    for why, names in reasons.items():
+        print(f"  left out: {_names(names, verbose)}: {why}")
 
 
 def _check(args) -> int:
@@ -209,13 +278,12 @@ def _check(args) -> int:
     if not args.model:
         raise ArgumentError("name a model to check (odtrain check MODEL.onnx), or list the supported ops with --ops")
     graph = load_graph(args.model, "model")
-    loss_inputs = _loss_inputs(graph, args.loss_input)
-    trainable, frozen = _select_parameters(graph, loss_inputs, args.requires_grad, args.freeze, args.train_last,
-                                           args.verbose)
+    choices = _training_choices(graph, args)
+    trainable, frozen, loss_inputs = choices["requires_grad"], choices["frozen_params"], choices["loss_input_names"]
     no_kernel, no_gradient = _missing_support(graph, trainable, loss_inputs)
     arena, trial_error = (None, None)
     if not no_kernel and not no_gradient:
-        arena, trial_error = _trial_bind(args.model, trainable, frozen, args.loss, loss_inputs)
+        arena, trial_error = _trial_bind(args.model, choices)
     sizes = {n: int(graph.initializers[n].size) for n in trainable + frozen}
     ok = not no_kernel and not no_gradient and trial_error is None
     report = {
@@ -226,7 +294,8 @@ def _check(args) -> int:
         "no_gradient": [{"node": n.name, "op_type": n.op_type, "reason": r} for n, r in no_gradient],
         "parameters": {"trainable": sum(sizes[n] for n in trainable), "frozen": sum(sizes[n] for n in frozen),
                        "trainable_tensors": trainable, "frozen_tensors": frozen},
-        "error": trial_error, "arena_bytes_at_batch_2": arena,
+        "left_out": choices["left_out"], "loss_layout": choices["loss_text"], "error": trial_error,
+        "arena_bytes_at_batch_2": arena,
     }
     if args.json:
         _print_json(report)
@@ -246,11 +315,16 @@ def _check(args) -> int:
         frozen_text = f" in {_count(len(frozen), 'tensor')} ({_names(frozen, args.verbose)})" if frozen else ""
         print(f"parameters: {p['trainable']:,} trainable in {_count(len(trainable), 'tensor')} "
               f"({_names(trainable, args.verbose)}); {p['frozen']:,} frozen{frozen_text}")
+        _print_left_out(choices["left_out"], args.verbose)
+        if choices["loss_text"]:
+            print(f"loss: {args.loss} on '{loss_inputs[0]}', {choices['loss_text']}")
         if trial_error:
             print(f"  generating and binding the artifacts failed: {trial_error}")
         elif ok:
-            print(f"odtrain can train this model (loss {args.loss}; a training step at batch size 2 plans "
-                  f"{arena:,} bytes of arena)")
+            sequence = any(isinstance(d, str) for n in graph.inputs for d in (graph.value_types[n].shape or ())[1:])
+            at = f"batch size 2, sequence length {TRIAL_SEQUENCE_LENGTH}" if sequence else "batch size 2"
+            print(f"odtrain can train this model (loss {args.loss}; a training step at {at} plans {arena:,} bytes "
+                  "of arena)")
     if ok:
         return 0
     problems = [f"{_count(len(no_kernel), 'op')} without a kernel"] if no_kernel else []
@@ -268,9 +342,8 @@ def _prepare(args) -> int:
     from .graph.onnx_io import load_graph
 
     graph = load_graph(args.model, "model")
-    loss_inputs = _loss_inputs(graph, args.loss_input)
-    trainable, frozen = _select_parameters(graph, loss_inputs, args.requires_grad, args.freeze, args.train_last,
-                                           args.verbose)
+    choices = _training_choices(graph, args)
+    trainable, frozen, loss_inputs = choices["requires_grad"], choices["frozen_params"], choices["loss_input_names"]
     if args.lr <= 0:
         raise ArgumentError(f"--lr must be > 0, got {args.lr}")
     checkpoint = ArtifactPaths.of(args.output).checkpoint
@@ -281,22 +354,23 @@ def _prepare(args) -> int:
     if args.optimizer == "sgd" and args.weight_decay:
         raise ArgumentError("--weight-decay applies to AdamW only")
     extra = [o for o in graph.outputs if o in loss_inputs] + [o for o in graph.outputs if o not in loss_inputs]
-    qat = artifacts.QatConfig() if args.qat else None
-    artifacts.generate_artifacts(args.model, requires_grad=trainable, frozen_params=frozen, loss=_loss_type(args.loss),
-                                 optimizer=optimizer, artifact_directory=args.output,
-                                 additional_output_names=extra, loss_input_names=loss_inputs, qat=qat)
+    qat = choices.get("qat")
+    generated = artifacts.generate_artifacts(args.model, optimizer=optimizer, artifact_directory=args.output,
+                                             additional_output_names=extra, **_artifact_options(choices))
+    trainable, frozen = generated.trainable, generated.frozen
     state = CheckpointState.load_checkpoint(checkpoint)
     state.properties["learning_rate"] = float(args.lr)
     state.properties["loss"] = args.loss
     state.properties["optimizer"] = args.optimizer
     CheckpointState.save_checkpoint(state, checkpoint)
     paths = ArtifactPaths.find(args.output)
-    sizes = {n: int(graph.initializers[n].size) for n in trainable + frozen}
+    sizes = {n: int(state.parameters[n].data.size) for n in trainable + frozen}
     files = (paths.training_model, paths.eval_model, paths.optimizer_model, paths.checkpoint)
     result = {"artifacts": args.output, "files": [os.path.basename(p) for p in files],
               "trainable": trainable, "frozen": frozen, "trainable_values": sum(sizes[n] for n in trainable),
-              "frozen_values": sum(sizes[n] for n in frozen), "loss": args.loss, "optimizer": args.optimizer,
-              "learning_rate": args.lr, "qat": bool(args.qat)}
+              "frozen_values": sum(sizes[n] for n in frozen), "left_out": choices["left_out"], "loss": args.loss,
+              "loss_layout": choices["loss_text"], "optimizer": args.optimizer, "learning_rate": args.lr,
+              "qat": qat is not None}
     if args.json:
         _print_json(result)
         return 0
@@ -304,11 +378,23 @@ def _prepare(args) -> int:
 
     inputs = Session(args.output, with_optimizer=False).inputs
     print(f"artifacts written to {args.output}/: {', '.join(result['files'])}")
-    print(f"trainable: {result['trainable_values']:,} values in {_count(len(trainable), 'tensor')} "
-          f"({_names(trainable, args.verbose)})")
+    lora = choices.get("lora")
+    if lora:
+        from .lora import is_adapter
+
+        adapted = [n.rsplit(".lora_", 1)[0] for n in trainable if n.endswith(".lora_A")]
+        others = [n for n in trainable if not is_adapter(n)]
+        print(f"trainable: {result['trainable_values']:,} values: LoRA adapters of rank {lora.rank} (alpha "
+              f"{lora.alpha:g}) on {_count(len(adapted), 'weight')} ({_names(adapted, args.verbose)})"
+              + (f", and {_names(others, args.verbose)}" if others else ""))
+    else:
+        print(f"trainable: {result['trainable_values']:,} values in {_count(len(trainable), 'tensor')} "
+              f"({_names(trainable, args.verbose)})")
     print(f"frozen: {result['frozen_values']:,} values in {_count(len(frozen), 'tensor')} "
           f"({_names(frozen, args.verbose)})" if frozen else "frozen: none")
-    print(f"loss: {args.loss} on '{loss_inputs[0]}'; optimizer: {args.optimizer}, learning rate {args.lr:g}")
+    _print_left_out(choices["left_out"], args.verbose)
+    layout = f", {choices['loss_text']}" if choices["loss_text"] else ""
+    print(f"loss: {args.loss} on '{loss_inputs[0]}'{layout}; optimizer: {args.optimizer}, learning rate {args.lr:g}")
     if qat is not None:
         print(f"quantization-aware training: {qat.weight_dtype} weights per {'channel' if qat.per_channel else 'tensor'}, "
               f"{qat.activation_dtype} activations per tensor; `odtrain export` writes a QDQ model")
@@ -338,6 +424,26 @@ def _byte_size(text: str) -> int:
     return int(value)
 
 
+def _data(args, paths):
+    """The data a command reads: its paths, or windows of a text file with --tokenizer and --seq-len."""
+    if paths is None:
+        return None
+    texts = [p for p in paths if str(p).endswith(".txt")]
+    if args.tokenizer is None:
+        if texts:
+            raise ArgumentError(f"'{texts[0]}' is text: give the tokenizer that encodes it with --tokenizer "
+                                "tokenizer.json, and --seq-len N")
+        if args.seq_len is not None:
+            raise ArgumentError("--seq-len cuts a text file into windows: give --tokenizer and a .txt file too")
+        return paths
+    if len(paths) != 1 or args.seq_len is None:
+        raise ArgumentError("with --tokenizer give one text file (--data corpus.txt) and the window length "
+                            "(--seq-len N)")
+    from .text import TextSource
+
+    return TextSource(paths[0], args.tokenizer, args.seq_len)
+
+
 def _train(args) -> int:
     from .api import CheckpointState
     from .training import fit
@@ -348,7 +454,8 @@ def _train(args) -> int:
         print(f"odtrain train: note: '{paths.checkpoint}' holds an unfinished run (epoch "
               f"{properties['epoch'] + 1}, step {properties['step_in_epoch']}); this run starts anew from its "
               "parameters (--resume continues it)", file=sys.stderr)
-    result = fit(args.artifacts, args.data, val=args.val, epochs=args.epochs, batch_size=args.batch_size,
+    result = fit(args.artifacts, _data(args, args.data), val=_data(args, args.val), epochs=args.epochs,
+                 batch_size=args.batch_size,
                  learning_rate=args.lr, lr_schedule=args.lr_schedule, warmup_steps=args.warmup, seed=args.seed,
                  checkpoint_every=args.checkpoint_every, resume=args.resume, x=args.x, y=args.y,
                  log=None if args.json else print, progress=not args.json, stop_after_steps=args.stop_after_steps,
@@ -370,16 +477,19 @@ def _train(args) -> int:
 def _eval(args) -> int:
     from .training import evaluate
 
-    metrics = evaluate(args.artifacts, args.data, batch_size=args.batch_size, x=args.x, y=args.y)
+    metrics = evaluate(args.artifacts, _data(args, args.data), batch_size=args.batch_size, x=args.x, y=args.y)
     if args.json:
         _print_json(metrics)
         return 0
     parts = [f"loss {metrics['loss']:.4f}"]
+    if "perplexity" in metrics:
+        parts.append(f"perplexity {metrics['perplexity']:.4g}")
     if "accuracy" in metrics:
         parts.append(f"accuracy {metrics['accuracy']:.1%}")
     if "mse" in metrics:
         parts += [f"MSE {metrics['mse']:.4g}", f"MAE {metrics['mae']:.4g}"]
-    print(f"{', '.join(parts)} on {metrics['samples']} samples")
+    labelled = f" ({metrics['labels']:,} labels counted)" if metrics.get("labels", metrics["samples"]) != metrics["samples"] else ""
+    print(f"{', '.join(parts)} on {metrics['samples']} samples{labelled}")
     return 0
 
 
@@ -388,6 +498,8 @@ def _export(args) -> int:
     from .training import Session
 
     session = Session(args.artifacts, with_optimizer=False)
+    if args.adapters_only:
+        return _export_adapters(session, args)
     outputs = args.outputs or session.prediction_outputs
     if not outputs:
         raise ArgumentError(f"the eval model of '{args.artifacts}' computes only the loss; name the values to "
@@ -401,6 +513,27 @@ def _export(args) -> int:
     else:
         print(f"inference model written to {args.output}: {', '.join(result['inputs'])} -> "
               f"{', '.join(result['outputs'])}")
+    return 0
+
+
+def _export_adapters(session, args) -> int:
+    """The trained parameters of LoRA artifacts (adapters, and what trained besides them) as a safetensors file."""
+    from .lora import is_adapter, write_adapters
+
+    state = session.state
+    trained = [n for n, p in state.parameters.items() if p.requires_grad]
+    if not any(is_adapter(n) for n in trained):
+        raise ArgumentError(f"'{args.artifacts}' has no LoRA adapters; prepare the model with --lora-rank R, or "
+                            "export the whole model without --adapters-only")
+    scales = write_adapters(args.output, {n: state.parameters[n].data for n in trained},
+                            session.module.graph(training=False))
+    nbytes = sum(state.parameters[n].data.nbytes for n in trained)
+    result = {"adapters": args.output, "tensors": trained, "bytes": nbytes, "scales": scales}
+    if args.json:
+        _print_json(result)
+    else:
+        print(f"adapters written to {args.output}: {len(trained)} tensors, {nbytes:,} bytes of parameters "
+              f"({len(scales)} adapted weights)")
     return 0
 
 
@@ -428,8 +561,8 @@ def _inspect(args) -> int:
     if not paths.missing("training_model", "eval_model"):
         module = Session(folder, checkpoint=checkpoint, with_optimizer=False).module
         try:
-            plans = {"training step": module.bind_at(args.batch_size, training=True).plan,
-                     "eval step": module.bind_at(args.batch_size, training=False).plan}
+            plans = {"training step": module.bind_at(args.batch_size, True, args.seq_len).plan,
+                     "eval step": module.bind_at(args.batch_size, False, args.seq_len).plan}
             report["memory_plan"] = {"batch_size": args.batch_size, **{
                 name: {"arena_bytes": p.arena_bytes, "lower_bound": p.lower_bound, "ops": p.steps}
                 for name, p in plans.items()}}
@@ -482,7 +615,7 @@ def _memory(args) -> int:
         from .memory_plot import require_matplotlib
 
         require_matplotlib()  # before the plans are bound
-    result = memory.from_artifacts(args.artifacts, args.batch_size, args.budget)
+    result = memory.from_artifacts(args.artifacts, args.batch_size, args.budget, args.seq_len)
     budget = (f"memory budget {memory.format_bytes(args.budget)} ({args.budget:,} B)" if args.budget
               else "no memory budget")
     if args.plot:
@@ -494,7 +627,8 @@ def _memory(args) -> int:
         _print_json({"artifacts": args.artifacts, "batch_size": args.batch_size, "budget_bytes": args.budget,
                      **result.to_dict(), "plot": args.plot})
         return 0
-    print(f"memory of {args.artifacts} at batch size {args.batch_size}, {budget}")
+    sequence = f", sequence length {args.seq_len}" if args.seq_len else ""
+    print(f"memory of {args.artifacts} at batch size {args.batch_size}{sequence}, {budget}")
     print(result.render())
     if args.plot:
         print(f"timeline of the training step written to {args.plot}")
@@ -505,7 +639,7 @@ def _profile(args) -> int:
     from .profile import profile_artifacts
 
     report = profile_artifacts(args.artifacts, args.batch_size, steps=args.steps, threads=args.threads,
-                               clock=args.clock)
+                               clock=args.clock, sequence_length=args.seq_len)
     if args.json:
         _print_json(report.to_dict())
     else:
@@ -515,12 +649,17 @@ def _profile(args) -> int:
 
 def _add_data_options(command, what: str) -> None:
     command.add_argument("--data", action="append", required=True, metavar="PATH",
-                         help=f"{what}: an .npz file, a folder of images (one sub-folder per class), or .npy "
-                         "files, one per model input in input order (--data x.npy --data y.npy)")
+                         help=f"{what}: an .npz file, a folder of images (one sub-folder per class), .npy "
+                         "files, one per model input in input order (--data x.npy --data y.npy), or a text file "
+                         "for a language model (with --tokenizer and --seq-len)")
     command.add_argument("--x", action="append", metavar="NAME", help="the .npz array feeding the model's data "
                          "input, once per data input (default: the array named like the input, or x, images, inputs)")
     command.add_argument("--y", metavar="NAME", help="the .npz array of labels or targets "
                          "(default: 'labels'/'target', or y)")
+    command.add_argument("--tokenizer", metavar="TOKENIZER.json", help="for a language model: encode the text file "
+                         "given to --data with this tokenizers file (pip install \"odtrain[text]\")")
+    command.add_argument("--seq-len", type=int, metavar="N", help="with --tokenizer: windows of N tokens, each "
+                         "token's label the next one")
 
 
 def _add_selection_options(command) -> None:
@@ -528,6 +667,12 @@ def _add_selection_options(command) -> None:
                          help="cross-entropy (default), mean squared error, binary cross-entropy on logits, or L1")
     command.add_argument("--loss-input", metavar="NAME", help="the model output the loss scores "
                          "(default: the only output)")
+    command.add_argument("--class-axis", choices=("1", "last"), help="for --loss ce: the classes are on axis 1 "
+                         "(ONNX's scores [N, C, ...], labels [N, ...]) or on the last axis (logits [batch, seq, "
+                         "vocab], labels [batch, seq]); default: the last axis when the output is [N, seq, C] with "
+                         "a symbolic seq, else axis 1")
+    command.add_argument("--ignore-index", type=int, metavar="LABEL", help="for --loss ce: labels with this value "
+                         "(padding) do not count (default: -100 with the classes last, else none)")
     which = command.add_mutually_exclusive_group()
     which.add_argument("--requires-grad", nargs="+", metavar="NAME", help="parameters to train, by name or glob "
                        "pattern ('fc2.*'); the others are frozen")
@@ -566,6 +711,14 @@ def _add_training_commands(commands) -> None:
     prepare.add_argument("--qat", action="store_true", help="quantization-aware training: fake-quantize the weights "
                          "(int8, symmetric, per channel) and inputs (uint8, per tensor) of Conv, MatMul and Gemm; "
                          "the exported model is then a QDQ model with int8 weights")
+    prepare.add_argument("--lora-rank", type=int, metavar="R", help="train LoRA adapters of rank R on the weights "
+                         "of matrix products instead of the weights (frozen; export merges the adapters back); "
+                         "--requires-grad names parameters to train besides them (e.g. norms)")
+    prepare.add_argument("--lora-alpha", type=float, metavar="ALPHA", help="scale the adapters' update by "
+                         "ALPHA/R (default: 2R)")
+    prepare.add_argument("--lora-targets", nargs="+", metavar="NAME", help="the weights to adapt, by name or glob "
+                         "pattern (default: every weight that feeds a MatMul or Gemm)")
+    prepare.add_argument("--lora-seed", type=int, default=0, help="seed of the adapters' initial values (default: 0)")
     prepare.add_argument("--force", action="store_true", help="replace artifacts already in ARTIFACT_DIR")
     prepare.add_argument("--json", action="store_true", help="print the result as JSON")
     prepare.set_defaults(handler=_prepare)
@@ -616,6 +769,8 @@ def _add_training_commands(commands) -> None:
     export.add_argument("artifacts", metavar="ARTIFACT_DIR", help="a folder written by `odtrain prepare`")
     export.add_argument("-o", "--output", required=True, metavar="MODEL.onnx", help="the file to write")
     export.add_argument("--outputs", nargs="+", metavar="NAME", help="values to output (default: the model's outputs)")
+    export.add_argument("--adapters-only", action="store_true", help="write only the trained LoRA adapters (and "
+                        "the parameters trained with them) as a safetensors file to -o, not the merged model")
     export.add_argument("--json", action="store_true", help="print the result as JSON")
     export.set_defaults(handler=_export)
 
@@ -625,6 +780,8 @@ def _add_training_commands(commands) -> None:
         "state and, for an artifact folder, the memory plan of a training and an eval step at --batch-size.")
     inspect.add_argument("target", metavar="ARTIFACT_DIR|CHECKPOINT", help="an artifact folder or a checkpoint file")
     inspect.add_argument("--batch-size", type=int, default=32, help="batch size of the memory plan (default: 32)")
+    inspect.add_argument("--seq-len", type=int, metavar="N", help="length of the inputs' other symbolic axes "
+                         "(a language model's sequence) in the memory plan")
     inspect.add_argument("--plan", action="store_true", help="also print each plan's timeline")
     inspect.add_argument("--json", action="store_true", help="print the report as JSON")
     inspect.set_defaults(handler=_inspect)
@@ -637,6 +794,8 @@ def _add_training_commands(commands) -> None:
         "runtime floor is not included.")
     memory.add_argument("artifacts", metavar="ARTIFACT_DIR", help="a folder written by `odtrain prepare`")
     memory.add_argument("--batch-size", type=int, required=True, help="samples per step")
+    memory.add_argument("--seq-len", type=int, metavar="N", help="length of the inputs' other symbolic axes "
+                        "(a language model's sequence)")
     memory.add_argument("--budget", type=_byte_size, metavar="BYTES", help="plan the training step under this "
                         "arena budget (e.g. 40MB), recomputing activations as `train --memory-budget` does")
     memory.add_argument("--json", action="store_true", help="print the report as JSON (sizes in bytes)")
@@ -653,6 +812,8 @@ def _add_training_commands(commands) -> None:
         "checkpoint file is not written.")
     profile.add_argument("artifacts", metavar="ARTIFACT_DIR", help="a folder written by `odtrain prepare`")
     profile.add_argument("--batch-size", type=int, required=True, help="samples per step")
+    profile.add_argument("--seq-len", type=int, metavar="N", help="length of the inputs' other symbolic axes "
+                         "(a language model's sequence)")
     profile.add_argument("--steps", type=int, default=10, help="profiled steps, after 2 warm-up steps (default: 10)")
     profile.add_argument("--threads", type=int, help="threads for the run (default: odtrain's setting)")
     profile.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="wall time (default), or the "

@@ -172,9 +172,17 @@ def _loss_and_logits(outputs):
     return float(np.asarray(outputs)), None
 
 
+def _data_inputs(x) -> list[np.ndarray]:
+    """The arrays fed before the labels: one array, or a tuple of them (a model with several data inputs)."""
+    return [np.asarray(a) for a in x] if isinstance(x, tuple) else [np.asarray(x)]
+
+
 def train_local(module, optimizer, x, y, epochs: int = 1, batch_size: int = 32, seed=0, *,
                 clip_norm: float | None = None, noise_multiplier: float = 0.0) -> tuple[np.ndarray, int, dict]:
     """Train on one client's arrays from the module's current parameters; return (difference, examples, metrics).
+
+    ``x`` is the data input's array, or a tuple of arrays for a model with several data inputs (a language
+    model's ``input_ids`` and ``attention_mask``), in the model's input order; ``y`` the labels.
 
     ``seed`` (an int or a sequence of ints) seeds two streams: the order in which each epoch visits the examples,
     and the privacy noise. The optimizer's moments and step count are reset first. The module keeps the trained
@@ -182,9 +190,10 @@ def train_local(module, optimizer, x, y, epochs: int = 1, batch_size: int = 32, 
     what leaves the device.
     Metrics: ``train_loss`` (example-weighted mean over the last epoch), ``steps``, ``update_norm``, ``clipped``.
     """
-    x, y = np.asarray(x), np.asarray(y)
-    if len(x) != len(y) or len(y) == 0:
-        raise ArgumentError(f"a client needs as many labels as inputs, and at least one: {len(x)} inputs, {len(y)} labels")
+    xs, y = _data_inputs(x), np.asarray(y)
+    if any(len(a) != len(y) for a in xs) or len(y) == 0:
+        raise ArgumentError(f"a client needs as many labels as inputs, and at least one: {len(xs[0])} inputs, "
+                            f"{len(y)} labels")
     if epochs < 1 or batch_size < 1:
         raise ArgumentError(f"epochs and batch_size must be >= 1, got {epochs} and {batch_size}")
     reference = get_parameters(module)
@@ -198,7 +207,7 @@ def train_local(module, optimizer, x, y, epochs: int = 1, batch_size: int = 32, 
         order, total = rng.permutation(len(y)), 0.0
         for start in range(0, len(order), batch_size):
             index = order[start:start + batch_size]
-            loss, _ = _loss_and_logits(module(x[index], y[index]))
+            loss, _ = _loss_and_logits(module(*(a[index] for a in xs), y[index]))
             optimizer.step()
             module.lazy_reset_grad()
             total += loss * len(index)

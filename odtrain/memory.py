@@ -75,6 +75,13 @@ class MemoryReport:
         return self.parameter_bytes - self.trainable_parameter_bytes
 
     @property
+    def saved_by_freezing(self) -> tuple[int, int]:
+        """(gradient, optimizer state) bytes that training the frozen parameters too would add: what freezing
+        them (a frozen backbone, LoRA's frozen weights) saves."""
+        frozen, trainable = self.frozen_parameter_bytes, max(self.trainable_parameter_bytes, 1)
+        return (frozen if self.gradient_bytes else 0), self.optimizer_bytes * frozen // trainable
+
+    @property
     def arena_bytes(self) -> int:
         """The arena buffer the plans share (they never run at once): the largest plan's arena."""
         if self.shared_arena_bytes is not None:
@@ -98,6 +105,7 @@ class MemoryReport:
                 "gradient_bytes": self.gradient_bytes,
                 "optimizer": {"kind": self.optimizer_kind, "states": list(self.optimizer_states),
                               "bytes": self.optimizer_bytes},
+                "saved_by_freezing": dict(zip(("gradient_bytes", "optimizer_bytes"), self.saved_by_freezing)),
                 "plans": [p.to_dict() for p in self.plans],
                 "arena_bytes": self.arena_bytes, "training_bytes": self.training_bytes, "peak_bytes": self.peak_bytes,
                 "runtime_floor_included": False}
@@ -107,11 +115,14 @@ class MemoryReport:
             return f"{label:<18}{format_bytes(nbytes):>11}" + (f"  {note}" if note else "")
 
         states = ", ".join(self.optimizer_states) or "no state"
+        saved_gradients, saved_state = self.saved_by_freezing
         lines = [row("parameters", self.parameter_bytes, f"({format_bytes(self.trainable_parameter_bytes)} trainable, "
                      f"{format_bytes(self.frozen_parameter_bytes)} frozen)"),
-                 row("gradients", self.gradient_bytes),
+                 row("gradients", self.gradient_bytes,
+                     f"(frozen parameters save {format_bytes(saved_gradients)})" if saved_gradients else ""),
                  row("optimizer state", self.optimizer_bytes,
-                     f"({self.optimizer_kind}: {states})" if self.optimizer_kind else "(no optimizer)")]
+                     (f"({self.optimizer_kind}: {states}" if self.optimizer_kind else "(no optimizer") +
+                     (f"; frozen parameters save {format_bytes(saved_state)})" if saved_state else ")"))]
         for p in self.plans:
             shapes = ", ".join(f"{name}[{', '.join(map(str, shape))}]" for name, shape in p.shapes)
             ops = f"; {p.plan.steps} ops" if p.plan is not None else ""
@@ -149,9 +160,11 @@ def report(module) -> MemoryReport:
     return result
 
 
-def from_artifacts(directory, batch_size: int, memory_budget: int | None = None) -> MemoryReport:
+def from_artifacts(directory, batch_size: int, memory_budget: int | None = None,
+                   sequence_length: int | None = None) -> MemoryReport:
     """The report of an artifact folder's training step (and eval step, if it has an eval model) at
-    `batch_size`, planned under `memory_budget` bytes if given: the plans are bound, no step runs.
+    `batch_size` (and `sequence_length` for the inputs' other symbolic axes), planned under `memory_budget`
+    bytes if given: the plans are bound, no step runs.
 
     Optimizer state is what the folder's optimizer model creates (none without one). Raises
     MemoryBudgetError when no plan meets the budget."""
@@ -169,5 +182,5 @@ def from_artifacts(directory, batch_size: int, memory_budget: int | None = None)
     if paths.has("optimizer_model"):
         Optimizer(paths.optimizer_model, module)
     for training in (True, False) if with_eval else (True,):
-        module.bind_at(batch_size, training)
+        module.bind_at(batch_size, training, sequence_length)
     return report(module)

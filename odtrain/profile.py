@@ -5,7 +5,7 @@
 
 How it measures:
 - The artifacts are loaded as `odtrain train` loads them (CheckpointState, Module, Optimizer) and the
-  training step is bound at `batch_size` (`Module.bound_graph_at`). Float inputs are drawn from
+  training step is bound at `batch_size` (and `sequence_length`: `Module.bound_graph_at`). Float inputs are drawn from
   a normal distribution (fixed seed), integer inputs (labels, token ids) are zeros.
 - Each step runs twice, alternating: once as training runs it (`module(...)`, `optimizer.step()`,
   `lazy_reset_grad()`), timed as a whole; once as a timed twin of the executor's loop (`timed_calls`),
@@ -141,6 +141,7 @@ class StepProfile:
     nodes: list[NodeTime] = field(default_factory=list)  # in execution order
     peaks: dict[int, float] = field(default_factory=dict)  # threads -> float32 GEMM GF/s
     clock: str = "wall"  # what the seconds are (CLOCKS)
+    sequence_length: int | None = None  # the inputs' other symbolic axes (a language model's sequence)
 
     @property
     def profiled_seconds(self) -> float:
@@ -178,7 +179,8 @@ class StepProfile:
 
     def to_dict(self) -> dict:
         product_gflops = self.product_flops / self.product_seconds / 1e9 if self.product_seconds else None
-        return {"artifacts": self.artifacts, "batch_size": self.batch_size, "steps": self.steps,
+        return {"artifacts": self.artifacts, "batch_size": self.batch_size, "sequence_length": self.sequence_length,
+                "steps": self.steps,
                 "threads": self.threads, "numba_threads": self.numba_threads, "clock": self.clock,
                 "step_ms": 1e3 * self.step_seconds,
                 "profiled_ms": 1e3 * self.profiled_seconds,
@@ -197,7 +199,9 @@ class StepProfile:
         of_peak = (lambda gf: f"{100 * self._of_peak(gf):.0f}%" if self._of_peak(gf) else "")
         threads = f"{self.threads} thread(s), {self.numba_threads} Numba thread(s)"
         clock = "wall time" if self.clock == "wall" else "CPU time of every thread"
-        lines = [f"profile of {self.artifacts}: training step at batch size {self.batch_size}, {threads}, "
+        shape = f"batch size {self.batch_size}" + (f", sequence length {self.sequence_length}"
+                                                   if self.sequence_length else "")
+        lines = [f"profile of {self.artifacts}: training step at {shape}, {threads}, "
                  f"medians of {self.steps} steps, {clock}",
                  f"step {ms(self.step_seconds)} ms (untimed loop); profiled {ms(self.profiled_seconds)} ms: "
                  + ", ".join(f"{phase} {ms(s)} ms ({share(s)}%)" for phase, s in self.phases.items())]
@@ -242,8 +246,9 @@ def _phase_of(node, backward: set[int]) -> str:
 
 
 def profile_artifacts(directory, batch_size: int, steps: int = 10, threads: int | None = None, warmup: int = 2,
-                      seed: int = 0, clock: str = "wall") -> StepProfile:
-    """Profile the training step of an artifact folder at `batch_size` (see the module docstring).
+                      seed: int = 0, clock: str = "wall", sequence_length: int | None = None) -> StepProfile:
+    """Profile the training step of an artifact folder at `batch_size` (see the module docstring), the inputs'
+    other symbolic axes at `sequence_length` (a language model's sequence).
 
     `threads` sets odtrain's threads (`odtrain.threads.set_num_threads`, which stays set); None keeps the
     process's setting. Runs `warmup + steps` steps of each loop; the parameters train as they would."""
@@ -261,7 +266,7 @@ def profile_artifacts(directory, batch_size: int, steps: int = 10, threads: int 
     if threads is not None:
         set_num_threads(threads)
     module, optimizer = session.module, session.optimizer
-    bound = module.bound_graph_at(int(batch_size))
+    bound = module.bound_graph_at(int(batch_size), sequence_length=sequence_length)
     step_threads = bound.threads
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     peaks = {count: gemm_peak(count, clock) for count in sorted({1, step_threads or 1, cores})}
@@ -310,4 +315,4 @@ def profile_artifacts(directory, batch_size: int, steps: int = 10, threads: int 
         nodes.append(NodeTime("(optimizer step)", session.state.buffer_bytes().optimizer_kind, "optimizer", 1,
                               statistics.median(optimizer_times[warmup:])))
     return StepProfile(directory, int(batch_size), int(steps), step_threads, min(step_threads, pool_size()),
-                       statistics.median(untimed[warmup:]), nodes, peaks, clock)
+                       statistics.median(untimed[warmup:]), nodes, peaks, clock, sequence_length)

@@ -41,7 +41,9 @@ from . import data as data_files
 from .api import DEFAULT_LEARNING_RATE, CheckpointState, Module, Optimizer
 from .artifact_paths import OPTIMIZER_MODEL, ArtifactPaths
 from .graph.errors import ArgumentError, ArtifactNotFoundError, StateError
+from .graph.losses import cross_entropy_layout
 from .progress import progress_bar
+from .text import TextSource
 
 SCHEDULES = ("constant", "linear", "cosine")
 LOSS_KINDS = {"SoftmaxCrossEntropyLoss": "ce"}
@@ -103,9 +105,12 @@ class Session:
         return list(self.module.graph(training=False).outputs[1:])
 
     def dataset(self, source, x=None, y=None) -> data_files.Dataset:
-        """A Dataset for this model from paths, a Dataset, a dict of arrays or arrays in input order."""
+        """A Dataset for this model from paths, a Dataset, a text.TextSource, a dict of arrays or arrays in input
+        order."""
         if isinstance(source, data_files.Dataset):
             return source
+        if isinstance(source, TextSource):
+            return source.dataset(self.inputs)
         if isinstance(source, (str, os.PathLike)) or (isinstance(source, (list, tuple)) and source
                                                         and all(isinstance(s, (str, os.PathLike)) for s in source)):
             return data_files.load(source, self.inputs, x, y)
@@ -143,7 +148,9 @@ def epoch_order(seed: int, epoch: int, count: int) -> np.ndarray:
 def evaluate(artifacts, data, batch_size: int = EVAL_BATCH_SIZE, checkpoint=None, x=None, y=None) -> dict:
     """Loss and accuracy (classification) or MSE and MAE (regression) of the eval model on `data`.
 
-    `artifacts` is an artifact folder or a Session; `data` a path, Dataset or arrays.
+    `artifacts` is an artifact folder or a Session; `data` a path, Dataset or arrays. For cross-entropy the
+    loss and accuracy are means over the labels that count (ignored labels, such as padding, do not), and a
+    model scoring classes on the last axis (a language model) also gets its perplexity, exp(loss).
     """
     session = artifacts if isinstance(artifacts, Session) else Session(artifacts, checkpoint, with_optimizer=False)
     dataset = session.dataset(data, x, y)
@@ -154,6 +161,9 @@ def evaluate(artifacts, data, batch_size: int = EVAL_BATCH_SIZE, checkpoint=None
     module.eval()
     kind = session.loss_kind
     label_index = next((i for i, s in enumerate(dataset.inputs) if s.is_label), None)
+    layout = cross_entropy_layout(module.graph(training=False)) if kind == "ce" else None
+    class_axis, ignore_index = layout if layout is not None else (1, None)
+    scored = kind == "ce" and label_index is not None
     total, loss_sum, correct, squared, absolute, elements = 0, 0.0, 0, 0.0, 0.0, 0
     try:
         for batch in dataset.batches(batch_size):
@@ -161,13 +171,21 @@ def evaluate(artifacts, data, batch_size: int = EVAL_BATCH_SIZE, checkpoint=None
             outputs = outputs if isinstance(outputs, list) else [outputs]
             count = len(batch[0])
             total += count
-            loss_sum += float(outputs[0]) * count
-            if len(outputs) < 2 or label_index is None:
+            if scored:  # the loss is a mean over the labels that count: weigh it by them
+                labels = batch[label_index]
+                counted = labels != ignore_index if ignore_index is not None else np.ones(labels.shape, bool)
+                weight = int(counted.sum())
+                elements += weight
+                if len(outputs) > 1:
+                    predicted = outputs[1].argmax(axis=class_axis)
+                    correct += int(((predicted == labels) & counted).sum())
+            else:
+                weight = count
+            loss_sum += float(outputs[0]) * weight
+            if scored or len(outputs) < 2 or label_index is None:
                 continue
             predicted, labels = outputs[1], batch[label_index]
-            if kind == "ce":
-                correct += int((predicted.argmax(axis=1) == labels).sum())
-            elif kind == "bce":
+            if kind == "bce":
                 correct += int(((predicted > 0) == (labels > 0.5)).sum())
                 elements += labels.size
             elif predicted.shape == labels.shape:
@@ -177,9 +195,15 @@ def evaluate(artifacts, data, batch_size: int = EVAL_BATCH_SIZE, checkpoint=None
                 elements += difference.size
     finally:
         module.train(was_training)
-    metrics = {"samples": total, "loss": loss_sum / total}
-    if kind == "ce" and label_index is not None and session.prediction_outputs:
-        metrics["accuracy"] = correct / total
+    denominator = elements if scored else total
+    metrics = {"samples": total, "loss": loss_sum / denominator if denominator else 0.0}
+    if scored:
+        if class_axis == -1 or ignore_index is not None:  # labels are tokens, or some do not count
+            metrics["labels"] = elements
+        if session.prediction_outputs:
+            metrics["accuracy"] = correct / elements if elements else 0.0
+        if class_axis == -1:
+            metrics["perplexity"] = math.exp(metrics["loss"])
     elif kind == "bce" and elements:
         metrics["accuracy"] = correct / elements
     elif elements:

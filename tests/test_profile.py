@@ -166,3 +166,26 @@ def test_cli_names_a_missing_folder(tmp_path, capsys):
 def test_cli_needs_a_batch_size(cnn_artifacts, capsys):
     code, _, err = odtrain_main(capsys, "profile", cnn_artifacts)
     assert code == 2 and "--batch-size" in err
+
+
+def test_cli_profiles_a_language_model_at_a_sequence_length(tmp_path, capsys):
+    """Inputs [batch, seq]: --seq-len binds the sequence axis; without it the command says what to give."""
+    from onnx import helper
+
+    from odtrain import artifacts
+    from oracles import make_model
+
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Gather", ["embed", "ids"], ["h"]), helper.make_node("MatMul", ["h", "head"], ["logits"])]
+    model = make_model(nodes, {"embed": rng.standard_normal((7, 4)).astype(np.float32),
+                               "head": rng.standard_normal((4, 7)).astype(np.float32)},
+                       inputs=[("ids", np.int64, ["batch", "seq"])], outputs=[("logits", np.float32, ["batch", "seq", 7])])
+    artifacts.generate_artifacts(model, loss=artifacts.LossType.CrossEntropyLoss, class_axis=-1,
+                                 optimizer=artifacts.OptimType.AdamW, artifact_directory=tmp_path)
+    code, out, err = odtrain_main(capsys, "profile", tmp_path, "--batch-size", 2, "--seq-len", 5, "--steps", 1,
+                                  "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["sequence_length"] == 5 and {row["op_type"] for row in report["nodes"]} >= {"Gather", "MatMul"}
+    code, _, err = odtrain_main(capsys, "profile", tmp_path, "--batch-size", 2, "--steps", 1)
+    assert code == 2 and "give a sequence length" in err

@@ -15,7 +15,8 @@ import odtrain.threads as thread_policy
 from odtrain import ArgumentError, artifacts
 from odtrain.api import CheckpointState, Module, Optimizer
 from odtrain.kernels import parts
-from oracles import gradient_check, make_model, reference_outputs, with_weighted_sum
+from oracles import OPSET, gradient_check, make_model, reference_outputs, with_weighted_sum
+from test_attention import decomposed_rms_norm, decomposed_rotary
 from test_vision import GRADIENT_CASES, _artifacts as reference_artifacts
 
 # What splits change: sums that cross parts (weight gradients summed per part of the batch, then added;
@@ -33,14 +34,14 @@ def node(op, inputs, outputs=("y",), **attrs):
     return helper.make_node(op, inputs, list(outputs), **attrs)
 
 
-def _train(tmp_path, nodes, params, constants, threads, steps=1, seed=0):
+def _train(tmp_path, nodes, params, constants, threads, steps=1, seed=0, opset=OPSET):
     """(losses, gradients after the last step, parameters) of `steps` SGD steps on sum(output · R), and
     whether the step ran parallel kernels."""
     rng = np.random.default_rng(seed)
-    probe = make_model(nodes, {**params, **constants})
+    probe = make_model(nodes, {**params, **constants}, opset=opset)
     weights = rng.standard_normal(np.asarray(reference_outputs(probe)[0]).shape).astype(np.float32)
     model = make_model(with_weighted_sum(nodes, "y", weights), {**params, **constants, "gc_weights": weights},
-                       outputs=[("loss", np.float32, [])])
+                       outputs=[("loss", np.float32, [])], opset=opset)
     folder = tmp_path / f"threads{threads}"
     if not (folder / "checkpoint").exists():
         artifacts.generate_artifacts(model, requires_grad=list(params), loss=None, optimizer=artifacts.OptimType.SGD,
@@ -108,7 +109,18 @@ CASES.update({
               node("Mul", ["x", "a"], ["m"]), node("Mul", ["m", "half"])], {"x": rand(3, 7, low=-3, high=3)},
              {"root2": np.array(1.4142135, np.float32), "one": np.array(1.0, np.float32),
               "half": np.array(0.5, np.float32)}),
+    # decoder ops: RMSNorm's rows; rotary rows; attention's (batch, kv head) units, each with its query heads
+    "rms_norm": ([node("RMSNormalization", ["x", "s"], epsilon=1e-3)],
+                 {"x": rand(5, 3, 4), "s": rand(4, low=0.5, high=1.5)}),
+    "rms_norm_fused": (decomposed_rms_norm()[0], {"x": rand(5, 3, 8), "w": rand(8, low=0.5, high=1.5)},
+                       decomposed_rms_norm()[1]),
+    "rotary_embedding": ([node("RotaryEmbedding", ["x", "cos", "sin"])],
+                         {"x": rand(2, 3, 4, 6), "cos": rand(2, 4, 3), "sin": rand(2, 4, 3)}),
+    "rotary_fused": (decomposed_rotary(), {"x": rand(2, 3, 4, 4), "cos": rand(2, 1, 4, 4), "sin": rand(2, 1, 4, 4)}),
+    "attention_gqa_causal": ([node("Attention", ["q", "k", "v"], is_causal=1)],
+                             {"q": rand(2, 4, 5, 4), "k": rand(2, 2, 5, 4), "v": rand(2, 2, 5, 3)}),
 })
+OPSETS = {"rms_norm": 23, "rotary_embedding": 23, "attention_gqa_causal": 23}
 # ONNX's reference erf rounds to float32: a larger step keeps its rounding out of the differences
 STEPS = {"gelu": 1e-3, **{name: case.step for name, case in VISION_CASES.items()}}
 PARALLEL_CASES = sorted(CASES)
@@ -118,7 +130,7 @@ LARGE_CASES = {"conv_pointwise_large_images": ([node("Conv", ["x", "w"])], {"x":
                                                                              "w": rand(32, 4, 1, 1)})}
 # Kernels split where no sum crosses a part (planes, channels, rows): every value as in the serial kernel.
 EXACT = ("max_pool", "average_pool", "global_", "batch_norm", "softmax", "log_softmax", "gather", "elementwise",
-         "gelu", "clip", "leaky_relu", "hard_")
+         "gelu", "clip", "leaky_relu", "hard_", "attention_gqa", "rotary")
 
 
 @pytest.mark.parametrize("name", PARALLEL_CASES)
@@ -128,7 +140,7 @@ def test_parallel_parts_match_the_oracle(name, tmp_path, split_everything):
     try:
         nodes, params, *constants = CASES[name]
         gradient_check(nodes, params, constants=constants[0] if constants else None, tmp_path=tmp_path,
-                       step=STEPS.get(name, 1e-6))
+                       step=STEPS.get(name, 1e-6), opset=OPSETS.get(name, OPSET))
     finally:
         thread_policy._process_default = None
 
@@ -137,8 +149,8 @@ def test_parallel_parts_match_the_oracle(name, tmp_path, split_everything):
 def test_two_threads_match_one(name, tmp_path, split_everything):
     nodes, params, *constants = CASES[name] if name in CASES else LARGE_CASES[name]
     constants = constants[0] if constants else {}
-    one = _train(tmp_path, nodes, params, constants, threads=1)
-    two = _train(tmp_path, nodes, params, constants, threads=2)
+    one = _train(tmp_path, nodes, params, constants, threads=1, opset=OPSETS.get(name, OPSET))
+    two = _train(tmp_path, nodes, params, constants, threads=2, opset=OPSETS.get(name, OPSET))
     assert not one[3] and two[3], "parallel kernels run exactly when the step is bound for more than one thread"
     if name.startswith(EXACT):
         assert one[0] == two[0] and all(np.array_equal(one[1][k], two[1][k]) for k in params)

@@ -1,4 +1,4 @@
-"""Softmax, LogSoftmax and LayerNormalization, with fused gradient ops.
+"""Softmax, LogSoftmax, LayerNormalization and RMSNormalization, with fused gradient ops.
 
 Softmax/LogSoftmax normalise along one axis (opset 13 semantics; default -1):
     softmax:  dX = Y · (dY - Σ dY·Y)          (SoftmaxGrad reads Y)
@@ -12,6 +12,13 @@ LayerNormalizationGrad(dY, X, scale) recomputes μ and σ⁻¹ from X (one pass,
 cheaper than keeping two more tensors alive) and gives dX, dScale and dBias:
     x̂ = (X - μ)·σ⁻¹, g = dY·scale
     dX = σ⁻¹ · (g - mean(g) - x̂ · mean(g·x̂)),  dScale = Σ dY·x̂,  dBias = Σ dY
+
+RMSNormalization (opset 23) scales without centring: Y = X · r · scale, r = 1/√(mean(X²) + ε)
+over the axes from `axis` on. RMSNormalizationGrad(dY, X, scale) recomputes r:
+    g = dY·scale,  dX = r · (g - X · r² · mean(g·X)),  dScale = Σ dY·X·r
+The training model's fusion (graph/fusion.py) writes the exporters' decomposed RMSNorm as
+ai.odtrain RMSNormalization, the same op in odtrain's domain, so that a model of an older
+opset stays valid ONNX.
 """
 from __future__ import annotations
 
@@ -94,3 +101,37 @@ def _layer_norm_grad_rule(node, types, consts):
     axis = _check_axis(node, len(x.shape), -1)
     params = TensorType(x.dtype, tuple(x.shape[axis:]))
     return [x, params, params]
+
+
+def _rms_norm_rule(node, types, consts):
+    x, scale = types[0], types[1]
+    if x.shape is None:
+        return [x]
+    axis = _check_axis(node, len(x.shape), -1)
+    if node.attrs.get("stash_type", 1) != 1:
+        raise ModelError(f"{node.describe()}: only stash_type=1 (float32 statistics) is supported")
+    if scale.shape is not None and len(scale.shape) > len(x.shape) - axis:
+        raise ModelError(f"{node.describe()}: scale {scale} does not broadcast to the normalised axes of {x}")
+    return [x]
+
+
+def _rms_norm_grad(ctx):  # g = dY·scale;  dX = r·(g - X·r²·mean(g·X));  dScale = Σ dY·X·r
+    attrs = {"axis": ctx.attr("axis", -1), "epsilon": float(ctx.attr("epsilon", 1e-5))}
+    dx, dscale = ctx.odtrain("RMSNormalizationGrad", [ctx.GO(0), ctx.I(0), ctx.I(1)], attrs,
+                             outputs=[ctx.needs(0), ctx.needs(1)])
+    if ctx.needs(0):
+        ctx.set_grad(0, dx)
+    if ctx.needs(1):
+        ctx.set_grad(1, ctx.sum_to_input(dscale, 1))
+
+
+for _domain in ("", ODTRAIN_DOMAIN):
+    op("RMSNormalization", _domain)(_rms_norm_rule)
+    grad("RMSNormalization", _domain)(_rms_norm_grad)
+
+
+@op("RMSNormalizationGrad", ODTRAIN_DOMAIN)
+def _rms_norm_grad_rule(node, types, consts):
+    x = types[1]
+    axis = _check_axis(node, len(x.shape), -1)
+    return [x, TensorType(x.dtype, tuple(x.shape[axis:]))]

@@ -1,0 +1,76 @@
+"""LoRA as users configure it: `LoraConfig`, the weights its patterns name, and the adapters' file.
+
+The graph rewrite (adapters into the forward graph, merged back into the weights for export) is
+odtrain.graph.lora; this module turns a user's configuration into the weights it adapts, refusing
+patterns that match nothing and named weights that cannot be adapted.
+"""
+from __future__ import annotations
+
+import fnmatch
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .graph.errors import ArgumentError, ModelError
+from .graph.lora import SUFFIX_A, SUFFIX_B, adaptable, matrices, scales
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters of rank `rank` on the weights matching `target_params` (names or glob patterns), their
+    update scaled by alpha/rank; `seed` draws the A matrices (odtrain.graph.lora_init)."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    target_params: list[str] = field(default_factory=lambda: ["*"])
+    seed: int = 0
+
+    def __post_init__(self):
+        if isinstance(self.rank, bool) or not isinstance(self.rank, (int, np.integer)) or self.rank < 1:
+            raise ArgumentError(f"LoRA rank must be a positive integer, got {self.rank!r}")
+        if not self.alpha > 0:
+            raise ArgumentError(f"LoRA alpha must be > 0, got {self.alpha!r}")
+        if isinstance(self.target_params, str) or not self.target_params:
+            raise ArgumentError("LoRA target_params must be a non-empty list of names or glob patterns")
+
+    @property
+    def scale(self) -> float:
+        return float(self.alpha) / int(self.rank)
+
+
+def target_weights(graph, config: LoraConfig) -> list[str]:
+    """The weights `config` adapts, in graph order. A pattern must match some matrix; a weight named exactly
+    must be adaptable, while a glob skips matrices that are not product weights (an embedding)."""
+    candidates = matrices(graph)
+    reasons = adaptable(graph, candidates)
+    chosen = []
+    for pattern in config.target_params:
+        matched = [n for n in candidates if fnmatch.fnmatchcase(n, pattern)]
+        if not matched:
+            raise ArgumentError(f"LoRA target '{pattern}' matches no 2-D weight; the model's matrices are: "
+                                f"{', '.join(candidates) or '(none)'}")
+        for name in matched:
+            if isinstance(reasons[name], str):
+                if pattern == name:
+                    raise ModelError(f"LoRA target '{name}' cannot be adapted: {reasons[name]}")
+                continue
+            chosen.append(name)
+    if not chosen:
+        raise ArgumentError(f"LoRA targets {config.target_params} match no weight that feeds a MatMul or Gemm")
+    return [n for n in candidates if n in chosen]
+
+
+def is_adapter(name: str) -> bool:
+    return name.endswith(SUFFIX_A) or name.endswith(SUFFIX_B)
+
+
+def write_adapters(path, tensors: dict[str, np.ndarray], graph) -> dict[str, float]:
+    """Write trained adapter tensors (safetensors; each adapted weight's alpha/rank in the metadata). Returns the
+    scales."""
+    import safetensors.numpy
+
+    adapted = scales(graph)
+    safetensors.numpy.save_file({n: np.ascontiguousarray(v) for n, v in tensors.items()}, str(path),
+                                metadata={"format": "odtrain LoRA adapters", "scales": json.dumps(adapted)})
+    return adapted

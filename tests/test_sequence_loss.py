@@ -1,0 +1,176 @@
+"""Language-model losses and default parameters: cross-entropy on logits [batch, seq, vocab] against labels
+[batch, seq] with padding ignored (values and gradients against float64 references, ONNX's [N, C, ...] meaning
+unchanged), token accuracy and perplexity in evaluate, detection in `odtrain prepare`, and the default selection
+leaving out position tables, single values and initializers no gradient reaches, saying why."""
+import math
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+from onnx.reference import ReferenceEvaluator
+
+from conftest import DATA, odtrain_main
+from odtrain import artifacts
+from odtrain.api import CheckpointState, Module
+from odtrain.graph.errors import ArgumentError
+from odtrain.graph.onnx_io import load_graph
+from odtrain.graph.parameters import NO_GRADIENT, SHAPE_TABLE, SINGLE_VALUE, default_selection
+from odtrain.training import evaluate
+from oracles import as_float64, assert_gradients_match, make_model
+
+VOCAB, WIDTH, BATCH, SEQ = 7, 4, 3, 5
+
+
+def tiny_lm(seed=0):
+    """Embedding then a projection to the vocabulary: logits [batch, seq, VOCAB] with a symbolic seq."""
+    rng = np.random.default_rng(seed)
+    params = {"embed": rng.standard_normal((VOCAB, WIDTH)).astype(np.float32),
+              "head": rng.standard_normal((WIDTH, VOCAB)).astype(np.float32)}
+    nodes = [helper.make_node("Gather", ["embed", "ids"], ["h"]), helper.make_node("MatMul", ["h", "head"], ["logits"])]
+    model = make_model(nodes, params, inputs=[("ids", np.int64, ["batch", "seq"])],
+                       outputs=[("logits", np.float32, ["batch", "seq", VOCAB])])
+    return model, params
+
+
+def batch(seed=1):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, VOCAB, (BATCH, SEQ)).astype(np.int64)
+    labels = rng.integers(0, VOCAB, (BATCH, SEQ)).astype(np.int64)
+    labels[1, 3:] = -100  # padding
+    labels[2, 4] = -100
+    return ids, labels
+
+
+def test_classes_last_loss_and_gradients_match_float64(tmp_path):
+    model, params = tiny_lm()
+    artifacts.generate_artifacts(model, requires_grad=list(params), loss=artifacts.LossType.CrossEntropyLoss,
+                                 class_axis=-1, ignore_index=-100, artifact_directory=tmp_path,
+                                 additional_output_names=["logits"])
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx")
+    types = module.input_types(training=True)
+    assert types["labels"].shape == ("batch", "seq")
+    ids, labels = batch()
+    loss, logits = module(ids, labels)
+
+    log_probs = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True))
+    counted = labels != -100
+    expected = -np.take_along_axis(log_probs, np.where(counted, labels, 0)[..., None], -1)[..., 0][counted].mean()
+    assert float(loss) == pytest.approx(expected, rel=1e-5)
+
+    reference = ReferenceEvaluator(as_float64(onnx.load(str(tmp_path / "eval_model.onnx"))))
+
+    def loss64(values):
+        return float(reference.run(None, {"ids": ids, "labels": labels, **values})[0])
+
+    assert_gradients_match(state, loss64, {k: v.astype(np.float64) for k, v in params.items()})
+
+
+def test_onnx_meaning_stays_the_default(tmp_path):
+    """Without class_axis the classes are axis 1, as in ONNX Runtime: labels [batch, VOCAB] for this output."""
+    model, params = tiny_lm()
+    artifacts.generate_artifacts(model, requires_grad=list(params), loss=artifacts.LossType.CrossEntropyLoss,
+                                 artifact_directory=tmp_path)
+    module = Module(tmp_path / "training_model.onnx", CheckpointState.load_checkpoint(tmp_path / "checkpoint"))
+    assert module.input_types(training=True)["labels"].shape == ("batch", VOCAB)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"loss": artifacts.LossType.MSELoss, "class_axis": -1}, "apply to CrossEntropyLoss"),
+    ({"loss": artifacts.LossType.CrossEntropyLoss, "class_axis": 2}, "class_axis must be 1"),
+])
+def test_loss_options_are_checked(tmp_path, options, message):
+    model, params = tiny_lm()
+    with pytest.raises(ArgumentError, match=message):
+        artifacts.generate_artifacts(model, requires_grad=list(params), artifact_directory=tmp_path, **options)
+
+
+def test_evaluate_gives_token_accuracy_and_perplexity_over_counted_labels(tmp_path):
+    model, params = tiny_lm()
+    artifacts.generate_artifacts(model, requires_grad=list(params), loss=artifacts.LossType.CrossEntropyLoss,
+                                 class_axis=-1, ignore_index=-100, artifact_directory=tmp_path,
+                                 additional_output_names=["logits"], optimizer=artifacts.OptimType.SGD)
+    ids, labels = batch()
+    metrics = evaluate(tmp_path, {"ids": ids, "labels": labels}, batch_size=2)  # batches of unequal label counts
+    logits = np.asarray(ReferenceEvaluator(model).run(None, {"ids": ids})[0], np.float64)
+    counted = labels != -100
+    log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(log_probs, np.where(counted, labels, 0)[..., None], -1)[..., 0][counted]
+    assert metrics["labels"] == counted.sum()
+    assert metrics["loss"] == pytest.approx(nll.mean(), rel=1e-5)
+    assert metrics["perplexity"] == pytest.approx(math.exp(nll.mean()), rel=1e-5)
+    assert metrics["accuracy"] == pytest.approx(((logits.argmax(-1) == labels) & counted).sum() / counted.sum())
+
+
+def test_prepare_detects_classes_last_and_says_so(tmp_path, capsys):
+    model, _ = tiny_lm()
+    onnx.save(model, tmp_path / "lm.onnx")
+    code, out, err = odtrain_main(capsys, "prepare", tmp_path / "lm.onnx", "-o", tmp_path / "a")
+    assert code == 0, err
+    assert "classes on the last axis (detected: axis 1 ('seq') is symbolic" in out
+    assert "labels equal to -100 are ignored" in out
+    assert "labels int64[batch, seq]" in out
+    code, out, err = odtrain_main(capsys, "prepare", tmp_path / "lm.onnx", "-o", tmp_path / "b", "--class-axis", "1")
+    assert code == 0, err
+    assert "classes on axis 1 (--class-axis)" in out and f"labels int64[batch, {VOCAB}]" in out
+    code, _, err = odtrain_main(capsys, "prepare", tmp_path / "lm.onnx", "-o", tmp_path / "c", "--loss", "mse",
+                                "--ignore-index", "0")
+    assert code == 2 and "apply to --loss ce" in err
+
+
+def positional_model():
+    """x [batch, seq, F] times a table of positions (Range over the input's shape) and inv_freq, then a weight;
+    an epsilon as a one-element initializer; a float threshold that only feeds a comparison."""
+    rng = np.random.default_rng(3)
+    features = 4
+    inits = {"inv_freq": np.array([1.0, 0.5, 0.25, 0.125], np.float32), "eps": np.array([1e-6], np.float32),
+             "threshold": np.full((1, 1, features), 0.5, np.float32),
+             "weight": rng.standard_normal((features, 3)).astype(np.float32),
+             "zero": np.array(0, np.int64), "one": np.array(1, np.int64), "one_axis": np.array([1], np.int64),
+             "axis_1": np.array([1], np.int64)}
+    nodes = [helper.make_node("Shape", ["x"], ["shape"]),
+             helper.make_node("Gather", ["shape", "one"], ["seq"], axis=0),
+             helper.make_node("Range", ["zero", "seq", "one"], ["positions"]),
+             helper.make_node("Cast", ["positions"], ["positions_f"], to=onnx.TensorProto.FLOAT),
+             helper.make_node("Unsqueeze", ["positions_f", "axis_1"], ["column"]),
+             helper.make_node("Mul", ["column", "inv_freq"], ["angles"]),
+             helper.make_node("Sigmoid", ["angles"], ["table"]),
+             helper.make_node("Mul", ["x", "table"], ["mixed"]),
+             helper.make_node("Add", ["mixed", "eps"], ["shifted"]),
+             helper.make_node("Greater", ["x", "threshold"], ["big"]),
+             helper.make_node("Where", ["big", "shifted", "x"], ["chosen"]),
+             helper.make_node("MatMul", ["chosen", "weight"], ["y"])]
+    return make_model(nodes, inits, inputs=[("x", np.float32, ["batch", "seq", features])],
+                      outputs=[("y", np.float32, ["batch", "seq", 3])])
+
+
+def test_default_selection_leaves_out_tables_single_values_and_what_no_gradient_reaches(tmp_path):
+    model = positional_model()
+    from odtrain.graph.onnx_io import graph_from_proto
+
+    selection = default_selection(graph_from_proto(model, "model"))
+    assert selection.trainable == ["threshold", "weight"]
+    assert selection.left_out == {"inv_freq": SHAPE_TABLE, "eps": SINGLE_VALUE}
+    result = artifacts.generate_artifacts(model, loss=artifacts.LossType.MSELoss, artifact_directory=tmp_path)
+    assert result.trainable == ["weight"]
+    assert result.left_out == {"inv_freq": SHAPE_TABLE, "eps": SINGLE_VALUE, "threshold": NO_GRADIENT}
+    assert list(CheckpointState.load_checkpoint(tmp_path / "checkpoint").parameters) == ["weight"]
+
+
+def test_check_says_what_it_leaves_out_and_names_train_it(tmp_path, capsys):
+    onnx.save(positional_model(), tmp_path / "m.onnx")
+    code, out, err = odtrain_main(capsys, "check", tmp_path / "m.onnx", "--loss", "mse", "--requires-grad", "weight")
+    assert code == 0, err
+    assert f"left out: inv_freq: {SHAPE_TABLE}" in out and f"left out: eps: {SINGLE_VALUE}" in out
+    code, out, err = odtrain_main(capsys, "prepare", tmp_path / "m.onnx", "-o", tmp_path / "a", "--loss", "mse",
+                                  "--requires-grad", "weight", "inv_freq")
+    assert code == 0, err
+    assert "trainable: 16 values in 2 tensors (inv_freq, weight)" in out and "left out: inv_freq" not in out
+
+
+def test_dynamo_export_leaves_out_rotary_inv_freq_only():
+    graph = load_graph(DATA / "decoders" / "llama" / "dynamo18.onnx", "model")
+    selection = default_selection(graph)
+    assert selection.left_out == {"model.rotary_emb.inv_freq": SHAPE_TABLE}
+    assert len(selection.trainable) == 21 and not selection.state
