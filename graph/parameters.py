@@ -57,8 +57,10 @@ def state_inputs(graph: Graph) -> set[str]:
     return names
 
 
-def configuring_inputs(graph: Graph) -> set[str]:
-    """Values that feed an op's configuring inputs (shapes, axes, scales, pads)."""
+def configuring_initializers(graph: Graph) -> set[str]:
+    """Values that feed an op's configuring inputs (shapes, axes, scales, pads) directly: the initializers
+    among them never train. (The graph inputs that configure ops, also through other ops, are
+    `schedule.configuring_inputs`.)"""
     return {node.inputs[k] for node in graph.nodes if node.key in OPS
             for k in OPS[node.key].constant_inputs if k < len(node.inputs)}
 
@@ -101,7 +103,7 @@ def _is_shape_table(name: str, consumers, data: set[str], shaped: set[str]) -> b
 def default_selection(graph: Graph, frozen=()) -> Selection:
     """The trainable, state and left-out floating-point initializers of `graph` (see the module docstring)."""
     floating = [n for n, v in graph.initializers.items() if np.issubdtype(np.asarray(v).dtype, np.floating)]
-    state, configuring, quantization = state_inputs(graph), configuring_inputs(graph), quantization_inputs(graph)
+    state, configuring, quantization = state_inputs(graph), configuring_initializers(graph), quantization_inputs(graph)
     data, shaped = _dependence(graph)
     consumers = graph.consumers()
     trainable, left_out = [], {}

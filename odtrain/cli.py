@@ -79,14 +79,13 @@ def _parameter_groups(graph, loss_inputs):
     parameters that ops update as state (running statistics), which never train; and the initializers the
     default selection leaves out (odtrain.graph.parameters), with the reason. Configuring inputs and the
     scales and zero points of quantization are never parameters to choose."""
-    from .graph.ops.quantize import quantization_inputs
-    from .graph.parameters import configuring_inputs, default_selection
+    from .graph.parameters import CONFIGURING, QUANTIZATION, default_selection
 
     used = graph.prune(list(loss_inputs)).initializers
     selection = default_selection(graph)
     left_out = {n: why for n, why in selection.left_out.items() if n in used}
-    never = selection.state + list(configuring_inputs(graph) | quantization_inputs(graph))
-    explicit = {n for n in used if n not in never and n in selection.trainable + list(left_out)}
+    explicit = {n for n in selection.trainable if n in used}
+    explicit.update(n for n, why in left_out.items() if why not in (CONFIGURING, QUANTIZATION))
     groups, seen = [], set()
     for node in graph.nodes:
         names = [i for i in node.inputs if i in explicit and i not in seen]
