@@ -254,7 +254,7 @@ def _conv_forward(x, w, bias, has_bias, y, col_work, row_work, geom, chunk, poin
         width = nb * cells
         for g in range(groups):
             if nb == 1 and pointwise:
-                np.dot(w[g], x[n0, g].reshape(k, cells), y[n0, g])
+                product(w[g], x[n0, g].reshape(k, cells), y[n0, g])
                 continue
             col = col_work[:k * width].reshape(k, width)
             _im2col(x, n0, nb, g, geom, col)
@@ -264,10 +264,10 @@ def _conv_forward(x, w, bias, has_bias, y, col_work, row_work, geom, chunk, poin
                 _transposed_to_images(product_t, y, n0, nb, g)
                 continue
             if nb == 1:
-                np.dot(w[g], col, y[n0, g])
+                product(w[g], col, y[n0, g])
                 continue
             wide = row_work[:per_group * width].reshape(per_group, width)
-            np.dot(w[g], col, wide)
+            product(w[g], col, wide)
             for b in range(nb):
                 for m in range(per_group):
                     target = y[n0 + b, g, m]
@@ -304,15 +304,15 @@ def _conv_input_grad(dy, w, dx, col_work, row_work, geom, chunk, pointwise, begi
         width = nb * cells
         for g in range(groups):
             if nb == 1 and pointwise:
-                np.dot(w[g].T, dy[n0, g], dx[n0, g].reshape(k, cells))
+                product(w[g].T, dy[n0, g], dx[n0, g].reshape(k, cells))
                 continue
             col = col_work[:k * width].reshape(k, width)
             if nb == 1:
-                np.dot(w[g].T, dy[n0, g], col)
+                product(w[g].T, dy[n0, g], col)
             else:
                 gathered = row_work[:per_group * width].reshape(per_group, width)
                 _gather_dy(dy, n0, nb, g, gathered)
-                np.dot(w[g].T, gathered, col)
+                product(w[g].T, gathered, col)
             for b in range(nb):
                 dx[n0 + b, g].reshape(-1)[:] = 0
             _col2im(col, n0, nb, g, geom, dx)
@@ -328,9 +328,9 @@ def _conv_input_grad_parts(dy, w, dx, work, columns, geom, chunk, pointwise, bou
 
 
 @njit(cache=True, error_model="numpy")
-def _conv_weight_sums(dy, x, col_work, row_work, sums, product, geom, chunk, pointwise, begin, end):
+def _conv_weight_sums(dy, x, col_work, row_work, sums, chunk_product, geom, chunk, pointwise, begin, end):
     """sums[g] = Σ over the images n in [begin, end) of im2col(x[n, g]) · dy[n, g]ᵀ: dw[g] transposed
-    (BLAS's faster order for these shapes); `product` holds one chunk's product before it is added."""
+    (BLAS's faster order for these shapes); `chunk_product` holds one chunk's product before it is added."""
     groups, per_group = dy.shape[1], dy.shape[2]
     k = sums.shape[1]
     for n0 in range(begin, end, chunk):
@@ -338,20 +338,20 @@ def _conv_weight_sums(dy, x, col_work, row_work, sums, product, geom, chunk, poi
         for g in range(groups):
             col, grad_rows = _weight_operands(dy, x, col_work, row_work, geom, pointwise, k, n0, nb, g, 0, per_group)
             if n0 == begin:
-                np.dot(col, grad_rows.T, sums[g])
+                product(col, grad_rows.T, sums[g])
             else:
-                np.dot(col, grad_rows.T, product)
+                product(col, grad_rows.T, chunk_product)
                 target = sums[g].reshape(-1)
-                source = product.reshape(-1)
+                source = chunk_product.reshape(-1)
                 for i in range(target.size):
                     target[i] += source[i]
 
 
 @njit(cache=True, error_model="numpy")
-def _conv_weight_grad(dy, x, dw, col_work, row_work, sums, product, geom, chunk, pointwise):
+def _conv_weight_grad(dy, x, dw, col_work, row_work, sums, chunk_product, geom, chunk, pointwise):
     """dw[g] = Σ over images of dy[n, g] · im2col(x[n, g])ᵀ, summed transposed in sums (_conv_weight_sums),
     then transposed into dw."""
-    _conv_weight_sums(dy, x, col_work, row_work, sums, product, geom, chunk, pointwise, 0, dy.shape[0])
+    _conv_weight_sums(dy, x, col_work, row_work, sums, chunk_product, geom, chunk, pointwise, 0, dy.shape[0])
     for g in range(dw.shape[0]):
         for m in range(dw.shape[1]):
             for j in range(dw.shape[2]):
@@ -370,8 +370,8 @@ def _conv_weight_grad_parts(dy, x, dw, work, columns, rows, product_size, geom, 
         mine = work[part]
         sums = mine[start:start + size].reshape(groups, k, per_group)
         # a part of one chunk never adds a product: its sums stand in
-        product = mine[start + size:start + size + product_size].reshape(k, per_group) if product_size else sums[0]
-        _conv_weight_sums(dy, x, mine[:columns], mine[columns:start], sums, product, geom, chunk, pointwise,
+        chunk_product = mine[start + size:start + size + product_size].reshape(k, per_group) if product_size else sums[0]
+        _conv_weight_sums(dy, x, mine[:columns], mine[columns:start], sums, chunk_product, geom, chunk, pointwise,
                           bounds[part], bounds[part + 1])
     for g in range(groups):
         for m in range(per_group):

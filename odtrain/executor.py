@@ -21,6 +21,7 @@ call per parameter.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from functools import partial
 
@@ -35,6 +36,7 @@ from .graph.autodiff import LOSS_SEED
 from .graph.schedule import split_forward_backward
 from .graph.step_plan import plan_step
 from .kernels import BINDINGS, PARALLEL, SCRATCH
+from .kernels.blas import hold_one_thread, release_thread
 from . import runtime, threads as thread_policy
 from .graph.optimizers import AdamW, SGDMomentum
 from .kernels.optim import (adamw_update, adamw_update_parts, add_into, assert_finite, copy_into, sgd_momentum_update,
@@ -163,15 +165,25 @@ class BoundGraph:
     def run(self, feeds: list[np.ndarray]) -> None:
         for view, value in zip(self.feed_views, feeds):
             np.copyto(view, value, casting="no")
-        previous = thread_policy.use(self.threads) if self.threads > 1 else None
         try:
-            for kernel, args in self.calls:
-                kernel(*args)
+            with self.step_threads():
+                for kernel, args in self.calls:
+                    kernel(*args)
         except FloatingPointError as error:
             raise NonFiniteError(f"{self.graph.name}: {error}") from None
         except ValueError as error:  # a kernel's check on the data (e.g. a label out of range)
             raise InputError(f"{self.graph.name}: {error}; check the inputs' values") from None
+
+    @contextlib.contextmanager
+    def step_threads(self):
+        """While the calls run: Numba's pool at the count they were bound for, BLAS on one thread (the
+        program's own BLAS threads come back afterwards)."""
+        previous = thread_policy.use(self.threads) if self.threads > 1 else None
+        hold_one_thread()
+        try:
+            yield
         finally:
+            release_thread()
             if previous is not None:
                 thread_policy.use(previous)
 

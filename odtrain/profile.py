@@ -252,7 +252,7 @@ def profile_artifacts(directory, batch_size: int, steps: int = 10, threads: int 
 
     `threads` sets odtrain's threads (`odtrain.threads.set_num_threads`, which stays set); None keeps the
     process's setting. Runs `warmup + steps` steps of each loop; the parameters train as they would."""
-    from .threads import pool_size, set_num_threads, use
+    from .threads import pool_size, set_num_threads
     from .training import Session
 
     for label, value, least in (("batch size", batch_size, 1), ("steps", steps, 1), ("warmup", warmup, 0),
@@ -286,11 +286,8 @@ def profile_artifacts(directory, batch_size: int, steps: int = 10, threads: int 
         for view, value in zip(bound.feed_views, feeds):
             np.copyto(view, value, casting="no")
         feed_times.append(read() - start)
-        previous = use(step_threads)  # as BoundGraph.run does
-        try:
+        with bound.step_threads():
             timed_calls(bound.calls, elapsed[step], read)
-        finally:
-            use(previous)
         start = read()
         optimizer.step()
         optimizer_times.append(read() - start)

@@ -115,3 +115,92 @@ def test_a_bias_starts_the_output_and_blas_adds_the_product(bias_shape):
     calls, out = bind("FusedMatMul", [x, w, None, bias], (BATCH, SEQ, 5), transB=1)
     run(calls)
     np.testing.assert_allclose(out, x.astype(np.float64) @ w.T.astype(np.float64) + bias, rtol=1e-5, atol=1e-5)
+
+
+ROUTE_CHECK = """
+import numpy as np
+from odtrain.kernels import blas
+from odtrain.kernels.blas import blas_gemm
+from numba import njit
+
+@njit
+def gemm(trans_a, trans_b, m, n, k, alpha, a, a_off, lda, b, b_off, ldb, beta, c, c_off, ldc):
+    blas_gemm(trans_a, trans_b, m, n, k, alpha, a, a_off, lda, b, b_off, ldb, beta, c, c_off, ldc)
+
+rng = np.random.default_rng(0)
+worst = 0.0
+for dtype in (np.float32, np.float64):
+    for trans_a in (0, 1):
+        for trans_b in (0, 1):
+            m, n, k = 7, 33, 19
+            a = rng.standard_normal((k, m) if trans_a else (m, k)).astype(dtype)
+            b = rng.standard_normal((n, k) if trans_b else (k, n)).astype(dtype)
+            # operands at an offset inside a wider buffer: lda, ldb and ldc above the matrices' widths
+            a_buffer = np.zeros(3 + a.shape[0] * (a.shape[1] + 2), dtype)
+            a_buffer[3:].reshape(a.shape[0], a.shape[1] + 2)[:, :a.shape[1]] = a
+            b_buffer = np.zeros(5 + b.shape[0] * (b.shape[1] + 1), dtype)
+            b_buffer[5:].reshape(b.shape[0], b.shape[1] + 1)[:, :b.shape[1]] = b
+            c = rng.standard_normal((m, n + 4)).astype(dtype)
+            start = c.copy()
+            gemm(trans_a, trans_b, m, n, k, 0.5, a_buffer, 3, a.shape[1] + 2, b_buffer, 5, b.shape[1] + 1, 2.0,
+                 c.reshape(-1), 0, n + 4)
+            op_a = a.T if trans_a else a
+            op_b = b.T if trans_b else b
+            expected = 0.5 * op_a.astype(np.float64) @ op_b.astype(np.float64) + 2.0 * start[:, :n]
+            worst = max(worst, float(np.abs(c[:, :n] - expected).max()))
+            assert np.array_equal(c[:, n:], start[:, n:]), "wrote outside the product"
+print(blas.GEMM_LIBRARY)
+print(worst)
+"""
+
+
+@pytest.mark.parametrize("route", ["default", "numba"])
+def test_both_blas_routes_compute_row_major_products_at_offsets(route):
+    """Every transpose combination, alpha and beta, operands at offsets with wide leading dimensions, on
+    numpy's OpenBLAS where numpy carries one and on Numba's route to scipy's BLAS (ODTRAIN_GEMM=numba), in
+    a fresh process each: the route is chosen once per process."""
+    import os
+    import subprocess
+    import sys
+
+    environment = dict(os.environ)
+    environment.pop("ODTRAIN_GEMM", None)
+    if route == "numba":
+        environment["ODTRAIN_GEMM"] = "numba"
+    result = subprocess.run([sys.executable, "-c", ROUTE_CHECK], capture_output=True, text=True, env=environment,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr
+    library, worst = result.stdout.split("\n")[-3:-1]
+    if route == "numba":
+        assert "Numba" in library
+    elif _numpy_carries_openblas():
+        assert library.startswith("numpy's OpenBLAS")
+    assert float(worst) < 1e-4  # float32 sums of 19 products of normals: about 1e-6 each
+
+
+def _numpy_carries_openblas() -> bool:
+    """Whether numpy's wheel bundles its 64-bit OpenBLAS (scipy-openblas64), as on Linux x86-64 and aarch64."""
+    import numpy
+
+    blas = numpy.show_config(mode="dicts")["Build Dependencies"]["blas"]
+    return blas.get("name") == "scipy-openblas" and "64" in str(blas.get("openblas configuration", ""))
+
+
+def test_a_step_runs_blas_on_one_thread_and_gives_the_program_its_count_back():
+    from odtrain.kernels import blas
+
+    route = blas._route
+    if route.get_threads is None:
+        pytest.skip(f"the products call {blas.GEMM_LIBRARY}, whose threads odtrain sets once per process")
+    program = route.get_threads()
+    route.set_threads(2)
+    try:
+        blas.hold_one_thread()
+        blas.hold_one_thread()  # a second module's step overlapping the first
+        assert route.get_threads() == 1
+        blas.release_thread()
+        assert route.get_threads() == 1  # the other step still runs
+        blas.release_thread()
+        assert route.get_threads() == 2
+    finally:
+        route.set_threads(program)
