@@ -14,6 +14,9 @@ load it (milliseconds). Where the cache lives:
   picks a folder in the temporary directory, so that importing the kernels
   never fails for want of a cache.
 
+Cached kernels compiled from other kernel sources than the installed ones are removed before the
+first step (odtrain.kernel_sources: Numba does not see a change in a file a kernel calls into).
+
 `configure()` runs when `odtrain` is imported and costs a few system calls.
 `warmup()` (the `odtrain warmup` command) compiles or loads every kernel that
 a training step, an optimizer step and an eval step of a set of artifacts
@@ -25,18 +28,13 @@ import os
 import sys
 import time
 
+from .kernel_sources import kernels_dir, loaded_dispatchers
+
 CACHE_ENV = "ODTRAIN_CACHE_DIR"
 NUMBA_ENV = "NUMBA_CACHE_DIR"
 DEFAULT_WARMUP_BATCH = 32
 
-_KERNELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
 _configured_source = None
-
-
-def _kernels_dir() -> str:
-    """The folder holding the kernel sources: odtrain/kernels installed, kernels/ in a checkout."""
-    installed = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels")
-    return installed if os.path.isdir(installed) else _KERNELS_DIR
 
 
 def _writable(folder: str) -> bool:
@@ -69,7 +67,7 @@ def configure() -> str:
         _set_numba_cache_dir(os.path.abspath(os.path.expanduser(os.environ[CACHE_ENV])))
         source = CACHE_ENV
     else:
-        kernels = _kernels_dir()
+        kernels = kernels_dir()
         pycache = os.path.join(kernels, "__pycache__")
         if _writable(pycache if os.path.isdir(pycache) else kernels):
             source = "package"
@@ -106,19 +104,9 @@ def cache_dir() -> str:
 
 def kernel_dispatchers() -> list:
     """Every Numba dispatcher of odtrain's kernel modules (imports them, through the executor)."""
-    from numba.core.dispatcher import Dispatcher
-
     from . import executor  # noqa: F401  (the executor imports every kernel module)
 
-    found, seen = [], set()
-    for name, module in sorted(sys.modules.items()):
-        if module is None or not name.startswith(__package__ + ".kernels"):
-            continue
-        for value in vars(module).values():
-            if isinstance(value, Dispatcher) and id(value) not in seen:
-                seen.add(id(value))
-                found.append(value)
-    return found
+    return loaded_dispatchers()
 
 
 def kernel_stats() -> dict:

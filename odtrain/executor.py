@@ -38,6 +38,7 @@ from .graph.step_plan import plan_step
 from .kernels import BINDINGS, PARALLEL, SCRATCH
 from .kernels.blas import hold_one_thread, release_thread
 from . import runtime, threads as thread_policy
+from .kernel_sources import discard_stale
 from .graph.optimizers import AdamW, SGDMomentum
 from .kernels.optim import (adamw_update, adamw_update_parts, add_into, assert_finite, copy_into, sgd_momentum_update,
                             sgd_momentum_update_parts, sgd_update, sgd_update_parts)
@@ -76,6 +77,7 @@ class BoundGraph:
                  fused_updates: dict | None = None, arena: SharedArena | None = None,
                  bound_feeds: dict[str, np.ndarray] | None = None, threads: int = 1):
         runtime.load()  # Numba's CPU target, BLAS on one thread, Numba's threading layer (odtrain/threads.py)
+        discard_stale()  # cached kernels compiled from other kernel sources than these
         self.graph = graph
         self.threads = int(threads)
         self._updates = {grad: update for grad, (_, update) in (fused_updates or {}).items()}

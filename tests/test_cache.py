@@ -197,3 +197,40 @@ def test_warmup_errors_are_one_line(tmp_path, capsys):
     assert "--input-shape" in capsys.readouterr().err
     assert cli.main(["warmup", "--batch-size", "0"]) == 2
     assert "batch size must be >= 1" in capsys.readouterr().err
+
+
+# Binds and runs a one-node step (the executor checks the cache against the kernel sources first).
+ONE_STEP = textwrap.dedent("""
+    import json
+    import numpy as np
+    from odtrain import cache
+    from odtrain.executor import BoundGraph
+    from odtrain.graph.ir import Graph, Node, TensorType
+    square = TensorType(np.dtype(np.float32), (4, 4))
+    graph = Graph([Node("Relu", ["a"], ["y"], name="relu")], ["a"], ["y"], value_types={"a": square, "y": square})
+    step = BoundGraph(graph, {"a": square}, {})
+    step.run([np.full((4, 4), -1.0, np.float32)])
+    assert not step.output("y").any()
+    print(json.dumps({"stats": cache.kernel_stats(), "cache_dir": cache.cache_dir()}))
+""")
+
+
+def test_an_edited_kernel_file_recompiles_the_kernels_of_other_files(tmp_path):
+    """Numba would load a kernel whose own file is unchanged although a file it calls into changed; the
+    sources' digest in the cache folder makes it compile again, once."""
+    package = copy_sources(tmp_path / "checkout")
+    env = clean_env(PYTHONPATH=package, ODTRAIN_CACHE_DIR=tmp_path / "cache", PYTHONDONTWRITEBYTECODE=1)
+    first = run_python(ONE_STEP, env, tmp_path)
+    assert first["stats"]["compiled"] >= 1
+    assert len(list((tmp_path / "cache").rglob("odtrain-kernel-sources.sha256"))) == 1
+    again = run_python(ONE_STEP, env, tmp_path)
+    assert again["stats"]["compiled"] == 0 and again["stats"]["loaded"] >= 1
+    relu_file = next(name for name in again["stats"]["compiled_kernels"] + cache_files(tmp_path / "cache")
+                     if "relu" in name.lower() or "unary" in name.lower() or "activation" in name.lower())
+    edited = package / "kernels" / "parts.py"
+    assert not relu_file.startswith("parts.")
+    edited.write_text(edited.read_text() + "\n# an edit in another kernel file\n")
+    after_edit = run_python(ONE_STEP, env, tmp_path)
+    assert after_edit["stats"]["compiled"] >= 1 and after_edit["stats"]["loaded"] == 0
+    settled = run_python(ONE_STEP, env, tmp_path)
+    assert settled["stats"]["compiled"] == 0
