@@ -228,6 +228,7 @@ class _Route:
 
 _route = _Route()
 GEMM_LIBRARY = _route.name
+NUMPY_OPENBLAS = _route.set_threads is not None  # the products call numpy's OpenBLAS (else Numba's route)
 
 
 def hold_one_thread() -> None:

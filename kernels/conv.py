@@ -8,8 +8,8 @@ Convolution:
 - general: im2col + one BLAS product per group: Y_g = W_g · col(X_g). When
   an image has few output cells (P < COLUMNS), `chunk` images share one
   product (their columns side by side), so BLAS sees a wide matrix. With few
-  output channels and a deep K (TRANSPOSED_CHANNELS) the forward product runs
-  as Y_gᵀ = col(X_g)ᵀ · W_gᵀ into work memory, then is transposed into Y.
+  output channels and a deep K (TRANSPOSED_CHANNELS, on scipy's BLAS) the forward
+  product runs as Y_gᵀ = col(X_g)ᵀ · W_gᵀ into work memory, then is transposed into Y.
   (Cutting products into blocks of cells for OpenBLAS's small-matrix kernels
   was slower here, by 0-15%: this CPU's OpenBLAS has none for these shapes.)
   Pointwise convolutions (1x1, stride 1, no padding) skip im2col; for
@@ -47,7 +47,7 @@ import numpy as np
 from numba import njit, prange
 
 from . import ODTRAIN_DOMAIN, binding
-from .blas import blas_gemm, product
+from .blas import NUMPY_OPENBLAS, blas_gemm, product
 from .depthwise import (_depthwise_forward, _depthwise_forward_parts, _depthwise_input_grad,
                         _depthwise_input_grad_parts, _depthwise_weight_grad, _depthwise_weight_grad_parts)
 from .parts import part_bounds, part_count
@@ -55,10 +55,12 @@ from .windows import _as_3d, _text, _valid_range, window_geometry
 
 COLUMNS = 512  # convolutions batch images into one product until it has this many columns
 # Forward products with at most this many output channels per group and at least this deep a K run as
-# Yᵀ = im2colᵀ · Wᵀ, then a transpose into Y: OpenBLAS here is ~15% faster with the few channels as its
-# row count (16 channels, K = 144, 1024 cells: 5.3-5.6 ms against 6.2-6.5 ms for 32 images, im2col included);
-# with K = 27 (3 input channels) or 64 channels it is slower
-TRANSPOSED_CHANNELS = 32
+# Yᵀ = im2colᵀ · Wᵀ, then a transpose into Y, on the route to scipy's OpenBLAS 0.3.30 (kernels/blas.py): it is
+# ~15% faster with the few channels as its row count (16 channels, K = 144, 1024 cells: 5.3-5.6 ms against
+# 6.2-6.5 ms for 32 images, im2col included; with K = 27 or 64 channels it is slower). numpy's OpenBLAS 0.3.31
+# runs the direct order faster ([16×144]·[144×1024]: 60 against 44 GF/s at one thread; the cnn model's
+# forward convolutions 19.5 -> 17.5 ms), so there no product is transposed.
+TRANSPOSED_CHANNELS = 0 if NUMPY_OPENBLAS else 32
 TRANSPOSED_DEPTH = 64
 MIN_CHANNELS = 16  # output channels per part when a weight gradient splits them (narrower products lose speed)
 # depthwise convolutions with outputs at least this wide work in planes, others channels-last (MobileNetV2,

@@ -284,6 +284,7 @@ def test_gradient_with_transposed_forward_products(name, tmp_path, monkeypatch):
     from odtrain.kernels import conv
 
     monkeypatch.setattr(conv, "TRANSPOSED_DEPTH", 1)
+    monkeypatch.setattr(conv, "TRANSPOSED_CHANNELS", 32)  # the order chosen on every BLAS route
     chosen, original = [], conv._ConvLayout.__init__
 
     def record(layout, *args, **kwargs):
