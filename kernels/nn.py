@@ -2,7 +2,9 @@
 
 BatchNormalization sums in float64 per channel (Σx, Σx²; backward Σdy,
 Σdy·x), so one pass gives statistics accurate for float32 data. Its output
-pass clamps to [low, high], which is how a fused Relu/Clip costs nothing.
+pass clamps to [low, high], which is how a fused Relu/Clip costs nothing; its
+gradient, given the activation's output y, reads dy · (low < y < high) in both
+of its passes, so the activation's gradient costs no pass of its own either.
 Channels are independent: with threads, parts of them run in one parallel
 region, each channel computed as in the serial kernel.
 
@@ -42,6 +44,19 @@ def _row_grad_sums(x, dy):
     s, q, g, gx = 0.0, 0.0, 0.0, 0.0
     for i in range(x.size):
         v, d = np.float64(x[i]), np.float64(dy[i])
+        s += v
+        q += v * v
+        g += d
+        gx += d * v
+    return s, q, g, gx
+
+
+@njit(cache=True, error_model="numpy", fastmath=REDUCTION)
+def _row_masked_grad_sums(x, dy, y, low, high):
+    """(Σ x, Σ x², Σ g, Σ g·x) in float64, g = dy · (low < y < high): the gradient of a Relu/Clip before it."""
+    s, q, g, gx = 0.0, 0.0, 0.0, 0.0
+    for i in range(x.size):
+        v, d = np.float64(x[i]), np.float64(dy[i] * np.float32((y[i] > low) & (y[i] < high)))
         s += v
         q += v * v
         g += d
@@ -118,19 +133,36 @@ def _batch_norm_grad_rows(dy, x, coefficients, dx, c0, c1):
                 target[i] = a * gs[i] + b * (xs[i] - mean) + e
 
 
+@njit(cache=True, error_model="numpy", inline="always")
+def _batch_norm_masked_grad_rows(dy, x, y, low, high, coefficients, dx, c0, c1):
+    """dx = a·g + b·(x - μ) + e, g = dy · (low < y < high), per channel of [c0, c1), coefficients rows (a, b, e,
+    μ)."""
+    for n in range(x.shape[0]):
+        for c in range(c0, c1):
+            a, b = np.float32(coefficients[0, c]), np.float32(coefficients[1, c])
+            e, mean = np.float32(coefficients[2, c]), np.float32(coefficients[3, c])
+            xs, gs, ys, target = x[n, c], dy[n, c], y[n, c], dx[n, c]
+            for i in range(xs.size):
+                target[i] = a * (gs[i] * np.float32((ys[i] > low) & (ys[i] < high))) + b * (xs[i] - mean) + e
+
+
 @njit(cache=True, error_model="numpy")
-def _batch_norm_grad(dy, x, scale, mean_in, var_in, dx, dscale, dbias, dmean, dvar, wants, training, epsilon, sums,
-                     in_place, c0, c1):
+def _batch_norm_grad(dy, x, y, scale, mean_in, var_in, dx, dscale, dbias, dmean, dvar, wants, training, epsilon,
+                     masked, low, high, sums, in_place, c0, c1):
     """Gradients of batch normalization (see graph/ops/nn.py) for the channels [c0, c1); outputs with
-    wants[i] == 0 are skipped. dx may be dy (in_place): each element is read before it is written. sums is
-    [4, C] float64 scratch."""
+    wants[i] == 0 are skipped. When `masked`, the incoming gradient is dy · (low < y < high), y the output of a
+    Relu/Clip that followed (1-element bounds); else y is not read. dx may be dy (in_place): each element is
+    read before it is written. sums is [4, C] float64 scratch."""
     count = x.shape[0] * x.shape[2]
     for c in range(c0, c1):
         for row in range(4):  # Σx, Σx², Σdy, Σdy·x
             sums[row, c] = 0.0
     for n in range(x.shape[0]):
         for c in range(c0, c1):
-            s, q, g, gx = _row_grad_sums(x[n, c], dy[n, c])
+            if masked:
+                s, q, g, gx = _row_masked_grad_sums(x[n, c], dy[n, c], y[n, c], low[0], high[0])
+            else:
+                s, q, g, gx = _row_grad_sums(x[n, c], dy[n, c])
             sums[0, c] += s
             sums[1, c] += q
             sums[2, c] += g
@@ -160,7 +192,11 @@ def _batch_norm_grad(dy, x, scale, mean_in, var_in, dx, dscale, dbias, dmean, dv
         sums[3, c] = mean
     if not wants[0]:
         return
-    if in_place:
+    if masked and in_place:  # one array for dy and dx: no aliasing check sends the loop to a scalar path
+        _batch_norm_masked_grad_rows(dx, x, y, low[0], high[0], sums, dx, c0, c1)
+    elif masked:
+        _batch_norm_masked_grad_rows(dy, x, y, low[0], high[0], sums, dx, c0, c1)
+    elif in_place:
         _batch_norm_grad_rows(dx, x, sums, dx, c0, c1)
     else:
         _batch_norm_grad_rows(dy, x, sums, dx, c0, c1)
@@ -184,11 +220,11 @@ def _batch_norm_infer_parts(x, scale, bias, mean, var, y, epsilon, stats, low, h
 
 
 @njit(cache=True, error_model="numpy", parallel=True)
-def _batch_norm_grad_parts(dy, x, scale, mean_in, var_in, dx, dscale, dbias, dmean, dvar, wants, training, epsilon,
-                           sums, in_place, bounds):
+def _batch_norm_grad_parts(dy, x, y, scale, mean_in, var_in, dx, dscale, dbias, dmean, dvar, wants, training,
+                           epsilon, masked, low, high, sums, in_place, bounds):
     for p in prange(bounds.size - 1):
-        _batch_norm_grad(dy, x, scale, mean_in, var_in, dx, dscale, dbias, dmean, dvar, wants, training, epsilon,
-                         sums, in_place, bounds[p], bounds[p + 1])
+        _batch_norm_grad(dy, x, y, scale, mean_in, var_in, dx, dscale, dbias, dmean, dvar, wants, training, epsilon,
+                         masked, low, high, sums, in_place, bounds[p], bounds[p + 1])
 
 
 def _over_channels(kernel, parallel_kernel, args, x, threads: int) -> list:
@@ -224,6 +260,20 @@ def _batch_norm_calls(inputs, outputs, low, high, epsilon=1e-5, momentum=0.9, tr
         stats, low, high, in_place), x, threads)
 
 
+def _activation_bounds(activation, bound_inputs, attrs) -> tuple:
+    """(low, high) as 1-element arrays: the clip of a Relu or Clip fused with a normalization (Clip's bounds
+    from its inputs, read at run time, or its min/max attributes, which this takes out of `attrs`); ±inf
+    without one."""
+    bounds = {k: attrs.pop(k) for k in ("min", "max") if k in attrs}
+    if activation is None:
+        return _scalar(-np.inf), _scalar(np.inf)
+    if activation == "Relu":
+        return _scalar(0.0), _scalar(np.inf)
+    if activation == "Clip":
+        return _activation_params("Clip", [None] + list(bound_inputs), bounds)
+    raise ValueError(f"activation {activation!r}: a normalization fuses Relu or Clip only")
+
+
 @binding("BatchNormalization", parallel=True)
 def BatchNormalization(inputs, outputs, **attrs):
     return _batch_norm_calls(inputs, outputs, _scalar(-np.inf), _scalar(np.inf), **attrs)
@@ -232,16 +282,17 @@ def BatchNormalization(inputs, outputs, **attrs):
 @binding("BatchNormalizationActivation", ODTRAIN_DOMAIN, parallel=True)
 def BatchNormalizationActivation(inputs, outputs, activation, **attrs):
     """BatchNormalization, then Relu (clip at 0) or Clip (bounds from inputs 5, 6 or min/max attributes)."""
-    bounds = {k: attrs.pop(k) for k in ("min", "max") if k in attrs}
-    if activation == "Relu":
-        low, high = _scalar(0.0), _scalar(np.inf)
-    else:
-        low, high = _activation_params("Clip", [None] + list(inputs[5:7]), bounds)
+    low, high = _activation_bounds(activation, inputs[5:7], attrs)
     return _batch_norm_calls(inputs[:5], outputs, low, high, **attrs)
 
 
 @binding("BatchNormalizationGrad", ODTRAIN_DOMAIN, parallel=True)
-def BatchNormalizationGrad(inputs, outputs, epsilon=1e-5, training_mode=1, threads=1):
+def BatchNormalizationGrad(inputs, outputs, epsilon=1e-5, training_mode=1, activation=None, threads=1, **bounds):
+    """The gradient of BatchNormalization, or, with `activation`, of BatchNormalization then that Relu or Clip:
+    input 5 is the activation's output, 6 and 7 Clip's bounds (min/max attributes in opsets before 11)."""
+    low, high = _activation_bounds(activation, inputs[6:8], bounds)
+    if bounds:
+        raise TypeError(f"unexpected attributes {sorted(bounds)}")
     dy, x, scale = inputs[:3]
     channels = scale.shape[0]
     mean = inputs[3] if len(inputs) > 3 and inputs[3] is not None else np.zeros(channels, np.float32)
@@ -252,9 +303,11 @@ def BatchNormalizationGrad(inputs, outputs, epsilon=1e-5, training_mode=1, threa
     small = [o if o is not None else np.zeros(channels, np.float32) for o in outs[1:]]
     sums = np.zeros((4, channels), dtype=np.float64)
     in_place = outs[0] is not None and bool(np.shares_memory(dy, outs[0]))
+    masked = activation is not None
+    y = _ncs(inputs[5]) if masked else _ncs(x)  # y is read only when masked
     return _over_channels(_batch_norm_grad, _batch_norm_grad_parts, (
-        _ncs(dy), _ncs(x), scale, mean, var, dx, *small, wants, bool(training_mode), float(epsilon), sums, in_place),
-        x, threads)
+        _ncs(dy), _ncs(x), y, scale, mean, var, dx, *small, wants, bool(training_mode), float(epsilon), masked, low,
+        high, sums, in_place), x, threads)
 
 # ---- activations ---------------------------------------------------------------------------------
 # Codes (arguments, so one compiled kernel serves the family), parameters a and b as 1-element arrays:
