@@ -7,16 +7,17 @@ the gradient rules emit side by side:
   Relu or Clip, as ResNets and MobileNetV2's Relu6 write it):
       BatchNormalizationGrad(ClipGrad(dY, Y, min, max), X, scale, ...)
   → BatchNormalizationGrad(dY, X, scale, ..., Y, min, max, activation="Clip")   (ReluGrad: "Relu")
-  The normalization's gradient applies the activation's mask (min < Y < max; Relu: 0 < Y) to dY as
-  it reads it, in both of its passes, so the activation's own pass over the tensor and the gradient
-  it wrote disappear. Y is the activation's output, which the activation's gradient read anyway, so
-  no forward value lives longer. The activation's inputs go after the normalization's five
-  (positions 5, 6, 7: '' for the optional ones left out), its min/max attributes (opsets before 11)
-  come along.
+  The normalization's gradient applies the activation's mask (min < Y < max; Relu: 0 < Y) to dY
+  itself, writing the masked gradient into its dX a block at a time and summing each block while it
+  is in the cache: the activation's own pass over memory and its node disappear. Y is the
+  activation's output, which the activation's gradient read anyway, so no forward value lives
+  longer. The activation's inputs go after the normalization's five (positions 5, 6, 7: '' for the
+  optional ones left out), its min/max attributes (opsets before 11) come along.
 
 A fold happens only when it is safe: the activation's gradient is read by that one node, as its dY
-only, and is not a graph output. When it is read elsewhere too (a residual branch summing gradients,
-a second normalization behind an Add), the activation's gradient stays a node of its own.
+only, and is not a graph output; and the normalization's dX is wanted (its buffer holds the masked
+gradient). When the activation's gradient is read elsewhere too (a residual branch summing
+gradients, a second normalization behind an Add), it stays a node of its own.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def fold_activation_gradients(graph: Graph) -> None:
     replaced: dict[int, Node] = {}  # id of a normalization gradient -> its folded form
     for norm in graph.nodes:
         first = NORMALIZATION_GRADIENTS.get(norm.key)
-        if first is None or "activation" in norm.attrs or not norm.inputs[0]:
+        if first is None or "activation" in norm.attrs or not norm.inputs[0] or not norm.outputs[0]:
             continue
         incoming = norm.inputs[0]
         act = producers.get(incoming)

@@ -370,6 +370,41 @@ def test_an_activation_gradient_read_twice_is_not_folded(tmp_path):
     assert all(a.name != "activation" for n in gradients for a in n.attribute)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("in_place", [True, False])
+@pytest.mark.parametrize("training_mode", [1, 0])
+def test_a_folded_gradient_is_the_activation_gradient_then_the_normalization_gradient(threads, in_place,
+                                                                                      training_mode, monkeypatch):
+    """The folded kernel against the two it replaces, bit for bit: in place or not, serial or in parts, blocks
+    of channels smaller than an image."""
+    from odtrain.kernels import BINDINGS, nn, parts
+
+    monkeypatch.setattr(parts, "MIN_PARALLEL_WORK", 0)
+    monkeypatch.setattr(nn, "MASK_BLOCK", 24)  # 2 channels of 12 cells a block, 3 blocks an image
+    gradient, normalization = BINDINGS[("ai.odtrain", "ClipGrad")], BINDINGS[("ai.odtrain", "BatchNormalizationGrad")]
+    x, dy, y = rand(3, 5, 3, 4), rand(3, 5, 3, 4), rand(3, 5, 3, 4)
+    scale, mean, var, low, high = rand(5), rand(5), rand(5, low=1, high=2), scalar(-0.3), scalar(0.5)
+    statistics = [mean, var] if not training_mode else [None, None]
+    attrs = {"epsilon": 1e-3, "training_mode": training_mode, "threads": threads}
+
+    def run(calls):
+        for kernel, args in calls:
+            kernel(*args)
+
+    expected = [np.zeros(dy.shape, np.float32)] + [np.zeros(5, np.float32) for _ in range(2)]
+    run(gradient([dy, y, low, high], [expected[0]], threads=threads))
+    run(normalization([expected[0], x, scale] + statistics, expected, **attrs))
+    outputs = [np.zeros(dy.shape, np.float32)] + [np.zeros(5, np.float32) for _ in range(2)]
+    incoming = dy.copy()
+    if in_place:
+        outputs[0] = incoming
+    run(normalization([incoming, x, scale] + statistics + [y, low, high], outputs, activation="Clip", **attrs))
+    for got, want in zip(outputs, expected):
+        np.testing.assert_array_equal(got, want)
+    if not in_place:
+        np.testing.assert_array_equal(incoming, dy)  # dY is only read
+
+
 def test_the_fold_leaves_an_activation_gradient_read_elsewhere():
     from odtrain.graph.gradient_fusion import fold_activation_gradients
     from odtrain.graph.ir import ODTRAIN_DOMAIN, Graph, Node
