@@ -8,10 +8,10 @@ the gradient rules emit side by side:
       BatchNormalizationGrad(ClipGrad(dY, Y, min, max), X, scale, ...)
   → BatchNormalizationGrad(dY, X, scale, ..., Y, min, max, activation="Clip")   (ReluGrad: "Relu")
   The normalization's gradient applies the activation's mask (min < Y < max; Relu: 0 < Y) to dY
-  itself, writing the masked gradient into its dX a block at a time and summing each block while it
-  is in the cache: the activation's own pass over memory and its node disappear. Y is the
-  activation's output, which the activation's gradient read anyway, so no forward value lives
-  longer. The activation's inputs go after the normalization's five (positions 5, 6, 7: '' for the
+  itself, writing the masked gradient into its dX a block of channels at a time and summing each
+  block while it is in the cache: the activation's node, its call (with threads, its parallel
+  region) and its gradient value disappear. Y is the activation's output, which the activation's
+  gradient read anyway, so no forward value lives longer. The activation's inputs go after the normalization's five (positions 5, 6, 7: '' for the
   optional ones left out), its min/max attributes (opsets before 11) come along.
 
 A fold happens only when it is safe: the activation's gradient is read by that one node, as its dY

@@ -3,9 +3,10 @@
 BatchNormalization sums in float64 per channel (Σx, Σx²; backward Σdy,
 Σdy·x), so one pass gives statistics accurate for float32 data. Its output
 pass clamps to [low, high], which is how a fused Relu/Clip costs nothing. Its
-gradient, given that activation's output y, first writes g = dy · (low < y < high)
-into dx a block of channels at a time and sums the block while it is still in
-the cache, so the activation's gradient costs no pass over memory of its own.
+gradient, given that activation's output y, computes the activation's gradient
+g = dy · (low < y < high) itself (ClipGrad's loop), into dx a block of channels
+at a time, each block summed right after while it is in the cache: one call, and
+with threads one parallel region, instead of two.
 Channels are independent: with threads, parts of them run in one parallel
 region, each channel computed as in the serial kernel.
 
@@ -25,7 +26,8 @@ from .windows import _text
 REDUCTION = {"reassoc", "contract"}
 FLOAT_MAX = float(np.finfo(np.float32).max)
 # Elements of a block a folded activation gradient writes and the sums read again at once: three float32 arrays
-# of this many elements (dy, y, dx: 192 KiB) stay in a core's L2 cache between the two loops.
+# of this many elements (dy, y, dx: 192 KiB) stay in a core's L2 cache between the two loops. (Measured here, any
+# block size from 2^12 to a whole image gave the same time: the sums are bound by their float64 arithmetic.)
 MASK_BLOCK = 1 << 14
 
 # ---- batch normalization -------------------------------------------------------------------------
