@@ -10,6 +10,8 @@ Algorithm:
 - A value used by several nodes receives one contribution from each; they
   are summed (one Sum node) just before the value's producer is visited.
 - The gradient of parameter p is named `p_grad`, as in ONNX Runtime.
+- Gradient nodes emitted side by side are fused afterwards where that is
+  safe (graph/gradient_fusion.py).
 
 The loss gradient seed is a constant 1 of the loss's type, stored as an
 initializer of the training graph.
@@ -20,6 +22,7 @@ import numpy as np
 
 from .errors import ModelError, UnsupportedOpError
 from .fusion import fuse_for_training
+from .gradient_fusion import fold_activation_gradients
 from .ir import DEFAULT_DOMAIN, Graph, NameScope, Node
 from .ops import OPS, GradContext, lookup
 from .ops.nn import fuse_normalization_activations
@@ -147,6 +150,7 @@ def build_gradient_graph(graph: Graph, loss: str, trainable: list[str], without_
 
     training.nodes = training.nodes + builder.nodes
     training.outputs = list(graph.outputs) + grad_outputs
+    fold_activation_gradients(training)  # ClipGrad → BatchNormalizationGrad (graph/gradient_fusion.py)
     return training
 
 

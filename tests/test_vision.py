@@ -239,6 +239,26 @@ GRADIENT_CASES = {
          node("Clip", ["n", "lo", "hi"])], {"x": rand(2, 3, 4, 3), "s": rand(3), "b": rand(3)},
         {"m": rand(3), "v": rand(3, low=1, high=2), "lo": scalar(-0.4), "hi": scalar(0.5)},
         fuses_into=("BatchNormalizationActivation",)),
+    # ... and the activation's gradient folded into BatchNormalizationGrad (graph/gradient_fusion.py)
+    "conv_batch_norm_relu": GradientCase(
+        [node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+         node("BatchNormalization", ["c", "s", "b", "m", "v"], ["n"], training_mode=1), node("Relu", ["n"])],
+        {"x": rand(2, 2, 4, 3), "w": rand(3, 2, 3, 3), "s": rand(3), "b": rand(3)},
+        {"m": rand(3), "v": rand(3, low=1, high=2)}, fuses_into=("BatchNormalizationActivation",)),
+    "conv_batch_norm_clip": GradientCase(  # Relu6's clip, at bounds the normalized values cross
+        [node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+         node("BatchNormalization", ["c", "s", "b", "m", "v"], ["n"], training_mode=1),
+         node("Clip", ["n", "lo", "hi"])],
+        {"x": rand(2, 2, 4, 3), "w": rand(3, 2, 3, 3), "s": rand(3), "b": rand(3)},
+        {"m": rand(3), "v": rand(3, low=1, high=2), "lo": scalar(0.0), "hi": scalar(0.6)},
+        fuses_into=("BatchNormalizationActivation",)),
+    # a residual sum before the activation: its gradient reaches two normalizations and stays a node
+    "batch_norm_pair_relu": GradientCase(
+        [node("BatchNormalization", ["x", "s", "b", "m", "v"], ["n"], training_mode=1),
+         node("BatchNormalization", ["x2", "s2", "b", "m", "v"], ["n2"], training_mode=1),
+         node("Add", ["n", "n2"], ["a"]), node("Relu", ["a"])],
+        {"x": rand(2, 3, 4, 3), "x2": rand(2, 3, 4, 3), "s": rand(3), "s2": rand(3), "b": rand(3)},
+        {"m": rand(3), "v": rand(3, low=1, high=2)}),
     "batch_norm_inference_clip": GradientCase(
         [node("BatchNormalization", ["x", "s", "b", "m", "v"], ["n"]),
          node("Clip", ["n", "lo", "hi"])],
@@ -327,6 +347,84 @@ def test_batch_norm_and_activation_fuse_in_the_training_model_only(tmp_path):
     training = _op_types(tmp_path / "training_model.onnx")
     assert training.count("BatchNormalizationActivation") == 1  # the second normalized value is read twice
     assert "BatchNormalizationActivation" not in _op_types(tmp_path / "eval_model.onnx")
+
+
+def _gradient_nodes(path) -> list:
+    return [n for n in onnx.load(str(path)).graph.node if n.domain == "ai.odtrain" and n.op_type.endswith("Grad")]
+
+
+@pytest.mark.parametrize("name", ["conv_batch_norm_relu", "conv_batch_norm_clip", "batch_norm_inference_clip"])
+def test_activation_gradients_fold_into_batch_norm_gradients(name, tmp_path):
+    """The fold happens, and the gradients still match float64 finite differences."""
+    GRADIENT_CASES[name].check(tmp_path)
+    gradients = _gradient_nodes(tmp_path / "training_model.onnx")
+    assert not {"ClipGrad", "ReluGrad"} & {n.op_type for n in gradients}
+    folded = [n for n in gradients if n.op_type == "BatchNormalizationGrad"]
+    assert len(folded) == 1 and helper.get_attribute_value(
+        next(a for a in folded[0].attribute if a.name == "activation")) == b"Clip"
+
+
+def test_an_activation_gradient_read_twice_is_not_folded(tmp_path):
+    GRADIENT_CASES["batch_norm_pair_relu"].check(tmp_path)
+    gradients = _gradient_nodes(tmp_path / "training_model.onnx")
+    assert [n.op_type for n in gradients].count("ReluGrad") == 1
+    assert all(a.name != "activation" for n in gradients for a in n.attribute)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("in_place", [True, False])
+@pytest.mark.parametrize("training_mode", [1, 0])
+def test_a_folded_gradient_is_the_activation_gradient_then_the_normalization_gradient(threads, in_place,
+                                                                                      training_mode, monkeypatch):
+    """The folded kernel against the two it replaces, bit for bit: in place or not, serial or in parts, blocks
+    of channels smaller than an image."""
+    from odtrain.kernels import BINDINGS, nn, parts
+
+    monkeypatch.setattr(parts, "MIN_PARALLEL_WORK", 0)
+    monkeypatch.setattr(nn, "MASK_BLOCK", 24)  # 2 channels of 12 cells a block, 3 blocks an image
+    gradient, normalization = BINDINGS[("ai.odtrain", "ClipGrad")], BINDINGS[("ai.odtrain", "BatchNormalizationGrad")]
+    x, dy, y = rand(3, 5, 3, 4), rand(3, 5, 3, 4), rand(3, 5, 3, 4)
+    scale, mean, var, low, high = rand(5), rand(5), rand(5, low=1, high=2), scalar(-0.3), scalar(0.5)
+    statistics = [mean, var] if not training_mode else [None, None]
+    attrs = {"epsilon": 1e-3, "training_mode": training_mode, "threads": threads}
+
+    def run(calls):
+        for kernel, args in calls:
+            kernel(*args)
+
+    expected = [np.zeros(dy.shape, np.float32)] + [np.zeros(5, np.float32) for _ in range(2)]
+    run(gradient([dy, y, low, high], [expected[0]], threads=threads))
+    run(normalization([expected[0], x, scale] + statistics, expected, **attrs))
+    outputs = [np.zeros(dy.shape, np.float32)] + [np.zeros(5, np.float32) for _ in range(2)]
+    incoming = dy.copy()
+    if in_place:
+        outputs[0] = incoming
+    run(normalization([incoming, x, scale] + statistics + [y, low, high], outputs, activation="Clip", **attrs))
+    for got, want in zip(outputs, expected):
+        np.testing.assert_array_equal(got, want)
+    if not in_place:
+        np.testing.assert_array_equal(incoming, dy)  # dY is only read
+
+
+def test_the_fold_leaves_an_activation_gradient_read_elsewhere():
+    from odtrain.graph.gradient_fusion import fold_activation_gradients
+    from odtrain.graph.ir import ODTRAIN_DOMAIN, Graph, Node
+
+    def graph(extra_nodes, outputs):
+        nodes = [Node("ClipGrad", ["dy", "y", "lo", "hi"], ["g"], {}, "clip_grad", ODTRAIN_DOMAIN),
+                 Node("BatchNormalizationGrad", ["g", "x", "s"], ["dx", "ds", "db"], {"epsilon": 1e-5},
+                      "norm_grad", ODTRAIN_DOMAIN)] + extra_nodes
+        return Graph(nodes, ["dy", "y", "x", "s", "lo", "hi"], outputs, {}, {})
+
+    alone = graph([], ["dx", "ds", "db"])
+    fold_activation_gradients(alone)
+    assert [(n.op_type, n.inputs, n.attrs) for n in alone.nodes] == [
+        ("BatchNormalizationGrad", ["dy", "x", "s", "", "", "y", "lo", "hi"], {"epsilon": 1e-5, "activation": "Clip"})]
+    for extra, outputs in (([Node("Neg", ["g"], ["h"])], ["dx", "h"]), ([], ["dx", "g"])):
+        kept = graph(extra, outputs)
+        before = [(n.op_type, list(n.inputs)) for n in kept.nodes]
+        fold_activation_gradients(kept)
+        assert [(n.op_type, n.inputs) for n in kept.nodes] == before
 
 
 DROPOUT_X, DROPOUT_W = rand(4, 50, low=0.5, high=1.5), rand(4, 50)

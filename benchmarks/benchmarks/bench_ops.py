@@ -44,6 +44,14 @@ def _attention(node) -> bool:
     return "permA" in node.attrs or "permB" in node.attrs
 
 
+def _without_activation(node) -> bool:
+    return "activation" not in node.attrs
+
+
+def _with_activation(node) -> bool:  # a Relu's or Clip's gradient folded in (graph/gradient_fusion.py)
+    return "activation" in node.attrs
+
+
 # op label -> (reference model, op type, which of its nodes)
 CASES = {
     "Conv": ("cnn", "Conv", _dense),
@@ -57,7 +65,8 @@ CASES = {
     "FusedMatMul attention": ("transformer", "FusedMatMul", _attention),
     "BatchNormalization": ("cnn", "BatchNormalization", None),
     "BatchNormalizationActivation": ("cnn", "BatchNormalizationActivation", None),
-    "BatchNormalizationGrad": ("cnn", "BatchNormalizationGrad", None),
+    "BatchNormalizationGrad": ("cnn", "BatchNormalizationGrad", _without_activation),
+    "BatchNormalizationGrad Clip": ("mobilenetv2_full", "BatchNormalizationGrad", _with_activation),
     "LayerNormalization": ("transformer", "LayerNormalization", None),
     "LayerNormalizationGrad": ("transformer", "LayerNormalizationGrad", None),
     "MaxPool": ("cnn", "MaxPool", None),
@@ -66,7 +75,6 @@ CASES = {
     "GlobalAveragePoolGrad": ("cnn", "GlobalAveragePoolGrad", None),
     "Relu": ("cnn", "Relu", None),
     "ReluGrad": ("cnn", "ReluGrad", None),
-    "ClipGrad": ("mobilenetv2_full", "ClipGrad", None),
     "Add": ("cnn", "Add", None),
     "Gelu": ("transformer", "Gelu", None),
     "GeluGrad": ("transformer", "GeluGrad", None),
@@ -144,7 +152,7 @@ class ProductOps(_OpBenchmark):
 
 class NormalizationOps(_OpBenchmark):
     params = _family("BatchNormalization", "BatchNormalizationActivation", "BatchNormalizationGrad",
-                     "LayerNormalization", "LayerNormalizationGrad")
+                     "BatchNormalizationGrad Clip", "LayerNormalization", "LayerNormalizationGrad")
 
 
 class PoolOps(_OpBenchmark):
@@ -152,7 +160,7 @@ class PoolOps(_OpBenchmark):
 
 
 class ElementwiseOps(_OpBenchmark):
-    params = _family("Relu", "ReluGrad", "ClipGrad", "Add", "Gelu", "GeluGrad", "Softmax", "SoftmaxGrad")
+    params = _family("Relu", "ReluGrad", "Add", "Gelu", "GeluGrad", "Softmax", "SoftmaxGrad")
 
 
 class OptimizerOps:

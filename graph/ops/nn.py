@@ -16,7 +16,9 @@ Gradients:
 Fusion (training model only, `fuse_normalization_activations`): BatchNormalization
 followed by Relu or Clip becomes ai.odtrain BatchNormalizationActivation, one pass
 that writes the activation's output; its gradient is the activation's (through
-that output), then BatchNormalizationGrad.
+that output), then BatchNormalizationGrad, which graph/gradient_fusion.py folds
+into one BatchNormalizationGrad applying the activation's mask as it reads dY
+(inputs 5-7: Y and Clip's bounds; attributes `activation` and Clip's min/max).
 """
 from __future__ import annotations
 
