@@ -134,27 +134,32 @@ def _max_pool_2x2(x, y):
 
 
 @njit(cache=True, error_model="numpy")
-def _max_pool_2x2_grad(dy, x, dx):
+def _max_pool_2x2_grad(dy_bits, x, dx_bits):
     """dx = dy at each 2x2 tile's first maximum, 0 elsewhere in the tile (the tiles cover the plane): the
-    first cell equal to the tile's maximum (the maximum is NaN only when the first cell is)."""
+    first cell equal to the tile's maximum (the maximum is NaN only when the first cell is).
+
+    dy and dx come as their bits (an integer view of the same width): each cell is dy's bits masked by
+    all ones or all zeros, so no store depends on a branch. Branches on which cell wins are taken at
+    random on real data, and their mispredictions made the float version 3.5x slower (1.48 against
+    0.42 ms for 512 planes of 32x32)."""
     for nc in range(x.shape[0]):
-        for oh in range(dy.shape[2]):
+        for oh in range(dy_bits.shape[2]):
             top, bottom = x[nc, 0, 2 * oh], x[nc, 0, 2 * oh + 1]
-            grad_top, grad_bottom, grads = dx[nc, 0, 2 * oh], dx[nc, 0, 2 * oh + 1], dy[nc, 0, oh]
+            out_top, out_bottom, grads = dx_bits[nc, 0, 2 * oh], dx_bits[nc, 0, 2 * oh + 1], dy_bits[nc, 0, oh]
             for ow in range(grads.size):
                 a, b, c, d = top[2 * ow], top[2 * ow + 1], bottom[2 * ow], bottom[2 * ow + 1]
                 best = b if b > a else a
                 best = c if c > best else best
                 best = d if d > best else best
-                take_a = (a == best) | (best != best)
-                take_b = (b == best) & ~take_a
-                take_c = (c == best) & ~(take_a | take_b)
-                take_d = ~(take_a | take_b | take_c)
-                grad, zero = grads[ow], np.float32(0)
-                grad_top[2 * ow] = grad if take_a else zero
-                grad_top[2 * ow + 1] = grad if take_b else zero
-                grad_bottom[2 * ow] = grad if take_c else zero
-                grad_bottom[2 * ow + 1] = grad if take_d else zero
+                take_a = np.int64(a == best) | np.int64(best != best)
+                take_b = np.int64(b == best) & (1 - take_a)
+                take_c = np.int64(c == best) & (1 - (take_a | take_b))
+                take_d = 1 - (take_a | take_b | take_c)
+                grad = grads[ow]
+                out_top[2 * ow] = grad & -take_a
+                out_top[2 * ow + 1] = grad & -take_b
+                out_bottom[2 * ow] = grad & -take_c
+                out_bottom[2 * ow + 1] = grad & -take_d
 
 
 @njit(cache=True, error_model="numpy")
@@ -237,9 +242,10 @@ def _max_pool_2x2_parts(x, y, bounds):
 
 
 @njit(cache=True, error_model="numpy", parallel=True)
-def _max_pool_2x2_grad_parts(dy, x, dx, bounds):
+def _max_pool_2x2_grad_parts(dy_bits, x, dx_bits, bounds):
     for p in prange(bounds.size - 1):
-        _max_pool_2x2_grad(dy[bounds[p]:bounds[p + 1]], x[bounds[p]:bounds[p + 1]], dx[bounds[p]:bounds[p + 1]])
+        _max_pool_2x2_grad(dy_bits[bounds[p]:bounds[p + 1]], x[bounds[p]:bounds[p + 1]],
+                           dx_bits[bounds[p]:bounds[p + 1]])
 
 
 @njit(cache=True, error_model="numpy", parallel=True)
@@ -329,7 +335,9 @@ def MaxPoolGrad(inputs, outputs, threads=1, **attrs):
     geom, _ = _pool_geometry(x.shape, dy.shape, **attrs)
     xv, yv = _pool_views(x.shape, dy.shape)
     if _tiles_2x2(geom, xv, yv, cover=True):
-        return _calls(_max_pool_2x2_grad, (dy.reshape(yv), x.reshape(xv), dx.reshape(xv)), threads, xv, yv, geom)
+        bits = np.dtype(f"int{8 * dx.itemsize}")
+        return _calls(_max_pool_2x2_grad, (dy.reshape(yv).view(bits), x.reshape(xv), dx.reshape(xv).view(bits)), threads,
+                      xv, yv, geom)
     return _calls(_max_pool_grad, (dy.reshape(yv), x.reshape(xv), dx.reshape(xv), geom, _tiles(geom, xv, yv)),
                   threads, xv, yv, geom)
 

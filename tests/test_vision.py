@@ -121,14 +121,16 @@ def test_max_pool_2x2_tiles_match_the_general_kernels():
 
     x = rng.integers(0, 3, (6, 1, 4, 6)).astype(np.float32)
     x[0, 0, 0, 0] = x[1, 0, 1, 1] = x[2, 0, 0, 3] = np.nan
+    x[3, 0, 2:, :2] = [[np.inf, -np.inf], [np.inf, 1]]  # infinities tie like numbers
     dy = rand(6, 1, 2, 3)
+    dy[4, 0, 0, 0], dy[4, 0, 1, 2] = np.inf, np.nan  # a gradient's bits go to one cell, zeros to the others
     geom, _ = pool._pool_geometry(x.shape, dy.shape, kernel_shape=[2, 2], strides=[2, 2])
     y, expected_y = np.empty_like(dy), np.empty_like(dy)
     pool._max_pool_2x2(x, y)
     pool._max_pool(x, expected_y, np.zeros((1, 1, 1, 1), np.int64), False, False, geom, True)
     np.testing.assert_array_equal(y, expected_y)
     dx, expected_dx = np.full_like(x, 7), np.full_like(x, 7)
-    pool._max_pool_2x2_grad(dy, x, dx)
+    pool._max_pool_2x2_grad(dy.view(np.int32), x, dx.view(np.int32))
     pool._max_pool_grad(dy, x, expected_dx, geom, True)
     np.testing.assert_array_equal(dx, expected_dx)
 
