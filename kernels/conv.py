@@ -50,6 +50,8 @@ from . import ODTRAIN_DOMAIN, binding
 from .blas import NUMPY_OPENBLAS, blas_gemm, product
 from .depthwise import (_depthwise_forward, _depthwise_forward_parts, _depthwise_input_grad,
                         _depthwise_input_grad_parts, _depthwise_weight_grad, _depthwise_weight_grad_parts)
+from .conv_taps import (_tap_forward, _tap_forward_parts, _tap_input_grad, _tap_input_grad_parts, _tap_weight_grad,
+                        _tap_weight_grad_parts, by_taps, tap_work_sizes)
 from .parts import part_bounds, part_count
 from .windows import _as_3d, _text, _valid_range, window_geometry
 
@@ -523,8 +525,11 @@ class _ConvLayout:
         # parts' im2col memory (pointwise convolutions over few cells), the weight gradient splits its output
         # channels instead: each part all images, no sums to add. Its work memory per part: one thread's
         # columns, and its channels' gathered rows.
+        # stride-1 2-D convolutions with enough channels: one product per kernel tap, no im2col (conv_taps.py)
+        self.by_taps = by_taps(geom, self.x6[3:], self.in_per_group, self.depthwise)
+        self.tap_sizes = np.array(tap_work_sizes(geom, self.in_per_group, self.out_per_group, group), np.int64)
         self.channel_parts = 1
-        if self.parts > 1 and not self.depthwise and self.partial > self.columns + self.rows:
+        if self.parts > 1 and not self.depthwise and not self.by_taps and self.partial > self.columns + self.rows:
             self.channel_parts = part_count(threads, self.out_per_group // MIN_CHANNELS, work)
         self.channel_chunk = int(max(1, min(batch, -(-COLUMNS // max(self.cells, 1)))))
         width = self.channel_chunk * self.cells
@@ -556,6 +561,8 @@ class _ConvLayout:
         """Bytes of work memory for all parts (the dW sums only for a weight gradient or depthwise; the
         forward's rows for a `forward` convolution), in elements of `itemsize` bytes (float32, or float64 for
         the integer convolutions of quantize.py)."""
+        if self.by_taps:
+            return itemsize * self.parts * int(self.tap_sizes.sum())
         if weight_gradient and self.channel_parts > 1:
             sums = self.groups * self.k * self.out_per_group
             return itemsize * (self.channel_parts * (self.channel_columns + self.channel_rows) + sums)
@@ -567,6 +574,14 @@ class _ConvLayout:
         """The scratch as float32 [parts, elements per part]."""
         memory = scratch.view(np.float32) if scratch is not None else np.zeros(0, np.float32)
         return memory.reshape(self.parts, -1) if memory.size else np.zeros((self.parts, 0), np.float32)
+
+    def tap_work(self, scratch, dtype=np.float32):
+        """The tap kernels' work memory: [parts, elements per part] in the dtype the convolution runs in, and
+        the serial kernel's three pieces (planes, grid, taps) of part 0."""
+        memory = scratch.view(dtype)[:self.parts * int(self.tap_sizes.sum())].reshape(self.parts, -1)
+        plane, grid = int(self.tap_sizes[0]), int(self.tap_sizes[1])
+        mine = memory[0]
+        return memory, (mine[:plane], mine[plane:plane + grid], mine[plane + grid:])
 
     def depthwise_work(self, scratch, dtype=np.float32):
         """(padded planes or image, flat; one output/gradient plane, flat; taps [M/G, K, G] or dW sums) for
@@ -615,6 +630,12 @@ def _forward_calls(layout: _ConvLayout, x, w, bias, y, scratch) -> list:
         return _depthwise_calls(layout, _depthwise_forward, _depthwise_forward_parts,
                                 (x.reshape(layout.x5), wv, b, bias is not None, y.reshape(layout.y6)), scratch)
     xv, yv = x.reshape(layout.x6), y.reshape(layout.y4)
+    if layout.by_taps:
+        work, pieces = layout.tap_work(scratch, x.dtype)
+        if layout.parts > 1:
+            return [(_tap_forward_parts, (xv, wv, b, bias is not None, yv, work, layout.tap_sizes, layout.geom,
+                                          layout.bounds))]
+        return [(_tap_forward, (xv, wv, b, bias is not None, yv) + pieces + (layout.geom, 0, xv.shape[0]))]
     if layout.parts > 1:
         return [(_conv_forward_parts, (xv, wv, b, bias is not None, yv, layout.per_part(scratch), layout.columns,
                                        layout.geom, layout.chunk, layout.pointwise, layout.transposed, layout.bounds))]
@@ -630,6 +651,11 @@ def _input_grad_calls(layout: _ConvLayout, dy, w, dx, scratch) -> list:
         return _depthwise_calls(layout, _depthwise_input_grad, _depthwise_input_grad_parts,
                                 (dy.reshape(layout.y6), wv, dx.reshape(layout.x5)), scratch)
     dyv, dxv = dy.reshape(layout.y4), dx.reshape(layout.x6)
+    if layout.by_taps:
+        work, pieces = layout.tap_work(scratch, dy.dtype)
+        if layout.parts > 1:
+            return [(_tap_input_grad_parts, (dyv, wv, dxv, work, layout.tap_sizes, layout.geom, layout.bounds))]
+        return [(_tap_input_grad, (dyv, wv, dxv) + pieces + (layout.geom, 0, dxv.shape[0]))]
     if layout.parts > 1:
         return [(_conv_input_grad_parts, (dyv, wv, dxv, layout.per_part(scratch), layout.columns, layout.geom,
                                           layout.chunk, layout.pointwise, layout.bounds))]
@@ -645,6 +671,11 @@ def _weight_grad_calls(layout: _ConvLayout, dy, x, dw, scratch) -> list:
         return _depthwise_calls(layout, _depthwise_weight_grad, _depthwise_weight_grad_parts,
                                 (dy.reshape(layout.y6), x.reshape(layout.x5), dwv), scratch, weight_gradient=True)
     dyv, xv = dy.reshape(layout.y4), x.reshape(layout.x6)
+    if layout.by_taps:
+        work, pieces = layout.tap_work(scratch, x.dtype)
+        if layout.parts > 1:
+            return [(_tap_weight_grad_parts, (dyv, xv, dwv, work, layout.tap_sizes, layout.geom, layout.bounds))]
+        return [(_tap_weight_grad, (dyv, xv, dwv) + pieces + (layout.geom,))]
     if layout.channel_parts > 1:
         memory = scratch.view(np.float32)
         per_part = layout.channel_columns + layout.channel_rows
