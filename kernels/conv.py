@@ -17,6 +17,8 @@ Convolution:
   shifted contiguous copy of the image (edge columns zeroed after).
   Backward: dcol = W_gᵀ · dY_g then col2im (input); dW_gᵀ = Σ col · dY_gᵀ
   (weight; BLAS's faster order for these shapes).
+- stride-1 2-D convolutions with at least 16 input channels per group and outputs at least 16 wide:
+  one product per kernel tap over shifted views of the padded image, no im2col (conv_taps.py).
 - depthwise (C/G = 1): a direct loop, over whole planes for wide outputs (the
   padded plane split into stride phases, flattened, nine taps a pass),
   channels-last for narrow ones (three taps a multiply-add over the channels);
