@@ -17,8 +17,9 @@ Convolution:
   shifted contiguous copy of the image (edge columns zeroed after).
   Backward: dcol = W_gᵀ · dY_g then col2im (input); dW_gᵀ = Σ col · dY_gᵀ
   (weight; BLAS's faster order for these shapes).
-- stride-1 2-D convolutions with at least 16 input channels per group and outputs at least 16 wide:
-  one product per kernel tap over shifted views of the padded image, no im2col (conv_taps.py).
+- stride-1 2-D convolutions with at least 16 input channels per group and outputs at least 8 wide (16
+  for the weight gradient): one product per kernel tap over shifted views of the padded image, no im2col
+  (conv_taps.py).
 - depthwise (C/G = 1): a direct loop, over whole planes for wide outputs (the
   padded plane split into stride phases, flattened, nine taps a pass),
   channels-last for narrow ones (three taps a multiply-add over the channels);
@@ -529,9 +530,11 @@ class _ConvLayout:
         # columns, and its channels' gathered rows.
         # stride-1 2-D convolutions with enough channels: one product per kernel tap, no im2col (conv_taps.py)
         self.by_taps = by_taps(geom, self.x6[3:], self.in_per_group, self.depthwise)
+        self.weights_by_taps = by_taps(geom, self.x6[3:], self.in_per_group, self.depthwise, weight_gradient=True)
         self.tap_sizes = np.array(tap_work_sizes(geom, self.in_per_group, self.out_per_group, group), np.int64)
         self.channel_parts = 1
-        if self.parts > 1 and not self.depthwise and not self.by_taps and self.partial > self.columns + self.rows:
+        if (self.parts > 1 and not self.depthwise and not self.weights_by_taps
+                and self.partial > self.columns + self.rows):
             self.channel_parts = part_count(threads, self.out_per_group // MIN_CHANNELS, work)
         self.channel_chunk = int(max(1, min(batch, -(-COLUMNS // max(self.cells, 1)))))
         width = self.channel_chunk * self.cells
@@ -563,7 +566,7 @@ class _ConvLayout:
         """Bytes of work memory for all parts (the dW sums only for a weight gradient or depthwise; the
         forward's rows for a `forward` convolution), in elements of `itemsize` bytes (float32, or float64 for
         the integer convolutions of quantize.py)."""
-        if self.by_taps:
+        if self.weights_by_taps if weight_gradient else self.by_taps:
             return itemsize * self.parts * int(self.tap_sizes.sum())
         if weight_gradient and self.channel_parts > 1:
             sums = self.groups * self.k * self.out_per_group
@@ -673,7 +676,7 @@ def _weight_grad_calls(layout: _ConvLayout, dy, x, dw, scratch) -> list:
         return _depthwise_calls(layout, _depthwise_weight_grad, _depthwise_weight_grad_parts,
                                 (dy.reshape(layout.y6), x.reshape(layout.x5), dwv), scratch, weight_gradient=True)
     dyv, xv = dy.reshape(layout.y4), x.reshape(layout.x6)
-    if layout.by_taps:
+    if layout.weights_by_taps:
         work, pieces = layout.tap_work(scratch, x.dtype)
         if layout.parts > 1:
             return [(_tap_weight_grad_parts, (dyv, xv, dwv, work, layout.tap_sizes, layout.geom, layout.bounds))]

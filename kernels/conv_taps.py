@@ -15,8 +15,8 @@ it and reads zeros where the tap falls outside the output. No im2col: each image
 (C/G·Hp·Wp floats against im2col's K·oH·oW, a ninth for 3x3 kernels) and the products read it in place.
 
 For few channels the per-tap products are thin (K = C/G), so the layout takes this path only for at least
-TAP_MIN_CHANNELS input channels per group and outputs at least TAP_MIN_WIDTH wide (the unused cells cost
-(kw - 1)·dw / Wp of the products). Measured at one thread, 32 images, Zen 4 (numpy's OpenBLAS, SkylakeX
+TAP_MIN_CHANNELS input channels per group and outputs at least TAP_MIN_WIDTH wide (TAP_MIN_WEIGHT_WIDTH for
+the weight gradient; the unused cells cost (kw - 1)·dw / Wp of the products). Measured at one thread, 32 images, Zen 4 (numpy's OpenBLAS, SkylakeX
 kernels), ms for the whole batch, im2col path (kernels/conv.py) against taps:
 - 16 -> 16 channels, 32x32: forward 2.30 -> 1.6, weight gradient 2.8 -> 1.5;
 - 32 -> 32 channels, 16x16: forward 2.05 -> 1.6, weight gradient 2.4 -> 1.65;
@@ -35,18 +35,24 @@ from numba import njit, prange
 from .blas import gemm_blocks
 
 TAP_MIN_CHANNELS = 16  # thinner products (K = C/G per tap) lose to im2col's K = C/G·kh·kw
-TAP_MIN_WIDTH = 16  # narrower outputs waste (kw - 1)·dw / Wp of every product on unused cells
+# Narrower outputs waste more of every product on unused cells ((kw - 1)·dw / Wp). At 8 wide (3x3, 32 images,
+# 32 or 64 -> 64 channels) taps still run the forward and input gradient 20-25% faster than im2col, but the
+# weight gradient 8% slower: its per-tap products [M/G, C/G] over Q = 78 cells are too short for OpenBLAS.
+TAP_MIN_WIDTH = 8
+TAP_MIN_WEIGHT_WIDTH = 16
 
 
-def by_taps(geom, x_spatial, in_per_group: int, depthwise: bool) -> bool:
+def by_taps(geom, x_spatial, in_per_group: int, depthwise: bool, weight_gradient: bool = False) -> bool:
     """Whether a convolution with this geometry (kernels/windows.py) over images of x_spatial (3 axes) runs
-    on the tap kernels: 2-D, stride 1, and the image inside the padded planes (a ConvTranspose's output
-    padding can leave cells past them, which no tap reads; im2col handles those)."""
+    on the tap kernels (its weight gradient, with `weight_gradient`): 2-D, stride 1, and the image inside
+    the padded planes (a ConvTranspose's output padding can leave cells past them, which no tap reads;
+    im2col handles those)."""
     two_d = geom[0] == 1 and geom[12] == 1 and x_spatial[0] == 1  # one depth cell
     hp, wp = geom[13] + (geom[1] - 1) * geom[7], geom[14] + (geom[2] - 1) * geom[8]
     inside = x_spatial[1] + geom[10] <= hp and x_spatial[2] + geom[11] <= wp
     return bool(two_d and inside and not depthwise and (geom[3:6] == 1).all() and geom[1] * geom[2] > 1
-                and in_per_group >= TAP_MIN_CHANNELS and geom[14] >= TAP_MIN_WIDTH)
+                and in_per_group >= TAP_MIN_CHANNELS
+                and geom[14] >= (TAP_MIN_WEIGHT_WIDTH if weight_gradient else TAP_MIN_WIDTH))
 
 
 def tap_work_sizes(geom, in_per_group: int, out_per_group: int, groups: int):
