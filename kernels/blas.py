@@ -23,7 +23,8 @@ afterwards, so numpy's products outside steps keep their threads (scipy's BLAS, 
 route, is set to one thread for the process by odtrain.threads).
 
 `product(a, b, c)` is c = a · b for 2-D views with a unit stride along one axis;
-`gemm_batched_parts(...)` runs a batch of products in parallel parts, of the products or of their rows.
+`gemm_batched_parts(...)` runs a batch of products in parallel parts, of the products or of their rows or
+columns.
 
 Imports numpy and numba, and llvmlite (Numba's code generator) and ctypes to register the symbols.
 """
@@ -293,21 +294,30 @@ def product(a, b, c):
                 max(c.strides[0] // c.itemsize, c.shape[1], 1))
 
 
+PRODUCTS, ROWS, COLUMNS = 0, 1, 2  # how gemm_batched_parts splits a batch of products into parts
+
+
 @njit(cache=True, error_model="numpy", parallel=True)
 def gemm_batched_parts(a, b, out, m, n, k, trans_a, trans_b, lda, ldb, ldc, a_offsets, b_offsets, out_offsets, betas,
-                       alpha, bounds, by_rows):
+                       alpha, bounds, split):
     """out[o_i] = alpha · op(a[a_i]) · op(b[b_i]) + betas[i] · out[o_i] for each product i, in parallel parts:
-    `by_rows`, part p computes rows [bounds[p], bounds[p + 1]) of every product, in product order (so
-    products that share an output add up as in one thread); otherwise the products [bounds[p], bounds[p + 1])
-    (their outputs distinct). Row r of op(a) starts r·lda elements in (r when a is transposed)."""
+    `split` ROWS, part p computes rows [bounds[p], bounds[p + 1]) of every product, in product order (so
+    products that share an output add up as in one thread); COLUMNS, the same with columns; PRODUCTS, the
+    products [bounds[p], bounds[p + 1]) (their outputs distinct). Row r of op(a) starts r·lda elements in
+    (r when a is transposed); column j of op(b) j elements in (j·ldb when b is transposed)."""
     a_row = 1 if trans_a else lda
+    b_column = ldb if trans_b else 1
     for p in prange(bounds.size - 1):
-        if by_rows:
-            first, rows = bounds[p], bounds[p + 1] - bounds[p]
+        first, size = bounds[p], bounds[p + 1] - bounds[p]
+        if split == ROWS:
             for i in range(a_offsets.size):
-                blas_gemm(trans_a, trans_b, rows, n, k, alpha, a, a_offsets[i] + first * a_row, lda, b, b_offsets[i], ldb,
-                     betas[i], out, out_offsets[i] + first * ldc, ldc)
+                blas_gemm(trans_a, trans_b, size, n, k, alpha, a, a_offsets[i] + first * a_row, lda, b, b_offsets[i],
+                          ldb, betas[i], out, out_offsets[i] + first * ldc, ldc)
+        elif split == COLUMNS:
+            for i in range(a_offsets.size):
+                blas_gemm(trans_a, trans_b, m, size, k, alpha, a, a_offsets[i], lda, b, b_offsets[i] + first * b_column,
+                          ldb, betas[i], out, out_offsets[i] + first, ldc)
         else:
-            for i in range(bounds[p], bounds[p + 1]):
+            for i in range(first, first + size):
                 blas_gemm(trans_a, trans_b, m, n, k, alpha, a, a_offsets[i], lda, b, b_offsets[i], ldb, betas[i], out,
-                     out_offsets[i], ldc)
+                          out_offsets[i], ldc)

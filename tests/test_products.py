@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 
 from odtrain.kernels import BINDINGS
-from odtrain.kernels.blas import gemm_batched_parts
-from odtrain.kernels.linalg import SMALL_PRODUCT, _gemm_batched
+from odtrain.kernels.blas import COLUMNS, ROWS, gemm_batched_parts
+from odtrain.kernels.linalg import MIN_PARALLEL_PRODUCT, SMALL_PRODUCT, _gemm_batched
 
 ODTRAIN = "ai.odtrain"
-BATCH, SEQ, HEADS, DIM = 3, 64, 2, 16  # per-head products of SEQ·SEQ·DIM = SMALL_PRODUCT / 4 multiply-adds
-THREADS = 8  # more than the BATCH · HEADS products: split by products all the same
+# per-head products of SEQ·SEQ·DIM = SMALL_PRODUCT / 4 multiply-adds, MIN_PARALLEL_PRODUCT in all
+BATCH, SEQ, HEADS, DIM = 8, 64, 2, 16
+THREADS = 32  # more than the BATCH · HEADS products: split by products all the same
 
 
 def run(calls):
@@ -32,12 +33,12 @@ def bind(op, inputs, out_shape, **attrs):
 
 
 def split_by(calls) -> str:
-    """How a product's one call runs: "serial", "products" (whole products per part) or "rows"."""
+    """How a product's one call runs: "serial", "products" (whole products per part), "rows" or "columns"."""
     (kernel, args), = calls
     if kernel is _gemm_batched:
         return "serial"
     assert kernel is gemm_batched_parts
-    return "rows" if args[-1] else "products"
+    return {ROWS: "rows", COLUMNS: "columns"}.get(args[-1], "products")
 
 
 def attention_scores(threads=THREADS):
@@ -83,12 +84,26 @@ def test_products_summed_into_one_output_stay_serial():
 
 
 def test_fewer_large_products_than_threads_split_their_rows():
-    side = round(SMALL_PRODUCT ** (1 / 3)) + 1  # m·n·k just above the size OpenBLAS keeps on one thread
+    # m·n·k above the size OpenBLAS keeps on one thread, and the two products worth a parallel region
+    side = max(round(SMALL_PRODUCT ** (1 / 3)) + 1, round((MIN_PARALLEL_PRODUCT / 2) ** (1 / 3)) + 1)
     a, b = rand(2, side, side), rand(2, side, side, seed=1)
     calls, out = bind("MatMul", [a, b], (2, side, side), threads=THREADS)
     assert split_by(calls) == "rows"
     run(calls)
     np.testing.assert_allclose(out, a.astype(np.float64) @ b.astype(np.float64), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("trans_b", [0, 1])
+def test_a_wide_product_splits_its_columns(trans_b):
+    """[64×784]·[784×500], an MLP layer's forward (Gemm with transB: the weights stored [out, in])."""
+    x, w = rand(64, 784), rand(500, 784, seed=1)
+    b = w if trans_b else np.ascontiguousarray(w.T)
+    calls, out = bind("Gemm", [x, b], (64, 500), transB=trans_b, threads=THREADS)
+    assert split_by(calls) == "columns"
+    run(calls)
+    np.testing.assert_allclose(out, x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-4, atol=1e-4)
+    calls, out = bind("Gemm", [rand(128, 784), w[:100]], (128, 100), transB=1, threads=THREADS)
+    assert split_by(calls) == "rows"  # taller than wide
 
 
 def test_the_bits_do_not_depend_on_the_thread_count():
