@@ -425,13 +425,20 @@ def _binary_strided(code, a, b, out, dims, sa, sb):
 def _gather_strided(x, out, dims, sx, scale):
     """out (flat, C order over dims) = x[strided] · scale: transpose, expand."""
     k = 0
+    inner = dims[3]
     for i0 in range(dims[0]):
         for i1 in range(dims[1]):
             for i2 in range(dims[2]):
                 ix = i0 * sx[0] + i1 * sx[1] + i2 * sx[2]
-                for i3 in range(dims[3]):
-                    out[k] = x[ix + i3 * sx[3]] * scale
-                    k += 1
+                target = out[k:k + inner]
+                if sx[3] == 1:  # a contiguous run (a bias row, an expand's rows): slices, so it vectorises
+                    source = x[ix:ix + inner]
+                    for i3 in range(inner):
+                        target[i3] = source[i3] * scale
+                else:
+                    for i3 in range(inner):
+                        target[i3] = x[ix + i3 * sx[3]] * scale
+                k += inner
 
 
 @njit(cache=True, error_model="numpy")
