@@ -240,11 +240,17 @@ BLAS_CORE = _route.core
 # float32 small-matrix kernels that skip packing the operands, taken when m·n·k <= 100³ and the first
 # operand of the row-major product is not transposed against a transposed second one. They run 105-116
 # GF/s where the packed path manages 44-95 (one thread, Zen 4, numpy's OpenBLAS 0.3.31: [16×144]·[144×1024]
-# 44 whole, 110 in blocks of 384 columns; [32×288]·[288×256] 86 whole, 114 in blocks of 64), so `product`
-# (through `gemm_blocks`) cuts wider float32 products into blocks of columns under that size. Other kernel families have no such
-# kernels (cutting there lost 0-15%). Compiled kernels keep the value of the process that compiled them.
+# 44 whole, 110 in blocks of 384 columns; [32×288]·[288×256] 86 whole, 114 in blocks of 64), so
+# `gemm_blocks`, which every product of the kernels goes through, cuts wider float32 products into blocks
+# of columns under that size. Other kernel families have no such kernels (cutting there lost 0-15%).
+# Compiled kernels keep the value of the process that compiled them.
 SMALL_PRODUCT_CELLS = 100 ** 3 if BLAS_CORE.lower() in ("skylakex", "cooperlake", "sapphirerapids") else 0
 SMALL_PRODUCT_MIN_COLUMNS = 32  # narrower blocks gain nothing on the packed path's 95 GF/s (64 channels, K = 576)
+# Against a transposed second operand (c = a · bᵀ, OpenBLAS's "TN" in its column-major terms) the small
+# kernels take only outputs of at most 1200 cells and K >= 32. Blocks of [64 × 16] of [64×784]·[784×500]ᵀ (an
+# MLP layer's forward, the weights stored [out, in]) run 103 GF/s against 76 whole; taller products (512
+# rows) lose in such blocks (87-98 against 98), so only products of few rows are cut.
+SMALL_TN_OUTPUT, SMALL_TN_DEPTH, SMALL_TN_ROWS = 1200, 32, 64
 
 
 def hold_one_thread() -> None:
@@ -267,17 +273,24 @@ def _operand(a):
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def gemm_blocks(trans_a, trans_b, m, n, k, a, a_offset, lda, b, b_offset, ldb, beta, c, c_offset, ldc):
-    """blas_gemm with alpha = 1, in blocks of columns where OpenBLAS's small-matrix kernels take them
-    (SMALL_PRODUCT_CELLS: float32, the second operand not transposed); each block the same sums."""
+def gemm_blocks(trans_a, trans_b, m, n, k, alpha, a, a_offset, lda, b, b_offset, ldb, beta, c, c_offset, ldc):
+    """blas_gemm in blocks of columns where OpenBLAS's small-matrix kernels take them (SMALL_PRODUCT_CELLS:
+    float32; the second operand not transposed, or transposed against at most SMALL_TN_ROWS rows of a
+    deep enough first one); each block the same sums as the whole."""
     columns = n
-    if SMALL_PRODUCT_CELLS and c.itemsize == 4 and trans_b == 0 and m * n * k > SMALL_PRODUCT_CELLS:
-        columns = SMALL_PRODUCT_CELLS // (m * k) // 16 * 16  # whole vectors of 16 floats
-        if columns < SMALL_PRODUCT_MIN_COLUMNS:
-            columns = n
+    if SMALL_PRODUCT_CELLS and c.itemsize == 4 and m * n * k > SMALL_PRODUCT_CELLS:
+        if trans_b == 0:
+            columns = SMALL_PRODUCT_CELLS // (m * k) // 16 * 16  # whole vectors of 16 floats
+            if columns < SMALL_PRODUCT_MIN_COLUMNS:
+                columns = n
+        elif trans_a == 0 and m <= SMALL_TN_ROWS and k >= SMALL_TN_DEPTH:
+            columns = min(SMALL_TN_OUTPUT // m, SMALL_PRODUCT_CELLS // (m * k)) // 8 * 8
+            if columns < 16:  # narrower blocks unmeasured
+                columns = n
+    step = ldb if trans_b else 1  # elements from one column of op(b) to the next
     for first in range(0, n, columns):
-        blas_gemm(trans_a, trans_b, m, min(columns, n - first), k, 1.0, a, a_offset, lda, b, b_offset + first, ldb,
-                  beta, c, c_offset + first, ldc)
+        blas_gemm(trans_a, trans_b, m, min(columns, n - first), k, alpha, a, a_offset, lda, b,
+                  b_offset + first * step, ldb, beta, c, c_offset + first, ldc)
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -290,7 +303,7 @@ def product(a, b, c):
         return
     trans_a, lda = _operand(a)
     trans_b, ldb = _operand(b)
-    gemm_blocks(trans_a, trans_b, c.shape[0], c.shape[1], a.shape[1], a, 0, lda, b, 0, ldb, 0.0, c, 0,
+    gemm_blocks(trans_a, trans_b, c.shape[0], c.shape[1], a.shape[1], 1.0, a, 0, lda, b, 0, ldb, 0.0, c, 0,
                 max(c.strides[0] // c.itemsize, c.shape[1], 1))
 
 
@@ -311,13 +324,13 @@ def gemm_batched_parts(a, b, out, m, n, k, trans_a, trans_b, lda, ldb, ldc, a_of
         first, size = bounds[p], bounds[p + 1] - bounds[p]
         if split == ROWS:
             for i in range(a_offsets.size):
-                blas_gemm(trans_a, trans_b, size, n, k, alpha, a, a_offsets[i] + first * a_row, lda, b, b_offsets[i],
-                          ldb, betas[i], out, out_offsets[i] + first * ldc, ldc)
+                gemm_blocks(trans_a, trans_b, size, n, k, alpha, a, a_offsets[i] + first * a_row, lda, b,
+                            b_offsets[i], ldb, betas[i], out, out_offsets[i] + first * ldc, ldc)
         elif split == COLUMNS:
             for i in range(a_offsets.size):
-                blas_gemm(trans_a, trans_b, m, size, k, alpha, a, a_offsets[i], lda, b, b_offsets[i] + first * b_column,
-                          ldb, betas[i], out, out_offsets[i] + first, ldc)
+                gemm_blocks(trans_a, trans_b, m, size, k, alpha, a, a_offsets[i], lda, b,
+                            b_offsets[i] + first * b_column, ldb, betas[i], out, out_offsets[i] + first, ldc)
         else:
             for i in range(first, first + size):
-                blas_gemm(trans_a, trans_b, m, n, k, alpha, a, a_offsets[i], lda, b, b_offsets[i], ldb, betas[i], out,
-                          out_offsets[i], ldc)
+                gemm_blocks(trans_a, trans_b, m, n, k, alpha, a, a_offsets[i], lda, b, b_offsets[i], ldb, betas[i],
+                            out, out_offsets[i], ldc)

@@ -126,7 +126,7 @@ def _tap_forward(x, w, bias, has_bias, y, plane, grid, taps, geom, begin, end):
         for n in range(begin, end):
             _pad_image(x[n, g], plane, geom, hp, wp)
             for t in range(count):
-                gemm_blocks(0, 0, per_group, q, channels, taps, t * per_group * channels, channels, plane,
+                gemm_blocks(0, 0, per_group, q, channels, 1.0, taps, t * per_group * channels, channels, plane,
                             _shift(t, geom, wp), hp * wp, 0.0 if t == 0 else 1.0, grid, 0, q)
             for m in range(per_group):
                 target = y[n, g, m]
@@ -161,7 +161,7 @@ def _tap_input_grad(dy, w, dx, rows, grid, taps, geom, begin, end):
         for n in range(begin, end):
             _spread_rows(dy[n, g], grid, frame, pitch, cells, geom[14], wp)
             for t in range(count):
-                gemm_blocks(1, 0, channels, span, per_group, taps, t * per_group * channels, channels, grid,
+                gemm_blocks(1, 0, channels, span, per_group, 1.0, taps, t * per_group * channels, channels, grid,
                             top * wp + frame - _shift(t, geom, wp), pitch, 0.0 if t == 0 else 1.0, rows, 0, span)
             for c in range(channels):
                 for i in range(height):
@@ -191,7 +191,7 @@ def _tap_weight_sums(dy, x, plane, grid, sums, geom, begin, end):
             _pad_image(x[n, g], plane, geom, hp, wp)
             _spread_rows(dy[n, g], grid, 0, q, cells, geom[14], wp)
             for t in range(count):
-                gemm_blocks(0, 1, per_group, channels, q, grid, 0, q, plane, _shift(t, geom, wp), hp * wp,
+                gemm_blocks(0, 1, per_group, channels, q, 1.0, grid, 0, q, plane, _shift(t, geom, wp), hp * wp,
                             0.0 if n == begin else 1.0, sums, (g * count + t) * size, channels)
 
 

@@ -28,7 +28,7 @@ import numpy as np
 from numba import njit
 
 from . import ODTRAIN_DOMAIN, binding
-from .blas import COLUMNS, PRODUCTS, ROWS, blas_gemm, gemm_batched_parts
+from .blas import COLUMNS, PRODUCTS, ROWS, gemm_batched_parts, gemm_blocks
 from .elementwise import gather_call
 from .layout import broadcast_layout, element_strides
 from .parts import part_bounds, part_count
@@ -40,8 +40,8 @@ from .tensor import copy_call
 def _gemm_batched(a, b, out, m, n, k, trans_a, trans_b, lda, ldb, ldc, a_offsets, b_offsets, out_offsets, betas, alpha):
     """out[o_i] = alpha · op(a[a_i]) · op(b[b_i]) + betas[i] · out[o_i] for each product i of a batch."""
     for i in range(a_offsets.size):
-        blas_gemm(trans_a, trans_b, m, n, k, alpha, a, a_offsets[i], lda, b, b_offsets[i], ldb, betas[i],
-                   out, out_offsets[i], ldc)
+        gemm_blocks(trans_a, trans_b, m, n, k, alpha, a, a_offsets[i], lda, b, b_offsets[i], ldb, betas[i],
+                    out, out_offsets[i], ldc)
 
 
 @njit(cache=True, error_model="numpy")
