@@ -35,7 +35,7 @@ import numpy as np
 from numba import njit, prange
 
 from . import ODTRAIN_DOMAIN, binding
-from .blas import blas_gemm
+from .blas import gemm_blocks
 from .layout import element_strides, flat, float_buffers
 from .parts import part_bounds, part_count
 
@@ -282,7 +282,7 @@ def _bias(mask, mask_kind, mask_base, ms_i, ms_j, mask_width, i, j, causal_offse
 def _scores(q, k, mask, mask_kind, mask_strides, mask_width, nonpad, past, q_off, k_off, q_ld, k_ld, b, h,
             seq, keys, head_size, scale, softcap, causal, left, right, raw, probs, qk_out, qk_mode, qk_off):
     """raw ← scale·Q·Kᵀ (softcapped) and probs ← the masked softmax of one (batch, head); qk_out per qk_mode."""
-    blas_gemm(0, 1, seq, keys, head_size, scale, q, q_off, q_ld, k, k_off, k_ld, 0.0, raw, 0, keys)
+    gemm_blocks(0, 1, seq, keys, head_size, scale, q, q_off, q_ld, k, k_off, k_ld, 0.0, raw, 0, keys)
     if nonpad.size > 0:
         valid = nonpad[b]
         offset = valid - seq if past == 0 else past
@@ -341,7 +341,7 @@ def _attention(q, k, v, mask, mask_kind, mask_strides, mask_width, nonpad, past,
             _scores(q, k, mask, mask_kind, mask_strides, mask_width, nonpad, past, q_offs[b * q_heads + h],
                     k_offs[kh], q_ld, k_ld, b, h, seq, keys, head_size, scale, softcap, causal, left, right, raw,
                     probs, qk_out, qk_mode, (b * q_heads + h) * seq * keys)
-            blas_gemm(0, 0, seq, v_head_size, keys, 1.0, probs, 0, keys, v, v_offs[kh], v_ld, 0.0, y,
+            gemm_blocks(0, 0, seq, v_head_size, keys, 1.0, probs, 0, keys, v, v_offs[kh], v_ld, 0.0, y,
                       y_offs[b * q_heads + h], y_ld)
 
 
@@ -373,10 +373,10 @@ def _attention_grad_units(dy, q, k, v, mask, mask_kind, mask_strides, mask_width
             _scores(q, k, mask, mask_kind, mask_strides, mask_width, nonpad, 0, qo, k_offs[kh], q_ld, k_ld, b, h,
                     seq, keys, head_size, scale, softcap, causal, left, right, raw, probs, no_scores, 0, 0)
             if want_v:
-                blas_gemm(1, 0, keys, v_head_size, seq, 1.0, probs, 0, keys, dy, yo, y_ld, 1.0, dv, v_offs[kh], v_ld)
+                gemm_blocks(1, 0, keys, v_head_size, seq, 1.0, probs, 0, keys, dy, yo, y_ld, 1.0, dv, v_offs[kh], v_ld)
             if not (want_q or want_k):
                 continue
-            blas_gemm(0, 1, seq, keys, v_head_size, 1.0, dy, yo, y_ld, v, v_offs[kh], v_ld, 0.0, dprobs, 0, keys)
+            gemm_blocks(0, 1, seq, keys, v_head_size, 1.0, dy, yo, y_ld, v, v_offs[kh], v_ld, 0.0, dprobs, 0, keys)
             for i in range(seq):
                 row = i * keys
                 total = np.float32(0.0)
@@ -389,9 +389,9 @@ def _attention_grad_units(dy, q, k, v, mask, mask_kind, mask_strides, mask_width
                         d *= 1 - capped * capped
                     dprobs[row + j] = d
             if want_q:
-                blas_gemm(0, 0, seq, head_size, keys, scale, dprobs, 0, keys, k, k_offs[kh], k_ld, 0.0, dq, qo, q_ld)
+                gemm_blocks(0, 0, seq, head_size, keys, scale, dprobs, 0, keys, k, k_offs[kh], k_ld, 0.0, dq, qo, q_ld)
             if want_k:
-                blas_gemm(1, 0, keys, head_size, seq, scale, dprobs, 0, keys, q, qo, q_ld, 1.0, dk, k_offs[kh], k_ld)
+                gemm_blocks(1, 0, keys, head_size, seq, scale, dprobs, 0, keys, q, qo, q_ld, 1.0, dk, k_offs[kh], k_ld)
 
 
 @njit(cache=True, error_model="numpy")

@@ -241,9 +241,9 @@ BLAS_CORE = _route.core
 # operand of the row-major product is not transposed against a transposed second one. They run 105-116
 # GF/s where the packed path manages 44-95 (one thread, Zen 4, numpy's OpenBLAS 0.3.31: [16×144]·[144×1024]
 # 44 whole, 110 in blocks of 384 columns; [32×288]·[288×256] 86 whole, 114 in blocks of 64), so
-# `gemm_blocks`, which every product of the kernels goes through, cuts wider float32 products into blocks
-# of columns under that size. Other kernel families have no such kernels (cutting there lost 0-15%).
-# Compiled kernels keep the value of the process that compiled them.
+# `gemm_blocks`, which the products of convolutions, matrix products and attention go through, cuts wider
+# float32 products into blocks of columns under that size. Other kernel families have no such kernels
+# (cutting there lost 0-15%). Compiled kernels keep the value of the process that compiled them.
 SMALL_PRODUCT_CELLS = 100 ** 3 if BLAS_CORE.lower() in ("skylakex", "cooperlake", "sapphirerapids") else 0
 SMALL_PRODUCT_MIN_COLUMNS = 32  # narrower blocks gain nothing on the packed path's 95 GF/s (64 channels, K = 576)
 # Against a transposed second operand (c = a · bᵀ, OpenBLAS's "TN" in its column-major terms) the small

@@ -50,7 +50,7 @@ import numpy as np
 from numba import njit, prange
 
 from . import ODTRAIN_DOMAIN, binding
-from .blas import NUMPY_OPENBLAS, blas_gemm, product
+from .blas import NUMPY_OPENBLAS, gemm_blocks, product
 from .depthwise import (_depthwise_forward, _depthwise_forward_parts, _depthwise_input_grad,
                         _depthwise_input_grad_parts, _depthwise_weight_grad, _depthwise_weight_grad_parts)
 from .conv_taps import (_tap_forward, _tap_forward_parts, _tap_input_grad, _tap_input_grad_parts, _tap_weight_grad,
@@ -400,8 +400,8 @@ def _conv_weight_channels(dy, x, dw, col_work, row_work, sums, geom, chunk, poin
         width = nb * cells
         for g in range(groups):
             col, grad_rows = _weight_operands(dy, x, col_work, row_work, geom, pointwise, k, n0, nb, g, m0, m1)
-            blas_gemm(0, 1, k, m1 - m0, width, 1.0, col, 0, width, grad_rows, 0, width, 0.0 if n0 == 0 else 1.0, sums,
-                 (g * k) * per_group + m0, per_group)
+            gemm_blocks(0, 1, k, m1 - m0, width, 1.0, col, 0, width, grad_rows, 0, width, 0.0 if n0 == 0 else 1.0,
+                        sums, (g * k) * per_group + m0, per_group)
     for g in range(groups):
         for m in range(m0, m1):
             for j in range(k):

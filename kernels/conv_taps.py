@@ -15,9 +15,10 @@ it and reads zeros where the tap falls outside the output. No im2col: each image
 (C/G·Hp·Wp floats against im2col's K·oH·oW, a ninth for 3x3 kernels) and the products read it in place.
 
 For few channels the per-tap products are thin (K = C/G), so the layout takes this path only for at least
-TAP_MIN_CHANNELS input channels per group and outputs at least TAP_MIN_WIDTH wide (TAP_MIN_WEIGHT_WIDTH for
-the weight gradient; the unused cells cost (kw - 1)·dw / Wp of the products). Measured at one thread, 32 images, Zen 4 (numpy's OpenBLAS, SkylakeX
-kernels), ms for the whole batch, im2col path (kernels/conv.py) against taps:
+TAP_MIN_CHANNELS input channels per group and outputs at least TAP_MIN_WIDTH wide (TAP_MIN_WEIGHT_WIDTH
+for the weight gradient; the unused cells cost (kw - 1)·dw / Wp of the products). Measured at one thread,
+32 images, Zen 4 (numpy's OpenBLAS, SkylakeX kernels), ms for the whole batch, im2col (kernels/conv.py)
+against taps:
 - 16 -> 16 channels, 32x32: forward 2.30 -> 1.6, weight gradient 2.8 -> 1.5;
 - 32 -> 32 channels, 16x16: forward 2.05 -> 1.6, weight gradient 2.4 -> 1.65;
 - with OpenBLAS's Haswell kernels on the same CPU, level or up to 20% faster.
