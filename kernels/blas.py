@@ -277,16 +277,29 @@ def gemm_blocks(trans_a, trans_b, m, n, k, alpha, a, a_offset, lda, b, b_offset,
     """blas_gemm in blocks of columns where OpenBLAS's small-matrix kernels take them (SMALL_PRODUCT_CELLS:
     float32; the second operand not transposed, or transposed against at most SMALL_TN_ROWS rows of a
     deep enough first one); each block the same sums as the whole."""
-    columns = n
-    if SMALL_PRODUCT_CELLS and c.itemsize == 4 and m * n * k > SMALL_PRODUCT_CELLS:
-        if trans_b == 0:
-            columns = SMALL_PRODUCT_CELLS // (m * k) // 16 * 16  # whole vectors of 16 floats
-            if columns < SMALL_PRODUCT_MIN_COLUMNS:
-                columns = n
-        elif trans_a == 0 and m <= SMALL_TN_ROWS and k >= SMALL_TN_DEPTH:
-            columns = min(SMALL_TN_OUTPUT // m, SMALL_PRODUCT_CELLS // (m * k)) // 8 * 8
-            if columns < 16:  # narrower blocks unmeasured
-                columns = n
+    gemm_in_blocks(SMALL_PRODUCT_CELLS, trans_a, trans_b, m, n, k, alpha, a, a_offset, lda, b, b_offset, ldb, beta,
+                   c, c_offset, ldc)
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def block_columns(cells, trans_a, trans_b, m, n, k, itemsize):
+    """Columns per block of gemm_in_blocks (n: the product whole)."""
+    if not cells or itemsize != 4 or m * n * k <= cells:
+        return n
+    if trans_b == 0:
+        columns = cells // (m * k) // 16 * 16  # whole vectors of 16 floats
+        return columns if columns >= SMALL_PRODUCT_MIN_COLUMNS else n
+    if trans_a == 0 and m <= SMALL_TN_ROWS and k >= SMALL_TN_DEPTH:
+        columns = min(SMALL_TN_OUTPUT // m, cells // (m * k)) // 8 * 8
+        return columns if columns >= 16 else n  # narrower blocks unmeasured
+    return n
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def gemm_in_blocks(cells, trans_a, trans_b, m, n, k, alpha, a, a_offset, lda, b, b_offset, ldb, beta, c, c_offset,
+                   ldc):
+    """gemm_blocks with the small kernels' bound `cells` (m·n·k of a block) given: 0 runs the product whole."""
+    columns = block_columns(cells, trans_a, trans_b, m, n, k, c.itemsize)
     step = ldb if trans_b else 1  # elements from one column of op(b) to the next
     for first in range(0, n, columns):
         blas_gemm(trans_a, trans_b, m, min(columns, n - first), k, alpha, a, a_offset, lda, b,

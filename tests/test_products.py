@@ -219,3 +219,49 @@ def test_a_step_runs_blas_on_one_thread_and_gives_the_program_its_count_back():
         assert route.get_threads() == 2
     finally:
         route.set_threads(program)
+
+
+@pytest.mark.parametrize("trans_a, trans_b, m, n, k, columns", [
+    (0, 0, 16, 1000, 144, 432),  # a convolution's forward: blocks of 432 columns (16·432·144 <= 100³)
+    (1, 0, 16, 1000, 144, 432),  # its input gradient (Wᵀ · dY)
+    (0, 1, 64, 500, 784, 16),  # an MLP layer with weights [out, in]: [64 × 16] blocks for the TN kernels
+    (0, 1, 128, 500, 784, 500),  # taller: whole
+    (1, 1, 16, 1000, 144, 1000),  # both transposed: no small kernels, whole
+    (0, 0, 64, 256, 576, 256),  # blocks would be narrower than 32 columns: whole
+])
+def test_products_in_blocks_give_the_whole_product(trans_a, trans_b, m, n, k, columns):
+    """gemm_in_blocks at OpenBLAS's small-kernel bound (whatever kernels this CPU's OpenBLAS chose), on
+    operands inside larger arrays (offsets, leading dimensions): the blocks it cuts, and the product
+    against numpy and against the product whole; beta = 1 adds to what the output held. Tolerance: a
+    float32 sum of k products against float64, 1e-6 of Σ|a·b| (measured up to 3e-8 of it)."""
+    from odtrain.kernels.blas import block_columns, gemm_in_blocks
+
+    assert block_columns(100 ** 3, trans_a, trans_b, m, n, k, 4) == columns
+    assert block_columns(0, trans_a, trans_b, m, n, k, 4) == n
+    assert block_columns(100 ** 3, trans_a, trans_b, m, n, k, 8) == n  # float64: whole
+
+    @numba.njit
+    def blocks(a, b, c, a_off, lda, b_off, ldb, c_off, ldc, cells):
+        gemm_in_blocks(cells, trans_a, trans_b, m, n, k, 0.5, a, a_off, lda, b, b_off, ldb, 1.0, c, c_off, ldc)
+
+    rng = np.random.default_rng(m + n + k)
+    op_a = rng.standard_normal((m, k)).astype(np.float32)
+    op_b = rng.standard_normal((k, n)).astype(np.float32)
+    stored_a = np.ascontiguousarray(op_a.T) if trans_a else op_a
+    stored_b = np.ascontiguousarray(op_b.T) if trans_b else op_b
+    pad = 3  # each matrix sits in a wider array, 3 elements in
+    a = np.zeros((stored_a.shape[0], stored_a.shape[1] + pad), np.float32)
+    b = np.zeros((stored_b.shape[0], stored_b.shape[1] + pad), np.float32)
+    a[:, pad:], b[:, pad:] = stored_a, stored_b
+    c = np.zeros((m, n + pad), np.float32)
+    c[:, pad:] = 1.0
+    args = (a.reshape(-1), b.reshape(-1), c.reshape(-1), pad, a.shape[1], pad, b.shape[1], pad, c.shape[1])
+    blocks(*args, 100 ** 3)
+    expected = 1.0 + 0.5 * op_a.astype(np.float64) @ op_b.astype(np.float64)
+    bound = 1e-6 * (0.5 * np.abs(op_a).astype(np.float64) @ np.abs(op_b)).max()
+    assert np.abs(c[:, pad:] - expected).max() <= bound
+    assert np.all(c[:, :pad] == 0)
+    whole = np.zeros_like(c)
+    whole[:, pad:] = 1.0
+    blocks(a.reshape(-1), b.reshape(-1), whole.reshape(-1), *args[3:], 0)
+    assert np.abs(c - whole).max() <= bound
