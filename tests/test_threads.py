@@ -14,7 +14,7 @@ from onnx import helper
 import odtrain.threads as thread_policy
 from odtrain import ArgumentError, artifacts
 from odtrain.api import CheckpointState, Module, Optimizer
-from odtrain.kernels import parts
+from odtrain.kernels import conv, linalg, parts
 from oracles import OPSET, gradient_check, make_model, reference_outputs, with_weighted_sum
 from test_attention import decomposed_rms_norm, decomposed_rotary
 from test_vision import GRADIENT_CASES, _artifacts as reference_artifacts
@@ -27,7 +27,11 @@ PARTS_RTOL = 2e-6
 
 @pytest.fixture
 def split_everything(monkeypatch):
+    """Every kernel with a parallel twin runs it, whatever the work: the small cases below take the paths
+    large models take (products in parts, weight gradients split by output channels)."""
     monkeypatch.setattr(parts, "MIN_PARALLEL_WORK", 0)
+    monkeypatch.setattr(linalg, "MIN_PARALLEL_PRODUCT", 0)
+    monkeypatch.setattr(conv, "CHANNEL_SPLIT_SUMS", 0)
 
 
 def node(op, inputs, outputs=("y",), **attrs):
