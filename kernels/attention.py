@@ -342,7 +342,7 @@ def _attention(q, k, v, mask, mask_kind, mask_strides, mask_width, nonpad, past,
                     k_offs[kh], q_ld, k_ld, b, h, seq, keys, head_size, scale, softcap, causal, left, right, raw,
                     probs, qk_out, qk_mode, (b * q_heads + h) * seq * keys)
             gemm_blocks(0, 0, seq, v_head_size, keys, 1.0, probs, 0, keys, v, v_offs[kh], v_ld, 0.0, y,
-                      y_offs[b * q_heads + h], y_ld)
+                        y_offs[b * q_heads + h], y_ld)
 
 
 @njit(cache=True, error_model="numpy", parallel=True)

@@ -54,7 +54,7 @@ from .blas import NUMPY_OPENBLAS, gemm_blocks, product
 from .depthwise import (_depthwise_forward, _depthwise_forward_parts, _depthwise_input_grad,
                         _depthwise_input_grad_parts, _depthwise_weight_grad, _depthwise_weight_grad_parts)
 from .conv_taps import (_tap_forward, _tap_forward_parts, _tap_input_grad, _tap_input_grad_parts, _tap_weight_grad,
-                        _tap_weight_grad_parts, by_taps, tap_work_sizes)
+                        _tap_weight_grad_parts, by_taps, tap_work_sizes, _pieces as _tap_pieces)
 from .parts import part_bounds, part_count
 from .windows import _as_3d, _text, _valid_range, window_geometry
 
@@ -531,8 +531,8 @@ class _ConvLayout:
         self.partial = 0 if self.depthwise else group * self.k * self.out_per_group + self.product
         # Parts of the batch sum their own weight gradients, then add them. Where those sums outweigh the
         # parts' im2col memory (pointwise convolutions over few cells) and CHANNEL_SPLIT_SUMS, the weight
-        # gradient splits its output channels instead: each part all images, no sums to add. Its work memory per part: one thread's
-        # columns, and its channels' gathered rows.
+        # gradient splits its output channels instead: each part all images, no sums to add. Its work memory
+        # per part: one thread's columns, and its channels' gathered rows.
         # stride-1 2-D convolutions with enough channels: one product per kernel tap, no im2col (conv_taps.py)
         self.by_taps = by_taps(geom, self.x6[3:], self.in_per_group, self.depthwise)
         self.weights_by_taps = by_taps(geom, self.x6[3:], self.in_per_group, self.depthwise, weight_gradient=True)
@@ -589,9 +589,7 @@ class _ConvLayout:
         """The tap kernels' work memory: [parts, elements per part] in the dtype the convolution runs in, and
         the serial kernel's three pieces (planes, grid, taps) of part 0."""
         memory = scratch.view(dtype)[:self.parts * int(self.tap_sizes.sum())].reshape(self.parts, -1)
-        plane, grid = int(self.tap_sizes[0]), int(self.tap_sizes[1])
-        mine = memory[0]
-        return memory, (mine[:plane], mine[plane:plane + grid], mine[plane + grid:])
+        return memory, _tap_pieces(memory[0], self.tap_sizes)
 
     def depthwise_work(self, scratch, dtype=np.float32):
         """(padded planes or image, flat; one output/gradient plane, flat; taps [M/G, K, G] or dW sums) for

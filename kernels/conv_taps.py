@@ -43,13 +43,22 @@ TAP_MIN_WIDTH = 8
 TAP_MIN_WEIGHT_WIDTH = 16
 
 
+@njit(cache=True, error_model="numpy", inline="always")
+def _extents(geom):
+    """(Hp, Wp, Q cells on the padded width, S the largest tap offset, kh·kw): the one place of these
+    sizes, for the kernels and for the layout at bind time."""
+    kh, kw, dh, dw = geom[1], geom[2], geom[7], geom[8]
+    hp, wp = geom[13] + (kh - 1) * dh, geom[14] + (kw - 1) * dw
+    return hp, wp, geom[13] * wp - (kw - 1) * dw, (kh - 1) * dh * wp + (kw - 1) * dw, kh * kw
+
+
 def by_taps(geom, x_spatial, in_per_group: int, depthwise: bool, weight_gradient: bool = False) -> bool:
     """Whether a convolution with this geometry (kernels/windows.py) over images of x_spatial (3 axes) runs
     on the tap kernels (its weight gradient, with `weight_gradient`): 2-D, stride 1, and the image inside
     the padded planes (a ConvTranspose's output padding can leave cells past them, which no tap reads;
     im2col handles those)."""
     two_d = geom[0] == 1 and geom[12] == 1 and x_spatial[0] == 1  # one depth cell
-    hp, wp = geom[13] + (geom[1] - 1) * geom[7], geom[14] + (geom[2] - 1) * geom[8]
+    hp, wp = _extents(geom)[:2]
     inside = x_spatial[1] + geom[10] <= hp and x_spatial[2] + geom[11] <= wp
     return bool(two_d and inside and not depthwise and (geom[3:6] == 1).all() and geom[1] * geom[2] > 1
                 and in_per_group >= TAP_MIN_CHANNELS
@@ -59,18 +68,15 @@ def by_taps(geom, x_spatial, in_per_group: int, depthwise: bool, weight_gradient
 def tap_work_sizes(geom, in_per_group: int, out_per_group: int, groups: int):
     """(plane, grid, taps): elements per part of the padded planes, the padded-width output or framed dY,
     and the tap weights or dW sums."""
-    kh, kw, dh, dw, out_h, out_w = (int(geom[i]) for i in (1, 2, 7, 8, 13, 14))
-    hp, wp = out_h + (kh - 1) * dh, out_w + (kw - 1) * dw
-    frame = (kh - 1) * dh * wp + (kw - 1) * dw
-    return in_per_group * hp * wp, out_per_group * (hp * wp + frame), groups * kh * kw * out_per_group * in_per_group
+    hp, wp, _, frame, count = (int(v) for v in _extents(geom))
+    return in_per_group * hp * wp, out_per_group * (hp * wp + frame), groups * count * out_per_group * in_per_group
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _extents(geom):
-    """(Hp, Wp, Q cells on the padded width, S the largest tap offset, kh·kw)."""
-    kh, kw, dh, dw = geom[1], geom[2], geom[7], geom[8]
-    hp, wp = geom[13] + (kh - 1) * dh, geom[14] + (kw - 1) * dw
-    return hp, wp, geom[13] * wp - (kw - 1) * dw, (kh - 1) * dh * wp + (kw - 1) * dw, kh * kw
+def _pieces(mine, sizes):
+    """A part's work memory as (padded planes or dX rows, grid, taps or dW sums), of sizes[0:3] elements."""
+    start = sizes[0] + sizes[1]
+    return mine[:sizes[0]], mine[sizes[0]:start], mine[start:start + sizes[2]]
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -143,9 +149,8 @@ def _tap_forward(x, w, bias, has_bias, y, plane, grid, taps, geom, begin, end):
 def _tap_forward_parts(x, w, bias, has_bias, y, work, sizes, geom, bounds):
     """_tap_forward on the images [bounds[p], bounds[p + 1]) of each part p, in parallel, each with work[p]."""
     for part in prange(bounds.size - 1):
-        mine = work[part]
-        _tap_forward(x, w, bias, has_bias, y, mine[:sizes[0]], mine[sizes[0]:sizes[0] + sizes[1]],
-                     mine[sizes[0] + sizes[1]:], geom, bounds[part], bounds[part + 1])
+        plane, grid, taps = _pieces(work[part], sizes)
+        _tap_forward(x, w, bias, has_bias, y, plane, grid, taps, geom, bounds[part], bounds[part + 1])
 
 
 @njit(cache=True, error_model="numpy")
@@ -176,9 +181,8 @@ def _tap_input_grad(dy, w, dx, rows, grid, taps, geom, begin, end):
 def _tap_input_grad_parts(dy, w, dx, work, sizes, geom, bounds):
     """_tap_input_grad on the images of each part (bounds), in parallel, each with its own work[p]."""
     for part in prange(bounds.size - 1):
-        mine = work[part]
-        _tap_input_grad(dy, w, dx, mine[:sizes[0]], mine[sizes[0]:sizes[0] + sizes[1]], mine[sizes[0] + sizes[1]:],
-                        geom, bounds[part], bounds[part + 1])
+        rows, grid, taps = _pieces(work[part], sizes)
+        _tap_input_grad(dy, w, dx, rows, grid, taps, geom, bounds[part], bounds[part + 1])
 
 
 @njit(cache=True, error_model="numpy")
@@ -222,9 +226,8 @@ def _tap_weight_grad(dy, x, dw, plane, grid, sums, geom):
 def _tap_weight_grad_parts(dy, x, dw, work, sizes, geom, bounds):
     """dw as _tap_weight_grad, each part (bounds) summing its images into its own sums in work[p], in
     parallel; the parts' sums are then added in part order: the same at every run."""
-    start = sizes[0] + sizes[1]
     for part in prange(bounds.size - 1):
-        mine = work[part]
-        _tap_weight_sums(dy, x, mine[:sizes[0]], mine[sizes[0]:start], mine[start:], geom, bounds[part],
-                         bounds[part + 1])
+        plane, grid, sums = _pieces(work[part], sizes)
+        _tap_weight_sums(dy, x, plane, grid, sums, geom, bounds[part], bounds[part + 1])
+    start = sizes[0] + sizes[1]
     _taps_to_weights(work[:, start:start + sizes[2]], dw, geom[1] * geom[2], bounds.size - 1)

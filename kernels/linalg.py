@@ -122,7 +122,8 @@ def _calls(a, b, out, m, n, k, trans_a, trans_b, lda, ldb, ldc, a_offsets, b_off
     # a product split into blocks: of its columns when it has more columns than rows (each part then reads
     # all of the smaller operand, op(a), and its own block of op(b)), else of its rows
     by_columns = int(n) > int(m)
-    blocks = (int(n) if by_columns else int(m)) // MIN_ROWS
+    extent = int(n) if by_columns else int(m)  # columns or rows, split into blocks
+    blocks = extent // MIN_ROWS
     if work < MIN_PARALLEL_PRODUCT or part_count(threads, max(count, blocks), work) == 1:
         return [(_gemm_batched, args)]
     distinct = len(set(out_offsets.tolist())) == count
@@ -132,8 +133,7 @@ def _calls(a, b, out, m, n, k, trans_a, trans_b, lda, ldb, ldc, a_offsets, b_off
     parts = part_count(threads, blocks, work)
     if parts == 1:
         return [(_gemm_batched, args)]
-    return [(gemm_batched_parts, args + (part_bounds(int(n) if by_columns else int(m), parts),
-                                         COLUMNS if by_columns else ROWS))]
+    return [(gemm_batched_parts, args + (part_bounds(extent, parts), COLUMNS if by_columns else ROWS))]
 
 
 def broadcast_batch(*batches: tuple) -> tuple:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from odtrain.kernels import BINDINGS
-from odtrain.kernels.conv import _ConvLayout, conv_scratch
+from odtrain.kernels.conv import _ConvLayout, _conv_transpose_scratch, _transpose_layout, conv_scratch
 
 ODTRAIN = "ai.odtrain"
 TOLERANCE = {np.float32: 2e-6, np.float64: 1e-12}
@@ -117,7 +117,6 @@ def test_stride_one_conv_transpose_matches_its_definition(pads, output_padding, 
     """A stride-1 ConvTranspose is a convolution's input gradient (X and Y exchanged). Output padding past
     the end pads (allowed with a dilation of 2) leaves its last cells outside the padded planes, which the
     tap kernels do not hold: the layout keeps that one on im2col."""
-    from odtrain.kernels.conv import _conv_transpose_scratch, _transpose_layout
     rng = np.random.default_rng(5)
     x, w = rng.standard_normal((2, 16, 17, 19)).astype(np.float32), rng.standard_normal((16, 16, 3, 3)).astype(
         np.float32)
