@@ -4,13 +4,15 @@ busy process. Every figure comes from fresh processes, the variants alternating,
     python benchmarks/threads.py regions [--runs 3]
     python benchmarks/threads.py neighbour --workload cnn [--steps 20] [--runs 3] [--pinned]
 
-regions: Numba's omp layer with libgomp's default waiting (spinning), with OMP_WAIT_POLICY=PASSIVE (what
-odtrain sets), and the workqueue layer; each process reports the median time of one 2-thread region with
-trivial work, back to back, after ~20 µs of serial work, and after sleeping 1 ms and 10 ms.
+regions: Numba's omp layer with libgomp's default waiting (spinning ~3 ms), with OMP_WAIT_POLICY=PASSIVE and
+odtrain's short spin (what odtrain sets), passive without a spin, and the workqueue layer; each process
+reports the median time of one 2-thread region with trivial work, back to back, after ~20 µs of serial work,
+and after sleeping 1 ms and 10 ms.
 
 neighbour: the median training step (AdamW, ../shared/models/WORKLOAD, batches of golden.npz) at
-num_threads=1 and at odtrain's default (every core this process may run on), alone and beside one busy
-process (`python -c 'while True: pass'`, with --pinned on the last core); prints default / one thread.
+num_threads=1 and at odtrain's default (every core this process may run on; beside a busy process, the
+cores it leaves free), alone and beside one busy process (`python -c 'while True: pass'`, with --pinned on
+the last core); prints default / one thread.
 """
 import argparse
 import json
@@ -92,8 +94,12 @@ def _run(code, *argv, env=None):
 
 
 def regions(args):
+    from odtrain.threads import SPIN_COUNT
+
     variants = {"omp, spinning (libgomp's default)": ("omp", {}),
-                "omp, OMP_WAIT_POLICY=PASSIVE (odtrain)": ("omp", {"OMP_WAIT_POLICY": "PASSIVE"}),
+                f"omp, OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT={SPIN_COUNT} (odtrain)":
+                    ("omp", {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": str(SPIN_COUNT)}),
+                "omp, OMP_WAIT_POLICY=PASSIVE, no spin": ("omp", {"OMP_WAIT_POLICY": "PASSIVE"}),
                 "workqueue": ("workqueue", {})}
     results = {name: [] for name in variants}
     for _ in range(args.runs):

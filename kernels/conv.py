@@ -12,7 +12,8 @@ Convolution:
   product runs as Y_gᵀ = col(X_g)ᵀ · W_gᵀ into work memory, then is transposed into Y.
   (Cutting products into blocks of cells for OpenBLAS's small-matrix kernels
   was slower here, by 0-15%: this CPU's OpenBLAS has none for these shapes.)
-  Pointwise convolutions (1x1, stride 1, no padding) skip im2col; for
+  Pointwise convolutions (1x1, stride 1, no padding) skip im2col (over
+  planes of fewer than COLUMNS cells they run in conv_pointwise.py); for
   stride 1 with the output as wide as the input, each im2col row is one
   shifted contiguous copy of the image (edge columns zeroed after).
   Backward: dcol = W_gᵀ · dY_g then col2im (input); dW_gᵀ = Σ col · dY_gᵀ
@@ -55,10 +56,11 @@ from .depthwise import (_depthwise_forward, _depthwise_forward_parts, _depthwise
                         _depthwise_input_grad_parts, _depthwise_weight_grad, _depthwise_weight_grad_parts)
 from .conv_taps import (_tap_forward, _tap_forward_parts, _tap_input_grad, _tap_input_grad_parts, _tap_weight_grad,
                         _tap_weight_grad_parts, by_taps, tap_work_sizes, _pieces as _tap_pieces)
+from .conv_pointwise import (COLUMNS, FORWARD, INPUT_GRADIENT, MIN_CHANNELS, WEIGHT_GRADIENT, pointwise_calls,
+                             pointwise_plan)
 from .parts import part_bounds, part_count
 from .windows import _as_3d, _text, _valid_range, window_geometry
 
-COLUMNS = 512  # convolutions batch images into one product until it has this many columns
 # Forward products with at most this many output channels per group and at least this deep a K run as
 # Yᵀ = im2colᵀ · Wᵀ, then a transpose into Y, on the route to scipy's OpenBLAS 0.3.30 (kernels/blas.py): it is
 # ~15% faster with the few channels as its row count (16 channels, K = 144, 1024 cells: 5.3-5.6 ms against
@@ -67,7 +69,6 @@ COLUMNS = 512  # convolutions batch images into one product until it has this ma
 # forward convolutions 19.5 -> 17.5 ms), so there no product is transposed.
 TRANSPOSED_CHANNELS = 0 if NUMPY_OPENBLAS else 32
 TRANSPOSED_DEPTH = 64
-MIN_CHANNELS = 16  # output channels per part when a weight gradient splits them (narrower products lose speed)
 # A weight gradient splits its output channels only when each part's dW sums would hold more than this many
 # elements (64 KiB of float32): smaller sums cost little memory and little to add, and splitting the batch
 # runs faster (pointwise, 8 images, 2 parts: 24 -> 144 channels over 24x24, 0.39 ms by channels against 0.19
@@ -215,9 +216,11 @@ def _gather_dy(dy, n0, nb, g, out, m0=0):
     """out[m, b·P + p] = dy[n0 + b, g, m0 + m, p] (out has the rows of the channels wanted)."""
     cells = dy.shape[3]
     for m in range(out.shape[0]):
+        row = out[m]
         for b in range(nb):
+            source, target = dy[n0 + b, g, m0 + m], row[b * cells:(b + 1) * cells]
             for p in range(cells):
-                out[m, b * cells + p] = dy[n0 + b, g, m0 + m, p]
+                target[p] = source[p]
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -515,6 +518,9 @@ class _ConvLayout:
         per_part = -(-batch // self.parts)  # images of the largest part
         self.pointwise = bool((geom[0:6] == 1).all() and (geom[9:12] == 0).all()
                               and tuple(x_shape[2:]) == tuple(y_shape[2:]))
+        # pointwise over small planes: several images per product, parts split channels (conv_pointwise.py)
+        self.small_pointwise = self.pointwise and self.cells < COLUMNS
+        self.batch, self.threads = batch, threads
         # the parts share the columns of one product: together they hold no more work memory than one thread
         self.chunk = int(max(1, min(per_part, -(-COLUMNS // (self.parts * max(self.cells, 1))))))
         width = self.chunk * self.cells
@@ -571,6 +577,9 @@ class _ConvLayout:
         """Bytes of work memory for all parts (the dW sums only for a weight gradient or depthwise; the
         forward's rows for a `forward` convolution), in elements of `itemsize` bytes (float32, or float64 for
         the integer convolutions of quantize.py)."""
+        if self.small_pointwise:
+            plan = self.pointwise_plan(WEIGHT_GRADIENT if weight_gradient else FORWARD if forward else INPUT_GRADIENT)
+            return itemsize * plan.parts * plan.per_part
         if self.weights_by_taps if weight_gradient else self.by_taps:
             return itemsize * self.parts * int(self.tap_sizes.sum())
         if weight_gradient and self.channel_parts > 1:
@@ -579,6 +588,15 @@ class _ConvLayout:
         extra = self.partial if weight_gradient or self.depthwise else 0
         rows = self.forward_rows if forward and not self.depthwise else self.rows
         return itemsize * self.parts * (self.columns + rows + extra)
+
+    def pointwise_plan(self, op: int):
+        """How the FORWARD, INPUT_GRADIENT or WEIGHT_GRADIENT op of a small pointwise convolution runs."""
+        return pointwise_plan(op, self.batch, self.in_per_group, self.out_per_group, self.groups, self.cells,
+                              self.threads)
+
+    def planes(self, array):
+        """A pointwise convolution's X, Y or their gradients as [N, G, channels, P]."""
+        return array.reshape(self.batch, self.groups, -1, self.cells)
 
     def per_part(self, scratch) -> np.ndarray:
         """The scratch as float32 [parts, elements per part]."""
@@ -637,6 +655,9 @@ def _forward_calls(layout: _ConvLayout, x, w, bias, y, scratch) -> list:
     if layout.depthwise:
         return _depthwise_calls(layout, _depthwise_forward, _depthwise_forward_parts,
                                 (x.reshape(layout.x5), wv, b, bias is not None, y.reshape(layout.y6)), scratch)
+    if layout.small_pointwise:
+        return pointwise_calls(FORWARD, layout.pointwise_plan(FORWARD),
+                               (layout.planes(x), wv, b, bias is not None, layout.planes(y)), scratch, x.dtype)
     xv, yv = x.reshape(layout.x6), y.reshape(layout.y4)
     if layout.by_taps:
         work, pieces = layout.tap_work(scratch, x.dtype)
@@ -658,6 +679,9 @@ def _input_grad_calls(layout: _ConvLayout, dy, w, dx, scratch) -> list:
     if layout.depthwise:
         return _depthwise_calls(layout, _depthwise_input_grad, _depthwise_input_grad_parts,
                                 (dy.reshape(layout.y6), wv, dx.reshape(layout.x5)), scratch)
+    if layout.small_pointwise:
+        return pointwise_calls(INPUT_GRADIENT, layout.pointwise_plan(INPUT_GRADIENT),
+                               (layout.planes(dy), wv, layout.planes(dx)), scratch, dy.dtype)
     dyv, dxv = dy.reshape(layout.y4), dx.reshape(layout.x6)
     if layout.by_taps:
         work, pieces = layout.tap_work(scratch, dy.dtype)
@@ -678,6 +702,9 @@ def _weight_grad_calls(layout: _ConvLayout, dy, x, dw, scratch) -> list:
     if layout.depthwise:
         return _depthwise_calls(layout, _depthwise_weight_grad, _depthwise_weight_grad_parts,
                                 (dy.reshape(layout.y6), x.reshape(layout.x5), dwv), scratch, weight_gradient=True)
+    if layout.small_pointwise:
+        return pointwise_calls(WEIGHT_GRADIENT, layout.pointwise_plan(WEIGHT_GRADIENT),
+                               (layout.planes(dy), layout.planes(x), dwv), scratch, x.dtype)
     dyv, xv = dy.reshape(layout.y4), x.reshape(layout.x6)
     if layout.weights_by_taps:
         work, pieces = layout.tap_work(scratch, x.dtype)

@@ -14,10 +14,11 @@ from __future__ import annotations
 import numpy as np
 
 # Below this many multiply-adds (or elements) a parallel region costs more than it saves. Measured here (2 cores,
-# passive waiting, odtrain/threads.py): a 2-thread region costs 12-20 µs back to back, 30-85 µs after the
-# threads idle; the cheapest kernel, a float32 add, on 2^16 / 2^18 / 2^20 elements: 13.5 / 48.8 / 272 µs on
-# one thread, 26.5 / 49.4 / 142.5 µs in 2 parts. From 2^18 every kernel gains or breaks even.
-MIN_PARALLEL_WORK = 1 << 18
+# odtrain's waiting: a short spin, then sleep, odtrain/threads.py): a 2-thread region within a step costs ~2 µs
+# (43-54 µs when its threads slept); a float32 add after some serial work, 2^12 / 2^15 / 2^18 elements: 5.7 /
+# 41.6 / 209 µs on one thread, 4.5 / 22.7 / 85.5 µs in 2 parts. MobileNetV2 at batch 8 (batch norms over 6x6
+# and 3x3 planes, ~2^17-2^18 elements): 2-thread step 39.9 ms at 2^18, 36.0 at 2^15 (profile medians).
+MIN_PARALLEL_WORK = 1 << 15
 
 
 def part_count(threads: int, units: int, work: int) -> int:

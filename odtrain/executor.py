@@ -178,16 +178,15 @@ class BoundGraph:
 
     @contextlib.contextmanager
     def step_threads(self):
-        """While the calls run: Numba's pool at the count they were bound for, BLAS on one thread (the
-        program's own BLAS threads come back afterwards)."""
-        previous = thread_policy.use(self.threads) if self.threads > 1 else None
-        hold_one_thread()
-        try:
-            yield
-        finally:
-            release_thread()
-            if previous is not None:
-                thread_policy.use(previous)
+        """While the calls run: Numba's pool at the threads the machine leaves free for the parts they were
+        bound for (odtrain.threads.running), BLAS on one thread (the program's own BLAS threads come back
+        afterwards); yields that thread count."""
+        with thread_policy.running(self.threads) if self.threads > 1 else contextlib.nullcontext(1) as threads:
+            hold_one_thread()
+            try:
+                yield threads
+            finally:
+                release_thread()
 
     def output(self, name: str) -> np.ndarray:
         return self.storage[name].copy()
@@ -228,8 +227,7 @@ def apply_optimizer(config, weights: np.ndarray, grads: np.ndarray, moments: dic
     on parts of the block in parallel at `threads` threads when the block is large enough."""
     parts = part_count(threads, weights.size, weights.size)
     split = (parts,) if parts > 1 else ()
-    previous = thread_policy.use(threads) if split else None
-    try:
+    with thread_policy.running(threads) if split else contextlib.nullcontext():
         if isinstance(config, AdamW):
             (adamw_update_parts if split else adamw_update)(
                 weights, grads, moments["momentum0"], moments["momentum1"], float(learning_rate),
@@ -241,6 +239,3 @@ def apply_optimizer(config, weights: np.ndarray, grads: np.ndarray, moments: dic
                 float(config.dampening), float(config.weight_decay), bool(config.nesterov), step == 1, *split)
         else:
             (sgd_update_parts if split else sgd_update)(weights, grads, float(learning_rate), *split)
-    finally:
-        if previous is not None:
-            thread_policy.use(previous)

@@ -136,7 +136,7 @@ class StepProfile:
     batch_size: int
     steps: int
     threads: int  # the step's thread count: the parts its parallel kernels were bound for
-    numba_threads: int  # the threads of Numba's pool those parts ran on (at most the pool's size)
+    numba_threads: int  # the threads those parts ran on: the fewest of any timed step (odtrain.threads.running)
     step_seconds: float  # median of the untimed steps
     nodes: list[NodeTime] = field(default_factory=list)  # in execution order
     peaks: dict[int, float] = field(default_factory=dict)  # threads -> float32 GEMM GF/s
@@ -252,7 +252,7 @@ def profile_artifacts(directory, batch_size: int, steps: int = 10, threads: int 
 
     `threads` sets odtrain's threads (`odtrain.threads.set_num_threads`, which stays set); None keeps the
     process's setting. Runs `warmup + steps` steps of each loop; the parameters train as they would."""
-    from .threads import pool_size, set_num_threads
+    from .threads import set_num_threads
     from .training import Session
 
     for label, value, least in (("batch size", batch_size, 1), ("steps", steps, 1), ("warmup", warmup, 0),
@@ -272,7 +272,7 @@ def profile_artifacts(directory, batch_size: int, steps: int = 10, threads: int 
     peaks = {count: gemm_peak(count, clock) for count in sorted({1, step_threads or 1, cores})}
     feeds = _random_feeds(bound.feed_views, seed)
     _, backward = split_forward_backward(bound.order, LOSS_SEED)
-    untimed, feed_times, optimizer_times = [], [], []
+    untimed, feed_times, optimizer_times, ran_on = [], [], [], []
     elapsed = np.zeros((warmup + steps, len(bound.calls)))
     read = CLOCKS[clock]
     for step in range(warmup + steps):
@@ -286,8 +286,9 @@ def profile_artifacts(directory, batch_size: int, steps: int = 10, threads: int 
         for view, value in zip(bound.feed_views, feeds):
             np.copyto(view, value, casting="no")
         feed_times.append(read() - start)
-        with bound.step_threads():
+        with bound.step_threads() as running:
             timed_calls(bound.calls, elapsed[step], read)
+        ran_on.append(running)
         start = read()
         optimizer.step()
         optimizer_times.append(read() - start)
@@ -311,5 +312,5 @@ def profile_artifacts(directory, batch_size: int, steps: int = 10, threads: int 
     if not any(node.op_type == APPLY_UPDATE for node in bound.order):  # else the updates ran inside backward
         nodes.append(NodeTime("(optimizer step)", session.state.buffer_bytes().optimizer_kind, "optimizer", 1,
                               statistics.median(optimizer_times[warmup:])))
-    return StepProfile(directory, int(batch_size), int(steps), step_threads, min(step_threads, pool_size()),
+    return StepProfile(directory, int(batch_size), int(steps), step_threads, min(ran_on[warmup:]),
                        statistics.median(untimed[warmup:]), nodes, peaks, clock, sequence_length)

@@ -18,19 +18,27 @@ products run inside the regions, already split, so threads never multiply, and O
 own pool, whose idle threads spin, never runs.
 
 Numba's threading layer is chosen on purpose, by `configure()` before the pool starts (unless
-the user chose one with NUMBA_THREADING_LAYER): OpenMP (libgomp), with OMP_WAIT_POLICY=PASSIVE
-set before libgomp loads, so that threads waiting for the next region sleep instead of spinning.
-Measured on this 2-core VM (benchmarks/threads.py regions, medians of 3 processes), one 2-thread
-region, back to back / after 1 ms idle / after 10 ms idle:
-- OpenMP, passive waiting: 18 / 30 / 85 µs on a near-quiet machine; 12 / 19 / 55 µs on a busy one;
-- OpenMP, libgomp's default spinning: 2.6 / 9.3 / 97 µs near-quiet, but 12 ms / 24 ms / 19 ms busy:
-  spinning threads spend their share of the cores, then wait for it;
-- Numba's workqueue layer (condition variables, never spins): 57 / 106 / 182 µs near-quiet;
-- GOMP_SPINCOUNT=1000 or 5000 without a policy: 58 or 255 µs back to back (the wait spins out).
-A whole cnn training step at 2 threads on the busy machine took 1.11x the one-thread step with
-passive waiting, 5.65x with libgomp's default spinning.
+the user chose one with NUMBA_THREADING_LAYER): OpenMP (libgomp), with OMP_WAIT_POLICY=PASSIVE and
+GOMP_SPINCOUNT=SPIN_COUNT set before libgomp loads (unless the user set either): a thread waiting
+for the next region spins ~350 µs, then sleeps. Measured on this 2-core VM, one 2-thread region
+after a gap of serial work (benchmarks/threads.py regions measures them again):
+- spinning SPIN_COUNT: 1.6 µs for gaps up to 300 µs (a step's regions follow each other closer
+  than that), 24-38 µs after 400-500 µs;
+- passive waiting alone (no spin): 43-54 µs whatever the gap; on earlier hosts 18 / 30 / 85 µs
+  back to back / after 1 ms / after 10 ms idle;
+- libgomp's default spinning (~3 ms): 2.6 µs near-quiet, but 12-24 ms beside a busy process;
+- Numba's workqueue layer (condition variables, never spins): 57 / 106 / 182 µs.
+MobileNetV2 (batch 8, 96x96) runs ~200 regions a step: 2 threads over 1 went from 1.24-1.33x with
+passive waiting to 1.78x with the spin (benchmarks/threads.py neighbour).
+Spinning costs only when the cores are shared: a spinning thread spends a neighbour's share, and a
+part that waits for a core holds up its region. So a step runs its parts on the cores other
+processes leave free (`Neighbours`, read from /proc/stat every LOAD_WINDOW): beside one busy
+process on 2 cores it runs them on one thread, 1.02-1.05x the one-thread step (with the spin and 2
+threads: 2.1x; passive, 2 threads: 1.06-1.14x). The parts stay those the step was bound for, so the
+bits do not depend on the load.
 Thread safety: odtrain's kernels hold the GIL, so two modules trained in two Python threads take
-turns kernel by kernel on either layer (tests/test_threads.py), but two regions at once, e.g.
+turns kernel by kernel on either layer (tests/test_threads.py; while two steps run at once, each
+runs its parts on one thread, so no team spins while the other works), but two regions at once, e.g.
 another library's nogil parallel kernels in another thread, terminate the process under
 workqueue ("Concurrent access has been detected"; measured), where OpenMP gives each calling
 thread its own team. TBB is not installed here (and has no aarch64 wheel).
@@ -47,11 +55,19 @@ from __future__ import annotations
 import contextlib
 import operator
 import os
+import threading
+import time
 
 from .blas import set_blas_threads
 from .graph.errors import ArgumentError
 
 ENVIRONMENT = "ODTRAIN_NUM_THREADS"
+# libgomp's spin before a waiting thread sleeps (GOMP_SPINCOUNT, iterations of a pause instruction; about
+# 35 ns each on this machine kind, so ~350 µs): regions of one step follow each other within that, and a
+# thread still spinning starts the next one in 1.6 µs, where waking a sleeping one takes 43-54 µs here
+# (MobileNetV2 runs ~200 regions a step). Only while this process has the cores to itself (NEIGHBOURS).
+SPIN_COUNT = 10000
+LOAD_WINDOW = 0.25  # seconds: how long the machine's load is measured over before it is read again
 _process_default: int | None = None
 _configured = False
 _forked_from_openmp = False
@@ -124,7 +140,9 @@ def configure() -> None:
 
     if "NUMBA_THREADING_LAYER" not in os.environ and config.THREADING_LAYER == "default":
         if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ or not _openmp_loaded():
-            os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read once, when libgomp loads
+            if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+                os.environ["GOMP_SPINCOUNT"] = str(SPIN_COUNT)  # both read once, when libgomp loads
+            os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
             config.THREADING_LAYER_PRIORITY = ["omp", "workqueue", "tbb"]
         else:  # an OpenMP runtime that already read its (spinning) wait policy: the passive layer instead
             config.THREADING_LAYER_PRIORITY = ["workqueue", "omp", "tbb"]
@@ -166,3 +184,97 @@ def use(count: int) -> int:
     if previous != count:
         set_numba_threads(count)
     return previous
+
+
+def _busy_seconds(cpus) -> float | None:
+    """CPU seconds the CPUs `cpus` have spent busy since boot (user, nice, system, irq, softirq and steal
+    time in /proc/stat), or None where the file or one of those CPUs is missing."""
+    try:
+        with open("/proc/stat", "rb") as stat:
+            lines = stat.read().splitlines()
+    except OSError:
+        return None
+    ticks, seen = 0, 0
+    for line in lines:
+        if line.startswith(b"cpu") and line[3:4].isdigit():
+            fields = line.split()
+            if int(fields[0][3:]) in cpus and len(fields) >= 9:
+                user, nice, system, _, _, irq, softirq, steal = (int(value) for value in fields[1:9])
+                ticks += user + nice + system + irq + softirq + steal
+                seen += 1
+    return ticks / os.sysconf("SC_CLK_TCK") if seen == len(cpus) else None
+
+
+def _reading():
+    """(wall seconds, busy CPU seconds of this process's cores, CPU seconds of this process), or None."""
+    try:
+        cpus = os.sched_getaffinity(0)
+    except AttributeError:  # not Linux
+        return None
+    busy = _busy_seconds(cpus)
+    return None if busy is None else (time.monotonic(), busy, time.process_time(), len(cpus))
+
+
+class Neighbours:
+    """How many threads a step may run now: the cores this process may run on that other processes leave
+    free, read from /proc/stat at most every LOAD_WINDOW seconds (the CPU time the machine spent busy on
+    those cores, less this process's own).
+
+    A step bound for n parts runs them on min(n, cores left free, rounded) threads, and on one thread
+    while another step of this process runs in another Python thread: a busy neighbour then costs a step
+    about what it costs one thread, instead of a waiting thread's spin or a part that waits for a core
+    (measured in benchmarks/threads.py neighbour). The parts stay those bound, so the results are the same
+    bits on any number of threads. Without /proc/stat every step runs its n threads."""
+
+    def __init__(self, read=_reading, clock=time.monotonic):
+        self._read, self._clock = read, clock
+        self._lock = threading.Lock()
+        self._last = None  # the last reading
+        self._readable = True
+        self.others = 0.0  # cores other processes kept busy over the last window
+        self._steps = 0  # steps running in this process now
+
+    def enter(self, count: int) -> int:
+        """A step bound for `count` parts starts: the threads it may run on now."""
+        with self._lock:
+            self._steps += 1
+            if self._steps > 1:
+                return 1
+            if self._readable and (self._last is None or self._clock() - self._last[0] >= LOAD_WINDOW):
+                self._measure()
+            if self._last is None:
+                return count
+            return max(1, min(count, int(self._last[3] - self.others + 0.5)))
+
+    def _measure(self) -> None:
+        """A new reading; the load over the window since the last one (measured anew when the cores changed)."""
+        now = self._read()
+        if now is None:
+            self._readable, self._last = False, None
+            return
+        if self._last is not None and now[3] == self._last[3]:
+            wall, busy, own = (a - b for a, b in zip(now[:3], self._last[:3]))
+            self.others = max(0.0, busy - own) / max(wall, 1e-9)
+        self._last = now
+
+    def leave(self) -> None:
+        with self._lock:
+            self._steps -= 1
+
+
+NEIGHBOURS = Neighbours()
+
+
+@contextlib.contextmanager
+def running(count: int):
+    """For the duration of a step bound for `count` parts (count > 1): Numba's pool at the threads the
+    machine leaves free now (Neighbours); yields that count."""
+    threads = min(NEIGHBOURS.enter(count), pool_size())
+    try:
+        previous = use(threads)
+        try:
+            yield threads
+        finally:
+            use(previous)
+    finally:
+        NEIGHBOURS.leave()

@@ -323,10 +323,61 @@ from odtrain.api import CheckpointState, Module
 data = np.load({str(folder / "batch.npz")!r})
 state = CheckpointState.load_checkpoint({str(folder / "checkpoint")!r})
 Module({str(folder / "training_model.onnx")!r}, state, num_threads=2)(data["x"], data["y"])
-print(numba.threading_layer(), os.environ.get("OMP_WAIT_POLICY"))
+print(numba.threading_layer(), os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT"))
 """
-    environment = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "NUMBA_THREADING_LAYER")}
+    environment = {k: v for k, v in os.environ.items()
+                   if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "NUMBA_THREADING_LAYER")}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=environment,
                             timeout=600)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["omp", "PASSIVE"]
+    assert result.stdout.split() == ["omp", "PASSIVE", str(thread_policy.SPIN_COUNT)]
+
+
+def test_a_step_runs_on_the_cores_other_processes_leave_free():
+    """Readings (wall s, busy CPU s of our cores, our CPU s, cores) at the steps' start times: the threads
+    follow the cores others use, measured over windows of at least LOAD_WINDOW."""
+    readings = {0.0: (0.0, 0.0, 0.0, 2),
+                1.0: (1.0, 1.1, 0.1, 2),  # others kept one core busy: one thread
+                2.0: (2.0, 2.1, 1.1, 2),  # we used a core, nobody else did: two
+                2.1: None,  # within the window: not read, the last estimate stands
+                3.0: (3.0, 3.5, 1.4, 4),  # another affinity: the estimate stands, measured anew from here
+                4.0: (4.0, 6.5, 2.4, 4)}  # others kept two of the four busy: two
+    now = [0.0]
+    read = []
+    neighbours = thread_policy.Neighbours(read=lambda: read.append(now[0]) or readings[now[0]], clock=lambda: now[0])
+    decisions = []
+    for now[0] in readings:
+        decisions.append(neighbours.enter(4))
+        neighbours.leave()
+    assert decisions == [2, 1, 2, 2, 4, 2]
+    assert read == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
+def test_a_step_beside_another_step_of_this_process_runs_one_thread():
+    neighbours = thread_policy.Neighbours(read=lambda: None)
+    assert neighbours.enter(2) == 2  # no /proc/stat: the threads bound for
+    assert neighbours.enter(2) == 1  # a second step at once, from another Python thread
+    neighbours.leave()
+    neighbours.leave()
+    assert neighbours.enter(3) == 3
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat") or len(os.sched_getaffinity(0)) != 2,
+                    reason="reads /proc/stat on a 2-core machine")
+def test_a_busy_neighbour_leaves_a_step_one_thread():
+    import subprocess
+    import sys
+    import time
+
+    cpu = max(os.sched_getaffinity(0))
+    hog = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
+    try:
+        neighbours = thread_policy.Neighbours()
+        neighbours.enter(2)
+        neighbours.leave()
+        time.sleep(2 * thread_policy.LOAD_WINDOW)
+        assert neighbours.enter(2) == 1, neighbours.others
+        neighbours.leave()
+    finally:
+        hog.kill()
+        hog.wait()
