@@ -22,8 +22,10 @@ the user chose one with NUMBA_THREADING_LAYER): OpenMP (libgomp), with OMP_WAIT_
 GOMP_SPINCOUNT=SPIN_COUNT set before libgomp loads (unless the user set either): a thread waiting
 for the next region spins ~350 µs, then sleeps. Measured on this 2-core VM, one 2-thread region
 after a gap of serial work (benchmarks/threads.py regions measures them again):
-- spinning SPIN_COUNT: 1.6 µs for gaps up to 300 µs (a step's regions follow each other closer
-  than that), 24-38 µs after 400-500 µs;
+- spinning SPIN_COUNT: 1.6 µs for gaps of serial work up to 300 µs (a step's regions follow each
+  other closer than that), 24-38 µs after 400-500 µs; but 270-560 µs right after the process slept
+  1-10 ms (a spin of 2000: 110-150 µs), so a loop that sleeps between steps pays that once a step
+  (the MLP, 3 ms sleeps between steps: 1.72 ms a step, 1.76 with the earlier passive waiting);
 - passive waiting alone (no spin): 43-54 µs whatever the gap; on earlier hosts 18 / 30 / 85 µs
   back to back / after 1 ms / after 10 ms idle;
 - libgomp's default spinning (~3 ms): 2.6 µs near-quiet, but 12-24 ms beside a busy process;
