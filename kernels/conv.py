@@ -38,8 +38,8 @@ Convolution:
   share one thread's product width (COLUMNS / parts each), so together they
   hold about the work memory of one thread. Each part sums its images' dW
   into its own sums, added in part order after; where those sums outweigh
-  the work memory (pointwise convolutions over few cells), the weight
-  gradient splits its output channels instead, each part over all images.
+  the work memory (many channels over few cells), the weight gradient
+  splits its output channels instead, each part over all images.
 
 ConvTranspose runs the convolution kernels with X and Y exchanged: its forward is a convolution's
 input gradient (col2im), its input gradient a convolution forward, its weight gradient a
@@ -56,8 +56,8 @@ from .depthwise import (_depthwise_forward, _depthwise_forward_parts, _depthwise
                         _depthwise_input_grad_parts, _depthwise_weight_grad, _depthwise_weight_grad_parts)
 from .conv_taps import (_tap_forward, _tap_forward_parts, _tap_input_grad, _tap_input_grad_parts, _tap_weight_grad,
                         _tap_weight_grad_parts, by_taps, tap_work_sizes, _pieces as _tap_pieces)
-from .conv_pointwise import (COLUMNS, FORWARD, INPUT_GRADIENT, MIN_CHANNELS, WEIGHT_GRADIENT, pointwise_calls,
-                             pointwise_plan)
+from .conv_pointwise import (COLUMNS, FORWARD, INPUT_GRADIENT, MIN_CHANNELS, WEIGHT_GRADIENT, _gather, _scatter,
+                             pointwise_calls, pointwise_plan)
 from .parts import part_bounds, part_count
 from .windows import _as_3d, _text, _valid_range, window_geometry
 
@@ -72,7 +72,8 @@ TRANSPOSED_DEPTH = 64
 # A weight gradient splits its output channels only when each part's dW sums would hold more than this many
 # elements (64 KiB of float32): smaller sums cost little memory and little to add, and splitting the batch
 # runs faster (pointwise, 8 images, 2 parts: 24 -> 144 channels over 24x24, 0.39 ms by channels against 0.19
-# by images; 160 -> 960 over 3x3, 0.32 by channels against 0.61 by images, 154k elements of sums).
+# by images; 160 -> 960 over 3x3, 0.32 by channels against 0.61 by images, 154k elements of sums: a layer that
+# now runs in conv_pointwise.py).
 CHANNEL_SPLIT_SUMS = 1 << 14
 # depthwise convolutions with outputs at least this wide work in planes, others channels-last (MobileNetV2,
 # batch 8, 1 thread: planes 1.6-2.8x faster at 24 and 48 wide, channels-last 1.1-1.4x faster at 12 and below)
@@ -211,18 +212,6 @@ def _col2im(col, n0, nb, g, geom, dx):
     _window_columns(dx, n0, nb, g, geom, col, True)
 
 
-@njit(cache=True, error_model="numpy")
-def _gather_dy(dy, n0, nb, g, out, m0=0):
-    """out[m, b·P + p] = dy[n0 + b, g, m0 + m, p] (out has the rows of the channels wanted)."""
-    cells = dy.shape[3]
-    for m in range(out.shape[0]):
-        row = out[m]
-        for b in range(nb):
-            source, target = dy[n0 + b, g, m0 + m], row[b * cells:(b + 1) * cells]
-            for p in range(cells):
-                target[p] = source[p]
-
-
 @njit(cache=True, error_model="numpy", inline="always")
 def _weight_operands(dy, x, col_work, row_work, geom, pointwise, k, n0, nb, g, m0, m1):
     """(im2col columns [K, nb·P] of the images n0..n0+nb of group g, their dy rows [m1 - m0, nb·P] of the
@@ -237,7 +226,7 @@ def _weight_operands(dy, x, col_work, row_work, geom, pointwise, k, n0, nb, g, m
     if nb == 1:
         return col, dy[n0, g][m0:m1]
     grad_rows = row_work[:(m1 - m0) * width].reshape(m1 - m0, width)
-    _gather_dy(dy, n0, nb, g, grad_rows, m0)
+    _gather(dy, n0, nb, g, m0, m1, grad_rows)
     return col, grad_rows
 
 
@@ -283,11 +272,7 @@ def _conv_forward(x, w, bias, has_bias, y, col_work, row_work, geom, chunk, poin
                 continue
             wide = row_work[:per_group * width].reshape(per_group, width)
             product(w[g], col, wide)
-            for b in range(nb):
-                for m in range(per_group):
-                    target = y[n0 + b, g, m]
-                    for p in range(cells):
-                        target[p] = wide[m, b * cells + p]
+            _scatter(wide, n0, nb, g, 0, y, bias, False)  # the bias is added below, to every image
     if has_bias:
         for n in range(begin, end):
             for g in range(groups):
@@ -326,7 +311,7 @@ def _conv_input_grad(dy, w, dx, col_work, row_work, geom, chunk, pointwise, begi
                 product(w[g].T, dy[n0, g], col)
             else:
                 gathered = row_work[:per_group * width].reshape(per_group, width)
-                _gather_dy(dy, n0, nb, g, gathered)
+                _gather(dy, n0, nb, g, 0, per_group, gathered)
                 product(w[g].T, gathered, col)
             for b in range(nb):
                 dx[n0 + b, g].reshape(-1)[:] = 0
@@ -536,7 +521,7 @@ class _ConvLayout:
         self.product = self.k * self.out_per_group if per_part > self.chunk else 0
         self.partial = 0 if self.depthwise else group * self.k * self.out_per_group + self.product
         # Parts of the batch sum their own weight gradients, then add them. Where those sums outweigh the
-        # parts' im2col memory (pointwise convolutions over few cells) and CHANNEL_SPLIT_SUMS, the weight
+        # parts' im2col memory (many channels over few cells) and CHANNEL_SPLIT_SUMS, the weight
         # gradient splits its output channels instead: each part all images, no sums to add. Its work memory
         # per part: one thread's columns, and its channels' gathered rows.
         # stride-1 2-D convolutions with enough channels: one product per kernel tap, no im2col (conv_taps.py)

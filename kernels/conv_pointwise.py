@@ -63,7 +63,7 @@ def pointwise_plan(op: int, batch: int, in_per_group: int, out_per_group: int, g
 @njit(cache=True, error_model="numpy", inline="always")
 def _gather(a, n0, nb, g, c0, c1, out):
     """out[c - c0, b·P + p] = a[n0 + b, g, c, p] for the channels c in [c0, c1): rows of nb images side by
-    side (a is [N, G, channels, P])."""
+    side (a is [N, G, channels, P]; also kernels/conv.py's gathered dY rows)."""
     cells = a.shape[3]
     for c in range(c0, c1):
         row = out[c - c0]
@@ -200,5 +200,5 @@ def pointwise_calls(op: int, plan: PointwisePlan, arrays: tuple, scratch, dtype)
         return [(_pointwise_input_grad, arrays + (work[0], plan.chunk, 0, int(bounds[-1])))]
     if plan.parts > 1:
         return [(_pointwise_weight_grad_parts, arrays + (work, plan.chunk, bounds, plan.split_inputs))]
-    dy, x, dw = arrays
+    dw = arrays[2]
     return [(_pointwise_weight_grad, arrays + (work[0], plan.chunk, 0, dw.shape[1], 0, dw.shape[2]))]

@@ -208,7 +208,8 @@ def _busy_seconds(cpus) -> float | None:
 
 
 def _reading():
-    """(wall seconds, busy CPU seconds of this process's cores, CPU seconds of this process), or None."""
+    """(wall seconds, busy CPU seconds of this process's cores, CPU seconds of this process, how many cores
+    it may run on), or None."""
     try:
         cpus = os.sched_getaffinity(0)
     except AttributeError:  # not Linux

@@ -81,8 +81,9 @@ VISION_CASES = {name: case for name, case in GRADIENT_CASES.items()
                                     "hard_"))}
 CASES = {name: (case.nodes, case.params, case.constants) for name, case in VISION_CASES.items()}
 CASES.update({
-    # weight gradients that split their output channels (their per-part sums would outweigh the work memory)
+    # pointwise over a small plane: parts of the output channels of one product (kernels/conv_pointwise.py)
     "conv_pointwise_channel_parts": ([node("Conv", ["x", "w"])], {"x": rand(2, 3, 3, 3), "w": rand(32, 3, 1, 1)}),
+    # an im2col weight gradient that splits its output channels (its per-part sums would outweigh the work memory)
     "conv_one_cell_channel_parts": ([node("Conv", ["x", "w", "b"])],
                                     {"x": rand(4, 2, 3, 3), "w": rand(48, 2, 3, 3), "b": rand(48)}),
     "layer_norm": ([node("LayerNormalization", ["x", "s", "b"], epsilon=1e-3)],
