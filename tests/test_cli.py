@@ -156,6 +156,24 @@ def test_check_names_the_nodes_without_kernel_or_gradient(here, capsys):
     assert code == 0 and not err and "80 trainable in 1 tensor (w2); 512 frozen" in out
 
 
+def test_check_s_choice_and_walk_are_in_the_python_api(here):
+    """What check and prepare decide, odtrain.artifacts offers on a loaded graph."""
+    from odtrain.artifacts import choose_parameters, missing_support
+    from odtrain.graph.onnx_io import load_graph
+
+    no_gradient = next(op for op in ("Sign", "Floor", "Ceil", "Round")
+                       if ("", op) in OPS and OPS[("", op)].gradient is None)
+    _model_with(here / "step.onnx", [no_gradient])
+    graph = load_graph(str(here / "step.onnx"), "model")
+    choice = choose_parameters(graph, graph.outputs, train_last=1)
+    assert (choice.trainable, choice.frozen) == (["w2"], ["w1"])
+    assert missing_support(graph, choice.trainable, graph.outputs) == ([], [])
+    no_kernel, without_rule = missing_support(graph, ["w1", "w2"], graph.outputs)
+    assert not no_kernel and [node.name for node, _ in without_rule] == [f"{no_gradient.lower()}_0"]
+    with pytest.raises(odtrain.ArgumentError, match="cannot train the last 3 layers: the model has 2 layers"):
+        choose_parameters(graph, graph.outputs, train_last=3)
+
+
 def test_check_lists_the_supported_ops(capsys):
     code, out, _ = odtrain_main(capsys, "check", "--ops")
     assert code == 0 and any(line.startswith("Gemm ") and "gradient rule" in line for line in out.splitlines())
