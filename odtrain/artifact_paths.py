@@ -47,6 +47,13 @@ class ArtifactPaths:
     def find(cls, directory, checkpoint=None) -> "ArtifactPaths":
         """The paths of an existing artifact folder with its training and eval models and a checkpoint."""
         directory = os.fspath(directory)
+        if os.path.isfile(directory):
+            stem = os.path.splitext(directory)[0] if directory.endswith(".onnx") else directory
+            suggested = f"{stem}-artifacts"
+            what = "an ONNX model" if directory.endswith(".onnx") else "a file"
+            raise ArtifactNotFoundError(f"'{directory}' is {what}, not an artifact folder: prepare its artifacts "
+                                        f"with `odtrain prepare {directory} -o {suggested}`, then give "
+                                        f"'{suggested}' instead")
         if not os.path.isdir(directory):
             raise ArtifactNotFoundError(f"artifact folder '{directory}' does not exist; create it with "
                                         f"`odtrain prepare MODEL.onnx -o {directory}`")

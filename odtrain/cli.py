@@ -246,6 +246,10 @@ def _prepare(args) -> int:
     trainable, frozen, loss_inputs = choices["requires_grad"], choices["frozen_params"], choices["loss_input_names"]
     if args.lr <= 0:
         raise ArgumentError(f"--lr must be > 0, got {args.lr}")
+    if os.path.exists(args.output) and not os.path.isdir(args.output):
+        raise ArgumentError(f"'{args.output}' is a file: -o names the folder to write the artifacts to; choose "
+                            "a folder name such as "
+                            f"'{os.path.splitext(args.output)[0] or 'model'}-artifacts'")
     checkpoint = ArtifactPaths.of(args.output).checkpoint
     if os.path.exists(checkpoint) and not args.force:
         raise ArgumentError(f"'{args.output}' already holds artifacts (a checkpoint); pass --force to replace "

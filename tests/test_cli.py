@@ -241,6 +241,18 @@ def test_long_parameter_lists_are_summarised_unless_verbose(here, capsys):
 # ---- train, eval, export, inspect --------------------------------------------------------------------------
 
 
+def test_a_model_given_for_artifacts_gets_the_prepare_command_that_works(here, capsys):
+    shutil.rmtree(here / "mlp-artifacts", ignore_errors=True)
+    code, _, err = odtrain_main(capsys, "train", "mlp.onnx", "--data", "train.npz", "--epochs", "1")
+    advice = re.search(r"`odtrain (prepare [^`]+)`, then give '([^']+)' instead", one_line(err))
+    assert code == 2 and "'mlp.onnx' is an ONNX model, not an artifact folder" in err and advice, err
+    assert odtrain_main(capsys, *advice.group(1).split())[0] == 0
+    code, out, err = odtrain_main(capsys, "train", advice.group(2), "--data", "train.npz", "--epochs", "1", "--json")
+    assert code == 0 and json.loads(out)["global_step"] == 10, err
+    code, _, err = odtrain_main(capsys, "prepare", "mlp.onnx", "-o", "train.npz")
+    assert code == 2 and "'train.npz' is a file: -o names the folder" in one_line(err)
+
+
 def test_walkthrough_through_python_m_odtrain(workspace):
     folder = fresh_artifacts(workspace, "walk")
     result = python_m_odtrain(workspace, "train", folder, "--data", "train.npz", "--val", "val.npz", "--epochs", "3",
