@@ -737,10 +737,11 @@ def build_parser() -> argparse.ArgumentParser:
                                "handwritten digits shipped with odtrain, print held-out accuracy and peak memory, "
                                "and write an inference model.")
     demo.add_argument("-o", "--output", default="odtrain-demo", help="artifact folder (default: ./odtrain-demo)")
-    demo.add_argument("--epochs", type=int, default=15)
-    demo.add_argument("--batch-size", type=int, default=32)
-    demo.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--epochs", type=int, default=15, help="passes over the training digits (default: 15)")
+    demo.add_argument("--batch-size", type=int, default=32, help="samples per step (default: 32)")
+    demo.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate (default: 0.01)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the initial weights, the held-out split and the "
+                      "batch order (default: 0)")
     demo.add_argument("--json", action="store_true", help="print the results as one JSON object")
     demo.set_defaults(handler=_demo)
     from .cache import add_command as add_warmup_command

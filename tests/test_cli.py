@@ -5,6 +5,7 @@ and inspect succeed; a run stopped mid-epoch (the stop hook, SIGINT, SIGKILL) an
 the parameters and optimizer state of an uninterrupted run; wrong arguments and missing files give one line
 on stderr and a non-zero exit code.
 """
+import argparse
 import json
 import os
 import re
@@ -105,6 +106,14 @@ def test_python_m_odtrain_lists_every_command(workspace):
 def test_every_command_has_help(capsys, command):
     code, out, _ = odtrain_main(capsys, command, "--help")
     assert code == 0 and out.startswith(f"usage: odtrain {command}")
+
+
+@pytest.mark.parametrize("command", ["demo", "federated", "warmup", *COMMANDS])
+def test_every_option_has_a_help_text(command):
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    silent = [a.option_strings[-1] for a in sub._actions if a.option_strings and a.help is None]
+    assert not silent, f"odtrain {command}: {silent} have no help text"
 
 
 # ---- check ------------------------------------------------------------------------------------------------
