@@ -40,8 +40,8 @@ import numpy as np
 from . import data as data_files
 from .api import DEFAULT_LEARNING_RATE, CheckpointState, Module, Optimizer
 from .artifact_paths import OPTIMIZER_MODEL, ArtifactPaths
-from .graph.errors import ArgumentError, ArtifactNotFoundError, StateError
-from .graph.losses import cross_entropy_layout
+from .graph.errors import ArgumentError, ArtifactNotFoundError, InputError, StateError
+from .graph.losses import cross_entropy_classes, cross_entropy_layout
 from .progress import progress_bar
 from .text import TextSource
 
@@ -108,13 +108,35 @@ class Session:
         """A Dataset for this model from paths, a Dataset, a text.TextSource, a dict of arrays or arrays in input
         order."""
         if isinstance(source, data_files.Dataset):
-            return source
-        if isinstance(source, TextSource):
-            return source.dataset(self.inputs)
-        if isinstance(source, (str, os.PathLike)) or (isinstance(source, (list, tuple)) and source
-                                                        and all(isinstance(s, (str, os.PathLike)) for s in source)):
-            return data_files.load(source, self.inputs, x, y)
-        return data_files.from_arrays(source, self.inputs)
+            dataset = source
+        elif isinstance(source, TextSource):
+            dataset = source.dataset(self.inputs)
+        elif isinstance(source, (str, os.PathLike)) or (isinstance(source, (list, tuple)) and source
+                                                          and all(isinstance(s, (str, os.PathLike)) for s in source)):
+            dataset = data_files.load(source, self.inputs, x, y)
+        else:
+            dataset = data_files.from_arrays(source, self.inputs)
+        self._check_labels(dataset)
+        return dataset
+
+    def _check_labels(self, dataset: data_files.Dataset) -> None:
+        """Refuse class labels outside the model's classes before any step, naming the first such sample."""
+        graph = self.module.graph(training=False)
+        classes, layout = cross_entropy_classes(graph), cross_entropy_layout(graph)
+        labels = dataset.labels
+        if classes is None or layout is None or labels is None or labels.dtype.kind not in "iu":
+            return
+        ignore_index = layout[1]
+        outside = (labels < 0) | (labels >= classes)
+        if ignore_index is not None:
+            outside &= labels != ignore_index
+        if outside.any():
+            where = tuple(int(i) for i in np.argwhere(outside)[0])
+            position = f"sample {where[0]}" + (f" (position {', '.join(map(str, where[1:]))})" if len(where) > 1 else "")
+            ignored = f", nor the ignored label {ignore_index}" if ignore_index is not None else ""
+            raise InputError(f"{dataset.source}: {position} has label {labels[where]}, outside the model's "
+                             f"{classes} classes [0, {classes}){ignored} ({int(outside.sum()):,} of {labels.size:,} labels "
+                             "outside); relabel the data, or give a model with as many classes as the labels")
 
     def save(self) -> None:
         CheckpointState.save_checkpoint(self.state, self.paths.checkpoint,

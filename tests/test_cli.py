@@ -262,6 +262,17 @@ def test_a_model_given_for_artifacts_gets_the_prepare_command_that_works(here, c
     assert code == 2 and "'train.npz' is a file: -o names the folder" in one_line(err)
 
 
+def test_an_out_of_range_label_names_the_file_the_sample_its_value_and_the_classes(here, capsys):
+    data = np.load("train.npz")
+    labels = data["labels"].copy()
+    labels[7], labels[9] = 10, -3
+    np.savez("bad-labels.npz", input=data["input"], labels=labels)
+    for command in ("train", "eval"):
+        code, _, err = odtrain_main(capsys, command, "art", "--data", "bad-labels.npz")
+        assert code == 2 and "data file 'bad-labels.npz': sample 7 has label 10, outside the model's 10 classes " \
+            f"[0, 10) (2 of {TRAIN_SAMPLES} labels outside)" in one_line(err)
+
+
 def test_walkthrough_through_python_m_odtrain(workspace):
     folder = fresh_artifacts(workspace, "walk")
     result = python_m_odtrain(workspace, "train", folder, "--data", "train.npz", "--val", "val.npz", "--epochs", "3",
