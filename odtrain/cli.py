@@ -333,6 +333,13 @@ def _data(args, paths):
     if paths is None:
         return None
     texts = [p for p in paths if str(p).endswith(".txt")]
+    if len(paths) == 1 and os.path.isdir(paths[0]):
+        from .data import ImageFolder
+
+        return ImageFolder(paths[0], args.skip_unreadable, report=lambda line: _note(args, line))
+    if args.skip_unreadable:
+        raise ArgumentError("--skip-unreadable leaves out unreadable images of a folder: give --data FOLDER, with "
+                            "one sub-folder of images per class")
     if args.tokenizer is None:
         if texts:
             raise ArgumentError(f"'{texts[0]}' is text: give the tokenizer that encodes it with --tokenizer "
@@ -346,6 +353,10 @@ def _data(args, paths):
     from .text import TextSource
 
     return TextSource(paths[0], args.tokenizer, args.seq_len)
+
+
+def _note(args, line: str) -> None:
+    print(f"odtrain {args.command}: note: {line}", file=sys.stderr)
 
 
 def _train(args) -> int:
@@ -564,6 +575,8 @@ def _add_data_options(command, what: str) -> None:
                          "given to --data with this tokenizers file (pip install \"odtrain[text]\")")
     command.add_argument("--seq-len", type=int, metavar="N", help="with --tokenizer: windows of N tokens, each "
                          "token's label the next one")
+    command.add_argument("--skip-unreadable", action="store_true", help="with a folder of images: leave out the "
+                         "images that cannot be read and say how many (default: stop at the first)")
 
 
 def _add_selection_options(command) -> None:

@@ -105,11 +105,11 @@ class Session:
         return list(self.module.graph(training=False).outputs[1:])
 
     def dataset(self, source, x=None, y=None) -> data_files.Dataset:
-        """A Dataset for this model from paths, a Dataset, a text.TextSource, a dict of arrays or arrays in input
+        """A Dataset for this model from paths, a Dataset, a text.TextSource, a data.ImageFolder, a dict of arrays or arrays in input
         order."""
         if isinstance(source, data_files.Dataset):
             dataset = source
-        elif isinstance(source, TextSource):
+        elif isinstance(source, (TextSource, data_files.ImageFolder)):
             dataset = source.dataset(self.inputs)
         elif isinstance(source, (str, os.PathLike)) or (isinstance(source, (list, tuple)) and source
                                                           and all(isinstance(s, (str, os.PathLike)) for s in source)):

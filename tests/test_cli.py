@@ -434,6 +434,30 @@ def test_a_folder_of_images_trains_a_classifier(here, capsys):
     assert code == 0 and "on 60 samples" in out
 
 
+def test_an_image_folder_counts_what_it_skips_and_skips_unreadable_images_when_told(here, capsys):
+    pytest.importorskip("PIL")
+    root = here / "messy_images"
+    shutil.rmtree(root, ignore_errors=True)
+    _digit_folder(root, count=40)
+    first = sorted(p for p in root.iterdir())[0]
+    (first / "notes.txt").write_text("not an image")
+    (first / "more").mkdir()
+    (root / "README.md").write_text("the digits")
+    (first / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")
+    code, _, err = odtrain_main(capsys, "eval", "art", "--data", str(root))
+    assert code == 2 and f"image '{first / 'broken.png'}' cannot be read" in err and "--skip-unreadable" in err
+    code, out, err = odtrain_main(capsys, "eval", "art", "--data", str(root), "--skip-unreadable")
+    assert code == 0 and "on 40 samples" in out
+    assert one_line(err).startswith(f"odtrain eval: note: image folder '{root}': read 40 images (.png, ")
+    for part in (f"skipped 4 entries: 1 other file (e.g. '{first.name}/notes.txt')",
+                 f"1 folder inside a class folder (e.g. '{first.name}/more')",
+                 "1 file beside the class folders (e.g. 'README.md')",
+                 f"1 unreadable image (e.g. '{first.name}/broken.png')"):
+        assert part in err
+    code, _, err = odtrain_main(capsys, "eval", "art", "--data", "val.npz", "--skip-unreadable")
+    assert code == 2 and "--skip-unreadable leaves out unreadable images of a folder" in one_line(err)
+
+
 def test_a_folder_of_images_without_pillow_is_one_clear_line(here, capsys, monkeypatch):
     (here / "no_pillow" / "cat").mkdir(parents=True, exist_ok=True)
     monkeypatch.setitem(sys.modules, "PIL", None)
