@@ -341,6 +341,8 @@ def _data(args, paths):
         raise ArgumentError("--skip-unreadable leaves out unreadable images of a folder: give --data FOLDER, with "
                             "one sub-folder of images per class")
     if args.tokenizer is None:
+        if args.encoding != "utf-8":
+            raise ArgumentError("--encoding reads a text file: give --tokenizer and a .txt file too")
         if texts:
             raise ArgumentError(f"'{texts[0]}' is text: give the tokenizer that encodes it with --tokenizer "
                                 "tokenizer.json, and --seq-len N")
@@ -352,7 +354,7 @@ def _data(args, paths):
                             "(--seq-len N)")
     from .text import TextSource
 
-    return TextSource(paths[0], args.tokenizer, args.seq_len)
+    return TextSource(paths[0], args.tokenizer, args.seq_len, args.encoding)
 
 
 def _note(args, line: str) -> None:
@@ -575,6 +577,8 @@ def _add_data_options(command, what: str) -> None:
                          "given to --data with this tokenizers file (pip install \"odtrain[text]\")")
     command.add_argument("--seq-len", type=int, metavar="N", help="with --tokenizer: windows of N tokens, each "
                          "token's label the next one")
+    command.add_argument("--encoding", default="utf-8", help="with --tokenizer: the text file's encoding, e.g. "
+                         "latin-1, cp1252, utf-16 (default: utf-8)")
     command.add_argument("--skip-unreadable", action="store_true", help="with a folder of images: leave out the "
                          "images that cannot be read and say how many (default: stop at the first)")
 
