@@ -200,7 +200,7 @@ def _check(args) -> int:
     if args.json:
         _print_json(report)
     else:
-        print(f"model: {args.model} ({len(graph.nodes)} nodes); inputs {', '.join(report['inputs'])}; "
+        print(f"model: {args.model} ({count(len(graph.nodes), 'node')}); inputs {', '.join(report['inputs'])}; "
               f"outputs {', '.join(report['outputs'])}")
         ops = ", ".join(f"{op} x{count}" if count > 1 else op for op, count in report["ops"].items())
         print(f"ops: {ops}")
@@ -380,10 +380,10 @@ def _train(args) -> int:
     if args.json:
         _print_json(result.to_dict())
     elif result.finished and not result.history:
-        print(f"the run already finished its {result.epochs} epochs; nothing to do (give a larger --epochs "
+        print(f"the run already finished its {count(result.epochs, 'epoch')}; nothing to do (give a larger --epochs "
               "with --resume to train further)")
     elif not result.stopped_by:
-        print(f"checkpoint: {result.checkpoint} ({result.epochs} epochs, {result.global_step} steps)")
+        print(f"checkpoint: {result.checkpoint} ({count(result.epochs, 'epoch')}, {count(result.global_step, 'step')})")
     if result.stopped_by:
         print(f"odtrain train: stopped by {result.stopped_by} at epoch {result.epochs + 1}, step "
               f"{result.step_in_epoch}; saved {result.checkpoint}; add --resume to continue", file=sys.stderr)
@@ -405,8 +405,8 @@ def _eval(args) -> int:
         parts.append(f"accuracy {metrics['accuracy']:.1%}")
     if "mse" in metrics:
         parts += [f"MSE {metrics['mse']:.4g}", f"MAE {metrics['mae']:.4g}"]
-    labelled = f" ({metrics['labels']:,} labels counted)" if metrics.get("labels", metrics["samples"]) != metrics["samples"] else ""
-    print(f"{', '.join(parts)} on {metrics['samples']} samples{labelled}")
+    labelled = f" ({count(metrics['labels'], 'label')} counted)" if metrics.get("labels", metrics["samples"]) != metrics["samples"] else ""
+    print(f"{', '.join(parts)} on {count(metrics['samples'], 'sample')}{labelled}")
     return 0
 
 
@@ -449,7 +449,7 @@ def _export_adapters(session, args) -> int:
     if args.json:
         _print_json(result)
     else:
-        print(f"adapters written to {args.output}: {len(trained)} tensors, {nbytes:,} bytes of parameters "
+        print(f"adapters written to {args.output}: {count(len(trained), 'tensor')}, {count(nbytes, 'byte')} of parameters "
               f"({len(scales)} adapted weights)")
     return 0
 
@@ -494,7 +494,7 @@ def _inspect(args) -> int:
     for p in parameters:
         values[p["trainable"]] += int(np.prod(p["shape"], dtype=np.int64))
     print(f"checkpoint: {checkpoint}" + (" (nominal: shapes only)" if contents.nominal else ""))
-    print(f"parameters: {len(parameters)} tensors; {values[True]:,} trainable values, {values[False]:,} frozen")
+    print(f"parameters: {count(len(parameters), 'tensor')}; {count(values[True], 'trainable value')}, {values[False]:,} frozen")
     width = max(len(p["name"]) for p in parameters) if parameters else 0
     for p in parameters:
         print(f"  {p['name']:<{width}}  {p['dtype']:<8} {_shape(p['shape']):<16} "
@@ -517,7 +517,7 @@ def _inspect(args) -> int:
         print(f"memory plan at batch size {args.batch_size}:")
         for name, p in plans.items():
             print(f"  {name + ':':<15} arena {p.arena_bytes:,} B, lower bound {p.lower_bound:,} B "
-                  f"({p.arena_bytes / max(p.lower_bound, 1):.2f}x), {p.steps} ops")
+                  f"({p.arena_bytes / max(p.lower_bound, 1):.2f}x), {count(p.steps, 'op')}")
             if args.plan:
                 print("    " + p.render().replace("\n", "\n    "))
     return 0

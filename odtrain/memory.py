@@ -27,6 +27,7 @@ from .artifact_paths import ArtifactPaths
 from .graph.autodiff import LOSS_SEED
 from .graph.errors import ArtifactNotFoundError
 from .graph.planner import CATEGORIES, Plan, training_categories
+from .graph.wording import count
 
 MIB = 1024 * 1024
 RUNTIME_FLOOR = ("not included: the Python/Numba runtime floor (interpreter, numpy, Numba and its compiled "
@@ -125,7 +126,7 @@ class MemoryReport:
                      (f"; frozen parameters save {format_bytes(saved_state)})" if saved_state else ")"))]
         for p in self.plans:
             shapes = ", ".join(f"{name}[{', '.join(map(str, shape))}]" for name, shape in p.shapes)
-            ops = f"; {p.plan.steps} ops" if p.plan is not None else ""
+            ops = f"; {count(p.plan.steps, 'op')}" if p.plan is not None else ""
             lines.append(f"{'training' if p.mode == 'train' else p.mode} step ({shapes}{ops})")
             lines.append(row("  arena", p.arena_bytes, f"{p.arena_bytes / max(p.lower_bound, 1):.2f}x its lower "
                              f"bound ({format_bytes(p.lower_bound)})"))

@@ -222,7 +222,7 @@ class StepProfile:
         shape = f"batch size {self.batch_size}" + (f", sequence length {self.sequence_length}"
                                                    if self.sequence_length else "")
         lines = [f"profile of {self.artifacts}: training step at {shape}, {threads}, "
-                 f"medians of {self.steps} steps, {clock}",
+                 f"medians of {count(self.steps, 'step')}, {clock}",
                  f"step {ms(self.step_seconds)} ms (untimed loop); profiled {ms(self.profiled_seconds)} ms: "
                  + ", ".join(f"{phase} {ms(s)} ms ({share(s)}%)" for phase, s in self.phases.items())]
         if self.product_seconds:
@@ -244,7 +244,7 @@ class StepProfile:
         header = ("node", "op type", "phase", "calls", "ms", "%", "GF/s", "of peak")
         rows = [header] + [(n.name, n.op_type, n.phase, str(n.calls), ms(n.seconds), share(n.seconds),
                             rate(n.gflops_per_second), of_peak(n.gflops_per_second)) for n in slowest]
-        lines += ["", f"the {len(slowest)} slowest of {len(self.nodes)} nodes:"] + _table(rows, 3)
+        lines += ["", f"the {len(slowest)} slowest of {count(len(self.nodes), 'node')}:"] + _table(rows, 3)
         return "\n".join(lines)
 
 

@@ -42,6 +42,7 @@ from .api import DEFAULT_LEARNING_RATE, CheckpointState, Module, Optimizer
 from .artifact_paths import OPTIMIZER_MODEL, ArtifactPaths
 from .graph.errors import ArgumentError, ArtifactNotFoundError, InputError, StateError
 from .graph.losses import cross_entropy_classes, cross_entropy_layout
+from .graph import wording
 from .progress import progress_bar
 from .text import TextSource
 
@@ -353,8 +354,9 @@ def fit(artifacts, train, val=None, *, epochs: int | None = None, batch_size: in
         return result
     if log:
         schedule_text = schedule + (f" after {warmup} warm-up steps" if warmup else "")
-        validating = f"; validating on {len(val_set)} samples" if val_set is not None else ""
-        log(f"training on {samples} samples ({batches} batches of {batch_size}) for {epochs} epochs; learning rate "
+        validating = f"; validating on {wording.count(len(val_set), 'sample')}" if val_set is not None else ""
+        log(f"training on {wording.count(samples, 'sample')} ({wording.count(batches, 'batch')} of {batch_size}) for "
+            f"{wording.count(epochs, 'epoch')}; learning rate "
             f"{base_lr:g}, {schedule_text}{validating}")
         if resume:
             log(f"resuming at epoch {epoch + 1}, step {step_in_epoch} of {batches} (global step {global_step})")

@@ -273,6 +273,26 @@ def test_an_out_of_range_label_names_the_file_the_sample_its_value_and_the_class
             f"[0, 10) (2 of {TRAIN_SAMPLES} labels outside)" in one_line(err)
 
 
+def test_counts_agree_with_their_nouns():
+    from odtrain.graph.wording import count
+
+    assert [count(1, "epoch"), count(3, "epoch"), count(1, "batch"), count(36, "batch"), count(1151, "sample")] == \
+        ["1 epoch", "3 epochs", "1 batch", "36 batches", "1,151 samples"]
+    assert count(2, "entry", "entries") == "2 entries"
+
+
+def test_counts_of_one_are_singular(here, capsys):
+    folder = fresh_artifacts(here, "single")
+    code, out, err = odtrain_main(capsys, "train", folder, "--data", "train.npz", "--epochs", "1", "--batch-size",
+                                  str(TRAIN_SAMPLES))
+    assert code == 0, err
+    assert f"training on {TRAIN_SAMPLES} samples (1 batch of {TRAIN_SAMPLES}) for 1 epoch; " in out
+    assert f"checkpoint: {folder}/checkpoint (1 epoch, 1 step)" in out
+    np.savez("one.npz", input=np.load("val.npz")["x"][:1], labels=np.load("val.npz")["y"][:1])
+    code, out, _ = odtrain_main(capsys, "eval", folder, "--data", "one.npz")
+    assert code == 0 and out.rstrip().endswith("on 1 sample")
+
+
 def test_walkthrough_through_python_m_odtrain(workspace):
     folder = fresh_artifacts(workspace, "walk")
     result = python_m_odtrain(workspace, "train", folder, "--data", "train.npz", "--val", "val.npz", "--epochs", "3",

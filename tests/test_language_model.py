@@ -97,7 +97,7 @@ def test_train_on_a_text_file_lowers_perplexity(tmp_path, capsys, tokenizer_file
     code, out, err = odtrain_main(capsys, "train", tmp_path / "a", *text, "--epochs", "2", "--batch-size", "16",
                                   "--seed", "3")
     assert code == 0, err
-    assert f"training on {before['samples']} samples" in out
+    assert f"training on {before['samples']:,} samples" in out
     code, out, err = odtrain_main(capsys, "eval", tmp_path / "a", *text)
     assert code == 0, err
     after = float(out.split("perplexity ")[1].split(",")[0])
