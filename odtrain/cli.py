@@ -776,10 +776,15 @@ def main(argv=None) -> int:
     if not getattr(args, "handler", None):
         parser.print_help()
         return 2
-    from .threads import process_default
+    from .threads import available_cores, process_default
 
+    threads, cores = getattr(args, "threads", None), available_cores()
+    if isinstance(threads, int) and threads > cores:
+        _note(args, f"--threads {threads} with {count(cores, 'core')} for this process: each step is split into "
+              f"{threads} parts, as on {threads} cores (the same results), and they run on the {count(cores, 'core')}: "
+              f"no faster than --threads {cores}")
     try:
-        with process_default(getattr(args, "threads", None)):
+        with process_default(threads):
             return args.handler(args)
     except OdtrainError as error:
         message = str(error).replace("\n", " ")

@@ -273,6 +273,19 @@ def test_an_out_of_range_label_names_the_file_the_sample_its_value_and_the_class
             f"[0, 10) (2 of {TRAIN_SAMPLES} labels outside)" in one_line(err)
 
 
+def test_more_threads_than_cores_are_accepted_with_a_note(here, capsys, monkeypatch):
+    from odtrain import threads
+
+    monkeypatch.setattr(threads, "available_cores", lambda: 2)
+    code, out, err = odtrain_main(capsys, "eval", "art", "--data", "val.npz", "--threads", "64")
+    assert code == 0 and "on 100 samples" in out
+    assert one_line(err) == ("odtrain eval: note: --threads 64 with 2 cores for this process: each step is split into "
+                             "64 parts, as on 64 cores (the same results), and they run on the 2 cores: no faster "
+                             "than --threads 2")
+    code, _, err = odtrain_main(capsys, "eval", "art", "--data", "val.npz", "--threads", "2")
+    assert code == 0 and not err
+
+
 def test_counts_agree_with_their_nouns():
     from odtrain.graph.wording import count
 
