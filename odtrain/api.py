@@ -200,6 +200,13 @@ class CheckpointState:
     def properties(self) -> PropertyBag:
         return self._properties
 
+    @property
+    def optimizer_state(self) -> OptimizerState | None:
+        """The optimizer's step count, learning rates and moment buffers (flat, in the trainable parameters'
+        order), or None before an Optimizer was made for this state or loaded with it; an Optimizer updates
+        it, `Optimizer.reset_state()` restarts it."""
+        return self._optimizer
+
     def buffer_bytes(self) -> StateBuffers:
         """The bytes of the parameter, gradient and optimizer buffers."""
         store, optimizer = self._store, self._optimizer
@@ -610,11 +617,29 @@ class Optimizer:
         learning_rate = float(learning_rate)
         if not np.isfinite(learning_rate) or learning_rate < 0:
             raise ArgumentError(f"learning rate must be a finite number >= 0, got {learning_rate}")
-        self._state._optimizer.learning_rate = learning_rate
-        self._state._optimizer.initial_learning_rate = learning_rate
+        self.state.learning_rate = learning_rate
+        self.state.initial_learning_rate = learning_rate
 
     def get_learning_rate(self) -> float:
-        return float(self._state._optimizer.learning_rate)
+        return float(self.state.learning_rate)
+
+    @property
+    def state(self) -> OptimizerState:
+        """The state this optimizer updates (its CheckpointState's optimizer_state): kind, step count,
+        learning rates and moment buffers."""
+        return self._state._optimizer
+
+    @property
+    def config(self):
+        """What the optimizer model computes (odtrain.graph.optimizers' config: the kind, its hyperparameters,
+        the names of its moment buffers), as odtrain.executor.apply_optimizer takes it."""
+        return self._config
+
+    def reset_state(self) -> None:
+        """Zero the moments and the step count, as a new optimizer starts (the learning rate stays)."""
+        for moment in self.state.moments.values():
+            moment[...] = 0
+        self.state.step = 0
 
 
 class LinearLRScheduler:
@@ -630,7 +655,7 @@ class LinearLRScheduler:
         self._optimizer = optimizer
         self.warmup_step_count, self.total_step_count = int(warmup_step_count), int(total_step_count)
         self.initial_lr = float(initial_lr)
-        optimizer._state._optimizer.initial_learning_rate = self.initial_lr
+        optimizer.state.initial_learning_rate = self.initial_lr
         self._apply()
 
     def multiplier(self, step: int) -> float:
@@ -640,7 +665,7 @@ class LinearLRScheduler:
         return max(0.0, remaining / max(1, self.total_step_count - self.warmup_step_count))
 
     def _apply(self) -> None:
-        state = self._optimizer._state._optimizer
+        state = self._optimizer.state
         state.learning_rate = self.initial_lr * self.multiplier(state.step)
 
     def step(self) -> None:

@@ -127,7 +127,8 @@ def kernel_stats() -> dict:
     return {"compiled": compiled, "loaded": loaded, "kernels": used, "compiled_kernels": names}
 
 
-def _demo_artifacts(directory: str) -> str:
+def demo_artifacts(directory: str) -> str:
+    """The demo classifier's artifacts, generated in `directory` (returned)."""
     from . import artifacts
     from .demo import build_classifier
 
@@ -200,7 +201,7 @@ def warmup(artifact_dir=None, batch_size: int = DEFAULT_WARMUP_BATCH, input_shap
     scratch = None
     if artifact_dir is None:
         scratch = tempfile.TemporaryDirectory(prefix="odtrain-warmup-")
-        directory = _demo_artifacts(scratch.name)
+        directory = demo_artifacts(scratch.name)
         label = "the built-in demo classifier"
     else:
         directory = os.fspath(artifact_dir)

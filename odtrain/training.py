@@ -69,9 +69,9 @@ class Session:
             if not self.paths.has("optimizer_model"):
                 raise ArtifactNotFoundError(f"artifact folder '{self.paths.directory}' has no {OPTIMIZER_MODEL}; "
                                             "generate the artifacts with an optimizer (odtrain prepare does)")
-            if fresh_optimizer:
-                self.state._optimizer = None
             self.optimizer = Optimizer(self.paths.optimizer_model, self.module)
+            if fresh_optimizer:
+                self.optimizer.reset_state()
 
     @property
     def inputs(self) -> list[data_files.InputSpec]:

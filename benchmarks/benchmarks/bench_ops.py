@@ -173,12 +173,11 @@ class OptimizerOps:
         from odtrain.executor import apply_optimizer
 
         module, optimizer, _ = training_step(model)
-        state = module.state
         weights = np.asarray(module.get_contiguous_parameters(trainable_only=True))  # a copy: the update's cost
         rng = np.random.default_rng(common.SEED)
         grads = rng.uniform(-1, 1, weights.size).astype(np.float32)
-        moments = {k: v.copy() for k, v in state._optimizer.moments.items()}
-        self.update = functools.partial(apply_optimizer, optimizer._config, weights, grads, moments, 1e-3, 1,
+        moments = {k: v.copy() for k, v in optimizer.state.moments.items()}
+        self.update = functools.partial(apply_optimizer, optimizer.config, weights, grads, moments, 1e-3, 1,
                                         threads=threads)
         self.update()
 
