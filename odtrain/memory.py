@@ -26,7 +26,7 @@ from .allocation import format_bytes
 from .artifact_paths import ArtifactPaths
 from .graph.autodiff import LOSS_SEED
 from .graph.errors import ArtifactNotFoundError
-from .graph.planner import CATEGORIES, Plan, training_categories
+from .graph.planner import CATEGORIES, MemoryPlan, training_categories
 from .graph.wording import count
 
 MIB = 1024 * 1024
@@ -43,7 +43,7 @@ class PlanMemory:
     constant_bytes: int
     recomputed_nodes: int
     no_reuse_bytes: int = 0  # every arena value and scratch buffer in bytes of its own
-    plan: Plan | None = field(default=None, repr=False, compare=False)
+    plan: MemoryPlan | None = field(default=None, repr=False, compare=False)
     loss_step: int | None = None  # the step that writes the loss: the end of the forward pass
 
     def timeline(self) -> dict[str, np.ndarray]:

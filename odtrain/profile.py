@@ -5,7 +5,7 @@
 
 How it measures:
 - The artifacts are loaded as `odtrain train` loads them (CheckpointState, Module, Optimizer) and the
-  training step is bound at `batch_size` (and `sequence_length`: `Module.bound_graph_at`). Float inputs are drawn from
+  training step is bound at `batch_size` (and `sequence_length`: `Module.executable_step_at`). Float inputs are drawn from
   a normal distribution (fixed seed), integer inputs (labels, token ids) are zeros.
 - Each step runs twice, alternating: once as training runs it (`module(...)`, `optimizer.step()`,
   `lazy_reset_grad()`), timed as a whole; once as a timed twin of the executor's loop (`timed_calls`),
@@ -57,7 +57,7 @@ _peaks: dict[tuple[int, str], float] = {}
 
 
 def timed_calls(calls: list, elapsed: np.ndarray, clock=time.perf_counter) -> None:
-    """Run a bound step's calls in order, as `BoundGraph.run` does, writing each call's seconds to `elapsed`."""
+    """Run a bound step's calls in order, as `ExecutableStep.run` does, writing each call's seconds to `elapsed`."""
     for index, (kernel, args) in enumerate(calls):
         start = clock()
         kernel(*args)
@@ -69,7 +69,7 @@ def gemm_peak(threads: int, clock: str = "wall") -> float:
     are (best of PEAK_REPEATS) on `clock` (CLOCKS), measured once per process and thread count."""
     threads, read = max(int(threads), 1), CLOCKS[clock]
     if (threads, clock) not in _peaks:
-        from .executor import BoundGraph
+        from .executor import ExecutableStep
 
         rng = np.random.default_rng(0)
         square = TensorType(np.dtype(np.float32), (PEAK_SIZE, PEAK_SIZE))
@@ -77,7 +77,7 @@ def gemm_peak(threads: int, clock: str = "wall") -> float:
         graph = Graph([Node("MatMul", ["a", "b"], ["y"], name="peak")], ["a", "b"], ["y"],
                       value_types={"a": square, "b": square, "y": square})
         # operands held outside the arena: a run is the product alone
-        product = BoundGraph(graph, {}, operands, threads=threads)
+        product = ExecutableStep(graph, {}, operands, threads=threads)
         product.run([])  # the kernel loaded, the threads started
         best = float("inf")
         for _ in range(PEAK_REPEATS):
@@ -289,7 +289,7 @@ def profile_artifacts(directory, batch_size: int, steps: int = 10, threads: int 
     if threads is not None:
         set_num_threads(threads)
     module, optimizer = session.module, session.optimizer
-    bound = module.bound_graph_at(int(batch_size), sequence_length=sequence_length)
+    bound = module.executable_step_at(int(batch_size), sequence_length=sequence_length)
     step_threads = bound.threads
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     peaks = {count: gemm_peak(count, clock) for count in sorted({1, step_threads or 1, cores})}

@@ -608,13 +608,13 @@ def test_memory_budget_flag_recomputes_and_trains_identically_or_names_what_work
     assert code == 2 and "at least" in one_line(err)
     smallest = int(re.search(r"at least ([\d,]+)", err).group(1).replace(",", ""))
     bound = []
-    original = executor.BoundGraph.__init__
+    original = executor.ExecutableStep.__init__
 
     def recording(self, *args, **kwargs):
         original(self, *args, **kwargs)
         bound.append(self)
 
-    monkeypatch.setattr(executor.BoundGraph, "__init__", recording)
+    monkeypatch.setattr(executor.ExecutableStep, "__init__", recording)
     code, out, _ = odtrain_main(capsys, "train", "deep_free", *settings)
     assert code == 0 and bound and not any(b.recomputed for b in bound)
     unconstrained, bound[:] = max(b.plan.arena_bytes for b in bound), []

@@ -37,7 +37,7 @@ def bound_step(cnn_artifacts):
     """The training step bound again, separately, at the profile's batch size."""
     state = CheckpointState.load_checkpoint(cnn_artifacts / "checkpoint")
     module = Module(cnn_artifacts / "training_model.onnx", state, cnn_artifacts / "eval_model.onnx")
-    return module.bound_graph_at(BATCH)
+    return module.executable_step_at(BATCH)
 
 
 def test_the_nodes_are_the_bound_steps_calls(profiled, bound_step):
