@@ -190,7 +190,7 @@ def warmup(artifact_dir=None, batch_size: int = DEFAULT_WARMUP_BATCH, input_shap
     """
     import tempfile
 
-    from .artifact_paths import TRAINING_MODEL, ArtifactPaths
+    from .artifact_paths import TRAINING_MODEL, ArtifactPaths, refuse_a_model
     from .graph.errors import ArgumentError, ArtifactNotFoundError
 
     if int(batch_size) < 1:
@@ -205,6 +205,7 @@ def warmup(artifact_dir=None, batch_size: int = DEFAULT_WARMUP_BATCH, input_shap
         label = "the built-in demo classifier"
     else:
         directory = os.fspath(artifact_dir)
+        refuse_a_model(directory)
         label = directory
         if not ArtifactPaths.of(directory).has("training_model"):
             raise ArtifactNotFoundError(f"'{directory}' has no {TRAINING_MODEL}: give the folder that "

@@ -14,7 +14,7 @@ import json
 import os
 import sys
 
-from .artifact_paths import ArtifactPaths
+from .artifact_paths import ArtifactPaths, refuse_a_model
 from .graph.errors import ArgumentError, ArtifactNotFoundError, OdtrainError
 from .graph.wording import count, name_list
 
@@ -459,6 +459,8 @@ def _inspect(args) -> int:
     from .training import Session
 
     target = args.target
+    if target.endswith(".onnx"):
+        refuse_a_model(target)
     if os.path.isdir(target):
         paths = ArtifactPaths.of(target)
     elif os.path.isfile(target):

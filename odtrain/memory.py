@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .allocation import format_bytes
-from .artifact_paths import ArtifactPaths
+from .artifact_paths import ArtifactPaths, refuse_a_model
 from .graph.autodiff import LOSS_SEED
 from .graph.errors import ArtifactNotFoundError
 from .graph.planner import CATEGORIES, MemoryPlan, training_categories
@@ -171,6 +171,7 @@ def from_artifacts(directory, batch_size: int, memory_budget: int | None = None,
     MemoryBudgetError when no plan meets the budget."""
     from .api import CheckpointState, Module, Optimizer
 
+    refuse_a_model(directory)
     paths = ArtifactPaths.of(directory)
     missing = paths.missing("training_model", "checkpoint")
     if missing:

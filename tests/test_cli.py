@@ -260,6 +260,10 @@ def test_a_model_given_for_artifacts_gets_the_prepare_command_that_works(here, c
     assert code == 0 and json.loads(out)["global_step"] == 10, err
     code, _, err = odtrain_main(capsys, "prepare", "mlp.onnx", "-o", "train.npz")
     assert code == 2 and "'train.npz' is a file: -o names the folder" in one_line(err)
+    for argv in (["eval", "mlp.onnx", "--data", "val.npz"], ["inspect", "mlp.onnx"], ["warmup", "mlp.onnx"],
+                 ["memory", "mlp.onnx", "--batch-size", "2"], ["export", "mlp.onnx", "-o", "out.onnx"]):
+        code, _, err = odtrain_main(capsys, *argv)
+        assert code == 2 and f"{advice.group(0)}" in one_line(err), argv
 
 
 def test_an_out_of_range_label_names_the_file_the_sample_its_value_and_the_classes(here, capsys):
