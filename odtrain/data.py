@@ -16,8 +16,9 @@ Which array feeds which input:
   label is the class's index in sorted order. Files that are not images,
   folders nested in a class folder and files beside the class folders are
   skipped and counted in one line (`ImageFolder(report=...)`, else a
-  warning); an image that cannot be decoded stops the load unless
-  `skip_unreadable`, which counts it among the skipped.
+  warning), hidden entries (`.DS_Store`) ignored; an image that cannot be
+  decoded stops the load unless `skip_unreadable`, which counts it among
+  the skipped.
 
 Arrays are converted to the declared dtype when no information is lost
 (float64 -> float32, int32 -> int64, integral floats -> int64 labels) and
@@ -260,6 +261,8 @@ def load_image_folder(folder: str, inputs: list[InputSpec], skip_unreadable: boo
         directory = os.path.join(folder, name)
         for file in sorted(os.listdir(directory)):
             path = os.path.join(directory, file)
+            if file.startswith("."):  # hidden: a system's own files (.DS_Store), not data
+                continue
             if os.path.isdir(path):
                 skipped["nested folder"].append(os.path.join(name, file))
                 continue

@@ -478,6 +478,7 @@ def test_an_image_folder_counts_what_it_skips_and_skips_unreadable_images_when_t
     _digit_folder(root, count=40)
     first = sorted(p for p in root.iterdir())[0]
     (first / "notes.txt").write_text("not an image")
+    (first / ".DS_Store").write_bytes(b"hidden: ignored")
     (first / "more").mkdir()
     (root / "README.md").write_text("the digits")
     (first / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")
