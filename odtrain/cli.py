@@ -368,9 +368,8 @@ def _train(args) -> int:
     paths = ArtifactPaths.find(args.artifacts)
     properties = CheckpointState.load_checkpoint(paths.checkpoint).properties
     if not args.resume and properties.get("finished") == 0:
-        print(f"odtrain train: note: '{paths.checkpoint}' holds an unfinished run (epoch "
-              f"{properties['epoch'] + 1}, step {properties['step_in_epoch']}); this run starts anew from its "
-              "parameters (--resume continues it)", file=sys.stderr)
+        _note(args, f"'{paths.checkpoint}' holds an unfinished run (epoch {properties['epoch'] + 1}, step "
+              f"{properties['step_in_epoch']}); this run starts anew from its parameters (--resume continues it)")
     result = fit(args.artifacts, _data(args, args.data), val=_data(args, args.val), epochs=args.epochs,
                  batch_size=args.batch_size,
                  learning_rate=args.lr, lr_schedule=args.lr_schedule, warmup_steps=args.warmup, seed=args.seed,
