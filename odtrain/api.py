@@ -13,7 +13,7 @@ Beyond ONNX Runtime's API, for tools that look at a session without running
 it (the CLI, the memory report, the training loop, benchmarks):
 `Module.bind_at(batch_size, training)` binds a step and returns its
 `BoundStep` (memory plan, folded constants, recomputation), and
-`Module.bound_graph_at(batch_size, training)` the executor's BoundGraph of it;
+`Module.executable_step_at(batch_size, training)` the executor's ExecutableStep of it;
 `Module.bound_steps()` lists the steps bound so far; `Module.arena_bytes`,
 `Module.input_types(training)`, `Module.graph(training)`, `Module.state`, and
 `CheckpointState.buffer_bytes()` (a `StateBuffers`).
@@ -34,7 +34,7 @@ from .graph.lora import merge_adapters
 from .graph.onnx_io import load_graph, save_graph
 from .graph.ops import check_supported
 from .graph.optimizers import read_optimizer_graph
-from .graph.planner import Plan
+from .graph.planner import MemoryPlan
 from .graph.qat import quantized_for_inference
 from .signals import deferred_interrupt
 from .state import OptimizerState, ParameterStore, PropertyBag
@@ -125,11 +125,12 @@ class StateBuffers:
 @dataclass(frozen=True)
 class BoundStep:
     """A training or eval step bound at one set of input shapes: the memory plan a call at those
-    shapes runs on, and what the step holds beside the arena."""
+    shapes runs on, and what the step holds beside the arena; a report of the ExecutableStep that
+    runs it (the plans of a step: graph/step_plan.py's StepPlan)."""
 
     mode: str  # "train" or "eval"
     inputs: tuple  # (name, shape) of each user input
-    plan: Plan
+    plan: MemoryPlan
     constant_bytes: int  # constants folded at these shapes, held beside the arena
     recomputed_nodes: int  # nodes run again in the backward pass to meet the memory budget
     loss: str | None  # the name of the loss output
@@ -200,6 +201,13 @@ class CheckpointState:
     def properties(self) -> PropertyBag:
         return self._properties
 
+    @property
+    def optimizer_state(self) -> OptimizerState | None:
+        """The optimizer's step count, learning rates and moment buffers (flat, in the trainable parameters'
+        order), or None before an Optimizer was made for this state or loaded with it; an Optimizer updates
+        it, `Optimizer.reset_state()` restarts it."""
+        return self._optimizer
+
     def buffer_bytes(self) -> StateBuffers:
         """The bytes of the parameter, gradient and optimizer buffers."""
         store, optimizer = self._store, self._optimizer
@@ -243,7 +251,7 @@ class _GraphSession:
         self.fused: dict = {}  # gradient output -> (parameter, update) when the optimizer runs inside backward
         self.check_finite = check_finite
         self.steps = 0
-        from .executor import BoundGraph  # noqa: F401  (kernels load with the first session)
+        from .executor import ExecutableStep  # noqa: F401  (kernels load with the first session)
 
         self.uri = os.fspath(uri)
         self.graph = load_graph(uri, what)
@@ -301,7 +309,7 @@ class _GraphSession:
         return arrays, tuple(signature)
 
     def bound(self, signature, arrays):
-        from .executor import BoundGraph
+        from .executor import ExecutableStep
 
         accumulate = self.with_gradients and not self.state._reset_grad_pending
         threads = self.threads()
@@ -311,7 +319,7 @@ class _GraphSession:
             types = {name: TensorType(a.dtype, a.shape) for name, a in zip(self.input_names, arrays)}
             guarded = tuple(self.output_names[:1]) if self.check_finite else ()
             sinks = {} if self.fused else self.sinks
-            plan = BoundGraph(self.graph, types, self.external, sinks, accumulate and not self.fused, guarded,
+            plan = ExecutableStep(self.graph, types, self.external, sinks, accumulate and not self.fused, guarded,
                               self.memory_budget, self.fused, self.arena, threads=threads)
             self.plans[signature] = plan
             if len(self.plans) > PLAN_CACHE_SIZE:
@@ -321,13 +329,13 @@ class _GraphSession:
         return plan
 
     def bind_at(self, batch_size: int, sequence_length: int | None = None) -> BoundStep:
-        """Bind the plan (a BoundGraph, cached) that a call with inputs of batch `batch_size` (and every other
+        """Bind the plan (an ExecutableStep, cached) that a call with inputs of batch `batch_size` (and every other
         symbolic axis `sequence_length`) runs."""
         signature, bound = self.bound_at(batch_size, sequence_length)
         return self.bound_step(signature, bound)
 
     def bound_at(self, batch_size: int, sequence_length: int | None = None):
-        """(signature, BoundGraph) of the plan, bound and cached, that a call with inputs of batch `batch_size`
+        """(signature, ExecutableStep) of the plan, bound and cached, that a call with inputs of batch `batch_size`
         (and every other symbolic axis `sequence_length`) runs."""
         for what, value in (("batch size", batch_size), ("sequence length", sequence_length)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
@@ -470,8 +478,8 @@ class Module:
         would, without running it; symbolic axes after the first take `sequence_length`."""
         return self._session_of(training).bind_at(batch_size, sequence_length)
 
-    def bound_graph_at(self, batch_size: int, training: bool = True, sequence_length: int | None = None):
-        """The executor's plan (odtrain.executor.BoundGraph: its calls, their nodes, storage) that bind_at
+    def executable_step_at(self, batch_size: int, training: bool = True, sequence_length: int | None = None):
+        """The executor's plan (odtrain.executor.ExecutableStep: its calls, their nodes, storage) that bind_at
         binds, for tools that run or time a step's calls one by one (odtrain.profile, benchmarks); read it,
         do not change it."""
         return self._session_of(training).bound_at(batch_size, sequence_length)[1]
@@ -610,11 +618,29 @@ class Optimizer:
         learning_rate = float(learning_rate)
         if not np.isfinite(learning_rate) or learning_rate < 0:
             raise ArgumentError(f"learning rate must be a finite number >= 0, got {learning_rate}")
-        self._state._optimizer.learning_rate = learning_rate
-        self._state._optimizer.initial_learning_rate = learning_rate
+        self.state.learning_rate = learning_rate
+        self.state.initial_learning_rate = learning_rate
 
     def get_learning_rate(self) -> float:
-        return float(self._state._optimizer.learning_rate)
+        return float(self.state.learning_rate)
+
+    @property
+    def state(self) -> OptimizerState:
+        """The state this optimizer updates (its CheckpointState's optimizer_state): kind, step count,
+        learning rates and moment buffers."""
+        return self._state._optimizer
+
+    @property
+    def config(self):
+        """What the optimizer model computes (odtrain.graph.optimizers' config: the kind, its hyperparameters,
+        the names of its moment buffers), as odtrain.executor.apply_optimizer takes it."""
+        return self._config
+
+    def reset_state(self) -> None:
+        """Zero the moments and the step count, as a new optimizer starts (the learning rate stays)."""
+        for moment in self.state.moments.values():
+            moment[...] = 0
+        self.state.step = 0
 
 
 class LinearLRScheduler:
@@ -630,7 +656,7 @@ class LinearLRScheduler:
         self._optimizer = optimizer
         self.warmup_step_count, self.total_step_count = int(warmup_step_count), int(total_step_count)
         self.initial_lr = float(initial_lr)
-        optimizer._state._optimizer.initial_learning_rate = self.initial_lr
+        optimizer.state.initial_learning_rate = self.initial_lr
         self._apply()
 
     def multiplier(self, step: int) -> float:
@@ -640,7 +666,7 @@ class LinearLRScheduler:
         return max(0.0, remaining / max(1, self.total_step_count - self.warmup_step_count))
 
     def _apply(self) -> None:
-        state = self._optimizer._state._optimizer
+        state = self._optimizer.state
         state.learning_rate = self.initial_lr * self.multiplier(state.step)
 
     def step(self) -> None:

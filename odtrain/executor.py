@@ -56,8 +56,9 @@ def scratch_bytes(node: Node, types: dict[str, TensorType], threads: int = 1) ->
     return int(size_of(specs_in, specs_out, **node.attrs, **extra))
 
 
-class BoundGraph:
-    """One graph at one set of feed shapes and thread count: plan, arena, and the calls of a step.
+class ExecutableStep:
+    """One graph at one set of feed shapes and thread count: its StepPlan laid out on an arena, and the
+    calls of a step (how it relates to MemoryPlan and BoundStep: graph/step_plan.py's StepPlan).
 
     `external` maps parameter names to the arrays that hold them (views of
     the flat parameter buffer). `gradient_sinks` maps gradient outputs to
@@ -210,7 +211,7 @@ class SharedArena:
     def nbytes(self) -> int:
         return self.buffer.nbytes
 
-    def attach(self, bound: BoundGraph, advice=None) -> None:
+    def attach(self, bound: ExecutableStep, advice=None) -> None:
         """Lay `bound` into the buffer, first replacing it with a larger one if its plan needs more
         (`advice(bytes)` says what memory_budget fits when the machine cannot hold that; allocation.allocate)."""
         if bound.plan.arena_bytes > self.buffer.nbytes:

@@ -87,7 +87,7 @@ CASES = {
 def training_step(name: str):
     """(module, optimizer, bound training step) of a reference model at its batch size (meta.json)."""
     module, optimizer = common.open_training(common.artifacts(name))
-    return module, optimizer, module.bound_graph_at(common.meta(name)["input_shape"][0])
+    return module, optimizer, module.executable_step_at(common.meta(name)["input_shape"][0])
 
 
 @functools.lru_cache(maxsize=None)
@@ -101,9 +101,9 @@ def picked_node(label: str):
 
 
 def bind_alone(label: str, threads: int = 1):
-    """The picked node bound in a graph of its own at `threads` threads; returns the BoundGraph (its run
+    """The picked node bound in a graph of its own at `threads` threads; returns the ExecutableStep (its run
     takes no feeds)."""
-    from odtrain.executor import BoundGraph
+    from odtrain.executor import ExecutableStep
     from odtrain.graph.ir import Graph
 
     bound, node = picked_node(label)
@@ -120,7 +120,7 @@ def bind_alone(label: str, threads: int = 1):
     outputs = [o for o in node.outputs if o]  # the first is the graph's output; state updates never are
     types = {name: bound.types[name] for name in list(held) + list(constants) + outputs}
     graph = Graph([node], list(held), outputs[:1], constants, types, name=label)
-    return BoundGraph(graph, {}, held, threads=threads)
+    return ExecutableStep(graph, {}, held, threads=threads)
 
 
 class _OpBenchmark:
@@ -173,12 +173,11 @@ class OptimizerOps:
         from odtrain.executor import apply_optimizer
 
         module, optimizer, _ = training_step(model)
-        state = module.state
         weights = np.asarray(module.get_contiguous_parameters(trainable_only=True))  # a copy: the update's cost
         rng = np.random.default_rng(common.SEED)
         grads = rng.uniform(-1, 1, weights.size).astype(np.float32)
-        moments = {k: v.copy() for k, v in state._optimizer.moments.items()}
-        self.update = functools.partial(apply_optimizer, optimizer._config, weights, grads, moments, 1e-3, 1,
+        moments = {k: v.copy() for k, v in optimizer.state.moments.items()}
+        self.update = functools.partial(apply_optimizer, optimizer.config, weights, grads, moments, 1e-3, 1,
                                         threads=threads)
         self.update()
 

@@ -64,8 +64,7 @@ def _attr_or_input(node, consts, attr: str, index: int, what: str):
 
 def dtype_of(ctx, name: str):
     """The element type of a forward value, when shape inference knew it."""
-    t = ctx._builder.graph.value_types.get(name)
-    return None if t is None else np.dtype(t.dtype)
+    return ctx.dtype(name)
 
 
 # ---- Reshape, Flatten, Squeeze, Unsqueeze: views ----------------------------------------------
