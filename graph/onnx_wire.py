@@ -394,6 +394,8 @@ def _graph(data: bytes, spans) -> GraphData:
             graph.initializers.append(_tensor(data, [value]))
         elif number in (11, 12, 13):
             (graph.inputs, graph.outputs, graph.value_info)[number - 11].append(_value_info(data, value))
+        elif number == 16:  # metadata_props, read only to refuse a damaged entry
+            _entry(data, value)
     return graph
 
 
@@ -414,6 +416,8 @@ def _node(data: bytes, span) -> NodeData:
             node.attributes.append(_attribute(data, value))
         elif number == 7:
             node.domain = _text(data, value)
+        elif number == 9:  # metadata_props: not kept, but read, so that a damaged entry is refused as onnx refuses it
+            _entry(data, value)
     return node
 
 
@@ -509,6 +513,8 @@ def _value_info(data: bytes, span) -> ValueInfoData:
             info.name = _text(data, value)
         elif number == 2 and wire == LENGTH:
             types.append(value)
+        elif number == 3 and wire == LENGTH:  # metadata_props, read only to refuse a damaged entry
+            _entry(data, value)
     tensor_type = None  # the spans of TypeProto.tensor_type, while it is the member of the oneof set last
     for number, wire, value in _fields(data, types):
         if wire != LENGTH:
