@@ -428,6 +428,9 @@ def _data(args, paths):
     if paths is None:
         return None
     texts = [p for p in paths if str(p).endswith(".txt")]
+    audio = _audio_source(args, paths)
+    if audio is not None:
+        return audio
     if args.tokenizer is None:
         if texts:
             raise ArgumentError(f"'{texts[0]}' is text: give the tokenizer that encodes it with --tokenizer "
@@ -441,6 +444,25 @@ def _data(args, paths):
     from .text import TextSource
 
     return TextSource(paths[0], args.tokenizer, args.seq_len)
+
+
+def _audio_source(args, paths):
+    """An AudioSource when the one path is a folder of clips or audio options were given, else None."""
+    from .audio import AudioSource, LogMel, is_audio_folder, stderr_report
+
+    features = getattr(args, "audio_features", None)
+    given = features is not None or getattr(args, "skip_unreadable", False)
+    folder = len(paths) == 1 and os.path.isdir(paths[0]) and is_audio_folder(paths[0])
+    if not folder:
+        if given:
+            raise ArgumentError("--audio-features and --skip-unreadable read a folder of clips: give --data "
+                                "clips/, with one sub-folder of .wav files per class")
+        return None
+    settings = None
+    if features == "log-mel":
+        settings = LogMel(args.sample_rate, args.n_mels, args.win_ms, args.hop_ms, args.n_fft)
+        settings.check()
+    return AudioSource(paths[0], settings, args.sample_rate, args.skip_unreadable, report=stderr_report)
 
 
 def _train(args) -> int:
@@ -659,6 +681,17 @@ def _add_data_options(command, what: str) -> None:
                          "given to --data with this tokenizers file (pip install \"odtrain[text]\")")
     command.add_argument("--seq-len", type=int, metavar="N", help="with --tokenizer: windows of N tokens, each "
                          "token's label the next one")
+    audio = command.add_argument_group("audio clips (--data clips/, one sub-folder of .wav files per class)")
+    audio.add_argument("--audio-features", choices=("log-mel",), help="compute features for a model whose input is "
+                       "log-mel [batch, n_mels, frames] (default: feed the waveform [batch, samples])")
+    audio.add_argument("--sample-rate", type=int, default=16000, metavar="HZ",
+                       help="the model's sample rate; clips are resampled to it (default 16000)")
+    audio.add_argument("--n-mels", type=int, default=40, metavar="N", help="mel bands (default 40)")
+    audio.add_argument("--win-ms", type=float, default=25.0, metavar="MS", help="analysis window (default 25 ms)")
+    audio.add_argument("--hop-ms", type=float, default=10.0, metavar="MS", help="hop between frames (default 10 ms)")
+    audio.add_argument("--n-fft", type=int, default=512, metavar="N", help="DFT size (default 512)")
+    audio.add_argument("--skip-unreadable", action="store_true", help="leave out clips that cannot be read "
+                       "(empty, truncated, too short, another encoding) and say how many; default: stop on the first")
 
 
 def _add_selection_options(command) -> None:

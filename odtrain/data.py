@@ -10,6 +10,7 @@ Which array feeds which input:
   with one data input, the conventional names (`x`, `images`, `inputs`, ...
   and `y`, `labels`, `target`, ...).
 - `.npy` files: one per input, in the model's input order.
+- a folder of audio clips (odtrain/audio.py): one sub-folder per class, as for images.
 - a folder: one sub-folder per class, named by the class; images are read
   with Pillow, converted to grayscale or RGB and resized to the model's input
   (NCHW, NHWC, [N, H, W] or flattened [N, H*W*C]), scaled to [0, 1]; the
@@ -91,6 +92,10 @@ def load(paths, inputs: list[InputSpec], x=None, y=None) -> Dataset:
         raise ArgumentError("--x/--y name arrays inside an .npz file; .npy files feed the inputs in order "
                             f"({', '.join(s.name for s in inputs)})")
     if len(paths) == 1 and os.path.isdir(first):
+        from .audio import AudioSource, is_audio_folder
+
+        if is_audio_folder(first):
+            return AudioSource(first).dataset(inputs)
         return load_image_folder(first, inputs)
     if len(paths) == 1 and first.endswith(".npz"):
         return _load_npz(first, inputs, list(x or []), y)

@@ -43,6 +43,7 @@ from .artifact_paths import OPTIMIZER_MODEL, ArtifactPaths
 from .graph.errors import ArgumentError, ArtifactNotFoundError, StateError
 from .graph.losses import cross_entropy_layout
 from .progress import progress_bar
+from .audio import AudioSource
 from .text import TextSource
 
 SCHEDULES = ("constant", "linear", "cosine")
@@ -105,11 +106,11 @@ class Session:
         return list(self.module.graph(training=False).outputs[1:])
 
     def dataset(self, source, x=None, y=None) -> data_files.Dataset:
-        """A Dataset for this model from paths, a Dataset, a text.TextSource, a dict of arrays or arrays in input
-        order."""
+        """A Dataset for this model from paths, a Dataset, a text.TextSource or audio.AudioSource, a dict of arrays
+        or arrays in input order."""
         if isinstance(source, data_files.Dataset):
             return source
-        if isinstance(source, TextSource):
+        if isinstance(source, (TextSource, AudioSource)):
             return source.dataset(self.inputs)
         if isinstance(source, (str, os.PathLike)) or (isinstance(source, (list, tuple)) and source
                                                         and all(isinstance(s, (str, os.PathLike)) for s in source)):
