@@ -144,6 +144,11 @@ def DFTGrad(inputs, outputs, axis=-2, inverse=0, onesided=0, scratch=None):
                       adjoint=True)
 
 
+def _channels(signal):
+    """A signal as [batch, samples, 1 or 2]: [batch, samples] is real."""
+    return signal.reshape(signal.shape + (1,)) if signal.ndim == 2 else signal
+
+
 def _stft_setup(signal, spectrum, inputs, onesided):
     """(window, basis [N·C, bins·2], frame step) of an STFT from `signal` to `spectrum`."""
     step = _value(inputs, 1, 1)
@@ -160,12 +165,13 @@ def _stft_scratch(specs_in, specs_out, **attrs):
     (signal_shape, dtype), (out_shape, _) = specs_in[0], specs_out[0]
     if len(signal_shape) == 4:  # STFTGrad: dY is input 0, the signal's gradient its output
         signal_shape, out_shape = out_shape, signal_shape
-    return np.dtype(dtype).itemsize * out_shape[1] * (2 * out_shape[2] - 1) * signal_shape[2]
+    channels = signal_shape[2] if len(signal_shape) == 3 else 1
+    return np.dtype(dtype).itemsize * out_shape[1] * (2 * out_shape[2] - 1) * channels
 
 
 @binding("STFT", scratch=_stft_scratch)
 def STFT(inputs, outputs, onesided=1, scratch=None):
-    signal, out = inputs[0], outputs[0]
+    signal, out = _channels(inputs[0]), outputs[0]
     window, basis, step = _stft_setup(signal, out, inputs, onesided)
     frames = scratch[:out.shape[1] * basis.shape[0] * signal.itemsize].view(signal.dtype).reshape(
         out.shape[1], basis.shape[0])
@@ -174,7 +180,7 @@ def STFT(inputs, outputs, onesided=1, scratch=None):
 
 @binding("STFTGrad", ODTRAIN_DOMAIN, scratch=_stft_scratch)
 def STFTGrad(inputs, outputs, onesided=1, scratch=None):
-    grad_out, signal, grad_signal = inputs[0], inputs[1], outputs[0]
+    grad_out, signal, grad_signal = inputs[0], _channels(inputs[1]), _channels(outputs[0])
     window, basis, step = _stft_setup(signal, grad_out, inputs[1:], onesided)
     frames = scratch[:grad_out.shape[1] * basis.shape[0] * signal.itemsize].view(signal.dtype).reshape(
         grad_out.shape[1], basis.shape[0])

@@ -6,7 +6,8 @@ index in sorted order, as for images (odtrain/data.py).
 - Reading: WAV files are parsed here (RIFF chunks): PCM of 8 (unsigned), 16, 24 and 32 bits, IEEE float
   of 32 and 64 bits, WAVE_FORMAT_EXTENSIBLE of these; several channels are averaged to mono. Other
   formats (FLAC, OGG, ...) go through the optional `soundfile` package (pip install "odtrain[audio]").
-  A file that is empty, truncated, not RIFF/WAVE, of another encoding (ADPCM, μ-law, 12-bit) or holding
+  A data chunk that declares more bytes than the file holds is truncated, unless its size is a
+  streaming placeholder (`_STREAMED`). A file that is empty, truncated, not RIFF/WAVE, of another encoding (ADPCM, μ-law, 12-bit) or holding
   less than MIN_FRACTION of the model's length raises an InputError naming it; `skip_unreadable`
   skips such files instead and counts them.
 - Resampling (`resample`) to the model's rate: band-limited interpolation with a Kaiser-windowed sinc
@@ -36,6 +37,7 @@ AUDIO_EXTENSIONS = (".wav", ".wave", ".flac", ".ogg", ".oga", ".aiff", ".aif", "
 MIN_FRACTION = 0.1  # a clip holding less than this share of the model's length is refused as too short
 LOG_OFFSET = 1e-6
 _PCM, _FLOAT, _EXTENSIBLE = 1, 3, 0xFFFE
+_STREAMED = (0xFFFFFFFF, 0x7FFFF000)  # data sizes of WAVs written to a pipe (sox, espeak-ng): read to the end
 _FORMAT_NAMES = {2: "Microsoft ADPCM", 6: "A-law", 7: "μ-law", 17: "IMA ADPCM", 85: "MP3"}
 
 
@@ -59,7 +61,7 @@ def read_wav(path: str) -> tuple[np.ndarray, int]:
                 raise InputError(f"audio file '{path}' has a damaged 'fmt ' chunk ({len(body)} bytes)")
             fmt = body
         elif chunk == b"data":
-            if len(body) < size and size != 0xFFFFFFFF:
+            if len(body) < size and size not in _STREAMED:
                 raise InputError(f"audio file '{path}' is truncated: its data chunk declares {size} bytes, the file "
                                  f"holds {len(body)}")
             samples = body

@@ -8,7 +8,7 @@ N = dft_length (default: the axis's length; 2·(length - 1) for an inverse one-s
   k <= N/2 (a real input's spectrum is symmetric);
 - inverse: x[n] = (1/N)·Σ_k X[k]·e^(+2πi·kn/N); with `onesided` the input holds k <= N/2 of a
   symmetric spectrum and the output is the real signal of length N (numpy's irfft).
-STFT(signal[B, L, 1|2], frame_step, window?, frame_length?) takes T = 1 + (L - N) // frame_step frames
+STFT(signal[B, L, 1|2] (or [B, L], real, as torch.onnx exports it), frame_step, window?, frame_length?) takes T = 1 + (L - N) // frame_step frames
 of N samples (N = frame_length, else the window's length), weighs each by the window and transforms it:
 output [B, T, N//2 + 1 if onesided else N, 2].
 
@@ -94,9 +94,11 @@ def _dft_rule(node, types, consts):
 def stft_settings(node, types, consts) -> dict:
     """STFT's frame step, frame length N, frame count T and onesided flag."""
     signal = types[0]
+    if signal.shape is not None and len(signal.shape) == 2:  # [batch, samples]: real, as PyTorch exports it
+        signal = TensorType(signal.dtype, tuple(signal.shape) + (1,))
     _signal_type(node, signal, "signal")
     if len(signal.shape) != 3:
-        raise ModelError(f"{node.describe()}: its signal {signal} must be [batch, samples, 1 or 2]")
+        raise ModelError(f"{node.describe()}: its signal {signal} must be [batch, samples, 1 or 2] or [batch, samples]")
     step = int(_scalar(node, consts, 1, "frame_step"))
     window = types[2] if len(types) > 2 else None
     if window is not None and (window.shape is None or len(window.shape) != 1 or window.dtype != signal.dtype):
