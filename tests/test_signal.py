@@ -69,3 +69,20 @@ GRADIENT_CASES = {
 @pytest.mark.parametrize("name", list(GRADIENT_CASES))
 def test_gradient(name, tmp_path):
     GRADIENT_CASES[name].check(tmp_path)
+
+
+def test_a_reversing_constant_slice_folds_whole():
+    # torch.onnx's STFT export reverses its pads with Slice(starts -1, ends -INT64_MAX, steps -1)
+    from odtrain.inference import InferenceSession
+    from oracles import make_model, reference_outputs
+
+    nodes = [node("Slice", ["table", "starts", "ends", "axes", "steps"], ["reversed"]),
+             node("Add", ["x", "reversed"])]
+    constants = {"table": np.arange(6, dtype=np.float32).reshape(3, 2), "starts": np.array([-1]),
+                 "ends": np.array([-2**63 + 1]), "axes": np.array([0]), "steps": np.array([-1])}
+    model = make_model(nodes, constants, inputs=[("x", np.float32, (3, 2))],
+                       outputs=[("y", np.float32, [3, 2])])
+    x = np.ones((3, 2), np.float32)
+    expected = reference_outputs(model, {"x": x})[0]
+    np.testing.assert_array_equal(InferenceSession(model).run(None, {"x": x})[0], expected)
+    assert expected[0, 0] == 5
