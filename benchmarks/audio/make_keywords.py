@@ -24,7 +24,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from odtrain.audio import fit_length, resample  # noqa: E402
 
-WORDS = ("yes", "no", "up", "down", "left", "right", "stop", "go")
+WORDS = ("down", "go", "left", "no", "right", "stop", "up", "yes")  # sorted: odtrain numbers a folder's classes so
 RATE, LENGTH = 16000, 16000
 BASE_VOICES = [f"{accent}+{variant}" for accent in ("en-us", "en-gb", "en-gb-scotland", "en-029")
                for variant in ("m1", "m3", "f2", "f4")]

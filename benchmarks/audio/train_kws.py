@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-WORDS = ("yes", "no", "up", "down", "left", "right", "stop", "go")
+WORDS = ("down", "go", "left", "no", "right", "stop", "up", "yes")  # sorted: odtrain numbers a folder's classes so
 RATE, N_FFT, WIN, HOP, N_MELS, CHANNELS = 16000, 512, 400, 160, 40, 48
 
 
