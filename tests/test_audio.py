@@ -183,3 +183,35 @@ def test_a_feature_input_gets_log_mel_of_the_fitted_clip(tmp_path):
     assert dataset.arrays[0].shape == (1, 1, 8, 21)
     expected = log_mel(fit_length(read_wav(folder + "/a/x.wav")[0], 20 * 160), settings)
     np.testing.assert_array_equal(dataset.arrays[0][0, 0], expected)
+
+
+def test_command_line_trains_a_log_mel_model_on_clips_and_skips_bad_ones(tmp_path, capsys):
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from conftest import odtrain_main
+
+    rng = np.random.default_rng(0)
+    graph = helper.make_graph(
+        [helper.make_node("Flatten", ["mel"], ["flat"]), helper.make_node("Gemm", ["flat", "w", "b"], ["logits"])],
+        "tiny", [helper.make_tensor_value_info("mel", TensorProto.FLOAT, ["batch", 8, 21])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 2])],
+        [numpy_helper.from_array((rng.standard_normal((168, 2)) * 0.01).astype(np.float32), "w"),
+         numpy_helper.from_array(np.zeros(2, np.float32), "b")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8),
+              str(tmp_path / "tiny.onnx"))
+    low, _ = _tone(300, RATE, 0.2)
+    high, _ = _tone(3000, RATE, 0.2)
+    folder = _folder(tmp_path, {"high/a.wav": _pcm(high), "high/b.wav": _pcm(high * 0.5), "low/a.wav": _pcm(low),
+                                "low/b.wav": _pcm(low * 0.5), "low/broken.wav": _pcm(low)[:-100]})
+    art = tmp_path / "art"
+    assert odtrain_main(capsys, "prepare", tmp_path / "tiny.onnx", "-o", art, "--lr", "0.1")[0] == 0
+    features = ["--audio-features", "log-mel", "--n-mels", "8", "--win-ms", "25", "--hop-ms", "10", "--n-fft", "512"]
+    code, out, err = odtrain_main(capsys, "train", art, "--data", folder, *features)
+    assert code != 0 and "broken.wav' is truncated" in err and "--skip-unreadable" in err
+    code, out, err = odtrain_main(capsys, "train", art, "--data", folder, *features, "--skip-unreadable",
+                                  "--epochs", "20", "--batch-size", "4")
+    assert code == 0 and "training on 4 samples" in out, err
+    assert "skipped 1 of 5 clips that cannot be read; the first: audio file" in err
+    code, out, err = odtrain_main(capsys, "eval", art, "--data", folder, *features, "--skip-unreadable")
+    assert code == 0 and "accuracy 100.0% on 4 samples" in out, err
