@@ -7,7 +7,9 @@ pitches, moved up to ±0.1 s off centre, scaled, and mixed with background noise
 hum at 5 to 25 dB SNR), as 1 s, 16 kHz, 16-bit mono WAV in OUT/<split>/<word>/<voice>_<n>.wav:
 - base_train, known_test: the BASE_VOICES the keyword model was pre-trained on (known_test holds other
   speeds, pitches and noise than base_train);
-- new_train (10 clips a word), new_test (20 a word): NEW_VOICE, which the model never heard.
+- new_train (10 clips a word), new_test (20 a word): NEW_VOICE, which the model never heard;
+- personal: what the device trains on, new_train and, so that the known voices are not forgotten, the
+  first base_train clip of REPLAY_VOICES of the base voices (10 a word): 160 clips.
 Everything is seeded: the same command makes the same files. ~2,000 clips take about a minute.
 """
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import shutil
 import subprocess
 import sys
 import wave
@@ -28,7 +31,8 @@ WORDS = ("down", "go", "left", "no", "right", "stop", "up", "yes")  # sorted: od
 RATE, LENGTH = 16000, 16000
 BASE_VOICES = [f"{accent}+{variant}" for accent in ("en-us", "en-gb", "en-gb-scotland", "en-029")
                for variant in ("m1", "m3", "f2", "f4")]
-NEW_VOICE = "en-gb-x-gbcwmd+klatt3"
+NEW_VOICE = "en-gb-x-gbcwmd+whisper"
+REPLAY_VOICES = 10
 SPLITS = {  # voices, clips per word and voice, seed
     "base_train": (BASE_VOICES, 12, 1),
     "known_test": (BASE_VOICES, 2, 2),
@@ -90,6 +94,15 @@ def main(argv=None) -> None:
                     write(os.path.join(args.out, split, word, f"{voice.replace('+', '_')}_{n:02d}.wav"),
                           clip(rng, word, voice))
         print(f"{split}: {len(voices) * count * len(WORDS)} clips")
+    if not args.only or "personal" in args.only.split(","):
+        for word in WORDS:
+            names = [f"new_train/{word}/{NEW_VOICE.replace('+', '_')}_{n:02d}.wav" for n in range(10)]
+            names += [f"base_train/{word}/{voice.replace('+', '_')}_00.wav" for voice in BASE_VOICES[:REPLAY_VOICES]]
+            os.makedirs(os.path.join(args.out, "personal", word), exist_ok=True)
+            for name in names:
+                shutil.copyfile(os.path.join(args.out, name),
+                                os.path.join(args.out, "personal", word, name.replace("/", "_")))
+        print(f"personal: {(10 + REPLAY_VOICES) * len(WORDS)} clips")
 
 
 if __name__ == "__main__":
