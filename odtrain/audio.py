@@ -228,7 +228,8 @@ def log_mel(samples: np.ndarray, settings: LogMel) -> np.ndarray:
 class AudioSource:
     """A folder of clips (`folder/<label>/*.wav`) and how to turn them into a model's input: the rate and
     length come from the model (its waveform input's length, or `features`' frames); `features` is None
-    (waveform input) or LogMel settings. `skipped` lists (path, reason) of the files left out."""
+    (waveform input) or LogMel settings. `skipped` lists (path, reason) of the files left out.
+    `odtrain.data.load_audio_folder` reads it into a Dataset."""
 
     folder: str
     features: LogMel | None = None
@@ -237,49 +238,7 @@ class AudioSource:
     report: object = None  # called with one line when files were skipped
     skipped: list = field(default_factory=list)
 
-    def dataset(self, inputs):
-        from . import data
-
-        data_inputs = [s for s in inputs if not s.is_label]
-        labels = [s for s in inputs if s.is_label]
-        if len(data_inputs) != 1 or len(labels) != 1 or np.dtype(labels[0].dtype).kind not in "iu":
-            raise ArgumentError(f"a folder of clips trains a classifier with one audio input and integer labels; "
-                                f"this model takes {', '.join(s.describe() for s in inputs)}")
-        spec = data_inputs[0]
-        rate = self.features.sample_rate if self.features is not None else self.sample_rate
-        length = self._length(spec)
-        classes = sorted(d for d in os.listdir(self.folder)
-                         if os.path.isdir(os.path.join(self.folder, d)) and not d.startswith("."))
-        if not classes:
-            raise InputError(f"audio folder '{self.folder}' has no sub-folders; put the clips of each class in a "
-                             "sub-folder named by the class")
-        rows, targets, total = [], [], 0
-        for index, name in enumerate(classes):
-            directory = os.path.join(self.folder, name)
-            for file in sorted(os.listdir(directory)):
-                if not file.lower().endswith(AUDIO_EXTENSIONS):
-                    continue
-                total += 1
-                path = os.path.join(directory, file)
-                try:
-                    rows.append(self._clip(path, rate, length))
-                except InputError as error:
-                    if not self.skip_unreadable:
-                        raise InputError(f"{error} (--skip-unreadable leaves such files out)") from None
-                    self.skipped.append((path, str(error)))
-                    continue
-                targets.append(index)
-        if self.skipped and self.report is not None:
-            first_path, reason = self.skipped[0]
-            self.report(f"skipped {len(self.skipped)} of {total} clips that cannot be read; the first: {reason}")
-        if not rows:
-            raise InputError(f"audio folder '{self.folder}' holds no readable clips ({', '.join(AUDIO_EXTENSIONS)}) "
-                             f"in its class sub-folders {classes}")
-        stacked = np.stack(rows)
-        return data.from_arrays({spec.name: stacked, labels[0].name: np.asarray(targets, dtype=np.int64)}, inputs,
-                                source=f"audio folder '{self.folder}'", classes=classes)
-
-    def _length(self, spec) -> int:
+    def length(self, spec) -> int:
         """Samples per clip: the waveform input's length, or what gives the feature input's frames."""
         dims = None if spec.shape is None else spec.shape[1:]
         if dims is None or not all(isinstance(d, int) for d in dims):
@@ -297,7 +256,13 @@ class AudioSource:
                              "give its --n-mels")
         return (frames - 1) * self.features.hop_length
 
-    def _clip(self, path: str, rate: int, length: int) -> np.ndarray:
+    @property
+    def rate(self) -> int:
+        return self.features.sample_rate if self.features is not None else self.sample_rate
+
+    def clip(self, path: str, length: int) -> np.ndarray:
+        """One clip as the model's input: samples, or log-mel features; InputError naming the file."""
+        rate = self.rate
         samples, clip_rate = read_audio(path)
         samples = resample(samples, clip_rate, rate)
         if len(samples) < MIN_FRACTION * length:

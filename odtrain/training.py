@@ -110,8 +110,10 @@ class Session:
         or arrays in input order."""
         if isinstance(source, data_files.Dataset):
             return source
-        if isinstance(source, (TextSource, AudioSource)):
+        if isinstance(source, TextSource):
             return source.dataset(self.inputs)
+        if isinstance(source, AudioSource):
+            return data_files.load_audio_folder(source, self.inputs)
         if isinstance(source, (str, os.PathLike)) or (isinstance(source, (list, tuple)) and source
                                                         and all(isinstance(s, (str, os.PathLike)) for s in source)):
             return data_files.load(source, self.inputs, x, y)

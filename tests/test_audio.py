@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from odtrain.audio import (AudioSource, LogMel, fit_length, log_mel, read_audio, read_wav, resample)
-from odtrain.data import InputSpec
+from odtrain.data import InputSpec, load_audio_folder
 from odtrain.graph.errors import InputError
 
 DATA = pathlib.Path(__file__).parent / "data"
@@ -154,7 +154,7 @@ def test_a_folder_of_clips_feeds_waveforms_and_labels(tmp_path):
     tone, _ = _tone(440, 8000, 0.1)  # 800 samples at 8 kHz: 1600 at 16 kHz, the model's length
     folder = _folder(tmp_path, {"no/a.wav": _pcm(tone, 8000), "yes/b.wav": _pcm(tone[:400], 8000),
                                 "yes/notes.txt": b"not audio"})
-    dataset = AudioSource(folder).dataset(SPECS)
+    dataset = load_audio_folder(AudioSource(folder), SPECS)
     assert dataset.classes == ["no", "yes"] and dataset.arrays[0].shape == (2, 1600)
     np.testing.assert_array_equal(dataset.labels, [0, 1])
     assert not dataset.arrays[0][1, :400].any() and not dataset.arrays[0][1, -400:].any()  # padded, centred
@@ -165,10 +165,10 @@ def test_bad_clips_stop_the_run_by_name_or_are_skipped_and_counted(tmp_path):
     folder = _folder(tmp_path, {"no/good.wav": _pcm(tone), "no/empty.wav": b"", "yes/short.wav": _pcm(tone[:100]),
                                 "yes/good.wav": _pcm(tone)})
     with pytest.raises(InputError, match=r"empty\.wav' is empty.*--skip-unreadable"):
-        AudioSource(folder).dataset(SPECS)
+        load_audio_folder(AudioSource(folder), SPECS)
     lines = []
     source = AudioSource(folder, skip_unreadable=True, report=lines.append)
-    dataset = source.dataset(SPECS)
+    dataset = load_audio_folder(source, SPECS)
     assert len(dataset) == 2 and [p.rsplit("/", 1)[1] for p, _ in source.skipped] == ["empty.wav", "short.wav"]
     assert "too short" in source.skipped[1][1]
     assert lines == [f"skipped 2 of 4 clips that cannot be read; the first: {source.skipped[0][1]}"]
@@ -179,7 +179,7 @@ def test_a_feature_input_gets_log_mel_of_the_fitted_clip(tmp_path):
     tone, _ = _tone(1000, RATE, 0.3)
     folder = _folder(tmp_path, {"a/x.wav": _pcm(tone)})
     specs = [InputSpec("mel", np.dtype(np.float32), ("batch", 1, 8, 21)), SPECS[1]]
-    dataset = AudioSource(folder, settings).dataset(specs)
+    dataset = load_audio_folder(AudioSource(folder, settings), specs)
     assert dataset.arrays[0].shape == (1, 1, 8, 21)
     expected = log_mel(fit_length(read_wav(folder + "/a/x.wav")[0], 20 * 160), settings)
     np.testing.assert_array_equal(dataset.arrays[0][0, 0], expected)

@@ -10,7 +10,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from odtrain.audio import AudioSource
-from odtrain.data import InputSpec
+from odtrain.data import InputSpec, load_audio_folder
 from odtrain.inference import InferenceSession
 from conftest import odtrain_main
 
@@ -23,7 +23,7 @@ ort = pytest.importorskip("onnxruntime")
 def _waveforms():
     specs = [InputSpec("audio", np.dtype(np.float32), ("batch", 16000)),
              InputSpec("labels", np.dtype(np.int64), ("batch",), True)]
-    return AudioSource(str(CLIPS)).dataset(specs).arrays
+    return load_audio_folder(AudioSource(str(CLIPS)), specs).arrays
 
 
 def _onnxruntime(model: onnx.ModelProto, feeds: dict) -> list:

@@ -36,8 +36,9 @@ class AudioLoading:
 
     def time_load_folder(self, kind):
         from odtrain.audio import AudioSource
+        from odtrain.data import load_audio_folder
 
-        AudioSource(self.folder, self.features).dataset(self.specs)
+        load_audio_folder(AudioSource(self.folder, self.features), self.specs)
 
     def time_resample_44k1_to_16k(self, kind):
         from odtrain.audio import resample
