@@ -7,9 +7,9 @@ index in sorted order, as for images (odtrain/data.py).
   of 32 and 64 bits, WAVE_FORMAT_EXTENSIBLE of these; several channels are averaged to mono. Other
   formats (FLAC, OGG, ...) go through the optional `soundfile` package (pip install "odtrain[audio]").
   A data chunk that declares more bytes than the file holds is truncated, unless its size is a
-  streaming placeholder (`_STREAMED`). A file that is empty, truncated, not RIFF/WAVE, of another encoding (ADPCM, μ-law, 12-bit) or holding
-  less than MIN_FRACTION of the model's length raises an InputError naming it; `skip_unreadable`
-  skips such files instead and counts them.
+  streaming placeholder (`_STREAMED`). A file that is empty, truncated, not RIFF/WAVE, of another
+  encoding (ADPCM, μ-law, 12-bit) or holding less than MIN_FRACTION of the model's length raises an
+  InputError naming it; `skip_unreadable` skips such files instead and counts them.
 - Resampling (`resample`) to the model's rate: band-limited interpolation with a Kaiser-windowed sinc
   (β = 8.6, 16 zero crossings each side, cut off at 0.95 of the lower Nyquist frequency), evaluated at
   each output instant; rational rates make the filter's phases repeat, so each is computed once.

@@ -29,8 +29,8 @@ def _torchaudio_functions():
     tree = ast.parse(path.read_text())
     wanted = {"_hz_to_mel", "_mel_to_hz", "_create_triangular_filterbank", "melscale_fbanks"}
     body = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in wanted]
-    namespace = {"torch": torch, "math": __import__("math"), "Tensor": torch.Tensor, "Optional": __import__("typing").Optional,
-                 "warnings": __import__("warnings")}
+    namespace = {"torch": torch, "math": __import__("math"), "Tensor": torch.Tensor,
+                 "Optional": __import__("typing").Optional, "warnings": __import__("warnings")}
     exec(compile(ast.Module(body=body, type_ignores=[]), str(path), "exec"), namespace)
     return namespace["melscale_fbanks"]
 

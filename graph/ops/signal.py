@@ -1,16 +1,16 @@
 """Signal ops: DFT, STFT, the Hann, Hamming and Blackman windows, MelWeightMatrix.
 
 A complex tensor is a real one with a last axis of 2 (real, imaginary); a real signal has a last axis
-of 1. DFT along `axis` (an attribute to opset 19, default 1, which the loader writes out; input 2 from opset 20,
-default -2) with
-N = dft_length (default: the axis's length; 2·(length - 1) for an inverse one-sided transform):
+of 1. DFT runs along `axis` (to opset 19 an attribute, default 1, which the loader writes out; from
+opset 20 input 2, default -2) with N = dft_length (default: the axis's length; 2·(length - 1) for an
+inverse one-sided transform):
 - forward: X[k] = Σ_{n<N} x[n]·e^(-2πi·kn/N), the input cut or zero-padded to N; `onesided` keeps
   k <= N/2 (a real input's spectrum is symmetric);
 - inverse: x[n] = (1/N)·Σ_k X[k]·e^(+2πi·kn/N); with `onesided` the input holds k <= N/2 of a
   symmetric spectrum and the output is the real signal of length N (numpy's irfft).
-STFT(signal[B, L, 1|2] (or [B, L], real, as torch.onnx exports it), frame_step, window?, frame_length?) takes T = 1 + (L - N) // frame_step frames
-of N samples (N = frame_length, else the window's length), weighs each by the window and transforms it:
-output [B, T, N//2 + 1 if onesided else N, 2].
+STFT(signal [B, L, 1|2] or, real, [B, L] as torch.onnx exports it; frame_step, window?, frame_length?)
+takes T = 1 + (L - N) // frame_step frames of N samples (N = frame_length, else the window's length),
+weighs each by the window and transforms it: output [B, T, N//2 + 1 if onesided else N, 2].
 
 The windows and MelWeightMatrix depend only on their scalar inputs, which must be constants (or inputs
 bound as constants): they fold when shapes bind and never run in a step. Their formulas are ONNX's
