@@ -10,6 +10,7 @@ from odtrain.kernels import BINDINGS
 NO_KERNEL = {("", "Reshape"), ("", "Flatten"), ("", "Identity"), ("", "Shape"), ("", "Size"), ("", "Constant")}
 NO_KERNEL |= {("ai.odtrain", "ApplyUpdate")}  # the executor calls the optimizer for it
 NO_KERNEL |= {("", "Squeeze"), ("", "Unsqueeze")}  # views
+NO_KERNEL |= {("", "HannWindow"), ("", "HammingWindow"), ("", "BlackmanWindow"), ("", "MelWeightMatrix")}  # constants
 
 TESTS = pathlib.Path(__file__).parent
 

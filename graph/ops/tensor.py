@@ -285,7 +285,8 @@ def _slice_rule(node, types, consts):
         return [TensorType(x.dtype, None)]
     ranges = slice_ranges(node, x.shape, consts)
     if consts[0] is not None:
-        return _folded([consts[0][tuple(slice(*r) for r in ranges)]])
+        # a range's stop of -1 (a reversed slice down to index 0) means the last index to numpy: None
+        return _folded([consts[0][tuple(slice(start, None if stop < 0 else stop, step) for start, stop, step in ranges)]])
     return [TensorType(x.dtype, _slice_shape(ranges))]
 
 
