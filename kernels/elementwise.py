@@ -1,4 +1,5 @@
-"""Elementwise kernels: unary maps, same-shape binaries, broadcasting binaries, comparisons, Where.
+"""Elementwise kernels: unary maps, same-shape binaries, broadcasting binaries, comparisons, float
+classes (IsNaN, IsInf: one kernel), Where.
 
 Unary ops come from one table per loop, each row an op type and its scalar function: `UNARY`
 (cheap maps, one loop `_unary`) and `SPECIAL_UNARY` (transcendental ones, loop `_special_unary`).
@@ -511,6 +512,14 @@ def _logical_not(x, out):
         out[i] = not x[i]
 
 
+@njit(cache=True, error_model="numpy")
+def _float_class(x, out, nan, positive, negative):
+    """out[i] = x[i] is NaN (if nan), +inf (if positive) or -inf (if negative): IsNaN and IsInf."""
+    for i in range(out.size):
+        v = x[i]
+        out[i] = (nan and v != v) or (positive and v == np.inf) or (negative and v == -np.inf)
+
+
 # ---- the same on parts of the flat arrays (or of the rows), in parallel: every value as in one thread -----
 
 
@@ -746,6 +755,16 @@ for _name, _code in COMPARE.items():
 @binding("Not")
 def Not(inputs, outputs):
     return [(_logical_not, (flat(inputs[0]), flat(outputs[0])))]
+
+
+@binding("IsNaN")
+def IsNaN(inputs, outputs):
+    return [(_float_class, (flat(inputs[0]), flat(outputs[0]), True, False, False))]
+
+
+@binding("IsInf")
+def IsInf(inputs, outputs, detect_negative=1, detect_positive=1):
+    return [(_float_class, (flat(inputs[0]), flat(outputs[0]), False, bool(detect_positive), bool(detect_negative)))]
 
 
 @binding("Where")

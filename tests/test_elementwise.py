@@ -1,10 +1,12 @@
-"""Every unary op of the graph layer's table (graph/ops/elementwise.py, UNARY): its constant fold and its
-kernel agree with ONNX's reference evaluator. A row added to the table is checked here without more."""
+"""Every unary op of the graph layer's table (graph/ops/elementwise.py, UNARY), and the float classes
+(IsNaN, IsInf on NaN, both infinities, signed zeros, in float32 and float64): their constant fold and
+their kernel agree with ONNX's reference evaluator. A row added to the table is checked here without more."""
 import numpy as np
 import pytest
-from onnx import helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
+from odtrain import OdtrainError
 from odtrain.graph.ops.elementwise import UNARY
 from odtrain.inference import InferenceSession
 
@@ -25,8 +27,39 @@ def test_fold_and_kernel_match_the_reference(op):
         [helper.make_tensor_value_info(name, value_type, None) for name in ("folded", "computed")],
         [numpy_helper.from_array(x, "constant")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    _assert_fold_and_kernel_match(model, x, RTOL)
+
+
+def _assert_fold_and_kernel_match(model, x, rtol):
     expected = ReferenceEvaluator(model).run(None, {"x": x})[0]
     folded, computed = InferenceSession(model).run(None, {"x": x})
     for name, got in (("fold", folded), ("kernel", computed)):
         assert got.dtype == expected.dtype, name
-        np.testing.assert_allclose(got, expected, rtol=RTOL, atol=0, err_msg=name)
+        np.testing.assert_allclose(got, expected, rtol=rtol, atol=0, err_msg=name)
+
+
+SPECIAL = np.array([0.0, -1.5, np.nan, np.inf, -np.inf, -np.nan, 3e38, -0.0])
+CLASSES = [("IsNaN", {}), ("IsInf", {}), ("IsInf", {"detect_positive": 0}), ("IsInf", {"detect_negative": 0}),
+           ("IsInf", {"detect_positive": 0, "detect_negative": 0})]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("op,attrs", CLASSES, ids=[f"{op}{sorted(attrs.items())}" for op, attrs in CLASSES])
+def test_float_classes_fold_and_kernel_match_the_reference(op, attrs, dtype):
+    x = SPECIAL.astype(dtype).reshape(2, 4)
+    graph = helper.make_graph(
+        [helper.make_node(op, ["constant"], ["folded"], **attrs), helper.make_node(op, ["x"], ["computed"], **attrs)],
+        "classes", [helper.make_tensor_value_info("x", helper.np_dtype_to_tensor_dtype(x.dtype), list(x.shape))],
+        [helper.make_tensor_value_info(name, TensorProto.BOOL, None) for name in ("folded", "computed")],
+        [numpy_helper.from_array(x, "constant")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=9)
+    _assert_fold_and_kernel_match(model, x, 0)
+
+
+def test_float_classes_refuse_integers_naming_the_node():
+    graph = helper.make_graph([helper.make_node("IsNaN", ["x"], ["y"], name="check")], "classes",
+                              [helper.make_tensor_value_info("x", TensorProto.INT64, [3])],
+                              [helper.make_tensor_value_info("y", TensorProto.BOOL, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=9)
+    with pytest.raises(OdtrainError, match="'check'.*takes a float tensor"):
+        InferenceSession(model).run(None, {"x": np.arange(3)})

@@ -197,7 +197,10 @@ def unary_input(size: int, seed: int = common.SEED) -> np.ndarray:
 def _unary_ops() -> list[str]:
     from odtrain.kernels.elementwise import SPECIAL_UNARY, UNARY
 
-    return [*UNARY, *SPECIAL_UNARY]
+    return [*UNARY, *SPECIAL_UNARY, *BOOLEAN_UNARY]
+
+
+BOOLEAN_UNARY = ("IsNaN", "IsInf")  # float classes: boolean outputs
 
 
 class UnaryOps:
@@ -208,7 +211,7 @@ class UnaryOps:
         from odtrain.kernels import BINDINGS
 
         x = unary_input(SIZE)
-        self.calls = BINDINGS[("", op)]([x], [np.empty_like(x)])
+        self.calls = BINDINGS[("", op)]([x], [np.empty(x.shape, bool if op in BOOLEAN_UNARY else x.dtype)])
         self.time_forward(op)  # compiles or loads the kernel
 
     def time_forward(self, op):

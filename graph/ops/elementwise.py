@@ -12,7 +12,8 @@ never sees kernel codes. GELU, which has an attribute, is registered apart.
 
 Every op here folds to a constant when its inputs are constants (shape
 arithmetic such as Gather(Shape(x)) / 2, Sqrt(Cast(...)) in exported
-attention). Comparisons and logic ops give booleans and have no gradient;
+attention). Comparisons, logic ops and the float classes (IsNaN, IsInf) give
+booleans and have no gradient;
 BitShift and the bitwise ops take integers only and have none either. Mod
 follows its divisor's sign (Python's %), or its dividend's with fmod=1 (C's
 fmod); Mean is a Sum divided by the number of inputs.
@@ -185,6 +186,31 @@ def _register_unary(name: str, row: Unary) -> None:
 
 for _name, _row in UNARY.items():
     _register_unary(_name, _row)
+
+
+def float_classes(op_type: str, attrs) -> tuple[bool, bool, bool]:
+    """Which of (NaN, +inf, -inf) IsNaN or IsInf (with its detect_positive/detect_negative) reports."""
+    if op_type == "IsNaN":
+        return True, False, False
+    return False, bool(attrs.get("detect_positive", 1)), bool(attrs.get("detect_negative", 1))
+
+
+@op("IsNaN")
+@op("IsInf")
+def _classify_rule(node, types, consts):
+    """IsNaN and IsInf: a float tensor in, a boolean tensor of its shape out (folded by numpy)."""
+    if types[0].dtype.kind != "f":
+        raise ModelError(f"{node.describe()}: {node.op_type} takes a float tensor, got {types[0]}; cast it first")
+    if consts and consts[0] is not None:
+        nan, positive, negative = float_classes(node.op_type, node.attrs)
+        x = np.asarray(consts[0])
+        value = (nan & np.isnan(x)) | (positive & np.isposinf(x)) | (negative & np.isneginf(x))
+        return [TensorType(value.dtype, value.shape)], [np.ascontiguousarray(value)]
+    return [TensorType(np.dtype(np.bool_), types[0].shape)]
+
+
+no_grad("IsNaN", "its output is boolean")
+no_grad("IsInf", "its output is boolean")
 
 
 # GELU has an attribute (approximate), so it is registered on its own, with its gradient kernel
