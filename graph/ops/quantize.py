@@ -34,6 +34,7 @@ import numpy as np
 
 from ..errors import ModelError, UnsupportedOpError
 from ..ir import ODTRAIN_DOMAIN, Graph, Node, TensorType
+from ..onnx_wire import element_type_name
 from . import eval_form, grad, no_grad, op
 from .conv import conv_output_shape
 from .linalg import matmul_shape
@@ -59,7 +60,8 @@ def _tensor_type_attr(node, name: str):
     if not code:
         return None
     if code not in TENSOR_TYPES:
-        raise UnsupportedOpError(f"{node.describe()}: {name}={code} is a type odtrain does not quantize to "
+        raise UnsupportedOpError(f"{node.describe()}: {name}={code} ({element_type_name(code)}) is a type odtrain "
+                                 "does not quantize to "
                                  "(uint8, int8, uint16, int16 are supported; float8, 4-bit and 2-bit are not)")
     return TENSOR_TYPES[code]
 

@@ -2,6 +2,9 @@
 Concat, Split, Gather, GatherElements, GatherND, ScatterElements, ScatterND, Where, Cast, CastLike,
 Trilu, Shape, Size, Constant, ConstantOfShape, Range.
 
+Cast and CastLike alone also take and give the element types numpy lacks (bfloat16, float8, float4,
+int4, int2: STORAGE_OPS), which a model converts to a computing type before any other op.
+
 Reshape, Flatten, Squeeze and Unsqueeze are views: their output shares the input's bytes.
 Every op here folds to a constant when all of its inputs are constants, so the shape
 subgraphs that exporters emit (Shape → Gather → Unsqueeze → Concat → Reshape) cost nothing
@@ -18,7 +21,7 @@ import numpy as np
 
 from ..errors import ModelError
 from ..ir import ODTRAIN_DOMAIN, TensorType
-from ..onnx_wire import element_type, numpy_dtype
+from ..onnx_wire import element_type, is_storage_dtype, numpy_dtype
 from . import broadcast_shapes, grad, no_grad, op
 
 
@@ -511,35 +514,53 @@ def _where_grad(ctx):  # dA = where(C, dY, 0), dB = where(C, 0, dY), each summed
         ctx.set_grad(2, ctx.sum_to_input(ctx.emit("Where", [ctx.I(0), zero, ctx.GO(0)]), 2))
 
 
-def onnx_dtype(node, code) -> np.dtype:
+def onnx_dtype(node, code, storage: bool = False) -> np.dtype:
+    """The numpy dtype of an element type attribute; with `storage`, also the types only Cast holds."""
     try:
         dtype = numpy_dtype(int(code))
     except Exception:
         dtype = None
+    if dtype is not None and storage and is_storage_dtype(dtype):
+        return dtype
     if dtype is None or dtype.kind not in "fiub" or dtype.itemsize > 8:
         raise ModelError(f"{node.describe()}: element type {code} is not supported (float, int and bool are)")
     return dtype
+
+
+# The ops that take or give the element types numpy lacks (bfloat16, float8, float4, int4, int2): a model
+# converts them to a computing type first (graph/schedule.py refuses them at any other op).
+STORAGE_OPS = frozenset({"Cast", "CastLike"})
 
 
 def _same_dtype(input_types, output_types) -> bool:
     return np.dtype(input_types[0].dtype) == np.dtype(output_types[0].dtype)
 
 
-@op("Cast", view=_same_dtype)
-def _cast_rule(node, types, consts):
-    dtype = onnx_dtype(node, node.attrs.get("to"))
-    if np.dtype(types[0].dtype).kind not in "fiub":
+def _cast_to(node, types, consts, dtype):
+    """Cast's type, folded by numpy between numpy's own types (the others run Cast's kernel: their rounding
+    and saturation are odtrain's, not numpy's)."""
+    source = np.dtype(types[0].dtype)
+    if source.kind not in "fiub" and not is_storage_dtype(source):
         raise ModelError(f"{node.describe()}: cannot cast from {types[0]}")
-    if consts[0] is not None:
+    if consts[0] is not None and not is_storage_dtype(source) and not is_storage_dtype(dtype):
         return _folded([np.asarray(consts[0]).astype(dtype)])
     return [TensorType(dtype, types[0].shape)]
 
 
+@op("Cast", view=_same_dtype)
+def _cast_rule(node, types, consts):
+    return _cast_to(node, types, consts, onnx_dtype(node, node.attrs.get("to"), storage=True))
+
+
+def _computes_gradients(dtype) -> bool:
+    return dtype is not None and dtype.kind == "f" and not is_storage_dtype(dtype)
+
+
 @grad("Cast")
-def _cast_grad(ctx):  # dX = cast(dY, type of X); no gradient through a cast to an integer type
+def _cast_grad(ctx):  # dX = cast(dY, type of X); no gradient through a cast to an integer or storage type
     source = dtype_of(ctx, ctx.I(0)) or np.dtype(np.float32)
-    target = onnx_dtype(ctx.node, ctx.attr("to"))
-    if target.kind != "f" or source.kind != "f":
+    target = onnx_dtype(ctx.node, ctx.attr("to"), storage=True)
+    if not (_computes_gradients(target) and _computes_gradients(source)):
         return
     ctx.set_grad(0, ctx.GO(0) if source == target else
                  ctx.emit("Cast", [ctx.GO(0)], {"to": element_type(source)}))
@@ -547,16 +568,14 @@ def _cast_grad(ctx):  # dX = cast(dY, type of X); no gradient through a cast to 
 
 @op("CastLike", view=_same_dtype, shape_only=(1,))
 def _cast_like_rule(node, types, consts):
-    dtype = np.dtype(types[1].dtype)
-    if consts[0] is not None:
-        return _folded([np.asarray(consts[0]).astype(dtype)])
-    return [TensorType(dtype, types[0].shape)]
+    return _cast_to(node, types, consts, np.dtype(types[1].dtype))
 
 
 @grad("CastLike")
 def _cast_like_grad(ctx):  # dX = cast(dY, type of X)
     source, target = dtype_of(ctx, ctx.I(0)), dtype_of(ctx, ctx.I(1))
-    if (source is not None and source.kind != "f") or (target is not None and target.kind != "f"):
+    if (source is not None and not _computes_gradients(source)) or (
+            target is not None and not _computes_gradients(target)):
         return
     ctx.set_grad(0, ctx.emit("CastLike", [ctx.GO(0), ctx.I(0)]))
 
