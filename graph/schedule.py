@@ -95,8 +95,8 @@ def _refuse_storage_types(node: Node, in_types) -> None:
     stored = next((t for t in in_types if t is not None and (is_storage_dtype(t.dtype) or t.dtype == np.float16)),
                   None)
     if stored is not None:
-        raise ModelError(f"{node.describe()}: an input is {stored}; odtrain computes on float, int and bool "
-                         "tensors and converts other element types only in Cast: cast it to float first")
+        raise ModelError(f"{node.describe()}: an input is {stored}; odtrain computes on float32, float64, "
+                         "integer and bool tensors and converts other element types only in Cast: cast it to float first")
 
 
 def configuring_inputs(graph: Graph) -> list[str]:

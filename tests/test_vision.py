@@ -274,6 +274,11 @@ GRADIENT_CASES = {
         [node("LeakyRelu", ["x"], alpha=-0.5)], {"x": rand(2, 3, 4)}),
     "hard_sigmoid": GradientCase(
         [node("HardSigmoid", ["x"])], {"x": rand(2, 3, 4, low=-4, high=4)}),
+    "elu": GradientCase([node("Elu", ["x"], alpha=0.7)], {"x": rand(2, 3, 4, low=-2, high=2)}),
+    "selu": GradientCase([node("Selu", ["x"])], {"x": rand(2, 3, 4, low=-2, high=2)}),
+    "celu": GradientCase([node("Celu", ["x"], alpha=0.6)], {"x": rand(2, 3, 4, low=-2, high=2)}),
+    "thresholded_relu": GradientCase([node("ThresholdedRelu", ["x"], alpha=0.3)], {"x": rand(2, 3, 4)}),
+    "shrink": GradientCase([node("Shrink", ["x"], lambd=0.3, bias=0.2)], {"x": rand(2, 3, 4)}),
     "hard_swish": GradientCase(
         [node("HardSwish", ["x"])], {"x": rand(2, 3, 4, low=-5, high=5)}),
     "pad_reflect": GradientCase(
