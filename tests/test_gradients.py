@@ -9,7 +9,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from oracles import GradientCase
+from oracles import OPSET, GradientCase
 
 rng = np.random.default_rng(42)
 
@@ -50,11 +50,15 @@ UNARY_INPUTS = {
     "Sqrt": rand(2, 3, low=0.5, high=2.0), "Reciprocal": away_from_zero(2, 3), "Relu": away_from_zero(2, 3),
     "Sigmoid": rand(2, 3, low=-3, high=3), "Tanh": rand(2, 3, low=-2, high=2), "Identity": rand(2, 3),
     "Erf": rand(2, 3, low=-2, high=2), "Atan": rand(2, 3, low=-2, high=2), "Sin": rand(2, 3, low=-4, high=4),
-    "Cos": rand(2, 3, low=-4, high=4),
+    "Cos": rand(2, 3, low=-4, high=4), "Tan": rand(2, 3, low=-1.2, high=1.2), "Sinh": rand(2, 3, low=-2, high=2),
+    "Cosh": rand(2, 3, low=-2, high=2), "Asin": rand(2, 3, low=-0.8, high=0.8), "Acos": rand(2, 3, low=-0.8, high=0.8),
+    "Atanh": rand(2, 3, low=-0.8, high=0.8), "Asinh": rand(2, 3, low=-2, high=2), "Acosh": rand(2, 3, low=1.2, high=3),
+    "Softplus": rand(2, 3, low=-3, high=3), "Softsign": away_from_zero(2, 3), "Mish": rand(2, 3, low=-3, high=3),
 }
 for _op, _x in UNARY_INPUTS.items():
     # ONNX's reference Erf rounds to float32: a larger step keeps its rounding out of the differences
-    GRADIENT_CASES[_op] = GradientCase([node(_op, ["x"])], {"x": _x}, step=1e-3 if _op == "Erf" else 1e-6)
+    GRADIENT_CASES[_op] = GradientCase([node(_op, ["x"])], {"x": _x}, step=1e-3 if _op == "Erf" else 1e-6,
+                                       opset=18 if _op == "Mish" else OPSET)  # Mish is an op from opset 18
 
 GRADIENT_CASES["Sum of three, broadcast"] = GradientCase(
     [node("Sum", ["a", "b", "c"])], {"a": rand(2, 3), "b": rand(3), "c": rand(2, 1)})

@@ -13,8 +13,8 @@ FusedMatMul as a linear layer and as attention's batched products), Normalizatio
 ElementwiseOps (activations, their gradients, Softmax, Add), OptimizerOps (the fused AdamW update
 of a model's trainable block).
 
-UnaryOps: every unary op of the elementwise kernels (`odtrain.kernels.elementwise`, tables UNARY and
-SPECIAL_UNARY: a row added there is a parameter here) over 2^20 float32 values, out of place, as a
+UnaryOps: every unary op of the elementwise kernels (`odtrain.kernels.elementwise`, tables UNARY,
+SPECIAL_UNARY and RARE_UNARY: a row added there is a parameter here; and IsNaN, IsInf) over 2^20 float32 values, out of place, as a
 step runs them (the binding's prepared calls, one thread).
 """
 import functools
@@ -195,9 +195,9 @@ def unary_input(size: int, seed: int = common.SEED) -> np.ndarray:
 
 
 def _unary_ops() -> list[str]:
-    from odtrain.kernels.elementwise import SPECIAL_UNARY, UNARY
+    from odtrain.kernels.elementwise import RARE_UNARY, SPECIAL_UNARY, UNARY
 
-    return [*UNARY, *SPECIAL_UNARY, *BOOLEAN_UNARY]
+    return [*UNARY, *SPECIAL_UNARY, *RARE_UNARY, *BOOLEAN_UNARY]
 
 
 BOOLEAN_UNARY = ("IsNaN", "IsInf")  # float classes: boolean outputs

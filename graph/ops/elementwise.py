@@ -135,6 +135,25 @@ class Unary:
 
 PIECEWISE_CONSTANT = "it is piecewise constant: its derivative is zero wherever it exists"
 
+
+def _one(g):
+    return g.constant(1.0, "one")
+
+
+def _square(g, value=None):
+    value = g.I(0) if value is None else value
+    return g.emit("Mul", [value, value])
+
+
+def _one_minus_square(g):  # 1 - X²
+    return g.emit("Sub", [_one(g), _square(g)])
+
+
+def _mish_grad(g):  # dX = dY · (t + X · sigmoid(X) · (1 - t²)), t = tanh(softplus(X))
+    t = g.emit("Tanh", [g.emit("Softplus", [g.I(0)])])
+    slope = g.emit("Mul", [g.emit("Mul", [g.I(0), g.emit("Sigmoid", [g.I(0)])]), g.emit("Sub", [_one(g), _square(g, t)])])
+    return g.emit("Mul", [g.GO(0), g.emit("Add", [t, slope])])
+
 # One row per unary op, with its gradient's math. The kernel side keeps a row of its own for each op
 # (kernels/elementwise.py: the scalar function, whose position is its code): the layers never import
 # each other, and tests/test_registry.py checks that every op registered here has a kernel.
@@ -157,6 +176,25 @@ UNARY = {
     "Cos": Unary(np.cos, passes=2.0,  # dX = -dY · sin(X)
                  gradient=lambda g: g.emit("Neg", [g.emit("Mul", [g.GO(0), g.emit("Sin", [g.I(0)])])])),
     "Identity": Unary(lambda x: x, view=True, gradient=lambda g: g.GO(0)),  # dX = dY
+    "Tan": Unary(np.tan, passes=2.0,  # dX = dY · (1 + Y²)
+                 gradient=lambda g: g.emit("Mul", [g.GO(0), g.emit("Add", [_one(g), g.emit("Mul", [g.O(0), g.O(0)])])])),
+    "Sinh": Unary(np.sinh, passes=2.0, gradient=lambda g: g.emit("Mul", [g.GO(0), g.emit("Cosh", [g.I(0)])])),  # dY·cosh X
+    "Cosh": Unary(np.cosh, passes=2.0, gradient=lambda g: g.emit("Mul", [g.GO(0), g.emit("Sinh", [g.I(0)])])),  # dY·sinh X
+    "Asin": Unary(np.arcsin, passes=2.0,  # dX = dY / √(1 - X²)
+                  gradient=lambda g: g.emit("Div", [g.GO(0), g.emit("Sqrt", [_one_minus_square(g)])])),
+    "Acos": Unary(np.arccos, passes=2.0,  # dX = -dY / √(1 - X²)
+                  gradient=lambda g: g.emit("Neg", [g.emit("Div", [g.GO(0), g.emit("Sqrt", [_one_minus_square(g)])])])),
+    "Atanh": Unary(np.arctanh, passes=2.0, gradient=lambda g: g.emit("Div", [g.GO(0), _one_minus_square(g)])),  # dY/(1-X²)
+    "Asinh": Unary(np.arcsinh, passes=2.0,  # dX = dY / √(X² + 1)
+                   gradient=lambda g: g.emit("Div", [g.GO(0), g.emit("Sqrt", [g.emit("Add", [_square(g), _one(g)])])])),
+    "Acosh": Unary(np.arccosh, passes=2.0,  # dX = dY / √(X² - 1)
+                   gradient=lambda g: g.emit("Div", [g.GO(0), g.emit("Sqrt", [g.emit("Sub", [_square(g), _one(g)])])])),
+    "Softplus": Unary(lambda x: np.logaddexp(0, x), passes=2.0,  # dX = dY · sigmoid(X)
+                      gradient=lambda g: g.emit("Mul", [g.GO(0), g.emit("Sigmoid", [g.I(0)])])),
+    "Softsign": Unary(lambda x: x / (1 + np.abs(x)),  # dX = dY / (1 + |X|)²
+                      gradient=lambda g: g.emit("Div", [g.GO(0), _square(g, g.emit("Add", [_one(g), g.emit("Abs", [g.I(0)])]))])),
+    "Mish": Unary(lambda x: x * np.tanh(np.logaddexp(0, x)), passes=2.0, gradient=lambda g: _mish_grad(g)),
+    "Round": Unary(np.round, no_grad=PIECEWISE_CONSTANT),  # halves to even, as ONNX
     "Sign": Unary(np.sign, no_grad=PIECEWISE_CONSTANT),
     "Floor": Unary(np.floor, no_grad=PIECEWISE_CONSTANT),
     "Ceil": Unary(np.ceil, no_grad=PIECEWISE_CONSTANT),
