@@ -1,6 +1,6 @@
 """Layout and indexing kernels: Transpose, Expand, Tile, Slice, Concat, Split, Gather*, Scatter*, Cast, fills.
 
-(Reshape, Flatten, Squeeze, Unsqueeze and Identity are arena views; Shape, Constant, Range and
+(Reshape, Flatten, Squeeze, Unsqueeze, BitCast and Identity are arena views; Shape, Constant, Range and
 ConstantOfShape usually fold to constants before a step.)
 
 Most ops here are one strided copy, `_copy_strided`: 6 nested loops over a coalesced index

@@ -273,6 +273,10 @@ for _axis in (1, -1):
             GRADIENT_CASES[f"CumSum axis={_axis} reverse={_reverse} exclusive={_exclusive}"] = GradientCase(
                 [node("CumSum", ["x", "axis"], exclusive=_exclusive, reverse=_reverse)], {"x": rand(2, 3, 4)},
                 {"axis": np.array(_axis, np.int64)})
+for _axis, _largest in ((1, 1), (0, 0)):
+    GRADIENT_CASES[f"TopK axis={_axis} largest={_largest}"] = GradientCase(
+        [node("TopK", ["x", "k"], ["y", "positions"], axis=_axis, largest=_largest)], {"x": rand(3, 5, 2)},
+        {"k": i64(2)}, opset=11)
 for _equation, _shapes in [("ij,jk->ik", [(3, 4), (4, 2)]), ("bij,bjk->bik", [(2, 3, 4), (2, 4, 2)]),
                            ("bhid,bhjd->bhij", [(2, 2, 3, 4), (2, 2, 5, 4)]), ("ij->ji", [(3, 4)]),
                            ("i,j->ij", [(3,), (4,)]), ("ij->i", [(3, 4)]),

@@ -9,7 +9,7 @@ from odtrain.kernels import BINDINGS
 # Ops that never reach a kernel: views share their input's bytes, constants fold when shapes bind.
 NO_KERNEL = {("", "Reshape"), ("", "Flatten"), ("", "Identity"), ("", "Shape"), ("", "Size"), ("", "Constant")}
 NO_KERNEL |= {("ai.odtrain", "ApplyUpdate")}  # the executor calls the optimizer for it
-NO_KERNEL |= {("", "Squeeze"), ("", "Unsqueeze")}  # views
+NO_KERNEL |= {("", "Squeeze"), ("", "Unsqueeze"), ("", "BitCast")}  # views
 
 TESTS = pathlib.Path(__file__).parent
 

@@ -1,11 +1,11 @@
 """Shape, layout and indexing ops: Reshape, Flatten, Squeeze, Unsqueeze, Transpose, Expand, Tile, Slice,
 Concat, Split, Gather, GatherElements, GatherND, ScatterElements, ScatterND, Where, Cast, CastLike,
-Trilu, Shape, Size, Constant, ConstantOfShape, Range.
+Trilu, Shape, Size, Constant, ConstantOfShape, Range, BitCast.
 
 Cast and CastLike alone also take and give the element types numpy lacks (bfloat16, float8, float4,
 int4, int2: STORAGE_OPS), which a model converts to a computing type before any other op.
 
-Reshape, Flatten, Squeeze and Unsqueeze are views: their output shares the input's bytes.
+Reshape, Flatten, Squeeze, Unsqueeze and BitCast are views: their output shares the input's bytes.
 Every op here folds to a constant when all of its inputs are constants, so the shape
 subgraphs that exporters emit (Shape → Gather → Unsqueeze → Concat → Reshape) cost nothing
 per step once input shapes are bound. Inputs that give shapes, axes, starts or repeats must
@@ -578,6 +578,22 @@ def _cast_like_grad(ctx):  # dX = cast(dY, type of X)
             target is not None and not _computes_gradients(target)):
         return
     ctx.set_grad(0, ctx.emit("CastLike", [ctx.GO(0), ctx.I(0)]))
+
+
+@op("BitCast", view=True)
+def _bit_cast_rule(node, types, consts):
+    """The input's bytes read as another element type of the same size (a view)."""
+    dtype = onnx_dtype(node, node.attrs.get("to"))
+    source = np.dtype(types[0].dtype)
+    if source.kind not in "fiub" or source.itemsize != dtype.itemsize:
+        raise ModelError(f"{node.describe()}: cannot reinterpret {types[0]} as {dtype}: odtrain reinterprets "
+                         "between float, int and bool types of one size")
+    if consts[0] is not None:
+        return _folded([np.ascontiguousarray(consts[0]).view(dtype)])
+    return [TensorType(dtype, types[0].shape)]
+
+
+no_grad("BitCast", "its output is the input's bits read as another type")
 
 
 def trilu_mask(shape: tuple, k: int, upper: bool) -> np.ndarray:
