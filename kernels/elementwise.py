@@ -804,6 +804,17 @@ def IsInf(inputs, outputs, detect_negative=1, detect_positive=1):
     return [(_float_class, (flat(inputs[0]), flat(outputs[0]), False, bool(detect_positive), bool(detect_negative)))]
 
 
+@njit(cache=True, error_model="numpy")
+def _bitwise_not(x, out):
+    for i in range(out.size):
+        out[i] = ~x[i]
+
+
+@binding("BitwiseNot")
+def BitwiseNot(inputs, outputs):
+    return [(_bitwise_not, (flat(inputs[0]), flat(outputs[0])))]
+
+
 @binding("Where")
 def Where(inputs, outputs):
     cond, a, b = inputs

@@ -1,5 +1,5 @@
 """Kernels: batch normalization, activations with parameters (Clip, LeakyRelu, HardSigmoid, HardSwish, Elu, Selu,
-Celu, ThresholdedRelu, Shrink), Pad and Dropout.
+Celu, ThresholdedRelu, Shrink, Swish), Pad and Dropout.
 
 BatchNormalization sums in float64 per channel (Σx, Σx²; backward Σdy,
 Σdy·x), so one pass gives statistics accurate for float32 data. Its output
@@ -300,10 +300,17 @@ def BatchNormalizationGrad(inputs, outputs, epsilon=1e-5, training_mode=1, activ
 # Codes (arguments, so one compiled kernel serves the family), parameters a and b as 1-element arrays:
 #   0 Clip(a = min, b = max), 1 LeakyRelu(a = alpha), 2 HardSigmoid(a = alpha, b = beta), 3 HardSwish,
 #   4 Elu(a = alpha), 5 Selu(a = alpha, b = gamma), 6 Celu(a = alpha), 7 ThresholdedRelu(a = alpha),
-#   8 Shrink(a = lambd, b = bias)
+#   8 Shrink(a = lambd, b = bias), 9 Swish(a = alpha)
 
 ACTIVATIONS = {"Clip": 0, "LeakyRelu": 1, "HardSigmoid": 2, "HardSwish": 3, "Elu": 4, "Selu": 5, "Celu": 6,
-               "ThresholdedRelu": 7, "Shrink": 8}
+               "ThresholdedRelu": 7, "Shrink": 8, "Swish": 9}
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _logistic(x):
+    """1 / (1 + e^-x) without overflow."""
+    e = np.exp(-abs(x))
+    return (x * 0 + 1 if x >= 0 else e) / (1 + e)
 
 
 @njit(cache=True, error_model="numpy")
@@ -336,10 +343,14 @@ def _activation(code, x, a_in, b_in, out):
         for i in range(out.size):
             v = x[i]
             out[i] = v if v > a else zero
-    else:
+    elif code == 8:
         for i in range(out.size):
             v = x[i]
             out[i] = v - b if v > a else (v + b if v < -a else zero)
+    else:  # x · sigmoid(alpha · x)
+        for i in range(out.size):
+            v = x[i]
+            out[i] = v * _logistic(a * v)
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -372,9 +383,14 @@ def _activation_grad_loops(code, dy, v, a, b, out):
     elif code == 7:  # from x: x > alpha
         for i in range(out.size):
             out[i] = dy[i] * np.float32(v[i] > a)
-    else:  # from x: |x| > lambd
+    elif code == 8:  # from x: |x| > lambd
         for i in range(out.size):
             out[i] = dy[i] * np.float32(abs(v[i]) > a)
+    else:  # from x: s + alpha · x · s · (1 - s), s = sigmoid(alpha · x)
+        for i in range(out.size):
+            x = v[i]
+            s = _logistic(a * x)
+            out[i] = dy[i] * (s + a * x * s * (one - s))
 
 
 @njit(cache=True, error_model="numpy")
@@ -430,7 +446,7 @@ def _activation_params(op_type, inputs, attrs):
         return _scalar(attrs.get("alpha", 1.67326319217681884765625)), _scalar(attrs.get("gamma", 1.05070102214813232421875))
     if op_type == "Shrink":
         return _scalar(attrs.get("lambd", 0.5)), _scalar(attrs.get("bias", 0.0))
-    if op_type in ("Elu", "Celu", "ThresholdedRelu"):
+    if op_type in ("Elu", "Celu", "ThresholdedRelu", "Swish"):
         return _scalar(attrs.get("alpha", 1.0)), _scalar(0.0)
     return _scalar(0.0), _scalar(0.0)
 

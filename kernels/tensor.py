@@ -1,4 +1,4 @@
-"""Layout and indexing kernels: Transpose, Expand, Tile, Slice, Concat, Split, Gather*, Scatter*, Cast, fills.
+"""Layout and indexing kernels: Transpose, Expand, Tile, Slice, Concat, Split, Gather*, Scatter*, OneHot, Cast, fills.
 
 (Reshape, Flatten, Squeeze, Unsqueeze, BitCast and Identity are arena views; Shape, Constant, Range and
 ConstantOfShape usually fold to constants before a step.)
@@ -378,6 +378,7 @@ def GatherElementsGrad(inputs, outputs, axis=0):
     return [(_scatter_elements, (flat(out), strides, flat(indices), flat(dy), dims, index_axis, axis_len, 5))]
 
 
+@binding("Scatter")  # ScatterElements' name in opsets 9 and 10
 @binding("ScatterElements")
 def ScatterElements(inputs, outputs, axis=0, reduction="none"):
     data, indices, updates, out = inputs[0], inputs[1], inputs[2], outputs[0]
@@ -449,6 +450,29 @@ def ScatterND(inputs, outputs, reduction="none"):
     calls = [] if np.shares_memory(data, out) else [copy_call(data, 0, [1], out, 0, [1], [data.size])]
     return calls + [(_scatter_nd, (flat(out), dims, strides, flat(indices), tuples, depth, flat(updates), slice_size,
                                    SCATTER[reduction]))]
+
+
+@njit(cache=True, error_model="numpy")
+def _one_hot(indices, values, out, outer, depth, inner):
+    """out [outer, depth, inner] = values[1] where the index at (outer, inner) (negative: from the end) is the
+    position along depth, values[0] elsewhere."""
+    for o in range(outer):
+        for i in range(inner):
+            at = np.int64(indices[o * inner + i])
+            if at < 0:
+                at += depth
+            for d in range(depth):
+                out[(o * depth + d) * inner + i] = values[1] if d == at else values[0]
+
+
+@binding("OneHot")
+def OneHot(inputs, outputs, axis=-1):
+    indices, _, values = inputs
+    out = outputs[0]
+    axis = int(axis) % out.ndim
+    outer = int(np.prod(out.shape[:axis], dtype=np.int64))
+    return [(_one_hot, (flat(indices), flat(values), flat(out), outer, int(out.shape[axis]),
+                        int(np.prod(out.shape[axis + 1:], dtype=np.int64))))]
 
 
 # ---- Cast and fills ---------------------------------------------------------------------------

@@ -332,3 +332,27 @@ def test_a_bias_added_to_a_product_moves_into_it(x_shape, bias_shape, fuses, bia
     with_bias = [n for n in training.graph.node if n.op_type == "FusedMatMul" and len(n.input) == 4]
     assert [list(n.input[2:]) for n in with_bias] == ([["", "b"]] if fuses else [])
     assert ("Add" in [n.op_type for n in training.graph.node]) != fuses
+
+
+def test_scatter_gradients_are_scatter_elements(tmp_path):
+    """Scatter (opsets 9 and 10, which ONNX's reference evaluator does not run) is ScatterElements under another
+    name: its gradients equal those of the ScatterElements row, which finite differences check."""
+    from odtrain import artifacts
+    from odtrain.api import CheckpointState, Module
+    from oracles import make_model, with_weighted_sum
+
+    case = GRADIENT_CASES["ScatterElements reduction=none"]
+    expected = case.check(tmp_path / "elements")
+    weights = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)  # gradient_check's
+    nodes = with_weighted_sum([node("Scatter", ["data", "ids", "updates"], axis=1)], "y", weights)
+    model = make_model(nodes, {**case.params, **case.constants, "gc_weights": weights},
+                       outputs=[("loss", np.float32, [])], opset=10)
+    artifacts.generate_artifacts(model, requires_grad=list(case.params), loss=None,
+                                 optimizer=artifacts.OptimType.SGD, artifact_directory=tmp_path / "scatter")
+    state = CheckpointState.load_checkpoint(tmp_path / "scatter" / "checkpoint")
+    Module(tmp_path / "scatter" / "training_model.onnx", state, tmp_path / "scatter" / "eval_model.onnx")()
+    for name in case.params:
+        np.testing.assert_array_equal(state.parameters[name].grad, expected[name], err_msg=name)
+
+
+GRADIENT_ORACLES = {"Scatter": test_scatter_gradients_are_scatter_elements}

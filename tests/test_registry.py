@@ -10,6 +10,7 @@ from odtrain.kernels import BINDINGS
 NO_KERNEL = {("", "Reshape"), ("", "Flatten"), ("", "Identity"), ("", "Shape"), ("", "Size"), ("", "Constant")}
 NO_KERNEL |= {("ai.odtrain", "ApplyUpdate")}  # the executor calls the optimizer for it
 NO_KERNEL |= {("", "Squeeze"), ("", "Unsqueeze"), ("", "BitCast")}  # views
+NO_KERNEL |= {("", "EyeLike")}  # a constant once shapes bind
 
 TESTS = pathlib.Path(__file__).parent
 

@@ -279,6 +279,7 @@ GRADIENT_CASES = {
     "celu": GradientCase([node("Celu", ["x"], alpha=0.6)], {"x": rand(2, 3, 4, low=-2, high=2)}),
     "thresholded_relu": GradientCase([node("ThresholdedRelu", ["x"], alpha=0.3)], {"x": rand(2, 3, 4)}),
     "shrink": GradientCase([node("Shrink", ["x"], lambd=0.3, bias=0.2)], {"x": rand(2, 3, 4)}),
+    "swish": GradientCase([node("Swish", ["x"], alpha=0.8)], {"x": rand(2, 3, 4, low=-3, high=3)}, opset=24),
     "hard_swish": GradientCase(
         [node("HardSwish", ["x"])], {"x": rand(2, 3, 4, low=-5, high=5)}),
     "pad_reflect": GradientCase(

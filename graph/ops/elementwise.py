@@ -14,7 +14,7 @@ Every op here folds to a constant when its inputs are constants (shape
 arithmetic such as Gather(Shape(x)) / 2, Sqrt(Cast(...)) in exported
 attention). Comparisons, logic ops and the float classes (IsNaN, IsInf) give
 booleans and have no gradient;
-BitShift and the bitwise ops take integers only and have none either. Mod
+BitShift and the bitwise ops (BitwiseNot too) take integers only and have none either. Mod
 follows its divisor's sign (Python's %), or its dividend's with fmod=1 (C's
 fmod); Mean is a Sum divided by the number of inputs.
 """
@@ -247,6 +247,17 @@ def _classify_rule(node, types, consts):
     return [TensorType(np.dtype(np.bool_), types[0].shape)]
 
 
+@op("BitwiseNot", inplace=((0, 0),))
+def _bitwise_not_rule(node, types, consts):
+    if types[0].dtype.kind not in "iu":
+        raise ModelError(f"{node.describe()}: BitwiseNot takes integer tensors, got {types[0]}")
+    if consts and consts[0] is not None:
+        value = np.ascontiguousarray(np.invert(consts[0]))
+        return [TensorType(value.dtype, value.shape)], [value]
+    return [types[0]]
+
+
+no_grad("BitwiseNot", "it works on the bits of integers")
 no_grad("IsNaN", "its output is boolean")
 no_grad("IsInf", "its output is boolean")
 

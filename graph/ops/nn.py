@@ -1,5 +1,5 @@
 """Batch normalization, activations with parameters (Clip, LeakyRelu, HardSigmoid, HardSwish, Elu, Selu, Celu,
-ThresholdedRelu, Shrink), Pad and Dropout.
+ThresholdedRelu, Shrink, Swish), Pad and Dropout.
 
 Gradients:
 - BatchNormalization: BatchNormalizationGrad(dY, X, scale[, mean, var]) recomputes
@@ -10,8 +10,8 @@ Gradients:
   population variance). The eval form runs it with training_mode=0 and output Y only.
 - Activations read their output when it determines the derivative (Clip,
   HardSigmoid, Elu, Selu and Celu with positive parameters, LeakyRelu with
-  alpha > 0), so the forward op may work in place; HardSwish, ThresholdedRelu
-  and Shrink read their input.
+  alpha > 0), so the forward op may work in place; HardSwish, ThresholdedRelu,
+  Shrink and Swish read their input.
 - Dropout: the gradient multiplies by the forward's mask, which the gradient rule
   adds as the forward node's second output when the model did not ask for it.
 
@@ -147,7 +147,7 @@ def _activation_rule(node, types, consts):
 # Activations whose gradient kernel reads the forward output Y (each determines where X > 0 or X is inside its
 # bounds) or the input X: <Op>Grad(dY, Y or X).
 READS_OUTPUT = ("Clip", "HardSigmoid", "Elu", "Selu", "Celu")
-READS_INPUT = ("HardSwish", "ThresholdedRelu", "Shrink")
+READS_INPUT = ("HardSwish", "ThresholdedRelu", "Shrink", "Swish")
 for _name in ("LeakyRelu",) + READS_OUTPUT + READS_INPUT:
     op(_name, inplace=((0, 0),))(_activation_rule)
 
@@ -178,16 +178,17 @@ def _hard_swish_grad(ctx):  # dX = dY · (X < -3 ? 0 : X <= 3 ? X/3 + 1/2 : 1), 
 
 def _parameter_activation_grad(ctx, reads_output: bool):
     # Elu: dX = dY · (X > 0 ? 1 : Y + alpha); Selu: dY · (X > 0 ? gamma : Y + gamma·alpha);
-    # Celu: dY · (X > 0 ? 1 : Y / alpha + 1); ThresholdedRelu: dY · (X > alpha); Shrink: dY · (|X| > lambd)
+    # Celu: dY · (X > 0 ? 1 : Y / alpha + 1); ThresholdedRelu: dY · (X > alpha); Shrink: dY · (|X| > lambd);
+    # Swish: dY · (s + alpha · X · s · (1 - s)), s = sigmoid(alpha · X)
     attrs = {k: float(v) for k, v in ctx.node.attrs.items() if k in ("alpha", "gamma", "lambd", "bias")}
     ctx.set_grad(0, ctx.odtrain(f"{ctx.node.op_type}Grad", [ctx.GO(0), ctx.O(0) if reads_output else ctx.I(0)], attrs))
 
 
-for _name in ("Elu", "Selu", "Celu", "ThresholdedRelu", "Shrink"):
+for _name in ("Elu", "Selu", "Celu", "ThresholdedRelu", "Shrink", "Swish"):
     grad(_name)(lambda ctx: _parameter_activation_grad(ctx, ctx.node.op_type in READS_OUTPUT))
 
 for _name in ("ClipGrad", "LeakyReluGrad", "HardSigmoidGrad", "HardSwishGrad", "EluGrad", "SeluGrad", "CeluGrad",
-              "ThresholdedReluGrad", "ShrinkGrad"):
+              "ThresholdedReluGrad", "ShrinkGrad", "SwishGrad"):
     op(_name, ODTRAIN_DOMAIN, inplace=((0, 0),))(lambda node, types, consts: [types[0]])
 
 

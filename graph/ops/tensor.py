@@ -1,6 +1,6 @@
 """Shape, layout and indexing ops: Reshape, Flatten, Squeeze, Unsqueeze, Transpose, Expand, Tile, Slice,
 Concat, Split, Gather, GatherElements, GatherND, ScatterElements, ScatterND, Where, Cast, CastLike,
-Trilu, Shape, Size, Constant, ConstantOfShape, Range, BitCast.
+Trilu, Shape, Size, Constant, ConstantOfShape, Range, BitCast, EyeLike, OneHot.
 
 Cast and CastLike alone also take and give the element types numpy lacks (bfloat16, float8, float4,
 int4, int2: STORAGE_OPS), which a model converts to a computing type before any other op.
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import ModelError
+from ..errors import ModelError, UnsupportedOpError
 from ..ir import ODTRAIN_DOMAIN, TensorType
 from ..onnx_wire import element_type, is_storage_dtype, numpy_dtype
 from . import broadcast_shapes, grad, no_grad, op
@@ -463,6 +463,7 @@ def _scatter_rule(node, types, consts):
 
 
 op("ScatterElements")(_scatter_rule)
+op("Scatter")(_scatter_rule)  # ScatterElements' name in opsets 9 and 10
 op("ScatterND")(_scatter_rule)
 
 
@@ -486,6 +487,7 @@ def _scatter_grad(ctx, gather: str):
 
 
 grad("ScatterElements")(lambda ctx: _scatter_grad(ctx, "GatherElements"))
+grad("Scatter")(lambda ctx: _scatter_grad(ctx, "GatherElements"))
 grad("ScatterND")(lambda ctx: _scatter_grad(ctx, "GatherND"))
 
 
@@ -594,6 +596,40 @@ def _bit_cast_rule(node, types, consts):
 
 
 no_grad("BitCast", "its output is the input's bits read as another type")
+
+
+@op("EyeLike", shape_only=(0,))
+def _eye_like_rule(node, types, consts):
+    """Ones on the k-th diagonal of a matrix shaped as the input: a constant once shapes are bound."""
+    x = types[0]
+    if x.shape is None or len(x.shape) != 2:
+        raise ModelError(f"{node.describe()}: EyeLike takes a matrix, got {x}")
+    code = node.attrs.get("dtype")
+    dtype = onnx_dtype(node, code) if code is not None else np.dtype(x.dtype)
+    return _folded([np.eye(x.shape[0], x.shape[1], int(node.attrs.get("k", 0)), dtype=dtype)])
+
+
+no_grad("EyeLike", "its output depends on the input's shape only")
+
+
+@op("OneHot", constant_inputs=(1,))
+def _one_hot_rule(node, types, consts):
+    """values[1] where an index (negative ones from the end) meets its position along the new axis of `depth`
+    positions, values[0] elsewhere; an index out of range marks nothing."""
+    indices, _, values = types
+    if consts[1] is None:
+        raise UnsupportedOpError(f"{node.describe()}: its depth input '{node.inputs[1]}' must be a constant")
+    depth = int(np.asarray(consts[1]).reshape(-1)[0])
+    rank = len(indices.shape) + 1
+    axis = int(node.attrs.get("axis", -1))
+    if not -rank <= axis < rank:
+        raise ModelError(f"{node.describe()}: axis {axis} is out of range for an output of rank {rank}")
+    shape = list(indices.shape)
+    shape.insert(axis % rank, depth)
+    return [TensorType(values.dtype, tuple(shape))]
+
+
+no_grad("OneHot", "its output places the two given values by integer indices")
 
 
 def trilu_mask(shape: tuple, k: int, upper: bool) -> np.ndarray:
