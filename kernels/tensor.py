@@ -1,4 +1,5 @@
-"""Layout and indexing kernels: Transpose, Expand, Tile, Slice, Concat, Split, Gather*, Scatter*, OneHot, Cast, fills.
+"""Layout and indexing kernels: Transpose (DepthToSpace, SpaceToDepth), Expand, Tile, Slice, Concat, Split, Gather*,
+Scatter*, OneHot, Cast, fills.
 
 (Reshape, Flatten, Squeeze, Unsqueeze, BitCast and Identity are arena views; Shape, Constant, Range and
 ConstantOfShape usually fold to constants before a step.)
@@ -91,6 +92,29 @@ def Transpose(inputs, outputs, perm=None):
     source_strides = element_strides(x.shape, x.shape)
     return [copy_call(x, 0, [source_strides[p] for p in perm], out, 0, element_strides(out.shape, out.shape),
                       out.shape)]
+
+
+def _depth_space(inputs, outputs, blocksize, mode, to_space):
+    """DepthToSpace and SpaceToDepth (modes DCR and CRD): a transpose of 6-D views of input and output."""
+    x, out = inputs[0], outputs[0]
+    b = int(blocksize)
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    n, c, h, w = x.shape
+    if to_space:
+        view, perm = ((n, b, b, c // (b * b), h, w), (0, 3, 4, 1, 5, 2)) if mode == "DCR" else \
+            ((n, c // (b * b), b, b, h, w), (0, 1, 4, 2, 5, 3))
+    else:
+        view = (n, c, h // b, b, w // b, b)
+        perm = (0, 3, 5, 1, 2, 4) if mode == "DCR" else (0, 1, 3, 5, 2, 4)
+    source = x.reshape(view)
+    return Transpose([source], [out.reshape(tuple(view[p] for p in perm))], perm=perm)
+
+
+binding("DepthToSpace")(lambda inputs, outputs, blocksize=0, mode="DCR": _depth_space(inputs, outputs, blocksize,
+                                                                                        mode, True))
+for _domain in ("", ODTRAIN_DOMAIN):  # odtrain's, DepthToSpace's gradient, has CRD in models of any opset
+    binding("SpaceToDepth", _domain)(lambda inputs, outputs, blocksize=0, mode="DCR": _depth_space(
+        inputs, outputs, blocksize, mode, False))
 
 
 @binding("Expand")

@@ -211,6 +211,10 @@ for _reduction, _ids in (("none", [[1, 0], [2, 3]]), ("add", [[1, 0], [2, 2]])):
     GRADIENT_CASES[f"ScatterElements reduction={_reduction}"] = GradientCase(
         [node("ScatterElements", ["data", "ids", "updates"], axis=1, reduction=_reduction)],
         {"data": rand(2, 4), "updates": rand(2, 2)}, {"ids": np.array(_ids, np.int64)})
+for _mode in ("DCR", "CRD"):
+    GRADIENT_CASES[f"DepthToSpace {_mode}, SpaceToDepth"] = GradientCase(
+        [node("DepthToSpace", ["x"], ["d"], blocksize=2, mode=_mode), node("Mul", ["d", "x2"], ["m"]),
+         node("SpaceToDepth", ["m"], blocksize=2)], {"x": rand(2, 8, 2, 3), "x2": rand(2, 2, 4, 6)})
 GRADIENT_CASES["ScatterND, GatherND"] = GradientCase(
     [node("ScatterND", ["data", "ids", "updates"], ["s"]), node("GatherND", ["s", "pick"])],
     {"data": rand(4, 3), "updates": rand(2, 3)},

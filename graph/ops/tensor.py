@@ -1,6 +1,6 @@
 """Shape, layout and indexing ops: Reshape, Flatten, Squeeze, Unsqueeze, Transpose, Expand, Tile, Slice,
 Concat, Split, Gather, GatherElements, GatherND, ScatterElements, ScatterND, Where, Cast, CastLike,
-Trilu, Shape, Size, Constant, ConstantOfShape, Range, BitCast, EyeLike, OneHot.
+Trilu, Shape, Size, Constant, ConstantOfShape, Range, BitCast, EyeLike, OneHot, DepthToSpace, SpaceToDepth.
 
 Cast and CastLike alone also take and give the element types numpy lacks (bfloat16, float8, float4,
 int4, int2: STORAGE_OPS), which a model converts to a computing type before any other op.
@@ -630,6 +630,46 @@ def _one_hot_rule(node, types, consts):
 
 
 no_grad("OneHot", "its output places the two given values by integer indices")
+
+
+def _depth_space_rule(node, types, consts):
+    """DepthToSpace moves blocks of channels into b×b pixel blocks ([N, C, H, W] → [N, C/b², H·b, W·b]), channels
+    taken depth-column-row (mode DCR) or column-row-depth (CRD); SpaceToDepth is its inverse in the same mode
+    (ONNX's has a mode in recent opsets only; odtrain's, DepthToSpace's gradient, in any)."""
+    x = types[0]
+    b = int(node.attrs.get("blocksize", 0))
+    if x.shape is None or len(x.shape) != 4 or b < 1:
+        raise ModelError(f"{node.describe()}: takes a 4-D [N, C, H, W] tensor and a blocksize >= 1, got {x} and {b}")
+    if node.attrs.get("mode", "DCR") not in ("DCR", "CRD"):
+        raise ModelError(f"{node.describe()}: mode must be 'DCR' or 'CRD', got {node.attrs['mode']!r}")
+    n, c, h, w = x.shape
+    if node.op_type == "DepthToSpace":
+        if c % (b * b):
+            raise ModelError(f"{node.describe()}: {c} channels do not split into blocks of {b}×{b}")
+        return [TensorType(x.dtype, (n, c // (b * b), h * b, w * b))]
+    if h % b or w % b:
+        raise ModelError(f"{node.describe()}: {h}×{w} pixels do not split into blocks of {b}×{b}")
+    return [TensorType(x.dtype, (n, c * b * b, h // b, w // b))]
+
+
+op("DepthToSpace")(_depth_space_rule)
+op("SpaceToDepth")(_depth_space_rule)
+op("SpaceToDepth", ODTRAIN_DOMAIN)(_depth_space_rule)
+
+
+@grad("DepthToSpace")
+def _depth_to_space_grad(ctx):  # dX = the inverse rearrangement of dY
+    attrs = {"blocksize": ctx.attr("blocksize"), "mode": ctx.attr("mode", "DCR")}
+    ctx.set_grad(0, ctx.odtrain("SpaceToDepth", [ctx.GO(0)], attrs))
+
+
+@grad("SpaceToDepth")
+def _space_to_depth_grad(ctx):  # dX = DepthToSpace(dY), the same mode
+    ctx.set_grad(0, ctx.emit("DepthToSpace", [ctx.GO(0)], {"blocksize": ctx.attr("blocksize"),
+                                                         "mode": ctx.attr("mode", "DCR")}))
+
+
+grad("SpaceToDepth", ODTRAIN_DOMAIN)(_space_to_depth_grad)
 
 
 def trilu_mask(shape: tuple, k: int, upper: bool) -> np.ndarray:
