@@ -277,6 +277,10 @@ for _axis in (1, -1):
             GRADIENT_CASES[f"CumSum axis={_axis} reverse={_reverse} exclusive={_exclusive}"] = GradientCase(
                 [node("CumSum", ["x", "axis"], exclusive=_exclusive, reverse=_reverse)], {"x": rand(2, 3, 4)},
                 {"axis": np.array(_axis, np.int64)})
+# p=1 on positive values: ONNX's reference sums x, not |x| (odtrain and onnxruntime take |x|)
+for _p, _axis, _x in ((2, -1, away_from_zero(3, 4)), (1, 0, rand(3, 4, low=0.2, high=2))):
+    GRADIENT_CASES[f"LpNormalization p={_p} axis={_axis}"] = GradientCase(
+        [node("LpNormalization", ["x"], p=_p, axis=_axis)], {"x": _x})
 for _axis, _largest in ((1, 1), (0, 0)):
     GRADIENT_CASES[f"TopK axis={_axis} largest={_largest}"] = GradientCase(
         [node("TopK", ["x", "k"], ["y", "positions"], axis=_axis, largest=_largest)], {"x": rand(3, 5, 2)},
