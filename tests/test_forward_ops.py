@@ -46,12 +46,6 @@ DECLINED = {
     "test_gathernd_example_int32_batch_dim1": (
         "batch_dims=1 is not supported",
         "GatherND with batch dimensions is not implemented"),
-    "test_edge_pad": ("runs Pad on float32 only", "Pad's kernel is written for float32"),
-    "test_reflect_pad": ("runs Pad on float32 only", "Pad's kernel is written for float32"),
-    "test_wrap_pad": ("runs Pad on float32 only", "Pad's kernel is written for float32"),
-    "test_clip_default_int8_min": ("runs Clip on float32 only", "Clip's kernel is written for float32"),
-    "test_clip_default_int8_max": ("runs Clip on float32 only", "Clip's kernel is written for float32"),
-    "test_clip_default_int8_inbounds": ("runs Clip on float32 only", "Clip's kernel is written for float32"),
     "test_maxpool_2d_uint8": ("runs MaxPool on float32 only", "pooling kernels are written for float32"),
 }
 

@@ -137,7 +137,8 @@ def fuse_normalization_activations(graph) -> None:
 
 def _activation_rule(node, types, consts):
     x = types[0]
-    _require_float32(node, x)
+    if not (node.op_type == "Clip" and x.dtype.kind in "iu"):  # Clip also bounds integers
+        _require_float32(node, x)
     for i, t in enumerate(types[1:], start=1):
         if t is not None and (t.dtype != x.dtype or (t.shape is not None and int(np.prod(t.shape)) != 1)):
             raise ModelError(f"{node.describe()}: input {i} must be a {x.dtype} scalar, got {t}")
@@ -230,7 +231,8 @@ def _pad_mode(node) -> str:
 @op("Pad", constant_inputs=(1, 2, 3))
 def _pad_rule(node, types, consts):
     x = types[0]
-    _require_float32(node, x)
+    if x.dtype.kind not in "fiub":  # a copy with a fill: any numeric type
+        raise UnsupportedOpError(f"{node.describe()}: its input is {x}; odtrain pads float, integer and bool tensors")
     if x.shape is None:
         return [TensorType(x.dtype, None)]
     rank = len(x.shape)
