@@ -161,9 +161,9 @@ def test_unsupported_forms_are_declined_clearly():
                          inputs=[("x", np.float32, x.shape)], outputs=["y", "rm", "rv"])
     with pytest.raises(OdtrainError, match="unbiased batch variance"):
         InferenceSession(running).run(None, {"x": x})
-    int_clip = make_model([node("Clip", ["x"])], {}, inputs=[("x", np.int64, x.shape)])
+    int_sigmoid = make_model([node("HardSigmoid", ["x"])], {}, inputs=[("x", np.int64, x.shape)])
     with pytest.raises(OdtrainError, match="float32 only"):
-        InferenceSession(int_clip).run(None, {"x": x.astype(np.int64)})
+        InferenceSession(int_sigmoid).run(None, {"x": x.astype(np.int64)})
 
 
 # ---- gradients against float64 finite differences -----------------------------------------------
