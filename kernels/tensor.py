@@ -1,5 +1,5 @@
 """Layout and indexing kernels: Transpose (DepthToSpace, SpaceToDepth), Expand, Tile, Slice, Concat, Split, Gather*,
-Scatter*, OneHot, Cast, fills.
+Scatter*, OneHot, CenterCropPad, Cast, fills.
 
 (Reshape, Flatten, Squeeze, Unsqueeze, BitCast and Identity are arena views; Shape, Constant, Range and
 ConstantOfShape usually fold to constants before a step.)
@@ -182,6 +182,18 @@ def SliceGrad(inputs, outputs, **attrs):
     dy, out = inputs[0], outputs[0]
     offset, strides = _slice_layout(out.shape, *_slice_args(inputs[1:], attrs))
     return [fill_call(out), copy_call(dy, 0, _c_strides(dy.shape), out, offset, strides, dy.shape)]
+
+
+@binding("CenterCropPad")
+def CenterCropPad(inputs, outputs, axes=None):
+    """Zeros where the output is padded, then the centred overlap of input and output copied."""
+    x, out = inputs[0], outputs[0]
+    xs, os_ = _c_strides(x.shape), _c_strides(out.shape)
+    x_start = sum(max(a - b, 0) // 2 * s for a, b, s in zip(x.shape, out.shape, xs))
+    out_start = sum(max(b - a, 0) // 2 * s for a, b, s in zip(x.shape, out.shape, os_))
+    overlap = tuple(min(a, b) for a, b in zip(x.shape, out.shape))
+    fill = [fill_call(out)] if out.size > int(np.prod(overlap, dtype=np.int64)) else []
+    return fill + [copy_call(x, x_start, xs, out, out_start, os_, overlap)]
 
 
 def _axis_offsets(shapes, axis):

@@ -1,6 +1,7 @@
 """Shape, layout and indexing ops: Reshape, Flatten, Squeeze, Unsqueeze, Transpose, Expand, Tile, Slice,
 Concat, Split, Gather, GatherElements, GatherND, ScatterElements, ScatterND, Where, Cast, CastLike,
-Trilu, Shape, Size, Constant, ConstantOfShape, Range, BitCast, EyeLike, OneHot, DepthToSpace, SpaceToDepth.
+Trilu, Shape, Size, Constant, ConstantOfShape, Range, BitCast, EyeLike, OneHot, DepthToSpace, SpaceToDepth,
+CenterCropPad.
 
 Cast and CastLike alone also take and give the element types numpy lacks (bfloat16, float8, float4,
 int4, int2: STORAGE_OPS), which a model converts to a computing type before any other op.
@@ -670,6 +671,29 @@ def _space_to_depth_grad(ctx):  # dX = DepthToSpace(dY), the same mode
 
 
 grad("SpaceToDepth", ODTRAIN_DOMAIN)(_space_to_depth_grad)
+
+
+@op("CenterCropPad", shape_only=(), constant_inputs=(1,))
+def _center_crop_pad_rule(node, types, consts):
+    """Each of `axes` (default all) cropped or zero-padded to its size in `shape`, centred (the extra element of an
+    odd difference at the end)."""
+    x = types[0]
+    if consts[1] is None:
+        raise UnsupportedOpError(f"{node.describe()}: its shape input '{node.inputs[1]}' must be a constant")
+    sizes = _ints(consts[1])
+    rank = len(x.shape)
+    axes = [int(a) % rank for a in node.attrs.get("axes", range(rank))]
+    if len(axes) != len(sizes) or any(size < 0 for size in sizes):
+        raise ModelError(f"{node.describe()}: shape {sizes} must give one size >= 0 for each of the axes {axes}")
+    shape = list(x.shape)
+    for axis, size in zip(axes, sizes):
+        shape[axis] = size
+    return [TensorType(x.dtype, tuple(shape))]
+
+
+@grad("CenterCropPad")
+def _center_crop_pad_grad(ctx):  # dX = dY cropped or padded back to X's shape: the same centring undoes it
+    ctx.set_grad(0, ctx.emit("CenterCropPad", [ctx.GO(0), ctx.emit("Shape", [ctx.I(0)])]))
 
 
 def trilu_mask(shape: tuple, k: int, upper: bool) -> np.ndarray:
