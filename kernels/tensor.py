@@ -1,5 +1,5 @@
 """Layout and indexing kernels: Transpose (DepthToSpace, SpaceToDepth), Expand, Tile, Slice, Concat, Split, Gather*,
-Scatter*, OneHot, CenterCropPad, Cast, fills.
+Scatter*, Compress, OneHot, CenterCropPad, Cast, fills.
 
 (Reshape, Flatten, Squeeze, Unsqueeze, BitCast and Identity are arena views; Shape, Constant, Range and
 ConstantOfShape usually fold to constants before a step.)
@@ -331,6 +331,26 @@ def GatherGrad(inputs, outputs, axis=0, threads=1):
     if parts == 1:
         return [(_scatter_add, args + (0, inner))]
     return [(_scatter_add_parts, args + (part_bounds(inner, parts),))]
+
+
+def _compressed(x: np.ndarray, condition: np.ndarray, axis):
+    """(x, or x flattened without an axis; the axis; the positions kept): Compress as a Gather."""
+    if axis is None:
+        x, axis = x.reshape(-1), 0
+    axis = int(axis) % x.ndim
+    return x, axis, np.flatnonzero(condition.reshape(-1)[:x.shape[axis]]).astype(np.int64)
+
+
+@binding("Compress")
+def Compress(inputs, outputs, axis=None):
+    x, axis, kept = _compressed(inputs[0], inputs[1], axis)
+    return Gather([x, kept], outputs, axis=axis)
+
+
+@binding("CompressGrad", ODTRAIN_DOMAIN)
+def CompressGrad(inputs, outputs, axis=None):
+    dx, axis, kept = _compressed(outputs[0], inputs[1], axis)
+    return GatherGrad([inputs[0], kept], [dx], axis=axis)  # zeros where nothing was kept
 
 
 @njit(cache=True, inline="always")

@@ -211,6 +211,10 @@ for _reduction, _ids in (("none", [[1, 0], [2, 3]]), ("add", [[1, 0], [2, 2]])):
     GRADIENT_CASES[f"ScatterElements reduction={_reduction}"] = GradientCase(
         [node("ScatterElements", ["data", "ids", "updates"], axis=1, reduction=_reduction)],
         {"data": rand(2, 4), "updates": rand(2, 2)}, {"ids": np.array(_ids, np.int64)})
+for _axis in (1, None):
+    GRADIENT_CASES[f"Compress axis={_axis}"] = GradientCase(
+        [node("Compress", ["x", "keep"], **({} if _axis is None else {"axis": _axis}))], {"x": rand(2, 4)},
+        {"keep": np.array([True, False, True], np.bool_)})
 GRADIENT_CASES["CenterCropPad, cropping one axis and padding another"] = GradientCase(
     [node("CenterCropPad", ["x", "shape"], axes=[0, 2])], {"x": rand(5, 2, 3)}, {"shape": i64(2, 6)}, opset=18)
 for _mode in ("DCR", "CRD"):

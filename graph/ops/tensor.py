@@ -1,7 +1,7 @@
 """Shape, layout and indexing ops: Reshape, Flatten, Squeeze, Unsqueeze, Transpose, Expand, Tile, Slice,
 Concat, Split, Gather, GatherElements, GatherND, ScatterElements, ScatterND, Where, Cast, CastLike,
 Trilu, Shape, Size, Constant, ConstantOfShape, Range, BitCast, EyeLike, OneHot, DepthToSpace, SpaceToDepth,
-CenterCropPad.
+CenterCropPad, Compress.
 
 Cast and CastLike alone also take and give the element types numpy lacks (bfloat16, float8, float4,
 int4, int2: STORAGE_OPS), which a model converts to a computing type before any other op.
@@ -694,6 +694,38 @@ def _center_crop_pad_rule(node, types, consts):
 @grad("CenterCropPad")
 def _center_crop_pad_grad(ctx):  # dX = dY cropped or padded back to X's shape: the same centring undoes it
     ctx.set_grad(0, ctx.emit("CenterCropPad", [ctx.GO(0), ctx.emit("Shape", [ctx.I(0)])]))
+
+
+@op("Compress", constant_inputs=(1,))
+def _compress_rule(node, types, consts):
+    """The slices along `axis` (of the flattened input without one) where the condition is true; a condition
+    shorter than the axis is false beyond its end."""
+    x = types[0]
+    if consts[1] is None:
+        raise UnsupportedOpError(f"{node.describe()}: its condition input '{node.inputs[1]}' must be a constant "
+                                 "(its count of true values is the output's size)")
+    condition = np.asarray(consts[1]).reshape(-1)
+    if "axis" not in node.attrs:
+        return [TensorType(x.dtype, (int(np.count_nonzero(condition[:_static_size(x.shape)])),))]
+    rank = len(x.shape)
+    axis = int(node.attrs["axis"])
+    if not -rank <= axis < rank:
+        raise ModelError(f"{node.describe()}: axis {axis} is out of range for {x}")
+    axis %= rank
+    shape = list(x.shape)
+    shape[axis] = int(np.count_nonzero(condition[:x.shape[axis]]))
+    return [TensorType(x.dtype, tuple(shape))]
+
+
+@grad("Compress")
+def _compress_grad(ctx):  # dX = zeros; dY's slices put back where the condition is true
+    attrs = {"axis": ctx.attr("axis")} if ctx.attr("axis") is not None else {}
+    ctx.set_grad(0, ctx.odtrain("CompressGrad", [ctx.GO(0), ctx.I(1), ctx.I(0)], attrs))
+
+
+@op("CompressGrad", ODTRAIN_DOMAIN, shape_only=(2,), constant_inputs=(1,))
+def _compress_grad_rule(node, types, consts):
+    return [TensorType(types[0].dtype, types[2].shape)]
 
 
 def trilu_mask(shape: tuple, k: int, upper: bool) -> np.ndarray:
