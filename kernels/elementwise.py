@@ -15,7 +15,8 @@ Binary and comparison op codes (arguments, so one compiled kernel serves a famil
   binary: 0 add, 1 sub, 2 mul, 3 div, 4 relu-grad(dy, y), 5 sigmoid-grad(dy, y), 6 tanh-grad(dy, y),
           7 pow, 8 max, 9 min, 10 erf-grad(dy, x), 11 atan-grad(dy, x), 12 gelu-grad(dy, x),
           13 gelu-tanh-grad(dy, x), 14 mod (the divisor's sign), 15 fmod (the dividend's sign),
-          16 shift left, 17 shift right, 18 bitwise and, 19 or, 20 xor (integers only)
+          16 shift left, 17 shift right, 18 bitwise and, 19 or, 20 xor (integers only), 21 prelu (x, or x·slope
+          below 0)
   compare: 0 ==, 1 <, 2 >, 3 <=, 4 >=, 5 and, 6 or, 7 xor
 
 The transcendental ops (erf, GELU and their gradients, codes in SPECIAL_*) have kernels of
@@ -43,7 +44,7 @@ from .layout import broadcast_layout, flat
 from .parts import part_bounds, part_count
 
 BINARY = {"Add": 0, "Sub": 1, "Mul": 2, "Div": 3, "ReluGrad": 4, "SigmoidGrad": 5, "TanhGrad": 6,
-          "Pow": 7, "Max": 8, "Min": 9, "ErfGrad": 10, "AtanGrad": 11, "Mod": 14}
+          "Pow": 7, "Max": 8, "Min": 9, "ErfGrad": 10, "AtanGrad": 11, "Mod": 14, "PRelu": 21}
 GELU_GRAD, GELU_TANH_GRAD = 12, 13
 FMOD = 15
 SHIFT = {"LEFT": 16, "RIGHT": 17}
@@ -226,6 +227,8 @@ def _binary_op(code, x, y):
         return x % y
     if code == 15:
         return c_fmod(x, y)
+    if code == 21:
+        return x if x >= 0 else x * y
     if code >= 16:
         return integer_op(code, x, y)
     return min(x, y)  # 9

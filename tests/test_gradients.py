@@ -44,6 +44,10 @@ for _op in ("Add", "Sub", "Mul", "Div"):
         GRADIENT_CASES[f"{_op} {_a} {_b}"] = GradientCase(
             [node(_op, ["a", "b"])], {"a": rand(*_a), "b": away_from_zero(*_b) if _op == "Div" else rand(*_b)})
 
+for _slope in ((3, 1, 1), (2, 3, 4, 5)):
+    GRADIENT_CASES[f"PRelu slope {_slope}"] = GradientCase(
+        [node("PRelu", ["x", "slope"])], {"x": away_from_zero(2, 3, 4, 5), "slope": rand(*_slope)})
+
 # One input per unary op, inside its domain and away from its kinks.
 UNARY_INPUTS = {
     "Neg": rand(2, 3), "Abs": away_from_zero(2, 3), "Exp": rand(2, 3), "Log": rand(2, 3, low=0.5, high=2.0),

@@ -44,7 +44,7 @@ def _pow(a, b):
 BINARY_FOLDS = {
     "Add": np.add, "Sub": np.subtract, "Mul": np.multiply,
     "Div": lambda a, b: _int_div(a, b) if np.issubdtype(a.dtype, np.integer) else np.divide(a, b),
-    "Pow": _pow, "Equal": np.equal, "Less": np.less, "Greater": np.greater, "LessOrEqual": np.less_equal,
+    "Pow": _pow, "PRelu": lambda x, slope: np.where(x < 0, x * slope, x), "Equal": np.equal, "Less": np.less, "Greater": np.greater, "LessOrEqual": np.less_equal,
     "GreaterOrEqual": np.greater_equal, "And": np.logical_and, "Or": np.logical_or, "Xor": np.logical_xor,
 }
 # Binaries whose function an attribute chooses: Mod's fmod (C's sign of the dividend, or the divisor's),
@@ -100,6 +100,7 @@ op("Sum", inplace=((0, 0),))(_broadcast_rule)
 op("Pow", inplace=((0, 0),), passes=2.0)(_broadcast_rule)
 for _name in ("Max", "Min", "Mean"):
     op(_name, inplace=((0, 0),))(_broadcast_rule)
+op("PRelu", inplace=((0, 0),))(_broadcast_rule)
 op("Mod", inplace=((0, 0), (0, 1)))(_broadcast_rule)
 for _name in sorted(INTEGER_BINARIES):
     op(_name, inplace=((0, 0), (0, 1)))(_broadcast_rule)
@@ -358,6 +359,18 @@ def _pow_grad(ctx):  # dA = dY · B · A^(B-1), dB = dY · Y · ln(A)
     if ctx.needs(1):
         scaled = ctx.emit("Mul", [ctx.emit("Mul", [dy, ctx.O(0)]), ctx.emit("Log", [a])])
         ctx.set_grad(1, ctx.sum_to_input(scaled, 1))
+
+
+@grad("PRelu")
+def _prelu_grad(ctx):  # dX = dY · (X < 0 ? slope : 1), dSlope = dY · (X < 0 ? X : 0), each summed to its shape
+    below = ctx.emit("Less", [ctx.I(0), ctx.constant(np.zeros((), np.float32), "zero")])
+    if ctx.needs(0):
+        scaled = ctx.emit("Mul", [ctx.GO(0), ctx.I(1)])
+        ctx.set_grad(0, ctx.sum_to_input(ctx.emit("Where", [below, scaled, ctx.GO(0)]), 0))
+    if ctx.needs(1):
+        product = ctx.emit("Mul", [ctx.GO(0), ctx.I(0)])
+        zero = ctx.constant(np.zeros((), np.float32), "zero")
+        ctx.set_grad(1, ctx.sum_to_input(ctx.emit("Where", [below, product, zero]), 1))
 
 
 def _extremum_grad(ctx):  # dX_i = dY where X_i is the extremum (every tied input receives it), else 0
