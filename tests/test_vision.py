@@ -274,6 +274,9 @@ GRADIENT_CASES = {
         [node("LeakyRelu", ["x"], alpha=-0.5)], {"x": rand(2, 3, 4)}),
     "hard_sigmoid": GradientCase(
         [node("HardSigmoid", ["x"])], {"x": rand(2, 3, 4, low=-4, high=4)}),
+    "lp_pool": GradientCase([node("LpPool", ["x"], kernel_shape=[2, 2], pads=[1, 0, 0, 1], p=3)],
+                            {"x": rand(2, 2, 3, 4, low=0.2, high=1.5) * np.sign(rand(2, 2, 3, 4))}),
+    "lp_pool_l2_strided": GradientCase([node("LpPool", ["x"], kernel_shape=[3], strides=[2])], {"x": rand(2, 2, 7)}),
     "elu": GradientCase([node("Elu", ["x"], alpha=0.7)], {"x": rand(2, 3, 4, low=-2, high=2)}),
     "selu": GradientCase([node("Selu", ["x"])], {"x": rand(2, 3, 4, low=-2, high=2)}),
     "celu": GradientCase([node("Celu", ["x"], alpha=0.6)], {"x": rand(2, 3, 4, low=-2, high=2)}),
