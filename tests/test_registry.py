@@ -11,6 +11,7 @@ NO_KERNEL = {("", "Reshape"), ("", "Flatten"), ("", "Identity"), ("", "Shape"), 
 NO_KERNEL |= {("ai.odtrain", "ApplyUpdate")}  # the executor calls the optimizer for it
 NO_KERNEL |= {("", "Squeeze"), ("", "Unsqueeze"), ("", "BitCast")}  # views
 NO_KERNEL |= {("", "EyeLike")}  # a constant once shapes bind
+NO_KERNEL |= {("", "Unique"), ("", "NonZero"), ("", "NonMaxSuppression")}  # run where their input is a constant, and fold
 
 TESTS = pathlib.Path(__file__).parent
 

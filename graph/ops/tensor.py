@@ -1,7 +1,7 @@
 """Shape, layout and indexing ops: Reshape, Flatten, Squeeze, Unsqueeze, Transpose, Expand, Tile, Slice,
 Concat, Split, Gather, GatherElements, GatherND, ScatterElements, ScatterND, Where, Cast, CastLike,
 Trilu, Shape, Size, Constant, ConstantOfShape, Range, BitCast, EyeLike, OneHot, DepthToSpace, SpaceToDepth,
-CenterCropPad, Compress.
+CenterCropPad, Compress, Unique, NonZero, NonMaxSuppression.
 
 Cast and CastLike alone also take and give the element types numpy lacks (bfloat16, float8, float4,
 int4, int2: STORAGE_OPS), which a model converts to a computing type before any other op.
@@ -726,6 +726,91 @@ def _compress_grad(ctx):  # dX = zeros; dY's slices put back where the condition
 @op("CompressGrad", ODTRAIN_DOMAIN, shape_only=(2,), constant_inputs=(1,))
 def _compress_grad_rule(node, types, consts):
     return [TensorType(types[0].dtype, types[2].shape)]
+
+
+# Ops whose output shape depends on the input's values: they run where that input is a constant (an initializer,
+# or a feed bound as one, one plan per value) and fold there.
+
+
+def _value_input(node, consts, index: int = 0) -> np.ndarray:
+    if consts[index] is None:
+        raise UnsupportedOpError(f"{node.describe()}: its input '{node.inputs[index]}' must be a constant: the "
+                                 "output's shape depends on its values")
+    return np.asarray(consts[index])
+
+
+@op("Unique", constant_inputs=(0,))
+def _unique_rule(node, types, consts):
+    """The distinct values (or slices along `axis`), sorted or in order of first appearance, with the first
+    index of each, the index of each input element's value, and the counts."""
+    x = _value_input(node, consts)
+    axis = node.attrs.get("axis")
+    values, first, inverse, counts = np.unique(x, return_index=True, return_inverse=True, return_counts=True,
+                                               axis=None if axis is None else int(axis))
+    inverse = inverse.reshape(-1)
+    if not node.attrs.get("sorted", 1):  # in order of first appearance
+        order = np.argsort(first, kind="stable")
+        values = np.take(values, order, axis=0 if axis is None else int(axis))
+        first, counts = first[order], counts[order]
+        inverse = np.argsort(order)[inverse]
+    return _folded([values, first.astype(np.int64), inverse.astype(np.int64), counts.astype(np.int64)])
+
+
+@op("NonZero", constant_inputs=(0,))
+def _non_zero_rule(node, types, consts):
+    """The indices of the nonzero elements, one row per axis."""
+    x = _value_input(node, consts)
+    return _folded([np.array(np.nonzero(x), dtype=np.int64).reshape(x.ndim, -1)])
+
+
+def _corners(boxes: np.ndarray, center_point_box: int) -> np.ndarray:
+    """[y1, x1, y2, x2] with y1 <= y2, x1 <= x2, from corners in either order or from [x_c, y_c, w, h]."""
+    if center_point_box:
+        xc, yc, w, h = boxes[:, 0], boxes[:, 1], boxes[:, 2], boxes[:, 3]
+        return np.stack([yc - h / 2, xc - w / 2, yc + h / 2, xc + w / 2], axis=1)
+    return np.stack([np.minimum(boxes[:, 0], boxes[:, 2]), np.minimum(boxes[:, 1], boxes[:, 3]),
+                     np.maximum(boxes[:, 0], boxes[:, 2]), np.maximum(boxes[:, 1], boxes[:, 3])], axis=1)
+
+
+def _iou(box: np.ndarray, others: np.ndarray) -> np.ndarray:
+    height = np.clip(np.minimum(box[2], others[:, 2]) - np.maximum(box[0], others[:, 0]), 0, None)
+    width = np.clip(np.minimum(box[3], others[:, 3]) - np.maximum(box[1], others[:, 1]), 0, None)
+    inter = height * width
+    union = (box[2] - box[0]) * (box[3] - box[1]) + (others[:, 2] - others[:, 0]) * (others[:, 3] - others[:, 1]) - inter
+    return np.where(union > 0, inter / np.where(union > 0, union, 1), 0)
+
+
+@op("NonMaxSuppression", constant_inputs=(0, 1, 2, 3, 4))
+def _non_max_suppression_rule(node, types, consts):
+    """[batch, class, box] of the boxes kept: per batch and class, by descending score (above score_threshold),
+    each box whose IoU with every box kept before it is at most iou_threshold, at most
+    max_output_boxes_per_class of them."""
+    boxes, scores = _value_input(node, consts, 0), _value_input(node, consts, 1)
+    limits = [np.asarray(consts[i]).reshape(-1)[0] if len(node.inputs) > i and node.inputs[i] else None
+              for i in (2, 3, 4)]
+    if any(len(node.inputs) > i and node.inputs[i] and consts[i] is None for i in (2, 3, 4)):
+        raise UnsupportedOpError(f"{node.describe()}: its limits and thresholds must be constants")
+    most = int(limits[0]) if limits[0] is not None else 0
+    iou_threshold = float(limits[1]) if limits[1] is not None else 0.0
+    kept = []
+    for b in range(scores.shape[0]):
+        corners = _corners(boxes[b].astype(np.float64), int(node.attrs.get("center_point_box", 0)))
+        for c in range(scores.shape[1]):
+            score = scores[b, c]
+            order = [i for i in np.argsort(-score, kind="stable") if limits[2] is None or score[i] > limits[2]]
+            chosen: list[int] = []
+            for i in order:
+                if len(chosen) >= most:
+                    break
+                if not chosen or np.all(_iou(corners[i], corners[chosen]) <= iou_threshold):
+                    chosen.append(int(i))
+            kept += [(b, c, i) for i in chosen]
+    return _folded([np.array(kept, dtype=np.int64).reshape(-1, 3)])
+
+
+no_grad("NonMaxSuppression", "its output is integer positions")
+no_grad("Unique", "its outputs are values picked from a constant, and integer positions")
+no_grad("NonZero", "its output is integer positions")
 
 
 def trilu_mask(shape: tuple, k: int, upper: bool) -> np.ndarray:
