@@ -651,7 +651,8 @@ def _minifloat_table(name: str) -> np.ndarray:
     return minifloat_values(name)
 
 
-def _converts(dtype) -> bool:
+def converts(dtype) -> bool:
+    """Whether a dtype is one _convert reads or writes through its bits (float16 and the types numpy lacks)."""
     return dtype.name in MINIFLOATS or dtype.name in SMALL_INTEGERS
 
 
@@ -660,7 +661,7 @@ def _bits_view(a: np.ndarray) -> np.ndarray:
     return flat(a).view(np.uint16 if a.dtype.itemsize == 2 else np.uint8)
 
 
-def _convert_call(x: np.ndarray, out: np.ndarray, saturate: int):
+def convert_call(x: np.ndarray, out: np.ndarray, saturate: int):
     none = np.zeros(2, np.float64)
     read, table, bits, source = READ_NATIVE, none, 8, flat(x)
     if x.dtype.name in MINIFLOATS:
@@ -682,8 +683,8 @@ def _convert_call(x: np.ndarray, out: np.ndarray, saturate: int):
 @binding("Cast")
 def Cast(inputs, outputs, to=None, saturate=1, round_mode="up"):
     x, out = inputs[0], outputs[0]
-    if _converts(x.dtype) or _converts(out.dtype):
-        return [_convert_call(x, out, saturate)]
+    if converts(x.dtype) or converts(out.dtype):
+        return [convert_call(x, out, saturate)]
     if out.dtype == np.bool_ and x.dtype != np.bool_:
         return [(_to_bool, (flat(x), flat(out)))]
     return [(_cast, (flat(x), flat(out)))]

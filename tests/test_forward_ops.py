@@ -24,10 +24,12 @@ from odtrain.inference import InferenceSession
 
 SUPPORTED = {op for domain, op in OPS if domain == ""}
 # The element types odtrain runs (Numba has no float16 arithmetic; bfloat16, float8 and 4-bit types have no
-# numpy dtype of their own), and those that only Cast and CastLike convert (float16 and ml_dtypes' types).
+# numpy dtype of their own), and those that only Cast and CastLike convert (float16 and ml_dtypes' types), which
+# DequantizeLinear also reads (ml_dtypes' types).
 DTYPES = {np.dtype(t) for t in (np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
                                 np.uint32, np.uint64, np.bool_)}
-CAST_DTYPES = {np.dtype(np.float16)} | {numpy_dtype(code) for code in STORAGE_TYPES}
+STORAGE_DTYPES = {numpy_dtype(code) for code in STORAGE_TYPES}  # read by DequantizeLinear too
+CAST_DTYPES = {np.dtype(np.float16)} | STORAGE_DTYPES
 # Cases whose expected outputs ONNX prints rounded to 4 decimals: compared at that precision.
 ROUNDED = {"test_averagepool_2d_ceil_last_window_starts_on_pad": 1e-3, "test_gridsample_bicubic": 1e-3}
 
@@ -63,8 +65,9 @@ def _runs_on_tensors_odtrain_supports(case) -> bool:
     values = list(inputs) + list(outputs)
     if any(isinstance(t, (list, tuple)) or t is None for t in values):
         return False  # sequences and optional values are not tensors
-    casts = {n.op_type for n in case.model.graph.node} <= STORAGE_OPS
-    return all(_array(t).dtype in DTYPES or (casts and _array(t).dtype in CAST_DTYPES) for t in values)
+    ops = {n.op_type for n in case.model.graph.node}
+    allowed = DTYPES | (CAST_DTYPES if ops <= {"Cast", "CastLike"} else STORAGE_DTYPES if ops <= STORAGE_OPS else set())
+    return all(_array(t).dtype in allowed for t in values)
 
 
 def _cases():

@@ -34,7 +34,7 @@ import numpy as np
 
 from ..errors import ModelError, UnsupportedOpError
 from ..ir import ODTRAIN_DOMAIN, Graph, Node, TensorType
-from ..onnx_wire import element_type_name
+from ..onnx_wire import element_type_name, is_storage_dtype
 from . import eval_form, grad, no_grad, op
 from .conv import conv_output_shape
 from .linalg import matmul_shape
@@ -135,7 +135,8 @@ def _quantize_rule(node, types, consts):
 @op("DequantizeLinear")
 def _dequantize_rule(node, types, consts):
     x, scale, zero = types[0], _present(types, 1), _present(types, 2)
-    _require_quantized(node, x, "input", tuple(QUANTIZED_RANGES) + (INT32,))
+    if not is_storage_dtype(x.dtype):  # float8, float4, int4, int2: read through Cast's conversion
+        _require_quantized(node, x, "input", tuple(QUANTIZED_RANGES) + (INT32,))
     _require_scale(node, scale, "scale")
     if zero is not None and zero.dtype != x.dtype:
         raise ModelError(f"{node.describe()}: zero point {zero} and input {x} differ in type")

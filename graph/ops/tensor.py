@@ -532,7 +532,7 @@ def onnx_dtype(node, code, storage: bool = False) -> np.dtype:
 
 # The ops that take or give the element types numpy lacks (bfloat16, float8, float4, int4, int2): a model
 # converts them to a computing type first (graph/schedule.py refuses them at any other op).
-STORAGE_OPS = frozenset({"Cast", "CastLike"})
+STORAGE_OPS = frozenset({"Cast", "CastLike", "DequantizeLinear"})
 
 
 def _same_dtype(input_types, output_types) -> bool:
