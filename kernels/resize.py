@@ -1,4 +1,4 @@
-"""Kernels: Resize, Upsample and ResizeGrad; GridSample and GridSampleGrad (one kernel: modes, paddings, 2-D and 3-D).
+"""Kernels: Resize, Upsample and ResizeGrad; GridSample and AffineGrid and their gradients.
 
 Resize builds per-axis tables of source cells and weights at bind time; a step gathers (nearest),
 resamples each plane separably through a scratch of rows (linear, cubic), or sums the tap products
@@ -473,3 +473,47 @@ def GridSampleGrad(inputs, outputs, mode="linear", padding_mode="zeros", align_c
     dx5, dy3 = dx.reshape(x5), dy.reshape(y3)
     return [(_grid_sample, (x.reshape(x5), grid3, dy3, dy3, dx5, GRID_MODES[_text(mode)],
                             GRID_PADDINGS[_text(padding_mode)], bool(align_corners), volumetric, True) + _tap_buffers())]
+
+
+# ---- AffineGrid ---------------------------------------------------------------------------------------------
+
+
+def _base_grid(size, align_corners) -> np.ndarray:
+    """[P, k + 1]: each output point's normalised (x, y[, z], 1), the x of the last axis first."""
+    spatial = [int(s) for s in size[2:]]
+    axes = [np.linspace(-1, 1, n) if align_corners else (2 * np.arange(n) + 1) / n - 1 for n in spatial]
+    mesh = np.meshgrid(*axes, indexing="ij")
+    points = [m.reshape(-1) for m in reversed(mesh)] + [np.ones(mesh[0].size)]
+    return np.ascontiguousarray(np.stack(points, axis=1), dtype=np.float32)
+
+
+@njit(cache=True, error_model="numpy")
+def _affine_grid(theta, base, grid, backward):
+    """Forward: grid[n, p, i] = Σ_j theta[n, i, j] · base[p, j]. Backward (theta is dθ, grid is dY):
+    dθ[n, i, j] = Σ_p dY[n, p, i] · base[p, j]."""
+    for n in range(theta.shape[0]):
+        for i in range(theta.shape[1]):
+            if backward:
+                for j in range(theta.shape[2]):
+                    total = np.float32(0.0)
+                    for p in range(base.shape[0]):
+                        total += grid[n, p, i] * base[p, j]
+                    theta[n, i, j] = total
+            else:
+                for p in range(base.shape[0]):
+                    total = np.float32(0.0)
+                    for j in range(theta.shape[2]):
+                        total += theta[n, i, j] * base[p, j]
+                    grid[n, p, i] = total
+
+
+def _affine_grid_call(theta, size, grid, align_corners, backward):
+    base = _base_grid(size.reshape(-1), align_corners)
+    k = theta.shape[1]
+    return [(_affine_grid, (theta, base, grid.reshape(theta.shape[0], base.shape[0], k), backward))]
+
+
+binding("AffineGrid")(lambda inputs, outputs, align_corners=0: _affine_grid_call(
+    inputs[0], inputs[1], outputs[0], align_corners, False))
+binding("AffineGridGrad", ODTRAIN_DOMAIN)(lambda inputs, outputs, align_corners=0: _affine_grid_call(
+    outputs[0], inputs[1], inputs[0], align_corners, True))

@@ -283,6 +283,13 @@ GRADIENT_CASES = {
         {"x": rand(2, 2, 3, 4)}, {"grid": rand(2, 3, 5, 2, low=-1.3, high=1.3)}, opset=20)
        for mode, padding, align in (("linear", "zeros", 0), ("linear", "border", 1), ("linear", "reflection", 0),
                                     ("nearest", "zeros", 1), ("cubic", "reflection", 1))},
+    **{f"affine_grid_{len(size) - 2}d_align{align}": GradientCase(
+        # the Cast, made float64 in the float64 reference, where ONNX's AffineGrid gives float32 from float64; a large
+        # step (the grid is linear in theta) keeps that float32 rounding out of the differences
+        [node("AffineGrid", ["theta", "size"], ["g"], align_corners=align), node("Cast", ["g"], to=TensorProto.FLOAT)],
+        {"theta": rand(2, len(size) - 2, len(size) - 1)},
+        {"size": np.array(size, np.int64)}, opset=20, step=0.05)
+       for size, align in (((2, 3, 4, 5), 0), ((2, 1, 2, 3, 4), 1))},
     "grid_sample_volume": GradientCase(
         [node("GridSample", ["x", "grid"], padding_mode="border")], {"x": rand(1, 2, 3, 2, 3)},
         {"grid": rand(1, 2, 2, 3, 3, low=-1.2, high=1.2)}, opset=22),

@@ -1,4 +1,4 @@
-"""Resize, Upsample and GridSample: type rules and gradients.
+"""Resize, Upsample, GridSample and AffineGrid: type rules and gradients.
 
 Gradients: ResizeGrad(dY, X, roi, scales, sizes) scatters each output's gradient back to the
 cells it read, times their interpolation weights (X for its shape only); for nearest that sums
@@ -183,3 +183,32 @@ def _grid_sample_grad(ctx):  # dX[each tap] += dY · its weight; the grid's grad
 
 
 op("GridSampleGrad", ODTRAIN_DOMAIN, shape_only=(1,))(_input_shaped)
+
+
+# ---- AffineGrid -------------------------------------------------------------------------------------------
+
+
+@op("AffineGrid", constant_inputs=(1,))
+def _affine_grid_rule(node, types, consts):
+    """The grid GridSample reads for affine maps theta [N, 2, 3] (or [N, 3, 4]) over an output of `size`
+    [N, C, H, W] (or [N, C, D, H, W]): [N, H, W, 2] (or [N, D, H, W, 3])."""
+    theta = types[0]
+    _require_float32(node, theta)
+    if consts[1] is None:
+        raise UnsupportedOpError(f"{node.describe()}: its size input '{node.inputs[1]}' must be a constant")
+    size = [int(s) for s in np.asarray(consts[1]).reshape(-1)]
+    k = len(size) - 2
+    if k not in (2, 3) or theta.shape != (size[0], k, k + 1):
+        raise ModelError(f"{node.describe()}: theta {theta} must be [N, {k}, {k + 1}] for size {size}")
+    return [TensorType(theta.dtype, tuple(size[:1] + size[2:] + [k]))]
+
+
+@grad("AffineGrid")
+def _affine_grid_grad(ctx):  # dθ[n] = dYᵀ · base grid, summed over the points
+    ctx.set_grad(0, ctx.odtrain("AffineGridGrad", [ctx.GO(0), ctx.I(1), ctx.I(0)],
+                                {"align_corners": ctx.attr("align_corners", 0)}))
+
+
+@op("AffineGridGrad", ODTRAIN_DOMAIN, shape_only=(2,), constant_inputs=(1,))
+def _affine_grid_grad_rule(node, types, consts):
+    return [types[2]]
