@@ -1,5 +1,5 @@
 """Layout and indexing kernels: Transpose (DepthToSpace, SpaceToDepth), Expand, Tile, Slice, Concat, Split, Gather*,
-Scatter*, Compress, OneHot, CenterCropPad, Cast, fills.
+Scatter*, Compress, OneHot, CenterCropPad, ReverseSequence, Cast, fills.
 
 (Reshape, Flatten, Squeeze, Unsqueeze, BitCast and Identity are arena views; Shape, Constant, Range and
 ConstantOfShape usually fold to constants before a step.)
@@ -506,6 +506,29 @@ def ScatterND(inputs, outputs, reduction="none"):
     calls = [] if np.shares_memory(data, out) else [copy_call(data, 0, [1], out, 0, [1], [data.size])]
     return calls + [(_scatter_nd, (flat(out), dims, strides, flat(indices), tuples, depth, flat(updates), slice_size,
                                    SCATTER[reduction]))]
+
+
+@njit(cache=True, error_model="numpy")
+def _reverse_sequence(x, lengths, out, steps, batch, time_stride, batch_stride, inner):
+    """out[t, b] = x[lengths[b] - 1 - t, b] for t < lengths[b], else x[t, b]; each [t, b] a run of `inner`."""
+    for b in range(batch):
+        length = min(max(np.int64(lengths[b]), 0), steps)
+        for t in range(steps):
+            source = length - 1 - t if t < length else t
+            src = source * time_stride + b * batch_stride
+            dst = t * time_stride + b * batch_stride
+            for i in range(inner):
+                out[dst + i] = x[src + i]
+
+
+@binding("ReverseSequence")
+def ReverseSequence(inputs, outputs, time_axis=0, batch_axis=1):
+    x, lengths = inputs
+    inner = int(np.prod(x.shape[2:], dtype=np.int64))
+    strides = (x.shape[1] * inner, inner)  # of axes 0 and 1
+    time_stride, batch_stride = strides if int(time_axis) == 0 else strides[::-1]
+    return [(_reverse_sequence, (flat(x), flat(lengths), flat(outputs[0]), int(x.shape[int(time_axis)]),
+                                 int(x.shape[int(batch_axis)]), time_stride, batch_stride, inner))]
 
 
 @njit(cache=True, error_model="numpy")

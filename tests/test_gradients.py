@@ -221,6 +221,10 @@ for _axis in (1, None):
         {"keep": np.array([True, False, True], np.bool_)})
 GRADIENT_CASES["CenterCropPad, cropping one axis and padding another"] = GradientCase(
     [node("CenterCropPad", ["x", "shape"], axes=[0, 2])], {"x": rand(5, 2, 3)}, {"shape": i64(2, 6)}, opset=18)
+for _time, _batch in ((0, 1), (1, 0)):
+    GRADIENT_CASES[f"ReverseSequence time_axis={_time}"] = GradientCase(
+        [node("ReverseSequence", ["x", "lengths"], time_axis=_time, batch_axis=_batch)], {"x": rand(4, 3, 2)},
+        {"lengths": i64(*([4, 1, 3] if _time == 0 else [2, 0, 3, 1]))})
 for _mode in ("DCR", "CRD"):
     GRADIENT_CASES[f"DepthToSpace {_mode}, SpaceToDepth"] = GradientCase(
         [node("DepthToSpace", ["x"], ["d"], blocksize=2, mode=_mode), node("Mul", ["d", "x2"], ["m"]),

@@ -1,7 +1,7 @@
 """Shape, layout and indexing ops: Reshape, Flatten, Squeeze, Unsqueeze, Transpose, Expand, Tile, Slice,
 Concat, Split, Gather, GatherElements, GatherND, ScatterElements, ScatterND, Where, Cast, CastLike,
 Trilu, Shape, Size, Constant, ConstantOfShape, Range, BitCast, EyeLike, OneHot, DepthToSpace, SpaceToDepth,
-CenterCropPad, Compress, Unique, NonZero, NonMaxSuppression.
+CenterCropPad, Compress, ReverseSequence, Unique, NonZero, NonMaxSuppression.
 
 Cast and CastLike alone also take and give the element types numpy lacks (bfloat16, float8, float4,
 int4, int2: STORAGE_OPS), which a model converts to a computing type before any other op.
@@ -726,6 +726,23 @@ def _compress_grad(ctx):  # dX = zeros; dY's slices put back where the condition
 @op("CompressGrad", ODTRAIN_DOMAIN, shape_only=(2,), constant_inputs=(1,))
 def _compress_grad_rule(node, types, consts):
     return [TensorType(types[0].dtype, types[2].shape)]
+
+
+@op("ReverseSequence")
+def _reverse_sequence_rule(node, types, consts):
+    """Each batch entry's first sequence_lens[b] steps along time_axis reversed, the rest as they are."""
+    x = types[0]
+    axes = {int(node.attrs.get("time_axis", 0)), int(node.attrs.get("batch_axis", 1))}
+    if x.shape is None or len(x.shape) < 2 or axes != {0, 1}:
+        raise ModelError(f"{node.describe()}: time_axis and batch_axis must be 0 and 1 (in either order) of a "
+                         f"tensor of rank >= 2, got {sorted(axes)} for {x}")
+    return [x]
+
+
+@grad("ReverseSequence")
+def _reverse_sequence_grad(ctx):  # dX = ReverseSequence(dY): reversing is its own inverse
+    attrs = {k: ctx.attr(k) for k in ("time_axis", "batch_axis") if ctx.attr(k) is not None}
+    ctx.set_grad(0, ctx.emit("ReverseSequence", [ctx.GO(0), ctx.I(1)], attrs))
 
 
 # Ops whose output shape depends on the input's values: they run where that input is a constant (an initializer,
