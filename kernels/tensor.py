@@ -1,5 +1,5 @@
 """Layout and indexing kernels: Transpose (DepthToSpace, SpaceToDepth), Expand, Tile, Slice, Concat, Split, Gather*,
-Scatter*, Compress, OneHot, CenterCropPad, ReverseSequence, Cast, fills.
+Scatter*, TensorScatter, Compress, OneHot, CenterCropPad, ReverseSequence, Cast, fills.
 
 (Reshape, Flatten, Squeeze, Unsqueeze, BitCast and Identity are arena views; Shape, Constant, Range and
 ConstantOfShape usually fold to constants before a step.)
@@ -529,6 +529,57 @@ def ReverseSequence(inputs, outputs, time_axis=0, batch_axis=1):
     time_stride, batch_stride = strides if int(time_axis) == 0 else strides[::-1]
     return [(_reverse_sequence, (flat(x), flat(lengths), flat(outputs[0]), int(x.shape[int(time_axis)]),
                                  int(x.shape[int(batch_axis)]), time_stride, batch_stride, inner))]
+
+
+@njit(cache=True, error_model="numpy")
+def _tensor_scatter(cache, update, indices, out, outer, per_batch, length, steps, inner, circular, backward):
+    """Forward: out = cache, then update's rows [outer, steps, inner] written into out's [outer, length, inner] from
+    row indices[outer // per_batch] (modulo length if circular). Backward (cache is dY, update is dUpdate,
+    out is dCache): dCache = dY with those rows zeroed, dUpdate = dY's rows there."""
+    for i in range(out.size):
+        out[i] = cache[i]
+    for o in range(outer):
+        start = indices[o // per_batch] if indices.size else 0
+        for s in range(steps):
+            row = start + s
+            if circular:
+                row %= length
+            target = (o * length + row) * inner
+            source = (o * steps + s) * inner
+            for i in range(inner):
+                if backward:
+                    update[source + i] = cache[target + i]
+                    out[target + i] = 0
+                else:
+                    out[target + i] = update[source + i]
+
+
+def _tensor_scatter_layout(cache_shape, update_shape, axis):
+    axis = int(axis) % len(cache_shape)
+    outer = int(np.prod(cache_shape[:axis], dtype=np.int64))
+    return (outer, outer // int(cache_shape[0]), int(cache_shape[axis]), int(update_shape[axis]),
+            int(np.prod(cache_shape[axis + 1:], dtype=np.int64)))
+
+
+def _write_indices(inputs) -> np.ndarray:
+    return flat(inputs[2]) if len(inputs) > 2 and inputs[2] is not None else np.zeros(0, np.int64)
+
+
+@binding("TensorScatter")
+def TensorScatter(inputs, outputs, axis=-2, mode="linear"):
+    cache, update, out = inputs[0], inputs[1], outputs[0]
+    layout = _tensor_scatter_layout(cache.shape, update.shape, axis)
+    return [(_tensor_scatter, (flat(cache), flat(update), _write_indices(inputs), flat(out)) + layout
+             + (mode == "circular", False))]
+
+
+@binding("TensorScatterGrad", ODTRAIN_DOMAIN)
+def TensorScatterGrad(inputs, outputs, axis=-2, mode="linear"):
+    dy, update = inputs[0], inputs[1]
+    d_cache, d_update = outputs
+    layout = _tensor_scatter_layout(dy.shape, update.shape, axis)
+    return [(_tensor_scatter, (flat(dy), flat(d_update), _write_indices(inputs), flat(d_cache)) + layout
+             + (mode == "circular", True))]
 
 
 @njit(cache=True, error_model="numpy")

@@ -225,6 +225,11 @@ for _time, _batch in ((0, 1), (1, 0)):
     GRADIENT_CASES[f"ReverseSequence time_axis={_time}"] = GradientCase(
         [node("ReverseSequence", ["x", "lengths"], time_axis=_time, batch_axis=_batch)], {"x": rand(4, 3, 2)},
         {"lengths": i64(*([4, 1, 3] if _time == 0 else [2, 0, 3, 1]))})
+GRADIENT_CASES["TensorScatter circular"] = GradientCase(
+    [node("TensorScatter", ["cache", "update", "at"], mode="circular")],
+    {"cache": rand(2, 3, 4, 2), "update": rand(2, 3, 2, 2)}, {"at": i64(3, 1)}, opset=24)
+GRADIENT_CASES["TensorScatter without write indices"] = GradientCase(
+    [node("TensorScatter", ["cache", "update"], axis=1)], {"cache": rand(2, 5, 3), "update": rand(2, 2, 3)}, opset=24)
 for _mode in ("DCR", "CRD"):
     GRADIENT_CASES[f"DepthToSpace {_mode}, SpaceToDepth"] = GradientCase(
         [node("DepthToSpace", ["x"], ["d"], blocksize=2, mode=_mode), node("Mul", ["d", "x2"], ["m"]),

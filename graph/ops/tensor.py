@@ -1,7 +1,7 @@
 """Shape, layout and indexing ops: Reshape, Flatten, Squeeze, Unsqueeze, Transpose, Expand, Tile, Slice,
 Concat, Split, Gather, GatherElements, GatherND, ScatterElements, ScatterND, Where, Cast, CastLike,
 Trilu, Shape, Size, Constant, ConstantOfShape, Range, BitCast, EyeLike, OneHot, DepthToSpace, SpaceToDepth,
-CenterCropPad, Compress, ReverseSequence, Unique, NonZero, NonMaxSuppression.
+CenterCropPad, Compress, ReverseSequence, TensorScatter, Unique, NonZero, NonMaxSuppression.
 
 Cast and CastLike alone also take and give the element types numpy lacks (bfloat16, float8, float4,
 int4, int2: STORAGE_OPS), which a model converts to a computing type before any other op.
@@ -743,6 +743,41 @@ def _reverse_sequence_rule(node, types, consts):
 def _reverse_sequence_grad(ctx):  # dX = ReverseSequence(dY): reversing is its own inverse
     attrs = {k: ctx.attr(k) for k in ("time_axis", "batch_axis") if ctx.attr(k) is not None}
     ctx.set_grad(0, ctx.emit("ReverseSequence", [ctx.GO(0), ctx.I(1)], attrs))
+
+
+@op("TensorScatter", inplace=((0, 0),))
+def _tensor_scatter_rule(node, types, consts):
+    """A cache [B, ..., max, ...] with an update [B, ..., seq, ...] written along `axis` (default -2) from each
+    batch entry's write index (0 without the input), wrapping around in mode circular."""
+    cache, update = types[0], types[1]
+    rank = len(cache.shape)
+    axis = int(node.attrs.get("axis", -2))
+    if not -rank < axis < rank or axis % rank == 0 or len(update.shape) != rank:
+        raise ModelError(f"{node.describe()}: axis {axis} must name a non-batch axis of {cache}, and {update} "
+                         "must have its rank")
+    axis %= rank
+    if any(u != c for a, (u, c) in enumerate(zip(update.shape, cache.shape)) if a != axis) \
+            or update.shape[axis] > cache.shape[axis]:
+        raise ModelError(f"{node.describe()}: the update {update} does not fit the cache {cache} along axis {axis}")
+    if node.attrs.get("mode", "linear") not in ("linear", "circular"):
+        raise ModelError(f"{node.describe()}: mode must be 'linear' or 'circular', got {node.attrs['mode']!r}")
+    return [cache]
+
+
+@grad("TensorScatter")
+def _tensor_scatter_grad(ctx):  # dCache = dY with the written places zeroed, dUpdate = dY at those places
+    attrs = {k: ctx.attr(k) for k in ("axis", "mode") if ctx.attr(k) is not None}
+    indices = ctx.I(2) if len(ctx.node.inputs) > 2 and ctx.node.inputs[2] else ""
+    cache_grad, update_grad = ctx.odtrain("TensorScatterGrad", [ctx.GO(0), ctx.I(1), indices], attrs, outputs=2)
+    if ctx.needs(0):
+        ctx.set_grad(0, cache_grad)
+    if ctx.needs(1):
+        ctx.set_grad(1, update_grad)
+
+
+@op("TensorScatterGrad", ODTRAIN_DOMAIN, shape_only=(1,))
+def _tensor_scatter_grad_rule(node, types, consts):
+    return [types[0], types[1]]
 
 
 # Ops whose output shape depends on the input's values: they run where that input is a constant (an initializer,
