@@ -96,7 +96,8 @@ def _refuse_storage_types(node: Node, in_types) -> None:
                   None)
     if stored is not None:
         raise ModelError(f"{node.describe()}: an input is {stored}; odtrain computes on float32, float64, "
-                         "integer and bool tensors and converts other element types only in Cast: cast it to float first")
+                         "integer and bool tensors and converts other element types only in Cast: cast it to "
+                         "float first")
 
 
 def configuring_inputs(graph: Graph) -> list[str]:

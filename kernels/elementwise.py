@@ -311,9 +311,9 @@ UNARY = {
 # (op Gelu with approximate="tanh") is the last code, after the rows bound by op type.
 SPECIAL_UNARY = {"Erf": fast_erf}
 # Maps few models use, in a third loop, so that models using erf or GELU do not compile them.
-RARE_UNARY = {"Tan": np.tan, "Sinh": np.sinh, "Cosh": np.cosh, "Asin": np.arcsin, "Acos": np.arccos, "Atanh": np.arctanh,
-              "Asinh": np.arcsinh, "Acosh": np.arccosh, "Softplus": _softplus, "Softsign": _softsign, "Mish": _mish,
-              "Round": np.rint}
+RARE_UNARY = {"Tan": np.tan, "Sinh": np.sinh, "Cosh": np.cosh, "Asin": np.arcsin, "Acos": np.arccos,
+              "Atanh": np.arctanh, "Asinh": np.arcsinh, "Acosh": np.arccosh, "Softplus": _softplus,
+              "Softsign": _softsign, "Mish": _mish, "Round": np.rint}
 GELU_TANH = len(SPECIAL_UNARY)
 NEG, ABS, RELU, COPY = (list(UNARY).index(name) for name in ("Neg", "Abs", "Relu", "Identity"))
 
@@ -628,7 +628,8 @@ def _binary_rows_parts(code, a, b, out, rows, cols, a_row, b_row, bounds):
 
 # the parallel twin of each kernel over flat arrays (flat bounds), and of _binary_rows (row bounds)
 FLAT_TWINS = {_unary: _unary_parts, _special_unary: _special_unary_parts, _rare_unary: _rare_unary_parts,
-              _gelu: _gelu_parts, _gelu_inplace: _gelu_inplace_parts, _binary: _binary_parts, _special_binary: _special_binary_parts,
+              _gelu: _gelu_parts, _gelu_inplace: _gelu_inplace_parts, _binary: _binary_parts,
+              _special_binary: _special_binary_parts,
               _gelu_grad: _gelu_grad_parts, _gelu_grad_into_dy: _gelu_grad_into_dy_parts,
               _binary_scalar: _binary_scalar_parts, _binary_rows: _binary_rows_parts}
 

@@ -443,7 +443,8 @@ def _activation_params(op_type, inputs, attrs):
     if op_type == "HardSigmoid":
         return _scalar(attrs.get("alpha", 0.2)), _scalar(attrs.get("beta", 0.5))
     if op_type == "Selu":
-        return _scalar(attrs.get("alpha", 1.67326319217681884765625)), _scalar(attrs.get("gamma", 1.05070102214813232421875))
+        return (_scalar(attrs.get("alpha", 1.67326319217681884765625)),
+                _scalar(attrs.get("gamma", 1.05070102214813232421875)))
     if op_type == "Shrink":
         return _scalar(attrs.get("lambd", 0.5)), _scalar(attrs.get("bias", 0.0))
     if op_type in ("Elu", "Celu", "ThresholdedRelu", "Swish"):

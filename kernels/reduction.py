@@ -287,7 +287,10 @@ def _top_k(x, values, indices, outer, n, inner, k, largest):
             for j in range(n):
                 v = x[base + j * inner]
                 p = kept
-                while p > 0 and ((v > values[top + (p - 1) * inner]) if largest else (v < values[top + (p - 1) * inner])):
+                while p > 0:
+                    kept_value = values[top + (p - 1) * inner]
+                    if not ((v > kept_value) if largest else (v < kept_value)):
+                        break
                     p -= 1
                 if p >= k:
                     continue

@@ -472,7 +472,8 @@ def GridSampleGrad(inputs, outputs, mode="linear", padding_mode="zeros", align_c
     volumetric, x5, grid3, y3 = _grid_views(x.shape, grid, dy.shape)
     dx5, dy3 = dx.reshape(x5), dy.reshape(y3)
     return [(_grid_sample, (x.reshape(x5), grid3, dy3, dy3, dx5, GRID_MODES[_text(mode)],
-                            GRID_PADDINGS[_text(padding_mode)], bool(align_corners), volumetric, True) + _tap_buffers())]
+                            GRID_PADDINGS[_text(padding_mode)], bool(align_corners), volumetric, True)
+             + _tap_buffers())]
 
 
 # ---- AffineGrid ---------------------------------------------------------------------------------------------

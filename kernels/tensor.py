@@ -662,7 +662,8 @@ def _encoding(name: str, saturate: bool):
     positive = values[:sign_bit]
     finite = int(np.argmax(~np.isfinite(positive))) if not np.isfinite(positive).all() else sign_bit
     if specials == "ieee":  # overflow to infinity; only the float8 types saturate
-        overflow, nan, saturate = finite, finite | (1 << (mantissa_bits - 1)), saturate and exponent_bits + mantissa_bits < 8
+        overflow, nan = finite, finite | (1 << (mantissa_bits - 1))
+        saturate = saturate and exponent_bits + mantissa_bits < 8
     elif specials == "fn":
         overflow = nan = sign_bit - 1
     elif specials == "fnuz":

@@ -221,10 +221,12 @@ def test_cast_rounds_every_midpoint_to_even_as_ml_dtypes(code):
         [helper.make_node("Cast", ["x"], ["y"], to=code, saturate=0), helper.make_node("Cast", ["c"], ["back"], to=11)],
         "cast", [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [x.size]),
                  helper.make_tensor_value_info("c", code, [codes.size])],
-        [helper.make_tensor_value_info("y", code, None), helper.make_tensor_value_info("back", TensorProto.DOUBLE, None)]),
+        [helper.make_tensor_value_info("y", code, None),
+         helper.make_tensor_value_info("back", TensorProto.DOUBLE, None)]),
         opset_imports=[helper.make_opsetid("", 21)])
     y, back = InferenceSession(cast).run(None, {"x": x, "c": codes.astype(bits).view(target)})
     expected = x.astype(target)
-    same = (y.view(bits) == expected.view(bits)) | (np.isnan(y.astype(np.float64)) & np.isnan(expected.astype(np.float64)))
+    both_nan = np.isnan(y.astype(np.float64)) & np.isnan(expected.astype(np.float64))
+    same = (y.view(bits) == expected.view(bits)) | both_nan
     assert same.all(), (x[~same][:5], y[~same][:5], expected[~same][:5])
     np.testing.assert_array_equal(back, values)

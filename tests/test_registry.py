@@ -11,7 +11,8 @@ NO_KERNEL = {("", "Reshape"), ("", "Flatten"), ("", "Identity"), ("", "Shape"), 
 NO_KERNEL |= {("ai.odtrain", "ApplyUpdate")}  # the executor calls the optimizer for it
 NO_KERNEL |= {("", "Squeeze"), ("", "Unsqueeze"), ("", "BitCast")}  # views
 NO_KERNEL |= {("", "EyeLike")}  # a constant once shapes bind
-NO_KERNEL |= {("", "Unique"), ("", "NonZero"), ("", "NonMaxSuppression")}  # run where their input is a constant, and fold
+# run where their input is a constant, and fold
+NO_KERNEL |= {("", "Unique"), ("", "NonZero"), ("", "NonMaxSuppression")}
 
 TESTS = pathlib.Path(__file__).parent
 

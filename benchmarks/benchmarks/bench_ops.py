@@ -14,7 +14,8 @@ ElementwiseOps (activations, their gradients, Softmax, Add), OptimizerOps (the f
 of a model's trainable block).
 
 UnaryOps: every unary op of the elementwise kernels (`odtrain.kernels.elementwise`, tables UNARY,
-SPECIAL_UNARY and RARE_UNARY: a row added there is a parameter here; and IsNaN, IsInf) over 2^20 float32 values, out of place, as a
+SPECIAL_UNARY and RARE_UNARY: a row added there is a parameter here; and IsNaN, IsInf) over 2^20 float32 values,
+out of place, as a
 step runs them (the binding's prepared calls, one thread).
 """
 import functools

@@ -44,7 +44,8 @@ def _pow(a, b):
 BINARY_FOLDS = {
     "Add": np.add, "Sub": np.subtract, "Mul": np.multiply,
     "Div": lambda a, b: _int_div(a, b) if np.issubdtype(a.dtype, np.integer) else np.divide(a, b),
-    "Pow": _pow, "PRelu": lambda x, slope: np.where(x < 0, x * slope, x), "Equal": np.equal, "Less": np.less, "Greater": np.greater, "LessOrEqual": np.less_equal,
+    "Pow": _pow, "PRelu": lambda x, slope: np.where(x < 0, x * slope, x),
+    "Equal": np.equal, "Less": np.less, "Greater": np.greater, "LessOrEqual": np.less_equal,
     "GreaterOrEqual": np.greater_equal, "And": np.logical_and, "Or": np.logical_or, "Xor": np.logical_xor,
 }
 # Binaries whose function an attribute chooses: Mod's fmod (C's sign of the dividend, or the divisor's),
@@ -146,13 +147,18 @@ def _square(g, value=None):
     return g.emit("Mul", [value, value])
 
 
+def _one_plus_abs(g):  # 1 + |X|
+    return g.emit("Add", [_one(g), g.emit("Abs", [g.I(0)])])
+
+
 def _one_minus_square(g):  # 1 - X²
     return g.emit("Sub", [_one(g), _square(g)])
 
 
 def _mish_grad(g):  # dX = dY · (t + X · sigmoid(X) · (1 - t²)), t = tanh(softplus(X))
     t = g.emit("Tanh", [g.emit("Softplus", [g.I(0)])])
-    slope = g.emit("Mul", [g.emit("Mul", [g.I(0), g.emit("Sigmoid", [g.I(0)])]), g.emit("Sub", [_one(g), _square(g, t)])])
+    x_sigmoid = g.emit("Mul", [g.I(0), g.emit("Sigmoid", [g.I(0)])])
+    slope = g.emit("Mul", [x_sigmoid, g.emit("Sub", [_one(g), _square(g, t)])])
     return g.emit("Mul", [g.GO(0), g.emit("Add", [t, slope])])
 
 # One row per unary op, with its gradient's math. The kernel side keeps a row of its own for each op
@@ -178,14 +184,17 @@ UNARY = {
                  gradient=lambda g: g.emit("Neg", [g.emit("Mul", [g.GO(0), g.emit("Sin", [g.I(0)])])])),
     "Identity": Unary(lambda x: x, view=True, gradient=lambda g: g.GO(0)),  # dX = dY
     "Tan": Unary(np.tan, passes=2.0,  # dX = dY · (1 + Y²)
-                 gradient=lambda g: g.emit("Mul", [g.GO(0), g.emit("Add", [_one(g), g.emit("Mul", [g.O(0), g.O(0)])])])),
-    "Sinh": Unary(np.sinh, passes=2.0, gradient=lambda g: g.emit("Mul", [g.GO(0), g.emit("Cosh", [g.I(0)])])),  # dY·cosh X
-    "Cosh": Unary(np.cosh, passes=2.0, gradient=lambda g: g.emit("Mul", [g.GO(0), g.emit("Sinh", [g.I(0)])])),  # dY·sinh X
+                 gradient=lambda g: g.emit("Mul", [g.GO(0), g.emit("Add", [_one(g), _square(g, g.O(0))])])),
+    "Sinh": Unary(np.sinh, passes=2.0,  # dX = dY · cosh(X)
+                  gradient=lambda g: g.emit("Mul", [g.GO(0), g.emit("Cosh", [g.I(0)])])),
+    "Cosh": Unary(np.cosh, passes=2.0,  # dX = dY · sinh(X)
+                  gradient=lambda g: g.emit("Mul", [g.GO(0), g.emit("Sinh", [g.I(0)])])),
     "Asin": Unary(np.arcsin, passes=2.0,  # dX = dY / √(1 - X²)
                   gradient=lambda g: g.emit("Div", [g.GO(0), g.emit("Sqrt", [_one_minus_square(g)])])),
     "Acos": Unary(np.arccos, passes=2.0,  # dX = -dY / √(1 - X²)
                   gradient=lambda g: g.emit("Neg", [g.emit("Div", [g.GO(0), g.emit("Sqrt", [_one_minus_square(g)])])])),
-    "Atanh": Unary(np.arctanh, passes=2.0, gradient=lambda g: g.emit("Div", [g.GO(0), _one_minus_square(g)])),  # dY/(1-X²)
+    "Atanh": Unary(np.arctanh, passes=2.0,  # dX = dY / (1 - X²)
+                   gradient=lambda g: g.emit("Div", [g.GO(0), _one_minus_square(g)])),
     "Asinh": Unary(np.arcsinh, passes=2.0,  # dX = dY / √(X² + 1)
                    gradient=lambda g: g.emit("Div", [g.GO(0), g.emit("Sqrt", [g.emit("Add", [_square(g), _one(g)])])])),
     "Acosh": Unary(np.arccosh, passes=2.0,  # dX = dY / √(X² - 1)
@@ -193,7 +202,7 @@ UNARY = {
     "Softplus": Unary(lambda x: np.logaddexp(0, x), passes=2.0,  # dX = dY · sigmoid(X)
                       gradient=lambda g: g.emit("Mul", [g.GO(0), g.emit("Sigmoid", [g.I(0)])])),
     "Softsign": Unary(lambda x: x / (1 + np.abs(x)),  # dX = dY / (1 + |X|)²
-                      gradient=lambda g: g.emit("Div", [g.GO(0), _square(g, g.emit("Add", [_one(g), g.emit("Abs", [g.I(0)])]))])),
+                      gradient=lambda g: g.emit("Div", [g.GO(0), _square(g, _one_plus_abs(g))])),
     "Mish": Unary(lambda x: x * np.tanh(np.logaddexp(0, x)), passes=2.0, gradient=lambda g: _mish_grad(g)),
     "Round": Unary(np.round, no_grad=PIECEWISE_CONSTANT),  # halves to even, as ONNX
     "Sign": Unary(np.sign, no_grad=PIECEWISE_CONSTANT),

@@ -828,7 +828,8 @@ def _iou(box: np.ndarray, others: np.ndarray) -> np.ndarray:
     height = np.clip(np.minimum(box[2], others[:, 2]) - np.maximum(box[0], others[:, 0]), 0, None)
     width = np.clip(np.minimum(box[3], others[:, 3]) - np.maximum(box[1], others[:, 1]), 0, None)
     inter = height * width
-    union = (box[2] - box[0]) * (box[3] - box[1]) + (others[:, 2] - others[:, 0]) * (others[:, 3] - others[:, 1]) - inter
+    areas = (others[:, 2] - others[:, 0]) * (others[:, 3] - others[:, 1])
+    union = (box[2] - box[0]) * (box[3] - box[1]) + areas - inter
     return np.where(union > 0, inter / np.where(union > 0, union, 1), 0)
 
 
