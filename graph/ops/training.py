@@ -12,6 +12,8 @@ SoftmaxCrossEntropyLoss after a LogSoftmax over the classes.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..errors import ModelError
@@ -63,3 +65,61 @@ def _apply_update_rule(node, types, consts):
     """ApplyUpdate(gradient, parameter): the optimizer update of one parameter during the backward
     pass (fused update mode); it reads the gradient, writes the parameter, and outputs nothing."""
     return []
+
+
+# LinearCrossEntropy(hidden [N.., H], W, labels [N..]) -> loss: SoftmaxCrossEntropyLoss(hidden · op(W), labels)
+# with the classes last, op(W) = Wᵀ for W [V, H] (transB=1) or W [H, V]; reduction mean (over the labels that
+# are not ignore_index) or sum. Graph fusion (graph/fusion.py) makes it from a causal LM's vocabulary product and
+# its class-last loss; the kernels (kernels/training.py) hold one chunk of logits at a time, never all of them.
+def _vocabulary(node, types) -> tuple:
+    """(rows, width, classes) of the product, checked against the labels."""
+    hidden, weight, labels = types[-3].shape, types[-2].shape, types[-1].shape
+    transposed = int(node.attrs.get("transB", 0))
+    if len(weight) != 2 or len(hidden) < 2:
+        raise ModelError(f"{node.describe()}: LinearCrossEntropy needs hidden [..., H] and a 2-D weight, got "
+                         f"{list(hidden)} and {list(weight)}")
+    width, classes = (weight[1], weight[0]) if transposed else weight
+    if isinstance(width, int) and isinstance(hidden[-1], int) and width != hidden[-1]:
+        raise ModelError(f"{node.describe()}: hidden {list(hidden)} does not fit the weight {list(weight)} "
+                         f"(transB={transposed})")
+    rows = math.prod(hidden[:-1]) if all(isinstance(d, int) for d in hidden[:-1]) else None
+    count = math.prod(labels) if all(isinstance(d, int) for d in labels) else None
+    if rows is not None and count is not None and rows != count:
+        raise ModelError(f"{node.describe()}: {count} labels for {rows} rows of hidden {list(hidden)}")
+    return rows, width, classes
+
+
+def _vocabulary_flops(node, types, out) -> float:
+    rows, width, classes = _vocabulary(node, types)
+    return 2.0 * rows * width * classes
+
+
+@op("LinearCrossEntropy", ODTRAIN_DOMAIN, passes=3, flops=_vocabulary_flops)
+def _linear_cross_entropy_rule(node, types, consts):
+    if node.attrs.get("reduction", "mean") not in ("mean", "sum", b"mean", b"sum"):
+        raise ModelError(f"{node.describe()}: LinearCrossEntropy reduces by 'mean' or 'sum'")
+    if not np.issubdtype(types[2].dtype, np.integer):
+        raise ModelError(f"{node.describe()}: labels must be integers, got {types[2]}")
+    if types[0].shape is not None and types[1].shape is not None and types[2].shape is not None:
+        _vocabulary(node, types)
+    return [TensorType(types[0].dtype, ())]
+
+
+@grad("LinearCrossEntropy", ODTRAIN_DOMAIN)
+def _linear_cross_entropy_grad(ctx):
+    # G = dLoss · (softmax(hidden · op(W)) - onehot(labels)) / count, a chunk at a time;
+    # dHidden = G · op(W)ᵀ, dW = Gᵀ · hidden (transB) or hiddenᵀ · G
+    attrs = {k: ctx.attr(k) for k in ("transB", "reduction", "ignore_index") if ctx.attr(k) is not None}
+    dhidden, dweight = ctx.odtrain("LinearCrossEntropyGrad", [ctx.GO(0), ctx.I(0), ctx.I(1), ctx.I(2)], attrs,
+                                   outputs=[ctx.needs(0), ctx.needs(1)])
+    ctx.set_grad(0, dhidden)
+    ctx.set_grad(1, dweight)
+
+
+def _vocabulary_grad_flops(node, types, out) -> float:  # the logits again, then both products
+    return 3 * _vocabulary_flops(node, types, out)
+
+
+@op("LinearCrossEntropyGrad", ODTRAIN_DOMAIN, passes=3, flops=_vocabulary_grad_flops)
+def _linear_cross_entropy_grad_rule(node, types, consts):
+    return [types[1], types[2]][:len(node.outputs)]
