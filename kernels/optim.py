@@ -121,3 +121,115 @@ def assert_finite(values):
     for i in range(values.size):
         if not np.isfinite(values[i]):
             raise FloatingPointError("a NaN or infinity appeared in the loss; the step stopped before backward")
+
+
+# ---- AdamW with 8-bit moments ----------------------------------------------------------------------------
+# Each moment is stored as one byte per value, an index into a 256-entry code map, and one float32 absmax per
+# block of values: value = map[code] · absmax. The maps are dynamic (bitsandbytes' dynamic quantization): for each
+# of 7 decades 10^-6 .. 10^0 the interval [0.1, 1) of that decade is cut into equal pieces whose midpoints are
+# codes, more pieces in the larger decades, plus 0 and 1; the first moment's map is signed (2^i pieces in decade
+# i, both signs), the second's unsigned (2^(i+1) pieces). Relative precision is then about even over six decades.
+# A step dequantizes a block, updates the weights from the float moments (as adamw_update), takes the block's new
+# absmax and requantizes each moment to its nearest code. The moments are computed twice (once for the absmax)
+# instead of being kept: the update needs no working memory.
+
+
+def dynamic_code_map(signed: bool) -> np.ndarray:
+    """The 256 sorted float32 codes of a dynamic map on [-1, 1] (signed) or [0, 1]."""
+    codes = [0.0, 1.0]
+    for decade in range(7):
+        pieces = 2 ** decade if signed else 2 ** (decade + 1)
+        edges = np.linspace(0.1, 1.0, pieces + 1)
+        middles = (edges[:-1] + edges[1:]) / 2 * 10.0 ** (decade - 6)
+        codes += list(middles) + (list(-middles) if signed else [])
+    return np.sort(np.array(codes, np.float32))
+
+
+SIGNED_CODES, UNSIGNED_CODES = dynamic_code_map(True), dynamic_code_map(False)  # the first and second moment's
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _nearest_code(codes, x):
+    """The index of the code nearest x (codes sorted)."""
+    lo, hi = 0, codes.size - 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if codes[mid] <= x:
+            lo = mid
+        else:
+            hi = mid
+    return lo if x - codes[lo] <= codes[hi] - x else hi
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _moments8(g, m_codes, v_codes, signed_map, unsigned_map, m_scale, v_scale, b1, b2, one_minus_beta1,
+              one_minus_beta2, tiny, i):
+    gi = g[i]
+    mi = b1 * (signed_map[m_codes[i]] * m_scale) + one_minus_beta1 * gi
+    vi = b2 * (unsigned_map[v_codes[i]] * v_scale) + one_minus_beta2 * gi * gi
+    return (np.float32(0.0) if abs(mi) < tiny else mi), (np.float32(0.0) if vi < tiny else vi)
+
+
+@njit(cache=True, error_model="numpy")
+def adamw8_update(w, g, m_codes, v_codes, m_absmax, v_absmax, signed_map, unsigned_map, starts, lr, beta1, beta2,
+                  eps, weight_decay, step, bias_correction):
+    """adamw_update on moments quantized in blocks [starts[j], starts[j + 1]) with absmax m_absmax[j], v_absmax[j]."""
+    step_size = lr
+    if bias_correction:
+        step_size = lr * math.sqrt(1.0 - beta2 ** step) / (1.0 - beta1 ** step)
+    one_minus_beta1, one_minus_beta2 = np.float32(1.0 - beta1), np.float32(1.0 - beta2)
+    b1, b2, size, e = np.float32(beta1), np.float32(beta2), np.float32(step_size), np.float32(eps)
+    decay = np.float32(lr * weight_decay)
+    tiny = np.float32(1.1754944e-38)
+    for j in range(starts.size - 1):
+        lo, hi = starts[j], starts[j + 1]
+        m_scale, v_scale = m_absmax[j], v_absmax[j]
+        m_top, v_top = np.float32(0.0), np.float32(0.0)
+        for i in range(lo, hi):
+            mi, vi = _moments8(g, m_codes, v_codes, signed_map, unsigned_map, m_scale, v_scale, b1, b2,
+                               one_minus_beta1, one_minus_beta2, tiny, i)
+            m_top, v_top = max(m_top, abs(mi)), max(v_top, vi)
+        m_inverse = np.float32(1.0) / m_top if m_top > 0 else np.float32(0.0)
+        v_inverse = np.float32(1.0) / v_top if v_top > 0 else np.float32(0.0)
+        for i in range(lo, hi):
+            mi, vi = _moments8(g, m_codes, v_codes, signed_map, unsigned_map, m_scale, v_scale, b1, b2,
+                               one_minus_beta1, one_minus_beta2, tiny, i)
+            wi = w[i] - size * mi / (np.sqrt(vi) + e)
+            if decay != 0:
+                wi = wi - decay * wi
+            w[i] = wi
+            m_codes[i] = _nearest_code(signed_map, mi * m_inverse)
+            v_codes[i] = _nearest_code(unsigned_map, vi * v_inverse)
+        m_absmax[j], v_absmax[j] = m_top, v_top
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def adamw8_update_parts(w, g, m_codes, v_codes, m_absmax, v_absmax, signed_map, unsigned_map, starts, lr, beta1,
+                        beta2, eps, weight_decay, step, bias_correction, parts):
+    """adamw8_update on parts of the blocks."""
+    blocks = starts.size - 1
+    for p in prange(parts):
+        a, b = p * blocks // parts, (p + 1) * blocks // parts
+        adamw8_update(w, g, m_codes, v_codes, m_absmax[a:b], v_absmax[a:b], signed_map, unsigned_map,
+                      starts[a:b + 1], lr, beta1, beta2, eps, weight_decay, step, bias_correction)
+
+
+@njit(cache=True, error_model="numpy")
+def quantize_blocks(values, starts, code_map, codes, absmax):
+    """codes, absmax ← values quantized in blocks [starts[j], starts[j + 1]) to the nearest of code_map · absmax."""
+    for j in range(starts.size - 1):
+        top = np.float32(0.0)
+        for i in range(starts[j], starts[j + 1]):
+            top = max(top, abs(values[i]))
+        inverse = np.float32(1.0) / top if top > 0 else np.float32(0.0)
+        for i in range(starts[j], starts[j + 1]):
+            codes[i] = _nearest_code(code_map, values[i] * inverse)
+        absmax[j] = top
+
+
+@njit(cache=True, error_model="numpy")
+def dequantize_blocks(codes, absmax, starts, code_map, values):
+    """values ← code_map[codes] · absmax of each block."""
+    for j in range(starts.size - 1):
+        for i in range(starts[j], starts[j + 1]):
+            values[i] = code_map[codes[i]] * absmax[j]

@@ -8,6 +8,9 @@ Invariants:
 - The gradient buffer and each optimizer moment buffer cover exactly the
   trainable block, with the same layout.
 - Parameters of other dtypes (frozen only) are held as separate arrays.
+- 8-bit AdamW moments (`state_dtype="int8"`) are one uint8 code per value in the trainable layout and one
+  float32 absmax per block: each parameter is cut into blocks of STATE_BLOCK values (its last one shorter),
+  in trainable order (`moment_blocks`), so a parameter's moments are one slice of each buffer.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .graph.errors import ArgumentError, ParameterError
+from .kernels.optim import SIGNED_CODES, UNSIGNED_CODES, dequantize_blocks, quantize_blocks
 
 PROPERTY_TYPES = (int, float, str)
 
@@ -94,13 +98,53 @@ class ParameterStore:
 
 @dataclass
 class OptimizerState:
-    """Optimizer step count, learning rate and moment buffers (trainable layout)."""
+    """Optimizer step count, learning rate and moment buffers (trainable layout; 8-bit moments: their codes,
+    and their absmax values in the block layout, keyed `<moment>` + ABSMAX)."""
 
     kind: str
     step: int = 0
     learning_rate: float = 1e-3
     initial_learning_rate: float = 1e-3
     moments: dict[str, np.ndarray] = field(default_factory=dict)
+    state_dtype: str = "float32"
+
+
+ABSMAX = "_absmax"
+
+
+def moment_blocks(store: ParameterStore, block: int) -> tuple[np.ndarray, dict[str, tuple[int, int]]]:
+    """(block boundaries over the trainable block, int64 [blocks + 1]; each parameter's range of blocks)."""
+    starts, ranges = [0], {}
+    for name in store.trainable:
+        start, stop, _ = store.slices[name]
+        first = len(starts) - 1
+        starts += list(range(start + block, stop, block)) + [stop]
+        ranges[name] = (first, len(starts) - 1)
+    return np.array(starts, np.int64), ranges
+
+
+def int8_moments(store: ParameterStore, names, block: int, values: dict | None = None) -> dict[str, np.ndarray]:
+    """8-bit moments `names` (signed map for the first, unsigned for the others), quantized from float `values`
+    (trainable layout) or zero."""
+    starts, _ = moment_blocks(store, block)
+    moments = {}
+    for index, name in enumerate(names):
+        codes, absmax = np.zeros(store.trainable_size, np.uint8), np.zeros(starts.size - 1, np.float32)
+        source = values[name] if values is not None else np.zeros(store.trainable_size, np.float32)
+        quantize_blocks(source, starts, UNSIGNED_CODES if index else SIGNED_CODES, codes, absmax)
+        moments[name], moments[name + ABSMAX] = codes, absmax
+    return moments
+
+
+def float_moments(store: ParameterStore, moments: dict, names, block: int) -> dict[str, np.ndarray]:
+    """The float32 values of 8-bit moments `names`."""
+    starts, _ = moment_blocks(store, block)
+    values = {}
+    for index, name in enumerate(names):
+        values[name] = np.zeros(store.trainable_size, np.float32)
+        dequantize_blocks(moments[name], moments[name + ABSMAX], starts, UNSIGNED_CODES if index else SIGNED_CODES,
+                          values[name])
+    return values
 
 
 class PropertyBag:
