@@ -9,7 +9,8 @@ import math
 
 import numpy as np
 
-from odtrain.kernels.optim import adamw_update, adamw_update_parts
+from odtrain.kernels.optim import (SIGNED_CODES, UNSIGNED_CODES, adamw8_update, adamw8_update_parts, adamw_update,
+                                   adamw_update_parts, dequantize_blocks, dynamic_code_map, quantize_blocks)
 
 LR, BETA1, BETA2, EPS, DECAY, STEP = 1e-3, 0.9, 0.999, 1e-6, 0.01, 3
 
@@ -55,3 +56,68 @@ def test_parts_give_the_serial_bits():
     adamw_update_parts(*parallel, LR, BETA1, BETA2, EPS, DECAY, STEP, True, 2)
     for a, b in zip(serial, parallel):
         assert np.array_equal(a, b)
+
+
+# ---- 8-bit moments ------------------------------------------------------------------------------------------
+
+def test_dynamic_code_maps():
+    """256 sorted distinct codes each, 0 and 1 among them; the first moment's map signed (its negative codes
+    mirror the positive ones but 1), the second's on [0, 1]; six decades below 1 get codes."""
+    for signed in (True, False):
+        codes = dynamic_code_map(signed)
+        assert codes.dtype == np.float32 and codes.size == 256 and np.all(np.diff(codes) > 0)
+        assert {0.0, 1.0} <= set(codes.tolist())
+        positive = codes[(codes > 0) & (codes < 1)]
+        assert positive.min() < 1e-6 and (positive.size == 127 if signed else positive.size == 254)
+        if signed:
+            np.testing.assert_array_equal(-codes[codes < 0][::-1], positive)
+        else:
+            assert codes.min() == 0
+
+
+def quantized(values, starts, signed):
+    codes, absmax = np.zeros(values.size, np.uint8), np.zeros(starts.size - 1, np.float32)
+    quantize_blocks(values, starts, SIGNED_CODES if signed else UNSIGNED_CODES, codes, absmax)
+    return codes, absmax
+
+
+def dequantized(codes, absmax, starts, signed):
+    values = np.zeros(codes.size, np.float32)
+    dequantize_blocks(codes, absmax, starts, SIGNED_CODES if signed else UNSIGNED_CODES, values)
+    return values
+
+
+def test_adamw8_updates_from_the_dequantized_moments_and_stores_their_nearest_codes():
+    """One step on 8-bit moments in blocks of 2048 (the last of 3): the weights move as the formula says for the
+    dequantized moments (the float32 tolerance above: a 1% learning rate fails), each block's absmax becomes the
+    new moments' largest magnitude, and each code is the nearest of the 256 to the new moment over that absmax."""
+    w, g, m, v = state()
+    v *= 1e-3
+    starts = np.array([0, 2048, 4096, 4099], np.int64)
+    m_codes, m_absmax = quantized(m, starts, True)
+    v_codes, v_absmax = quantized(v, starts, False)
+    expected_w, expected_m, expected_v = formula(w, g, dequantized(m_codes, m_absmax, starts, True),
+                                                 dequantized(v_codes, v_absmax, starts, False))
+    adamw8_update(w, g, m_codes, v_codes, m_absmax, v_absmax, SIGNED_CODES, UNSIGNED_CODES, starts, LR, BETA1, BETA2,
+                  EPS, DECAY, STEP, True)
+    np.testing.assert_allclose(w, expected_w, rtol=1e-6, atol=1e-8)
+    for codes, absmax, expected, code_map in ((m_codes, m_absmax, expected_m, SIGNED_CODES),
+                                              (v_codes, v_absmax, expected_v, UNSIGNED_CODES)):
+        top = np.array([np.abs(expected[a:b]).max() for a, b in zip(starts[:-1], starts[1:])])
+        np.testing.assert_allclose(absmax, top, rtol=1e-6)
+        scaled = expected / np.repeat(top, np.diff(starts))
+        nearest = np.abs(scaled[:, None] - code_map[None, :].astype(np.float64)).argmin(axis=1)
+        assert np.mean(codes == nearest) > 0.999  # ties and float32 rounding at a midpoint aside
+
+
+def test_adamw8_parts_give_the_serial_bits():
+    w, g, m, v = state(size=5 * 2048 + 7, seed=2)
+    starts = np.append(np.arange(0, w.size, 2048), w.size).astype(np.int64)
+    serial = [w.copy(), *quantized(m, starts, True), *quantized(np.abs(v), starts, False)]
+    split = [a.copy() for a in serial]
+    for args, kernel, extra in ((serial, adamw8_update, ()), (split, adamw8_update_parts, (2,))):
+        weights, m_codes, m_absmax, v_codes, v_absmax = args
+        kernel(weights, g, m_codes, v_codes, m_absmax, v_absmax, SIGNED_CODES, UNSIGNED_CODES, starts, LR, BETA1,
+               BETA2, EPS, DECAY, STEP, True, *extra)
+    for a, b in zip(serial, split):
+        np.testing.assert_array_equal(a, b)
