@@ -38,7 +38,7 @@ from .graph.optimizers import STATE_BLOCK, AdamW, check_state_dtype, read_optimi
 from .graph.planner import Plan
 from .graph.qat import quantized_for_inference
 from .signals import deferred_interrupt
-from .state import ABSMAX, OptimizerState, ParameterStore, PropertyBag, float_moments, int8_moments, moment_blocks
+from .state import ABSMAX, OptimizerState, ParameterStore, PropertyBag, moment_blocks
 from .threads import checked as checked_threads, get_num_threads, usable
 
 DEFAULT_LEARNING_RATE = 1e-3
@@ -583,6 +583,7 @@ class Optimizer:
             config = dataclasses.replace(config, state_dtype=state_dtype)
         self._config = config
         wanted = getattr(config, "state_dtype", "float32")
+        from .executor import float_moments, int8_moments
         self._blocks = moment_blocks(store, STATE_BLOCK)
         current = self._state._optimizer
         if current is None or current.kind != config.kind:

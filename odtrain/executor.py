@@ -41,10 +41,10 @@ from . import runtime, threads as thread_policy
 from .kernel_sources import discard_stale
 from .graph.optimizers import AdamW, SGDMomentum
 from .kernels.optim import (SIGNED_CODES, UNSIGNED_CODES, adamw8_update, adamw8_update_parts, adamw_update,
-                            adamw_update_parts, add_into, assert_finite, copy_into, sgd_momentum_update,
-                            sgd_momentum_update_parts, sgd_update, sgd_update_parts)
+                            adamw_update_parts, add_into, assert_finite, copy_into, dequantize_blocks, quantize_blocks,
+                            sgd_momentum_update, sgd_momentum_update_parts, sgd_update, sgd_update_parts)
 from .kernels.parts import part_count
-from .state import ABSMAX
+from .state import ABSMAX, moment_blocks
 
 
 def scratch_bytes(node: Node, types: dict[str, TensorType], threads: int = 1) -> int:
@@ -249,3 +249,27 @@ def apply_optimizer(config, weights: np.ndarray, grads: np.ndarray, moments: dic
                 float(config.dampening), float(config.weight_decay), bool(config.nesterov), step == 1, *split)
         else:
             (sgd_update_parts if split else sgd_update)(weights, grads, float(learning_rate), *split)
+
+
+def int8_moments(store, names, block: int, values: dict | None = None) -> dict[str, np.ndarray]:
+    """8-bit moments `names` (signed map for the first, unsigned for the others), quantized from float `values`
+    (trainable layout) or zero."""
+    starts, _ = moment_blocks(store, block)
+    moments = {}
+    for index, name in enumerate(names):
+        codes, absmax = np.zeros(store.trainable_size, np.uint8), np.zeros(starts.size - 1, np.float32)
+        source = values[name] if values is not None else np.zeros(store.trainable_size, np.float32)
+        quantize_blocks(source, starts, UNSIGNED_CODES if index else SIGNED_CODES, codes, absmax)
+        moments[name], moments[name + ABSMAX] = codes, absmax
+    return moments
+
+
+def float_moments(store, moments: dict, names, block: int) -> dict[str, np.ndarray]:
+    """The float32 values of 8-bit moments `names`."""
+    starts, _ = moment_blocks(store, block)
+    values = {}
+    for index, name in enumerate(names):
+        values[name] = np.zeros(store.trainable_size, np.float32)
+        dequantize_blocks(moments[name], moments[name + ABSMAX], starts, UNSIGNED_CODES if index else SIGNED_CODES,
+                          values[name])
+    return values

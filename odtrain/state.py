@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .graph.errors import ArgumentError, ParameterError
-from .kernels.optim import SIGNED_CODES, UNSIGNED_CODES, dequantize_blocks, quantize_blocks
 
 PROPERTY_TYPES = (int, float, str)
 
@@ -121,30 +120,6 @@ def moment_blocks(store: ParameterStore, block: int) -> tuple[np.ndarray, dict[s
         starts += list(range(start + block, stop, block)) + [stop]
         ranges[name] = (first, len(starts) - 1)
     return np.array(starts, np.int64), ranges
-
-
-def int8_moments(store: ParameterStore, names, block: int, values: dict | None = None) -> dict[str, np.ndarray]:
-    """8-bit moments `names` (signed map for the first, unsigned for the others), quantized from float `values`
-    (trainable layout) or zero."""
-    starts, _ = moment_blocks(store, block)
-    moments = {}
-    for index, name in enumerate(names):
-        codes, absmax = np.zeros(store.trainable_size, np.uint8), np.zeros(starts.size - 1, np.float32)
-        source = values[name] if values is not None else np.zeros(store.trainable_size, np.float32)
-        quantize_blocks(source, starts, UNSIGNED_CODES if index else SIGNED_CODES, codes, absmax)
-        moments[name], moments[name + ABSMAX] = codes, absmax
-    return moments
-
-
-def float_moments(store: ParameterStore, moments: dict, names, block: int) -> dict[str, np.ndarray]:
-    """The float32 values of 8-bit moments `names`."""
-    starts, _ = moment_blocks(store, block)
-    values = {}
-    for index, name in enumerate(names):
-        values[name] = np.zeros(store.trainable_size, np.float32)
-        dequantize_blocks(moments[name], moments[name + ABSMAX], starts, UNSIGNED_CODES if index else SIGNED_CODES,
-                          values[name])
-    return values
 
 
 class PropertyBag:
