@@ -150,15 +150,12 @@ SIGNED_CODES, UNSIGNED_CODES = dynamic_code_map(True), dynamic_code_map(False)  
 
 @njit(cache=True, error_model="numpy", inline="always")
 def _nearest_code(codes, x):
-    """The index of the code nearest x (codes sorted)."""
-    lo, hi = 0, codes.size - 1
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if codes[mid] <= x:
-            lo = mid
-        else:
-            hi = mid
-    return lo if x - codes[lo] <= codes[hi] - x else hi
+    """The index of the code nearest x among 256 sorted codes: the last code <= x found in eight halvings
+    without branches (a branching search mispredicts: 4x slower here), then it or the next one."""
+    i = 0
+    for step in (128, 64, 32, 16, 8, 4, 2, 1):
+        i += step * (codes[i + step] <= x)
+    return i + (i < 255 and codes[min(i + 1, 255)] - x < x - codes[i])
 
 
 @njit(cache=True, error_model="numpy", inline="always")
