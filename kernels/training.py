@@ -1,4 +1,5 @@
-"""Fused softmax cross-entropy and negative log-likelihood, forward and backward.
+"""Fused softmax cross-entropy and negative log-likelihood, forward and backward; and the vocabulary product
+fused with a class-last cross-entropy (LinearCrossEntropy, stated at its kernels below).
 
 Scores are viewed as [N, C, D] (D = 1 for [N, C]) and labels as [N, D]:
 each (n, d) is one sample. With class weights w and ignore_index:
@@ -227,6 +228,14 @@ def _linear_cross_entropy(hidden, weight, transposed, labels, ignore_index, mean
     loss[0] = (total / count if count > 0 else 0.0) if mean else total
 
 
+@njit(cache=True, error_model="numpy", inline="always")
+def _logits_in_parts(hidden, weight, transposed, logits, first, size, classes, width, vocabulary):
+    """_chunk_logits with the vocabulary split into parts (bounds), in parallel."""
+    for p in prange(vocabulary.size - 1):
+        _chunk_logits(hidden, weight, transposed, logits, first, size, classes, width, vocabulary[p],
+                      vocabulary[p + 1])
+
+
 @njit(cache=True, error_model="numpy", parallel=True)
 def _linear_cross_entropy_parts(hidden, weight, transposed, labels, ignore_index, mean, logits, logits3, values, loss,
                                 width, chunk, vocabulary):
@@ -237,9 +246,7 @@ def _linear_cross_entropy_parts(hidden, weight, transposed, labels, ignore_index
     total = 0.0
     for first in range(0, rows, chunk):
         size = min(chunk, rows - first)
-        for p in prange(parts):
-            _chunk_logits(hidden, weight, transposed, logits, first, size, classes, width, vocabulary[p],
-                          vocabulary[p + 1])
+        _logits_in_parts(hidden, weight, transposed, logits, first, size, classes, width, vocabulary)
         for p in prange(parts):
             _row_losses(logits3, labels, ignore_index, first, size * p // parts, size * (p + 1) // parts, values)
         for r in range(size):
@@ -275,9 +282,7 @@ def _linear_cross_entropy_grad_parts(dloss, hidden, weight, transposed, labels, 
     g = dloss[0] / count if mean and count > 0 else (0.0 if mean else dloss[0])
     for first in range(0, rows, chunk):
         size = min(chunk, rows - first)
-        for p in prange(parts):
-            _chunk_logits(hidden, weight, transposed, logits, first, size, classes, width, vocabulary[p],
-                          vocabulary[p + 1])
+        _logits_in_parts(hidden, weight, transposed, logits, first, size, classes, width, vocabulary)
         for p in prange(parts):
             lo, hi = size * p // parts, size * (p + 1) // parts
             _row_gradients(logits3, labels, ignore_index, first, lo, hi, g)
