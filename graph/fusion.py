@@ -387,7 +387,6 @@ def _vocabulary_loss_pass(graph: Graph) -> None:
     _rewrite_all(graph, _match_vocabulary_loss)
 
 
-
 def _decoder_pass(graph: Graph) -> None:
     _rewrite_all(graph, lambda index, node: _match_rms_norm(index, node) or _match_rotary(index, node))
 

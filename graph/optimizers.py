@@ -151,5 +151,5 @@ def read_optimizer_graph(graph: Graph, source: str) -> tuple[AdamW | SGD | SGDMo
                  bias_correction=bool(attrs["bias_correction"]), state_dtype=state_dtype), parameters
 
 
-__all__ = ["OptimType", "STATE_BLOCK", "STATE_DTYPES", "check_state_dtype", "AdamW", "SGD", "SGDMomentum", "parse_optimizer", "build_optimizer_graph",
-           "read_optimizer_graph"]
+__all__ = ["OptimType", "STATE_BLOCK", "STATE_DTYPES", "check_state_dtype", "AdamW", "SGD", "SGDMomentum",
+           "parse_optimizer", "build_optimizer_graph", "read_optimizer_graph"]

@@ -29,12 +29,13 @@ import numpy as np
 
 from . import checkpoint as checkpoint_file
 from .graph.autodiff import GRAD_SUFFIX
-from .graph.errors import ArgumentError, InputError, ModelError, NonFiniteError, ParameterError, StateError
+from .graph.errors import (ArgumentError, CheckpointError, InputError, ModelError, NonFiniteError, ParameterError,
+                           StateError)
 from .graph.ir import Graph, TensorType
 from .graph.lora import merge_adapters
 from .graph.onnx_io import load_graph, save_graph
 from .graph.ops import check_supported
-from .graph.optimizers import STATE_BLOCK, AdamW, check_state_dtype, read_optimizer_graph
+from .graph.optimizers import STATE_BLOCK, STATE_DTYPES, AdamW, check_state_dtype, read_optimizer_graph
 from .graph.planner import Plan
 from .graph.qat import quantized_for_inference
 from .signals import deferred_interrupt
@@ -161,7 +162,11 @@ class CheckpointState:
         if contents.optimizer is not None:
             info = contents.optimizer
             state_dtype = info.get("state_dtype", "float32")
-            _, blocks = moment_blocks(self._store, int(info.get("state_block", STATE_BLOCK)))
+            if state_dtype not in STATE_DTYPES or int(info.get("state_block", STATE_BLOCK)) != STATE_BLOCK:
+                raise CheckpointError(f"the checkpoint's optimizer state is {state_dtype} in blocks of "
+                                      f"{info.get('state_block')}; this odtrain reads {list(STATE_DTYPES)} in blocks "
+                                      f"of {STATE_BLOCK}: save it again with a matching odtrain")
+            _, blocks = moment_blocks(self._store, STATE_BLOCK)
             moments = {}
             for state_name, per_param in contents.optimizer_tensors.items():
                 absmax = state_name.endswith(ABSMAX)  # 8-bit moments' scales: a range of blocks per parameter
@@ -583,8 +588,8 @@ class Optimizer:
             config = dataclasses.replace(config, state_dtype=state_dtype)
         self._config = config
         wanted = getattr(config, "state_dtype", "float32")
-        from .executor import float_moments, int8_moments
         self._blocks = moment_blocks(store, STATE_BLOCK)
+        from .executor import float_moments, int8_moments  # kernels load with the first session or optimizer
         current = self._state._optimizer
         if current is None or current.kind != config.kind:
             moments = {s: np.zeros(store.trainable_size, dtype=np.float32) for s in config.state_names}
