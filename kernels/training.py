@@ -134,10 +134,12 @@ for _name, _softmax in (("SoftmaxCrossEntropyLoss", True), ("NegativeLogLikeliho
 # LinearCrossEntropy(hidden [N.., H], W, labels [N..]) = cross-entropy of logits = hidden · op(W) (op(W) = Wᵀ for
 # W [V, H] with transB, else W [H, V]) against labels, reduced by the mean over counted labels (or the sum), with
 # `ignore_index` labels left out. The logits exist one chunk of rows at a time, in the node's scratch:
-#   forward   per chunk: logits = hidden_c · op(W); loss += Σ_rows lse(logits_r) - logits_r[y_r]
-#   backward  per chunk: logits again; G = g · (softmax(logits) - onehot(y)) in place (0 on ignored rows);
-#             dHidden_c = G · op(W)ᵀ;  dW += Gᵀ · hidden_c (transB) or hidden_cᵀ · G (the first chunk writes it)
-# In parts (threads), each product splits the vocabulary (logits and dW columns, disjoint) or the chunk's rows
+#   forward   per chunk: logits = hidden_c · op(W); loss += Σ_rows lse(logits_r) - logits_r[y_r]; and when hidden
+#             needs a gradient, G = (softmax(logits) - onehot(y)) / count in place (0 on ignored rows) and
+#             dHidden_c = G · op(W)ᵀ for a loss gradient of 1 (the backward scales it: no second product for it)
+#   backward  (W trained) per chunk: logits again; G = g · (softmax(logits) - onehot(y)) in place;
+#             dW += Gᵀ · hidden_c (transB) or hidden_cᵀ · G (the first chunk writes it)
+# In parts (threads), a product splits the vocabulary (logits and dW columns, disjoint) or the chunk's rows
 # (softmax rows and dHidden, disjoint): no partial sums, the bits of one thread. Row losses are summed in row order.
 CHUNK_BYTES = 1 << 22  # the logits of one chunk at most (unless CHUNK_MIN_ROWS rows take more)
 CHUNK_MIN_ROWS = 64  # fewer rows make each product read all of W for too little work
@@ -214,10 +216,12 @@ def _weight_gradient(grads, hidden, transposed, dweight, first, rows, classes, w
 
 @njit(cache=True, error_model="numpy")
 def _linear_cross_entropy(hidden, weight, transposed, labels, ignore_index, mean, logits, logits3, values, loss,
-                          width, chunk):
-    """loss ← the mean (or sum) cross-entropy of hidden · op(W) against labels, a chunk of logits at a time."""
+                          dhidden, want_hidden, width, chunk):
+    """loss ← the mean (or sum) cross-entropy of hidden · op(W) against labels, a chunk of logits at a time;
+    if wanted, dhidden ← its gradient with respect to hidden (for a loss gradient of 1), from the same logits."""
     rows, classes = labels.shape[0], logits3.shape[1]
     count = _counted_labels(labels, ignore_index, classes)
+    g = (1.0 / count if count > 0 else 0.0) if mean else 1.0
     total = 0.0
     for first in range(0, rows, chunk):
         size = min(chunk, rows - first)
@@ -225,6 +229,9 @@ def _linear_cross_entropy(hidden, weight, transposed, labels, ignore_index, mean
         _row_losses(logits3, labels, ignore_index, first, 0, size, values)
         for r in range(size):
             total += values[r]
+        if want_hidden:
+            _row_gradients(logits3, labels, ignore_index, first, 0, size, g)
+            _hidden_gradient(logits, weight, transposed, dhidden, first, classes, width, 0, size)
     loss[0] = (total / count if count > 0 else 0.0) if mean else total
 
 
@@ -238,17 +245,22 @@ def _logits_in_parts(hidden, weight, transposed, logits, first, size, classes, w
 
 @njit(cache=True, error_model="numpy", parallel=True)
 def _linear_cross_entropy_parts(hidden, weight, transposed, labels, ignore_index, mean, logits, logits3, values, loss,
-                                width, chunk, vocabulary):
+                                dhidden, want_hidden, width, chunk, vocabulary):
     """_linear_cross_entropy with each chunk's product split over the vocabulary (bounds) and its rows over
     as many parts."""
     rows, classes, parts = labels.shape[0], logits3.shape[1], vocabulary.size - 1
     count = _counted_labels(labels, ignore_index, classes)
+    g = (1.0 / count if count > 0 else 0.0) if mean else 1.0
     total = 0.0
     for first in range(0, rows, chunk):
         size = min(chunk, rows - first)
         _logits_in_parts(hidden, weight, transposed, logits, first, size, classes, width, vocabulary)
         for p in prange(parts):
-            _row_losses(logits3, labels, ignore_index, first, size * p // parts, size * (p + 1) // parts, values)
+            lo, hi = size * p // parts, size * (p + 1) // parts
+            _row_losses(logits3, labels, ignore_index, first, lo, hi, values)
+            if want_hidden:
+                _row_gradients(logits3, labels, ignore_index, first, lo, hi, g)
+                _hidden_gradient(logits, weight, transposed, dhidden, first, classes, width, lo, hi)
         for r in range(size):
             total += values[r]
     loss[0] = (total / count if count > 0 else 0.0) if mean else total
@@ -256,8 +268,8 @@ def _linear_cross_entropy_parts(hidden, weight, transposed, labels, ignore_index
 
 @njit(cache=True, error_model="numpy")
 def _linear_cross_entropy_grad(dloss, hidden, weight, transposed, labels, ignore_index, mean, logits, logits3,
-                               dhidden, want_hidden, dweight, want_weight, width, chunk):
-    """dHidden and dW of _linear_cross_entropy's loss, recomputing each chunk's logits."""
+                               dweight, width, chunk):
+    """dW of _linear_cross_entropy's loss, recomputing each chunk's logits."""
     rows, classes = labels.shape[0], logits3.shape[1]
     count = _counted_labels(labels, ignore_index, classes)
     g = dloss[0] / count if mean and count > 0 else (0.0 if mean else dloss[0])
@@ -265,16 +277,13 @@ def _linear_cross_entropy_grad(dloss, hidden, weight, transposed, labels, ignore
         size = min(chunk, rows - first)
         _chunk_logits(hidden, weight, transposed, logits, first, size, classes, width, 0, classes)
         _row_gradients(logits3, labels, ignore_index, first, 0, size, g)
-        if want_hidden:
-            _hidden_gradient(logits, weight, transposed, dhidden, first, classes, width, 0, size)
-        if want_weight:
-            _weight_gradient(logits, hidden, transposed, dweight, first, size, classes, width, 0, classes,
-                             0.0 if first == 0 else 1.0)
+        _weight_gradient(logits, hidden, transposed, dweight, first, size, classes, width, 0, classes,
+                         0.0 if first == 0 else 1.0)
 
 
 @njit(cache=True, error_model="numpy", parallel=True)
 def _linear_cross_entropy_grad_parts(dloss, hidden, weight, transposed, labels, ignore_index, mean, logits, logits3,
-                                     dhidden, want_hidden, dweight, want_weight, width, chunk, vocabulary):
+                                     dweight, width, chunk, vocabulary):
     """_linear_cross_entropy_grad with the vocabulary products split over the vocabulary (bounds) and the
     row work over as many parts of the chunk's rows."""
     rows, classes, parts = labels.shape[0], logits3.shape[1], vocabulary.size - 1
@@ -284,16 +293,10 @@ def _linear_cross_entropy_grad_parts(dloss, hidden, weight, transposed, labels, 
         size = min(chunk, rows - first)
         _logits_in_parts(hidden, weight, transposed, logits, first, size, classes, width, vocabulary)
         for p in prange(parts):
-            lo, hi = size * p // parts, size * (p + 1) // parts
-            _row_gradients(logits3, labels, ignore_index, first, lo, hi, g)
-        if want_hidden:
-            for p in prange(parts):
-                _hidden_gradient(logits, weight, transposed, dhidden, first, classes, width, size * p // parts,
-                                 size * (p + 1) // parts)
-        if want_weight:
-            for p in prange(parts):
-                _weight_gradient(logits, hidden, transposed, dweight, first, size, classes, width, vocabulary[p],
-                                 vocabulary[p + 1], 0.0 if first == 0 else 1.0)
+            _row_gradients(logits3, labels, ignore_index, first, size * p // parts, size * (p + 1) // parts, g)
+        for p in prange(parts):
+            _weight_gradient(logits, hidden, transposed, dweight, first, size, classes, width, vocabulary[p],
+                             vocabulary[p + 1], 0.0 if first == 0 else 1.0)
 
 
 def _vocabulary_layout(hidden_shape, weight_shape, transB):
@@ -327,7 +330,9 @@ def _vocabulary_operands(hidden, weight, labels, scratch, transB, ignore_index, 
 @binding("LinearCrossEntropy", ODTRAIN_DOMAIN, scratch=_vocabulary_scratch, parallel=True)
 def LinearCrossEntropy(inputs, outputs, scratch=None, transB=0, ignore_index=None, reduction="mean", threads=1):
     operands, rows, width, classes, chunk = _vocabulary_operands(*inputs, scratch, transB, ignore_index, reduction)
-    args = operands + (np.zeros(chunk, np.float64), outputs[0].reshape(-1), width, chunk)
+    want_hidden = len(outputs) > 1 and outputs[1] is not None
+    dhidden = flat(outputs[1]) if want_hidden else np.zeros(1, inputs[0].dtype)
+    args = operands + (np.zeros(chunk, np.float64), outputs[0].reshape(-1), dhidden, want_hidden, width, chunk)
     parts = _vocabulary_parts(threads, rows, width, classes)
     if parts == 1:
         return [(_linear_cross_entropy, args)]
@@ -339,11 +344,7 @@ def LinearCrossEntropyGrad(inputs, outputs, scratch=None, transB=0, ignore_index
     dloss, hidden, weight, labels = inputs
     operands, rows, width, classes, chunk = _vocabulary_operands(hidden, weight, labels, scratch, transB,
                                                                  ignore_index, reduction)
-    outputs = list(outputs) + [None] * (2 - len(outputs))
-    dhidden = flat(outputs[0]) if outputs[0] is not None else np.zeros(1, hidden.dtype)
-    dweight = flat(outputs[1]) if outputs[1] is not None else np.zeros(1, weight.dtype)
-    args = (dloss.reshape(-1),) + operands + (dhidden, outputs[0] is not None, dweight, outputs[1] is not None,
-                                              width, chunk)
+    args = (dloss.reshape(-1),) + operands + (flat(outputs[0]), width, chunk)
     parts = _vocabulary_parts(threads, rows, width, classes)
     if parts == 1:
         return [(_linear_cross_entropy_grad, args)]

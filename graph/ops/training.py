@@ -94,7 +94,13 @@ def _vocabulary_flops(node, types, out) -> float:
     return 2.0 * rows * width * classes
 
 
-@op("LinearCrossEntropy", ODTRAIN_DOMAIN, passes=3, flops=_vocabulary_flops)
+# Its optional second output is the gradient with respect to hidden for a loss gradient of 1, computed from the
+# forward's own chunks of logits: the backward scales it instead of forming the logits again for it.
+def _vocabulary_outputs_flops(node, types, out) -> float:  # the product, and dHidden's if the forward makes it
+    return _vocabulary_flops(node, types, out) * (2 if len(node.outputs) > 1 and node.outputs[1] else 1)
+
+
+@op("LinearCrossEntropy", ODTRAIN_DOMAIN, passes=3, flops=_vocabulary_outputs_flops)
 def _linear_cross_entropy_rule(node, types, consts):
     if node.attrs.get("reduction", "mean") not in ("mean", "sum", b"mean", b"sum"):
         raise ModelError(f"{node.describe()}: LinearCrossEntropy reduces by 'mean' or 'sum'")
@@ -102,24 +108,25 @@ def _linear_cross_entropy_rule(node, types, consts):
         raise ModelError(f"{node.describe()}: labels must be integers, got {types[2]}")
     if types[0].shape is not None and types[1].shape is not None and types[2].shape is not None:
         _vocabulary(node, types)
-    return [TensorType(types[0].dtype, ())]
+    return [TensorType(types[0].dtype, ())] + [types[0]] * (len(node.outputs) > 1 and bool(node.outputs[1]))
 
 
 @grad("LinearCrossEntropy", ODTRAIN_DOMAIN)
 def _linear_cross_entropy_grad(ctx):
-    # G = dLoss · (softmax(hidden · op(W)) - onehot(labels)) / count, a chunk at a time;
-    # dHidden = G · op(W)ᵀ, dW = Gᵀ · hidden (transB) or hiddenᵀ · G
-    attrs = {k: ctx.attr(k) for k in ("transB", "reduction", "ignore_index") if ctx.attr(k) is not None}
-    dhidden, dweight = ctx.odtrain("LinearCrossEntropyGrad", [ctx.GO(0), ctx.I(0), ctx.I(1), ctx.I(2)], attrs,
-                                   outputs=[ctx.needs(0), ctx.needs(1)])
-    ctx.set_grad(0, dhidden)
-    ctx.set_grad(1, dweight)
+    # G = (softmax(hidden · op(W)) - onehot(labels)) / count, a chunk at a time;
+    # dHidden = dLoss · (G · op(W)ᵀ) (the forward's second output), dW = dLoss · (Gᵀ · hidden or hiddenᵀ · G)
+    if ctx.needs(0):
+        ctx.set_grad(0, ctx.emit("Mul", [ctx.forward_output(1, "unit_grad"), ctx.GO(0)]))
+    if ctx.needs(1):
+        attrs = {k: ctx.attr(k) for k in ("transB", "reduction", "ignore_index") if ctx.attr(k) is not None}
+        ctx.set_grad(1, ctx.odtrain("LinearCrossEntropyGrad", [ctx.GO(0), ctx.I(0), ctx.I(1), ctx.I(2)], attrs))
 
 
-def _vocabulary_grad_flops(node, types, out) -> float:  # the logits again, then both products
-    return 3 * _vocabulary_flops(node, types, out)
+def _vocabulary_grad_flops(node, types, out) -> float:  # the logits again, then dW's product
+    return 2 * _vocabulary_flops(node, types, out)
 
 
+# LinearCrossEntropyGrad(dLoss, hidden, W, labels) -> dW, forming each chunk's logits again
 @op("LinearCrossEntropyGrad", ODTRAIN_DOMAIN, passes=3, flops=_vocabulary_grad_flops)
 def _linear_cross_entropy_grad_rule(node, types, consts):
-    return [types[1], types[2]][:len(node.outputs)]
+    return [types[2]]
