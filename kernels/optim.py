@@ -17,8 +17,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from llvmlite import ir
 from numba import njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 
@@ -169,7 +169,7 @@ def _float_bits(typingctx, x):
         return None
 
     def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
+        return builder.bitcast(args[0], cgutils.ir.IntType(32))
 
     return types.uint32(types.float32), codegen
 

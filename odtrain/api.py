@@ -166,7 +166,7 @@ class CheckpointState:
                 raise CheckpointError(f"the checkpoint's optimizer state is {state_dtype} in blocks of "
                                       f"{info.get('state_block')}; this odtrain reads {list(STATE_DTYPES)} in blocks "
                                       f"of {STATE_BLOCK}: save it again with a matching odtrain")
-            _, blocks = moment_blocks(self._store, STATE_BLOCK)
+            _, blocks = moment_blocks(self._store.trainable_sizes(), STATE_BLOCK)
             moments = {}
             for state_name, per_param in contents.optimizer_tensors.items():
                 absmax = state_name.endswith(ABSMAX)  # 8-bit moments' scales: a range of blocks per parameter
@@ -205,7 +205,7 @@ class CheckpointState:
                                   "initial_learning_rate": opt.initial_learning_rate}
             if opt.state_dtype != "float32":
                 contents.optimizer.update(state_dtype=opt.state_dtype, state_block=STATE_BLOCK)
-            _, blocks = moment_blocks(store, STATE_BLOCK)
+            _, blocks = moment_blocks(store.trainable_sizes(), STATE_BLOCK)
             contents.optimizer_tensors = {s: {n: flat[slice(*blocks[n])] if s.endswith(ABSMAX) else
                                               store.trainable_view(flat, n) for n in store.trainable}
                                           for s, flat in opt.moments.items()}
@@ -588,20 +588,20 @@ class Optimizer:
             config = dataclasses.replace(config, state_dtype=state_dtype)
         self._config = config
         wanted = getattr(config, "state_dtype", "float32")
-        self._blocks = moment_blocks(store, STATE_BLOCK)
+        self._blocks = moment_blocks(store.trainable_sizes(), STATE_BLOCK)
         from .executor import float_moments, int8_moments  # kernels load with the first session or optimizer
         current = self._state._optimizer
         if current is None or current.kind != config.kind:
             moments = {s: np.zeros(store.trainable_size, dtype=np.float32) for s in config.state_names}
             if wanted == "int8":
-                moments = int8_moments(store, config.state_names, STATE_BLOCK)
+                moments = int8_moments(self._blocks[0], config.state_names)
             self._state._optimizer = OptimizerState(config.kind, 0, DEFAULT_LEARNING_RATE, DEFAULT_LEARNING_RATE, moments,
                                                     wanted)
         elif current.state_dtype != wanted:  # moments saved in the other type
             if wanted == "int8":
-                current.moments = int8_moments(store, config.state_names, STATE_BLOCK, current.moments)
+                current.moments = int8_moments(self._blocks[0], config.state_names, current.moments)
             else:
-                current.moments = float_moments(store, current.moments, config.state_names, STATE_BLOCK)
+                current.moments = float_moments(self._blocks[0], current.moments, config.state_names)
             current.state_dtype = wanted
         self._fused = bool(fuse_with_backward)
         session = module._train

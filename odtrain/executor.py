@@ -44,7 +44,7 @@ from .kernels.optim import (CODE_INDEX, CODE_MAPS, adamw8_update, adamw8_update_
                             adamw_update_parts, add_into, assert_finite, copy_into, dequantize_blocks, quantize_blocks,
                             sgd_momentum_update, sgd_momentum_update_parts, sgd_update, sgd_update_parts)
 from .kernels.parts import part_count
-from .state import ABSMAX, moment_blocks
+from .state import ABSMAX
 
 
 def scratch_bytes(node: Node, types: dict[str, TensorType], threads: int = 1) -> int:
@@ -251,24 +251,22 @@ def apply_optimizer(config, weights: np.ndarray, grads: np.ndarray, moments: dic
             (sgd_update_parts if split else sgd_update)(weights, grads, float(learning_rate), *split)
 
 
-def int8_moments(store, names, block: int, values: dict | None = None) -> dict[str, np.ndarray]:
-    """8-bit moments `names` (signed map for the first, unsigned for the others), quantized from float `values`
-    (trainable layout) or zero."""
-    starts, _ = moment_blocks(store, block)
+def int8_moments(blocks: np.ndarray, names, values: dict | None = None) -> dict[str, np.ndarray]:
+    """8-bit moments `names` over the trainable block cut at `blocks` (odtrain/state.py; the signed map for the
+    first, the unsigned one for the others), quantized from float `values` (trainable layout) or zero."""
     moments = {}
     for index, name in enumerate(names):
-        codes, absmax = np.zeros(store.trainable_size, np.uint8), np.zeros(starts.size - 1, np.float32)
-        source = values[name] if values is not None else np.zeros(store.trainable_size, np.float32)
-        quantize_blocks(source, starts, CODE_MAPS[min(index, 1)], CODE_INDEX[min(index, 1)], codes, absmax)
+        codes, absmax = np.zeros(blocks[-1], np.uint8), np.zeros(blocks.size - 1, np.float32)
+        source = values[name] if values is not None else np.zeros(blocks[-1], np.float32)
+        quantize_blocks(source, blocks, CODE_MAPS[min(index, 1)], CODE_INDEX[min(index, 1)], codes, absmax)
         moments[name], moments[name + ABSMAX] = codes, absmax
     return moments
 
 
-def float_moments(store, moments: dict, names, block: int) -> dict[str, np.ndarray]:
+def float_moments(blocks: np.ndarray, moments: dict, names) -> dict[str, np.ndarray]:
     """The float32 values of 8-bit moments `names`."""
-    starts, _ = moment_blocks(store, block)
     values = {}
     for index, name in enumerate(names):
-        values[name] = np.zeros(store.trainable_size, np.float32)
-        dequantize_blocks(moments[name], moments[name + ABSMAX], starts, CODE_MAPS[min(index, 1)], values[name])
+        values[name] = np.zeros(blocks[-1], np.float32)
+        dequantize_blocks(moments[name], moments[name + ABSMAX], blocks, CODE_MAPS[min(index, 1)], values[name])
     return values

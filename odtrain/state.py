@@ -86,6 +86,10 @@ class ParameterStore:
             return None
         return next(n for n in self.trainable if not np.isfinite(self.grad(n)).all())
 
+    def trainable_sizes(self) -> dict[str, int]:
+        """Each trainable parameter's number of values, in trainable order."""
+        return {name: self.slices[name][1] - self.slices[name][0] for name in self.trainable}
+
     def trainable_view(self, flat: np.ndarray, name: str) -> np.ndarray:
         """The segment of a trainable-layout buffer (gradients, moments) that belongs to `name`."""
         start, stop, shape = self.slices[name]
@@ -111,14 +115,15 @@ class OptimizerState:
 ABSMAX = "_absmax"
 
 
-def moment_blocks(store: ParameterStore, block: int) -> tuple[np.ndarray, dict[str, tuple[int, int]]]:
-    """(block boundaries over the trainable block, int64 [blocks + 1]; each parameter's range of blocks)."""
-    starts, ranges = [0], {}
-    for name in store.trainable:
-        start, stop, _ = store.slices[name]
+def moment_blocks(sizes: dict[str, int], block: int) -> tuple[np.ndarray, dict[str, tuple[int, int]]]:
+    """(block boundaries over the trainable block, int64 [blocks + 1]; each parameter's range of blocks), from
+    the trainable parameters' sizes in trainable order (`ParameterStore.trainable_sizes`)."""
+    starts, ranges, start = [0], {}, 0
+    for name, size in sizes.items():
         first = len(starts) - 1
-        starts += list(range(start + block, stop, block)) + [stop]
+        starts += list(range(start + block, start + size, block)) + [start + size]
         ranges[name] = (first, len(starts) - 1)
+        start += size
     return np.array(starts, np.int64), ranges
 
 

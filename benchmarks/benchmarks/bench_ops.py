@@ -179,16 +179,17 @@ class OptimizerOps:
         from odtrain.state import moment_blocks
 
         module, optimizer, _ = training_step(model)
-        store = module.state._store
         weights = np.asarray(module.get_contiguous_parameters(trainable_only=True))  # a copy: the update's cost
         rng = np.random.default_rng(common.SEED)
         grads = rng.uniform(-1, 1, weights.size).astype(np.float32)
         config = dataclasses.replace(optimizer._config, state_dtype=self.state_dtype)
         moments = {k: v.copy() for k, v in module.state._optimizer.moments.items()}
+        sizes = {name: p.data.size for name, p in module.state.parameters.items() if p.requires_grad}
+        blocks = moment_blocks(sizes, STATE_BLOCK)[0]
         if self.state_dtype == "int8":
-            moments = int8_moments(store, config.state_names, STATE_BLOCK)
+            moments = int8_moments(blocks, config.state_names)
         self.update = functools.partial(apply_optimizer, config, weights, grads, moments, 1e-3, 1, threads=threads,
-                                        blocks=moment_blocks(store, STATE_BLOCK)[0])
+                                        blocks=blocks)
         self.update()
 
     def time_update(self, model, threads):
