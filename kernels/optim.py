@@ -147,19 +147,30 @@ def dynamic_code_map(signed: bool) -> np.ndarray:
     return np.sort(np.array(codes, np.float32))
 
 
-def code_starts(codes: np.ndarray) -> np.ndarray:
-    """For each value of the upper 16 bits of a float32 (sign, exponent, 7 mantissa bits), the index of the
-    last code <= every float32 with those bits (0 if none): the search's start. Such a range is at most 2^-7
-    of its values wide, narrower than the maps' gaps, so at most two codes lie past the start."""
+def code_table(codes: np.ndarray) -> np.ndarray:
+    """The nearest-code search as a table on the upper 16 bits of a float32 (sign, exponent, 7 mantissa bits):
+    float32 [65536, 2] of (the code nearest the lowest value with those bits, the smallest float32 nearer the
+    next code). Values sharing those bits span at most 2^-7 of their size, less than the maps' gaps, so at
+    most one midpoint between codes falls among them: the nearest code of x is entry 0 + (x >= entry 1)."""
     upper = np.arange(1 << 16, dtype=np.uint32) << 16
-    lowest = np.where(upper >> 31, upper | 0xFFFF, upper).view(np.float32)  # negative: the most negative
-    with np.errstate(invalid="ignore"):
-        starts = np.searchsorted(codes, np.nan_to_num(lowest, nan=0.0), side="right") - 1
-    return np.clip(starts, 0, codes.size - 1).astype(np.uint8)
+    negative = (upper >> 31).astype(bool)
+    with np.errstate(invalid="ignore"):  # the NaN patterns
+        lowest = np.where(negative, upper | 0xFFFF, upper).view(np.float32).astype(np.float64)
+        highest = np.where(negative, upper, upper | 0xFFFF).view(np.float32).astype(np.float64)
+    finite = np.isfinite(lowest) & np.isfinite(highest)
+    lowest, highest = np.where(finite, lowest, 0.0), np.where(finite, highest, 0.0)
+    wide = codes.astype(np.float64)
+    middles = np.append((wide[:-1] + wide[1:]) / 2, np.inf)  # middles[i]: between code i and code i + 1
+    nearest = np.searchsorted(middles, lowest, side="left")  # the first middle >= lowest: ties go down
+    split = middles[nearest]
+    assert np.all(middles[np.minimum(nearest + 1, codes.size - 1)] > highest), "two middles in one bucket"
+    threshold = split.astype(np.float32)
+    threshold = np.where(threshold < split, np.nextafter(threshold, np.float32(np.inf)), threshold)
+    return np.stack([nearest.astype(np.float32), threshold.astype(np.float32)], axis=1)
 
 
 CODE_MAPS = np.stack([dynamic_code_map(True), dynamic_code_map(False)])  # the first moment's, the second's
-CODE_INDEX = np.stack([code_starts(codes) for codes in CODE_MAPS])
+CODE_TABLES = np.stack([code_table(codes) for codes in CODE_MAPS])
 
 
 @intrinsic
@@ -175,14 +186,11 @@ def _float_bits(typingctx, x):
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _nearest_code(codes, starts, x):
-    """The index of the code nearest x among 256 sorted codes: the last code <= x, from its start by the upper
-    bits of x and at most two steps, then it or the next one. No branch: the update stays a straight loop."""
+def _nearest_code(table, x):
+    """The index of the code nearest x (a tie goes to the lower code), from `table` (code_table's)."""
     x = np.float32(x)
-    i = np.int64(starts[_float_bits(x) >> 16])
-    i += codes[min(i + 1, 255)] <= x and i < 255
-    i += codes[min(i + 1, 255)] <= x and i < 255
-    return i + (i < 255 and codes[min(i + 1, 255)] - x < x - codes[i])
+    entry = _float_bits(x) >> 16
+    return np.int64(table[entry, 0]) + (x >= table[entry, 1])
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -195,7 +203,7 @@ def _moments8(g, m_codes, v_codes, code_maps, m_scale, v_scale, b1, b2, one_minu
 
 
 @njit(cache=True, error_model="numpy")
-def adamw8_update(w, g, m_codes, v_codes, m_absmax, v_absmax, code_maps, code_index, starts, lr, beta1, beta2,
+def adamw8_update(w, g, m_codes, v_codes, m_absmax, v_absmax, code_maps, code_tables, starts, lr, beta1, beta2,
                   eps, weight_decay, step, bias_correction):
     """adamw_update on moments quantized in blocks [starts[j], starts[j + 1]) with absmax m_absmax[j], v_absmax[j]."""
     step_size = lr
@@ -222,32 +230,33 @@ def adamw8_update(w, g, m_codes, v_codes, m_absmax, v_absmax, code_maps, code_in
             if decay != 0:
                 wi = wi - decay * wi
             w[i] = wi
-            m_codes[i] = _nearest_code(code_maps[0], code_index[0], mi * m_inverse)
-            v_codes[i] = _nearest_code(code_maps[1], code_index[1], vi * v_inverse)
+            m_codes[i] = _nearest_code(code_tables[0], mi * m_inverse)
+            v_codes[i] = _nearest_code(code_tables[1], vi * v_inverse)
         m_absmax[j], v_absmax[j] = m_top, v_top
 
 
 @njit(cache=True, error_model="numpy", parallel=True)
-def adamw8_update_parts(w, g, m_codes, v_codes, m_absmax, v_absmax, code_maps, code_index, starts, lr, beta1,
+def adamw8_update_parts(w, g, m_codes, v_codes, m_absmax, v_absmax, code_maps, code_tables, starts, lr, beta1,
                         beta2, eps, weight_decay, step, bias_correction, parts):
     """adamw8_update on parts of the blocks."""
     blocks = starts.size - 1
     for p in prange(parts):
         a, b = p * blocks // parts, (p + 1) * blocks // parts
-        adamw8_update(w, g, m_codes, v_codes, m_absmax[a:b], v_absmax[a:b], code_maps, code_index,
+        adamw8_update(w, g, m_codes, v_codes, m_absmax[a:b], v_absmax[a:b], code_maps, code_tables,
                       starts[a:b + 1], lr, beta1, beta2, eps, weight_decay, step, bias_correction)
 
 
 @njit(cache=True, error_model="numpy")
-def quantize_blocks(values, starts, code_map, code_index, codes, absmax):
-    """codes, absmax ← values quantized in blocks [starts[j], starts[j + 1]) to the nearest of code_map · absmax."""
+def quantize_blocks(values, starts, table, codes, absmax):
+    """codes, absmax ← values quantized in blocks [starts[j], starts[j + 1]) to the nearest code · absmax (`table`:
+    code_table's of the map)."""
     for j in range(starts.size - 1):
         top = np.float32(0.0)
         for i in range(starts[j], starts[j + 1]):
             top = max(top, abs(values[i]))
         inverse = np.float32(1.0) / top if top > 0 else np.float32(0.0)
         for i in range(starts[j], starts[j + 1]):
-            codes[i] = _nearest_code(code_map, code_index, values[i] * inverse)
+            codes[i] = _nearest_code(table, values[i] * inverse)
         absmax[j] = top
 
 

@@ -40,7 +40,7 @@ from .kernels.blas import hold_one_thread, release_thread
 from . import runtime, threads as thread_policy
 from .kernel_sources import discard_stale
 from .graph.optimizers import AdamW, SGDMomentum
-from .kernels.optim import (CODE_INDEX, CODE_MAPS, adamw8_update, adamw8_update_parts, adamw_update,
+from .kernels.optim import (CODE_MAPS, CODE_TABLES, adamw8_update, adamw8_update_parts, adamw_update,
                             adamw_update_parts, add_into, assert_finite, copy_into, dequantize_blocks, quantize_blocks,
                             sgd_momentum_update, sgd_momentum_update_parts, sgd_update, sgd_update_parts)
 from .kernels.parts import part_count
@@ -235,7 +235,7 @@ def apply_optimizer(config, weights: np.ndarray, grads: np.ndarray, moments: dic
         if quantized:
             (adamw8_update_parts if split else adamw8_update)(
                 weights, grads, moments["momentum0"], moments["momentum1"], moments["momentum0" + ABSMAX],
-                moments["momentum1" + ABSMAX], CODE_MAPS, CODE_INDEX, blocks, float(learning_rate),
+                moments["momentum1" + ABSMAX], CODE_MAPS, CODE_TABLES, blocks, float(learning_rate),
                 float(config.betas[0]), float(config.betas[1]), float(config.eps), float(config.weight_decay),
                 float(step), bool(config.bias_correction), *split)
         elif isinstance(config, AdamW):
@@ -258,7 +258,7 @@ def int8_moments(blocks: np.ndarray, names, values: dict | None = None) -> dict[
     for index, name in enumerate(names):
         codes, absmax = np.zeros(blocks[-1], np.uint8), np.zeros(blocks.size - 1, np.float32)
         source = values[name] if values is not None else np.zeros(blocks[-1], np.float32)
-        quantize_blocks(source, blocks, CODE_MAPS[min(index, 1)], CODE_INDEX[min(index, 1)], codes, absmax)
+        quantize_blocks(source, blocks, CODE_TABLES[min(index, 1)], codes, absmax)
         moments[name], moments[name + ABSMAX] = codes, absmax
     return moments
 

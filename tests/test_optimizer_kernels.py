@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from odtrain.kernels.optim import (CODE_INDEX, CODE_MAPS, adamw8_update, adamw8_update_parts, adamw_update,
+from odtrain.kernels.optim import (CODE_MAPS, CODE_TABLES, adamw8_update, adamw8_update_parts, adamw_update,
                                    adamw_update_parts, dequantize_blocks, dynamic_code_map, quantize_blocks)
 
 LR, BETA1, BETA2, EPS, DECAY, STEP = 1e-3, 0.9, 0.999, 1e-6, 0.01, 3
@@ -78,7 +78,7 @@ def test_dynamic_code_maps():
 def quantized(values, starts, signed):
     codes, absmax = np.zeros(values.size, np.uint8), np.zeros(starts.size - 1, np.float32)
     row = 0 if signed else 1
-    quantize_blocks(values, starts, CODE_MAPS[row], CODE_INDEX[row], codes, absmax)
+    quantize_blocks(values, starts, CODE_TABLES[row], codes, absmax)
     return codes, absmax
 
 
@@ -99,7 +99,7 @@ def test_adamw8_updates_from_the_dequantized_moments_and_stores_their_nearest_co
     v_codes, v_absmax = quantized(v, starts, False)
     expected_w, expected_m, expected_v = formula(w, g, dequantized(m_codes, m_absmax, starts, True),
                                                  dequantized(v_codes, v_absmax, starts, False))
-    adamw8_update(w, g, m_codes, v_codes, m_absmax, v_absmax, CODE_MAPS, CODE_INDEX, starts, LR, BETA1, BETA2, EPS,
+    adamw8_update(w, g, m_codes, v_codes, m_absmax, v_absmax, CODE_MAPS, CODE_TABLES, starts, LR, BETA1, BETA2, EPS,
                   DECAY, STEP, True)
     np.testing.assert_allclose(w, expected_w, rtol=1e-6, atol=1e-8)
     for codes, absmax, expected, code_map in ((m_codes, m_absmax, expected_m, CODE_MAPS[0]),
@@ -118,14 +118,14 @@ def test_adamw8_parts_give_the_serial_bits():
     split = [a.copy() for a in serial]
     for args, kernel, extra in ((serial, adamw8_update, ()), (split, adamw8_update_parts, (2,))):
         weights, m_codes, m_absmax, v_codes, v_absmax = args
-        kernel(weights, g, m_codes, v_codes, m_absmax, v_absmax, CODE_MAPS, CODE_INDEX, starts, LR, BETA1, BETA2, EPS,
+        kernel(weights, g, m_codes, v_codes, m_absmax, v_absmax, CODE_MAPS, CODE_TABLES, starts, LR, BETA1, BETA2, EPS,
                DECAY, STEP, True, *extra)
     for a, b in zip(serial, split):
         np.testing.assert_array_equal(a, b)
 
 
 def test_the_nearest_code_is_found_from_the_upper_bits():
-    """quantize_blocks' code search (a start by the float's upper 16 bits, then at most two steps) against a
+    """quantize_blocks' code search (a table entry by the float's upper 16 bits, then one comparison) against a
     brute-force nearest code: every code, every midpoint between codes and its float32 neighbours, and random
     values over six decades, in one block of absmax 1."""
     rng = np.random.default_rng(3)
@@ -136,7 +136,7 @@ def test_the_nearest_code_is_found_from_the_upper_bits():
                                  np.exp(rng.uniform(-16, 0, 20000)) * rng.choice([-1, 1], 20000), [1.0]])
         values = (np.abs(values) if row else values).astype(np.float32)
         codes, absmax = np.zeros(values.size, np.uint8), np.zeros(1, np.float32)
-        quantize_blocks(values, np.array([0, values.size], np.int64), code_map, CODE_INDEX[row], codes, absmax)
+        quantize_blocks(values, np.array([0, values.size], np.int64), CODE_TABLES[row], codes, absmax)
         assert absmax[0] == 1
         distance = np.abs(values[:, None].astype(np.float64) - code_map[None, :])
         chosen = distance[np.arange(values.size), codes]
