@@ -323,6 +323,20 @@ for _reduction in ("mean", "sum", "none"):
             GradientCase([node("LogSoftmax", ["scores"], ["log_prob"], axis=1),
                           node("NegativeLogLikelihoodLoss", _inputs, reduction=_reduction, ignore_index=2)],
                          {"scores": rand(3, 4, 2, low=-2, high=2)}, _constants)
+# a vocabulary product scored by cross-entropy fuses into LinearCrossEntropy: a tied embedding (its gradient the sum of
+# the Gather's and the product's) with the classes last and padding ignored, and a [N, C] product summed
+GRADIENT_CASES["LinearCrossEntropy tied embedding, classes last, mean"] = GradientCase(
+    [node("Gather", ["emb", "ids"], ["h"]), node("Transpose", ["emb"], ["emb_t"], perm=[1, 0]),
+     node("MatMul", ["h", "emb_t"], ["logits"]), node("Reshape", ["logits", "rows_shape"], ["rows"]),
+     node("Reshape", ["labels", "flat_shape"], ["flat"]),
+     node("SoftmaxCrossEntropyLoss", ["rows", "flat"], reduction="mean", ignore_index=-100)],
+    {"emb": rand(7, 3, low=-2, high=2)},
+    {"ids": np.array([[0, 2, 6, 1, 5], [4, 0, 2, 3, 3]], np.int64), "rows_shape": i64(-1, 7), "flat_shape": i64(-1),
+     "labels": np.array([[2, 6, 1, 5, -100], [0, 2, 3, 3, 4]], np.int64)}, fuses_into=("LinearCrossEntropy",))
+GRADIENT_CASES["LinearCrossEntropy [N, C] sum"] = GradientCase(
+    [node("MatMul", ["x", "w"], ["scores"]), node("SoftmaxCrossEntropyLoss", ["scores", "labels"], reduction="sum")],
+    {"x": rand(4, 3), "w": rand(3, 5, low=-2, high=2)}, {"labels": np.array([4, 0, 1, 1], np.int64)},
+    fuses_into=("LinearCrossEntropy",))
 for _op in ("ReduceL1", "ReduceSumSquare", "ReduceLogSum", "ReduceLogSumExp"):
     for _keepdims in (0, 1):
         GRADIENT_CASES[f"{_op} axes as input keepdims={_keepdims}"] = GradientCase(
