@@ -383,7 +383,7 @@ def fuse_for_training(graph: Graph) -> Graph:
     return fused
 
 
-def _vocabulary_loss_pass(graph: Graph) -> None:
+def vocabulary_loss_pass(graph: Graph) -> None:
     _rewrite_all(graph, _match_vocabulary_loss)
 
 
@@ -483,4 +483,4 @@ def _matmul_pass(graph: Graph) -> None:
 
 
 # the second MatMul pass scales fused products; biases are added to products that are final
-TRAINING_PASSES = (_gelu_pass, _decoder_pass, _matmul_pass, _matmul_pass, _bias_pass, _vocabulary_loss_pass)
+TRAINING_PASSES = (_gelu_pass, _decoder_pass, _matmul_pass, _matmul_pass, _bias_pass, vocabulary_loss_pass)

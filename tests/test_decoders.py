@@ -161,7 +161,7 @@ def test_vocabulary_loss_fused_matches_pytorch_and_shrinks_the_arena(family, tmp
     assert gradient_error(grads, golden, names) < TOLERANCE * meta["adamw"]["float32_grad_error"]
 
     monkeypatch.setattr(fusion, "TRAINING_PASSES", tuple(p for p in fusion.TRAINING_PASSES
-                                                         if p is not fusion._vocabulary_loss_pass))
+                                                         if p is not fusion.vocabulary_loss_pass))
     _, _, unfused = train_along_golden(folder / "torchscript17.onnx", golden, "adamw", meta["adamw"]["lr"],
                                        tmp_path / "unfused", (), outputs=(), requires_grad=list(names.values()))
     (before,), (after,) = unfused._train.plans.values(), fused._train.plans.values()

@@ -184,7 +184,7 @@ def _trained_once(directory, fused: bool, monkeypatch, outputs=(), trained=("emb
     with monkeypatch.context() as patch:
         if not fused:
             patch.setattr(fusion, "TRAINING_PASSES", tuple(p for p in fusion.TRAINING_PASSES
-                                                           if p is not fusion._vocabulary_loss_pass))
+                                                           if p is not fusion.vocabulary_loss_pass))
         model, params = tiny_lm()
         artifacts.generate_artifacts(model, requires_grad=list(trained), loss=artifacts.LossType.CrossEntropyLoss,
                                      class_axis=-1, ignore_index=-100, artifact_directory=directory,

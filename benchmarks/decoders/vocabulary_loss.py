@@ -63,7 +63,7 @@ def main() -> None:
     from odtrain.graph import fusion
 
     if args.variant == "unfused":
-        fusion.TRAINING_PASSES = tuple(p for p in fusion.TRAINING_PASSES if p is not fusion._vocabulary_loss_pass)
+        fusion.TRAINING_PASSES = tuple(p for p in fusion.TRAINING_PASSES if p is not fusion.vocabulary_loss_pass)
     directory = tempfile.mkdtemp(prefix="vocabulary-loss-")
     artifacts.generate_artifacts(head_model(), requires_grad=["embed", "w"] if args.train_embedding else ["w"], loss=artifacts.LossType.CrossEntropyLoss,
                                  class_axis=-1, ignore_index=-100, optimizer=artifacts.OptimType.AdamW,
