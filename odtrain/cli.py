@@ -841,6 +841,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .cache import add_command as add_warmup_command
 
     add_warmup_command(commands)
+    from .kernel_build import add_command as add_compile_command
+
+    add_compile_command(commands)
     from .federated import add_command as add_federated_command
 
     add_federated_command(commands)
