@@ -47,7 +47,6 @@ def binding(op_type: str, domain: str = "", scratch=None, parallel: bool = False
 
     return register
 
-
 from . import (  # noqa: E402,F401
     attention, conv, elementwise, linalg, nn, normalization, optim, pool, quantize, recurrent, reduction, resize, tensor,
     training)

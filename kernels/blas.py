@@ -26,16 +26,14 @@ second route, is set to one thread for the process by odtrain.threads).
 `gemm_batched_parts(...)` runs a batch of products in parallel parts, of the products or of their rows or
 columns.
 
-Imports numpy and numba, and llvmlite (Numba's code generator) to register the symbols.
+Imports numpy; Numba, and llvmlite (Numba's code generator) to register the symbols, when the compiler
+loads (kernels/jit.py).
 """
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import binding
-from numba import carray, cfunc, njit, prange, types
-from numba.core import cgutils
-from numba.extending import intrinsic
-from numba.np.linalg import ensure_blas
+
+from .jit import carray, intrinsic, njit, on_load, prange, types
 
 from .blas_library import (ROUTE_VARIABLE, found_openblas, gemm_addresses, hold_one_thread,  # noqa: F401
                            product_threads, release_thread)
@@ -58,6 +56,8 @@ def blas_gemm(typingctx, trans_a, trans_b, m, n, k, alpha, a, a_offset, lda, b, 
     dtype = c.dtype
 
     def codegen(context, builder, signature, args):
+        from numba.core import cgutils
+
         ir = cgutils.ir
         ta, tb, m_, n_, k_, alpha_, a_, aoff, lda_, b_, boff, ldb_, beta_, c_, coff, ldc_ = args
         arg_types = signature.args
@@ -98,6 +98,9 @@ def _numba_gemm(typingctx, trans_a, trans_b, m, n, k, alpha, a, a_offset, lda, b
     if not all(isinstance(t, types.Array) for t in (a, b, c)) or not a.dtype == b.dtype == c.dtype \
             or c.dtype not in (types.float32, types.float64):
         return None
+    from numba.core import cgutils
+    from numba.np.linalg import ensure_blas
+
     ensure_blas()  # scipy's BLAS table, or Numba's own clear error
     sig = types.int32(trans_a, trans_b, m, n, k, alpha, a, a_offset, lda, b, b_offset, ldb, beta, c, c_offset, ldc)
     dtype = c.dtype
@@ -155,20 +158,23 @@ def _callback_signature(dtype):
                       pointer, types.int64, pointer, types.int64, dtype, pointer, types.int64)
 
 
-def _register_route():
-    """Register the symbols of the products (numpy's OpenBLAS, else Numba's route); returns the route's name."""
+def _register_route() -> None:
+    """Give Numba's code the symbols of the products: numpy's OpenBLAS, else Numba's route (when Numba loads)."""
+    from llvmlite import binding
+    from numba import cfunc
+
     found = found_openblas()
     if found is None:
         for dtype in (types.float32, types.float64):
             callback = cfunc(_callback_signature(dtype), cache=True, error_model="numpy")(_gemm_through_numba)
             binding.add_symbol(SYMBOLS[str(dtype)], callback.address)
-        return "scipy's BLAS, through Numba (numba_xxgemm)"
+        return
     for dtype, address in zip(("float32", "float64"), gemm_addresses(found)):
         binding.add_symbol(SYMBOLS[dtype], address)
-    return product_threads().name
 
 
-GEMM_LIBRARY = _register_route()
+on_load(_register_route)
+GEMM_LIBRARY = product_threads().name or "scipy's BLAS, through Numba (numba_xxgemm)"
 NUMPY_OPENBLAS = found_openblas() is not None  # the products call numpy's OpenBLAS (else Numba's route)
 BLAS_CORE = product_threads().core
 # OpenBLAS's AVX-512 kernel families (SkylakeX, and Cooperlake and SapphireRapids, which include it) have

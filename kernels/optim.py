@@ -17,7 +17,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+
+from .jit import njit, prange
 
 
 @njit(cache=True, error_model="numpy")

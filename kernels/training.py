@@ -11,7 +11,8 @@ alike, and dx[n, c, d] = -g(n, d) · w[y] · [c == y].
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from .jit import njit
 
 from . import ODTRAIN_DOMAIN, binding
 

@@ -435,6 +435,11 @@ class Module:
             raise StateError("eval mode needs an eval model: pass eval_model_uri to Module(...)")
         return self._eval.run(user_inputs)
 
+    @property
+    def kernel_library(self):
+        """The kernel library (odtrain.kernel_library.KernelLibrary) this module's steps run in, or None: Numba's."""
+        return self._train.library
+
     def train(self, mode: bool = True) -> "Module":
         self.training = bool(mode)
         return self

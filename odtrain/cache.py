@@ -245,7 +245,7 @@ def _run_steps(directory: str, batch_size: int, input_shapes: dict) -> tuple[lis
     first = loss[0] if isinstance(loss, (list, tuple)) else loss
     first = np.asarray(first)
     if first.dtype.kind == "f":  # the check of Module(check_finite=True)
-        invoke(assert_finite, (np.zeros(1, dtype=first.dtype),), library=module._train.library)
+        invoke(assert_finite, (np.zeros(1, dtype=first.dtype),), library=module.kernel_library)
     return steps, {name: list(array.shape) for name, array in zip(module.input_names(), feeds)}
 
 

@@ -38,6 +38,7 @@ from .graph.step_plan import plan_step
 from .kernels import BINDINGS, PARALLEL, SCRATCH
 from .kernels.blas import hold_one_thread, release_thread
 from . import runtime, threads as thread_policy
+from .kernel_library import kernel_name
 from .kernel_sources import discard_stale
 from .graph.optimizers import AdamW, SGDMomentum
 from .kernels.optim import (adamw_update, adamw_update_parts, add_into, assert_finite, copy_into, sgd_momentum_update,
@@ -195,7 +196,7 @@ class BoundGraph:
         node = self.call_nodes[index]
         where = f"{self.graph.name}: {node.describe()}" if node is not None else self.graph.name
         message = self.library.message(kernel, args)
-        if kernel is assert_finite:
+        if kernel_name(kernel) == kernel_name(assert_finite):
             raise NonFiniteError(f"{where}: {message}")
         raise InputError(f"{where}: {message}; check the inputs' values")
 

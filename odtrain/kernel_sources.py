@@ -13,6 +13,7 @@ Imports nothing of odtrain's.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import os
 import sys
 
@@ -29,8 +30,10 @@ def kernels_dir() -> str:
 
 
 def loaded_dispatchers() -> list:
-    """The Numba dispatchers of odtrain's kernel modules imported so far."""
+    """The Numba dispatchers of odtrain's kernel modules imported so far (loads the compiler)."""
     from numba.core.dispatcher import Dispatcher
+
+    importlib.import_module(_PACKAGE + ".kernels.jit").load()
 
     found, seen = [], set()
     for name, module in sorted(sys.modules.items()):

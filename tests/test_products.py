@@ -135,6 +135,8 @@ def test_a_bias_starts_the_output_and_blas_adds_the_product(bias_shape):
 ROUTE_CHECK = """
 import numpy as np
 from odtrain.kernels import blas
+from odtrain.kernels.jit import load
+load()  # Numba's objects in the kernel modules, the products' symbols registered
 from odtrain.kernels.blas import blas_gemm
 from numba import njit
 
