@@ -7,8 +7,9 @@ The kernel modules take `njit`, `prange`, `intrinsic`, `overload`, `types` and `
   of a Numba dispatcher asked of it) loads the compiler;
 - `@intrinsic`, `prange`, `types` and `carray` give placeholders; `@overload(f)` is remembered.
 `load()` (odtrain.runtime.load before the first JIT step, the library's build, a Deferred's first call)
-imports Numba and replaces every placeholder in the kernel modules' globals, and in the namespaces of
-kernels generated from source, by Numba's object (one dispatcher per kernel), registers the overloads
+imports Numba and replaces every placeholder in the kernel modules' globals (and in the dicts, lists and
+tuples they hold: the tables of twins), and in the namespaces of kernels generated from source, by Numba's
+object (one dispatcher per kernel), registers the overloads
 and runs the hooks given to `on_load` (kernels/blas.py registers its BLAS symbols there). From then on
 the kernel modules hold exactly what decorating at import would have given them, and `njit` is Numba's.
 
@@ -156,6 +157,25 @@ def loaded() -> bool:
     return _loaded
 
 
+def _swapped(value):
+    """`value` with Numba's objects for placeholders, in it and in the dicts, lists and tuples it holds (the
+    tables of kernels: a dict is changed in place, so every name of it sees the change)."""
+    if isinstance(value, Placeholder):
+        return value.compiled()
+    if isinstance(value, dict):
+        if any(isinstance(v, (Placeholder, dict, list, tuple)) for item in value.items() for v in item):
+            items = [(_swapped(k), _swapped(v)) for k, v in value.items()]
+            value.clear()
+            value.update(items)
+    elif isinstance(value, list):
+        value[:] = [_swapped(v) for v in value]
+    elif isinstance(value, tuple) and any(isinstance(v, (Placeholder, dict, list, tuple)) for v in value):
+        swapped = tuple(_swapped(v) for v in value)
+        return value if all(a is b for a, b in zip(swapped, value)) else type(value)(*swapped) \
+            if hasattr(value, "_fields") else swapped
+    return value
+
+
 def load() -> None:
     """Import Numba and give the kernel modules its objects in place of every placeholder (idempotent)."""
     global _loaded
@@ -172,8 +192,7 @@ def load() -> None:
             namespaces.setdefault(id(kernel.py_func.__globals__), kernel.py_func.__globals__)
         for namespace in namespaces.values():
             for key, value in list(namespace.items()):
-                if isinstance(value, Placeholder):
-                    namespace[key] = value.compiled()
+                namespace[key] = _swapped(value)
         for target, options, impl in _overloads:
             numba_overload(target, **options)(impl)
         _loaded = True

@@ -135,6 +135,32 @@ def resolve(name: str):
     return value
 
 
+def raised_messages(kernel) -> list[str]:
+    """The constant messages that a kernel and the kernels it calls raise (what the library reports when
+    one of its calls stops on its data: the wrapper returns a status, not the exception)."""
+    import inspect
+    import re
+
+    messages, seen, pending = [], set(), [kernel.py_func]
+    while pending:
+        function = pending.pop()
+        if function in seen:
+            continue
+        seen.add(function)
+        try:
+            source = inspect.getsource(function)
+        except (OSError, TypeError):
+            continue
+        for message in re.findall(r'raise \w+\("([^"{}]*)"\)', source):
+            if message not in messages:
+                messages.append(message)
+        for name in function.__code__.co_names:
+            callee = getattr(function.__globals__.get(name), "py_func", None)
+            if callee is not None:
+                pending.append(callee)
+    return messages
+
+
 def _stub(name: str) -> str:
     return f'__attribute__((visibility("hidden"))) void {name}(void) {{ odtrain_unreachable("{name}"); }}\n'
 
@@ -173,7 +199,8 @@ def _main(spec_path: str, out_dir: str) -> None:
             else:
                 value.linkage = "internal"
         linked.link_in(module)
-        manifest_entries.append({"kernel": name, "signature": signature, "symbol": symbol})
+        manifest_entries.append({"kernel": name, "signature": signature, "symbol": symbol,
+                                 "errors": raised_messages(kernel)})
     linked.verify()
     provided = {"odtrain_cblas_sgemm", "odtrain_cblas_dgemm", "numba_parallel_for", "get_num_threads",
                 "get_thread_id", "set_num_threads", "get_parallel_chunksize", "set_parallel_chunksize",
