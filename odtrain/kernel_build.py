@@ -274,18 +274,25 @@ def recorded_entries(artifact_dir, batch_size: int = 32, thread_counts=None, inp
 
 
 def compile_artifacts(artifact_dir=None, out_dir=None, batch_size: int = 32, thread_counts=None, out=print) -> dict:
-    """Build the kernel library of a set of artifacts (default: the built-in demo classifier's) into
-    `out_dir` (default: the artifact folder's kernels/); returns the manifest."""
-    if artifact_dir is None:
-        from .cache import _demo_artifacts
+    """Build the kernel library of a set of artifacts (a folder, or a list of folders: one library for them all;
+    None: the built-in demo classifier's) into `out_dir` (default: the artifact folder's kernels/); returns the
+    manifest."""
+    folders = [artifact_dir] if artifact_dir is None or isinstance(artifact_dir, (str, os.PathLike)) \
+        else list(artifact_dir)
+    entries = set()
+    for folder in folders:
+        if folder is None:
+            from .cache import _demo_artifacts
 
-        with tempfile.TemporaryDirectory(prefix="odtrain-compile-") as scratch:
-            entries = recorded_entries(_demo_artifacts(scratch), batch_size, thread_counts)
-        if out_dir is None:
-            raise ValueError("give an output folder (-o) for the demo classifier's library")
-    else:
-        entries = recorded_entries(artifact_dir, batch_size, thread_counts)
-    return build(entries, out_dir or library_folder(artifact_dir), out)
+            with tempfile.TemporaryDirectory(prefix="odtrain-compile-") as scratch:
+                entries.update(recorded_entries(_demo_artifacts(scratch), batch_size, thread_counts))
+        else:
+            entries.update(recorded_entries(folder, batch_size, thread_counts))
+    if out_dir is None:
+        if len(folders) != 1 or folders[0] is None:
+            raise ValueError("give the library's folder (-o DIR) for the demo classifier or several artifact folders")
+        out_dir = library_folder(folders[0])
+    return build(sorted(entries), out_dir, out)
 
 
 def add_command(commands) -> None:
@@ -297,8 +304,9 @@ def add_command(commands) -> None:
         "them into one shared library with its manifest, by default in ARTIFACT_DIR/kernels/. A training process "
         "that finds it there loads it with ctypes: no kernel compiles, Numba is not imported for the kernels it "
         "holds.")
-    command.add_argument("artifact_dir", nargs="?", default=None, metavar="ARTIFACT_DIR",
-                         help="folder written by generate_artifacts (default: the demo classifier, with -o)")
+    command.add_argument("artifact_dir", nargs="*", default=None, metavar="ARTIFACT_DIR",
+                         help="folder written by generate_artifacts; several make one library for them all "
+                         "(with -o); none: the demo classifier (with -o)")
     command.add_argument("-o", "--output", default=None, metavar="DIR", help="the library's folder "
                          "(default: ARTIFACT_DIR/kernels)")
     command.add_argument("--batch-size", type=int, default=32, help="batch size of the recorded steps (default 32)")
@@ -312,9 +320,11 @@ def add_command(commands) -> None:
 def _command(args) -> int:
     from .graph.errors import ArgumentError
 
-    if args.artifact_dir is None and args.output is None:
-        raise ArgumentError("odtrain compile without ARTIFACT_DIR builds the demo classifier's kernels: give -o DIR")
-    compile_artifacts(args.artifact_dir, args.output, args.batch_size, args.threads)
+    folders = args.artifact_dir or [None]
+    if args.output is None and (len(folders) > 1 or folders[0] is None):
+        raise ArgumentError("odtrain compile without ARTIFACT_DIR (the demo classifier's kernels) or with several "
+                            "folders needs the library's folder: give -o DIR")
+    compile_artifacts(folders, args.output, args.batch_size, args.threads)
     return 0
 
 
