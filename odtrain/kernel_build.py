@@ -166,6 +166,7 @@ def _stub(name: str) -> str:
 
 
 def _main(spec_path: str, out_dir: str) -> None:
+    started = time.perf_counter()
     from llvmlite import binding as llvm
     from numba.core.caching import NullCache
     from numba.core.registry import cpu_target
@@ -235,7 +236,7 @@ def _main(spec_path: str, out_dir: str) -> None:
 
     manifest = {"odtrain": __version__, "numba": numba.__version__, "llvmlite": llvmlite.__version__,
                 "triple": triple, "cpu": cpu, "features": features, "kernel_sources": sources_digest(),
-                "entries": manifest_entries, "skipped": skipped}
+                "entries": manifest_entries, "skipped": skipped, "build_seconds": round(time.perf_counter() - started, 1)}
     with open(os.path.join(out_dir, MANIFEST_FILE), "w") as file:
         json.dump(manifest, file, indent=1)
     for line in skipped:
