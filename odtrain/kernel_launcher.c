@@ -176,6 +176,55 @@ HIDDEN void NRT_MemInfo_call_dtor(memory_block *block) {
 HIDDEN void *NRT_Allocate(size_t size) { return malloc(size); }
 HIDDEN void NRT_Free(void *pointer) { free(pointer); }
 
+/* ---- the reshape of a strided view without a copy (Numba's `reshape` on an 'A' array) ----
+   Returns 1 and the new strides when the view can be reshaped in place, else 0. The old axes are grouped
+   with the new ones into runs of equal element counts; each run of old axes must be one contiguous block
+   (in the order asked), and the new axes of that run take strides within it. Axes of length 1 have no
+   stride that matters. */
+
+HIDDEN int numba_attempt_nocopy_reshape(intptr_t nd, const intptr_t *dims, const intptr_t *strides,
+                                        intptr_t newnd, const intptr_t *newdims, intptr_t *newstrides,
+                                        intptr_t itemsize, int is_f_order) {
+    intptr_t olddims[64], oldstrides[64], old_count = 1, new_count = 1;
+    int oldnd = 0;
+    if (nd > 64) return 0;
+    for (int i = 0; i < nd; i++) {
+        if (dims[i] != 1) { olddims[oldnd] = dims[i]; oldstrides[oldnd] = strides[i]; oldnd++; }
+    }
+    for (int i = 0; i < oldnd; i++) old_count *= olddims[i];
+    for (int i = 0; i < newnd; i++) new_count *= newdims[i];
+    if (old_count != new_count) return 0;
+    if (new_count == 0) {  /* an empty view: any strides do */
+        for (int i = 0; i < newnd; i++) newstrides[i] = itemsize;
+        return 1;
+    }
+    int oi = 0, oj = 1, ni = 0, nj = 1;
+    while (ni < newnd && oi < oldnd) {
+        intptr_t new_run = newdims[ni], old_run = olddims[oi];
+        while (new_run != old_run) {
+            if (new_run < old_run) new_run *= newdims[nj++];
+            else old_run *= olddims[oj++];
+        }
+        for (int k = oi; k < oj - 1; k++) {  /* the old run must be one block */
+            if (is_f_order ? oldstrides[k + 1] != olddims[k] * oldstrides[k]
+                           : oldstrides[k] != olddims[k + 1] * oldstrides[k + 1]) return 0;
+        }
+        if (is_f_order) {
+            newstrides[ni] = oldstrides[oi];
+            for (int k = ni + 1; k < nj; k++) newstrides[k] = newstrides[k - 1] * newdims[k - 1];
+        } else {
+            newstrides[nj - 1] = oldstrides[oj - 1];
+            for (int k = nj - 1; k > ni; k--) newstrides[k - 1] = newstrides[k] * newdims[k];
+        }
+        ni = nj++;
+        oi = oj++;
+    }
+    intptr_t last = itemsize;  /* trailing new axes of length 1 */
+    if (ni >= 1) last = is_f_order ? newstrides[ni - 1] * newdims[ni - 1] : newstrides[ni - 1];
+    for (int k = ni; k < newnd; k++) newstrides[k] = last;
+    return 1;
+}
+
 /* ---- BLAS ---- */
 
 typedef void (*sgemm_fn)(int32_t, int32_t, int32_t, int64_t, int64_t, int64_t, float, const float *, int64_t,
