@@ -26,7 +26,9 @@ thread (odtrain_regions_forked() tells the loader).
 #include <pthread.h>
 #include <omp.h>
 
+#ifndef HIDDEN  /* tests build it with -DHIDDEN= to call the helpers */
 #define HIDDEN __attribute__((visibility("hidden")))
+#endif
 #define EXPORT __attribute__((visibility("default")))
 
 typedef int32_t (*kernel_fn)(void **arguments);

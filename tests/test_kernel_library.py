@@ -269,3 +269,43 @@ def test_two_python_threads_step_two_modules_correctly(mlp_library):
     for worker in workers:
         worker.join()
     assert all(np.array_equal(r, alone) for r in results)
+
+
+def test_strided_views_reshape_in_place_where_numpy_does(tmp_path):
+    """The launcher's numba_attempt_nocopy_reshape (Numba's `reshape` of an 'A' view in library code) against
+    numpy's reshape without a copy, on random strided views and shapes, in both orders."""
+    import ctypes
+
+    from odtrain.kernel_build import LAUNCHER
+
+    library = tmp_path / "launcher.so"
+    subprocess.run([os.environ.get("CC", "cc"), "-shared", "-fPIC", "-fopenmp", "-DHIDDEN=", "-o", str(library),
+                    LAUNCHER], check=True)
+    reshape = ctypes.CDLL(str(library)).numba_attempt_nocopy_reshape
+    reshape.restype = ctypes.c_int
+    rng = np.random.default_rng(0)
+    in_place = 0
+    for _ in range(500):
+        shape = tuple(int(s) for s in rng.integers(1, 5, size=rng.integers(1, 4)))
+        view = np.zeros(tuple(2 * s for s in shape), np.float32)[
+            tuple(slice(None, None, int(rng.integers(1, 3))) if rng.random() < 0.5 else slice(0, s) for s in shape)]
+        view = view.T if rng.random() < 0.3 else view
+        dims, rest = [], view.size
+        for _ in range(rng.integers(1, 3)):
+            dims.append(int(rng.choice([k for k in range(1, rest + 1) if rest % k == 0])))
+            rest //= dims[-1]
+        dims.append(rest)
+        for order in "CF":
+            try:
+                expected = np.reshape(view, dims, order=order, copy=False).strides
+            except ValueError:
+                expected = None
+            strides = (ctypes.c_int64 * len(dims))()
+            done = reshape(ctypes.c_int64(view.ndim), (ctypes.c_int64 * view.ndim)(*view.shape),
+                           (ctypes.c_int64 * view.ndim)(*view.strides), ctypes.c_int64(len(dims)),
+                           (ctypes.c_int64 * len(dims))(*dims), strides, ctypes.c_int64(4), ctypes.c_int(order == "F"))
+            assert bool(done) == (expected is not None), (view.shape, view.strides, dims, order)
+            if done:
+                in_place += 1
+                assert all(a == b for a, b, d in zip(strides, expected, dims) if d != 1)
+    assert in_place > 100
