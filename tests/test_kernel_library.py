@@ -309,3 +309,10 @@ def test_strided_views_reshape_in_place_where_numpy_does(tmp_path):
                 in_place += 1
                 assert all(a == b for a, b, d in zip(strides, expected, dims) if d != 1)
     assert in_place > 100
+
+
+def test_compile_without_artifacts_asks_for_the_librarys_folder(capsys):
+    from conftest import odtrain_main
+
+    code, _, err = odtrain_main(capsys, "compile")
+    assert code != 0 and "-o DIR" in err
