@@ -220,14 +220,7 @@ def _tag(number: int, wire: int) -> bytes:
     return _varint(number << 3 | wire)
 
 
-def _varint(value: int) -> bytes:
-    value &= (1 << 64) - 1
-    out = bytearray()
-    while True:
-        byte, value = value & 0x7F, value >> 7
-        out.append(byte | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
+_varint = onnx_wire._varint_bytes  # the writer's varints (checked against onnx's serialisation below)
 
 
 def _field(number: int, payload: bytes) -> bytes:
