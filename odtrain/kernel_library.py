@@ -31,6 +31,7 @@ import sys
 import numpy as np
 
 from .kernels.blas_library import found_openblas, gemm_addresses
+from .threads import configure_without_compiler
 
 LIBRARY_FILE = "libodtrain_kernels.so"
 MANIFEST_FILE = "manifest.json"
@@ -116,6 +117,7 @@ class KernelLibrary:
         refusal = refusal_of(self.manifest)
         if refusal:
             raise LibraryRefused(f"{self.folder}: {refusal}")
+        configure_without_compiler()  # OpenMP's waiting policy, read once when libgomp loads with the library
         self._dll = ctypes.CDLL(os.path.join(self.folder, LIBRARY_FILE))  # ctypes releases the GIL in calls
         self._run = self._dll.odtrain_run
         self._run.restype = ctypes.c_int64
