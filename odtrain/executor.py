@@ -239,7 +239,8 @@ class Program:
             self._close(run)
             run = []
             self.segments.append((index, kernel, args))
-            missing.append((kernel, args))
+            if kernel_name(kernel) is not None:  # a JIT kernel (else Python: an optimizer update, itself a library call)
+                missing.append((kernel, args))
         self._close(run)
         self.jit_calls = len(missing)
         if missing:
