@@ -3,8 +3,10 @@
 The kernel modules take `njit`, `prange`, `intrinsic`, `overload`, `types` and `carray` from here. Until
 `load()` runs they are placeholders, so that a process whose kernels all run in the kernel library
 (odtrain/kernel_library.py) imports the kernel modules, and their bindings, without Numba:
-- `@njit(...)` gives a `Deferred` kernel: its `py_func` names it, and its first call (or any attribute
-  of a Numba dispatcher asked of it) loads the compiler;
+- `@njit(...)` gives a `Deferred` kernel: its `py_func` names it; called before the compiler loads it
+  runs as Python (the helpers that bindings call while a step is bound: sizes, layouts; a kernel the
+  library lacks is run only after odtrain.runtime.load()), after that as Numba's dispatcher; a
+  dispatcher's attribute asked of it loads the compiler;
 - `@intrinsic`, `prange`, `types` and `carray` give placeholders; `@overload(f)` is remembered.
 `load()` (odtrain.runtime.load before the first JIT step, the library's build, a Deferred's first call)
 imports Numba and replaces every placeholder in the kernel modules' globals (and in the dicts, lists and
@@ -54,7 +56,8 @@ class Deferred(Placeholder):
         return self._dispatcher
 
     def __call__(self, *args, **kwargs):
-        load()
+        if not _loaded:  # a helper called while a step is bound (sizes, layouts): Python, as the kernel reads
+            return self.py_func(*args, **kwargs)
         return self.compiled()(*args, **kwargs)
 
     def __getattr__(self, name):  # a dispatcher's attribute (signatures, stats, ...): the compiler is needed
@@ -96,6 +99,8 @@ class _Name(Placeholder):
         return getattr(self.compiled(), attribute)
 
     def __call__(self, *args, **kwargs):  # prange in a kernel run as Python: range
+        if not _loaded and self.name == "prange":
+            return range(*args, **kwargs)
         load()
         return self.compiled()(*args, **kwargs)
 

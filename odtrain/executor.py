@@ -285,6 +285,7 @@ def invoke(kernel, args, threads: int = 1, library=None) -> None:
     if _recording is not None:
         _recording.append((kernel, args))
     elif library is None or not library.call(kernel, args, threads):
+        runtime.load()  # the JIT's kernel (before the compiler loads, a kernel would run as Python)
         kernel(*args)
 
 
