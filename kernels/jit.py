@@ -3,17 +3,19 @@
 The kernel modules take `njit`, `prange`, `intrinsic`, `overload`, `types` and `carray` from here. Until
 `load()` runs they are placeholders, so that a process whose kernels all run in the kernel library
 (odtrain/kernel_library.py) imports the kernel modules, and their bindings, without Numba:
-- `@njit(...)` gives a `Deferred` kernel: its `py_func` names it; called before the compiler loads it
-  runs as Python (the helpers that bindings call while a step is bound: sizes, layouts; a kernel the
-  library lacks is run only after odtrain.runtime.load()), after that as Numba's dispatcher; a
-  dispatcher's attribute asked of it loads the compiler;
+- `@njit(...)` gives a `Deferred` kernel: its `py_func` names it; called, it loads the compiler and runs
+  as Numba's dispatcher, except in a process whose kernel library runs the steps (`without_compiler()`):
+  there the helpers that bindings call while a step is bound (sizes, layouts) run as Python until the
+  compiler loads (a kernel the library lacks is run only after odtrain.runtime.load()); a dispatcher's
+  attribute asked of it loads the compiler;
 - `@intrinsic`, `prange`, `types` and `carray` give placeholders; `@overload(f)` is remembered.
-`load()` (odtrain.runtime.load before the first JIT step, the library's build, a Deferred's first call)
-imports Numba and replaces every placeholder in the kernel modules' globals (and in the dicts, lists and
-tuples they hold: the tables of twins), and in the namespaces of kernels generated from source, by Numba's
-object (one dispatcher per kernel), registers the overloads
-and runs the hooks given to `on_load` (kernels/blas.py registers its BLAS symbols there). From then on
-the kernel modules hold exactly what decorating at import would have given them, and `njit` is Numba's.
+`load()` (odtrain.runtime.load before the first JIT step, the library's build) imports Numba, replaces
+the placeholders of names (prange, types, carray, intrinsics) in the kernel modules' globals and in the
+namespaces of kernels generated from source by Numba's objects, registers the overloads and runs the
+hooks given to `on_load` (kernels/blas.py registers its BLAS symbols there). Deferred kernels stay what
+they are: Numba types one as its dispatcher (`_numba_type_`, asked of the dispatcher), so kernels that
+call kernels compile as if decorated at import; `resolved(kernel)` is the dispatcher, for a step's loop.
+From then on `njit` is Numba's.
 
 Imports nothing at import; Numba at load().
 """
@@ -25,6 +27,7 @@ import threading
 _PACKAGE = __name__.rpartition(".")[0]
 _lock = threading.RLock()
 _loaded = False
+_without_compiler = False  # a kernel library runs the steps: helpers called from Python run as Python
 _deferred: list = []
 _overloads: list = []
 _hooks: list = []
@@ -56,8 +59,10 @@ class Deferred(Placeholder):
         return self._dispatcher
 
     def __call__(self, *args, **kwargs):
-        if not _loaded:  # a helper called while a step is bound (sizes, layouts): Python, as the kernel reads
-            return self.py_func(*args, **kwargs)
+        if not _loaded:
+            if _without_compiler:  # a helper called while a step is bound (sizes, layouts): as Python
+                return self.py_func(*args, **kwargs)
+            load()
         return self.compiled()(*args, **kwargs)
 
     def __getattr__(self, name):  # a dispatcher's attribute (signatures, stats, ...): the compiler is needed
@@ -158,13 +163,30 @@ def on_load(hook) -> None:
         _hooks.append(hook)
 
 
+def without_compiler() -> None:
+    """From now on, until the compiler loads, a deferred kernel called from Python runs as Python (its
+    arithmetic as the kernel's for the integer helpers that bindings call while a step is bound) instead of
+    loading the compiler: a process whose kernel library runs the steps (odtrain/kernel_library.py)."""
+    global _without_compiler
+    _without_compiler = True
+
+
+def resolved(kernel):
+    """The callable that runs `kernel`: its Numba dispatcher once the compiler is loaded, else itself."""
+    return kernel.compiled() if _loaded and isinstance(kernel, Deferred) else kernel
+
+
 def loaded() -> bool:
     return _loaded
 
 
 def _swapped(value):
-    """`value` with Numba's objects for placeholders, in it and in the dicts, lists and tuples it holds (the
-    tables of kernels: a dict is changed in place, so every name of it sees the change)."""
+    """`value` with Numba's objects for the placeholders of names (prange, types, carray, intrinsics), in it
+    and in the dicts, lists and tuples it holds (a dict is changed in place). Deferred kernels stay: they are
+    the kernels' identity everywhere (tables of twins, closures of bindings, calls bound before the compiler
+    loaded), Numba types one as its dispatcher and calling one calls the dispatcher."""
+    if isinstance(value, Deferred):  # stays: Numba types it as its dispatcher (_numba_type_), Python calls it
+        return value
     if isinstance(value, Placeholder):
         return value.compiled()
     if isinstance(value, dict):

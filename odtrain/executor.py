@@ -37,6 +37,7 @@ from .graph.schedule import split_forward_backward
 from .graph.step_plan import plan_step
 from .kernels import BINDINGS, PARALLEL, SCRATCH
 from .kernels.blas import hold_one_thread, release_thread
+from .kernels.jit import resolved
 from . import runtime, threads as thread_policy
 from .kernel_library import kernel_name
 from .kernel_sources import discard_stale
@@ -140,6 +141,7 @@ class BoundGraph:
         self.calls = calls
         self.call_nodes = call_nodes  # the node each call belongs to (None: a gradient added into its sink)
         self.program = Program(self.library, calls) if self.library is not None else None
+        self._jit_calls = [(resolved(kernel), args) for kernel, args in calls] if self.program is None else None
 
     def _bind_node(self, index: int, node: Node, storage: dict[str, np.ndarray]):
         types = self.types
@@ -179,7 +181,7 @@ class BoundGraph:
         try:
             with self.step_threads() as threads:
                 if self.program is None:
-                    for kernel, args in self.calls:
+                    for kernel, args in self._jit_calls:
                         kernel(*args)
                 else:
                     failed = self.program.run(threads)

@@ -31,6 +31,7 @@ import sys
 import numpy as np
 
 from .kernels.blas_library import found_openblas, gemm_addresses
+from .kernels.jit import without_compiler
 from .threads import configure_without_compiler
 
 LIBRARY_FILE = "libodtrain_kernels.so"
@@ -118,6 +119,7 @@ class KernelLibrary:
         if refusal:
             raise LibraryRefused(f"{self.folder}: {refusal}")
         configure_without_compiler()  # OpenMP's waiting policy, read once when libgomp loads with the library
+        without_compiler()  # the bindings' helpers run as Python rather than load Numba for them
         self._dll = ctypes.CDLL(os.path.join(self.folder, LIBRARY_FILE))  # ctypes releases the GIL in calls
         self._run = self._dll.odtrain_run
         self._run.restype = ctypes.c_int64
