@@ -12,7 +12,9 @@ outside the arena, the memory plan); the executor only lays out and binds:
   else a MemoryBudgetError, before any work, says what memory_budget would fit);
 - each node's kernel binding turns it into (kernel, args) calls on views.
 A step copies the feeds into their arena slots and runs the calls: no
-lookups, no allocation. Graphs that never run at the same time (a
+lookups, no allocation. With a kernel library (odtrain/kernel_library.py) the calls it holds run
+in it, a run of them in one foreign call with their arguments packed once (`Program`); the others,
+and every call without a library, run through Numba's dispatchers. Graphs that never run at the same time (a
 Module's train and eval steps, at every input shape) share one arena
 buffer (`SharedArena`), as large as the largest of their plans. Gradients of trainable parameters are written
 straight into the gradient buffer (the usual step, after lazy_reset_grad),
