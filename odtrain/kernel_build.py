@@ -66,6 +66,9 @@ def numba_type(text: str):
     from numba import types
     from numba.np.numpy_support import from_dtype
 
+    if text.startswith("("):
+        items = [numba_type(t) for t in text[1:-1].split(",") if t]
+        return types.UniTuple(items[0], len(items)) if items and len(set(items)) == 1 else types.Tuple(items)
     if "[" not in text:
         return types.boolean if text == "bool" else from_dtype(np.dtype(text))
     dtype, rest = text[:-1].split("[")
@@ -106,6 +109,12 @@ def _loader(index: int, kind):
             itemsize = context.get_constant(types.intp, context.get_abi_sizeof(context.get_data_type(kind.dtype)))
             populate_array(array, data=data, shape=shape, strides=strides, itemsize=itemsize, meminfo=None)
             return array._getvalue()
+        if isinstance(kind, types.BaseTuple):  # a word per item
+            record = builder.bitcast(slot, word.as_pointer())
+            items = [context.data_model_manager[t].load_from_data_pointer(
+                builder, builder.bitcast(builder.gep(record, [ir.Constant(word, i)]), context.get_data_type(t).as_pointer()))
+                for i, t in enumerate(kind.types)]
+            return context.make_tuple(builder, kind, items)
         pointer = builder.bitcast(slot, context.get_data_type(kind).as_pointer())
         return context.data_model_manager[kind].load_from_data_pointer(builder, pointer)
 

@@ -9,9 +9,10 @@
 A kernel call is (kernel, args): the kernel is named by its module and qualified name (`kernel_name`),
 its arguments by a signature string (`signature_of`) that says what Numba's typeof would: an array's
 dtype, rank, layout ('C', 'F' or 'A'), read-only and unaligned flags; a scalar's type (a Python int
-is int64, a float float64, a bool bool). `KernelLibrary.prepare` packs one call's arguments once, when
+is int64, a float float64, a bool bool); a tuple of scalars, theirs in parentheses. `KernelLibrary.prepare` packs one call's arguments once, when
 a step is bound, into one int64 block: a pointer per argument, then each argument's record (an array:
-data address, shape, strides in bytes; a scalar: its value in its own dtype). A step's calls then run
+data address, shape, strides in bytes; a scalar: its value in its own dtype, in one word; a tuple: a
+word per item). A step's calls then run
 in one foreign call (`Program`), the GIL released.
 
 Refused, by name, never loaded (`load` raises LibraryRefused, which `find` reports once and bypasses):
@@ -67,6 +68,13 @@ def argument_type(value) -> str | None:
         flags = value.flags
         layout = "C" if flags.c_contiguous else "F" if flags.f_contiguous else "A"
         return f"{value.dtype.name}[{value.ndim}{layout}{'' if flags.writeable else 'r'}{'' if flags.aligned else 'u'}]"
+    if isinstance(value, tuple):  # of scalars: Numba's UniTuple or Tuple
+        kinds = [_scalar_type(v) for v in value]
+        return None if None in kinds else "(" + ",".join(kinds) + ")"
+    return _scalar_type(value)
+
+
+def _scalar_type(value) -> str | None:
     kind = _SCALARS.get(type(value))
     if kind is not None:
         return kind
@@ -85,6 +93,8 @@ def _record(value) -> list[int]:
     """One argument's record, as int64 words."""
     if isinstance(value, np.ndarray):
         return [value.ctypes.data, *value.shape, *value.strides]
+    if isinstance(value, tuple):
+        return [word for item in value for word in _record(item)]
     kind = argument_type(value)
     word = np.zeros(1, dtype=np.int64)
     word.view(np.uint8)[:np.dtype(kind if kind != "bool" else np.uint8).itemsize] = \

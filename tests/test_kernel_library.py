@@ -164,7 +164,8 @@ def test_argument_blocks_hold_records_numba_would_type_the_same():
     strided = arena[:48].reshape(6, 8)[:, ::2]
     frozen = np.arange(4, dtype=np.int64)
     frozen.flags.writeable = False
-    values = [strided, arena.reshape(8, 8).T, frozen, 3, 2.5, True, np.float32(1.5), np.int64(7)]
+    values = [strided, arena.reshape(8, 8).T, frozen, 3, 2.5, True, np.float32(1.5), np.int64(7), (1, 2, 3),
+              (1, 2.5, True)]
     for value in values:
         assert numba_type(kernel_library.argument_type(value)) == typeof(value), value
     block = pack([strided, 3, np.float32(1.5)])
