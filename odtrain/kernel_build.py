@@ -78,6 +78,18 @@ def numba_type(text: str):
                        aligned="u" not in flags)
 
 
+def argument_types(signature: str) -> list[str]:
+    """The argument types of a signature text, split at the commas outside parentheses."""
+    found, depth, start = [], 0, 0
+    for index, char in enumerate(signature + ","):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            if index > start:
+                found.append(signature[start:index])
+            start = index + 1
+    return found
+
+
 _loaders: dict = {}
 
 
@@ -198,7 +210,7 @@ def _main(spec_path: str, out_dir: str) -> None:
         symbol = f"odtrain_kernel_{index}"
         try:
             kernel = resolve(name)
-            function = wrapper(kernel, tuple(numba_type(t) for t in signature.split(",") if t))
+            function = wrapper(kernel, tuple(numba_type(t) for t in argument_types(signature)))
             module = llvm.parse_assembly(function.inspect_llvm())
         except Exception as error:  # a kernel that does not compile at these types: the JIT's, as before
             skipped.append(f"{name}({signature}): {type(error).__name__}: {str(error).splitlines()[0][:200]}")

@@ -158,7 +158,7 @@ def test_a_library_from_elsewhere_is_refused_by_name(mlp_library, tmp_path, caps
 def test_argument_blocks_hold_records_numba_would_type_the_same():
     from numba import typeof
 
-    from odtrain.kernel_build import numba_type
+    from odtrain.kernel_build import argument_types, numba_type
 
     arena = np.zeros(64, dtype=np.float32)
     strided = arena[:48].reshape(6, 8)[:, ::2]
@@ -168,6 +168,7 @@ def test_argument_blocks_hold_records_numba_would_type_the_same():
               (1, 2.5, True)]
     for value in values:
         assert numba_type(kernel_library.argument_type(value)) == typeof(value), value
+    assert [numba_type(t) for t in argument_types(signature_of(values))] == [typeof(v) for v in values]
     block = pack([strided, 3, np.float32(1.5)])
     assert block[0] == block.ctypes.data + 3 * 8  # the first record follows the pointers
     assert list(block[3:8]) == [strided.ctypes.data, 6, 4, 32, 8]
