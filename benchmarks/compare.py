@@ -22,6 +22,8 @@ golden.npz (x/y, one batch per step, reused cyclically; x cast to meta's input d
 --systems, any of:
   odtrain    odtrain.artifacts/api; a run with a fresh NUMBA_CACHE_DIR (cold), then runs reusing
              it (warm); the ratios use the warm runs.
+  odtrain_lib  the same artifacts with their kernel library (`odtrain compile`, at the workload's batch,
+             built in the prepare phase and timed there): no kernel compiles, Numba is not imported.
   ort        onnxruntime.training with `torch` blocked: the runtime alone.
   ort_torch  the same with a plain `import onnxruntime.training.api`, which imports torch.
   torch      eager PyTorch running the ONNX graph op by op (torch_ops covers all five workloads),
@@ -133,6 +135,12 @@ def prepare_api(args, pkg):
         model, requires_grad=meta["requires_grad"], frozen_params=meta["frozen_params"],
         loss=artifacts.LossType.CrossEntropyLoss, optimizer=artifacts.OptimType.AdamW,
         artifact_directory=args.artifacts)
+    if args.system == "odtrain_lib":
+        from odtrain.kernel_build import compile_artifacts
+
+        t = time.perf_counter()
+        compile_artifacts(args.artifacts, batch_size=meta["input_shape"][0], out=lambda line: print(line, file=sys.stderr))
+        print(f"library built in {time.perf_counter() - t:.1f} s", file=sys.stderr)
     for f in Path(args.artifacts).glob("*.onnx") if is_ort else ():
         m = onnx.load(str(f))
         m.ir_version = 8  # it refuses IR > 10
@@ -153,7 +161,9 @@ def run_api(args, pkg, block_torch):
         stub.__path__ = list(find_spec(pkg).submodule_search_locations)
         sys.modules[pkg] = stub
     api = importlib.import_module(pkg + ".api")
-    if pkg == "odtrain":  # Numba's CPU target and BLAS: what ORT's import of its native library is
+    if pkg == "odtrain" and args.system == "odtrain_lib":  # the kernel library: what ORT's native library is
+        assert importlib.import_module("odtrain.kernel_library").find(args.artifacts) is not None
+    elif pkg == "odtrain":  # Numba's CPU target and BLAS: what ORT's import of its native library is
         importlib.import_module("odtrain.runtime").load()
     t_import = time.perf_counter() - t_start
     floor = {"floor_rss_mib": rss_kib() / 1024, "floor_anon_mib": rss_kib("RssAnon") / 1024}
@@ -295,7 +305,7 @@ def run_torch(args):
 
 
 def worker(args):
-    pkg = "odtrain" if args.system == "odtrain" else "onnxruntime.training"
+    pkg = "odtrain" if args.system.startswith("odtrain") else "onnxruntime.training"
     try:
         if args.phase == "prepare":
             if args.system != "torch":  # torch parses the ONNX graph itself when it runs
@@ -314,13 +324,14 @@ def worker(args):
 # ---------------------------------------------------------------- driver
 def spawn(args, system, phase, artifacts, numba_cache=None):
     """Run one worker in a fresh process; return its JSON result, or {"error": ...}."""
-    python = {"odtrain": args.odtrain_python, "torch": args.torch_python}.get(system, args.ort_python)
+    python = {"odtrain": args.odtrain_python, "odtrain_lib": args.odtrain_python,
+              "torch": args.torch_python}.get(system, args.ort_python)
     cmd = [python, os.path.abspath(__file__), "--worker", "--phase", phase, "--system", system,
            "--workload", args.workload, "--models", str(args.models), "--artifacts", artifacts,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads)]
     env = dict(os.environ)
     env.pop("PYTHONDONTWRITEBYTECODE", None)  # as installed packages run: byte code compiled once, not per process
-    if system == "odtrain":
+    if system.startswith("odtrain"):
         env["NUMBA_CACHE_DIR"] = numba_cache
         if args.odtrain_threads:
             env["ODTRAIN_NUM_THREADS"] = str(args.odtrain_threads)
@@ -354,8 +365,8 @@ def driver(args):
     args.torch_python = args.torch_python or args.ort_python
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     for s in systems:
-        if s not in ("odtrain", "ort", "ort_torch", "torch"):
-            sys.exit(f"unknown system {s!r}: choose from odtrain, ort, ort_torch, torch")
+        if s not in ("odtrain", "odtrain_lib", "ort", "ort_torch", "torch"):
+            sys.exit(f"unknown system {s!r}: choose from odtrain, odtrain_lib, ort, ort_torch, torch")
         if s != "odtrain" and not args.ort_python and not (s == "torch" and args.torch_python):
             sys.exit(f"{s} needs --ort-python (see the module docstring for the venv)")
     tmp = tempfile.mkdtemp(prefix="odtrain-compare-")
@@ -387,8 +398,8 @@ def driver(args):
 
 
 def report(args, res):
-    ours = res.get("odtrain warm") or res.get("odtrain cold")
-    cols = [c for c in ("odtrain cold", "odtrain warm", "ort", "ort_torch", "torch") if c in res]
+    ours = res.get("odtrain_lib") or res.get("odtrain warm") or res.get("odtrain cold")
+    cols = [c for c in ("odtrain cold", "odtrain warm", "odtrain_lib", "ort", "ort_torch", "torch") if c in res]
     ratios = {f"odtrain/{c}": {k: ours[k] / res[c][k] for _, k, _ in ROWS
                                if k not in NO_RATIO and ours[k] is not None and res[c][k]}
               for c in ("ort", "torch") if c in res and ours}

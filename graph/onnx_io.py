@@ -15,6 +15,7 @@ onnx is imported inside the functions that use it, never when this module loads.
 from __future__ import annotations
 
 import os
+import sys
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -22,7 +23,8 @@ import numpy as np
 from .errors import ArtifactNotFoundError, ModelError, UnsupportedOpError
 from .ir import DEFAULT_DOMAIN, ODTRAIN_DOMAIN, Graph, Node, TensorType
 from .onnx_wire import (EXTERNAL, AttributeData, AttributeType, GraphData, ModelData, NodeData, TensorData,
-                        ValueInfoData, element_type_name, numpy_dtype, read_model)
+                        ValueInfoData, element_type, element_type_name, encode_model, minimum_ir_version, numpy_dtype,
+                        read_model, tensor_data)
 
 if TYPE_CHECKING:
     import onnx
@@ -365,8 +367,57 @@ def graph_to_proto(graph: Graph, extra_inputs: list[str] = (), producer: str = "
     return helper.make_model(g, opset_imports=opset_imports, producer_name=producer, ir_version=ir_version)
 
 
+def _attribute_of(key: str, value) -> AttributeData:
+    """An attribute's AttributeData, its type from its Python value (an empty list: ints)."""
+    if isinstance(value, np.ndarray):
+        return AttributeData(key, AttributeType.TENSOR, tensor_data("", value))
+    if isinstance(value, (bool, int, np.integer)):
+        return AttributeData(key, AttributeType.INT, int(value))
+    if isinstance(value, (float, np.floating)):
+        return AttributeData(key, AttributeType.FLOAT, float(value))
+    if isinstance(value, (str, bytes)):
+        return AttributeData(key, AttributeType.STRING, value)
+    values = list(value)
+    if values and all(isinstance(v, (str, bytes)) for v in values):
+        return AttributeData(key, AttributeType.STRINGS, values)
+    if any(isinstance(v, (float, np.floating)) for v in values):
+        return AttributeData(key, AttributeType.FLOATS, [float(v) for v in values])
+    return AttributeData(key, AttributeType.INTS, [int(v) for v in values])
+
+
+def _value_info_of(name: str, t: TensorType | None) -> ValueInfoData:
+    if t is None:
+        return ValueInfoData(name)
+    return ValueInfoData(name, element_type(t.dtype), None if t.shape is None else tuple(t.shape))
+
+
+def graph_data(graph: Graph, extra_inputs: list[str] = ()) -> ModelData:
+    """The ModelData of `graph` (what graph_to_proto builds, without onnx), with every known value type as
+    value_info, so that loading it runs no inference."""
+    nodes = [NodeData(n.op_type, list(n.inputs), list(n.outputs), n.name, n.domain,
+                      [_attribute_of(k, v) for k, v in sorted(n.attrs.items())]) for n in graph.nodes]
+    inputs = [_value_info_of(n, graph.value_types.get(n)) for n in list(graph.inputs) + list(extra_inputs)]
+    outputs = [_value_info_of(n, graph.value_types.get(n)) for n in graph.outputs]
+    named = set(graph.inputs) | set(extra_inputs) | set(graph.outputs) | set(graph.initializers)
+    value_info = [_value_info_of(n, t) for n, t in graph.value_types.items() if n not in named and t is not None]
+    initializers = [tensor_data(k, v) for k, v in graph.initializers.items()]
+    opsets = dict(graph.opsets)
+    if any(n.domain == ODTRAIN_DOMAIN for n in graph.nodes):
+        opsets[ODTRAIN_DOMAIN] = ODTRAIN_OPSET
+    return ModelData(minimum_ir_version(opsets.items()), list(opsets.items()),
+                     GraphData(graph.name, nodes, initializers, inputs, outputs, value_info))
+
+
 def save_graph(graph: Graph, path, extra_inputs: list[str] = ()) -> None:
-    """Write `graph` with ONNX's inferred value types inside, so that loading it runs no inference."""
+    """Write `graph` with ONNX's inferred value types inside, so that loading it runs no inference. Where
+    onnx is not loaded (a device that trains), the file is encoded by onnx_wire with the value types odtrain
+    knows instead of importing onnx for it."""
+    if "onnx" not in sys.modules:
+        data = graph_data(graph, extra_inputs)
+        data.metadata[SHAPES_INFERRED] = "odtrain"
+        with open(os.fspath(path), "wb") as file:
+            file.write(encode_model(data))
+        return
     import onnx
 
     proto = _with_inferred_shapes(graph_to_proto(graph, extra_inputs))

@@ -568,3 +568,97 @@ def _dimension(data: bytes, span) -> int | str | None:
         elif number == 2 and wire == LENGTH:
             dim = _text(data, value)
     return None if dim == "" else dim
+
+
+# ---- writing: the same messages encoded, for saving a model where onnx is not loaded ----
+# The lowest IR version that carries each default-domain opset (onnx.helper.VERSION_TABLE's facts).
+_IR_FOR_OPSET = ((8, 3), (9, 4), (10, 5), (11, 6), (14, 7), (18, 8), (20, 9), (22, 10), (23, 11), (24, 12),
+                 (27, 13), (10 ** 9, 14))
+
+
+def minimum_ir_version(opset_import) -> int:
+    """The lowest IR version that a model importing these (domain, version) opsets may declare."""
+    version = dict(opset_import).get("", dict(opset_import).get("ai.onnx", 1))
+    return next(ir for last, ir in _IR_FOR_OPSET if version <= last)
+
+
+def _varint_bytes(value: int) -> bytes:
+    value &= (1 << 64) - 1  # a negative int32 or int64 as its 64-bit two's complement
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def _number(field_number: int, value: int) -> bytes:
+    return _varint_bytes(field_number << 3 | VARINT) + _varint_bytes(int(value))
+
+
+def _length(field_number: int, payload) -> bytes:
+    payload = payload.encode() if isinstance(payload, str) else bytes(payload)
+    return _varint_bytes(field_number << 3 | LENGTH) + _varint_bytes(len(payload)) + payload
+
+
+def _encode_tensor(tensor: TensorData) -> bytes:
+    out = b"".join(_number(1, d) for d in tensor.dims) + _number(2, tensor.data_type)
+    return out + _length(8, tensor.name) + _length(9, tensor.raw_data or b"")
+
+
+def tensor_data(name: str, array: np.ndarray) -> TensorData:
+    """A float, int or bool array as a TensorData with little-endian raw_data."""
+    array = np.asarray(array)
+    return TensorData(name, list(array.shape), element_type(array.dtype),
+                      np.ascontiguousarray(array, array.dtype.newbyteorder("<")).tobytes())
+
+
+def _encode_attribute(attribute: AttributeData) -> bytes:
+    kind, value = AttributeType(attribute.type), attribute.value
+    out = _length(1, attribute.name)
+    if kind == AttributeType.FLOAT:
+        out += _varint_bytes(2 << 3 | FIXED32) + struct.pack("<f", value)
+    elif kind == AttributeType.INT:
+        out += _number(3, value)
+    elif kind == AttributeType.STRING:
+        out += _length(4, value)
+    elif kind == AttributeType.TENSOR:
+        out += _length(5, _encode_tensor(value))
+    elif kind == AttributeType.FLOATS:
+        out += _length(7, struct.pack(f"<{len(value)}f", *value))
+    elif kind == AttributeType.INTS:
+        out += _length(8, b"".join(_varint_bytes(int(v)) for v in value))
+    elif kind == AttributeType.STRINGS:
+        out += b"".join(_length(9, v) for v in value)
+    else:
+        raise ModelError(f"attribute '{attribute.name}': writing {kind.name} attributes needs the onnx package")
+    return out + _number(20, kind)
+
+
+def _encode_value_info(info: ValueInfoData) -> bytes:
+    tensor = _number(1, info.elem_type) if info.elem_type else b""
+    if info.shape is not None:
+        dims = [_number(1, d) if isinstance(d, int) else _length(2, d) if isinstance(d, str) else b""
+                for d in info.shape]
+        tensor += _length(2, b"".join(_length(1, d) for d in dims))
+    return _length(1, info.name) + (_length(2, _length(1, tensor)) if info.elem_type else b"")
+
+
+def _encode_node(node: NodeData) -> bytes:
+    out = b"".join(_length(1, name) for name in node.inputs) + b"".join(_length(2, name) for name in node.outputs)
+    out += _length(3, node.name) + _length(4, node.op_type)
+    out += b"".join(_length(5, _encode_attribute(a)) for a in node.attributes)
+    return out + (_length(7, node.domain) if node.domain else b"")
+
+
+def encode_model(model: ModelData, producer: str = "odtrain") -> bytes:
+    """The ModelProto bytes of `model` (tensors as raw_data; attributes of the kinds AttributeData reads)."""
+    graph = model.graph
+    body = b"".join(_length(1, _encode_node(n)) for n in graph.nodes) + _length(2, graph.name)
+    body += b"".join(_length(5, _encode_tensor(t)) for t in graph.initializers)
+    body += b"".join(_length(11, _encode_value_info(v)) for v in graph.inputs)
+    body += b"".join(_length(12, _encode_value_info(v)) for v in graph.outputs)
+    body += b"".join(_length(13, _encode_value_info(v)) for v in graph.value_info)
+    out = _number(1, model.ir_version) + _length(2, producer) + _length(7, body)
+    out += b"".join(_length(8, _length(1, domain) + _number(2, version)) for domain, version in model.opset_import)
+    return out + b"".join(_length(14, _length(1, k) + _length(2, v)) for k, v in model.metadata.items())

@@ -23,7 +23,9 @@ also receive `threads=` (the step's thread count, fixed when the step is
 bound), so scratch sizes are a function of the thread count. With
 `threads=1` it runs its serial kernels.
 
-Imports numpy and numba only, nothing else of odtrain's.
+Kernel modules take Numba's names from kernels/jit.py, which loads Numba only when a kernel compiles:
+a process whose steps run in a kernel library (odtrain/kernel_library.py) imports the bindings without
+it. Imports numpy (and Numba, through jit.py), nothing else of odtrain's.
 """
 from __future__ import annotations
 
@@ -46,7 +48,6 @@ def binding(op_type: str, domain: str = "", scratch=None, parallel: bool = False
         return fn
 
     return register
-
 
 from . import (  # noqa: E402,F401
     attention, conv, elementwise, linalg, nn, normalization, optim, pool, quantize, recurrent, reduction, resize, signal,

@@ -32,7 +32,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+
+from .jit import njit, prange
 
 from . import ODTRAIN_DOMAIN, binding
 from .blas import gemm_blocks

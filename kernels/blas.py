@@ -18,35 +18,28 @@ address, so a cache stays valid whichever library the next process finds):
 ODTRAIN_GEMM=numba chooses the second route where both exist. `GEMM_LIBRARY` names the choice.
 
 Kernels run BLAS on one thread (their parts are the threads): `hold_one_thread()` / `release_thread()`
-set numpy's OpenBLAS to one thread for the duration of a step and give the program its own count back
-afterwards, so numpy's products outside steps keep their threads (scipy's BLAS, used by the second
-route, is set to one thread for the process by odtrain.threads).
+(kernels/blas_library.py, which finds numpy's OpenBLAS without Numba) set numpy's OpenBLAS to one thread
+for the duration of a step and give the program its own count back afterwards (scipy's BLAS, used by the
+second route, is set to one thread for the process by odtrain.threads).
 
 `product(a, b, c)` is c = a · b for 2-D views with a unit stride along one axis;
 `gemm_batched_parts(...)` runs a batch of products in parallel parts, of the products or of their rows or
 columns.
 
-Imports numpy and numba, and llvmlite (Numba's code generator) and ctypes to register the symbols.
+Imports numpy; Numba, and llvmlite (Numba's code generator) to register the symbols, when the compiler
+loads (kernels/jit.py).
 """
 from __future__ import annotations
 
-import ctypes
-import os
-import threading
-
 import numpy as np
-from llvmlite import binding
-from numba import carray, cfunc, njit, prange, types
-from numba.core import cgutils
-from numba.extending import intrinsic
-from numba.np.linalg import ensure_blas
+
+from .jit import carray, intrinsic, njit, on_load, prange, types
+
+from .blas_library import (ROUTE_VARIABLE, found_openblas, gemm_addresses, hold_one_thread,  # noqa: F401
+                           product_threads, release_thread)
 
 SYMBOLS = {"float32": "odtrain_cblas_sgemm", "float64": "odtrain_cblas_dgemm"}
-ROUTE_VARIABLE = "ODTRAIN_GEMM"
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
-# name prefixes and suffixes of OpenBLAS's 64-bit-integer interface, as numpy's wheels (and older
-# openblas64_ builds) export it
-_OPENBLAS64 = (("scipy_cblas_", "scipy_openblas_", "64_"), ("cblas_", "openblas_", "64_"))
 
 
 @intrinsic
@@ -63,6 +56,8 @@ def blas_gemm(typingctx, trans_a, trans_b, m, n, k, alpha, a, a_offset, lda, b, 
     dtype = c.dtype
 
     def codegen(context, builder, signature, args):
+        from numba.core import cgutils
+
         ir = cgutils.ir
         ta, tb, m_, n_, k_, alpha_, a_, aoff, lda_, b_, boff, ldb_, beta_, c_, coff, ldc_ = args
         arg_types = signature.args
@@ -103,6 +98,9 @@ def _numba_gemm(typingctx, trans_a, trans_b, m, n, k, alpha, a, a_offset, lda, b
     if not all(isinstance(t, types.Array) for t in (a, b, c)) or not a.dtype == b.dtype == c.dtype \
             or c.dtype not in (types.float32, types.float64):
         return None
+    from numba.core import cgutils
+    from numba.np.linalg import ensure_blas
+
     ensure_blas()  # scipy's BLAS table, or Numba's own clear error
     sig = types.int32(trans_a, trans_b, m, n, k, alpha, a, a_offset, lda, b, b_offset, ldb, beta, c, c_offset, ldc)
     dtype = c.dtype
@@ -160,82 +158,25 @@ def _callback_signature(dtype):
                       pointer, types.int64, pointer, types.int64, dtype, pointer, types.int64)
 
 
-def _numpy_openblas():
-    """(library, CBLAS prefix, control prefix, suffix) of the 64-bit-integer OpenBLAS that numpy's
-    extension links, or None."""
-    try:
-        from numpy._core import _multiarray_umath as extension
-    except ImportError:  # numpy 1.x
-        from numpy.core import _multiarray_umath as extension
-    try:
-        library = ctypes.CDLL(extension.__file__)  # lookups see the libraries it links too
-    except (OSError, AttributeError):
-        return None
-    for cblas, control, suffix in _OPENBLAS64:
-        names = [cblas + "sgemm" + suffix, cblas + "dgemm" + suffix, control + "set_num_threads" + suffix,
-                 control + "get_num_threads" + suffix]
-        if all(hasattr(library, name) for name in names):
-            return library, cblas, control, suffix
-    return None
+def _register_route() -> None:
+    """Give Numba's code the symbols of the products: numpy's OpenBLAS, else Numba's route (when Numba loads)."""
+    from llvmlite import binding
+    from numba import cfunc
+
+    found = found_openblas()
+    if found is None:
+        for dtype in (types.float32, types.float64):
+            callback = cfunc(_callback_signature(dtype), cache=True, error_model="numpy")(_gemm_through_numba)
+            binding.add_symbol(SYMBOLS[str(dtype)], callback.address)
+        return
+    for dtype, address in zip(("float32", "float64"), gemm_addresses(found)):
+        binding.add_symbol(SYMBOLS[dtype], address)
 
 
-class _Route:
-    """The library behind the symbols (registered at import) and its thread count during steps."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.holders = 0
-        self.program_threads = 1
-        self.set_threads = self.get_threads = None
-        self.core = ""  # OpenBLAS's name of the kernels it chose for this CPU, where it tells
-        found = None if os.environ.get(ROUTE_VARIABLE, "").strip().lower() == "numba" else _numpy_openblas()
-        if found is None:
-            for dtype in (types.float32, types.float64):
-                callback = cfunc(_callback_signature(dtype), cache=True, error_model="numpy")(_gemm_through_numba)
-                binding.add_symbol(SYMBOLS[str(dtype)], callback.address)
-            self.name = "scipy's BLAS, through Numba (numba_xxgemm)"
-            return
-        library, cblas, control, suffix = found
-        for dtype, letter in (("float32", "s"), ("float64", "d")):
-            function = getattr(library, cblas + letter + "gemm" + suffix)
-            binding.add_symbol(SYMBOLS[dtype], ctypes.cast(function, ctypes.c_void_p).value)
-        self.set_threads = getattr(library, control + "set_num_threads" + suffix)
-        self.set_threads.argtypes = [ctypes.c_int]
-        self.get_threads = getattr(library, control + "get_num_threads" + suffix)
-        self.get_threads.restype = ctypes.c_int
-        corename = getattr(library, control + "get_corename" + suffix, None)
-        if corename is not None:
-            corename.restype = ctypes.c_char_p
-            self.core = corename().decode(errors="replace")
-        config = getattr(library, control + "get_config" + suffix, None)
-        if config is not None:
-            config.restype = ctypes.c_char_p
-        described = config().decode(errors="replace").split("  ")[0] if config is not None else "OpenBLAS"
-        self.name = f"numpy's {described}"
-
-    def hold(self) -> None:
-        if self.set_threads is None:
-            return
-        with self.lock:
-            if self.holders == 0:
-                self.program_threads = self.get_threads()
-                if self.program_threads != 1:
-                    self.set_threads(1)
-            self.holders += 1
-
-    def release(self) -> None:
-        if self.set_threads is None:
-            return
-        with self.lock:
-            self.holders -= 1
-            if self.holders == 0 and self.program_threads != 1:
-                self.set_threads(self.program_threads)
-
-
-_route = _Route()
-GEMM_LIBRARY = _route.name
-NUMPY_OPENBLAS = _route.set_threads is not None  # the products call numpy's OpenBLAS (else Numba's route)
-BLAS_CORE = _route.core
+on_load(_register_route)
+GEMM_LIBRARY = product_threads().name or "scipy's BLAS, through Numba (numba_xxgemm)"
+NUMPY_OPENBLAS = found_openblas() is not None  # the products call numpy's OpenBLAS (else Numba's route)
+BLAS_CORE = product_threads().core
 # OpenBLAS's AVX-512 kernel families (SkylakeX, and Cooperlake and SapphireRapids, which include it) have
 # float32 small-matrix kernels that skip packing the operands, taken when m·n·k <= 100³ and the first
 # operand of the row-major product is not transposed against a transposed second one. They run 105-116
@@ -251,16 +192,6 @@ SMALL_PRODUCT_MIN_COLUMNS = 32  # narrower blocks gain nothing on the packed pat
 # MLP layer's forward, the weights stored [out, in]) run 103 GF/s against 76 whole; taller products (512
 # rows) lose in such blocks (87-98 against 98), so only products of few rows are cut.
 SMALL_TN_OUTPUT, SMALL_TN_DEPTH, SMALL_TN_ROWS = 1200, 32, 64
-
-
-def hold_one_thread() -> None:
-    """Run the products' BLAS on one thread until the matching release_thread() (steps nest and overlap:
-    the program's own count comes back when the last one releases)."""
-    _route.hold()
-
-
-def release_thread() -> None:
-    _route.release()
 
 
 @njit(cache=True, error_model="numpy", inline="always")

@@ -48,7 +48,8 @@ convolution's weight gradient with X in dY's place.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+
+from .jit import njit, prange
 
 from . import ODTRAIN_DOMAIN, binding
 from .blas import NUMPY_OPENBLAS, gemm_blocks, product

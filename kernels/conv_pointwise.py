@@ -21,7 +21,8 @@ in all.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+
+from .jit import njit, prange
 
 from .blas import gemm_blocks, product
 from .parts import part_bounds, part_count

@@ -31,7 +31,8 @@ parts sum their own images, added in part order after.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+
+from .jit import njit, prange
 
 from .blas import gemm_blocks
 

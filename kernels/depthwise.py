@@ -20,7 +20,8 @@ scratch (its frames or image, its output or gradient plane, its taps or weight-g
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+
+from .jit import njit, prange
 
 from .windows import _valid_range
 

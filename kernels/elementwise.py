@@ -36,8 +36,8 @@ their elements (rows) in one parallel region; every value is as in one thread.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange, types
-from numba.extending import intrinsic, overload
+
+from .jit import intrinsic, njit, overload, prange, types
 
 from . import ODTRAIN_DOMAIN, binding
 from .layout import broadcast_layout, flat

@@ -25,7 +25,8 @@ against 0.42 split by rows, one thread each, Zen 4).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from .jit import njit
 
 from . import ODTRAIN_DOMAIN, binding
 from .blas import COLUMNS, PRODUCTS, ROWS, gemm_batched_parts, gemm_blocks

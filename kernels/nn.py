@@ -17,7 +17,8 @@ check would otherwise send them to a scalar path).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+
+from .jit import njit, prange
 
 from . import ODTRAIN_DOMAIN, binding
 from .parts import part_bounds, part_count

@@ -12,7 +12,8 @@ the scale (and bias) gradients of LayerNorm and RMSNorm, summed per part and the
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+
+from .jit import njit, prange
 
 from . import ODTRAIN_DOMAIN, binding
 from .elementwise import fast_exp, same_buffer

@@ -17,9 +17,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+
+from .jit import intrinsic, njit, prange, types
 
 
 @njit(cache=True, error_model="numpy")
@@ -180,6 +179,8 @@ def _float_bits(typingctx, x):
         return None
 
     def codegen(context, builder, signature, args):
+        from numba.core import cgutils
+
         return builder.bitcast(args[0], cgutils.ir.IntType(32))
 
     return types.uint32(types.float32), codegen

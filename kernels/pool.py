@@ -13,7 +13,8 @@ parallel region (kernels/parts.py); every value is computed as in the serial ker
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+
+from .jit import njit, prange
 
 from . import ODTRAIN_DOMAIN, binding
 from .parts import part_bounds, part_count

@@ -22,7 +22,8 @@ arena scratch.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from .jit import njit
 
 from . import ODTRAIN_DOMAIN, binding
 from .conv import Conv, conv_scratch

@@ -22,7 +22,8 @@ scratch, placed by the memory planner for that one step.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from .jit import njit
 
 from . import ODTRAIN_DOMAIN, binding
 from .elementwise import fast_sigmoid, fast_tanh

@@ -6,7 +6,8 @@ An op along one axis (ArgMax, CumSum) sees its input as [outer, axis, inner]."""
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from .jit import njit
 
 from . import ODTRAIN_DOMAIN, binding
 from .elementwise import COPY, _unary, gather_call

@@ -14,7 +14,8 @@ into each source cell the gradients of all its copies.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from .jit import njit
 
 from . import ODTRAIN_DOMAIN, binding
 from .windows import _text

@@ -18,10 +18,10 @@ Imports numpy and numba only.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
 from . import ODTRAIN_DOMAIN, binding
 from .blas import product
+from .jit import njit
 
 
 def dft_basis(rows: int, c_in: int, length: int, bins: int, c_out: int, inverse: bool, dtype) -> np.ndarray:

@@ -14,7 +14,8 @@ indices and its gradient (a scatter-add) its columns into parallel parts: every 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+
+from .jit import njit, prange
 
 from . import ODTRAIN_DOMAIN, binding
 from .layout import element_strides, flat

@@ -12,7 +12,8 @@ alike, and dx[n, c, d] = -g(n, d) · w[y] · [c == y].
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+
+from .jit import njit, prange
 
 from . import ODTRAIN_DOMAIN, binding
 from .blas import gemm_blocks

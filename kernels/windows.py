@@ -12,7 +12,8 @@ wraparound does not block vectorisation; `_valid_range` gives the bounds of such
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from .jit import njit
 
 
 def _text(value) -> str:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import checkpoint as checkpoint_file
+from . import checkpoint as checkpoint_file, kernel_library
 from .graph.autodiff import GRAD_SUFFIX
 from .graph.errors import (ArgumentError, CheckpointError, InputError, ModelError, NonFiniteError, ParameterError,
                            StateError)
@@ -273,6 +273,7 @@ class _GraphSession:
         from .executor import ExecutableStep  # noqa: F401  (kernels load with the first session)
 
         self.uri = os.fspath(uri)
+        self.library = kernel_library.find(os.path.dirname(os.path.abspath(self.uri)))  # None: the JIT's kernels
         self.graph = load_graph(uri, what)
         check_supported(self.graph.nodes, f"{what} '{self.uri}'")
         store = state._store
@@ -339,7 +340,7 @@ class _GraphSession:
             guarded = tuple(self.output_names[:1]) if self.check_finite else ()
             sinks = {} if self.fused else self.sinks
             plan = ExecutableStep(self.graph, types, self.external, sinks, accumulate and not self.fused, guarded,
-                              self.memory_budget, self.fused, self.arena, threads=threads)
+                                  self.memory_budget, self.fused, self.arena, threads=threads, library=self.library)
             self.plans[signature] = plan
             if len(self.plans) > PLAN_CACHE_SIZE:
                 self.plans.popitem(last=False)
@@ -460,6 +461,11 @@ class Module:
         if self._eval is None:
             raise StateError("eval mode needs an eval model: pass eval_model_uri to Module(...)")
         return self._eval.run(user_inputs)
+
+    @property
+    def kernel_library(self):
+        """The kernel library (odtrain.kernel_library.KernelLibrary) this module's steps run in, or None: Numba's."""
+        return self._train.library
 
     def train(self, mode: bool = True) -> "Module":
         self.training = bool(mode)
@@ -631,7 +637,7 @@ class Optimizer:
 
         def update(gradient):  # inside the training step, which runs at the module's threads
             apply_optimizer(self._config, weights, gradient, moments, state.learning_rate, state.step + 1,
-                            self._module._train.threads(), blocks)
+                            self._module._train.threads(), blocks, self._module._train.library)
 
         return update
 
@@ -650,7 +656,7 @@ class Optimizer:
                                  f"'{store.first_nonfinite_gradient()}' is not finite; the parameters are unchanged")
         with deferred_interrupt():
             apply_optimizer(self._config, weights, store.grad_flat, opt.moments, opt.learning_rate, opt.step + 1,
-                            self._module._train.threads(), self._blocks[0])
+                            self._module._train.threads(), self._blocks[0], self._module._train.library)
             opt.step += 1
 
     def set_learning_rate(self, learning_rate: float) -> None:

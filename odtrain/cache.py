@@ -238,7 +238,7 @@ def _run_steps(directory: str, batch_size: int, input_shapes: dict, sequence_len
 
     from .api import CheckpointState, Module, Optimizer
     from .artifact_paths import ArtifactPaths
-    from .executor import assert_finite
+    from .executor import assert_finite, invoke
 
     paths = ArtifactPaths.of(directory)
     state = CheckpointState.load_checkpoint(paths.checkpoint)
@@ -262,7 +262,7 @@ def _run_steps(directory: str, batch_size: int, input_shapes: dict, sequence_len
     first = loss[0] if isinstance(loss, (list, tuple)) else loss
     first = np.asarray(first)
     if first.dtype.kind == "f":  # the check of Module(check_finite=True)
-        assert_finite(np.zeros(1, dtype=first.dtype))
+        invoke(assert_finite, (np.zeros(1, dtype=first.dtype),), library=module.kernel_library)
     return steps, {name: list(array.shape) for name, array in zip(module.input_names(), feeds)}
 
 

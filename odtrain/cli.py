@@ -275,6 +275,12 @@ def _prepare(args) -> int:
               "frozen_values": sum(sizes[n] for n in frozen), "left_out": choices["left_out"], "loss": args.loss,
               "loss_layout": choices["loss_text"], "optimizer": args.optimizer, "learning_rate": args.lr,
               "qat": qat is not None}
+    if args.compile:
+        from .kernel_build import compile_artifacts
+
+        manifest = compile_artifacts(args.output, batch_size=args.compile_batch_size,
+                                     out=(lambda line: None) if args.json else print)
+        result["kernels"] = len(manifest["entries"])
     if args.json:
         _print_json(result)
         return 0
@@ -673,6 +679,10 @@ def _add_training_commands(commands) -> None:
                          "pattern (default: every weight that feeds a MatMul or Gemm)")
     prepare.add_argument("--lora-seed", type=int, default=0, help="seed of the adapters' initial values (default: 0)")
     prepare.add_argument("--force", action="store_true", help="replace artifacts already in ARTIFACT_DIR")
+    prepare.add_argument("--compile", action="store_true", help="also build the kernels the artifacts use into "
+                         "ARTIFACT_DIR/kernels (`odtrain compile`): the device then trains without compiling")
+    prepare.add_argument("--compile-batch-size", type=int, default=32, metavar="B",
+                         help="the batch the kernels are recorded at with --compile (default: 32)")
     prepare.add_argument("--json", action="store_true", help="print the result as JSON")
     prepare.set_defaults(handler=_prepare)
 
@@ -796,6 +806,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .cache import add_command as add_warmup_command
 
     add_warmup_command(commands)
+    from .kernel_build import add_command as add_compile_command
+
+    add_compile_command(commands)
     from .federated import add_command as add_federated_command
 
     add_federated_command(commands)

@@ -12,7 +12,9 @@ outside the arena, the memory plan); the executor only lays out and binds:
   else a MemoryBudgetError, before any work, says what memory_budget would fit);
 - each node's kernel binding turns it into (kernel, args) calls on views.
 A step copies the feeds into their arena slots and runs the calls: no
-lookups, no allocation. Graphs that never run at the same time (a
+lookups, no allocation. With a kernel library (odtrain/kernel_library.py) the calls it holds run
+in it, a run of them in one foreign call with their arguments packed once (`Program`); the others,
+and every call without a library, run through Numba's dispatchers. Graphs that never run at the same time (a
 Module's train and eval steps, at every input shape) share one arena
 buffer (`SharedArena`), as large as the largest of their plans. Gradients of trainable parameters are written
 straight into the gradient buffer (the usual step, after lazy_reset_grad),
@@ -37,7 +39,9 @@ from .graph.schedule import split_forward_backward
 from .graph.step_plan import plan_step
 from .kernels import BINDINGS, PARALLEL, SCRATCH
 from .kernels.blas import hold_one_thread, release_thread
+from .kernels.jit import resolved
 from . import runtime, threads as thread_policy
+from .kernel_library import kernel_name
 from .kernel_sources import discard_stale
 from .graph.optimizers import AdamW, SGDMomentum
 from .kernels.optim import (CODE_MAPS, CODE_TABLES, adamw8_update, adamw8_update_parts, adamw_update,
@@ -78,9 +82,13 @@ class ExecutableStep:
                  gradient_sinks: dict[str, np.ndarray] | None = None, accumulate: bool = False,
                  check_finite: tuple[str, ...] = (), memory_budget: int | None = None,
                  fused_updates: dict | None = None, arena: SharedArena | None = None,
-                 bound_feeds: dict[str, np.ndarray] | None = None, threads: int = 1):
-        runtime.load()  # Numba's CPU target, BLAS on one thread, Numba's threading layer (odtrain/threads.py)
-        discard_stale()  # cached kernels compiled from other kernel sources than these
+                 bound_feeds: dict[str, np.ndarray] | None = None, threads: int = 1, library=None):
+        self.library = library  # a KernelLibrary (odtrain/kernel_library.py) whose kernels run the calls it holds
+        if library is None:
+            runtime.load()  # Numba's CPU target, BLAS on one thread, Numba's threading layer (odtrain/threads.py)
+            discard_stale()  # cached kernels compiled from other kernel sources than these
+        else:
+            thread_policy.configure_without_compiler()
         self.graph = graph
         self.threads = int(threads)
         self._updates = {grad: update for grad, (_, update) in (fused_updates or {}).items()}
@@ -137,6 +145,8 @@ class ExecutableStep:
             call_nodes.append(None)
         self.calls = calls
         self.call_nodes = call_nodes  # the node each call belongs to (None: a gradient added into its sink)
+        self.program = Program(self.library, calls) if self.library is not None else None
+        self._jit_calls = [(resolved(kernel), args) for kernel, args in calls] if self.program is None else None
 
     def _bind_node(self, index: int, node: Node, storage: dict[str, np.ndarray]):
         types = self.types
@@ -170,14 +180,32 @@ class ExecutableStep:
     def run(self, feeds: list[np.ndarray]) -> None:
         for view, value in zip(self.feed_views, feeds):
             np.copyto(view, value, casting="no")
+        if _recording is not None:
+            _recording.extend(self.calls)
+            return
         try:
-            with self.step_threads():
-                for kernel, args in self.calls:
-                    kernel(*args)
+            with self.step_threads() as threads:
+                if self.program is None:
+                    for kernel, args in self._jit_calls:
+                        kernel(*args)
+                else:
+                    failed = self.program.run(threads)
+                    if failed is not None:
+                        self._stopped(failed)
         except FloatingPointError as error:
             raise NonFiniteError(f"{self.graph.name}: {error}") from None
         except ValueError as error:  # a kernel's check on the data (e.g. a label out of range)
             raise InputError(f"{self.graph.name}: {error}; check the inputs' values") from None
+
+    def _stopped(self, index: int):
+        """The error of library call `index`, which stopped on its data (as the JIT kernel raises it)."""
+        kernel, args = self.calls[index]
+        node = self.call_nodes[index]
+        where = f"{self.graph.name}: {node.describe()}" if node is not None else self.graph.name
+        message = self.library.message(kernel, args)
+        if kernel_name(kernel) == kernel_name(assert_finite):
+            raise NonFiniteError(f"{where}: {message}")
+        raise InputError(f"{where}: {message}; check the inputs' values")
 
     @contextlib.contextmanager
     def step_threads(self):
@@ -193,6 +221,79 @@ class ExecutableStep:
 
     def output(self, name: str) -> np.ndarray:
         return self.storage[name].copy()
+
+
+class Program:
+    """A step's calls as runs of library calls (one foreign call each) between the calls it lacks.
+
+    `segments` holds (first call index, function addresses, argument blocks) for a run of library calls
+    and (index, kernel, args) for a call left to Python (a JIT kernel, an optimizer update). The argument
+    blocks are packed once (odtrain.kernel_library.pack) and hold the addresses of the arena views: the
+    views must live as long as the program (the bound graph keeps both)."""
+
+    def __init__(self, library, calls):
+        from .kernel_library import pack, report_missing
+
+        self.library = library
+        self.segments, self._blocks, run, missing = [], [], [], []
+        for index, (kernel, args) in enumerate(calls):
+            address = library.address(kernel, args)
+            if address is not None:
+                block = pack(args)
+                self._blocks.append(block)
+                run.append((index, address, block.ctypes.data))
+                continue
+            self._close(run)
+            run = []
+            self.segments.append((index, kernel, args))
+            if kernel_name(kernel) is not None:  # a JIT kernel (else Python: an optimizer update, itself a library call)
+                missing.append((kernel, args))
+        self._close(run)
+        self.jit_calls = len(missing)
+        if missing:
+            runtime.load()
+            report_missing(missing)
+
+    def _close(self, run) -> None:
+        if run:
+            functions = np.array([address for _, address, _ in run], dtype=np.uint64)
+            blocks = np.array([block for _, _, block in run], dtype=np.uint64)
+            self.segments.append((run[0][0], functions, blocks))
+
+    def run(self, threads: int) -> int | None:
+        """Run the calls; the index of a library call that stopped on its data, or None."""
+        for first, functions, blocks in self.segments:
+            if isinstance(functions, np.ndarray):
+                failed = self.library.run(functions, blocks, threads)
+                if failed >= 0:
+                    return first + failed
+            else:
+                functions(*blocks)  # (index, kernel, args): a call the library lacks
+        return None
+
+
+_recording: list | None = None  # while recording (record_calls): the calls steps would run, instead of running
+
+
+@contextlib.contextmanager
+def record_calls():
+    """Within the block, steps and optimizer updates record their (kernel, args) calls in the yielded list
+    instead of running them (the kernel library's build: which kernels at which signatures a model needs)."""
+    global _recording
+    previous, _recording = _recording, []
+    try:
+        yield _recording
+    finally:
+        _recording = previous
+
+
+def invoke(kernel, args, threads: int = 1, library=None) -> None:
+    """One kernel call outside a bound step: through `library` when it holds it, else the JIT's kernel."""
+    if _recording is not None:
+        _recording.append((kernel, args))
+    elif library is None or not library.call(kernel, args, threads):
+        runtime.load()  # the JIT's kernel (before the compiler loads, a kernel would run as Python)
+        kernel(*args)
 
 
 class SharedArena:
@@ -225,31 +326,34 @@ class SharedArena:
 
 
 def apply_optimizer(config, weights: np.ndarray, grads: np.ndarray, moments: dict[str, np.ndarray],
-                    learning_rate: float, step: int, threads: int = 1, blocks: np.ndarray | None = None) -> None:
+                    learning_rate: float, step: int, threads: int = 1, blocks: np.ndarray | None = None,
+                    library=None) -> None:
     """One fused update of the trainable block by the optimizer model's node (AdamW, SGD or SGDMomentum),
-    on parts of the block in parallel at `threads` threads when the block is large enough. 8-bit AdamW
-    moments are quantized in `blocks` (boundaries within `weights`, odtrain/state.py)."""
+    on parts of the block in parallel at `threads` threads when the block is large enough; through the
+    kernel `library` when it holds the update. 8-bit AdamW moments are quantized in `blocks` (boundaries
+    within `weights`, odtrain/state.py)."""
     quantized = isinstance(config, AdamW) and config.state_dtype == "int8"
     parts = part_count(threads, blocks.size - 1 if quantized else weights.size, weights.size)
     split = (parts,) if parts > 1 else ()
-    with thread_policy.running(threads) if split else contextlib.nullcontext():
-        if quantized:
-            (adamw8_update_parts if split else adamw8_update)(
-                weights, grads, moments["momentum0"], moments["momentum1"], moments["momentum0" + ABSMAX],
-                moments["momentum1" + ABSMAX], CODE_MAPS, CODE_TABLES, blocks, float(learning_rate),
-                float(config.betas[0]), float(config.betas[1]), float(config.eps), float(config.weight_decay),
-                float(step), bool(config.bias_correction), *split)
-        elif isinstance(config, AdamW):
-            (adamw_update_parts if split else adamw_update)(
-                weights, grads, moments["momentum0"], moments["momentum1"], float(learning_rate),
-                float(config.betas[0]), float(config.betas[1]), float(config.eps), float(config.weight_decay),
-                float(step), bool(config.bias_correction), *split)
-        elif isinstance(config, SGDMomentum):
-            (sgd_momentum_update_parts if split else sgd_momentum_update)(
-                weights, grads, moments["momentum_buffer"], float(learning_rate), float(config.momentum),
-                float(config.dampening), float(config.weight_decay), bool(config.nesterov), step == 1, *split)
-        else:
-            (sgd_update_parts if split else sgd_update)(weights, grads, float(learning_rate), *split)
+    if quantized:
+        call = ((adamw8_update_parts if split else adamw8_update),
+                (weights, grads, moments["momentum0"], moments["momentum1"], moments["momentum0" + ABSMAX],
+                 moments["momentum1" + ABSMAX], CODE_MAPS, CODE_TABLES, blocks, float(learning_rate),
+                 float(config.betas[0]), float(config.betas[1]), float(config.eps), float(config.weight_decay),
+                 float(step), bool(config.bias_correction), *split))
+    elif isinstance(config, AdamW):
+        call = ((adamw_update_parts if split else adamw_update),
+                (weights, grads, moments["momentum0"], moments["momentum1"], float(learning_rate),
+                 float(config.betas[0]), float(config.betas[1]), float(config.eps), float(config.weight_decay),
+                 float(step), bool(config.bias_correction), *split))
+    elif isinstance(config, SGDMomentum):
+        call = ((sgd_momentum_update_parts if split else sgd_momentum_update),
+                (weights, grads, moments["momentum_buffer"], float(learning_rate), float(config.momentum),
+                 float(config.dampening), float(config.weight_decay), bool(config.nesterov), step == 1, *split))
+    else:
+        call = ((sgd_update_parts if split else sgd_update), (weights, grads, float(learning_rate), *split))
+    with thread_policy.running(threads) if split else contextlib.nullcontext(1) as running:
+        invoke(*call, threads=running, library=library)
 
 
 def int8_moments(blocks: np.ndarray, names, values: dict | None = None) -> dict[str, np.ndarray]:

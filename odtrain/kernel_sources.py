@@ -13,6 +13,7 @@ Imports nothing of odtrain's.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import os
 import sys
 
@@ -29,14 +30,18 @@ def kernels_dir() -> str:
 
 
 def loaded_dispatchers() -> list:
-    """The Numba dispatchers of odtrain's kernel modules imported so far."""
+    """The Numba dispatchers of odtrain's kernel modules imported so far (loads the compiler)."""
     from numba.core.dispatcher import Dispatcher
+
+    jit = importlib.import_module(_PACKAGE + ".kernels.jit")
+    jit.load()
 
     found, seen = [], set()
     for name, module in sorted(sys.modules.items()):
         if module is None or not name.startswith(_PACKAGE + ".kernels"):
             continue
         for value in vars(module).values():
+            value = jit.resolved(value)  # a deferred kernel's dispatcher
             if isinstance(value, Dispatcher) and id(value) not in seen:
                 seen.add(id(value))
                 found.append(value)

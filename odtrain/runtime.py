@@ -10,13 +10,17 @@ a training process that does not depend on the model, the floor under every sess
   `scipy.linalg.cython_blas`, the table of BLAS functions its matrix products call.
 
 `odtrain.blas.load_blas()` loads that one extension module without the rest of scipy.linalg;
-`odtrain.threads.configure()` sets BLAS to one thread and chooses Numba's threading layer.
+`odtrain.threads.configure()` sets BLAS to one thread and chooses Numba's threading layer;
+`odtrain.kernels.jit.load()` gives the kernel modules Numba's dispatchers.
+
+A process whose steps run in a kernel library (odtrain/kernel_library.py) never loads this runtime.
 
 Measured numbers for the floor are in README.md ("Memory").
 """
 from __future__ import annotations
 
 from .blas import load_blas
+from .kernels.jit import load as load_compiler
 from .threads import configure as configure_threads
 
 _loaded = False
@@ -32,6 +36,7 @@ def load() -> None:
     except ImportError:  # no scipy: Numba says so at the first matrix product, the only thing that needs it
         pass
     configure_threads()
+    load_compiler()  # the kernel modules get Numba's dispatchers in place of their placeholders
     try:
         from numba.core.registry import cpu_target
     except ImportError:  # a Numba without this layout sets its target up at the first kernel instead

@@ -57,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import os
+import sys
 import threading
 import time
 
@@ -72,6 +73,7 @@ SPIN_COUNT = 10000
 LOAD_WINDOW = 0.25  # seconds: how long the machine's load is measured over before it is read again
 _process_default: int | None = None
 _configured = False
+_fork_guarded = False
 _forked_from_openmp = False
 
 
@@ -84,7 +86,11 @@ def available_cores() -> int:
 
 
 def pool_size() -> int:
-    """The most threads Numba's pool can run (NUMBA_NUM_THREADS, fixed when Numba loads)."""
+    """The most threads Numba's pool (or the kernel library's) can run: NUMBA_NUM_THREADS, fixed when Numba
+    loads, else every core of the machine, as Numba counts them."""
+    if "numba" not in sys.modules:  # a process running the kernel library only
+        requested = os.environ.get("NUMBA_NUM_THREADS", "").strip()
+        return int(requested) if requested.isdigit() and int(requested) > 0 else max(1, os.cpu_count() or 1)
     from numba import config
 
     return int(config.NUMBA_NUM_THREADS)
@@ -148,8 +154,24 @@ def configure() -> None:
             config.THREADING_LAYER_PRIORITY = ["omp", "workqueue", "tbb"]
         else:  # an OpenMP runtime that already read its (spinning) wait policy: the passive layer instead
             config.THREADING_LAYER_PRIORITY = ["workqueue", "omp", "tbb"]
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    _guard_fork()
     _configured = True
+
+
+def configure_without_compiler() -> None:
+    """configure() for a process whose kernels run in the kernel library (odtrain/kernel_library.py): its
+    OpenMP waits as Numba's omp layer would here (spin, then sleep), set before libgomp loads; the fork guard."""
+    if not _openmp_loaded() and "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+        os.environ["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    _guard_fork()
+
+
+def _guard_fork() -> None:
+    global _fork_guarded
+    if not _fork_guarded:
+        os.register_at_fork(after_in_child=_after_fork_in_child)
+        _fork_guarded = True
 
 
 def _openmp_loaded() -> bool:
@@ -165,6 +187,8 @@ def _after_fork_in_child() -> None:
     """GNU OpenMP does not survive fork(): Numba terminates a child that enters a parallel region after its
     parent used one. Such a child runs every step on one thread (serial kernels, no region)."""
     global _forked_from_openmp
+    if "numba" not in sys.modules:  # the kernel library runs its regions serially itself after a fork
+        return
     from numba.np.ufunc import parallel
 
     if parallel._is_initialized and parallel.threading_layer() == "omp":
@@ -179,6 +203,8 @@ def usable(count: int) -> int:
 def use(count: int) -> int:
     """Run this Python thread's parallel regions on `count` threads (at most Numba's pool: a step bound
     for more threads runs its parts on fewer, with the same result); returns the count it had."""
+    if "numba" not in sys.modules:  # no JIT kernel runs: the kernel library takes the count per step
+        return count
     from numba import get_num_threads as numba_threads, set_num_threads as set_numba_threads
 
     previous = numba_threads()

@@ -9,6 +9,12 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 DATA = pathlib.Path(__file__).parent / "data"
 
+# The suite runs the JIT's kernels: the kernel modules hold Numba's dispatchers from the start, so that the
+# kernels a test imports by name are the ones the bindings return (kernels/jit.py)
+from odtrain.kernels.jit import load as _load_compiler  # noqa: E402
+
+_load_compiler()
+
 
 def reference_model(name: str):
     """(forward.onnx path, meta dict, golden npz) of a model exported from PyTorch, kept in tests/data."""

@@ -21,21 +21,34 @@ def imported_modules(folder: str, package: str):
                     yield path, node.module
 
 
-# kernels/blas.py chooses the library behind the products' symbols and registers it with Numba's code
-# generator: it alone also needs the standard library's ctypes, os and threading, and llvmlite
-BLAS_ROUTE_MODULES = {"ctypes", "os", "threading", "llvmlite"}
+# kernels/blas.py registers the library behind the products' symbols with Numba's code generator (llvmlite);
+# kernels/blas_library.py finds numpy's OpenBLAS and holds its threads (ctypes, os, threading); kernels/jit.py
+# loads Numba when a kernel compiles (sys, threading)
+STANDARD_LIBRARY = {"blas.py": {"llvmlite"}, "blas_library.py": {"ctypes", "os", "threading"},
+                    "jit.py": {"sys", "threading"}}
 
 
 def test_kernels_import_only_numpy_and_numba():
     for path, module in imported_modules("kernels", "odtrain.kernels"):
         root = module.split(".")[0]
-        allowed = {"numpy", "numba", "math", "__future__"} | (BLAS_ROUTE_MODULES if path.name == "blas.py" else set())
+        allowed = {"numpy", "numba", "math", "__future__"} | STANDARD_LIBRARY.get(path.name, set())
         assert root in allowed or module.startswith("odtrain.kernels"), (path, module)
+
+
+def test_kernel_modules_load_numba_only_when_a_kernel_compiles():
+    """At module level a kernel module takes Numba's names from kernels/jit.py: an `import numba` there would
+    bring the compiler into a process whose steps run in the kernel library."""
+    for path in sorted((ROOT / "kernels").glob("*.py")):
+        for statement in ast.parse(path.read_text()).body:
+            if isinstance(statement, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in statement.names] if isinstance(statement, ast.Import) else [statement.module]
+                assert not any((n or "").split(".")[0] in ("numba", "llvmlite") for n in names), \
+                    f"{path.name}:{statement.lineno} imports Numba at module level: take its names from .jit"
 
 
 def test_graph_never_imports_kernels_or_odtrain():
     allowed = {"numpy", "onnx", "__future__", "dataclasses", "typing", "itertools", "enum", "os", "math", "struct",
-               "fnmatch"}
+               "fnmatch", "sys"}  # sys: whether onnx is loaded already (graph/onnx_io.py writes a model without it if not)
     for path, module in imported_modules("graph", "odtrain.graph"):
         if module.startswith("odtrain."):
             assert module.startswith("odtrain.graph"), (path, module)
@@ -44,9 +57,13 @@ def test_graph_never_imports_kernels_or_odtrain():
 
 
 def test_only_the_executor_joins_graph_nodes_to_kernels():
-    users = {path.name for path, module in imported_modules("odtrain", "odtrain")
+    users = {(path.name, module) for path, module in imported_modules("odtrain", "odtrain")
              if module.startswith("odtrain.kernels")}
-    assert users <= {"executor.py"}, users
+    # besides the executor: the runtime loads the compiler for the kernels, the kernel library hands its
+    # code numpy's BLAS and keeps the compiler unloaded; neither sees a node
+    others = {("runtime.py", "odtrain.kernels.jit"), ("kernel_library.py", "odtrain.kernels.blas_library"),
+              ("kernel_library.py", "odtrain.kernels.jit")}
+    assert {name for name, _ in users - others} <= {"executor.py"}, users
 
 
 PACKAGES = {"odtrain": "odtrain", "graph": "odtrain.graph", "kernels": "odtrain.kernels"}
@@ -136,6 +153,10 @@ def test_no_module_reaches_into_the_sessions_or_parameter_store_of_the_api():
 FOREIGN_PRIVATE = {
     ("odtrain/threads.py", "_is_initialized"): "Numba's parallel module: whether its thread pool has started",
     ("benchmarks/decoders/make_models.py", "_attn_implementation"): "transformers' documented way to pick attention",
+    ("odtrain/kernel_build.py", "_getvalue"): "Numba's array structure as an LLVM value, what its own intrinsics return",
+    ("odtrain/kernel_build.py", "_cache"): "a dispatcher's cache, switched off so that every kernel's IR is at hand",
+    ("odtrain/kernel_build.py", "_get_host_cpu_name"): "the CPU Numba's JIT compiles for, so the library's code is the JIT's",
+    ("odtrain/kernel_build.py", "_tm_features"): "the CPU features Numba's JIT compiles with, recorded in the manifest",
 }
 
 

@@ -220,14 +220,7 @@ def _tag(number: int, wire: int) -> bytes:
     return _varint(number << 3 | wire)
 
 
-def _varint(value: int) -> bytes:
-    value &= (1 << 64) - 1
-    out = bytearray()
-    while True:
-        byte, value = value & 0x7F, value >> 7
-        out.append(byte | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
+_varint = onnx_wire._varint_bytes  # the writer's varints (checked against onnx's serialisation below)
 
 
 def _field(number: int, payload: bytes) -> bytes:
@@ -370,3 +363,39 @@ def test_training_from_saved_artifacts_never_imports_onnx(mlp_artifacts, tmp_pat
     assert result["onnx"] == []
     assert np.all(np.isfinite(result["losses"])) and result["losses"][1] < result["losses"][0]
     assert f"'{damaged}' is not a readable ONNX model" in result["refusal"]
+
+
+def test_a_model_written_without_onnx_reads_back_as_onnx_writes_it():
+    """encode_model (save_graph where onnx is not loaded) against onnx's own serialisation of the same graph."""
+    from odtrain.graph.ir import Graph, Node, TensorType
+    from odtrain.graph.onnx_io import graph_data, graph_to_proto
+    from odtrain.graph.onnx_wire import encode_model
+
+    weight = np.arange(6, dtype=np.float32).reshape(2, 3)
+    graph = Graph([Node("Gemm", ["x", "w"], ["y"], {"alpha": 0.5, "transB": 1}, name="gemm"),
+                   Node("Pad", ["y", "pads"], ["z"], {"mode": "reflect"}, name="pad"),
+                   Node("Shrink", ["z"], ["s"], {"lambd": -1.5, "bias": 2.0}, name="shrink"),
+                   Node("Resize", ["s"], ["r"], {"axes": [0, -1], "scales_like": [1.0, 2.5], "names": ["a", "b"],
+                                                 "value": np.array([3], dtype=np.int64)}, name="resize")],
+                  ["x"], ["r"], {"w": weight, "pads": np.array([0, 1, 0, 1], dtype=np.int64)},
+                  {"x": TensorType(np.dtype(np.float32), ("batch", 3)), "y": TensorType(np.dtype(np.float32), ("batch", 2)),
+                   "r": TensorType(np.dtype(np.float32), None)}, {"": 17}, "written")
+    ours = onnx.load_from_string(encode_model(graph_data(graph)))
+    theirs = graph_to_proto(graph)
+    assert ours.ir_version == theirs.ir_version
+    assert [(o.domain, o.version) for o in ours.opset_import] == [(o.domain, o.version) for o in theirs.opset_import]
+    for mine, made in zip(ours.graph.node, theirs.graph.node):
+        assert (mine.op_type, list(mine.input), list(mine.output), mine.name) == \
+            (made.op_type, list(made.input), list(made.output), made.name)
+        assert {a.name: onnx.helper.get_attribute_value(a) for a in mine.attribute}.keys() == \
+            {a.name: onnx.helper.get_attribute_value(a) for a in made.attribute}.keys()
+        for a, b in zip(mine.attribute, made.attribute):
+            left, right = onnx.helper.get_attribute_value(a), onnx.helper.get_attribute_value(b)
+            if a.type == onnx.AttributeProto.TENSOR:
+                left, right = onnx.numpy_helper.to_array(left), onnx.numpy_helper.to_array(right)
+            assert a.type == b.type and np.array_equal(left, right), a.name
+    for mine, made in zip(ours.graph.initializer, theirs.graph.initializer):
+        assert np.array_equal(onnx.numpy_helper.to_array(mine), onnx.numpy_helper.to_array(made))
+    assert list(ours.graph.input) == list(theirs.graph.input)
+    assert list(ours.graph.output) == list(theirs.graph.output)
+    assert [v.name for v in ours.graph.value_info] == ["y"]  # the known intermediate type

@@ -135,6 +135,8 @@ def test_a_bias_starts_the_output_and_blas_adds_the_product(bias_shape):
 ROUTE_CHECK = """
 import numpy as np
 from odtrain.kernels import blas
+from odtrain.kernels.jit import load
+load()  # Numba's objects in the kernel modules, the products' symbols registered
 from odtrain.kernels.blas import blas_gemm
 from numba import njit
 
@@ -204,7 +206,7 @@ def _numpy_carries_openblas() -> bool:
 def test_a_step_runs_blas_on_one_thread_and_gives_the_program_its_count_back():
     from odtrain.kernels import blas
 
-    route = blas._route
+    route = blas.product_threads()
     if route.get_threads is None:
         pytest.skip(f"the products call {blas.GEMM_LIBRARY}, whose threads odtrain sets once per process")
     program = route.get_threads()

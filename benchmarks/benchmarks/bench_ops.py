@@ -214,7 +214,7 @@ class VocabularyLossOps:
     param_names = ["op", "threads"]
 
     def setup(self, op, threads):
-        from odtrain.executor import BoundGraph
+        from odtrain.executor import ExecutableStep
         from odtrain.graph.ir import ODTRAIN_DOMAIN, Graph, Node, TensorType
 
         rows, width, classes = VOCABULARY["rows"], VOCABULARY["width"], VOCABULARY["classes"]
@@ -230,7 +230,7 @@ class VocabularyLossOps:
         types = {name: TensorType(value.dtype, value.shape) for name, value in held.items()}
         types.update(loss=TensorType(np.dtype(np.float32), ()), dhidden=types["hidden"], dweight=types["weight"])
         node = Node(op, inputs, outputs, {"transB": 1, "reduction": "mean"}, op, ODTRAIN_DOMAIN)
-        self.bound = BoundGraph(Graph([node], list(held), outputs[:1], {}, types, name=op), {}, held, threads=threads)
+        self.bound = ExecutableStep(Graph([node], list(held), outputs[:1], {}, types, name=op), {}, held, threads=threads)
         for _ in range(2):
             self.bound.run([])
 

@@ -82,7 +82,7 @@ def main() -> None:
         optimizer.step()
         module.lazy_reset_grad()
         times.append(time.perf_counter() - start)
-    step = module.bound_graph_at(args.batch, sequence_length=args.seq)
+    step = module.executable_step_at(args.batch, sequence_length=args.seq)
     print(json.dumps({"variant": args.variant, "state_dtype": args.state_dtype, "train_embedding": args.train_embedding, "arena_bytes": step.plan.arena_bytes,
                       "lower_bound": step.plan.lower_bound, "training_peak_rss_mib": round(peak_rss_mib(), 1),
                       "optimizer_state_bytes": sum(state.buffer_bytes().optimizer_state_bytes.values()),

@@ -1,0 +1,357 @@
+"""Building the kernel library (odtrain/kernel_library.py): Numba compiles, llvmlite links, the system cc links.
+
+For each (kernel, signature) entry:
+1. a generated `cfunc` wrapper with one C signature, `int32 k(void **arguments)`, rebuilds each argument
+   from its record (`_loader`: an array of exactly the type Numba's typeof gives the bound view, strided
+   and read-only views included; a scalar read from its slot), calls the kernel inside
+   `try/except Exception` and returns 0, or 1 when the kernel raised;
+2. its LLVM module, as Numba optimised it for the JIT (the same code the JIT runs: the same bits), gets
+   every definition but the wrapper made internal and the wrapper renamed to its symbol, and is linked
+   into one module.
+The module is emitted as one position-independent object for the host CPU and linked with
+odtrain/kernel_launcher.c (the parallel launcher on OpenMP, the runner, the helpers Numba's code calls)
+by `cc -shared -Wl,-z,defs`: a symbol nobody defines fails the build. References to CPython and Numba's
+error reporting, reached only when a kernel raises past the wrapper's `except` (never), are bound to
+stubs that abort.
+
+The build runs in its own process (`python -m odtrain.kernel_build SPEC OUT`), where no kernel was
+compiled or loaded from Numba's cache (a cached kernel has no LLVM module to link) and caching is off.
+
+Numba internals this relies on (tests/test_kernel_library.py compares every kernel with its JIT twin):
+`CFunc.inspect_llvm()` holding the wrapper and every callee, `CFunc.native_name`, the array data model
+and `numba.np.arrayobj.populate_array`, the names and signatures of the parallel launcher's symbols
+(kernel_launcher.c), the codegen's `_get_host_cpu_name`/`_tm_features`.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from . import __version__
+from .kernel_library import FOLDER, LIBRARY_FILE, MANIFEST_FILE
+from .kernel_sources import sources_digest
+
+# Numba's helpers that only raise or report an exception: past the wrapper's `except`, never reached
+ERROR_PATH = {"numba_do_raise", "numba_unpickle", "numba_runtime_build_excinfo_struct", "numba_fatal_error"}
+LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernel_launcher.c")
+
+
+def build(entries, out_dir, out=print) -> dict:
+    """Build the library of `entries` ((kernel name, signature) pairs) into `out_dir`, in a fresh process;
+    returns the manifest."""
+    os.makedirs(out_dir, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as spec:
+        json.dump({"entries": sorted(set(map(tuple, entries)))}, spec)
+    try:
+        started = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "odtrain.kernel_build", spec.name, os.fspath(out_dir)], check=True)
+    finally:
+        os.unlink(spec.name)
+    with open(os.path.join(out_dir, MANIFEST_FILE)) as file:
+        manifest = json.load(file)
+    size = os.path.getsize(os.path.join(out_dir, LIBRARY_FILE))
+    out(f"kernel library: {len(manifest['entries'])} kernels, {size / 2 ** 20:.1f} MiB, "
+        f"built in {time.perf_counter() - started:.1f} s: {out_dir}")
+    return manifest
+
+
+def numba_type(text: str):
+    """The Numba type of one argument's signature text (odtrain.kernel_library.argument_type)."""
+    import numpy as np
+    from numba import types
+    from numba.np.numpy_support import from_dtype
+
+    if text.startswith("("):
+        items = [numba_type(t) for t in text[1:-1].split(",") if t]
+        return types.UniTuple(items[0], len(items)) if items and len(set(items)) == 1 else types.Tuple(items)
+    if "[" not in text:
+        return types.boolean if text == "bool" else from_dtype(np.dtype(text))
+    dtype, rest = text[:-1].split("[")
+    ndim = int("".join(c for c in rest if c.isdigit()))
+    flags = rest.lstrip("0123456789")
+    return types.Array(from_dtype(np.dtype(dtype)), ndim, flags[0], readonly="r" in flags,
+                       aligned="u" not in flags)
+
+
+def argument_types(signature: str) -> list[str]:
+    """The argument types of a signature text, split at the commas outside parentheses."""
+    found, depth, start = [], 0, 0
+    for index, char in enumerate(signature + ","):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            if index > start:
+                found.append(signature[start:index])
+            start = index + 1
+    return found
+
+
+_loaders: dict = {}
+
+
+def _loader(index: int, kind):
+    """An intrinsic that reads argument `index` of a wrapper's `void **` as a value of Numba type `kind`."""
+    key = (index, kind)
+    if key in _loaders:
+        return _loaders[key]
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+    from numba.np.arrayobj import populate_array
+
+    word = ir.IntType(64)
+
+    def codegen(context, builder, signature, arguments):
+        slot = builder.load(builder.gep(arguments[0], [ir.Constant(word, index)]))
+        if isinstance(kind, types.Array):
+            record = builder.bitcast(slot, word.as_pointer())
+
+            def field(i):
+                return builder.load(builder.gep(record, [ir.Constant(word, i)]))
+
+            array = context.make_array(kind)(context, builder)
+            data = builder.inttoptr(field(0), context.get_data_type(kind.dtype).as_pointer())
+            shape = cgutils.pack_array(builder, [field(1 + d) for d in range(kind.ndim)], ty=word)
+            strides = cgutils.pack_array(builder, [field(1 + kind.ndim + d) for d in range(kind.ndim)], ty=word)
+            itemsize = context.get_constant(types.intp, context.get_abi_sizeof(context.get_data_type(kind.dtype)))
+            populate_array(array, data=data, shape=shape, strides=strides, itemsize=itemsize, meminfo=None)
+            return array._getvalue()
+        if isinstance(kind, types.BaseTuple):  # a word per item
+            record = builder.bitcast(slot, word.as_pointer())
+            items = [context.data_model_manager[t].load_from_data_pointer(
+                builder, builder.bitcast(builder.gep(record, [ir.Constant(word, i)]), context.get_data_type(t).as_pointer()))
+                for i, t in enumerate(kind.types)]
+            return context.make_tuple(builder, kind, items)
+        pointer = builder.bitcast(slot, context.get_data_type(kind).as_pointer())
+        return context.data_model_manager[kind].load_from_data_pointer(builder, pointer)
+
+    def typer(typingctx, arguments):
+        return kind(arguments), codegen
+
+    _loaders[key] = intrinsic(typer)
+    return _loaders[key]
+
+
+def wrapper(kernel, argument_types):
+    """The cfunc `int32 k(void **arguments)` that calls `kernel` with arguments of `argument_types`."""
+    from numba import cfunc, types
+
+    names = [f"load{i}" for i in range(len(argument_types))]
+    namespace = {"kernel": kernel, **{n: _loader(i, t) for i, (n, t) in enumerate(zip(names, argument_types))}}
+    source = ("def call(arguments):\n    try:\n        kernel(" + ", ".join(f"{n}(arguments)" for n in names)
+              + ")\n    except Exception:\n        return 1\n    return 0\n")
+    exec(compile(source, f"<wrapper of {kernel.py_func.__qualname__}>", "exec"), namespace)
+    return cfunc(types.int32(types.CPointer(types.voidptr)), error_model="numpy")(namespace["call"])
+
+
+def resolve(name: str):
+    """The kernel named 'module:qualified name'."""
+    module, _, qualified = name.partition(":")
+    value = importlib.import_module(module)
+    for part in qualified.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def raised_messages(kernel) -> list[str]:
+    """The constant messages that a kernel and the kernels it calls raise (what the library reports when
+    one of its calls stops on its data: the wrapper returns a status, not the exception)."""
+    import inspect
+    import re
+
+    messages, seen, pending = [], set(), [kernel.py_func]
+    while pending:
+        function = pending.pop()
+        if function in seen:
+            continue
+        seen.add(function)
+        try:
+            source = inspect.getsource(function)
+        except (OSError, TypeError):
+            continue
+        for message in re.findall(r'raise \w+\("([^"{}]*)"\)', source):
+            if message not in messages:
+                messages.append(message)
+        for name in function.__code__.co_names:
+            callee = getattr(function.__globals__.get(name), "py_func", None)
+            if callee is not None:
+                pending.append(callee)
+    return messages
+
+
+def _stub(name: str) -> str:
+    return f'__attribute__((visibility("hidden"))) void {name}(void) {{ odtrain_unreachable("{name}"); }}\n'
+
+
+def _main(spec_path: str, out_dir: str) -> None:
+    started = time.perf_counter()
+    from llvmlite import binding as llvm
+    from numba.core.caching import NullCache
+    from numba.core.registry import cpu_target
+
+    from . import executor  # noqa: F401  (imports every kernel module)
+    from .kernel_sources import loaded_dispatchers
+
+    with open(spec_path) as file:
+        entries = [tuple(e) for e in json.load(file)["entries"]]
+    for dispatcher in loaded_dispatchers():
+        dispatcher._cache = NullCache()
+    codegen = cpu_target.target_context.codegen()
+    triple, cpu, features = llvm.get_process_triple(), codegen._get_host_cpu_name(), codegen._tm_features
+    linked = llvm.parse_assembly("")
+    linked.triple = triple
+    manifest_entries, skipped = [], []
+    for index, (name, signature) in enumerate(entries):
+        symbol = f"odtrain_kernel_{index}"
+        try:
+            kernel = resolve(name)
+            function = wrapper(kernel, tuple(numba_type(t) for t in argument_types(signature)))
+            module = llvm.parse_assembly(function.inspect_llvm())
+        except Exception as error:  # a kernel that does not compile at these types: the JIT's, as before
+            skipped.append(f"{name}({signature}): {type(error).__name__}: {str(error).splitlines()[0][:200]}")
+            continue
+        for value in list(module.functions) + list(module.global_variables):
+            if value.is_declaration:
+                continue
+            if value.name == function.native_name:
+                value.name = symbol
+            else:
+                value.linkage = "internal"
+        linked.link_in(module)
+        manifest_entries.append({"kernel": name, "signature": signature, "symbol": symbol,
+                                 "errors": raised_messages(kernel)})
+    linked.verify()
+    provided = {"odtrain_cblas_sgemm", "odtrain_cblas_dgemm", "numba_parallel_for", "get_num_threads",
+                "get_thread_id", "set_num_threads", "get_parallel_chunksize", "set_parallel_chunksize",
+                "get_sched_size", "allocate_sched", "deallocate_sched", "do_scheduling_signed",
+                "do_scheduling_unsigned", "numba_gil_ensure", "numba_gil_release", "PyEval_SaveThread",
+                "PyEval_RestoreThread", "NRT_MemInfo_alloc_aligned", "NRT_MemInfo_alloc_safe_aligned",
+                "NRT_MemInfo_call_dtor", "NRT_Allocate", "NRT_Free", "numba_attempt_nocopy_reshape"}
+    undefined = sorted(f.name for f in linked.functions if f.is_declaration and not f.name.startswith("llvm."))
+    # only the error path is stubbed: any other helper nobody defines fails the link, by name
+    stubs = [n for n in undefined if n not in provided and (n.startswith(("Py", "_Py")) or n in ERROR_PATH)]
+    data_stubs = sorted(g.name for g in linked.global_variables if g.is_declaration and g.name.startswith(("Py", "_Py")))
+    target = llvm.Target.from_triple(triple)
+    machine = target.create_target_machine(cpu=cpu, features=features, opt=3, reloc="pic", codemodel="default")
+    linked.data_layout = str(machine.target_data)
+    with tempfile.TemporaryDirectory(prefix="odtrain-build-") as scratch:
+        objects = os.path.join(scratch, "kernels.o")
+        with open(objects, "wb") as file:
+            file.write(machine.emit_object(linked))
+        stub_source = os.path.join(scratch, "stubs.c")
+        with open(stub_source, "w") as file:
+            file.write('#include <stdio.h>\n#include <stdlib.h>\n'
+                       'static void odtrain_unreachable(const char *name) {\n'
+                       '    fprintf(stderr, "odtrain kernel library: %s reached\\n", name); abort();\n}\n')
+            file.writelines(_stub(n) for n in stubs)
+            file.writelines(f'__attribute__((visibility("hidden"))) void *{n} = 0;\n' for n in data_stubs)
+        library = os.path.join(out_dir, LIBRARY_FILE)
+        partial = f"{library}.{os.getpid()}"
+        subprocess.run([os.environ.get("CC", "cc"), "-shared", "-O2", "-fPIC", "-fopenmp", "-Wl,-z,defs",
+                        "-o", partial, objects, LAUNCHER, stub_source, "-lm"], check=True)
+        os.replace(partial, library)
+    import llvmlite
+    import numba
+
+    manifest = {"odtrain": __version__, "numba": numba.__version__, "llvmlite": llvmlite.__version__,
+                "triple": triple, "cpu": cpu, "features": features, "kernel_sources": sources_digest(),
+                "entries": manifest_entries, "skipped": skipped, "build_seconds": round(time.perf_counter() - started, 1)}
+    with open(os.path.join(out_dir, MANIFEST_FILE), "w") as file:
+        json.dump(manifest, file, indent=1)
+    for line in skipped:
+        print(f"odtrain compile: left to the JIT: {line}", file=sys.stderr)
+
+
+def library_folder(artifact_dir) -> str:
+    """Where the library of an artifact folder goes."""
+    return os.path.join(os.fspath(artifact_dir), FOLDER)
+
+
+def recorded_entries(artifact_dir, batch_size: int = 32, thread_counts=None, input_shapes=None) -> list:
+    """The (kernel name, signature) pairs of the steps `odtrain warmup` runs on a set of artifacts (a training
+    step writing and one accumulating gradients, an optimizer step, an eval step), at each thread count of
+    `thread_counts` (default: 1 and every core of this machine, as a device would run). Nothing runs."""
+    from . import threads
+    from .cache import _run_steps
+    from .executor import record_calls
+    from .kernel_library import LIBRARY_ENV, kernel_name, signature_of
+
+    counts = sorted(set(thread_counts or (1, threads.available_cores())))
+    previous = os.environ.get(LIBRARY_ENV)
+    os.environ[LIBRARY_ENV] = "off"  # the calls are the same with a library: record them without one
+    try:
+        with record_calls() as calls:
+            for count in counts:
+                with threads.process_default(count):
+                    _run_steps(os.fspath(artifact_dir), int(batch_size), input_shapes or {})
+    finally:
+        if previous is None:
+            del os.environ[LIBRARY_ENV]
+        else:
+            os.environ[LIBRARY_ENV] = previous
+    entries = {(kernel_name(kernel), signature_of(args)) for kernel, args in calls}
+    return sorted((name, signature) for name, signature in entries if name and signature is not None)
+
+
+def compile_artifacts(artifact_dir=None, out_dir=None, batch_size: int = 32, thread_counts=None, out=print) -> dict:
+    """Build the kernel library of a set of artifacts (a folder, or a list of folders: one library for them all;
+    None: the built-in demo classifier's) into `out_dir` (default: the artifact folder's kernels/); returns the
+    manifest."""
+    folders = [artifact_dir] if artifact_dir is None or isinstance(artifact_dir, (str, os.PathLike)) \
+        else list(artifact_dir)
+    entries = set()
+    for folder in folders:
+        if folder is None:
+            from .cache import _demo_artifacts
+
+            with tempfile.TemporaryDirectory(prefix="odtrain-compile-") as scratch:
+                entries.update(recorded_entries(_demo_artifacts(scratch), batch_size, thread_counts))
+        else:
+            entries.update(recorded_entries(folder, batch_size, thread_counts))
+    if out_dir is None:
+        if len(folders) != 1 or folders[0] is None:
+            raise ValueError("give the library's folder (-o DIR) for the demo classifier or several artifact folders")
+        out_dir = library_folder(folders[0])
+    return build(sorted(entries), out_dir, out)
+
+
+def add_command(commands) -> None:
+    """Add `odtrain compile` to the CLI's subcommands."""
+    command = commands.add_parser(
+        "compile", help="build the kernels a set of artifacts needs into a native library, ahead of time",
+        description="Record every kernel, at every signature, that a training step, an optimizer step and an eval "
+        "step of the artifacts call (at 1 thread and at this machine's cores), compile them with Numba and link "
+        "them into one shared library with its manifest, by default in ARTIFACT_DIR/kernels/. A training process "
+        "that finds it there loads it with ctypes: no kernel compiles, Numba is not imported for the kernels it "
+        "holds.")
+    command.add_argument("artifact_dir", nargs="*", default=None, metavar="ARTIFACT_DIR",
+                         help="folder written by generate_artifacts; several make one library for them all "
+                         "(with -o); none: the demo classifier (with -o)")
+    command.add_argument("-o", "--output", default=None, metavar="DIR", help="the library's folder "
+                         "(default: ARTIFACT_DIR/kernels)")
+    command.add_argument("--batch-size", type=int, default=32, help="batch size of the recorded steps (default 32)")
+    command.add_argument("--threads", type=int, action="append", default=None, metavar="N",
+                         help="a thread count the device runs at (repeatable; default: 1 and this machine's cores)")
+    command.add_argument("--target", default=None, choices=["x86_64"],
+                         help="the device's architecture (default: this machine's)")
+    command.set_defaults(handler=_command)
+
+
+def _command(args) -> int:
+    from .graph.errors import ArgumentError
+
+    folders = args.artifact_dir or [None]
+    if args.output is None and (len(folders) > 1 or folders[0] is None):
+        raise ArgumentError("odtrain compile without ARTIFACT_DIR (the demo classifier's kernels) or with several "
+                            "folders needs the library's folder: give -o DIR")
+    compile_artifacts(folders, args.output, args.batch_size, args.threads)
+    return 0
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1], sys.argv[2])

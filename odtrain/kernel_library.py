@@ -1,0 +1,265 @@
+"""The kernel library: odtrain's kernels built ahead of time into one shared object, loaded with ctypes.
+
+`odtrain compile` (odtrain/kernel_build.py) writes a folder `kernels/` beside the artifacts:
+- LIBRARY_FILE, the shared object: one exported `int32 k(void **arguments)` wrapper per (kernel,
+  signature), the runner `odtrain_run` and the launcher (odtrain/kernel_launcher.c);
+- MANIFEST_FILE, JSON: the odtrain, Numba and llvmlite versions, the target triple, CPU and features,
+  the digest of the kernel sources (odtrain.kernel_sources) and each entry's kernel, signature and symbol.
+
+A kernel call is (kernel, args): the kernel is named by its module and qualified name (`kernel_name`),
+its arguments by a signature string (`signature_of`) that says what Numba's typeof would: an array's
+dtype, rank, layout ('C', 'F' or 'A'), read-only and unaligned flags; a scalar's type (a Python int
+is int64, a float float64, a bool bool); a tuple of scalars, theirs in parentheses. `KernelLibrary.prepare` packs one call's arguments once, when
+a step is bound, into one int64 block: a pointer per argument, then each argument's record (an array:
+data address, shape, strides in bytes; a scalar: its value in its own dtype, in one word; a tuple: a
+word per item). A step's calls then run
+in one foreign call (`Program`), the GIL released.
+
+Refused, by name, never loaded (`load` raises LibraryRefused, which `find` reports once and bypasses):
+a library built by another odtrain version, from other kernel sources, with a Numba other than the
+installed one (when one is installed), for another machine, or for CPU features this CPU lacks.
+
+Imports numpy and ctypes only, so that a training process with a library never loads the compiler.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import platform
+import sys
+
+import numpy as np
+
+from .kernels.blas_library import found_openblas, gemm_addresses
+from .kernels.jit import without_compiler
+from .threads import configure_without_compiler
+
+LIBRARY_FILE = "libodtrain_kernels.so"
+MANIFEST_FILE = "manifest.json"
+FOLDER = "kernels"  # the library's folder inside an artifact folder
+LIBRARY_ENV = "ODTRAIN_KERNEL_LIBRARY"  # a library folder to use when the artifact folder has none; "off": none
+FALLBACK_MESSAGE = "compiling {count} kernels for this model (once; `odtrain compile` or `odtrain warmup` does it ahead)"
+_SCALARS = {bool: "bool", int: "int64", float: "float64"}
+# LLVM's names of the x86 features that matter to the code the library holds, and Linux's (/proc/cpuinfo)
+_X86_FLAGS = {"sse4.1": "sse4_1", "sse4.2": "sse4_2", "avx": "avx", "avx2": "avx2", "fma": "fma", "f16c": "f16c",
+              "bmi": "bmi1", "bmi2": "bmi2", "avx512f": "avx512f", "avx512bw": "avx512bw", "avx512dq": "avx512dq",
+              "avx512vl": "avx512vl", "avx512cd": "avx512cd", "avx512vnni": "avx512_vnni",
+              "avx512bf16": "avx512_bf16", "avx512fp16": "avx512_fp16", "popcnt": "popcnt"}
+
+
+class LibraryRefused(Exception):
+    """A library that this process must not load, and why."""
+
+
+def kernel_name(kernel) -> str | None:
+    """'module:qualified name' of a Numba kernel (or a placeholder of one), else None."""
+    function = getattr(kernel, "py_func", None)
+    if function is None:
+        return None
+    return f"{function.__module__}:{function.__qualname__}"
+
+
+def argument_type(value) -> str | None:
+    """What Numba's typeof says of one argument, as text; None for a kind the library does not pass."""
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind not in "biuf" or not value.dtype.isnative:
+            return None
+        flags = value.flags
+        layout = "C" if flags.c_contiguous else "F" if flags.f_contiguous else "A"
+        return f"{value.dtype.name}[{value.ndim}{layout}{'' if flags.writeable else 'r'}{'' if flags.aligned else 'u'}]"
+    if isinstance(value, tuple):  # of scalars: Numba's UniTuple or Tuple
+        kinds = [_scalar_type(v) for v in value]
+        return None if None in kinds else "(" + ",".join(kinds) + ")"
+    return _scalar_type(value)
+
+
+def _scalar_type(value) -> str | None:
+    kind = _SCALARS.get(type(value))
+    if kind is not None:
+        return kind
+    if isinstance(value, np.generic) and value.dtype.kind in "biuf":
+        return "bool" if value.dtype.kind == "b" else value.dtype.name
+    return None
+
+
+def signature_of(args) -> str | None:
+    """The signature text of a call's arguments, or None when one of them cannot be passed."""
+    kinds = [argument_type(a) for a in args]
+    return None if None in kinds else ",".join(kinds)
+
+
+def _record(value) -> list[int]:
+    """One argument's record, as int64 words."""
+    if isinstance(value, np.ndarray):
+        return [value.ctypes.data, *value.shape, *value.strides]
+    if isinstance(value, tuple):
+        return [word for item in value for word in _record(item)]
+    kind = argument_type(value)
+    word = np.zeros(1, dtype=np.int64)
+    word.view(np.uint8)[:np.dtype(kind if kind != "bool" else np.uint8).itemsize] = \
+        np.array([value], dtype=kind if kind != "bool" else np.uint8).view(np.uint8)
+    return [int(word[0])]
+
+
+def pack(args) -> np.ndarray:
+    """The argument block of one call: the address of each argument's record, then the records."""
+    records = [_record(a) for a in args]
+    block = np.zeros(len(args) + sum(len(r) for r in records), dtype=np.int64)
+    base, offset = block.ctypes.data, len(args)
+    for index, record in enumerate(records):
+        block[index] = base + 8 * offset
+        block[offset:offset + len(record)] = record
+        offset += len(record)
+    return block
+
+
+class KernelLibrary:
+    """A loaded library: its manifest, its symbols by (kernel name, signature), and the runner."""
+
+    def __init__(self, folder: str):
+        self.folder = os.path.abspath(folder)
+        manifest_path = os.path.join(self.folder, MANIFEST_FILE)
+        try:
+            with open(manifest_path) as file:
+                self.manifest = json.load(file)
+        except (OSError, ValueError) as error:
+            raise LibraryRefused(f"{manifest_path}: unreadable manifest ({error})") from None
+        refusal = refusal_of(self.manifest)
+        if refusal:
+            raise LibraryRefused(f"{self.folder}: {refusal}")
+        configure_without_compiler()  # OpenMP's waiting policy, read once when libgomp loads with the library
+        without_compiler()  # the bindings' helpers run as Python rather than load Numba for them
+        self._dll = ctypes.CDLL(os.path.join(self.folder, LIBRARY_FILE))  # ctypes releases the GIL in calls
+        self._run = self._dll.odtrain_run
+        self._run.restype = ctypes.c_int64
+        self._run.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        self._forked = self._dll.odtrain_regions_forked
+        self._forked.restype = ctypes.c_int32
+        self._dll.odtrain_set_gemm.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        found = found_openblas()
+        self._dll.odtrain_set_gemm(*(gemm_addresses(found) if found else (0, 0)))
+        self.entries, self._messages = {}, {}
+        for entry in self.manifest["entries"]:
+            key = (entry["kernel"], entry["signature"])
+            self.entries[key] = ctypes.cast(getattr(self._dll, entry["symbol"]), ctypes.c_void_p).value
+            self._messages[key] = entry.get("errors", [])
+
+    def address(self, kernel, args) -> int | None:
+        """The library's function for this call, or None."""
+        name = kernel_name(kernel)
+        signature = signature_of(args) if name else None
+        return self.entries.get((name, signature)) if signature is not None else None
+
+    def message(self, kernel, args) -> str:
+        """What a kernel that stopped on its data says (the messages its source raises)."""
+        messages = self._messages.get((kernel_name(kernel), signature_of(args)), [])
+        return " or ".join(messages) if messages else f"kernel {kernel_name(kernel)} stopped on its data"
+
+    def run(self, functions: np.ndarray, blocks: np.ndarray, threads: int) -> int:
+        """Run the calls functions[i](blocks[i]) in order; the index of the first that failed, or -1."""
+        return int(self._run(len(functions), functions.ctypes.data, blocks.ctypes.data, int(threads)))
+
+    def call(self, kernel, args, threads: int = 1) -> bool:
+        """Run one call through the library if it holds it (False if not); a failure raises ValueError."""
+        address = self.address(kernel, args)
+        if address is None:
+            return False
+        block = pack(args)
+        functions = np.array([address], dtype=np.uint64)
+        blocks = np.array([block.ctypes.data], dtype=np.uint64)
+        if self.run(functions, blocks, threads) >= 0:
+            raise ValueError(self.message(kernel, args))
+        return True
+
+    def regions_forked(self) -> bool:
+        """Whether this process was forked after the library ran a parallel region (it then runs serially)."""
+        return bool(self._forked())
+
+
+def cpu_flags() -> set[str] | None:
+    """The CPU's feature flags as Linux lists them, or None where /proc/cpuinfo is not readable."""
+    try:
+        with open("/proc/cpuinfo") as file:
+            for line in file:
+                if line.startswith(("flags", "Features")):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
+def refusal_of(manifest: dict) -> str:
+    """Why a library with this manifest must not be loaded here ('' when it may be)."""
+    from . import __version__
+    from .kernel_sources import sources_digest
+
+    if manifest.get("odtrain") != __version__:
+        return f"built by odtrain {manifest.get('odtrain')}, this is odtrain {__version__}"
+    if manifest.get("kernel_sources") != sources_digest():
+        return "built from other kernel sources than these (odtrain/kernels changed since)"
+    numba = installed_version("numba")
+    if numba is not None and manifest.get("numba") != numba:
+        return f"built with Numba {manifest.get('numba')}, the installed Numba is {numba}"
+    machine = manifest.get("triple", "").split("-")[0]
+    here = platform.machine().lower()
+    if machine != {"arm64": "aarch64", "amd64": "x86_64"}.get(here, here):
+        return f"built for {machine}, this machine is {here}"
+    flags = cpu_flags()
+    if flags is not None and machine == "x86_64":
+        missing = [f for f in manifest.get("features", "").split(",")
+                   if f[:1] == "+" and f[1:] in _X86_FLAGS and _X86_FLAGS[f[1:]] not in flags]
+        if missing:
+            return f"built for CPU features {', '.join(m[1:] for m in missing)}, which this CPU lacks"
+    return ""
+
+
+def installed_version(distribution: str) -> str | None:
+    """The installed version of a distribution, without importing it."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+_reported: set = set()
+
+
+def report_missing(calls) -> None:
+    """Say once, on stderr, how many kernels of these calls (which a library lacks) compile through Numba."""
+    new = {(kernel_name(k) or repr(k), signature_of(a)) for k, a in calls if hasattr(k, "py_func")} - _reported
+    if new:
+        _reported.update(new)
+        print(f"odtrain: {FALLBACK_MESSAGE.format(count=len(new))}", file=sys.stderr)
+
+
+_loaded: dict[str, KernelLibrary | None] = {}
+
+
+def find(artifact_folder=None) -> KernelLibrary | None:
+    """The library for a model in `artifact_folder`: its `kernels/` folder, else the folder ODTRAIN_KERNEL_LIBRARY
+    names; None when there is none, or when it was refused (said once, on stderr)."""
+    if os.environ.get(LIBRARY_ENV, "").strip().lower() == "off":
+        return None
+    candidates = []
+    if artifact_folder is not None:
+        candidates.append(os.path.join(os.fspath(artifact_folder), FOLDER))
+    if os.environ.get(LIBRARY_ENV):
+        candidates.append(os.environ[LIBRARY_ENV])
+    for folder in candidates:
+        folder = os.path.abspath(folder)
+        if folder not in _loaded:
+            if not os.path.isfile(os.path.join(folder, MANIFEST_FILE)):
+                _loaded[folder] = None
+                continue
+            try:
+                _loaded[folder] = KernelLibrary(folder)
+            except LibraryRefused as refused:
+                print(f"odtrain: kernel library refused: {refused}; its kernels compile through Numba instead",
+                      file=sys.stderr)
+                _loaded[folder] = None
+        if _loaded[folder] is not None:
+            return _loaded[folder]
+    return None

@@ -1,0 +1,320 @@
+"""The kernel library (odtrain compile): the same bits as the JIT's kernels, errors by node, refusals, no compiler.
+
+One library is built for the reference MLP's artifacts (12 kernels, ~15-30 s); its steps are compared with
+the JIT's call by call and step by step, at one thread and at two with the same parts.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import reference_artifacts, reference_model
+from odtrain import kernel_library
+from odtrain.api import CheckpointState, Module, Optimizer
+from odtrain.executor import Program, record_calls
+from odtrain.graph.errors import InputError
+from odtrain.kernel_build import compile_artifacts
+from odtrain.kernel_library import FALLBACK_MESSAGE, KernelLibrary, kernel_name, pack, refusal_of, signature_of
+
+
+@pytest.fixture(scope="module")
+def mlp_library(tmp_path_factory):
+    """(artifact folder with its library in kernels/, the same artifacts without one)."""
+    with_library = reference_artifacts("mlp", tmp_path_factory.mktemp("mlp-library"))
+    compile_artifacts(with_library, thread_counts=(1, 2), out=lambda line: None)
+    without = tmp_path_factory.mktemp("mlp-jit")
+    for name in os.listdir(with_library):
+        if name != kernel_library.FOLDER:
+            shutil.copy(with_library / name, without / name)
+    return with_library, without
+
+
+def train(folder, threads, steps=3):
+    _, meta, golden = reference_model("mlp")
+    state = CheckpointState.load_checkpoint(folder / "checkpoint")
+    module = Module(folder / "training_model.onnx", state, folder / "eval_model.onnx", num_threads=threads)
+    optimizer = Optimizer(folder / "optimizer_model.onnx", module)
+    optimizer.set_learning_rate(meta["adamw"]["lr"])
+    losses = []
+    for step in range(steps):
+        losses.append(float(module(golden["x"][step], golden["y"][step])))
+        optimizer.step()
+        module.lazy_reset_grad()
+    return module, losses, state._store.flat.copy()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_step_through_the_library_gives_the_jits_bits(mlp_library, threads):
+    with_library, without = mlp_library
+    module, losses, weights = train(with_library, threads)
+    assert module.kernel_library is not None
+    bound = next(iter(module._train.plans.values()))
+    assert bound.program.jit_calls == 0  # every call of the step ran in the library
+    jit_module, jit_losses, jit_weights = train(without, threads)
+    assert jit_module.kernel_library is None
+    assert losses == jit_losses
+    assert np.array_equal(weights, jit_weights)
+
+
+def _bases(arrays):
+    """The distinct buffers that the arrays view."""
+    found = {}
+    for array in arrays:
+        while isinstance(array, np.ndarray) and array.base is not None and isinstance(array.base, np.ndarray):
+            array = array.base
+        if isinstance(array, np.ndarray) and array.flags.writeable:  # read-only ones are constants
+            found[id(array)] = array
+    return list(found.values())
+
+
+def _same_bits_call_by_call(library, calls, threads) -> set:
+    """Run each call once by the library and once by its JIT kernel from the same memory; the same bytes
+    everywhere afterwards. Returns the (kernel, signature) pairs checked."""
+    buffers = _bases([a for _, args in calls for a in args])
+    checked = set()
+    for kernel, args in calls:
+        before = [b.copy() for b in buffers]
+        assert library.call(kernel, args, threads), kernel_name(kernel)
+        by_library = [b.copy() for b in buffers]
+        for buffer, saved in zip(buffers, before):
+            np.copyto(buffer, saved)
+        kernel(*args)
+        for buffer, expected in zip(buffers, by_library):
+            assert np.array_equal(buffer.view(np.uint8), expected.view(np.uint8)), kernel_name(kernel)
+        checked.add((kernel_name(kernel), signature_of(args)))
+    return checked
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_library_kernel_of_a_step_gives_its_jit_twins_bits(mlp_library, threads):
+    """Each call of a bound training step on the step's own data (the feeds copied in, then call by call),
+    and the optimizer's update."""
+    with_library, _ = mlp_library
+    _, _, golden = reference_model("mlp")
+    module, _, _ = train(with_library, threads, steps=1)
+    bound = next(iter(module._train.plans.values()))
+    for view, value in zip(bound.feed_views, [golden["x"][1], golden["y"][1]]):
+        np.copyto(view, value)
+    checked = _same_bits_call_by_call(module.kernel_library, bound.calls, threads)
+    optimizer = Optimizer(with_library / "optimizer_model.onnx", module)
+    with record_calls() as update:
+        optimizer.step()
+    checked |= _same_bits_call_by_call(module.kernel_library, update, threads)
+    used = {(e["kernel"], e["signature"]) for e in module.kernel_library.manifest["entries"]}
+    assert checked <= used and len(checked) >= 8
+
+
+def test_a_label_outside_the_classes_names_the_node(mlp_library):
+    with_library, _ = mlp_library
+    _, meta, golden = reference_model("mlp")
+    state = CheckpointState.load_checkpoint(with_library / "checkpoint")
+    module = Module(with_library / "training_model.onnx", state, num_threads=1)
+    labels = golden["y"][0].copy()
+    labels[3] = meta["classes"] + 5
+    with pytest.raises(InputError, match="a label is outside") as raised:
+        module(golden["x"][0], labels)
+    assert "node" in str(raised.value) and "SoftmaxCrossEntropyLoss" in str(raised.value)
+
+
+def test_kernels_the_library_lacks_compile_through_numba_and_say_so_once(mlp_library, capsys):
+    with_library, _ = mlp_library
+    library = KernelLibrary(str(with_library / kernel_library.FOLDER))
+    with record_calls() as calls:
+        train(with_library, 1, steps=1)
+    removed = {(kernel_name(k), signature_of(a)) for k, a in calls[:2]}
+    for key in removed:
+        library.entries.pop(key)
+    capsys.readouterr()
+    program = Program(library, calls)
+    assert program.jit_calls >= 1
+    message = FALLBACK_MESSAGE.format(count=len(removed))
+    assert message in capsys.readouterr().err
+    Program(library, calls)
+    assert message not in capsys.readouterr().err  # once
+
+
+def test_a_library_from_elsewhere_is_refused_by_name(mlp_library, tmp_path, capsys):
+    with_library, _ = mlp_library
+    manifest = json.loads((with_library / kernel_library.FOLDER / kernel_library.MANIFEST_FILE).read_text())
+    assert refusal_of(manifest) == ""
+    assert "odtrain 0.0.1" in refusal_of({**manifest, "odtrain": "0.0.1"})
+    assert "other kernel sources" in refusal_of({**manifest, "kernel_sources": "0" * 64})
+    assert "Numba 0.1" in refusal_of({**manifest, "numba": "0.1"})
+    assert "aarch64" in refusal_of({**manifest, "triple": "aarch64-unknown-linux-gnu"})
+    if kernel_library.cpu_flags() is not None and "avx512_fp16" not in kernel_library.cpu_flags():
+        assert "avx512fp16" in refusal_of({**manifest, "features": "+avx512fp16"})
+    folder = tmp_path / "artifacts"
+    shutil.copytree(with_library, folder)
+    path = folder / kernel_library.FOLDER / kernel_library.MANIFEST_FILE
+    path.write_text(json.dumps({**manifest, "odtrain": "0.0.1"}))
+    assert kernel_library.find(folder) is None
+    assert "kernel library refused" in capsys.readouterr().err
+
+
+def test_argument_blocks_hold_records_numba_would_type_the_same():
+    from numba import typeof
+
+    from odtrain.kernel_build import argument_types, numba_type
+
+    arena = np.zeros(64, dtype=np.float32)
+    strided = arena[:48].reshape(6, 8)[:, ::2]
+    frozen = np.arange(4, dtype=np.int64)
+    frozen.flags.writeable = False
+    values = [strided, arena.reshape(8, 8).T, frozen, 3, 2.5, True, np.float32(1.5), np.int64(7), (1, 2, 3),
+              (1, 2.5, True)]
+    for value in values:
+        assert numba_type(kernel_library.argument_type(value)) == typeof(value), value
+    assert [numba_type(t) for t in argument_types(signature_of(values))] == [typeof(v) for v in values]
+    block = pack([strided, 3, np.float32(1.5)])
+    assert block[0] == block.ctypes.data + 3 * 8  # the first record follows the pointers
+    assert list(block[3:8]) == [strided.ctypes.data, 6, 4, 32, 8]
+    assert block[8] == 3 and block[9:].view(np.float32)[0] == np.float32(1.5)
+
+
+NO_COMPILER = """
+import sys, tempfile, numpy as np
+import odtrain
+from odtrain.api import CheckpointState, Module, Optimizer
+folder = sys.argv[1]
+state = CheckpointState.load_checkpoint(folder + "/checkpoint")
+module = Module(folder + "/training_model.onnx", state, folder + "/eval_model.onnx", num_threads=2)
+optimizer = Optimizer(folder + "/optimizer_model.onnx", module)
+rng = np.random.default_rng(0)
+x, y = rng.standard_normal((64, 784)).astype(np.float32), rng.integers(0, 10, 64)
+for _ in range(2):
+    module(x, y); optimizer.step(); module.lazy_reset_grad()
+module.eval(); module(x, y)
+def loaded(roots):
+    modules = sorted(m for m in sys.modules if m.split(".")[0] in roots)
+    mapped = sorted({line.split()[-1] for line in open("/proc/self/maps")
+                     if any(n in line for n in ("llvmlite", "/numba/", "/scipy/", "scipy.libs", "/onnx/"))})
+    return modules, mapped
+with tempfile.TemporaryDirectory() as out:
+    CheckpointState.save_checkpoint(state, out + "/checkpoint")
+    assert module.kernel_library is not None
+    print(*loaded(("numba", "llvmlite", "scipy", "onnx")))
+    module.export_model_for_inferencing(out + "/inference.onnx", ["output"])
+    print(*loaded(("numba", "llvmlite", "scipy", "onnx")))
+    import onnx, onnxruntime  # the same export through onnx: the same predictions
+    onnx.checker.check_model(out + "/inference.onnx")
+    module.export_model_for_inferencing(out + "/through_onnx.onnx", ["output"])
+    predicted = [onnxruntime.InferenceSession(out + f).run(["output"], {"input": x})[0]
+                 for f in ("/inference.onnx", "/through_onnx.onnx")]
+    print(np.array_equal(*predicted))
+"""
+
+
+def test_a_training_loop_with_a_library_loads_no_compiler(mlp_library):
+    with_library, _ = mlp_library
+    result = subprocess.run([sys.executable, "-c", NO_COMPILER, str(with_library)], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    training, export, agrees = result.stdout.splitlines()
+    assert training == "[] []"  # checkpoint, Module, Optimizer, train and eval steps, save_checkpoint
+    assert export == "[] []"  # the inference model written by onnx_wire
+    assert agrees == "True"  # and ONNX Runtime runs it to the eval step's outputs
+    assert "compiling" not in result.stderr
+
+
+FORKED = """
+import os, sys, numpy as np
+from odtrain.api import CheckpointState, Module
+folder = sys.argv[1]
+state = CheckpointState.load_checkpoint(folder + "/checkpoint")
+module = Module(folder + "/training_model.onnx", state, num_threads=2)
+rng = np.random.default_rng(0)
+x, y = rng.standard_normal((64, 784)).astype(np.float32), rng.integers(0, 10, 64)
+module(x, y)
+module.lazy_reset_grad()
+reader, writer = os.pipe()
+child = os.fork()
+if child == 0:
+    module(x, y)
+    os.write(writer, state._store.grad_flat.tobytes())
+    os._exit(0)
+module(x, y)
+expected = state._store.grad_flat.tobytes()
+received = b""
+while len(received) < len(expected):
+    received += os.read(reader, 1 << 20)
+os.waitpid(child, 0)
+print(received == expected)
+"""
+
+
+def test_a_child_forked_after_parallel_steps_still_trains(mlp_library):
+    with_library, _ = mlp_library
+    result = subprocess.run([sys.executable, "-c", FORKED, str(with_library)], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "True"
+
+
+def test_two_python_threads_step_two_modules_correctly(mlp_library):
+    import threading
+
+    with_library, _ = mlp_library
+    _, _, golden = reference_model("mlp")
+    alone = train(with_library, 2)[2]
+    results = [None, None]
+
+    def run(slot):
+        results[slot] = train(with_library, 2)[2]
+
+    workers = [threading.Thread(target=run, args=(slot,)) for slot in range(2)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert all(np.array_equal(r, alone) for r in results)
+
+
+def test_strided_views_reshape_in_place_where_numpy_does(tmp_path):
+    """The launcher's numba_attempt_nocopy_reshape (Numba's `reshape` of an 'A' view in library code) against
+    numpy's reshape without a copy, on random strided views and shapes, in both orders."""
+    import ctypes
+
+    from odtrain.kernel_build import LAUNCHER
+
+    library = tmp_path / "launcher.so"
+    subprocess.run([os.environ.get("CC", "cc"), "-shared", "-fPIC", "-fopenmp", "-DHIDDEN=", "-o", str(library),
+                    LAUNCHER], check=True)
+    reshape = ctypes.CDLL(str(library)).numba_attempt_nocopy_reshape
+    reshape.restype = ctypes.c_int
+    rng = np.random.default_rng(0)
+    in_place = 0
+    for _ in range(500):
+        shape = tuple(int(s) for s in rng.integers(1, 5, size=rng.integers(1, 4)))
+        view = np.zeros(tuple(2 * s for s in shape), np.float32)[
+            tuple(slice(None, None, int(rng.integers(1, 3))) if rng.random() < 0.5 else slice(0, s) for s in shape)]
+        view = view.T if rng.random() < 0.3 else view
+        dims, rest = [], view.size
+        for _ in range(rng.integers(1, 3)):
+            dims.append(int(rng.choice([k for k in range(1, rest + 1) if rest % k == 0])))
+            rest //= dims[-1]
+        dims.append(rest)
+        for order in "CF":
+            try:
+                expected = np.reshape(view, dims, order=order, copy=False).strides
+            except ValueError:
+                expected = None
+            strides = (ctypes.c_int64 * len(dims))()
+            done = reshape(ctypes.c_int64(view.ndim), (ctypes.c_int64 * view.ndim)(*view.shape),
+                           (ctypes.c_int64 * view.ndim)(*view.strides), ctypes.c_int64(len(dims)),
+                           (ctypes.c_int64 * len(dims))(*dims), strides, ctypes.c_int64(4), ctypes.c_int(order == "F"))
+            assert bool(done) == (expected is not None), (view.shape, view.strides, dims, order)
+            if done:
+                in_place += 1
+                assert all(a == b for a, b, d in zip(strides, expected, dims) if d != 1)
+    assert in_place > 100
+
+
+def test_compile_without_artifacts_asks_for_the_librarys_folder(capsys):
+    from conftest import odtrain_main
+
+    code, _, err = odtrain_main(capsys, "compile")
+    assert code != 0 and "-o DIR" in err
