@@ -212,7 +212,7 @@ def warmup(artifact_dir=None, batch_size: int = DEFAULT_WARMUP_BATCH, input_shap
                                         f"generate_artifacts wrote ({TRAINING_MODEL}, checkpoint, ...)")
     try:
         before = _kernel_activity()
-        steps, shapes = _run_steps(directory, int(batch_size), input_shapes or {}, sequence_length)
+        steps, shapes = run_steps(directory, int(batch_size), input_shapes or {}, sequence_length)
     finally:
         if scratch is not None:
             scratch.cleanup()
@@ -233,7 +233,7 @@ def warmup(artifact_dir=None, batch_size: int = DEFAULT_WARMUP_BATCH, input_shap
     return result
 
 
-def _run_steps(directory: str, batch_size: int, input_shapes: dict, sequence_length) -> tuple[list[str], dict]:
+def run_steps(directory: str, batch_size: int, input_shapes: dict, sequence_length=None) -> tuple[list[str], dict]:
     import numpy as np
 
     from .api import CheckpointState, Module, Optimizer

@@ -277,7 +277,7 @@ def recorded_entries(artifact_dir, batch_size: int = 32, thread_counts=None, inp
     step writing and one accumulating gradients, an optimizer step, an eval step), at each thread count of
     `thread_counts` (default: 1 and every core of this machine, as a device would run). Nothing runs."""
     from . import threads
-    from .cache import _run_steps
+    from .cache import run_steps
     from .executor import record_calls
     from .kernel_library import LIBRARY_ENV, kernel_name, signature_of
 
@@ -288,7 +288,7 @@ def recorded_entries(artifact_dir, batch_size: int = 32, thread_counts=None, inp
         with record_calls() as calls:
             for count in counts:
                 with threads.process_default(count):
-                    _run_steps(os.fspath(artifact_dir), int(batch_size), input_shapes or {})
+                    run_steps(os.fspath(artifact_dir), int(batch_size), input_shapes or {})
     finally:
         if previous is None:
             del os.environ[LIBRARY_ENV]

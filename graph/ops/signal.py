@@ -24,9 +24,9 @@ window.
 from __future__ import annotations
 
 import numpy as np
-from onnx.helper import tensor_dtype_to_np_dtype
 
 from ..errors import ModelError, UnsupportedOpError
+from ..onnx_wire import numpy_dtype
 from ..ir import ODTRAIN_DOMAIN, TensorType
 from . import grad, no_grad, op
 
@@ -150,10 +150,10 @@ def _stft_grad(ctx):
 
 def _output_dtype(node) -> np.dtype:
     code = int(node.attrs.get("output_datatype", 1))
-    try:
-        return np.dtype(tensor_dtype_to_np_dtype(code))
-    except (KeyError, ValueError, TypeError):
-        raise ModelError(f"{node.describe()}: output_datatype {code} is not an ONNX tensor type") from None
+    dtype = numpy_dtype(code)
+    if dtype is None:
+        raise ModelError(f"{node.describe()}: output_datatype {code} is not an ONNX tensor type odtrain holds")
+    return dtype
 
 
 def _window_rule(coefficients: tuple):
