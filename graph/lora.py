@@ -56,6 +56,18 @@ def matrices(graph: Graph) -> list[str]:
             np.issubdtype(np.asarray(v).dtype, np.floating)]
 
 
+def reading_nodes(graph: Graph, names) -> dict[str, list[str]]:
+    """For each weight name: the names of the nodes that read it, directly or through a Transpose (so that
+    a weight the exporter renamed, such as the dynamo exporter's `val_N`, is found by its layer's node)."""
+    consumers = graph.consumers()
+    found = {}
+    for name in names:
+        direct = consumers.get(name, [])
+        found[name] = [n.name for n in direct] + [r.name for n in direct if n.key == ("", "Transpose")
+                                                   for r in consumers.get(n.outputs[0], [])]
+    return found
+
+
 def adaptable(graph: Graph, names) -> dict[str, list[Node] | str]:
     """For each weight name: the products that read it, or why it cannot be adapted."""
     consumers = graph.consumers()
