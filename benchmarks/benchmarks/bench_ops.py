@@ -13,8 +13,9 @@ FusedMatMul as a linear layer and as attention's batched products), Normalizatio
 ElementwiseOps (activations, their gradients, Softmax, Add), OptimizerOps (the fused AdamW update
 of a model's trainable block).
 
-UnaryOps: every unary op of the elementwise kernels (`odtrain.kernels.elementwise`, tables UNARY and
-SPECIAL_UNARY: a row added there is a parameter here) over 2^20 float32 values, out of place, as a
+UnaryOps: every unary op of the elementwise kernels (`odtrain.kernels.elementwise`, tables UNARY,
+SPECIAL_UNARY and RARE_UNARY: a row added there is a parameter here; and IsNaN, IsInf) over 2^20 float32 values,
+out of place, as a
 step runs them (the binding's prepared calls, one thread).
 """
 import functools
@@ -194,9 +195,12 @@ def unary_input(size: int, seed: int = common.SEED) -> np.ndarray:
 
 
 def _unary_ops() -> list[str]:
-    from odtrain.kernels.elementwise import SPECIAL_UNARY, UNARY
+    from odtrain.kernels.elementwise import RARE_UNARY, SPECIAL_UNARY, UNARY
 
-    return [*UNARY, *SPECIAL_UNARY]
+    return [*UNARY, *SPECIAL_UNARY, *RARE_UNARY, *BOOLEAN_UNARY]
+
+
+BOOLEAN_UNARY = ("IsNaN", "IsInf")  # float classes: boolean outputs
 
 
 class UnaryOps:
@@ -207,7 +211,7 @@ class UnaryOps:
         from odtrain.kernels import BINDINGS
 
         x = unary_input(SIZE)
-        self.calls = BINDINGS[("", op)]([x], [np.empty_like(x)])
+        self.calls = BINDINGS[("", op)]([x], [np.empty(x.shape, bool if op in BOOLEAN_UNARY else x.dtype)])
         self.time_forward(op)  # compiles or loads the kernel
 
     def time_forward(self, op):
