@@ -57,14 +57,15 @@ def matrices(graph: Graph) -> list[str]:
 
 
 def reading_nodes(graph: Graph, names) -> dict[str, list[str]]:
-    """For each weight name: the names of the nodes that read it, directly or through a Transpose (so that
-    a weight the exporter renamed, such as the dynamo exporter's `val_N`, is found by its layer's node)."""
+    """For each weight name: the names and module paths (Node.scope) of the nodes that read it, directly or
+    through a Transpose, so that a weight the exporter renamed, such as the dynamo exporter's `val_N`, is
+    found by its layer ('/model/layers.0/self_attn/q_proj/MatMul', 'model/.../model.layers.0.self_attn.q_proj/linear')."""
     consumers = graph.consumers()
     found = {}
     for name in names:
         direct = consumers.get(name, [])
-        found[name] = [n.name for n in direct] + [r.name for n in direct if n.key == ("", "Transpose")
-                                                   for r in consumers.get(n.outputs[0], [])]
+        nodes = direct + [r for n in direct if n.key == ("", "Transpose") for r in consumers.get(n.outputs[0], [])]
+        found[name] = [n.name for n in nodes] + [n.scope for n in nodes if n.scope]
     return found
 
 

@@ -71,10 +71,10 @@ def _unmatched(pattern: str, candidates: list[str], reasons) -> str:
         return f"LoRA target '{pattern}' matches nothing: the model has no 2-D floating-point weight"
     products = [n for n in candidates if not isinstance(reasons[n], str)]
     weights = name_list(products or candidates)
-    nodes = name_list([reasons[n][0].name for n in products])
+    nodes = name_list([reasons[n][0].scope or reasons[n][0].name for n in products])
     return (f"LoRA target '{pattern}' matches no 2-D weight and no node that reads one. Name the weights (glob "
             f"patterns such as '*q_proj*' match either), e.g. weights: {weights}"
-            + (f"; or the MatMul/Gemm nodes that read them: {nodes}" if products else ""))
+            + (f"; or the MatMul/Gemm nodes that read them (names or module paths): {nodes}" if products else ""))
 
 
 def is_adapter(name: str) -> bool:
