@@ -57,7 +57,7 @@ class Node:
     attrs: dict[str, Any] = field(default_factory=dict)
     name: str = ""
     domain: str = DEFAULT_DOMAIN
-    scope: str = ""  # the module path an exporter recorded ('model/model.layers.0/...'), or ''
+    scope: str = ""  # the module path an exporter recorded ('model.layers.0.self_attn.q_proj/linear'), or ''
 
     @property
     def key(self) -> tuple[str, str]:

@@ -59,7 +59,7 @@ def matrices(graph: Graph) -> list[str]:
 def reading_nodes(graph: Graph, names) -> dict[str, list[str]]:
     """For each weight name: the names and module paths (Node.scope) of the nodes that read it, directly or
     through a Transpose, so that a weight the exporter renamed, such as the dynamo exporter's `val_N`, is
-    found by its layer ('/model/layers.0/self_attn/q_proj/MatMul', 'model/.../model.layers.0.self_attn.q_proj/linear')."""
+    found by its layer ('/model/layers.0/self_attn/q_proj/MatMul', 'model.layers.0.self_attn.q_proj/linear')."""
     consumers = graph.consumers()
     found = {}
     for name in names:

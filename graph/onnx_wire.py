@@ -203,9 +203,10 @@ SCOPE_KEY = "pkg.torch.onnx.name_scopes"
 
 
 def node_scope(value: str) -> str:
-    """SCOPE_KEY's list as one path, 'model/model.layers.0/.../linear' (its text, if not a list)."""
+    """SCOPE_KEY's list as the innermost module and the op: 'model.layers.0.self_attn.q_proj/linear' (each
+    entry of the list extends the one before it)."""
     parts = [p.strip().strip("'\"") for p in value.strip().strip("[]").split(",")]
-    return "/".join(p for p in parts if p)
+    return "/".join([p for p in parts if p][-2:])
 
 
 @dataclass

@@ -167,7 +167,7 @@ def test_targets_name_a_weight_or_the_node_that_reads_it(reader, tmp_path):
     message = str(refused.value)
     assert "'*proj.weight' matches no 2-D weight and no node that reads one" in message
     assert "e.g. weights: val_1, val_2" in message
-    assert "model/model.layers.0.self_attn.q_proj/linear, /model/layers.0/self_attn/v_proj/MatMul" in message
+    assert "model.layers.0.self_attn.q_proj/linear, /model/layers.0/self_attn/v_proj/MatMul" in message
 
 
 def test_federated_rounds_exchange_adapters_only(tmp_path):
