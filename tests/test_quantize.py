@@ -719,8 +719,9 @@ def test_onnxruntimes_frozen_params_recipe_accepts_dead_initializers(quantized, 
     every = [t.name for t in onnx.load(str(path), load_external_data=False).graph.initializer]
     dead = [n for n in every if n not in trainable and n not in live]
     assert len(dead) > 100
+    recipe = [n for n in every if n not in trainable]
     with pytest.warns(UserWarning, match=f"{len(dead)} frozen_params are used on no path to the loss") as caught:
-        artifacts.generate_artifacts(path, requires_grad=trainable, frozen_params=[n for n in every if n not in trainable],
+        artifacts.generate_artifacts(path, requires_grad=trainable, frozen_params=recipe,
                                      loss=artifacts.LossType.CrossEntropyLoss, optimizer=artifacts.OptimType.AdamW,
                                      artifact_directory=tmp_path)
     assert f"'{dead[0]}'" in str(caught[0].message)

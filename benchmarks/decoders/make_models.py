@@ -216,8 +216,8 @@ def write_sdpa(family: str, out_dir: pathlib.Path, seed: int) -> dict:
             "ignore_index": IGNORE_INDEX, "steps": STEPS, "batch": BATCH, "seq": SEQ,
             "requires_grad": list(parameters(model)), "onnx_names": {k: v for k, v in renamed.items() if v},
             "onnx_transposed": {k: v for k, v in flipped.items() if v}, "adamw_settings": ADAMW, **meta_runs,
-            "lora": lora_meta, "export_max_abs_error": errors,
-            "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "onnx": onnx.__version__}}
+            "lora": lora_meta, "export_max_abs_error": errors, "versions": {
+                "torch": torch.__version__, "transformers": transformers.__version__, "onnx": onnx.__version__}}
     np.savez_compressed(folder / "golden.npz", input_ids=data[0], attention_mask=data[1], labels=data[2], **golden)
     (folder / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     return meta
