@@ -25,6 +25,13 @@ cross-entropy on logits [batch, seq, vocab] against next-token labels [batch, se
 labelled -100 and ignored. The Llama folder also holds a LoRA golden: adapters on the q and v
 projections added by forward hooks, initialised by graph/lora_init.py (loaded by path), trained with
 AdamW together with the final norm.
+
+Beside them, `<family>_sdpa` (`--sdpa` writes only these): the family with transformers' default
+attention (SDPA), as users load it, its norm weights and biases drawn apart (so that `optimize=True`
+does not merge them), exported by TorchScript at opset 17 and by the dynamo exporter's default
+`optimize=True` at opsets 18 and 23 (module paths kept in the node metadata; `onnx_transposed` lists
+the weights stored transposed), with AdamW and LoRA goldens of its own. transformers here needs
+torchaudio only if it loads; where it is broken, stub `transformers.utils.is_torchaudio_available`.
 """
 from __future__ import annotations
 
