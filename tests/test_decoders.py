@@ -167,17 +167,20 @@ def test_sdpa_decoder_matches_pytorch(family, export, tmp_path):
     assert gradient_error(grads, golden, names) < TOLERANCE * meta["adamw"]["float32_grad_error"]
 
 
+LORA_FILES = [("llama", "torchscript17"), ("llama", "dynamo18"), ("qwen2", "dynamo18"), ("qwen2", "dynamo23")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_sdpa_lora_on_val_n_weights_by_their_layer(family, tmp_path):
-    """LoRA on the `optimize=True` export, its q and v projections named by their layer ('*q_proj*' matches the
-    module path of the node reading `val_N`), trains along PyTorch's LoRA run; A starts from the values
-    graph/lora_init.py draws for the torch names, as the generator's adapters do."""
+@pytest.mark.parametrize("family, export", LORA_FILES, ids=["-".join(f) for f in LORA_FILES])
+def test_sdpa_lora_targets_projections_by_their_layer(family, export, tmp_path):
+    """LoRA with its q and v projections named by their layer: '*q_proj*' matches TorchScript's node names and
+    the module path of the node reading an `optimize=True` export's `val_N`. It trains along PyTorch's LoRA
+    run; A starts from the values graph/lora_init.py draws for the torch names, as the generator's do."""
     from odtrain.graph.lora_init import lora_a
 
     folder, meta, golden = decoder(f"{family}_sdpa")
     lora = meta["lora"]
-    renamed = meta["onnx_names"]["dynamo18.onnx"]
+    renamed = meta.get("onnx_names", {}).get(f"{export}.onnx", {})
     torch_name = {renamed.get(n, n): n for n in lora["adapted"]}
 
     def golden_a(state):
@@ -188,8 +191,9 @@ def test_sdpa_lora_on_val_n_weights_by_their_layer(family, tmp_path):
 
     config = artifacts.LoraConfig(lora["rank"], lora["alpha"], ["*q_proj*", "*v_proj*"], seed=lora["seed"])
     names = {n: n for n in (k[len("lora/grad64/"):] for k in golden.files if k.startswith("lora/grad64/"))}
-    onnx_names = {n: (renamed.get(n.rsplit(".lora_", 1)[0], n) + n[len(n.rsplit(".lora_", 1)[0]):]) for n in names}
-    losses, grads, module = train_along_golden(folder / "dynamo18.onnx", golden, "adamw", lora["lr"], tmp_path,
+    bases = {n: n.rsplit(".lora_", 1)[0] for n in names}  # an adapter's weight; the norm's own name
+    onnx_names = {n: renamed.get(base, base) + n[len(base):] for n, base in bases.items()}
+    losses, grads, module = train_along_golden(folder / f"{export}.onnx", golden, "adamw", lora["lr"], tmp_path,
                                                onnx_names.values(), start=golden_a,
                                                requires_grad=lora["requires_grad"], lora=config)
     assert sorted(module.graph().outputs[2:]) == sorted(f"{n}_grad" for n in onnx_names.values())
