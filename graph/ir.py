@@ -57,6 +57,7 @@ class Node:
     attrs: dict[str, Any] = field(default_factory=dict)
     name: str = ""
     domain: str = DEFAULT_DOMAIN
+    scope: str = ""  # the module path an exporter recorded ('model.layers.0.self_attn.q_proj/linear'), or ''
 
     @property
     def key(self) -> tuple[str, str]:
@@ -104,7 +105,8 @@ class Graph:
 
     def copy(self) -> "Graph":
         return Graph(
-            nodes=[Node(n.op_type, list(n.inputs), list(n.outputs), dict(n.attrs), n.name, n.domain) for n in self.nodes],
+            nodes=[Node(n.op_type, list(n.inputs), list(n.outputs), dict(n.attrs), n.name, n.domain, n.scope)
+                   for n in self.nodes],
             inputs=list(self.inputs),
             outputs=list(self.outputs),
             initializers=dict(self.initializers),

@@ -56,6 +56,19 @@ def matrices(graph: Graph) -> list[str]:
             np.issubdtype(np.asarray(v).dtype, np.floating)]
 
 
+def reading_nodes(graph: Graph, names) -> dict[str, list[str]]:
+    """For each weight name: the names and module paths (Node.scope) of the nodes that read it, directly or
+    through a Transpose, so that a weight the exporter renamed, such as the dynamo exporter's `val_N`, is
+    found by its layer ('/model/layers.0/self_attn/q_proj/MatMul', 'model.layers.0.self_attn.q_proj/linear')."""
+    consumers = graph.consumers()
+    found = {}
+    for name in names:
+        direct = consumers.get(name, [])
+        nodes = direct + [r for n in direct if n.key == ("", "Transpose") for r in consumers.get(n.outputs[0], [])]
+        found[name] = [n.name for n in nodes] + [n.scope for n in nodes if n.scope]
+    return found
+
+
 def adaptable(graph: Graph, names) -> dict[str, list[Node] | str]:
     """For each weight name: the products that read it, or why it cannot be adapted."""
     consumers = graph.consumers()

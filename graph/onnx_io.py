@@ -22,9 +22,9 @@ import numpy as np
 
 from .errors import ArtifactNotFoundError, ModelError, UnsupportedOpError
 from .ir import DEFAULT_DOMAIN, ODTRAIN_DOMAIN, Graph, Node, TensorType
-from .onnx_wire import (EXTERNAL, AttributeData, AttributeType, GraphData, ModelData, NodeData, TensorData,
-                        ValueInfoData, element_type, element_type_name, encode_model, minimum_ir_version, numpy_dtype,
-                        read_model, tensor_data)
+from .onnx_wire import (EXTERNAL, SCOPE_KEY, AttributeData, AttributeType, GraphData, ModelData, NodeData,
+                        TensorData, ValueInfoData, element_type, element_type_name, encode_model, minimum_ir_version,
+                        node_scope, numpy_dtype, read_model, tensor_data)
 
 if TYPE_CHECKING:
     import onnx
@@ -188,7 +188,7 @@ def _build_graph(model: ModelData, opsets: dict[str, int], source: str) -> Graph
             attrs = {a.name: _attr_value(a) for a in n.attributes}
         except ModelError as error:
             raise ModelError(f"{source}: node '{n.name or index}' ({n.op_type}): {error}") from None
-        nodes.append(Node(n.op_type, list(n.inputs), list(n.outputs), attrs, _node_name(n, index), n.domain))
+        nodes.append(Node(n.op_type, list(n.inputs), list(n.outputs), attrs, _node_name(n, index), n.domain, n.scope))
     _pin_legacy_softmax_axis(nodes, opsets.get(DEFAULT_DOMAIN, 0), value_types, source)
     _pin_legacy_dft_axis(nodes, opsets.get(DEFAULT_DOMAIN, 0))
     inputs = [i.name for i in g.inputs if i.name not in initializers]
@@ -275,8 +275,9 @@ def model_from_proto(proto: onnx.ModelProto) -> ModelData:
 
 
 def _node_data(node) -> NodeData:
+    scope = next((node_scope(p.value) for p in node.metadata_props if p.key == SCOPE_KEY), "")
     return NodeData(node.op_type, list(node.input), list(node.output), node.name, node.domain,
-                    [_attribute_data(a) for a in node.attribute])
+                    [_attribute_data(a) for a in node.attribute], scope)
 
 
 # The AttributeProto field that holds the value of each type, as onnx.helper.get_attribute_value reads it.

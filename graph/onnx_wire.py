@@ -194,6 +194,19 @@ class NodeData:
     name: str = ""
     domain: str = ""
     attributes: list[AttributeData] = field(default_factory=list)
+    scope: str = ""  # the exporter's module path (SCOPE_KEY metadata), e.g. for LoRA targets
+
+
+# The metadata entry in which the dynamo exporter records a node's module path, e.g.
+# "['', 'model', 'model.layers.0', ..., 'model.layers.0.self_attn.q_proj', 'linear']".
+SCOPE_KEY = "pkg.torch.onnx.name_scopes"
+
+
+def node_scope(value: str) -> str:
+    """SCOPE_KEY's list as the innermost module and the op: 'model.layers.0.self_attn.q_proj/linear' (each
+    entry of the list extends the one before it)."""
+    parts = [p.strip().strip("'\"") for p in value.strip().strip("[]").split(",")]
+    return "/".join([p for p in parts if p][-2:])
 
 
 @dataclass
@@ -438,8 +451,10 @@ def _node(data: bytes, span) -> NodeData:
             node.attributes.append(_attribute(data, value))
         elif number == 7:
             node.domain = _text(data, value)
-        elif number == 9:  # metadata_props: not kept, but read, so that a damaged entry is refused as onnx refuses it
-            _entry(data, value)
+        elif number == 9:  # metadata_props: only the module path is kept; every entry is read, so that a damaged
+            key, text = _entry(data, value)  # one is refused as onnx refuses it
+            if key == SCOPE_KEY:
+                node.scope = node_scope(text)
     return node
 
 

@@ -25,6 +25,7 @@ loss_inputs)` names the nodes without a kernel or a needed gradient rule (odtrai
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -179,10 +180,17 @@ def build_training_graphs(model, requires_grad=None, frozen_params=None, loss=No
                                  "scales or pads): it must stay a constant of the model; leave it out of "
                                  "requires_grad and frozen_params")
     used = {i for node in forward.nodes for i in node.inputs}
-    unused = [p for p in params if p not in used]
+    unused = [p for p in trainable if p not in used]
     if unused:
         raise ArgumentError(f"parameters {unused} are not used on the way to the loss; leave them out of "
-                            "requires_grad/frozen_params")
+                            "requires_grad")
+    dead = [p for p in frozen if p not in used]  # ONNX Runtime accepts these too: nothing reads them
+    if dead:
+        shown = ", ".join(f"'{p}'" for p in dead[:5]) + (f" and {len(dead) - 5} more" if len(dead) > 5 else "")
+        warnings.warn(f"{len(dead)} frozen_params are used on no path to the loss and stay out of the checkpoint: "
+                      f"{shown}", stacklevel=3)
+        frozen = [p for p in frozen if p in used]
+        params = trainable + frozen
     for p in params:  # parameters leave the models; their values go to the checkpoint
         forward.initializers.pop(p, None)
         forward.value_types.setdefault(p, TensorType(graph.initializers[p].dtype, graph.initializers[p].shape))

@@ -676,7 +676,8 @@ def _add_training_commands(commands) -> None:
     prepare.add_argument("--lora-alpha", type=float, metavar="ALPHA", help="scale the adapters' update by "
                          "ALPHA/R (default: 2R)")
     prepare.add_argument("--lora-targets", nargs="+", metavar="NAME", help="the weights to adapt, by name or glob "
-                         "pattern (default: every weight that feeds a MatMul or Gemm)")
+                         "pattern of the weight or of the node that reads it, e.g. '*q_proj*' (default: every "
+                         "weight that feeds a MatMul or Gemm)")
     prepare.add_argument("--lora-seed", type=int, default=0, help="seed of the adapters' initial values (default: 0)")
     prepare.add_argument("--force", action="store_true", help="replace artifacts already in ARTIFACT_DIR")
     prepare.add_argument("--compile", action="store_true", help="also build the kernels the artifacts use into "

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .graph.errors import ArgumentError, ModelError
-from .graph.lora import SUFFIX_A, SUFFIX_B, adaptable, matrices, scales
+from .graph.lora import SUFFIX_A, SUFFIX_B, adaptable, matrices, reading_nodes, scales
+from .graph.wording import name_list
 
 
 @dataclass
@@ -40,16 +41,18 @@ class LoraConfig:
 
 
 def target_weights(graph, config: LoraConfig) -> list[str]:
-    """The weights `config` adapts, in graph order. A pattern must match some matrix; a weight named exactly
-    must be adaptable, while a glob skips matrices that are not product weights (an embedding)."""
+    """The weights `config` adapts, in graph order. A pattern names a matrix, or a node that reads one (its
+    MatMul or Gemm, or the Transpose before it), and must match some matrix; a weight named exactly must be
+    adaptable, while a glob skips matrices that are not product weights (an embedding)."""
     candidates = matrices(graph)
     reasons = adaptable(graph, candidates)
+    readers = reading_nodes(graph, candidates)
     chosen = []
     for pattern in config.target_params:
-        matched = [n for n in candidates if fnmatch.fnmatchcase(n, pattern)]
+        matched = [n for n in candidates if fnmatch.fnmatchcase(n, pattern)
+                   or any(fnmatch.fnmatchcase(node, pattern) for node in readers[n])]
         if not matched:
-            raise ArgumentError(f"LoRA target '{pattern}' matches no 2-D weight; the model's matrices are: "
-                                f"{', '.join(candidates) or '(none)'}")
+            raise ArgumentError(_unmatched(pattern, candidates, reasons))
         for name in matched:
             if isinstance(reasons[name], str):
                 if pattern == name:
@@ -59,6 +62,19 @@ def target_weights(graph, config: LoraConfig) -> list[str]:
     if not chosen:
         raise ArgumentError(f"LoRA targets {config.target_params} match no weight that feeds a MatMul or Gemm")
     return [n for n in candidates if n in chosen]
+
+
+def _unmatched(pattern: str, candidates: list[str], reasons) -> str:
+    """Why `pattern` matches nothing, and what to write instead: examples of weight names and of the names
+    of the products that read them."""
+    if not candidates:
+        return f"LoRA target '{pattern}' matches nothing: the model has no 2-D floating-point weight"
+    products = [n for n in candidates if not isinstance(reasons[n], str)]
+    weights = name_list(products or candidates)
+    nodes = name_list([reasons[n][0].scope or reasons[n][0].name for n in products])
+    return (f"LoRA target '{pattern}' matches no 2-D weight and no node that reads one. Name the weights (glob "
+            f"patterns such as '*q_proj*' match either), e.g. weights: {weights}"
+            + (f"; or the MatMul/Gemm nodes that read them (names or module paths): {nodes}" if products else ""))
 
 
 def is_adapter(name: str) -> bool:

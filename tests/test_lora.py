@@ -138,6 +138,38 @@ def test_lora_errors_name_the_weight(tmp_path):
         artifacts.LoraConfig(0, 4.0, ["*"])
 
 
+@pytest.mark.parametrize("reader", ["proto", "file"])
+def test_targets_name_a_weight_or_the_node_that_reads_it(reader, tmp_path):
+    """The dynamo exporter's `optimize=True` names Linear weights `val_N` and their nodes `node_linear`, with
+    the module path in the node's metadata: a pattern on the reading node's name or module path (directly,
+    or through a Transpose) reaches the weight; a pattern matching nothing is refused with examples."""
+    from odtrain.graph.onnx_io import graph_from_proto, read_model_proto
+    from odtrain.lora import target_weights
+
+    params = {"val_1": rng.standard_normal((FEATURES, 8)).astype(np.float32),
+              "val_2": rng.standard_normal((CLASSES, 8)).astype(np.float32)}
+    nodes = [helper.make_node("MatMul", ["x", "val_1"], ["a"], name="node_linear"),
+             helper.make_node("Transpose", ["val_2"], ["t"], perm=[1, 0], name="/model/layers.0/self_attn/v_proj/T"),
+             helper.make_node("MatMul", ["a", "t"], ["logits"], name="/model/layers.0/self_attn/v_proj/MatMul")]
+    nodes[0].metadata_props.add(key="pkg.torch.onnx.name_scopes",
+                                value="['', 'model', 'model.layers.0.self_attn.q_proj', 'linear']")
+    model = make_model(nodes, params, inputs=[("x", np.float32, ["batch", FEATURES])],
+                       outputs=[("logits", np.float32, ["batch", CLASSES])])
+    if reader == "file":
+        onnx.save(model, str(tmp_path / "model.onnx"))
+        model = read_model_proto(str(tmp_path / "model.onnx"), "model")[0]
+    graph = graph_from_proto(model, "model")
+    assert target_weights(graph, artifacts.LoraConfig(2, 4.0, ["*q_proj*"])) == ["val_1"]
+    assert target_weights(graph, artifacts.LoraConfig(2, 4.0, ["*v_proj/MatMul"])) == ["val_2"]
+    assert target_weights(graph, artifacts.LoraConfig(2, 4.0, ["val_*"])) == ["val_1", "val_2"]
+    with pytest.raises(ArgumentError) as refused:
+        target_weights(graph, artifacts.LoraConfig(2, 4.0, ["*proj.weight"]))
+    message = str(refused.value)
+    assert "'*proj.weight' matches no 2-D weight and no node that reads one" in message
+    assert "e.g. weights: val_1, val_2" in message
+    assert "model.layers.0.self_attn.q_proj/linear, /model/layers.0/self_attn/v_proj/MatMul" in message
+
+
 def test_federated_rounds_exchange_adapters_only(tmp_path):
     """Three simulated clients run FedAvg on the flat trainable buffer: the adapters alone."""
     _, params, result, state, module, batch, _ = prepared("classifier", tmp_path)

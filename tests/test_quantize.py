@@ -705,3 +705,29 @@ def test_prepare_with_qat_from_the_command_line(tmp_path, capsys):
 GRADIENT_ORACLES = {"FakeQuantize": test_straight_through_estimator,
                     "FakeQuantizeWeight": test_qat_gradients_are_straight_through,
                     "FakeQuantizeRange": test_qat_gradients_are_straight_through}
+
+
+def test_onnxruntimes_frozen_params_recipe_accepts_dead_initializers(quantized, tmp_path):
+    """ONNX Runtime's recipe, frozen_params = every initializer not in requires_grad, on the QDQ export with
+    batch statistics: the scales of the quantized running-statistics outputs lead nowhere; they are named in
+    a warning and left out, and the head trains on the rest."""
+    from odtrain import artifacts
+    from odtrain.api import CheckpointState, Module
+
+    path = quantized("qdq")
+    trainable, live = quantized_models.personalize_parameters(path)
+    every = [t.name for t in onnx.load(str(path), load_external_data=False).graph.initializer]
+    dead = [n for n in every if n not in trainable and n not in live]
+    assert len(dead) > 100
+    recipe = [n for n in every if n not in trainable]
+    with pytest.warns(UserWarning, match=f"{len(dead)} frozen_params are used on no path to the loss") as caught:
+        artifacts.generate_artifacts(path, requires_grad=trainable, frozen_params=recipe,
+                                     loss=artifacts.LossType.CrossEntropyLoss, optimizer=artifacts.OptimType.AdamW,
+                                     artifact_directory=tmp_path)
+    assert f"'{dead[0]}'" in str(caught[0].message)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    assert sorted(state.parameters) == sorted(trainable + live)
+    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx")
+    golden = np.load(DATA / "mobilenetv2_personalize" / "golden.npz")
+    loss = module(golden["x"][0].astype(np.float32), golden["y"][0])
+    assert np.isfinite(loss) and np.abs(state.parameters["classifier.weight"].grad).max() > 0

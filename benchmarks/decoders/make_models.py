@@ -25,6 +25,13 @@ cross-entropy on logits [batch, seq, vocab] against next-token labels [batch, se
 labelled -100 and ignored. The Llama folder also holds a LoRA golden: adapters on the q and v
 projections added by forward hooks, initialised by graph/lora_init.py (loaded by path), trained with
 AdamW together with the final norm.
+
+Beside them, `<family>_sdpa` (`--sdpa` writes only these): the family with transformers' default
+attention (SDPA), as users load it, its norm weights and biases drawn apart (so that `optimize=True`
+does not merge them), exported by TorchScript at opset 17 and by the dynamo exporter's default
+`optimize=True` at opsets 18 and 23 (module paths kept in the node metadata; `onnx_transposed` lists
+the weights stored transposed), with AdamW and LoRA goldens of its own. transformers here needs
+torchaudio only if it loads; where it is broken, stub `transformers.utils.is_torchaudio_available`.
 """
 from __future__ import annotations
 
@@ -151,17 +158,95 @@ def export_dynamo(model, path, opset: int) -> None:
     _strip_node_metadata(path)
 
 
-def _strip_node_metadata(path) -> None:
-    """Drop the dynamo exporter's per-node metadata (FX node text, stack traces): two thirds of the file."""
+def export_dynamo_optimized(model, path, opset: int) -> None:
+    """The dynamo exporter as users call it: `optimize=True` (Linear transposes folded into new `val_N`
+    initializers, torch names lost)."""
+    dims = {0: torch.export.Dim("batch"), 1: torch.export.Dim("seq", min=2)}
+    torch.onnx.export(model, _example(model.config.vocab_size), str(path), dynamo=True, optimize=True,
+                      opset_version=opset, input_names=["input_ids", "attention_mask"], output_names=["logits"],
+                      dynamic_shapes={"input_ids": dims, "attention_mask": dims}, external_data=False)
+    _strip_node_metadata(path, keep=("pkg.torch.onnx.name_scopes",))
+
+
+SDPA_FILES = {"torchscript17.onnx": ("TorchScript exporter, opset 17, default (SDPA) attention",
+                                     lambda model, path: export_torchscript(model, path, 17)),
+              "dynamo18.onnx": ("dynamo exporter, opset 18, optimize=True, default (SDPA) attention",
+                                lambda model, path: export_dynamo_optimized(model, path, 18)),
+              "dynamo23.onnx": ("dynamo exporter, opset 23, optimize=True, default (SDPA) attention",
+                                lambda model, path: export_dynamo_optimized(model, path, 23))}
+
+
+def build_sdpa(family: str, seed: int = 0):
+    """The family with transformers' default attention (SDPA), as `from_pretrained` loads it, with norm
+    weights drawn around one and biases around zero: `optimize=True` merges initializers of equal values,
+    which would tie the freshly initialised (all-one, all-zero) vectors that PyTorch trains apart."""
+    model = build(family, attention="sdpa", seed=seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("norm.weight", ".bias")):
+                parameter.add_(0.1 * torch.randn(parameter.shape, generator=generator))
+    return model
+
+
+def write_sdpa(family: str, out_dir: pathlib.Path, seed: int) -> dict:
+    """The folder `<family>_sdpa`: build_sdpa's model in SDPA_FILES' exports (an exporter that fails is
+    reported and skipped), with its goldens, AdamW with and without LoRA. Returns meta.json's content."""
+    folder = out_dir / f"{family}_sdpa"
+    folder.mkdir(parents=True, exist_ok=True)
+    model = build_sdpa(family, seed)
+    state = model.state_dict()
+    files, errors, renamed, flipped = {}, {}, {}, {}
+    for name, (what, export) in SDPA_FILES.items():
+        try:
+            export(model, folder / name)
+        except Exception as error:  # recorded: an exporter that fails is a fact about it
+            print(family, name, "export failed:", type(error).__name__, str(error).splitlines()[0][:300])
+            continue
+        files[name] = what
+        errors[name] = _check_export(model, folder / name, family)
+        flipped[name] = []
+        renamed[name] = onnx_names(model, folder / name, flipped[name])
+    data = batches(model.config.vocab_size, seed)
+
+    def fresh():
+        m = build_sdpa(family, seed)
+        m.load_state_dict(state)
+        return m
+
+    golden, meta_runs = golden_trajectories(fresh, data, lambda m: {n: p for n, p in parameters(m).items()},
+                                            optimizers=(("adamw", ADAMW_LR),))
+    lora_arrays, lora_meta = lora_golden(fresh, data)
+    golden.update(lora_arrays)
+    meta = {"family": family, "attention": "sdpa", "files": files, "config": {**SIZES, **FAMILIES[family][2]},
+            "inputs": ["input_ids", "attention_mask"], "output": "logits", "labels": "labels [batch, seq], next token",
+            "ignore_index": IGNORE_INDEX, "steps": STEPS, "batch": BATCH, "seq": SEQ,
+            "requires_grad": list(parameters(model)), "onnx_names": {k: v for k, v in renamed.items() if v},
+            "onnx_transposed": {k: v for k, v in flipped.items() if v}, "adamw_settings": ADAMW, **meta_runs,
+            "lora": lora_meta, "export_max_abs_error": errors, "versions": {
+                "torch": torch.__version__, "transformers": transformers.__version__, "onnx": onnx.__version__}}
+    np.savez_compressed(folder / "golden.npz", input_ids=data[0], attention_mask=data[1], labels=data[2], **golden)
+    (folder / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    return meta
+
+
+def _strip_node_metadata(path, keep=()) -> None:
+    """Drop the dynamo exporter's per-node metadata (FX node text, stack traces): two thirds of the file;
+    the entries named in `keep` stay (the module path, by which LoRA targets find `val_N` weights)."""
     model = onnx.load(str(path))
     for node in model.graph.node:
+        kept = [(p.key, p.value) for p in node.metadata_props if p.key in keep]
         del node.metadata_props[:]
+        for key, value in kept:
+            node.metadata_props.add(key=key, value=value)
     onnx.save(model, str(path))
 
 
-def onnx_names(model, path) -> dict[str, str]:
+def onnx_names(model, path, transposed: list | None = None) -> dict[str, str]:
     """torch parameter name -> the file's initializer name, where they differ (the dynamo exporter names a
-    tied embedding after lm_head): a parameter missing by name is found by its values."""
+    tied embedding after lm_head): a parameter missing by name is found by its values. With a `transposed`
+    list, a parameter may also be found by its transpose (`optimize=True` folds a Linear's transpose into
+    a `val_N` initializer); its torch name joins the list."""
     arrays = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer}
     named = parameters(model)
     names = {}
@@ -170,6 +255,9 @@ def onnx_names(model, path) -> dict[str, str]:
         if name in arrays and np.array_equal(arrays[name], value):
             continue
         found = [n for n, a in arrays.items() if n not in named and a.shape == value.shape and np.array_equal(a, value)]
+        if not found and transposed is not None and value.ndim == 2:
+            found = [n for n, a in arrays.items() if a.shape == value.T.shape and np.array_equal(a, value.T)]
+            transposed += [name] if len(found) == 1 else []
         if len(found) != 1:
             raise ValueError(f"{path}: {len(found)} initializers hold the values of {name}: {found}")
         names[name] = found[0]
@@ -272,10 +360,10 @@ def relative_error(values, reference) -> float:
     return float(np.max(np.abs(np.asarray(values) - reference) / np.abs(reference)))
 
 
-def golden_trajectories(make_model, data, select, prefix=""):
-    """Both optimizers in float64 (the golden) and float32 (to measure float32's distance from float64)."""
+def golden_trajectories(make_model, data, select, prefix="", optimizers=(("sgd", SGD_LR), ("adamw", ADAMW_LR))):
+    """The optimizers in float64 (the golden) and float32 (to measure float32's distance from float64)."""
     out, meta = {}, {}
-    for optimizer, lr in (("sgd", SGD_LR), ("adamw", ADAMW_LR)) if not prefix else (("adamw", LORA["lr"]),):
+    for optimizer, lr in optimizers if not prefix else (("adamw", LORA["lr"]),):
         runs = {}
         for dtype in (torch.float64, torch.float32):
             model = make_model().to(dtype)
@@ -377,6 +465,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=pathlib.Path, default=REPO / "tests" / "data" / "decoders")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sdpa", action="store_true",
+                        help="only write the default-attention (SDPA) folders, <family>_sdpa")
     parser.add_argument("--benchmark", type=pathlib.Path, metavar="MODEL.onnx",
                         help="instead, export BENCHMARK_SIZES' Llama (TorchScript, opset 17) for lora_step.py")
     args = parser.parse_args(argv)
@@ -384,9 +474,16 @@ def main(argv=None) -> None:
     if args.benchmark:
         export_torchscript(build("llama", sizes=BENCHMARK_SIZES, seed=args.seed), args.benchmark)
         return
+    if args.sdpa:
+        for family in FAMILIES:
+            meta = write_sdpa(family, args.out, args.seed)
+            print(family, "sdpa", json.dumps({k: meta[k] for k in ("adamw", "lora", "export_max_abs_error")}))
+        return
     for family in FAMILIES:
         meta = write_family(family, args.out, args.seed, dynamo18=family == "llama", lora=family == "llama")
         print(family, json.dumps({k: meta[k] for k in ("sgd", "adamw", "export_max_abs_error")}))
+        meta = write_sdpa(family, args.out, args.seed)
+        print(family, "sdpa", json.dumps({k: meta[k] for k in ("adamw", "lora", "export_max_abs_error")}))
 
 
 if __name__ == "__main__":
