@@ -166,6 +166,7 @@ class CheckpointState:
                     if name not in self._store.trainable:
                         raise ParameterError(f"optimizer state for '{name}', which is not a trainable parameter")
                     self._store.trainable_view(flat, name)[...] = array
+                    checkpoint_file.release_pages(array)
                 moments[state_name] = flat
             self._optimizer = OptimizerState(info["kind"], int(info["step"]), float(info["learning_rate"]),
                                              float(info.get("initial_learning_rate", info["learning_rate"])), moments)
