@@ -85,6 +85,7 @@ def _mapping(array: np.ndarray):
     base = array
     while isinstance(base, np.ndarray):
         base = base.base
+    base = base.obj if isinstance(base, memoryview) else base
     return base if isinstance(base, mmap.mmap) else None
 
 
