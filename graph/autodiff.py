@@ -13,6 +13,10 @@ Algorithm:
 - Gradient nodes emitted side by side are fused afterwards where that is
   safe (graph/gradient_fusion.py).
 
+`missing_support` makes the same walk without emitting anything, to name every
+node that lacks a kernel or a gradient rule before artifacts are generated
+(`odtrain check`).
+
 The loss gradient seed is a constant 1 of the loss's type, stored as an
 initializer of the training graph.
 """
@@ -69,6 +73,33 @@ def _depends_on(graph: Graph, sources: set[str]) -> set[str]:
     return reached
 
 
+def _wanted_inputs(graph: Graph, node: Node, reaches_param: set[str]) -> list[bool]:
+    """For each input of `node`: whether its gradient leads back to a trainable parameter (a floating-point
+    value that depends on one, and not an input that configures the op)."""
+    constant_inputs = OPS[node.key].constant_inputs if node.key in OPS else frozenset()
+    return [bool(i) and k not in constant_inputs and i in reaches_param and np.issubdtype(
+        (graph.value_types[i].dtype if i in graph.value_types else np.float32), np.floating)
+        for k, i in enumerate(node.inputs)]
+
+
+def missing_support(graph: Graph, trainable, loss_inputs) -> tuple[list[Node], list[tuple[Node, str | None]]]:
+    """(nodes without a kernel, (node, why) for each node without a gradient rule that a trainable parameter
+    needs): the reverse walk of build_gradient_graph on the graph as given, recording instead of stopping,
+    and walking on past a missing rule so that one report names every one."""
+    no_kernel = [node for node in graph.nodes if node.key not in OPS]
+    reaches_param = _depends_on(graph, set(trainable))
+    flowing, no_gradient = set(loss_inputs), []
+    for node in reversed(graph.nodes):
+        if not any(o in flowing for o in node.outputs):
+            continue
+        wanted = [i for i, w in zip(node.inputs, _wanted_inputs(graph, node, reaches_param)) if w]
+        opdef = OPS.get(node.key)
+        if opdef is not None and opdef.gradient is None and wanted:
+            no_gradient.append((node, opdef.no_grad_reason))
+        flowing.update(wanted)
+    return no_kernel, no_gradient
+
+
 def _rank_lookup(graph: Graph):
     def rank_of(name):
         t = graph.value_types.get(name)
@@ -110,10 +141,7 @@ def build_gradient_graph(graph: Graph, loss: str, trainable: list[str], without_
     for node in reversed(training.nodes):
         if not any(o in contributions for o in node.outputs):
             continue
-        constant_inputs = OPS[node.key].constant_inputs if node.key in OPS else frozenset()
-        wanted = [bool(i) and k not in constant_inputs and i in reaches_param and np.issubdtype(
-            (training.value_types[i].dtype if i in training.value_types else np.float32), np.floating)
-            for k, i in enumerate(node.inputs)]
+        wanted = _wanted_inputs(training, node, reaches_param)
         if not any(wanted):
             continue
         opdef = lookup(node)

@@ -120,6 +120,18 @@ def cross_entropy_layout(graph: Graph) -> tuple[int, int | None] | None:
     return None
 
 
+def cross_entropy_classes(graph: Graph) -> int | None:
+    """The number of classes of the cross-entropy that `add_loss` appended to `graph` (axis 1 of its scores,
+    whichever the model's layout), or None when there is none or it is not fixed."""
+    for node in graph.nodes:
+        if node.op_type == "SoftmaxCrossEntropyLoss":
+            scores = graph.value_types.get(node.inputs[0])
+            if scores is None or scores.shape is None or len(scores.shape) < 2:
+                return None
+            return scores.shape[1] if isinstance(scores.shape[1], int) else None
+    return None
+
+
 def add_loss(graph: Graph, loss_type: LossType, loss_inputs: list[str], class_axis=None, ignore_index=None) -> str:
     """Append `loss_type` scoring `loss_inputs[0]`; returns the loss value's name. `class_axis` and
     `ignore_index` apply to CrossEntropyLoss only."""

@@ -16,18 +16,28 @@
 An initializer that reaches the loss only through non-differentiable ops is found later, when
 the gradient graph is built (autodiff's `without_gradient`).
 
+`choose_parameters(graph, loss_inputs, ...)` is the choice a user makes on top of that default, as
+the command line offers it: glob patterns to train (`requires_grad`, which may also name what the
+default leaves out) or to freeze, or the last N layers (parameters grouped by the first node that
+consumes them, in graph order: `parameter_layers`). Whatever is chosen, BatchNormalization's running
+statistics and integer weights (with their scales and zero points) are frozen, never trained.
+
 A value "depends on the data" when it is computed from a graph input's values; reading only
 an input's shape (Shape, Size, an op's shape-only inputs) does not make it so.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from typing import Callable
 
 import numpy as np
 
+from .errors import ArgumentError
 from .ir import Graph
 from .ops import OPS
-from .ops.quantize import quantization_inputs
+from .ops.quantize import dequantized_weights, quantization_inputs
+from .wording import count, name_list
 
 CONFIGURING = "configures an op (a shape, axes, scales or pads)"
 QUANTIZATION = "a scale or zero point of quantization: it configures the quantization and never trains"
@@ -121,3 +131,91 @@ def default_selection(graph: Graph, frozen=()) -> Selection:
         else:
             trainable.append(name)
     return Selection(trainable, [n for n in floating if n in state and n not in frozen], left_out)
+
+
+def quantization_parameters(graph: Graph, frozen, trainable=()) -> list[str]:
+    """The scales and zero points that go with the frozen quantized weights among `frozen` (integer
+    initializers read by DequantizeLinear), not yet in `frozen` or `trainable`: a frozen int8 weight is
+    held in the checkpoint with its scale and zero point."""
+    weights = dequantized_weights(graph)
+    extra: list[str] = []
+    for name in frozen:
+        extra += [n for n in weights.get(name, ()) if n not in frozen and n not in trainable and n not in extra]
+    return extra
+
+
+@dataclass
+class ParameterChoice:
+    """What generate_artifacts receives as requires_grad and frozen_params, and what stays a constant, why."""
+
+    trainable: list[str]
+    frozen: list[str]
+    left_out: dict[str, str]
+
+
+@dataclass
+class ParameterLayers:
+    """The parameters on the way to the loss, as the user chooses among them."""
+
+    layers: list[tuple[str, list[str]]]  # (first consuming node, its new parameters), in graph order
+    state: list[str]  # updated by ops as they run (running statistics): frozen, never trained
+    left_out: dict[str, str]  # name -> why the default selection does not train it
+    used: set[str]  # every initializer on the way to the loss
+
+
+def parameter_layers(graph: Graph, loss_inputs) -> ParameterLayers:
+    """Float parameters on the way to the loss, grouped by the first node consuming them, in graph order,
+    with the state and the left-out initializers of `default_selection`. Configuring inputs and the scales
+    and zero points of quantization are never parameters to choose, so they join no layer."""
+    used = set(graph.prune(list(loss_inputs)).initializers)
+    selection = default_selection(graph)
+    left_out = {n: why for n, why in selection.left_out.items() if n in used}
+    choosable = {n for n in selection.trainable if n in used}
+    choosable.update(n for n, why in left_out.items() if why not in (CONFIGURING, QUANTIZATION))
+    layers, seen = [], set()
+    for node in graph.nodes:
+        names = [i for i in node.inputs if i in choosable and i not in seen]
+        if names:
+            seen.update(names)
+            layers.append((node.name, names))
+    return ParameterLayers(layers, [n for n in selection.state if n in used], left_out, used)
+
+
+def choose_parameters(graph: Graph, loss_inputs, requires_grad=None, freeze=None, train_last: int | None = None,
+                      list_names: Callable[[list[str]], str] = name_list) -> ParameterChoice:
+    """The trainable, frozen (`state`) and left-out parameters from glob patterns to train (`requires_grad`,
+    which may name what the default leaves out, such as a rotary table) or to `freeze`, or a count of last
+    layers (`train_last`); with none of them, the default selection. `list_names` words the lists of
+    names in error messages. Quantized (integer) weights are frozen with their scales and zero points."""
+    found = parameter_layers(graph, loss_inputs)
+    everything = [n for _, names in found.layers for n in names]
+    names = [n for n in everything if n not in found.left_out]
+    if not names:
+        raise ArgumentError("the model has no floating-point initializers to train")
+    candidates = everything if requires_grad else names
+    for pattern in requires_grad or freeze or ():
+        if not any(fnmatchcase(n, pattern) for n in candidates):
+            raise ArgumentError(f"'{pattern}' matches no parameter; the {count(len(candidates), 'parameter')} "
+                                f"{'is' if len(candidates) == 1 else 'are'}: {list_names(candidates)}")
+    left_out = found.left_out
+    if requires_grad:
+        trainable = [n for n in candidates if any(fnmatchcase(n, p) for p in requires_grad)]
+        left_out = {n: why for n, why in left_out.items() if n not in trainable}
+    elif freeze:
+        trainable = [n for n in names if not any(fnmatchcase(n, p) for p in freeze)]
+    elif train_last is not None:
+        layers = [(node, [n for n in group if n not in left_out]) for node, group in found.layers]
+        layers = [(node, group) for node, group in layers if group]
+        if not 1 <= train_last <= len(layers):
+            raise ArgumentError(f"cannot train the last {count(train_last, 'layer')}: the model has "
+                                f"{count(len(layers), 'layer')} with parameters ({list_names([n for n, _ in layers])}"
+                                f"); give a number from 1 to {len(layers)}")
+        trainable = [n for _, group in layers[-train_last:] for n in group]
+    else:
+        trainable = names
+    if not trainable:
+        raise ArgumentError("no parameter is left to train: freeze fewer parameters")
+    frozen = [n for n in names if n not in trainable] + found.state
+    frozen += [n for n in dequantized_weights(graph) if n in found.used]  # int8 weights, with their scales below
+    frozen += [n for n in quantization_parameters(graph, frozen) if n not in trainable]
+    return ParameterChoice(trainable, frozen, {n: why for n, why in left_out.items() if n not in frozen})

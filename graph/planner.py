@@ -13,7 +13,7 @@ A plan is built by three pure steps over the execution order:
   its own, else above them. Sizes and offsets are multiples of 64 bytes.
 
 The lower bound is the largest sum of live group sizes at any step: no
-placement of this order and these groups can use less. `Plan.verify()`
+placement of this order and these groups can use less. `MemoryPlan.verify()`
 proves that no two groups overlap in both time and address, that every
 value lives within its group's span, and that no node writes into a group
 (in place) while a value written there earlier is still to be read.
@@ -61,7 +61,10 @@ class StorageGroup:
 
 
 @dataclass
-class Plan:
+class MemoryPlan:
+    """Where and when each arena value of one step lives: the innermost of a step's plans (the others:
+    graph/step_plan.py's StepPlan)."""
+
     order: list[Node]
     groups: list[StorageGroup]
     group_of: dict[str, int]
@@ -161,7 +164,7 @@ class Plan:
 
 
 def plan_memory(order: list[Node], types: dict[str, TensorType], arena_values: set[str],
-                feeds: list[str], outputs: list[str], scratch: dict[int, str] | None = None) -> Plan:
+                feeds: list[str], outputs: list[str], scratch: dict[int, str] | None = None) -> MemoryPlan:
     """Place `arena_values` (feeds and node outputs held in the arena) for `order`.
 
     `scratch` maps a node's index in `order` to the name of its working memory (typed in
@@ -233,11 +236,11 @@ def plan_memory(order: list[Node], types: dict[str, TensorType], arena_values: s
 
     _place(groups)
     arena = max((g.offset + g.nbytes for g in groups), default=0)
-    return Plan(order, groups, group_of, arena, int(live_profile(groups, len(order)).max()), len(order), dict(types),
+    return MemoryPlan(order, groups, group_of, arena, int(live_profile(groups, len(order)).max()), len(order), dict(types),
                 {name: first[name] for name in group_of}, {name: last[name] for name in group_of})
 
 
-def training_categories(plan: Plan, seed: str) -> dict[str, str]:
+def training_categories(plan: MemoryPlan, seed: str) -> dict[str, str]:
     """The category (one of CATEGORIES) of every arena value of a plan whose backward pass starts at `seed`.
 
     Scratch and recomputed values by their names' suffixes; feeds are inputs; outputs of nodes that

@@ -38,7 +38,7 @@ import numpy as np
 from .cost import node_cost
 from .ir import Node, TensorType
 from .ops import lookup
-from .planner import Plan
+from .planner import MemoryPlan
 from .schedule import RECOMPUTE_SUFFIX
 
 MAX_ROUNDS = 6  # plans each pass of the peak covering may make before falling back to strides
@@ -320,9 +320,9 @@ def _strides(count: int) -> list[int]:
     return strides
 
 
-def choose_kept(saved: list[str], producers: dict[str, Node], plan_of: Callable[[set[str]], Plan], budget: int,
+def choose_kept(saved: list[str], producers: dict[str, Node], plan_of: Callable[[set[str]], MemoryPlan], budget: int,
                 types: dict[str, TensorType], arena_values: set[str],
-                unconstrained: Plan | None = None) -> tuple[set[str] | None, int]:
+                unconstrained: MemoryPlan | None = None) -> tuple[set[str] | None, int]:
     """The checkpoints (kept activations) whose plan fits `budget`, with little recompute work.
 
     `producers` maps forward values to their nodes; `plan_of(kept)` plans the rewritten order

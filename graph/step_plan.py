@@ -36,7 +36,7 @@ from .autodiff import LOSS_SEED
 from .errors import MemoryBudgetError, ModelError, UnsupportedOpError
 from .ir import Graph, Node, TensorType
 from .ops import is_view, lookup
-from .planner import SCRATCH_SUFFIX, Plan, plan_memory
+from .planner import SCRATCH_SUFFIX, MemoryPlan, plan_memory
 from .recompute import choose_kept, rewrite, saved_activations
 from .schedule import (RECOMPUTE_SUFFIX, bind_types, defer_constant_work, execution_order, memory_aware_order,
                        split_forward_backward, with_updates)
@@ -48,6 +48,16 @@ ScratchBytes = Callable[[Node, dict[str, TensorType]], int]  # bytes of working 
 class StepPlan:
     """Everything the executor lays out for one graph at one set of feed shapes.
 
+    The plans of a step, from the inside out:
+    - `MemoryPlan` (graph/planner.py): where and when each arena value lives (offsets, lifetimes,
+      storage groups), with its lower bound, verification and timeline;
+    - `StepPlan` (this class): the step decided: node order, types, folded constants, storage outside
+      the arena, scratch, copies, and its MemoryPlan (`plan`); pure data, no memory;
+    - `ExecutableStep` (odtrain/executor.py): a StepPlan laid out on an arena and the parameter
+      buffers, as the list of kernel calls that runs the step;
+    - `BoundStep` (odtrain/api.py): what `Module.bind_at` reports of an ExecutableStep, for memory
+      reports and tools: its inputs, MemoryPlan and the bytes held beside the arena.
+
     `views` maps each value held outside the arena that is not given (views of parameters,
     constants or held values; parameter updates) to the value whose memory it shares, in
     order, so each source comes before its views. `copies` and `scratch` are keyed by a
@@ -58,7 +68,7 @@ class StepPlan:
     types: dict[str, TensorType]
     folded: dict[str, np.ndarray]  # constants, known before the first step
     feeds: list[str]
-    plan: Plan
+    plan: MemoryPlan
     arena_values: set[str]
     views: dict[str, str]
     copies: set[int]  # view nodes whose output is held: they copy
@@ -142,7 +152,7 @@ class _Layout:
                     outside.add(out)
         return views, copies
 
-    def place(self, order: list[Node], views: dict[str, str]) -> tuple[Plan, set[str], dict[int, str]]:
+    def place(self, order: list[Node], views: dict[str, str]) -> tuple[MemoryPlan, set[str], dict[int, str]]:
         """The memory plan of `order`: arena values, their scratch memory, offsets."""
         types = self.types
         outside = self.given | set(views)

@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 
 from .graph.errors import MemoryBudgetError
-from .graph.planner import ALIGNMENT, Plan
+from .graph.planner import ALIGNMENT, MemoryPlan
 
 LARGEST_SHOWN = 3
 _CONTAINER_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # cgroup v2, v1
@@ -73,7 +73,7 @@ def aligned_buffer(nbytes: int) -> np.ndarray:
     return raw[start:start + nbytes]
 
 
-def allocate(plan: Plan, what: str, advice: Callable[[int], str] | None = None) -> np.ndarray:
+def allocate(plan: MemoryPlan, what: str, advice: Callable[[int], str] | None = None) -> np.ndarray:
     """The arena of `plan`, or a MemoryBudgetError naming what `what` (the graph and its inputs) needs."""
     limit = memory_limit()
     if limit is not None and plan.arena_bytes > limit[0]:
@@ -88,7 +88,7 @@ def allocate(plan: Plan, what: str, advice: Callable[[int], str] | None = None) 
         raise MemoryBudgetError(_refusal(plan, what, reason, advised)) from None
 
 
-def budget_advice(plan: Plan, trains: bool, fit_budget: Callable[[int], object], nbytes: int) -> str:
+def budget_advice(plan: MemoryPlan, trains: bool, fit_budget: Callable[[int], object], nbytes: int) -> str:
     """Which memory_budget makes a step fit `nbytes`, or that none does. `plan` is the step's plan,
     `trains` whether it has a backward pass, `fit_budget(budget)` raises MemoryBudgetError (with the
     smallest arena odtrain can plan) when recomputing activations cannot meet `budget`."""
@@ -107,7 +107,7 @@ def budget_advice(plan: Plan, trains: bool, fit_budget: Callable[[int], object],
     return f"memory_budget={nbytes:,} fits, recomputing activations in the backward pass"
 
 
-def largest_values(plan: Plan, count: int = LARGEST_SHOWN) -> list[str]:
+def largest_values(plan: MemoryPlan, count: int = LARGEST_SHOWN) -> list[str]:
     """The first value of each of the `count` largest storage groups, with its type, size and writer."""
     shown = []
     for group in sorted(plan.groups, key=lambda g: -g.nbytes)[:count]:
@@ -118,7 +118,7 @@ def largest_values(plan: Plan, count: int = LARGEST_SHOWN) -> list[str]:
     return shown
 
 
-def _refusal(plan: Plan, what: str, reason: str, advice: str) -> str:
+def _refusal(plan: MemoryPlan, what: str, reason: str, advice: str) -> str:
     return (f"{what}: the memory plan needs an arena of {format_bytes(plan.arena_bytes)} ({plan.arena_bytes:,} "
             f"bytes), {reason}; its largest values: {'; '.join(largest_values(plan))}"
             + (f". {advice}" if advice else ""))

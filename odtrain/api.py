@@ -13,13 +13,14 @@ Beyond ONNX Runtime's API, for tools that look at a session without running
 it (the CLI, the memory report, the training loop, benchmarks):
 `Module.bind_at(batch_size, training)` binds a step and returns its
 `BoundStep` (memory plan, folded constants, recomputation), and
-`Module.bound_graph_at(batch_size, training)` the executor's BoundGraph of it;
+`Module.executable_step_at(batch_size, training)` the executor's ExecutableStep of it;
 `Module.bound_steps()` lists the steps bound so far; `Module.arena_bytes`,
 `Module.input_types(training)`, `Module.graph(training)`, `Module.state`, and
 `CheckpointState.buffer_bytes()` (a `StateBuffers`).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -28,16 +29,17 @@ import numpy as np
 
 from . import checkpoint as checkpoint_file
 from .graph.autodiff import GRAD_SUFFIX
-from .graph.errors import ArgumentError, InputError, ModelError, NonFiniteError, ParameterError, StateError
+from .graph.errors import (ArgumentError, CheckpointError, InputError, ModelError, NonFiniteError, ParameterError,
+                           StateError)
 from .graph.ir import Graph, TensorType
 from .graph.lora import merge_adapters
 from .graph.onnx_io import load_graph, save_graph
 from .graph.ops import check_supported
-from .graph.optimizers import read_optimizer_graph
-from .graph.planner import Plan
+from .graph.optimizers import STATE_BLOCK, STATE_DTYPES, AdamW, check_state_dtype, read_optimizer_graph
+from .graph.planner import MemoryPlan
 from .graph.qat import quantized_for_inference
 from .signals import deferred_interrupt
-from .state import OptimizerState, ParameterStore, PropertyBag
+from .state import ABSMAX, OptimizerState, ParameterStore, PropertyBag, moment_blocks
 from .threads import checked as checked_threads, get_num_threads, usable
 
 DEFAULT_LEARNING_RATE = 1e-3
@@ -125,11 +127,12 @@ class StateBuffers:
 @dataclass(frozen=True)
 class BoundStep:
     """A training or eval step bound at one set of input shapes: the memory plan a call at those
-    shapes runs on, and what the step holds beside the arena."""
+    shapes runs on, and what the step holds beside the arena; a report of the ExecutableStep that
+    runs it (the plans of a step: graph/step_plan.py's StepPlan)."""
 
     mode: str  # "train" or "eval"
     inputs: tuple  # (name, shape) of each user input
-    plan: Plan
+    plan: MemoryPlan
     constant_bytes: int  # constants folded at these shapes, held beside the arena
     recomputed_nodes: int  # nodes run again in the backward pass to meet the memory budget
     loss: str | None  # the name of the loss output
@@ -159,17 +162,30 @@ class CheckpointState:
         self._reset_grad_pending = True  # the next backward writes the gradients instead of adding
         if contents.optimizer is not None:
             info = contents.optimizer
+            state_dtype = info.get("state_dtype", "float32")
+            if state_dtype not in STATE_DTYPES or int(info.get("state_block", STATE_BLOCK)) != STATE_BLOCK:
+                raise CheckpointError(f"the checkpoint's optimizer state is {state_dtype} in blocks of "
+                                      f"{info.get('state_block')}; this odtrain reads {list(STATE_DTYPES)} in blocks "
+                                      f"of {STATE_BLOCK}: save it again with a matching odtrain")
+            _, blocks = moment_blocks(self._store.trainable_sizes(), STATE_BLOCK)
             moments = {}
             for state_name, per_param in contents.optimizer_tensors.items():
-                flat = np.zeros(self._store.trainable_size, dtype=np.float32)
+                absmax = state_name.endswith(ABSMAX)  # 8-bit moments' scales: a range of blocks per parameter
+                size = max((b for _, b in blocks.values()), default=0) if absmax else self._store.trainable_size
+                dtype = np.float32 if absmax or state_dtype == "float32" else np.uint8
+                flat = np.zeros(size, dtype=dtype)
                 for name, array in per_param.items():
                     if name not in self._store.trainable:
                         raise ParameterError(f"optimizer state for '{name}', which is not a trainable parameter")
-                    self._store.trainable_view(flat, name)[...] = array
+                    if absmax:
+                        flat[slice(*blocks[name])] = array
+                    else:
+                        self._store.trainable_view(flat, name)[...] = array
                     checkpoint_file.release_pages(array)
                 moments[state_name] = flat
             self._optimizer = OptimizerState(info["kind"], int(info["step"]), float(info["learning_rate"]),
-                                             float(info.get("initial_learning_rate", info["learning_rate"])), moments)
+                                             float(info.get("initial_learning_rate", info["learning_rate"])), moments,
+                                             state_dtype)
 
     @classmethod
     def load_checkpoint(cls, checkpoint_uri) -> "CheckpointState":
@@ -189,7 +205,11 @@ class CheckpointState:
                                  "create an Optimizer for a Module of this state first")
             contents.optimizer = {"kind": opt.kind, "step": opt.step, "learning_rate": opt.learning_rate,
                                   "initial_learning_rate": opt.initial_learning_rate}
-            contents.optimizer_tensors = {s: {n: store.trainable_view(flat, n) for n in store.trainable}
+            if opt.state_dtype != "float32":
+                contents.optimizer.update(state_dtype=opt.state_dtype, state_block=STATE_BLOCK)
+            _, blocks = moment_blocks(store.trainable_sizes(), STATE_BLOCK)
+            contents.optimizer_tensors = {s: {n: flat[slice(*blocks[n])] if s.endswith(ABSMAX) else
+                                              store.trainable_view(flat, n) for n in store.trainable}
                                           for s, flat in opt.moments.items()}
         checkpoint_file.save(checkpoint_uri, contents)
 
@@ -200,6 +220,13 @@ class CheckpointState:
     @property
     def properties(self) -> PropertyBag:
         return self._properties
+
+    @property
+    def optimizer_state(self) -> OptimizerState | None:
+        """The optimizer's step count, learning rates and moment buffers (flat, in the trainable parameters'
+        order), or None before an Optimizer was made for this state or loaded with it; an Optimizer updates
+        it, `Optimizer.reset_state()` restarts it."""
+        return self._optimizer
 
     def buffer_bytes(self) -> StateBuffers:
         """The bytes of the parameter, gradient and optimizer buffers."""
@@ -244,7 +271,7 @@ class _GraphSession:
         self.fused: dict = {}  # gradient output -> (parameter, update) when the optimizer runs inside backward
         self.check_finite = check_finite
         self.steps = 0
-        from .executor import BoundGraph  # noqa: F401  (kernels load with the first session)
+        from .executor import ExecutableStep  # noqa: F401  (kernels load with the first session)
 
         self.uri = os.fspath(uri)
         self.graph = load_graph(uri, what)
@@ -302,7 +329,7 @@ class _GraphSession:
         return arrays, tuple(signature)
 
     def bound(self, signature, arrays):
-        from .executor import BoundGraph
+        from .executor import ExecutableStep
 
         accumulate = self.with_gradients and not self.state._reset_grad_pending
         threads = self.threads()
@@ -312,7 +339,7 @@ class _GraphSession:
             types = {name: TensorType(a.dtype, a.shape) for name, a in zip(self.input_names, arrays)}
             guarded = tuple(self.output_names[:1]) if self.check_finite else ()
             sinks = {} if self.fused else self.sinks
-            plan = BoundGraph(self.graph, types, self.external, sinks, accumulate and not self.fused, guarded,
+            plan = ExecutableStep(self.graph, types, self.external, sinks, accumulate and not self.fused, guarded,
                               self.memory_budget, self.fused, self.arena, threads=threads)
             self.plans[signature] = plan
             if len(self.plans) > PLAN_CACHE_SIZE:
@@ -322,13 +349,13 @@ class _GraphSession:
         return plan
 
     def bind_at(self, batch_size: int, sequence_length: int | None = None) -> BoundStep:
-        """Bind the plan (a BoundGraph, cached) that a call with inputs of batch `batch_size` (and every other
+        """Bind the plan (an ExecutableStep, cached) that a call with inputs of batch `batch_size` (and every other
         symbolic axis `sequence_length`) runs."""
         signature, bound = self.bound_at(batch_size, sequence_length)
         return self.bound_step(signature, bound)
 
     def bound_at(self, batch_size: int, sequence_length: int | None = None):
-        """(signature, BoundGraph) of the plan, bound and cached, that a call with inputs of batch `batch_size`
+        """(signature, ExecutableStep) of the plan, bound and cached, that a call with inputs of batch `batch_size`
         (and every other symbolic axis `sequence_length`) runs."""
         for what, value in (("batch size", batch_size), ("sequence length", sequence_length)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
@@ -471,8 +498,8 @@ class Module:
         would, without running it; symbolic axes after the first take `sequence_length`."""
         return self._session_of(training).bind_at(batch_size, sequence_length)
 
-    def bound_graph_at(self, batch_size: int, training: bool = True, sequence_length: int | None = None):
-        """The executor's plan (odtrain.executor.BoundGraph: its calls, their nodes, storage) that bind_at
+    def executable_step_at(self, batch_size: int, training: bool = True, sequence_length: int | None = None):
+        """The executor's plan (odtrain.executor.ExecutableStep: its calls, their nodes, storage) that bind_at
         binds, for tools that run or time a step's calls one by one (odtrain.profile, benchmarks); read it,
         do not change it."""
         return self._session_of(training).bound_at(batch_size, sequence_length)[1]
@@ -550,11 +577,13 @@ class Module:
 class Optimizer:
     """Applies the optimizer model's update to the trainable parameters of a Module."""
 
-    def __init__(self, optimizer_uri, module: Module, *, fuse_with_backward: bool = False):
+    def __init__(self, optimizer_uri, module: Module, *, fuse_with_backward: bool = False, state_dtype=None):
         """`fuse_with_backward=True` applies each parameter's update inside the training call, as soon as
         its gradient is complete and nothing else reads the parameter, so the full gradient buffer never
         exists. Gradients then cannot accumulate across calls: each training call is a whole step, and
-        `step()` has nothing left to do. Parameters end bit-identical to the unfused loop."""
+        `step()` has nothing left to do. Parameters end bit-identical to the unfused loop.
+        `state_dtype="int8"` keeps AdamW's moments in 8 bits, quantized in blocks (graph/optimizers.py); None
+        takes the optimizer model's choice. Moments loaded in the other type are converted."""
         if not isinstance(module, Module):
             raise ArgumentError(f"module must be an odtrain Module, got {type(module).__name__}")
         self._module = module
@@ -564,11 +593,25 @@ class Optimizer:
         if params and params != store.trainable:
             raise ParameterError(f"the optimizer model updates {params}, but the checkpoint's trainable "
                                  f"parameters are {store.trainable}; generate them together")
+        if state_dtype is not None and check_state_dtype(state_dtype, config.kind) and isinstance(config, AdamW):
+            config = dataclasses.replace(config, state_dtype=state_dtype)
         self._config = config
+        wanted = getattr(config, "state_dtype", "float32")
+        self._blocks = moment_blocks(store.trainable_sizes(), STATE_BLOCK)
+        from .executor import float_moments, int8_moments  # kernels load with the first session or optimizer
         current = self._state._optimizer
         if current is None or current.kind != config.kind:
             moments = {s: np.zeros(store.trainable_size, dtype=np.float32) for s in config.state_names}
-            self._state._optimizer = OptimizerState(config.kind, 0, DEFAULT_LEARNING_RATE, DEFAULT_LEARNING_RATE, moments)
+            if wanted == "int8":
+                moments = int8_moments(self._blocks[0], config.state_names)
+            self._state._optimizer = OptimizerState(config.kind, 0, DEFAULT_LEARNING_RATE, DEFAULT_LEARNING_RATE, moments,
+                                                    wanted)
+        elif current.state_dtype != wanted:  # moments saved in the other type
+            if wanted == "int8":
+                current.moments = int8_moments(self._blocks[0], config.state_names, current.moments)
+            else:
+                current.moments = float_moments(self._blocks[0], current.moments, config.state_names)
+            current.state_dtype = wanted
         self._fused = bool(fuse_with_backward)
         session = module._train
         session.fused = {f"{p}{GRAD_SUFFIX}": (p, self._update_of(p)) for p in store.trainable} if self._fused else {}
@@ -581,11 +624,15 @@ class Optimizer:
         start, stop, _ = self._state._store.slices[name]
         weights = self._state._store.flat[start:stop]
         state = self._state._optimizer
-        moments = {key: flat[start:stop] for key, flat in state.moments.items()}
+        starts, ranges = self._blocks
+        first, last = ranges[name]
+        moments = {key: flat[first:last] if key.endswith(ABSMAX) else flat[start:stop]
+                   for key, flat in state.moments.items()}
+        blocks = starts[first:last + 1] - start
 
         def update(gradient):  # inside the training step, which runs at the module's threads
             apply_optimizer(self._config, weights, gradient, moments, state.learning_rate, state.step + 1,
-                            self._module._train.threads())
+                            self._module._train.threads(), blocks)
 
         return update
 
@@ -604,18 +651,36 @@ class Optimizer:
                                  f"'{store.first_nonfinite_gradient()}' is not finite; the parameters are unchanged")
         with deferred_interrupt():
             apply_optimizer(self._config, weights, store.grad_flat, opt.moments, opt.learning_rate, opt.step + 1,
-                            self._module._train.threads())
+                            self._module._train.threads(), self._blocks[0])
             opt.step += 1
 
     def set_learning_rate(self, learning_rate: float) -> None:
         learning_rate = float(learning_rate)
         if not np.isfinite(learning_rate) or learning_rate < 0:
             raise ArgumentError(f"learning rate must be a finite number >= 0, got {learning_rate}")
-        self._state._optimizer.learning_rate = learning_rate
-        self._state._optimizer.initial_learning_rate = learning_rate
+        self.state.learning_rate = learning_rate
+        self.state.initial_learning_rate = learning_rate
 
     def get_learning_rate(self) -> float:
-        return float(self._state._optimizer.learning_rate)
+        return float(self.state.learning_rate)
+
+    @property
+    def state(self) -> OptimizerState:
+        """The state this optimizer updates (its CheckpointState's optimizer_state): kind, step count,
+        learning rates and moment buffers."""
+        return self._state._optimizer
+
+    @property
+    def config(self):
+        """What the optimizer model computes (odtrain.graph.optimizers' config: the kind, its hyperparameters,
+        the names of its moment buffers), as odtrain.executor.apply_optimizer takes it."""
+        return self._config
+
+    def reset_state(self) -> None:
+        """Zero the moments and the step count, as a new optimizer starts (the learning rate stays)."""
+        for moment in self.state.moments.values():
+            moment[...] = 0
+        self.state.step = 0
 
 
 class LinearLRScheduler:
@@ -631,7 +696,7 @@ class LinearLRScheduler:
         self._optimizer = optimizer
         self.warmup_step_count, self.total_step_count = int(warmup_step_count), int(total_step_count)
         self.initial_lr = float(initial_lr)
-        optimizer._state._optimizer.initial_learning_rate = self.initial_lr
+        optimizer.state.initial_learning_rate = self.initial_lr
         self._apply()
 
     def multiplier(self, step: int) -> float:
@@ -641,7 +706,7 @@ class LinearLRScheduler:
         return max(0.0, remaining / max(1, self.total_step_count - self.warmup_step_count))
 
     def _apply(self) -> None:
-        state = self._optimizer._state._optimizer
+        state = self._optimizer.state
         state.learning_rate = self.initial_lr * self.multiplier(state.step)
 
     def step(self) -> None:

@@ -23,6 +23,18 @@ CHECKPOINT = "checkpoint"
 NOMINAL_CHECKPOINT = "nominal_checkpoint"
 
 
+def refuse_a_model(path) -> None:
+    """Where an artifact folder belongs, refuse an ONNX model file (or any file) with the command that
+    prepares its artifacts in a folder that does not exist yet."""
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        stem = os.path.splitext(path)[0] if path.endswith(".onnx") else path
+        suggested = f"{stem}-artifacts"
+        what = "an ONNX model" if path.endswith(".onnx") else "a file"
+        raise ArtifactNotFoundError(f"'{path}' is {what}, not an artifact folder: prepare its artifacts with "
+                                    f"`odtrain prepare {path} -o {suggested}`, then give '{suggested}' instead")
+
+
 @dataclass
 class ArtifactPaths:
     directory: str
@@ -47,6 +59,7 @@ class ArtifactPaths:
     def find(cls, directory, checkpoint=None) -> "ArtifactPaths":
         """The paths of an existing artifact folder with its training and eval models and a checkpoint."""
         directory = os.fspath(directory)
+        refuse_a_model(directory)
         if not os.path.isdir(directory):
             raise ArtifactNotFoundError(f"artifact folder '{directory}' does not exist; create it with "
                                         f"`odtrain prepare MODEL.onnx -o {directory}`")

@@ -16,6 +16,11 @@ takes its scale and zero point into the checkpoint with it, where it stays int8 
 Keywords beyond ONNX Runtime's: `class_axis` and `ignore_index` for cross-entropy on class-last
 outputs (odtrain.graph.losses), `lora` for low-rank adapters (odtrain.graph.lora), `qat` for
 quantization-aware training (odtrain.graph.qat).
+
+Before generating, `choose_parameters(graph, loss_inputs, requires_grad=, freeze=, train_last=)` picks
+parameters as `odtrain prepare` does (odtrain.graph.parameters), and `missing_support(graph, trainable,
+loss_inputs)` names the nodes without a kernel or a needed gradient rule (odtrain.graph.autodiff), as
+`odtrain check` reports them; both take a Graph (`odtrain.graph.onnx_io.load_graph(path)`).
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ import numpy as np
 
 from . import checkpoint as checkpoint_file
 from .artifact_paths import ArtifactPaths
-from .graph.autodiff import build_gradient_graph
+from .graph.autodiff import build_gradient_graph, missing_support
 from .graph.errors import ArgumentError, ModelError, ParameterError
 from .graph.ir import Graph, TensorType
 from .graph.ops import OPS, check_supported
@@ -35,12 +40,13 @@ from .graph.losses import LossType, add_loss, parse_loss
 from .graph.onnx_io import graph_from_proto, read_model_proto, save_graph
 from .graph.optimizers import SGD, AdamW, OptimType, SGDMomentum, build_optimizer_graph, parse_optimizer
 from .graph.lora import add_adapters
-from .graph.parameters import NO_GRADIENT, default_selection
+from .graph.parameters import NO_GRADIENT, ParameterChoice, choose_parameters, default_selection, quantization_parameters
 from .graph.qat import QatConfig, insert_fake_quantization
 from .lora import LoraConfig, target_weights
 
 __all__ = ["generate_artifacts", "build_training_graphs", "GeneratedArtifacts", "LoraConfig", "LossType", "OptimType",
-           "AdamW", "SGD", "SGDMomentum", "QatConfig"]
+           "AdamW", "SGD", "SGDMomentum", "QatConfig", "choose_parameters", "ParameterChoice", "default_selection",
+           "missing_support"]
 
 
 def _select_parameters(graph, requires_grad, frozen_params):
@@ -69,17 +75,6 @@ def _select_parameters(graph, requires_grad, frozen_params):
             raise ArgumentError(f"parameter '{name}' is {graph.initializers[name].dtype}; only float32 parameters train")
     order = list(graph.initializers)
     return sorted(trainable, key=order.index), sorted(frozen, key=order.index), left_out
-
-
-def quantization_parameters(graph, frozen, trainable=()) -> list[str]:
-    """The scales and zero points that go with the frozen quantized weights among `frozen` (integer
-    initializers read by DequantizeLinear), not yet in `frozen` or `trainable`: a frozen int8 weight is
-    held in the checkpoint with its scale and zero point."""
-    weights = dequantized_weights(graph)
-    extra: list[str] = []
-    for name in frozen:
-        extra += [n for n in weights.get(name, ()) if n not in frozen and n not in trainable and n not in extra]
-    return extra
 
 
 def to_eval_graph(graph):

@@ -28,6 +28,7 @@ import os
 import sys
 import time
 
+from .graph.wording import count
 from .kernel_sources import kernels_dir, loaded_dispatchers
 
 CACHE_ENV = "ODTRAIN_CACHE_DIR"
@@ -126,7 +127,8 @@ def kernel_stats() -> dict:
     return {"compiled": compiled, "loaded": loaded, "kernels": used, "compiled_kernels": names}
 
 
-def _demo_artifacts(directory: str) -> str:
+def demo_artifacts(directory: str) -> str:
+    """The demo classifier's artifacts, generated in `directory` (returned)."""
     from . import artifacts
     from .demo import build_classifier
 
@@ -137,18 +139,16 @@ def _demo_artifacts(directory: str) -> str:
     return directory
 
 
-def zero_inputs(module, batch_size: int, input_shapes: dict | None = None) -> list:
+def zero_inputs(module, batch_size: int, input_shapes: dict | None = None, sequence_length: int | None = None) -> list:
     """Zero-valued inputs of a Module's current mode, as a step would see them: the first symbolic axis
-    is `batch_size`; `input_shapes` gives whole shapes by input name."""
+    is `batch_size`, the other symbolic axes `sequence_length`; `input_shapes` gives whole shapes by input name."""
     import numpy as np
 
     from .graph.errors import ArgumentError
 
     input_shapes = input_shapes or {}
     feeds = []
-    graph = module._session().graph
-    for name in module.input_names():
-        declared = graph.value_types[name]
+    for name, declared in module.input_types(module.training).items():
         if name in input_shapes:
             shape = tuple(int(d) for d in input_shapes[name])
         elif declared.shape is None:
@@ -160,63 +160,80 @@ def zero_inputs(module, batch_size: int, input_shapes: dict | None = None) -> li
                     shape.append(int(dim))
                 elif axis == 0:
                     shape.append(int(batch_size))
+                elif sequence_length is not None:
+                    shape.append(int(sequence_length))
                 else:
                     raise ArgumentError(f"input '{name}' has a symbolic axis {axis} ('{dim}') besides the batch: "
-                                        f"give its shape with --input-shape {name}=D0,D1,...")
+                                        f"give its length with --seq-len N, or the whole shape with "
+                                        f"--input-shape {name}=D0,D1,...")
             shape = tuple(shape)
         feeds.append(np.zeros(shape, dtype=declared.dtype))
     return feeds
 
 
+def _kernel_activity() -> dict[str, tuple[int, int]]:
+    """Each kernel of this process -> (signatures compiled, signatures loaded from the cache) so far."""
+    return {f"{d.py_func.__module__}.{d.py_func.__qualname__}":
+            (sum(d.stats.cache_misses.values()), sum(d.stats.cache_hits.values())) for d in kernel_dispatchers()}
+
+
 def warmup(artifact_dir=None, batch_size: int = DEFAULT_WARMUP_BATCH, input_shapes: dict | None = None,
-           out=print) -> dict:
+           out=print, sequence_length: int | None = None) -> dict:
     """Compile, or load from the cache, every kernel of a training step, an optimizer step and an eval step.
 
     `artifact_dir` holds training_model.onnx, checkpoint, and optionally eval_model.onnx and
     optimizer_model.onnx (the files generate_artifacts writes); None warms up the built-in demo
-    classifier. The steps run on zero-valued inputs whose first symbolic axis is `batch_size`;
-    `input_shapes` gives whole shapes by input name. Nothing is written to the artifacts.
-    Returns the kernel counts and seconds.
+    classifier. The steps run on zero-valued inputs whose first symbolic axis is `batch_size` and whose
+    other symbolic axes are `sequence_length`; `input_shapes` gives whole shapes by input name. Nothing is
+    written to the artifacts. Returns the kernel counts and seconds: each kernel the steps used is counted
+    once, as compiled (some signature of it was compiled) or loaded from the cache.
     """
     import tempfile
 
-    from .artifact_paths import TRAINING_MODEL, ArtifactPaths
+    from .artifact_paths import TRAINING_MODEL, ArtifactPaths, refuse_a_model
     from .graph.errors import ArgumentError, ArtifactNotFoundError
 
     if int(batch_size) < 1:
         raise ArgumentError(f"batch size must be >= 1, got {batch_size}")
+    if sequence_length is not None and int(sequence_length) < 1:
+        raise ArgumentError(f"sequence length must be >= 1, got {sequence_length}")
     started = time.perf_counter()
     scratch = None
     if artifact_dir is None:
         scratch = tempfile.TemporaryDirectory(prefix="odtrain-warmup-")
-        directory = _demo_artifacts(scratch.name)
+        directory = demo_artifacts(scratch.name)
         label = "the built-in demo classifier"
     else:
         directory = os.fspath(artifact_dir)
+        refuse_a_model(directory)
         label = directory
         if not ArtifactPaths.of(directory).has("training_model"):
             raise ArtifactNotFoundError(f"'{directory}' has no {TRAINING_MODEL}: give the folder that "
                                         f"generate_artifacts wrote ({TRAINING_MODEL}, checkpoint, ...)")
     try:
-        before = kernel_stats()
-        steps, shapes = _run_steps(directory, int(batch_size), input_shapes or {})
+        before = _kernel_activity()
+        steps, shapes = _run_steps(directory, int(batch_size), input_shapes or {}, sequence_length)
     finally:
         if scratch is not None:
             scratch.cleanup()
-    after = kernel_stats()
+    after = _kernel_activity()
+    compiled = loaded = 0
+    for name, (misses, hits) in after.items():
+        new_misses, new_hits = (misses, hits) if name not in before else (misses - before[name][0],
+                                                                          hits - before[name][1])
+        compiled += new_misses > 0
+        loaded += new_misses == 0 and new_hits > 0
     result = {"artifacts": label, "batch_size": int(batch_size), "inputs": shapes, "steps": steps,
-              "compiled": after["compiled"] - before["compiled"], "loaded": after["loaded"] - before["loaded"],
-              "kernels": after["kernels"], "cache_dir": cache_dir(), "cache_source": _configured_source,
-              "seconds": time.perf_counter() - started}
+              "compiled": compiled, "loaded": loaded, "kernels": compiled + loaded, "cache_dir": cache_dir(),
+              "cache_source": _configured_source, "seconds": time.perf_counter() - started}
     inputs = ", ".join(f"{name} [{', '.join(map(str, shape))}]" for name, shape in shapes.items())
-    out(f"warmed up {label} on inputs {inputs} ({', '.join(steps)} steps): "
-        f"{result['kernels']} kernels, {result['compiled']} compiled, {result['loaded']} loaded from the cache "
-        f"in {result['seconds']:.1f} s")
+    out(f"warmed up {label} on inputs {inputs} ({', '.join(steps)} steps): {count(result['kernels'], 'kernel')}, "
+        f"{compiled} compiled and {loaded} loaded from the cache, in {result['seconds']:.1f} s")
     out(f"kernel cache: {result['cache_dir']}")
     return result
 
 
-def _run_steps(directory: str, batch_size: int, input_shapes: dict) -> tuple[list[str], dict]:
+def _run_steps(directory: str, batch_size: int, input_shapes: dict, sequence_length) -> tuple[list[str], dict]:
     import numpy as np
 
     from .api import CheckpointState, Module, Optimizer
@@ -229,7 +246,7 @@ def _run_steps(directory: str, batch_size: int, input_shapes: dict) -> tuple[lis
     module = Module(paths.training_model, state, paths.eval_model if has_eval else None)
     optimizer = Optimizer(paths.optimizer_model, module) if paths.has("optimizer_model") else None
     steps = []
-    feeds = zero_inputs(module.train(), batch_size, input_shapes)
+    feeds = zero_inputs(module.train(), batch_size, input_shapes, sequence_length)
     loss = module(*feeds)  # gradients written
     module(*feeds)  # gradients accumulated (no lazy_reset_grad in between)
     steps.append("train")
@@ -239,7 +256,7 @@ def _run_steps(directory: str, batch_size: int, input_shapes: dict) -> tuple[lis
     module.lazy_reset_grad()
     if has_eval:
         module.eval()
-        module(*zero_inputs(module, batch_size, input_shapes))
+        module(*zero_inputs(module, batch_size, input_shapes, sequence_length))
         module.train()
         steps.append("eval")
     first = loss[0] if isinstance(loss, (list, tuple)) else loss
@@ -262,8 +279,11 @@ def add_command(commands) -> None:
                          help="folder written by generate_artifacts (default: the demo classifier)")
     command.add_argument("--batch-size", type=int, default=DEFAULT_WARMUP_BATCH,
                          help=f"batch size of the steps, the first symbolic axis (default: {DEFAULT_WARMUP_BATCH})")
-    command.add_argument("--input-shape", action="append", default=[], metavar="NAME=D0,D1,...",
-                         help="the whole shape of an input, for inputs with other symbolic axes (repeatable)")
+    command.add_argument("--seq-len", type=int, metavar="N", help="length of the inputs' other symbolic axes "
+                         "(a language model's sequence)")
+    command.add_argument("--input-shape", nargs="+", action="extend", default=[], metavar="NAME=D0,D1,...",
+                         help="the whole shape of one or more inputs (--input-shape ids=4,16 mask=4,16), for "
+                         "inputs whose axes --batch-size and --seq-len do not give")
     command.add_argument("--json", action="store_true", help="print the results as one JSON object")
     command.set_defaults(handler=_command)
 
@@ -281,8 +301,10 @@ def _command(args) -> int:
         except ValueError:
             raise ArgumentError(f"--input-shape {item!r}: expected NAME=D0,D1,... with whole numbers") from None
         if not name or not shapes[name]:
-            raise ArgumentError(f"--input-shape {item!r}: expected NAME=D0,D1,...")
-    result = warmup(args.artifact_dir, args.batch_size, shapes, out=(lambda line: None) if args.json else print)
+            raise ArgumentError(f"--input-shape {item!r}: expected NAME=D0,D1,... (give ARTIFACT_DIR before "
+                                "--input-shape)")
+    result = warmup(args.artifact_dir, args.batch_size, shapes, out=(lambda line: None) if args.json else print,
+                    sequence_length=args.seq_len)
     if args.json:
         print(json.dumps(result))
     return 0

@@ -14,8 +14,9 @@ import json
 import os
 import sys
 
-from .artifact_paths import ArtifactPaths
+from .artifact_paths import ArtifactPaths, refuse_a_model
 from .graph.errors import ArgumentError, ArtifactNotFoundError, OdtrainError
+from .graph.wording import count, name_list
 
 
 def _demo(args) -> int:
@@ -39,20 +40,9 @@ def _print_json(payload) -> None:
     print(json.dumps(payload, indent=2, default=str))
 
 
-def _count(number: int, noun: str) -> str:
-    return f"{number:,} {noun}" + ("" if number == 1 else "s")
-
-
-SHOWN_AT_EACH_END = 3  # a long list of names shows this many first and last ones; --verbose shows all
-
-
 def _names(names: list[str], verbose: bool = False) -> str:
-    """The names, comma-separated; a long list (MobileNetV2 has 262 parameters) as its first and last few."""
-    if verbose or len(names) <= 2 * SHOWN_AT_EACH_END + 1:
-        return ", ".join(names)
-    hidden = len(names) - 2 * SHOWN_AT_EACH_END
-    return ", ".join(names[:SHOWN_AT_EACH_END] + [f"... {hidden} more (--verbose lists all) ..."]
-                     + names[-SHOWN_AT_EACH_END:])
+    """The names, comma-separated; a long list as its first and last few unless --verbose."""
+    return name_list(names, verbose, "--verbose lists all")
 
 
 def _shape(shape) -> str:
@@ -72,69 +62,6 @@ def _loss_type(name: str):
 
 
 # ---- check and prepare: which parameters train, and whether they can --------------------------------
-
-
-def _parameter_groups(graph, loss_inputs):
-    """Float parameters on the way to the loss, grouped by the first node consuming them, in graph order; the
-    parameters that ops update as state (running statistics), which never train; and the initializers the
-    default selection leaves out (odtrain.graph.parameters), with the reason. Configuring inputs and the
-    scales and zero points of quantization are never parameters to choose."""
-    from .graph.parameters import CONFIGURING, QUANTIZATION, default_selection
-
-    used = graph.prune(list(loss_inputs)).initializers
-    selection = default_selection(graph)
-    left_out = {n: why for n, why in selection.left_out.items() if n in used}
-    explicit = {n for n in selection.trainable if n in used}
-    explicit.update(n for n, why in left_out.items() if why not in (CONFIGURING, QUANTIZATION))
-    groups, seen = [], set()
-    for node in graph.nodes:
-        names = [i for i in node.inputs if i in explicit and i not in seen]
-        if names:
-            seen.update(names)
-            groups.append((node.name, names))
-    return groups, [n for n in selection.state if n in used], left_out
-
-
-def _select_parameters(graph, loss_inputs, requires_grad=None, freeze=None, train_last=None, verbose=False):
-    """(trainable, frozen, left out) parameter names from glob patterns or a count of last layers. Patterns in
-    requires_grad may name what the default leaves out (a rotary table); the other choices start from the default.
-    Quantized (integer) weights are frozen with their scales and zero points."""
-    from fnmatch import fnmatchcase
-
-    from .artifacts import quantization_parameters
-    from .graph.ops.quantize import dequantized_weights
-
-    groups, updated, left_out = _parameter_groups(graph, loss_inputs)
-    names = [n for _, group in groups for n in group if n not in left_out]
-    if not names:
-        raise ArgumentError("the model has no floating-point initializers to train")
-    candidates = [n for _, group in groups for n in group] if requires_grad else names
-    for pattern in requires_grad or freeze or ():
-        if not any(fnmatchcase(n, pattern) for n in candidates):
-            raise ArgumentError(f"'{pattern}' matches no parameter; the {_count(len(candidates), 'parameter')} are: "
-                                f"{_names(candidates, verbose)}")
-    if requires_grad:
-        trainable = [n for n in candidates if any(fnmatchcase(n, p) for p in requires_grad)]
-        left_out = {n: why for n, why in left_out.items() if n not in trainable}
-    elif freeze:
-        trainable = [n for n in names if not any(fnmatchcase(n, p) for p in freeze)]
-    elif train_last is not None:
-        layers = [(node, [n for n in group if n not in left_out]) for node, group in groups]
-        layers = [(node, group) for node, group in layers if group]
-        if not 1 <= train_last <= len(layers):
-            raise ArgumentError(f"--train-last {train_last}: the model has {len(layers)} layers with parameters "
-                                f"({_names([node for node, _ in layers], verbose)}); give a number from 1 to "
-                                f"{len(layers)}")
-        trainable = [n for _, group in layers[-train_last:] for n in group]
-    else:
-        trainable = names
-    if not trainable:
-        raise ArgumentError("no parameter is left to train: freeze fewer parameters")
-    frozen = [n for n in names if n not in trainable] + updated
-    used = graph.prune(list(loss_inputs)).initializers
-    frozen += [n for n in dequantized_weights(graph) if n in used]  # int8 weights, with their scales below
-    frozen += [n for n in quantization_parameters(graph, frozen) if n not in trainable]
-    return trainable, frozen, {n: why for n, why in left_out.items() if n not in frozen}
 
 
 def _loss_layout(graph, loss_inputs, args) -> tuple[int | None, int | None, str]:
@@ -168,45 +95,18 @@ def _loss_inputs(graph, loss_input):
     return list(graph.outputs)
 
 
-def _missing_support(graph, trainable, loss_inputs):
-    """Nodes without a kernel, and nodes without a gradient rule that a trainable parameter needs
-    (the reverse walk of odtrain.graph.autodiff, recording instead of stopping)."""
-    import numpy as np
-
-    from .graph.ops import OPS
-
-    no_kernel = [node for node in graph.nodes if node.key not in OPS]
-    reaches = set(trainable)
-    for node in graph.nodes:
-        if any(i in reaches for i in node.inputs if i):
-            reaches.update(o for o in node.outputs if o)
-
-    def floating(name):
-        t = graph.value_types.get(name)
-        return t is None or np.issubdtype(t.dtype, np.floating)
-
-    flowing, no_gradient = set(loss_inputs), []
-    for node in reversed(graph.nodes):
-        if not any(o in flowing for o in node.outputs):
-            continue
-        wanted = [i for i in node.inputs if i and i in reaches and floating(i)]
-        opdef = OPS.get(node.key)
-        if opdef is not None and opdef.gradient is None and wanted:
-            no_gradient.append((node, opdef.no_grad_reason))
-        flowing.update(wanted)  # past a missing rule too, to find every one in a single report
-    return no_kernel, no_gradient
-
-
 def _training_choices(graph, args) -> dict:
     """What check and prepare hand to generate_artifacts, from the model and the command's options, with
     `left_out` and `loss_text` (what to tell the user) besides."""
+    from .artifacts import choose_parameters
+
     loss_inputs = _loss_inputs(graph, args.loss_input)
-    trainable, frozen, left_out = _select_parameters(graph, loss_inputs, args.requires_grad, args.freeze,
-                                                     args.train_last, args.verbose)
+    choice = choose_parameters(graph, loss_inputs, args.requires_grad, args.freeze, args.train_last,
+                               lambda names: _names(names, args.verbose))
     class_axis, ignore_index, loss_text = _loss_layout(graph, loss_inputs, args)
-    choices = {"requires_grad": trainable, "frozen_params": frozen, "loss": _loss_type(args.loss),
+    choices = {"requires_grad": choice.trainable, "frozen_params": choice.frozen, "loss": _loss_type(args.loss),
                "loss_input_names": loss_inputs, "class_axis": class_axis, "ignore_index": ignore_index,
-               "left_out": left_out, "loss_text": loss_text}
+               "left_out": choice.left_out, "loss_text": loss_text}
     if getattr(args, "qat", False):
         from .artifacts import QatConfig
 
@@ -218,7 +118,7 @@ def _training_choices(graph, args) -> dict:
             raise ArgumentError("with --lora-rank every weight is frozen: name parameters to train besides the "
                                 "adapters with --requires-grad")
         alpha = args.lora_alpha if args.lora_alpha is not None else 2.0 * args.lora_rank
-        choices.update(requires_grad=trainable if args.requires_grad else None, frozen_params=None,
+        choices.update(requires_grad=choice.trainable if args.requires_grad else None, frozen_params=None,
                        lora=LoraConfig(args.lora_rank, alpha, args.lora_targets or ["*"], seed=args.lora_seed))
     return choices
 
@@ -261,6 +161,7 @@ def _print_left_out(left_out: dict, verbose: bool = False) -> None:
 def _check(args) -> int:
     from collections import Counter
 
+    from .artifacts import missing_support
     from .graph.onnx_io import load_graph
     from .graph.ops import OPS
 
@@ -279,7 +180,7 @@ def _check(args) -> int:
     graph = load_graph(args.model, "model")
     choices = _training_choices(graph, args)
     trainable, frozen, loss_inputs = choices["requires_grad"], choices["frozen_params"], choices["loss_input_names"]
-    no_kernel, no_gradient = _missing_support(graph, trainable, loss_inputs)
+    no_kernel, no_gradient = missing_support(graph, trainable, loss_inputs)
     arena, trial_error = (None, None)
     if not no_kernel and not no_gradient:
         arena, trial_error = _trial_bind(args.model, choices)
@@ -299,7 +200,7 @@ def _check(args) -> int:
     if args.json:
         _print_json(report)
     else:
-        print(f"model: {args.model} ({len(graph.nodes)} nodes); inputs {', '.join(report['inputs'])}; "
+        print(f"model: {args.model} ({count(len(graph.nodes), 'node')}); inputs {', '.join(report['inputs'])}; "
               f"outputs {', '.join(report['outputs'])}")
         ops = ", ".join(f"{op} x{count}" if count > 1 else op for op, count in report["ops"].items())
         print(f"ops: {ops}")
@@ -311,8 +212,8 @@ def _check(args) -> int:
             print("  every op has a kernel" + ("" if no_gradient else ", and a gradient rule wherever a trainable "
                                                "parameter depends on it"))
         p = report["parameters"]
-        frozen_text = f" in {_count(len(frozen), 'tensor')} ({_names(frozen, args.verbose)})" if frozen else ""
-        print(f"parameters: {p['trainable']:,} trainable in {_count(len(trainable), 'tensor')} "
+        frozen_text = f" in {count(len(frozen), 'tensor')} ({_names(frozen, args.verbose)})" if frozen else ""
+        print(f"parameters: {p['trainable']:,} trainable in {count(len(trainable), 'tensor')} "
               f"({_names(trainable, args.verbose)}); {p['frozen']:,} frozen{frozen_text}")
         _print_left_out(choices["left_out"], args.verbose)
         if choices["loss_text"]:
@@ -326,8 +227,8 @@ def _check(args) -> int:
                   "of arena)")
     if ok:
         return 0
-    problems = [f"{_count(len(no_kernel), 'op')} without a kernel"] if no_kernel else []
-    problems += [f"{_count(len(no_gradient), 'op')} without a gradient rule"] if no_gradient else []
+    problems = [f"{count(len(no_kernel), 'op')} without a kernel"] if no_kernel else []
+    problems += [f"{count(len(no_gradient), 'op')} without a gradient rule"] if no_gradient else []
     problems += ["its artifacts cannot be generated or bound"] if trial_error else []
     advice = " (freeze the parameters before them, e.g. --train-last N)" if no_gradient and not no_kernel else ""
     print(f"odtrain check: error: '{args.model}' cannot be trained: {' and '.join(problems)}{advice}; "
@@ -345,6 +246,10 @@ def _prepare(args) -> int:
     trainable, frozen, loss_inputs = choices["requires_grad"], choices["frozen_params"], choices["loss_input_names"]
     if args.lr <= 0:
         raise ArgumentError(f"--lr must be > 0, got {args.lr}")
+    if os.path.exists(args.output) and not os.path.isdir(args.output):
+        raise ArgumentError(f"'{args.output}' is a file: -o names the folder to write the artifacts to; choose "
+                            "a folder name such as "
+                            f"'{os.path.splitext(args.output)[0] or 'model'}-artifacts'")
     checkpoint = ArtifactPaths.of(args.output).checkpoint
     if os.path.exists(checkpoint) and not args.force:
         raise ArgumentError(f"'{args.output}' already holds artifacts (a checkpoint); pass --force to replace "
@@ -384,12 +289,12 @@ def _prepare(args) -> int:
         adapted = [n.rsplit(".lora_", 1)[0] for n in trainable if n.endswith(".lora_A")]
         others = [n for n in trainable if not is_adapter(n)]
         print(f"trainable: {result['trainable_values']:,} values: LoRA adapters of rank {lora.rank} (alpha "
-              f"{lora.alpha:g}) on {_count(len(adapted), 'weight')} ({_names(adapted, args.verbose)})"
+              f"{lora.alpha:g}) on {count(len(adapted), 'weight')} ({_names(adapted, args.verbose)})"
               + (f", and {_names(others, args.verbose)}" if others else ""))
     else:
-        print(f"trainable: {result['trainable_values']:,} values in {_count(len(trainable), 'tensor')} "
+        print(f"trainable: {result['trainable_values']:,} values in {count(len(trainable), 'tensor')} "
               f"({_names(trainable, args.verbose)})")
-    print(f"frozen: {result['frozen_values']:,} values in {_count(len(frozen), 'tensor')} "
+    print(f"frozen: {result['frozen_values']:,} values in {count(len(frozen), 'tensor')} "
           f"({_names(frozen, args.verbose)})" if frozen else "frozen: none")
     _print_left_out(choices["left_out"], args.verbose)
     layout = f", {choices['loss_text']}" if choices["loss_text"] else ""
@@ -428,7 +333,19 @@ def _data(args, paths):
     if paths is None:
         return None
     texts = [p for p in paths if str(p).endswith(".txt")]
+    audio = _audio_source(args, paths)
+    if audio is not None:
+        return audio
+    if len(paths) == 1 and os.path.isdir(paths[0]):
+        from .data import ImageFolder
+
+        return ImageFolder(paths[0], args.skip_unreadable, report=lambda line: _note(args, line))
+    if args.skip_unreadable:
+        raise ArgumentError("--skip-unreadable leaves out unreadable images of a folder (or clips): give --data "
+                            "FOLDER, with one sub-folder of images or .wav clips per class")
     if args.tokenizer is None:
+        if args.encoding != "utf-8":
+            raise ArgumentError("--encoding reads a text file: give --tokenizer and a .txt file too")
         if texts:
             raise ArgumentError(f"'{texts[0]}' is text: give the tokenizer that encodes it with --tokenizer "
                                 "tokenizer.json, and --seq-len N")
@@ -440,7 +357,29 @@ def _data(args, paths):
                             "(--seq-len N)")
     from .text import TextSource
 
-    return TextSource(paths[0], args.tokenizer, args.seq_len)
+    return TextSource(paths[0], args.tokenizer, args.seq_len, args.encoding)
+
+
+def _note(args, line: str) -> None:
+    print(f"odtrain {args.command}: note: {line}", file=sys.stderr)
+
+
+def _audio_source(args, paths):
+    """An AudioSource when the one path is a folder of clips or audio options were given, else None."""
+    from .audio import AudioSource, LogMel, is_audio_folder, stderr_report
+
+    features = getattr(args, "audio_features", None)
+    folder = len(paths) == 1 and os.path.isdir(paths[0]) and is_audio_folder(paths[0])
+    if not folder:
+        if features is not None:
+            raise ArgumentError("--audio-features reads a folder of clips: give --data clips/, with one sub-folder "
+                                "of .wav files per class")
+        return None
+    settings = None
+    if features == "log-mel":
+        settings = LogMel(args.sample_rate, args.n_mels, args.win_ms, args.hop_ms, args.n_fft)
+        settings.check()
+    return AudioSource(paths[0], settings, args.sample_rate, args.skip_unreadable, report=stderr_report)
 
 
 def _train(args) -> int:
@@ -450,9 +389,8 @@ def _train(args) -> int:
     paths = ArtifactPaths.find(args.artifacts)
     properties = CheckpointState.load_checkpoint(paths.checkpoint).properties
     if not args.resume and properties.get("finished") == 0:
-        print(f"odtrain train: note: '{paths.checkpoint}' holds an unfinished run (epoch "
-              f"{properties['epoch'] + 1}, step {properties['step_in_epoch']}); this run starts anew from its "
-              "parameters (--resume continues it)", file=sys.stderr)
+        _note(args, f"'{paths.checkpoint}' holds an unfinished run (epoch {properties['epoch'] + 1}, step "
+              f"{properties['step_in_epoch']}); this run starts anew from its parameters (--resume continues it)")
     result = fit(args.artifacts, _data(args, args.data), val=_data(args, args.val), epochs=args.epochs,
                  batch_size=args.batch_size,
                  learning_rate=args.lr, lr_schedule=args.lr_schedule, warmup_steps=args.warmup, seed=args.seed,
@@ -462,10 +400,10 @@ def _train(args) -> int:
     if args.json:
         _print_json(result.to_dict())
     elif result.finished and not result.history:
-        print(f"the run already finished its {result.epochs} epochs; nothing to do (give a larger --epochs "
+        print(f"the run already finished its {count(result.epochs, 'epoch')}; nothing to do (give a larger --epochs "
               "with --resume to train further)")
     elif not result.stopped_by:
-        print(f"checkpoint: {result.checkpoint} ({result.epochs} epochs, {result.global_step} steps)")
+        print(f"checkpoint: {result.checkpoint} ({count(result.epochs, 'epoch')}, {count(result.global_step, 'step')})")
     if result.stopped_by:
         print(f"odtrain train: stopped by {result.stopped_by} at epoch {result.epochs + 1}, step "
               f"{result.step_in_epoch}; saved {result.checkpoint}; add --resume to continue", file=sys.stderr)
@@ -487,8 +425,8 @@ def _eval(args) -> int:
         parts.append(f"accuracy {metrics['accuracy']:.1%}")
     if "mse" in metrics:
         parts += [f"MSE {metrics['mse']:.4g}", f"MAE {metrics['mae']:.4g}"]
-    labelled = f" ({metrics['labels']:,} labels counted)" if metrics.get("labels", metrics["samples"]) != metrics["samples"] else ""
-    print(f"{', '.join(parts)} on {metrics['samples']} samples{labelled}")
+    labelled = f" ({count(metrics['labels'], 'label')} counted)" if metrics.get("labels", metrics["samples"]) != metrics["samples"] else ""
+    print(f"{', '.join(parts)} on {count(metrics['samples'], 'sample')}{labelled}")
     return 0
 
 
@@ -531,7 +469,7 @@ def _export_adapters(session, args) -> int:
     if args.json:
         _print_json(result)
     else:
-        print(f"adapters written to {args.output}: {len(trained)} tensors, {nbytes:,} bytes of parameters "
+        print(f"adapters written to {args.output}: {count(len(trained), 'tensor')}, {count(nbytes, 'byte')} of parameters "
               f"({len(scales)} adapted weights)")
     return 0
 
@@ -541,6 +479,8 @@ def _inspect(args) -> int:
     from .training import Session
 
     target = args.target
+    if target.endswith(".onnx"):
+        refuse_a_model(target)
     if os.path.isdir(target):
         paths = ArtifactPaths.of(target)
     elif os.path.isfile(target):
@@ -576,7 +516,7 @@ def _inspect(args) -> int:
     for p in parameters:
         values[p["trainable"]] += int(np.prod(p["shape"], dtype=np.int64))
     print(f"checkpoint: {checkpoint}" + (" (nominal: shapes only)" if contents.nominal else ""))
-    print(f"parameters: {len(parameters)} tensors; {values[True]:,} trainable values, {values[False]:,} frozen")
+    print(f"parameters: {count(len(parameters), 'tensor')}; {count(values[True], 'trainable value')}, {values[False]:,} frozen")
     width = max(len(p["name"]) for p in parameters) if parameters else 0
     for p in parameters:
         print(f"  {p['name']:<{width}}  {p['dtype']:<8} {_shape(p['shape']):<16} "
@@ -599,7 +539,7 @@ def _inspect(args) -> int:
         print(f"memory plan at batch size {args.batch_size}:")
         for name, p in plans.items():
             print(f"  {name + ':':<15} arena {p.arena_bytes:,} B, lower bound {p.lower_bound:,} B "
-                  f"({p.arena_bytes / max(p.lower_bound, 1):.2f}x), {p.steps} ops")
+                  f"({p.arena_bytes / max(p.lower_bound, 1):.2f}x), {count(p.steps, 'op')}")
             if args.plan:
                 print("    " + p.render().replace("\n", "\n    "))
     return 0
@@ -659,6 +599,20 @@ def _add_data_options(command, what: str) -> None:
                          "given to --data with this tokenizers file (pip install \"odtrain[text]\")")
     command.add_argument("--seq-len", type=int, metavar="N", help="with --tokenizer: windows of N tokens, each "
                          "token's label the next one")
+    command.add_argument("--encoding", default="utf-8", help="with --tokenizer: the text file's encoding, e.g. "
+                         "latin-1, cp1252, utf-16 (default: utf-8)")
+    command.add_argument("--skip-unreadable", action="store_true", help="with a folder of images or clips: leave "
+                         "out the files that cannot be read (corrupt, empty, truncated, too short, another "
+                         "encoding) and say how many (default: stop at the first)")
+    audio = command.add_argument_group("audio clips (--data clips/, one sub-folder of .wav files per class)")
+    audio.add_argument("--audio-features", choices=("log-mel",), help="compute features for a model whose input is "
+                       "log-mel [batch, n_mels, frames] (default: feed the waveform [batch, samples])")
+    audio.add_argument("--sample-rate", type=int, default=16000, metavar="HZ",
+                       help="the model's sample rate; clips are resampled to it (default 16000)")
+    audio.add_argument("--n-mels", type=int, default=40, metavar="N", help="mel bands (default 40)")
+    audio.add_argument("--win-ms", type=float, default=25.0, metavar="MS", help="analysis window (default 25 ms)")
+    audio.add_argument("--hop-ms", type=float, default=10.0, metavar="MS", help="hop between frames (default 10 ms)")
+    audio.add_argument("--n-fft", type=int, default=512, metavar="N", help="DFT size (default 512)")
 
 
 def _add_selection_options(command) -> None:
@@ -832,10 +786,11 @@ def build_parser() -> argparse.ArgumentParser:
                                "handwritten digits shipped with odtrain, print held-out accuracy and peak memory, "
                                "and write an inference model.")
     demo.add_argument("-o", "--output", default="odtrain-demo", help="artifact folder (default: ./odtrain-demo)")
-    demo.add_argument("--epochs", type=int, default=15)
-    demo.add_argument("--batch-size", type=int, default=32)
-    demo.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--epochs", type=int, default=15, help="passes over the training digits (default: 15)")
+    demo.add_argument("--batch-size", type=int, default=32, help="samples per step (default: 32)")
+    demo.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate (default: 0.01)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the initial weights, the held-out split and the "
+                      "batch order (default: 0)")
     demo.add_argument("--json", action="store_true", help="print the results as one JSON object")
     demo.set_defaults(handler=_demo)
     from .cache import add_command as add_warmup_command
@@ -853,10 +808,15 @@ def main(argv=None) -> int:
     if not getattr(args, "handler", None):
         parser.print_help()
         return 2
-    from .threads import process_default
+    from .threads import available_cores, process_default
 
+    threads, cores = getattr(args, "threads", None), available_cores()
+    if isinstance(threads, int) and threads > cores:
+        _note(args, f"--threads {threads} with {count(cores, 'core')} for this process: each step is split into "
+              f"{threads} parts, as on {threads} cores (the same results), and they run on the {count(cores, 'core')}: "
+              f"no faster than --threads {cores}")
     try:
-        with process_default(getattr(args, "threads", None)):
+        with process_default(threads):
             return args.handler(args)
     except OdtrainError as error:
         message = str(error).replace("\n", " ")

@@ -10,10 +10,16 @@ Which array feeds which input:
   with one data input, the conventional names (`x`, `images`, `inputs`, ...
   and `y`, `labels`, `target`, ...).
 - `.npy` files: one per input, in the model's input order.
+- a folder of audio clips (odtrain/audio.py): one sub-folder per class, as for images.
 - a folder: one sub-folder per class, named by the class; images are read
   with Pillow, converted to grayscale or RGB and resized to the model's input
   (NCHW, NHWC, [N, H, W] or flattened [N, H*W*C]), scaled to [0, 1]; the
-  label is the class's index in sorted order.
+  label is the class's index in sorted order. Files that are not images,
+  folders nested in a class folder and files beside the class folders are
+  skipped and counted in one line (`ImageFolder(report=...)`, else a
+  warning), hidden entries (`.DS_Store`) ignored; an image that cannot be
+  decoded stops the load unless `skip_unreadable`, which counts it among
+  the skipped.
 
 Arrays are converted to the declared dtype when no information is lost
 (float64 -> float32, int32 -> int64, integral floats -> int64 labels) and
@@ -23,11 +29,14 @@ reshaped when a sample has the right number of elements (8x8 images for a
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from .audio import AUDIO_EXTENSIONS, AudioSource, is_audio_folder
 from .graph.errors import ArgumentError, ArtifactNotFoundError, InputError
+from .graph.wording import count
 
 DATA_ALIASES = ("x", "X", "inputs", "input", "images", "features", "data")
 LABEL_ALIASES = ("y", "Y", "labels", "label", "targets", "target")
@@ -65,9 +74,9 @@ class Dataset:
 
     def batches(self, batch_size: int, order=None, start: int = 0):
         """Yield lists of arrays of `batch_size` samples (the last may be smaller), from batch `start` on."""
-        count = len(self)
-        order = np.arange(count) if order is None else order
-        for begin in range(start * batch_size, count, batch_size):
+        samples = len(self)
+        order = np.arange(samples) if order is None else order
+        for begin in range(start * batch_size, samples, batch_size):
             yield self.take(order[begin:begin + batch_size])
 
     @property
@@ -91,6 +100,8 @@ def load(paths, inputs: list[InputSpec], x=None, y=None) -> Dataset:
         raise ArgumentError("--x/--y name arrays inside an .npz file; .npy files feed the inputs in order "
                             f"({', '.join(s.name for s in inputs)})")
     if len(paths) == 1 and os.path.isdir(first):
+        if is_audio_folder(first):
+            return load_audio_folder(AudioSource(first), inputs)
         return load_image_folder(first, inputs)
     if len(paths) == 1 and first.endswith(".npz"):
         return _load_npz(first, inputs, list(x or []), y)
@@ -201,8 +212,36 @@ def _conform(array: np.ndarray, spec: InputSpec, source: str) -> np.ndarray:
     raise InputError(f"{what} has samples of shape {list(got)}; the model's input is {spec.describe()}")
 
 
-def load_image_folder(folder: str, inputs: list[InputSpec]) -> Dataset:
-    """Images in one sub-folder per class, resized to the model's data input; labels are class indices."""
+@dataclass
+class ImageFolder:
+    """A folder of images, one sub-folder per class, read with these choices: `skip_unreadable` leaves out
+    images that cannot be decoded (counted) instead of stopping; `report` receives the line that says what
+    was skipped and why (default: a warning)."""
+
+    folder: str
+    skip_unreadable: bool = False
+    report: object = None
+
+    def dataset(self, inputs: list[InputSpec]) -> Dataset:
+        return load_image_folder(self.folder, inputs, self.skip_unreadable, self.report)
+
+
+def _skipped_line(folder: str, skipped: dict[str, list[str]], read: int) -> str:
+    """One line saying how many entries of an image folder were skipped, why, and an example of each."""
+    nouns = {"not an image": ("other file", "other files"),
+             "nested folder": ("folder inside a class folder", "folders inside class folders"),
+             "outside the classes": ("file beside the class folders", "files beside the class folders"),
+             "unreadable": ("unreadable image", "unreadable images")}
+    parts = [f"{count(len(paths), *nouns[why])} (e.g. '{paths[0]}')" for why, paths in skipped.items() if paths]
+    total = sum(len(paths) for paths in skipped.values())
+    return (f"image folder '{folder}': read {count(read, 'image')} ({', '.join(IMAGE_EXTENSIONS)}), skipped "
+            f"{count(total, 'entry', 'entries')}: " + ", ".join(parts))
+
+
+def load_image_folder(folder: str, inputs: list[InputSpec], skip_unreadable: bool = False, report=None) -> Dataset:
+    """Images in one sub-folder per class, resized to the model's data input; labels are class indices.
+    What is not read (other files, nested folders, with `skip_unreadable` images that cannot be decoded)
+    is counted and reported in one line (see ImageFolder)."""
     data_inputs = [s for s in inputs if not s.is_label]
     label_inputs = [s for s in inputs if s.is_label]
     if len(data_inputs) != 1 or len(label_inputs) != 1 or np.dtype(label_inputs[0].dtype).kind not in "iu":
@@ -214,26 +253,45 @@ def load_image_folder(folder: str, inputs: list[InputSpec]) -> Dataset:
         raise ArgumentError(f"reading the images in '{folder}' needs Pillow: pip install \"odtrain[images]\"") from None
     spec = data_inputs[0]
     height, width, channels, layout = _image_layout(spec)
-    classes = sorted(d for d in os.listdir(folder) if os.path.isdir(os.path.join(folder, d)) and not d.startswith("."))
+    entries = sorted(e for e in os.listdir(folder) if not e.startswith("."))
+    classes = [e for e in entries if os.path.isdir(os.path.join(folder, e))]
     if not classes:
         raise InputError(f"image folder '{folder}' has no sub-folders; put the images of each class in a "
                          "sub-folder named by the class")
+    skipped: dict[str, list[str]] = {"not an image": [], "nested folder": [], "unreadable": [],
+                                     "outside the classes": [e for e in entries if e not in classes]}
     images, labels = [], []
     for index, name in enumerate(classes):
         directory = os.path.join(folder, name)
         for file in sorted(os.listdir(directory)):
-            if not file.lower().endswith(IMAGE_EXTENSIONS):
-                continue
             path = os.path.join(directory, file)
+            if file.startswith("."):  # hidden: a system's own files (.DS_Store), not data
+                continue
+            if os.path.isdir(path):
+                skipped["nested folder"].append(os.path.join(name, file))
+                continue
+            if not file.lower().endswith(IMAGE_EXTENSIONS):
+                skipped["not an image"].append(os.path.join(name, file))
+                continue
             try:
                 with Image.open(path) as image:
                     pixels = image.convert("L" if channels == 1 else "RGB").resize((width, height), Image.BILINEAR)
                     array = np.asarray(pixels, dtype=np.float32) / np.float32(255)
             except Exception as error:  # PIL.UnidentifiedImageError, OSError
-                raise InputError(f"image '{path}' cannot be read ({error})") from None
+                if not skip_unreadable:
+                    raise InputError(f"image '{path}' cannot be read ({error}); --skip-unreadable (skip_unreadable="
+                                     "True) leaves such images out and counts them") from None
+                skipped["unreadable"].append(os.path.join(name, file))
+                continue
             array = array.reshape(height, width, channels)
             images.append(array.transpose(2, 0, 1) if layout in ("NCHW", "flat") else array)
             labels.append(index)
+    if any(skipped.values()):
+        line = _skipped_line(folder, skipped, len(images))
+        if report is not None:
+            report(line)
+        else:
+            warnings.warn(line, stacklevel=2)
     if not images:
         raise InputError(f"image folder '{folder}' holds no images ({', '.join(IMAGE_EXTENSIONS)}) in its "
                          f"class sub-folders {classes}")
@@ -241,6 +299,46 @@ def load_image_folder(folder: str, inputs: list[InputSpec]) -> Dataset:
     return from_arrays({spec.name: stacked.reshape((len(images),) + _sample_shape(spec, stacked.shape[1:])),
                         label_inputs[0].name: np.asarray(labels, dtype=np.int64)},
                        inputs, source=f"image folder '{folder}'", classes=classes)
+
+
+def load_audio_folder(source: AudioSource, inputs: list[InputSpec]) -> Dataset:
+    """Clips in one sub-folder per class (odtrain/audio.py), as the model's audio input; labels are class
+    indices. Unreadable clips stop the run by name, or are left out and counted (source.skipped)."""
+    data_inputs = [s for s in inputs if not s.is_label]
+    labels = [s for s in inputs if s.is_label]
+    if len(data_inputs) != 1 or len(labels) != 1 or np.dtype(labels[0].dtype).kind not in "iu":
+        raise ArgumentError(f"a folder of clips trains a classifier with one audio input and integer labels; "
+                            f"this model takes {', '.join(s.describe() for s in inputs)}")
+    spec, folder = data_inputs[0], source.folder
+    length = source.length(spec)
+    classes = sorted(d for d in os.listdir(folder) if os.path.isdir(os.path.join(folder, d)) and not d.startswith("."))
+    if not classes:
+        raise InputError(f"audio folder '{folder}' has no sub-folders; put the clips of each class in a "
+                         "sub-folder named by the class")
+    rows, targets, total = [], [], 0
+    for index, name in enumerate(classes):
+        directory = os.path.join(folder, name)
+        for file in sorted(os.listdir(directory)):
+            if not file.lower().endswith(AUDIO_EXTENSIONS):
+                continue
+            total += 1
+            path = os.path.join(directory, file)
+            try:
+                rows.append(source.clip(path, length))
+            except InputError as error:
+                if not source.skip_unreadable:
+                    raise InputError(f"{error} (--skip-unreadable leaves such files out)") from None
+                source.skipped.append((path, str(error)))
+                continue
+            targets.append(index)
+    if source.skipped and source.report is not None:
+        source.report(f"skipped {len(source.skipped)} of {total} clips that cannot be read; the first: "
+                      f"{source.skipped[0][1]}")
+    if not rows:
+        raise InputError(f"audio folder '{folder}' holds no readable clips ({', '.join(AUDIO_EXTENSIONS)}) in its "
+                         f"class sub-folders {classes}")
+    return from_arrays({spec.name: np.stack(rows), labels[0].name: np.asarray(targets, dtype=np.int64)}, inputs,
+                       source=f"audio folder '{folder}'", classes=classes)
 
 
 def _sample_shape(spec: InputSpec, fallback: tuple) -> tuple:

@@ -14,6 +14,8 @@ import time
 
 import numpy as np
 
+from .graph.wording import count
+
 
 def build_classifier(inputs: int = 64, hidden: int = 32, classes: int = 10, seed: int = 0):
     """An ONNX MLP with Kaiming-uniform weights (PyTorch's nn.Linear initialisation)."""
@@ -94,7 +96,7 @@ def run(directory: str = "odtrain-demo", epochs: int = 15, batch_size: int = 32,
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     result = {"held_out_accuracy": accuracy, "held_out_loss": float(test_loss), "peak_rss_mib": peak_mib,
               "seconds": time.perf_counter() - started, "inference_model": inference_path, "inference_agreement": agree}
-    out(f"held-out accuracy: {accuracy:.1%} (loss {float(test_loss):.4f}) on {len(test_y)} digits")
+    out(f"held-out accuracy: {accuracy:.1%} (loss {float(test_loss):.4f}) on {count(len(test_y), 'digit')}")
     out(f"peak memory (RSS): {peak_mib:.0f} MiB; total time {result['seconds']:.1f} s")
     out(f"inference model: {inference_path} (its predictions agree with training's on {agree:.0%} of the digits)")
     return result

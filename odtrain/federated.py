@@ -24,6 +24,7 @@ import numpy as np
 
 from .federated_rounds import digits_partition, digits_split, finish, format_round
 from .graph.errors import ArgumentError
+from .graph.wording import count
 
 ENGINES = ("auto", "inprocess", "simulation", "deployment")
 
@@ -41,6 +42,9 @@ def prepare(directory: str, seed: int = 0) -> str:
     return folder
 
 
+FLOWER_VERSIONS = ">=1.41,<1.42"  # the flwr of the flower extra (pyproject.toml)
+
+
 def flower_available(simulation: bool = False) -> bool:
     return importlib.util.find_spec("flwr") is not None and (not simulation or importlib.util.find_spec("ray") is not None)
 
@@ -52,8 +56,8 @@ def resolve_engine(engine: str) -> str:
     if engine == "auto":
         return "simulation" if flower_available(simulation=True) else "inprocess"
     if engine in ("simulation", "deployment") and not flower_available(simulation=engine == "simulation"):
-        extra = "odtrain[flower] and flwr[simulation]" if engine == "simulation" else "odtrain[flower]"
-        raise ArgumentError(f"the {engine} engine needs Flower: pip install \"{extra}\" (or use --engine inprocess)")
+        packages = '"odtrain[flower]"' + (f' "flwr[simulation]{FLOWER_VERSIONS}"' if engine == "simulation" else "")
+        raise ArgumentError(f"the {engine} engine needs Flower: pip install {packages} (or use --engine inprocess)")
     return engine
 
 
@@ -73,10 +77,10 @@ def run_inprocess(artifact_dir: str, output_dir: str, clients: int, rounds: int,
         deltas, counts, losses = [], [], []
         for k, (x, y) in enumerate(parts):
             fl.set_parameters(trainer.module, global_buffer)
-            delta, count, metrics = fl.train_local(trainer.module, trainer.optimizer, x, y, local_epochs, batch_size,
+            delta, examples, metrics = fl.train_local(trainer.module, trainer.optimizer, x, y, local_epochs, batch_size,
                                                    [seed, current, k], clip_norm=clip_norm,
                                                    noise_multiplier=noise_multiplier)
-            deltas.append(delta), counts.append(count), losses.append(metrics["train_loss"])
+            deltas.append(delta), counts.append(examples), losses.append(metrics["train_loss"])
         global_buffer = fl.apply_difference(global_buffer, fl.fedavg(deltas, counts))
         fl.set_parameters(trainer.module, global_buffer)
         entry = {"round": current, "train_loss": float(np.average(losses, weights=counts)),
@@ -93,22 +97,27 @@ def add_command(commands) -> None:
         description="Share the bundled 8x8 digits among clients non-IID by label, train the demo classifier "
         "with FedAvg and print the global model's held-out loss and accuracy after every round. Engines: "
         "inprocess (no Flower), simulation (flwr[simulation]), deployment (a SuperLink and SuperNodes).")
-    command.add_argument("--clients", type=int, default=3)
-    command.add_argument("--rounds", type=int, default=3)
+    command.add_argument("--clients", type=int, default=3, help="simulated devices, each with its own share of "
+                         "the digits (default: 3)")
+    command.add_argument("--rounds", type=int, default=3, help="rounds of federated averaging (default: 3)")
     command.add_argument("--engine", choices=ENGINES, default="auto",
                          help="auto: Flower's simulation when flwr[simulation] is installed, else inprocess")
     command.add_argument("--superlink", metavar="HOST:PORT", help="deployment on a running SuperLink whose SuperNodes "
                          "have node config partition-id/num-partitions (default: start them on loopback)")
     command.add_argument("-o", "--output", default="odtrain-federated", help="work folder (default: ./odtrain-federated)")
-    command.add_argument("--local-epochs", type=int, default=3)
-    command.add_argument("--batch-size", type=int, default=32)
-    command.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate on the clients")
-    command.add_argument("--alpha", type=float, default=0.5, help="Dirichlet label skew (smaller: more skew)")
-    command.add_argument("--clip-norm", type=float, default=None, help="clip each client's update to this L2 norm")
+    command.add_argument("--local-epochs", type=int, default=3, help="epochs each client trains on its share in "
+                         "a round (default: 3)")
+    command.add_argument("--batch-size", type=int, default=32, help="samples per client step (default: 32)")
+    command.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate on the clients (default: 0.01)")
+    command.add_argument("--alpha", type=float, default=0.5, help="Dirichlet label skew (smaller: more skew; "
+                         "default: 0.5)")
+    command.add_argument("--clip-norm", type=float, default=None, help="clip each client's update to this L2 norm "
+                         "(default: no clipping)")
     command.add_argument("--noise-multiplier", type=float, default=0.0,
-                         help="Gaussian noise of std noise-multiplier * clip-norm on each client's update")
-    command.add_argument("--seed", type=int, default=0)
-    command.add_argument("--timeout", type=float, default=600.0, help="seconds a Flower run may take")
+                         help="Gaussian noise of std noise-multiplier * clip-norm on each client's update (default: 0)")
+    command.add_argument("--seed", type=int, default=0, help="seed of the initial weights, the data split, the label "
+                         "skew and the batch order (default: 0)")
+    command.add_argument("--timeout", type=float, default=600.0, help="seconds a Flower run may take (default: 600)")
     command.add_argument("--json", action="store_true", help="print the results as one JSON object")
     command.set_defaults(handler=_command)
 
@@ -155,9 +164,9 @@ def run(clients: int = 3, rounds: int = 3, engine: str = "auto", directory: str 
         _, y = digits_partition(k, clients, alpha, seed)
         counts = np.bincount(y, minlength=10)
         top = ", ".join(f"{d}:{counts[d]}" for d in np.argsort(-counts)[:3])
-        out(f"client {k}: {len(y)} digits (most common {top})")
+        out(f"client {k}: {count(len(y), 'digit')} (most common {top})")
     _, _, _, test_y = digits_split(seed)
-    out(f"held out: {len(test_y)} digits; {rounds} rounds of {local_epochs} local epoch(s)")
+    out(f"held out: {count(len(test_y), 'digit')}; {count(rounds, 'round')} of {count(local_epochs, 'local epoch')}")
     settings = dict(clients=clients, rounds=rounds, local_epochs=local_epochs, batch_size=batch_size,
                     learning_rate=learning_rate, alpha=alpha, seed=seed, clip_norm=clip_norm,
                     noise_multiplier=noise_multiplier)
@@ -169,7 +178,7 @@ def run(clients: int = 3, rounds: int = 3, engine: str = "auto", directory: str 
         result = run_flower(engine, artifact_dir, output_dir, superlink=superlink, timeout=timeout, out=out, **settings)
     result.update(engine=engine, seconds=time.perf_counter() - started)
     final = result["rounds"][-1]
-    out(f"global model after {rounds} rounds: held-out accuracy {final.get('accuracy', float('nan')):.1%} "
+    out(f"global model after {count(rounds, 'round')}: held-out accuracy {final.get('accuracy', float('nan')):.1%} "
         f"(loss {final['loss']:.4f}); {result['seconds']:.1f} s")
     out(f"checkpoint: {result['checkpoint']}; inference model: {result['inference_model']}")
     return result

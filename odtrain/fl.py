@@ -158,12 +158,6 @@ def privatize(delta, clip_norm: float | None = None, noise_multiplier: float = 0
     return delta, info
 
 
-def reset_optimizer(optimizer) -> None:
-    """Zero the optimizer's moments and step count (the learning rate stays): each round starts afresh."""
-    state = optimizer._state._optimizer
-    for moment in state.moments.values():
-        moment[...] = 0
-    state.step = 0
 
 
 def _loss_and_logits(outputs):
@@ -197,7 +191,7 @@ def train_local(module, optimizer, x, y, epochs: int = 1, batch_size: int = 32, 
     if epochs < 1 or batch_size < 1:
         raise ArgumentError(f"epochs and batch_size must be >= 1, got {epochs} and {batch_size}")
     reference = get_parameters(module)
-    reset_optimizer(optimizer)
+    optimizer.reset_state()  # each round starts afresh
     shuffle_seed, noise_seed = np.random.SeedSequence(seed).spawn(2)
     rng = np.random.default_rng(shuffle_seed)
     module.train()

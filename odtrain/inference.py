@@ -57,7 +57,7 @@ class InferenceSession:
                        None if t is None else f"tensor({_ONNX_TYPE_NAMES.get(t.dtype.name, t.dtype.name)})")
 
     def run(self, output_names, input_feed: dict) -> list[np.ndarray]:
-        from .executor import BoundGraph
+        from .executor import ExecutableStep
 
         graph = self._graph
         missing = [n for n in graph.inputs if n not in input_feed]
@@ -76,7 +76,7 @@ class InferenceSession:
         if bound is None:
             types = {n: TensorType(a.dtype, a.shape) for n, a in feeds.items()}
             values = {n: np.array(a) for n, a in feeds.items() if n in self._configuring}  # a copy: the plan keeps it
-            bound = self._plans[signature] = BoundGraph(graph, types, {}, bound_feeds=values, threads=threads)
+            bound = self._plans[signature] = ExecutableStep(graph, types, {}, bound_feeds=values, threads=threads)
             if len(self._plans) > PLAN_CACHE_SIZE:
                 self._plans.popitem(last=False)
         else:

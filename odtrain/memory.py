@@ -23,10 +23,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .allocation import format_bytes
-from .artifact_paths import ArtifactPaths
+from .artifact_paths import ArtifactPaths, refuse_a_model
 from .graph.autodiff import LOSS_SEED
 from .graph.errors import ArtifactNotFoundError
-from .graph.planner import CATEGORIES, Plan, training_categories
+from .graph.planner import CATEGORIES, MemoryPlan, training_categories
+from .graph.wording import count
 
 MIB = 1024 * 1024
 RUNTIME_FLOOR = ("not included: the Python/Numba runtime floor (interpreter, numpy, Numba and its compiled "
@@ -42,7 +43,7 @@ class PlanMemory:
     constant_bytes: int
     recomputed_nodes: int
     no_reuse_bytes: int = 0  # every arena value and scratch buffer in bytes of its own
-    plan: Plan | None = field(default=None, repr=False, compare=False)
+    plan: MemoryPlan | None = field(default=None, repr=False, compare=False)
     loss_step: int | None = None  # the step that writes the loss: the end of the forward pass
 
     def timeline(self) -> dict[str, np.ndarray]:
@@ -125,7 +126,7 @@ class MemoryReport:
                      (f"; frozen parameters save {format_bytes(saved_state)})" if saved_state else ")"))]
         for p in self.plans:
             shapes = ", ".join(f"{name}[{', '.join(map(str, shape))}]" for name, shape in p.shapes)
-            ops = f"; {p.plan.steps} ops" if p.plan is not None else ""
+            ops = f"; {count(p.plan.steps, 'op')}" if p.plan is not None else ""
             lines.append(f"{'training' if p.mode == 'train' else p.mode} step ({shapes}{ops})")
             lines.append(row("  arena", p.arena_bytes, f"{p.arena_bytes / max(p.lower_bound, 1):.2f}x its lower "
                              f"bound ({format_bytes(p.lower_bound)})"))
@@ -170,6 +171,7 @@ def from_artifacts(directory, batch_size: int, memory_budget: int | None = None,
     MemoryBudgetError when no plan meets the budget."""
     from .api import CheckpointState, Module, Optimizer
 
+    refuse_a_model(directory)
     paths = ArtifactPaths.of(directory)
     missing = paths.missing("training_model", "checkpoint")
     if missing:

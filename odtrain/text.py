@@ -3,7 +3,7 @@
     odtrain.training.fit("artifacts", TextSource("corpus.txt", "tokenizer.json", seq_len=128), epochs=1)
     dataset = odtrain.text.load_text("corpus.txt", "tokenizer.json", inputs, seq_len=128)
 
-The file is read as UTF-8 and encoded whole by a Hugging Face `tokenizers` tokenizer (a
+The file is read as UTF-8 (or the `encoding` given) and encoded whole by a Hugging Face `tokenizers` tokenizer (a
 tokenizer.json; the optional extra `pip install "odtrain[text]"`). Its ids are cut into
 consecutive, non-overlapping windows of seq_len + 1 tokens; a window's first seq_len tokens are
 the inputs and its last seq_len the labels (each token's next token). A trailing piece shorter
@@ -34,9 +34,10 @@ class TextSource:
     path: str
     tokenizer: str
     seq_len: int
+    encoding: str = "utf-8"
 
     def dataset(self, inputs: list[InputSpec]) -> Dataset:
-        return load_text(self.path, self.tokenizer, inputs, self.seq_len)
+        return load_text(self.path, self.tokenizer, inputs, self.seq_len, self.encoding)
 
 
 def load_tokenizer(path):
@@ -54,16 +55,24 @@ def load_tokenizer(path):
         raise InputError(f"tokenizer file '{path}' is not a tokenizers JSON file ({error})") from None
 
 
-def token_ids(text_path, tokenizer) -> np.ndarray:
-    """The ids of the whole text file, int64."""
+def token_ids(text_path, tokenizer, encoding: str = "utf-8") -> np.ndarray:
+    """The ids of the whole text file, read in `encoding`, int64."""
+    import codecs
+
     text_path = os.fspath(text_path)
     if not os.path.isfile(text_path):
         raise ArtifactNotFoundError(f"text file '{text_path}' does not exist")
     try:
-        with open(text_path, encoding="utf-8") as handle:
+        codecs.lookup(encoding)
+    except LookupError:
+        raise ArgumentError(f"'{encoding}' is not a text encoding Python knows (e.g. utf-8, latin-1, cp1252, "
+                            "utf-16)") from None
+    try:
+        with open(text_path, encoding=encoding) as handle:
             text = handle.read()
     except UnicodeDecodeError as error:
-        raise InputError(f"text file '{text_path}' is not UTF-8 ({error})") from None
+        raise InputError(f"text file '{text_path}' is not {encoding} (byte {error.start}: {error.reason}); give "
+                         "its encoding with --encoding (encoding=...), e.g. latin-1, cp1252 or utf-16") from None
     return np.asarray(tokenizer.encode(text).ids, dtype=np.int64)
 
 
@@ -93,14 +102,14 @@ def _token_input(inputs: list[InputSpec]) -> InputSpec:
     return integers[0]
 
 
-def load_text(text_path, tokenizer_path, inputs: list[InputSpec], seq_len: int) -> Dataset:
-    """A Dataset of next-token windows of `text_path` for a language model with these inputs."""
+def load_text(text_path, tokenizer_path, inputs: list[InputSpec], seq_len: int, encoding: str = "utf-8") -> Dataset:
+    """A Dataset of next-token windows of `text_path` (read in `encoding`) for a language model with these inputs."""
     labels = [s for s in inputs if s.is_label]
     if len(labels) != 1:
         raise ArgumentError(f"text trains a model with one label input (next tokens); this one takes "
                             f"{', '.join(s.describe() for s in inputs)}")
     tokenizer = load_tokenizer(tokenizer_path)
-    tokens, next_tokens = windows(token_ids(text_path, tokenizer), seq_len)
+    tokens, next_tokens = windows(token_ids(text_path, tokenizer, encoding), seq_len)
     token_input = _token_input(inputs)
     arrays = {token_input.name: tokens, labels[0].name: next_tokens}
     for spec in inputs:

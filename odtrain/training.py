@@ -40,9 +40,11 @@ import numpy as np
 from . import data as data_files
 from .api import DEFAULT_LEARNING_RATE, CheckpointState, Module, Optimizer
 from .artifact_paths import OPTIMIZER_MODEL, ArtifactPaths
-from .graph.errors import ArgumentError, ArtifactNotFoundError, StateError
-from .graph.losses import cross_entropy_layout
+from .graph.errors import ArgumentError, ArtifactNotFoundError, InputError, StateError
+from .graph.losses import cross_entropy_classes, cross_entropy_layout
+from .graph import wording
 from .progress import progress_bar
+from .audio import AudioSource
 from .text import TextSource
 
 SCHEDULES = ("constant", "linear", "cosine")
@@ -68,9 +70,9 @@ class Session:
             if not self.paths.has("optimizer_model"):
                 raise ArtifactNotFoundError(f"artifact folder '{self.paths.directory}' has no {OPTIMIZER_MODEL}; "
                                             "generate the artifacts with an optimizer (odtrain prepare does)")
-            if fresh_optimizer:
-                self.state._optimizer = None
             self.optimizer = Optimizer(self.paths.optimizer_model, self.module)
+            if fresh_optimizer:
+                self.optimizer.reset_state()
 
     @property
     def inputs(self) -> list[data_files.InputSpec]:
@@ -105,16 +107,40 @@ class Session:
         return list(self.module.graph(training=False).outputs[1:])
 
     def dataset(self, source, x=None, y=None) -> data_files.Dataset:
-        """A Dataset for this model from paths, a Dataset, a text.TextSource, a dict of arrays or arrays in input
-        order."""
+        """A Dataset for this model from paths, a Dataset, a text.TextSource, a data.ImageFolder, an audio.AudioSource, a dict of
+        arrays or arrays in input order."""
         if isinstance(source, data_files.Dataset):
-            return source
-        if isinstance(source, TextSource):
-            return source.dataset(self.inputs)
-        if isinstance(source, (str, os.PathLike)) or (isinstance(source, (list, tuple)) and source
-                                                        and all(isinstance(s, (str, os.PathLike)) for s in source)):
-            return data_files.load(source, self.inputs, x, y)
-        return data_files.from_arrays(source, self.inputs)
+            dataset = source
+        elif isinstance(source, (TextSource, data_files.ImageFolder)):
+            dataset = source.dataset(self.inputs)
+        elif isinstance(source, AudioSource):
+            dataset = data_files.load_audio_folder(source, self.inputs)
+        elif isinstance(source, (str, os.PathLike)) or (isinstance(source, (list, tuple)) and source
+                                                          and all(isinstance(s, (str, os.PathLike)) for s in source)):
+            dataset = data_files.load(source, self.inputs, x, y)
+        else:
+            dataset = data_files.from_arrays(source, self.inputs)
+        self._check_labels(dataset)
+        return dataset
+
+    def _check_labels(self, dataset: data_files.Dataset) -> None:
+        """Refuse class labels outside the model's classes before any step, naming the first such sample."""
+        graph = self.module.graph(training=False)
+        classes, layout = cross_entropy_classes(graph), cross_entropy_layout(graph)
+        labels = dataset.labels
+        if classes is None or layout is None or labels is None or labels.dtype.kind not in "iu":
+            return
+        ignore_index = layout[1]
+        outside = (labels < 0) | (labels >= classes)
+        if ignore_index is not None:
+            outside &= labels != ignore_index
+        if outside.any():
+            where = tuple(int(i) for i in np.argwhere(outside)[0])
+            position = f"sample {where[0]}" + (f" (position {', '.join(map(str, where[1:]))})" if len(where) > 1 else "")
+            ignored = f", nor the ignored label {ignore_index}" if ignore_index is not None else ""
+            raise InputError(f"{dataset.source}: {position} has label {labels[where]}, outside the model's "
+                             f"{classes} classes [0, {classes}){ignored} ({int(outside.sum()):,} of {labels.size:,} labels "
+                             "outside); relabel the data, or give a model with as many classes as the labels")
 
     def save(self) -> None:
         CheckpointState.save_checkpoint(self.state, self.paths.checkpoint,
@@ -331,8 +357,9 @@ def fit(artifacts, train, val=None, *, epochs: int | None = None, batch_size: in
         return result
     if log:
         schedule_text = schedule + (f" after {warmup} warm-up steps" if warmup else "")
-        validating = f"; validating on {len(val_set)} samples" if val_set is not None else ""
-        log(f"training on {samples} samples ({batches} batches of {batch_size}) for {epochs} epochs; learning rate "
+        validating = f"; validating on {wording.count(len(val_set), 'sample')}" if val_set is not None else ""
+        log(f"training on {wording.count(samples, 'sample')} ({wording.count(batches, 'batch')} of {batch_size}) for "
+            f"{wording.count(epochs, 'epoch')}; learning rate "
             f"{base_lr:g}, {schedule_text}{validating}")
         if resume:
             log(f"resuming at epoch {epoch + 1}, step {step_in_epoch} of {batches} (global step {global_step})")

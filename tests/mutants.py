@@ -65,6 +65,9 @@ MUTANTS = [
     Mutant("format-tag", "the checkpoint's format tag is not checked", "odtrain/checkpoint.py",
            'if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:',
            "if not isinstance(metadata, dict):"),
+    Mutant("checkpoint-fsync", "a checkpoint's temporary file is renamed before its bytes are on the disk",
+           "odtrain/checkpoint.py", "            f.flush()\n            os.fsync(f.fileno())\n",
+           "            f.flush()\n"),
     Mutant("format-version", "a newer checkpoint format version is not refused as newer", "odtrain/checkpoint.py",
            "    if version.isdigit() and int(version) > FORMAT_VERSION:\n", "    if False:\n"),
 ]

@@ -81,6 +81,19 @@ def test_contiguous_buffer_round_trip(session, batch):
         module.copy_buffer_to_parameters(buffer[:-1])
 
 
+def test_the_optimizer_state_is_public_and_restarts(session, batch):
+    state, module, optimizer = session
+    assert state.optimizer_state is optimizer.state and optimizer.state.step == 0
+    assert optimizer.config.kind == optimizer.state.kind == "AdamW"
+    module(*batch)
+    optimizer.step()
+    optimizer.set_learning_rate(0.5)
+    assert optimizer.state.step == 1 and all(m.any() for m in optimizer.state.moments.values())
+    optimizer.reset_state()
+    assert optimizer.state.step == 0 and not any(m.any() for m in optimizer.state.moments.values())
+    assert optimizer.get_learning_rate() == 0.5
+
+
 def test_learning_rate_and_linear_scheduler(session, batch):
     _, module, optimizer = session
     assert optimizer.get_learning_rate() == pytest.approx(1e-3)

@@ -5,6 +5,7 @@ Each case runs in a new Python process, since Numba reads its cache folder once,
 import json
 import os
 import pathlib
+import re
 import shutil
 import stat
 import subprocess
@@ -171,8 +172,8 @@ def test_warmup_of_the_demo_model(demo_warmed, tmp_path):
     assert "warmed up the built-in demo classifier on inputs input [32, 64], labels [32] (train, optimizer, eval steps)" \
         in output
     assert f"kernel cache: {env['ODTRAIN_CACHE_DIR']}" in output
-    first = int(output.split(" compiled")[0].rsplit(" ", 1)[-1])
-    assert first >= 5, output  # from an empty cache, every kernel compiles
+    kernels, first, loaded = map(int, re.search(r"(\d+) kernels, (\d+) compiled and (\d+) loaded", output).groups())
+    assert first >= 5 and kernels == first + loaded, output  # from an empty cache, every kernel compiles
     again = json.loads(odtrain_command("warmup", "--json", env=env, cwd=tmp_path))
     assert again["compiled"] == 0 and again["loaded"] >= 5, again
 
@@ -190,6 +191,34 @@ def test_warmup_then_first_step_compiles_nothing(demo_warmed, tmp_path, mlp_arti
     assert stats["loaded"] >= 5
 
 
+def test_warmup_takes_a_sequence_length_and_several_shapes_in_one_flag(tmp_path, capsys):
+    """x[batch, seq, 4] -> MatMul -> [batch, seq, 3], scored by MSE: the seq axis needs --seq-len or shapes."""
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    from odtrain import artifacts
+
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", 1, ["batch", "seq", 4])],
+                              [helper.make_tensor_value_info("y", 1, ["batch", "seq", 3])],
+                              [numpy_helper.from_array(np.ones((4, 3), np.float32), "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    artifacts.generate_artifacts(model, requires_grad=["w"], loss=artifacts.LossType.MSELoss,
+                                 optimizer=artifacts.OptimType.AdamW, artifact_directory=tmp_path / "seq")
+    assert cli.main(["warmup", str(tmp_path / "seq"), "--batch-size", "2"]) == 2
+    assert "give its length with --seq-len N" in capsys.readouterr().err
+    assert cli.main(["warmup", str(tmp_path / "seq"), "--batch-size", "2", "--seq-len", "5", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["inputs"] == {"x": [2, 5, 4], "target": [2, 5, 3]}
+    assert result["kernels"] == result["compiled"] + result["loaded"] > 0
+    assert cli.main(["warmup", str(tmp_path / "seq"), "--input-shape", "x=1,7,4", "target=1,7,3"]) == 0
+    out = capsys.readouterr().out
+    assert "on inputs x [1, 7, 4], target [1, 7, 3]" in out
+    kernels, compiled, loaded = map(int, re.search(r"(\d+) kernels?, (\d+) compiled and (\d+) loaded", out).groups())
+    assert kernels == compiled + loaded
+
+
 def test_warmup_errors_are_one_line(tmp_path, capsys):
     assert cli.main(["warmup", str(tmp_path / "missing")]) == 2
     assert "has no training_model.onnx" in capsys.readouterr().err
@@ -204,11 +233,11 @@ ONE_STEP = textwrap.dedent("""
     import json
     import numpy as np
     from odtrain import cache
-    from odtrain.executor import BoundGraph
+    from odtrain.executor import ExecutableStep
     from odtrain.graph.ir import Graph, Node, TensorType
     square = TensorType(np.dtype(np.float32), (4, 4))
     graph = Graph([Node("Relu", ["a"], ["y"], name="relu")], ["a"], ["y"], value_types={"a": square, "y": square})
-    step = BoundGraph(graph, {"a": square}, {})
+    step = ExecutableStep(graph, {"a": square}, {})
     step.run([np.full((4, 4), -1.0, np.float32)])
     assert not step.output("y").any()
     print(json.dumps({"stats": cache.kernel_stats(), "cache_dir": cache.cache_dir()}))

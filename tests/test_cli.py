@@ -5,6 +5,7 @@ and inspect succeed; a run stopped mid-epoch (the stop hook, SIGINT, SIGKILL) an
 the parameters and optimizer state of an uninterrupted run; wrong arguments and missing files give one line
 on stderr and a non-zero exit code.
 """
+import argparse
 import json
 import os
 import re
@@ -107,6 +108,14 @@ def test_every_command_has_help(capsys, command):
     assert code == 0 and out.startswith(f"usage: odtrain {command}")
 
 
+@pytest.mark.parametrize("command", ["demo", "federated", "warmup", *COMMANDS])
+def test_every_option_has_a_help_text(command):
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    silent = [a.option_strings[-1] for a in sub._actions if a.option_strings and a.help is None]
+    assert not silent, f"odtrain {command}: {silent} have no help text"
+
+
 # ---- check ------------------------------------------------------------------------------------------------
 
 
@@ -154,6 +163,24 @@ def test_check_names_the_nodes_without_kernel_or_gradient(here, capsys):
     assert "--train-last" in one_line(err)
     code, out, err = odtrain_main(capsys, "check", "piecewise.onnx", "--train-last", "1")
     assert code == 0 and not err and "80 trainable in 1 tensor (w2); 512 frozen" in out
+
+
+def test_check_s_choice_and_walk_are_in_the_python_api(here):
+    """What check and prepare decide, odtrain.artifacts offers on a loaded graph."""
+    from odtrain.artifacts import choose_parameters, missing_support
+    from odtrain.graph.onnx_io import load_graph
+
+    no_gradient = next(op for op in ("Sign", "Floor", "Ceil", "Round")
+                       if ("", op) in OPS and OPS[("", op)].gradient is None)
+    _model_with(here / "step.onnx", [no_gradient])
+    graph = load_graph(str(here / "step.onnx"), "model")
+    choice = choose_parameters(graph, graph.outputs, train_last=1)
+    assert (choice.trainable, choice.frozen) == (["w2"], ["w1"])
+    assert missing_support(graph, choice.trainable, graph.outputs) == ([], [])
+    no_kernel, without_rule = missing_support(graph, ["w1", "w2"], graph.outputs)
+    assert not no_kernel and [node.name for node, _ in without_rule] == [f"{no_gradient.lower()}_0"]
+    with pytest.raises(odtrain.ArgumentError, match="cannot train the last 3 layers: the model has 2 layers"):
+        choose_parameters(graph, graph.outputs, train_last=3)
 
 
 def test_check_lists_the_supported_ops(capsys):
@@ -221,6 +248,66 @@ def test_long_parameter_lists_are_summarised_unless_verbose(here, capsys):
 
 
 # ---- train, eval, export, inspect --------------------------------------------------------------------------
+
+
+def test_a_model_given_for_artifacts_gets_the_prepare_command_that_works(here, capsys):
+    shutil.rmtree(here / "mlp-artifacts", ignore_errors=True)
+    code, _, err = odtrain_main(capsys, "train", "mlp.onnx", "--data", "train.npz", "--epochs", "1")
+    advice = re.search(r"`odtrain (prepare [^`]+)`, then give '([^']+)' instead", one_line(err))
+    assert code == 2 and "'mlp.onnx' is an ONNX model, not an artifact folder" in err and advice, err
+    assert odtrain_main(capsys, *advice.group(1).split())[0] == 0
+    code, out, err = odtrain_main(capsys, "train", advice.group(2), "--data", "train.npz", "--epochs", "1", "--json")
+    assert code == 0 and json.loads(out)["global_step"] == 10, err
+    code, _, err = odtrain_main(capsys, "prepare", "mlp.onnx", "-o", "train.npz")
+    assert code == 2 and "'train.npz' is a file: -o names the folder" in one_line(err)
+    for argv in (["eval", "mlp.onnx", "--data", "val.npz"], ["inspect", "mlp.onnx"], ["warmup", "mlp.onnx"],
+                 ["memory", "mlp.onnx", "--batch-size", "2"], ["export", "mlp.onnx", "-o", "out.onnx"]):
+        code, _, err = odtrain_main(capsys, *argv)
+        assert code == 2 and f"{advice.group(0)}" in one_line(err), argv
+
+
+def test_an_out_of_range_label_names_the_file_the_sample_its_value_and_the_classes(here, capsys):
+    data = np.load("train.npz")
+    labels = data["labels"].copy()
+    labels[7], labels[9] = 10, -3
+    np.savez("bad-labels.npz", input=data["input"], labels=labels)
+    for command in ("train", "eval"):
+        code, _, err = odtrain_main(capsys, command, "art", "--data", "bad-labels.npz")
+        assert code == 2 and "data file 'bad-labels.npz': sample 7 has label 10, outside the model's 10 classes " \
+            f"[0, 10) (2 of {TRAIN_SAMPLES} labels outside)" in one_line(err)
+
+
+def test_more_threads_than_cores_are_accepted_with_a_note(here, capsys, monkeypatch):
+    from odtrain import threads
+
+    monkeypatch.setattr(threads, "available_cores", lambda: 2)
+    code, out, err = odtrain_main(capsys, "eval", "art", "--data", "val.npz", "--threads", "64")
+    assert code == 0 and "on 100 samples" in out
+    assert one_line(err) == ("odtrain eval: note: --threads 64 with 2 cores for this process: each step is split into "
+                             "64 parts, as on 64 cores (the same results), and they run on the 2 cores: no faster "
+                             "than --threads 2")
+    code, _, err = odtrain_main(capsys, "eval", "art", "--data", "val.npz", "--threads", "2")
+    assert code == 0 and not err
+
+
+def test_counts_agree_with_their_nouns():
+    from odtrain.graph.wording import count
+
+    assert [count(1, "epoch"), count(3, "epoch"), count(1, "batch"), count(36, "batch"), count(1151, "sample")] == \
+        ["1 epoch", "3 epochs", "1 batch", "36 batches", "1,151 samples"]
+    assert count(2, "entry", "entries") == "2 entries"
+
+
+def test_counts_of_one_are_singular(here, capsys):
+    folder = fresh_artifacts(here, "single")
+    code, out, err = odtrain_main(capsys, "train", folder, "--data", "train.npz", "--epochs", "1", "--batch-size",
+                                  str(TRAIN_SAMPLES))
+    assert code == 0, err
+    assert f"training on {TRAIN_SAMPLES} samples (1 batch of {TRAIN_SAMPLES}) for 1 epoch; " in out
+    assert f"checkpoint: {folder}/checkpoint (1 epoch, 1 step)" in out
+    np.savez("one.npz", input=np.load("val.npz")["x"][:1], labels=np.load("val.npz")["y"][:1])
+    code, out, _ = odtrain_main(capsys, "eval", folder, "--data", "one.npz")
+    assert code == 0 and out.rstrip().endswith("on 1 sample")
 
 
 def test_walkthrough_through_python_m_odtrain(workspace):
@@ -384,6 +471,31 @@ def test_a_folder_of_images_trains_a_classifier(here, capsys):
     assert code == 0 and "on 60 samples" in out
 
 
+def test_an_image_folder_counts_what_it_skips_and_skips_unreadable_images_when_told(here, capsys):
+    pytest.importorskip("PIL")
+    root = here / "messy_images"
+    shutil.rmtree(root, ignore_errors=True)
+    _digit_folder(root, count=40)
+    first = sorted(p for p in root.iterdir())[0]
+    (first / "notes.txt").write_text("not an image")
+    (first / ".DS_Store").write_bytes(b"hidden: ignored")
+    (first / "more").mkdir()
+    (root / "README.md").write_text("the digits")
+    (first / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")
+    code, _, err = odtrain_main(capsys, "eval", "art", "--data", str(root))
+    assert code == 2 and f"image '{first / 'broken.png'}' cannot be read" in err and "--skip-unreadable" in err
+    code, out, err = odtrain_main(capsys, "eval", "art", "--data", str(root), "--skip-unreadable")
+    assert code == 0 and "on 40 samples" in out
+    assert one_line(err).startswith(f"odtrain eval: note: image folder '{root}': read 40 images (.png, ")
+    for part in (f"skipped 4 entries: 1 other file (e.g. '{first.name}/notes.txt')",
+                 f"1 folder inside a class folder (e.g. '{first.name}/more')",
+                 "1 file beside the class folders (e.g. 'README.md')",
+                 f"1 unreadable image (e.g. '{first.name}/broken.png')"):
+        assert part in err
+    code, _, err = odtrain_main(capsys, "eval", "art", "--data", "val.npz", "--skip-unreadable")
+    assert code == 2 and "--skip-unreadable leaves out unreadable images of a folder" in one_line(err)
+
+
 def test_a_folder_of_images_without_pillow_is_one_clear_line(here, capsys, monkeypatch):
     (here / "no_pillow" / "cat").mkdir(parents=True, exist_ok=True)
     monkeypatch.setitem(sys.modules, "PIL", None)
@@ -501,13 +613,13 @@ def test_memory_budget_flag_recomputes_and_trains_identically_or_names_what_work
     assert code == 2 and "at least" in one_line(err)
     smallest = int(re.search(r"at least ([\d,]+)", err).group(1).replace(",", ""))
     bound = []
-    original = executor.BoundGraph.__init__
+    original = executor.ExecutableStep.__init__
 
     def recording(self, *args, **kwargs):
         original(self, *args, **kwargs)
         bound.append(self)
 
-    monkeypatch.setattr(executor.BoundGraph, "__init__", recording)
+    monkeypatch.setattr(executor.ExecutableStep, "__init__", recording)
     code, out, _ = odtrain_main(capsys, "train", "deep_free", *settings)
     assert code == 0 and bound and not any(b.recomputed for b in bound)
     unconstrained, bound[:] = max(b.plan.arena_bytes for b in bound), []

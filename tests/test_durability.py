@@ -3,6 +3,7 @@ import os
 import random
 import re
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -32,6 +33,35 @@ SAVER = textwrap.dedent("""
         state.properties["counter"] = counter
         CheckpointState.save_checkpoint(state, target)
 """)
+
+
+def test_a_save_reaches_the_disk_before_it_replaces_the_checkpoint(mlp_artifacts, tmp_path, monkeypatch):
+    """A power cut keeps the old checkpoint or the new one only if the new file's bytes are on the disk
+    (flushed, then fsynced) before the rename, and the folder's new entry is fsynced after it."""
+    state = CheckpointState.load_checkpoint(mlp_artifacts / "checkpoint")
+    target = tmp_path / "checkpoint"
+    events, real_fsync, real_replace = [], os.fsync, os.replace
+
+    def fsync(fd):
+        info = os.fstat(fd)
+        events.append(("fsync", info.st_ino, stat.S_ISDIR(info.st_mode), info.st_size))
+        real_fsync(fd)
+
+    def replace(source, destination, *args, **kwargs):
+        events.append(("replace", os.stat(source).st_ino, os.fspath(destination)))
+        real_replace(source, destination, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    CheckpointState.save_checkpoint(state, target)
+    renames = [k for k, e in enumerate(events) if e[0] == "replace" and e[2] == str(target)]
+    assert len(renames) == 1, events
+    renamed, written = renames[0], events[renames[0]][1]
+    assert any(e[:3] == ("fsync", written, False) and e[3] == target.stat().st_size for e in events[:renamed]), \
+        f"the temporary file is not flushed and fsynced before the rename: {events}"
+    assert ("fsync", tmp_path.stat().st_ino, True) in [e[:3] for e in events[renamed + 1:]], \
+        f"the folder is not fsynced after the rename: {events}"
+    assert CheckpointState.load_checkpoint(target).parameters.keys() == state.parameters.keys()
 
 
 def test_sigkill_during_saves_never_corrupts_the_checkpoint(mlp_artifacts, tmp_path):

@@ -184,3 +184,19 @@ def test_the_flower_package_names_its_extra_when_flower_is_missing():
             "try:\n    import odtrain.flower\nexcept ImportError as error:\n    print(error)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert 'pip install "odtrain[flower]"' in out
+
+
+def test_a_missing_simulation_engine_names_a_pip_command_that_parses(monkeypatch):
+    """`pip install` takes requirement specifiers separated by spaces: every quoted word must be one."""
+    import shlex
+
+    from packaging.requirements import Requirement
+
+    monkeypatch.setattr(federated, "flower_available", lambda simulation=False: False)
+    for engine in ("simulation", "deployment"):
+        with pytest.raises(ArgumentError) as refused:
+            federated.resolve_engine(engine)
+        command = str(refused.value).split("pip install ", 1)[1].split(" (or")[0]
+        requirements = [Requirement(word) for word in shlex.split(command)]
+        assert requirements[0].name == "odtrain" and requirements[0].extras == {"flower"}
+        assert [r.name for r in requirements[1:]] == (["flwr"] if engine == "simulation" else [])

@@ -97,11 +97,29 @@ def test_train_on_a_text_file_lowers_perplexity(tmp_path, capsys, tokenizer_file
     code, out, err = odtrain_main(capsys, "train", tmp_path / "a", *text, "--epochs", "2", "--batch-size", "16",
                                   "--seed", "3")
     assert code == 0, err
-    assert f"training on {before['samples']} samples" in out
+    assert f"training on {before['samples']:,} samples" in out
     code, out, err = odtrain_main(capsys, "eval", tmp_path / "a", *text)
     assert code == 0, err
     after = float(out.split("perplexity ")[1].split(",")[0])
     assert after < 0.5 * before["perplexity"], (before, out)
+
+
+def test_a_text_file_in_another_encoding_reads_with_encoding(tmp_path, capsys, tokenizer_file):
+    text = "Caf\u00e9 na\u00efve \u00e0 la fa\u00e7on: " + CORPUS.read_text(encoding="utf-8")[:4000]
+    (tmp_path / "latin.txt").write_bytes(text.encode("latin-1"))
+    (tmp_path / "utf8.txt").write_text(text, encoding="utf-8")
+    onnx.save(tiny_lm(), tmp_path / "lm.onnx")
+    assert odtrain_main(capsys, "prepare", tmp_path / "lm.onnx", "-o", tmp_path / "a")[0] == 0
+    window = ["--tokenizer", tokenizer_file, "--seq-len", "16", "--json"]
+    code, _, err = odtrain_main(capsys, "eval", tmp_path / "a", "--data", tmp_path / "latin.txt", *window)
+    assert code == 2 and f"text file '{tmp_path / 'latin.txt'}' is not utf-8 (byte 3: invalid continuation byte); " \
+        "give its encoding with --encoding" in err and err.count("\n") == 1
+    results = [json.loads(odtrain_main(capsys, "eval", tmp_path / "a", "--data", tmp_path / name, *window, *more)[1])
+               for name, more in (("latin.txt", ["--encoding", "latin-1"]), ("utf8.txt", []))]
+    assert results[0] == results[1]
+    code, _, err = odtrain_main(capsys, "eval", tmp_path / "a", "--data", tmp_path / "latin.txt", *window,
+                                "--encoding", "klingon")
+    assert code == 2 and "'klingon' is not a text encoding" in err
 
 
 @pytest.mark.parametrize("argv, message", [

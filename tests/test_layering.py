@@ -34,7 +34,8 @@ def test_kernels_import_only_numpy_and_numba():
 
 
 def test_graph_never_imports_kernels_or_odtrain():
-    allowed = {"numpy", "onnx", "__future__", "dataclasses", "typing", "itertools", "enum", "os", "math", "struct"}
+    allowed = {"numpy", "onnx", "__future__", "dataclasses", "typing", "itertools", "enum", "os", "math", "struct",
+               "fnmatch"}
     for path, module in imported_modules("graph", "odtrain.graph"):
         if module.startswith("odtrain."):
             assert module.startswith("odtrain.graph"), (path, module)
@@ -129,3 +130,49 @@ def test_no_module_reaches_into_the_sessions_or_parameter_store_of_the_api():
             reached = sorted({node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
                               and node.attr in private})
             assert not reached, (str(path.relative_to(ROOT)), reached)
+
+
+# Private names of other libraries that have no public equivalent, each with where and why.
+FOREIGN_PRIVATE = {
+    ("odtrain/threads.py", "_is_initialized"): "Numba's parallel module: whether its thread pool has started",
+    ("benchmarks/decoders/make_models.py", "_attn_implementation"): "transformers' documented way to pick attention",
+}
+
+
+def private_names() -> tuple[dict[str, set[str]], list[tuple[str, str, int]]]:
+    """(each `_name` -> the modules that define it: functions, classes, module or class names, attributes set on
+    self or cls; each `obj._name` read or written on an object that is not self or cls, as (module, name, line))."""
+    defined, reached = {}, []
+    for folder in ("odtrain", "graph", "kernels", "benchmarks"):
+        for path in (ROOT / folder).rglob("*.py"):
+            module = str(path.relative_to(ROOT))
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                name = None
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    name = node.name
+                elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                    name = node.id
+                elif isinstance(node, ast.Attribute) and not node.attr.startswith("__"):
+                    on_self = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+                    if on_self and isinstance(node.ctx, ast.Store):
+                        name = node.attr
+                    elif not on_self and node.attr.startswith("_"):
+                        reached.append((module, node.attr, node.lineno))
+                if name and name.startswith("_") and not name.startswith("__"):
+                    defined.setdefault(name, set()).add(module)
+    return defined, reached
+
+
+def test_no_module_reaches_into_another_modules_private_names():
+    """`obj._name` is a module's own business: another module uses the public seams (properties such as
+    Optimizer.state and CheckpointState.optimizer_state, Module.input_types, GradContext.dtype)."""
+    defined, reached = private_names()
+    foreign = [f"{module}:{line}: ._{name[1:]}" for module, name, line in reached
+               if module not in defined.get(name, ()) and (module, name) not in FOREIGN_PRIVATE]
+    assert not foreign, foreign
+
+
+def test_the_private_name_check_sees_a_reach():
+    defined, reached = private_names()
+    assert "odtrain/api.py" in defined["_optimizer"] and "odtrain/api.py" in defined["_store"]
+    assert ("odtrain/threads.py", "_is_initialized") in {(m, n) for m, n, _ in reached}

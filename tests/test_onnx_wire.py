@@ -265,8 +265,12 @@ def source_named(source: str):
     (_tag(3, 4), "never opened"),
     (_field(7, _field(5, _tag(4, 2) + _varint(3) + b"\x00\x00\x00")), "packed run of 4-byte numbers"),
     (_field(14, _field(1, b"\xff\xfe")), "not UTF-8"),
+    (_field(7, _field(1, _field(9, b"fc1.weight"))), "wire type 6"),  # a node's metadata entry, as onnx reads it
+    (_field(7, _field(16, b"fc1.weight")), "wire type 6"),  # the graph's
+    (_field(7, _field(11, _field(3, b"fc1.weight"))), "wire type 6"),  # an input's
 ], ids=["varint-never-ends", "varint-truncated", "length-beyond-end", "huge-length", "field-0", "wire-type-7",
-        "unclosed-group", "mismatched-group", "unopened-group", "packed-floats", "bad-utf8"])
+        "unclosed-group", "mismatched-group", "unopened-group", "packed-floats", "bad-utf8", "node-metadata",
+        "graph-metadata", "input-metadata"])
 def test_malformed_files_are_refused_naming_the_file(tmp_path, data, reason):
     path = str(tmp_path / "damaged.onnx")
     with open(path, "wb") as f:

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from odtrain.graph.ir import Node, TensorType
-from odtrain.graph.planner import ALIGNMENT, Plan, StorageGroup, aligned, plan_memory
+from odtrain.graph.planner import ALIGNMENT, MemoryPlan, StorageGroup, aligned, plan_memory
 
 F32 = np.dtype(np.float32)
 
@@ -84,7 +84,7 @@ def test_verify_refuses_a_value_written_in_place_over_one_still_live():
 
     def plan_of(values):
         group = StorageGroup(values, aligned(t.nbytes), 0, 4, offset=0)
-        return Plan(nodes, [group], {v: 0 for v in values}, group.nbytes, group.nbytes, 3, dict.fromkeys("xabc", t),
+        return MemoryPlan(nodes, [group], {v: 0 for v in values}, group.nbytes, group.nbytes, 3, dict.fromkeys("xabc", t),
                     {v: written[v] for v in values}, {v: read_until[v] for v in values})
 
     plan_of(["x", "a", "c"]).verify()

@@ -52,7 +52,7 @@ def main() -> int:
     if args.demo:
         scratch = tempfile.TemporaryDirectory(prefix="odtrain-first-step-")
         t = time.perf_counter()
-        directory = cache._demo_artifacts(scratch.name)
+        directory = cache.demo_artifacts(scratch.name)
         untimed = time.perf_counter() - t
     else:
         untimed = 0.0

@@ -225,6 +225,11 @@ class GradContext:
             outputs[i] = self._builder.names.fresh(f"{outputs[0]}_{hint}")
         return outputs[i]
 
+    def dtype(self, name: str):
+        """The element type of a forward value, when shape inference knew it (else None)."""
+        t = self._builder.graph.value_types.get(name)
+        return None if t is None else np.dtype(t.dtype)
+
     def needs(self, i: int) -> bool:
         return i < len(self._wanted) and self._wanted[i]
 
@@ -274,7 +279,7 @@ class GradContext:
 
 # Fill the registry: each family module registers its ops on import.
 from . import (  # noqa: E402,F401
-    attention, conv, elementwise, linalg, nn, normalization, pool, quantize, recurrent, reduction, resize, tensor,
-    training)
+    attention, conv, elementwise, linalg, nn, normalization, pool, quantize, recurrent, reduction, resize, signal,
+    tensor, training)
 
 __all__ = ["OPS", "OpDef", "op", "grad", "no_grad", "eval_form", "check_supported", "lookup", "GradContext", "broadcast_shapes", "same_as_input"]
