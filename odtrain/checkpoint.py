@@ -39,7 +39,6 @@ import tempfile
 from dataclasses import dataclass, field
 
 import numpy as np
-import safetensors.numpy
 
 try:
     import fcntl
@@ -214,15 +213,41 @@ def remove_stale_temporaries(path: str) -> list[str]:
     return removed
 
 
-def write_atomically(path: str, blob: bytes) -> None:
-    """Write `blob` to `path` so that a crash at any moment leaves the old file or the new one, whole;
-    first remove the temporary files that killed earlier saves of `path` left behind."""
+def _safetensors_writer(tensors: dict[str, np.ndarray], metadata: dict[str, str]):
+    """A writer of the safetensors file of `tensors` (little-endian) and `metadata` that streams the tensors
+    one by one into the file (at most one tensor is copied, when it is not contiguous), instead of first
+    building the whole file in memory."""
+    codes = {np.dtype(numpy_name): code for code, numpy_name in DTYPES.items()}
+    header: dict = {"__metadata__": metadata}
+    cursor = 0
+    for name, array in tensors.items():
+        dtype = array.dtype
+        if dtype not in codes:
+            raise CheckpointError(f"parameter or state '{name}' is {array.dtype}, which a checkpoint cannot store; "
+                                  f"convert it to one of {sorted(set(map(str, codes)))}")
+        header[name] = {"dtype": codes[dtype], "shape": list(array.shape),
+                        "data_offsets": [cursor, cursor + array.size * dtype.itemsize]}
+        cursor += array.size * dtype.itemsize
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data section starts 8-byte aligned, as safetensors writes it
+
+    def write(f) -> None:
+        f.write(struct.pack("<Q", len(encoded)) + encoded)
+        for name, array in tensors.items():
+            f.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+    return write
+
+
+def write_atomically(path: str, blob) -> None:
+    """Write `blob` (bytes, or a function that writes into an open binary file) to `path` so that a crash at
+    any moment leaves the old file or the new one, whole; first remove the temporary files that killed
+    earlier saves of `path` left behind."""
     folder = os.path.dirname(os.path.abspath(path))
     remove_stale_temporaries(path)
     fd, tmp = _locked_temporary(folder, os.path.basename(path))
     try:
         with os.fdopen(fd, "wb") as f:  # closing it releases the lock: after the rename
-            f.write(blob)
+            f.write(blob) if isinstance(blob, (bytes, bytearray)) else blob(f)
             f.flush()
             os.fsync(f.fileno())
             os.replace(tmp, path)
@@ -255,8 +280,9 @@ def save(path, contents: CheckpointContents) -> None:
         for state_name, per_param in contents.optimizer_tensors.items():
             for name, array in per_param.items():
                 tensors[f"{OPTIMIZER_PREFIX}{name}/{state_name}"] = array
+    tensors = {k: v.astype(v.dtype.newbyteorder("<")) if v.dtype.byteorder == ">" else v for k, v in tensors.items()}
     metadata["sha256"] = _digest(tensors, metadata)
-    write_atomically(path, safetensors.numpy.save({k: np.ascontiguousarray(v) for k, v in tensors.items()}, metadata=metadata))
+    write_atomically(path, _safetensors_writer(tensors, metadata))
 
 
 def load(path) -> CheckpointContents:

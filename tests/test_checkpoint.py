@@ -172,6 +172,26 @@ print(status("VmHWM") - before, state._store.flat.nbytes)
 """
 
 
+def test_the_streamed_file_is_safetensors_that_safetensors_reads(tmp_path):
+    path = tmp_path / "ckpt"
+    parameters = {"w": np.arange(6, dtype=">f4").reshape(2, 3), "q": np.arange(-4, 4, dtype=np.int8)[::2],
+                  "s": np.array(2.5, np.float64), "e": np.zeros((0, 3), np.float32)}
+    checkpoint_file.save(path, checkpoint_file.CheckpointContents(parameters, ["w"]))
+    (length,) = struct.unpack("<Q", path.read_bytes()[:8])
+    assert length % 8 == 0
+    read = safetensors.numpy.load_file(str(path))
+    assert sorted(read) == sorted(f"param/{n}" for n in parameters)
+    for name, array in parameters.items():
+        np.testing.assert_array_equal(read[f"param/{name}"], array)
+        np.testing.assert_array_equal(checkpoint_file.load(path).parameters[name], array)
+
+
+def test_a_dtype_a_checkpoint_cannot_hold_is_refused_by_name(tmp_path):
+    contents = checkpoint_file.CheckpointContents({"w": np.ones(2, np.float32), "c": np.ones(2, np.complex64)}, ["w"])
+    with pytest.raises(CheckpointError, match="'param/c' is complex64"):
+        checkpoint_file.save(tmp_path / "ckpt", contents)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the peak resident set from /proc")
 def test_loading_holds_the_parameter_buffer_plus_about_one_tensor(tmp_path):
     """Eight 8 MiB frozen tensors: reading the file whole, or decoding it beside the buffer, would add 64 MiB."""
