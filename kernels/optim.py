@@ -21,11 +21,17 @@ import numpy as np
 from .jit import intrinsic, njit, prange, types
 
 
+@njit(cache=True, error_model="numpy", inline="always")
+def adam_step_size(lr, beta1, beta2, step, bias_correction):
+    """The learning rate with Adam's bias correction of both moments folded in, when asked for."""
+    if not bias_correction:
+        return lr
+    return lr * math.sqrt(1.0 - beta2 ** step) / (1.0 - beta1 ** step)
+
+
 @njit(cache=True, error_model="numpy")
 def adamw_update(w, g, m, v, lr, beta1, beta2, eps, weight_decay, step, bias_correction):
-    step_size = lr
-    if bias_correction:
-        step_size = lr * math.sqrt(1.0 - beta2 ** step) / (1.0 - beta1 ** step)
+    step_size = adam_step_size(lr, beta1, beta2, step, bias_correction)
     one_minus_beta1 = np.float32(1.0 - beta1)
     one_minus_beta2 = np.float32(1.0 - beta2)
     b1 = np.float32(beta1)
@@ -207,9 +213,7 @@ def _moments8(g, m_codes, v_codes, code_maps, m_scale, v_scale, b1, b2, one_minu
 def adamw8_update(w, g, m_codes, v_codes, m_absmax, v_absmax, code_maps, code_tables, starts, lr, beta1, beta2,
                   eps, weight_decay, step, bias_correction):
     """adamw_update on moments quantized in blocks [starts[j], starts[j + 1]) with absmax m_absmax[j], v_absmax[j]."""
-    step_size = lr
-    if bias_correction:
-        step_size = lr * math.sqrt(1.0 - beta2 ** step) / (1.0 - beta1 ** step)
+    step_size = adam_step_size(lr, beta1, beta2, step, bias_correction)
     one_minus_beta1, one_minus_beta2 = np.float32(1.0 - beta1), np.float32(1.0 - beta2)
     b1, b2, size, e = np.float32(beta1), np.float32(beta2), np.float32(step_size), np.float32(eps)
     decay = np.float32(lr * weight_decay)

@@ -53,8 +53,8 @@ MUTANTS = [
            "def adamw_update(w, g, m, v, lr, beta1, beta2, eps, weight_decay, step, bias_correction):\n"
            "    lr = lr * 1.01\n"),
     Mutant("adamw-bias-correction", "AdamW without bias correction", "kernels/optim.py",
-           "        step_size = lr * math.sqrt(1.0 - beta2 ** step) / (1.0 - beta1 ** step)\n",
-           "        step_size = lr\n"),
+           "    return lr * math.sqrt(1.0 - beta2 ** step) / (1.0 - beta1 ** step)\n",
+           "    return lr\n"),
     Mutant("relu-gradient", "Relu's gradient passes every incoming gradient", "graph/ops/elementwise.py",
            '"Relu": Unary(lambda x: np.maximum(x, 0), gradient="Y")',
            '"Relu": Unary(lambda x: np.maximum(x, 0), gradient=lambda g: g.GO(0))'),

@@ -142,8 +142,8 @@ ROWS = {
     # models and artifact generation
     "missing model": (lambda e: generate(str(e[0] / "nope.onnx"), e[0] / "o"), ArtifactNotFoundError, "nope.onnx"),
     "garbage model": (lambda e: generate(str(e[0] / "garbage.onnx"), e[0] / "o"), ModelError, "garbage.onnx"),
-    "unsupported op": (lambda e: generate(model_with([helper.make_node("Hardmax", ["x"], ["y"], name="pick")]), e[0] / "o", requires_grad=[]),
-                       UnsupportedOpError, "Hardmax node 'pick'"),
+    "unsupported op": (lambda e: generate(model_with([helper.make_node("Det", ["x"], ["y"], name="pick")]), e[0] / "o", requires_grad=[]),
+                       UnsupportedOpError, "Det node 'pick'"),
     "foreign domain op": (lambda e: generate(model_with([helper.make_node("FusedGemm", ["x", "w"], ["y"], domain="com.microsoft", name="fg")]), e[0] / "o"),
                           UnsupportedOpError, "FusedGemm node 'fg' of domain 'com.microsoft'"),
     "nodes of a declared foreign domain": (lambda e: generate(foreign_domain_model(), e[0] / "o"), UnsupportedOpError,
