@@ -188,6 +188,17 @@ def test_check_lists_the_supported_ops(capsys):
     assert code == 0 and any(line.startswith("Gemm ") and "gradient rule" in line for line in out.splitlines())
 
 
+def test_an_unsupported_op_points_to_the_command_that_lists_the_supported_ones(capsys):
+    from odtrain.graph.ir import Node
+    from odtrain.graph.ops import check_supported
+
+    with pytest.raises(odtrain.UnsupportedOpError) as refusal:
+        check_supported([Node("Det", ["x"], ["y"], {}, "det_0")], "model 'm.onnx'")
+    command = re.search(r"Run `(odtrain [^`]+)`", str(refusal.value)).group(1).split()[1:]
+    code, out, _ = odtrain_main(capsys, *command)  # the command the message names lists the ops
+    assert code == 0 and any(line.startswith("Gemm ") for line in out.splitlines())
+
+
 # ---- prepare ----------------------------------------------------------------------------------------------
 
 

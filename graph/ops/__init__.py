@@ -138,7 +138,7 @@ def check_supported(nodes, source: str) -> None:
         listed = "; ".join(n.describe() for n in unknown[:10]) + (f"; and {len(unknown) - 10} more" if len(unknown) > 10 else "")
         kinds = sorted({f"{n.domain}::{n.op_type}" if n.domain else n.op_type for n in unknown})
         raise UnsupportedOpError(f"{source}: odtrain has no kernel for {', '.join(kinds)} ({listed}). "
-                                 "Run `odtrain check` for the list of supported ops, or re-export the model "
+                                 "Run `odtrain check --ops` for the list of supported ops, or re-export the model "
                                  "with supported ops")
 
 
