@@ -181,7 +181,6 @@ class CheckpointState:
                         flat[slice(*blocks[name])] = array
                     else:
                         self._store.trainable_view(flat, name)[...] = array
-                    checkpoint_file.release_pages(array)
                 moments[state_name] = flat
             self._optimizer = OptimizerState(info["kind"], int(info["step"]), float(info["learning_rate"]),
                                              float(info.get("initial_learning_rate", info["learning_rate"])), moments,

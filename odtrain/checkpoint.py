@@ -11,13 +11,6 @@ Layout (a safetensors file):
   (from format version 2) every other metadata entry; version 1 files, whose
   checksum covers the tensors only, are still read.
 
-Loading maps the file read-only instead of reading it: tensors are views of
-the mapped pages (read-only arrays), so a caller copies each straight into its
-final buffer, or keeps a frozen one mapped; the checksum is computed over the
-mapped pages, tensor by tensor, and each tensor's pages leave the resident set
-once hashed (`release_pages` does the same after a copy), so verifying a file
-holds about one tensor at a time.
-
 Guarantees: nothing is unpickled or evaluated; a truncated, damaged, foreign
 or newer-version file is refused with the reason; saving writes a temporary
 file `.<name>.<random>.tmp` in the same folder, flushes and fsyncs it, renames
@@ -31,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import mmap
 import os
 import re
 import struct
@@ -39,6 +31,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 import numpy as np
+import safetensors.numpy
 
 try:
     import fcntl
@@ -51,8 +44,6 @@ FORMAT = "odtrain-checkpoint"
 FORMAT_VERSION = 2
 CHECKSUM_COVERS_METADATA = {"1": False, "2": True}  # every version this odtrain reads
 PARAM_PREFIX = "param/"
-DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",
-          "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "u1", "BOOL": "?"}  # safetensors' names
 OPTIMIZER_PREFIX = "optimizer/"
 
 
@@ -67,36 +58,15 @@ class CheckpointContents:
 
 
 def _digest(tensors: dict[str, np.ndarray], metadata: dict[str, str] | None) -> str:
-    """sha256 over the tensors, then over the metadata entries other than the digest itself (if given).
-    The bytes are hashed where they lie (no copy of a contiguous tensor); mapped pages are released once hashed."""
+    """sha256 over the tensors, then over the metadata entries other than the digest itself (if given)."""
     h = hashlib.sha256()
     for name in sorted(tensors):
         array = np.ascontiguousarray(tensors[name])
         h.update(f"{name}|{array.dtype.str}|{array.shape}|".encode())
-        h.update(array.reshape(-1).view(np.uint8))
-        release_pages(array)
+        h.update(array.tobytes())
     if metadata is not None:
         h.update(json.dumps(sorted((k, v) for k, v in metadata.items() if k != "sha256")).encode())
     return h.hexdigest()
-
-
-def _mapping(array: np.ndarray):
-    base = array
-    while isinstance(base, np.ndarray):
-        base = base.base
-    base = base.obj if isinstance(base, memoryview) else base
-    return base if isinstance(base, mmap.mmap) else None
-
-
-def release_pages(array: np.ndarray) -> None:
-    """Drop the resident pages of a view of a mapped checkpoint (they are read again from the file if
-    touched); nothing for any other array."""
-    mapping = _mapping(array)
-    if mapping is None or not hasattr(mapping, "madvise") or not array.nbytes or mapping.closed:
-        return
-    start = array.ctypes.data - np.frombuffer(mapping, np.uint8, 1).ctypes.data
-    first = start - start % mmap.PAGESIZE
-    mapping.madvise(mmap.MADV_DONTNEED, first, min(start + array.nbytes, len(mapping)) - first)
 
 
 def _read_header(blob: bytes, path: str) -> dict:
@@ -126,39 +96,12 @@ def _read_header(blob: bytes, path: str) -> dict:
     return metadata
 
 
-def _views(blob, path: str) -> dict[str, np.ndarray]:
-    """Read-only views of a safetensors file's tensors in `blob`, after checking their entries: known
-    dtypes, sizes that match the shapes, data regions that tile the data section exactly."""
-    def refuse(reason: str):
-        raise CheckpointError(f"checkpoint '{path}' is truncated or damaged ({reason}); it cannot be loaded")
-
-    (header_len,) = struct.unpack("<Q", blob[:8])
-    header, data_start = json.loads(blob[8:8 + header_len]), 8 + header_len
-    entries, views, spans = {k: v for k, v in header.items() if k != "__metadata__"}, {}, []
-    for name, entry in entries.items():
-        try:
-            dtype, shape, (begin, end) = np.dtype(DTYPES[entry["dtype"]]), [int(d) for d in entry["shape"]], entry["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            refuse(f"tensor '{name}' has an unreadable entry {entry!r}")
-        count = int(np.prod(shape, dtype=np.int64))
-        if min(shape, default=0) < 0 or not (isinstance(begin, int) and isinstance(end, int)) \
-                or end - begin != count * dtype.itemsize or not 0 <= begin <= end <= len(blob) - data_start:
-            refuse(f"tensor '{name}' of {dtype} {shape} does not fit its data offsets {[begin, end]}")
-        spans.append((begin, end))
-        views[name] = np.frombuffer(blob, dtype, count, data_start + begin).reshape(shape)
-    cursor = 0
-    for begin, end in sorted(spans):
-        if begin != cursor:
-            refuse(f"its data section has a gap or an overlap at byte {data_start + min(begin, cursor)}")
-        cursor = end
-    if cursor != len(blob) - data_start:
-        refuse(f"{len(blob) - data_start - cursor} bytes past its last tensor")
-    return views
-
-
-def _decode(blob, path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+def _decode(blob: bytes, path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     metadata = _read_header(blob, path)
-    tensors = _views(blob, path)
+    try:
+        tensors = safetensors.numpy.load(blob)
+    except Exception as error:  # SafetensorError and friends: offsets, sizes, dtypes
+        raise CheckpointError(f"checkpoint '{path}' is truncated or damaged ({error}); it cannot be loaded") from None
     covered = metadata if CHECKSUM_COVERS_METADATA[metadata["format_version"]] else None
     if metadata.get("sha256") != _digest(tensors, covered):
         raise CheckpointError(f"checkpoint '{path}' is damaged: its tensors or metadata do not match the "
@@ -213,41 +156,15 @@ def remove_stale_temporaries(path: str) -> list[str]:
     return removed
 
 
-def _safetensors_writer(tensors: dict[str, np.ndarray], metadata: dict[str, str]):
-    """A writer of the safetensors file of `tensors` (little-endian) and `metadata` that streams the tensors
-    one by one into the file (at most one tensor is copied, when it is not contiguous), instead of first
-    building the whole file in memory."""
-    codes = {np.dtype(numpy_name): code for code, numpy_name in DTYPES.items()}
-    header: dict = {"__metadata__": metadata}
-    cursor = 0
-    for name, array in tensors.items():
-        dtype = array.dtype
-        if dtype not in codes:
-            raise CheckpointError(f"parameter or state '{name}' is {array.dtype}, which a checkpoint cannot store; "
-                                  f"convert it to one of {sorted(set(map(str, codes)))}")
-        header[name] = {"dtype": codes[dtype], "shape": list(array.shape),
-                        "data_offsets": [cursor, cursor + array.size * dtype.itemsize]}
-        cursor += array.size * dtype.itemsize
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the data section starts 8-byte aligned, as safetensors writes it
-
-    def write(f) -> None:
-        f.write(struct.pack("<Q", len(encoded)) + encoded)
-        for name, array in tensors.items():
-            f.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
-    return write
-
-
-def write_atomically(path: str, blob) -> None:
-    """Write `blob` (bytes, or a function that writes into an open binary file) to `path` so that a crash at
-    any moment leaves the old file or the new one, whole; first remove the temporary files that killed
-    earlier saves of `path` left behind."""
+def write_atomically(path: str, blob: bytes) -> None:
+    """Write `blob` to `path` so that a crash at any moment leaves the old file or the new one, whole;
+    first remove the temporary files that killed earlier saves of `path` left behind."""
     folder = os.path.dirname(os.path.abspath(path))
     remove_stale_temporaries(path)
     fd, tmp = _locked_temporary(folder, os.path.basename(path))
     try:
         with os.fdopen(fd, "wb") as f:  # closing it releases the lock: after the rename
-            f.write(blob) if isinstance(blob, (bytes, bytearray)) else blob(f)
+            f.write(blob)
             f.flush()
             os.fsync(f.fileno())
             os.replace(tmp, path)
@@ -280,9 +197,8 @@ def save(path, contents: CheckpointContents) -> None:
         for state_name, per_param in contents.optimizer_tensors.items():
             for name, array in per_param.items():
                 tensors[f"{OPTIMIZER_PREFIX}{name}/{state_name}"] = array
-    tensors = {k: v.astype(v.dtype.newbyteorder("<")) if v.dtype.byteorder == ">" else v for k, v in tensors.items()}
     metadata["sha256"] = _digest(tensors, metadata)
-    write_atomically(path, _safetensors_writer(tensors, metadata))
+    write_atomically(path, safetensors.numpy.save({k: np.ascontiguousarray(v) for k, v in tensors.items()}, metadata=metadata))
 
 
 def load(path) -> CheckpointContents:
@@ -290,8 +206,7 @@ def load(path) -> CheckpointContents:
     if not os.path.isfile(path):
         raise ArtifactNotFoundError(f"checkpoint file '{path}' does not exist")
     with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        blob = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) if size else b""
+        blob = f.read()
     tensors, metadata = _decode(blob, path)
     trainable = _json(metadata, "trainable", path, [])
     frozen = _json(metadata, "frozen", path, [])

@@ -7,11 +7,7 @@ Invariants:
   differences and the optimizer step are each one pass over one block.
 - The gradient buffer and each optimizer moment buffer cover exactly the
   trainable block, with the same layout.
-- Parameters of other dtypes (frozen only) are held as separate arrays; a
-  read-only one (a view of a mapped checkpoint) is kept as it is, not copied.
-- Filling the flat buffer from a mapped checkpoint copies each parameter
-  straight from the file's pages into place and releases those pages, so
-  loading holds the buffer plus about one parameter's pages.
+- Parameters of other dtypes (frozen only) are held as separate arrays.
 - 8-bit AdamW moments (`state_dtype="int8"`) are one uint8 code per value in the trainable layout and one
   float32 absmax per block: each parameter is cut into blocks of STATE_BLOCK values (its last one shorter),
   in trainable order (`moment_blocks`), so a parameter's moments are one slice of each buffer.
@@ -22,7 +18,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .checkpoint import release_pages
 from .graph.errors import ArgumentError, ParameterError
 
 PROPERTY_TYPES = (int, float, str)
@@ -51,10 +46,8 @@ class ParameterStore:
         for name in flat_names:
             start, stop, _ = self.slices[name]
             self.flat[start:stop] = np.asarray(arrays[name], dtype=np.float32).reshape(-1)
-            release_pages(arrays[name])
         self.grad_flat = np.zeros(self.trainable_size, dtype=np.float32)
-        self.others = {n: arrays[n] if not arrays[n].flags.writeable else np.array(arrays[n])
-                       for n in frozen if n not in self.slices}
+        self.others = {n: np.array(arrays[n]) for n in frozen if n not in self.slices}
 
     @property
     def names(self) -> list[str]:
