@@ -37,7 +37,7 @@ from .graph.ir import Graph, TensorType
 from .graph.ops import OPS, check_supported
 from .graph.ops.quantize import dequantized_weights, quantization_inputs
 from .graph.losses import LossType, add_loss, parse_loss
-from .graph.onnx_io import graph_from_proto, read_model_proto, save_graph
+from .graph.onnx_io import read_graph, save_graph
 from .graph.optimizers import SGD, AdamW, OptimType, SGDMomentum, build_optimizer_graph, parse_optimizer
 from .graph.lora import add_adapters
 from .graph.parameters import NO_GRADIENT, ParameterChoice, choose_parameters, default_selection, quantization_parameters
@@ -127,8 +127,7 @@ def build_training_graphs(model, requires_grad=None, frozen_params=None, loss=No
     `qat` inserts fake quantization (graph/qat.py); its activation ranges join the frozen parameters.
     """
     custom_loss = hasattr(loss, "build_loss")
-    proto, path = read_model_proto(model, "model")
-    graph = graph_from_proto(proto, path or "model")
+    graph, path = read_graph(model, "model")
     check_supported(graph.nodes, f"model '{path}'" if path else "model")
     lora_left_out = {}
     if lora is not None:
