@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple
 
 import numpy as np
-import safetensors.numpy
 
 try:
     import fcntl
@@ -268,15 +267,16 @@ def remove_stale_temporaries(path: str) -> list[str]:
     return removed
 
 
-def write_atomically(path: str, blob: bytes) -> None:
-    """Write `blob` to `path` so that a crash at any moment leaves the old file or the new one, whole;
-    first remove the temporary files that killed earlier saves of `path` left behind."""
+def write_atomically(path: str, blob) -> None:
+    """Write `blob` (bytes, or a function writing to a binary file) to `path` so that a crash at any moment
+    leaves the old file or the new one, whole; first remove the temporary files that killed earlier saves of
+    `path` left behind."""
     folder = os.path.dirname(os.path.abspath(path))
     remove_stale_temporaries(path)
     fd, tmp = _locked_temporary(folder, os.path.basename(path))
     try:
         with os.fdopen(fd, "wb") as f:  # closing it releases the lock: after the rename
-            f.write(blob)
+            blob(f) if callable(blob) else f.write(blob)
             f.flush()
             os.fsync(f.fileno())
             os.replace(tmp, path)
@@ -310,7 +310,29 @@ def save(path, contents: CheckpointContents) -> None:
             for name, array in per_param.items():
                 tensors[f"{OPTIMIZER_PREFIX}{name}/{state_name}"] = array
     metadata["sha256"] = _digest(tensors, metadata)
-    write_atomically(path, safetensors.numpy.save({k: np.ascontiguousarray(v) for k, v in tensors.items()}, metadata=metadata))
+    write_atomically(path, _safetensors_writer(tensors, metadata))
+
+
+def _safetensors_writer(tensors: dict[str, np.ndarray], metadata: dict[str, str]):
+    """A function writing a safetensors file of `tensors` tensor by tensor (no whole-file buffer): the data
+    ordered by element size, largest first, then by name, so every tensor sits aligned to its element."""
+    names = {np.dtype(v).str: k for k, v in DTYPES.items()}
+    order = sorted(tensors, key=lambda k: (-tensors[k].dtype.itemsize, k))
+    header, cursor = {"__metadata__": metadata}, 0
+    for key in order:
+        array = tensors[key]
+        header[key] = {"dtype": names[array.dtype.str], "shape": list(array.shape),
+                       "data_offsets": [cursor, cursor + array.nbytes]}
+        cursor += array.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+
+    def write(f) -> None:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for key in order:
+            f.write(np.ascontiguousarray(tensors[key]).reshape(-1).view(np.uint8))
+
+    return write
 
 
 def load(path) -> CheckpointContents:

@@ -41,6 +41,9 @@ def test_round_trip_is_bit_exact_with_optimizer_state_and_properties(mlp_artifac
     assert loaded._optimizer.step == 3 and loaded._optimizer.learning_rate == 0.0123
     for key, moment in state._optimizer.moments.items():
         np.testing.assert_array_equal(loaded._optimizer.moments[key], moment)
+    stored = safetensors.numpy.load_file(str(path))  # written tensor by tensor, still a safetensors file
+    for name in state.parameters:
+        np.testing.assert_array_equal(stored[checkpoint_file.PARAM_PREFIX + name], state.parameters[name].data)
 
 
 def test_resumed_training_continues_identically(mlp_artifacts, mlp_reference, tmp_path):
