@@ -25,7 +25,7 @@ import numpy as np
 from .errors import ArtifactNotFoundError, ModelError, UnsupportedOpError
 from .ir import DEFAULT_DOMAIN, ODTRAIN_DOMAIN, Graph, Node, TensorType
 from .onnx_wire import (EXTERNAL, AttributeData, AttributeType, GraphData, ModelData, NodeData, TensorData,
-                        ValueInfoData, element_type_name, numpy_dtype, read_model)
+                        ValueInfoData, element_type_name, map_model, numpy_dtype, read_model, without_weights)
 
 if TYPE_CHECKING:
     import onnx
@@ -49,11 +49,22 @@ def load_graph(model, what: str = "model") -> Graph:
 
 
 def read_graph(model, what: str = "model") -> tuple[Graph, str | None]:
-    """The IR of a ModelProto or an ONNX file read through onnx, and the file's path; a file's external
-    data is memory-mapped, not read."""
-    proto, path = read_model_proto(model, what, load_external_data=False)
-    folder = os.path.dirname(os.path.abspath(path)) if path else None
-    return graph_from_proto(proto, path or what, folder), path
+    """The IR of a ModelProto or an ONNX file, and the file's path. A file is mapped: its initializers
+    are views of the mapping, its external data maps from its own files, and onnx (shape inference)
+    sees a copy without the weights."""
+    if not isinstance(model, (str, os.PathLike)):
+        return graph_from_proto(read_model_proto(model, what)[0], what), None
+    import onnx
+
+    path = _existing_file(model, what)
+    data, mapping = map_model(path, what)
+    try:
+        light = onnx.load_from_string(without_weights(mapping))
+    except Exception as error:  # protobuf DecodeError and the like
+        raise ModelError(f"{what} file '{path}' is not a readable ONNX model ({type(error).__name__}: {error})") from None
+    folder = os.path.dirname(os.path.abspath(path))
+    check_external_data(light, folder, path)
+    return graph_from_proto(light, path, folder, data.graph.initializers), path
 
 
 def _existing_file(model, what: str) -> str:
@@ -110,9 +121,11 @@ def read_model_proto(model, what: str = "model", load_external_data: bool = True
     return proto, path
 
 
-def graph_from_proto(proto: onnx.ModelProto, source: str = "model", folder: str | None = None) -> Graph:
+def graph_from_proto(proto: onnx.ModelProto, source: str = "model", folder: str | None = None,
+                     initializers: list[TensorData] | None = None) -> Graph:
     """The IR of a ModelProto, after ONNX shape inference unless odtrain saved it with its types; external
-    initializers are mapped from their files in `folder` (checked by `check_external_data`)."""
+    initializers are mapped from their files in `folder` (checked by `check_external_data`);
+    `initializers`, when given, replace the proto's (a light copy's, without their data)."""
     import onnx.defs
 
     opsets = _opsets((o.domain, o.version) for o in proto.opset_import)
@@ -126,7 +139,10 @@ def graph_from_proto(proto: onnx.ModelProto, source: str = "model", folder: str 
                          f"knows ({newest}); re-export with opset {newest} or older, or upgrade the onnx package")
     if not any(p.key == SHAPES_INFERRED for p in proto.metadata_props):
         proto = _with_inferred_shapes(proto)
-    return _build_graph(model_from_proto(proto), opsets, source, folder)
+    model = model_from_proto(proto)
+    if initializers is not None:
+        model.graph.initializers = initializers
+    return _build_graph(model, opsets, source, folder)
 
 
 def graph_from_model(model: ModelData, source: str = "model") -> Graph:
