@@ -25,7 +25,7 @@ import numpy as np
 from .errors import ArtifactNotFoundError, ModelError, UnsupportedOpError
 from .ir import DEFAULT_DOMAIN, ODTRAIN_DOMAIN, Graph, Node, TensorType
 from .onnx_wire import (EXTERNAL, AttributeData, AttributeType, GraphData, ModelData, NodeData, TensorData,
-                        ValueInfoData, element_type_name, map_model, numpy_dtype, read_model, without_weights)
+                        ValueInfoData, element_type_name, map_model, numpy_dtype, without_weights)
 
 if TYPE_CHECKING:
     import onnx
@@ -42,7 +42,7 @@ def load_graph(model, what: str = "model") -> Graph:
     external data) is read without importing onnx; anything else is read through onnx."""
     if isinstance(model, (str, os.PathLike)):
         path = _existing_file(model, what)
-        data = read_model(path, what)
+        data, _ = map_model(path, what)
         if SHAPES_INFERRED in data.metadata and not data.uses_external_data():
             return graph_from_model(data, path)
     return read_graph(model, what)[0]

@@ -27,7 +27,6 @@ Invariant: a malformed file (a value running past the end of its message, a vari
 from __future__ import annotations
 
 import enum
-import mmap
 import os
 import struct
 from dataclasses import dataclass, field
@@ -220,10 +219,9 @@ def map_model(path: str, what: str = "model") -> tuple[ModelData, memoryview]:
     """Read an ONNX file through a copy-on-write mapping of it, and that mapping's bytes: the raw data of
     its tensors are views of the mapping (file pages the kernel can drop), not copies."""
     try:
-        with open(path, "rb") as f:
-            if os.fstat(f.fileno()).st_size == 0:
-                return parse_model(b"", f"{what} file '{path}'"), memoryview(b"")
-            data = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
+        if os.path.getsize(path) == 0:
+            return parse_model(b"", f"{what} file '{path}'"), memoryview(b"")
+        data = memoryview(np.memmap(path, np.uint8, "c"))
     except OSError as error:
         raise ModelError(f"{what} file '{path}' cannot be read ({error})") from None
     return parse_model(data, f"{what} file '{path}'"), data

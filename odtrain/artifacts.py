@@ -43,6 +43,7 @@ from .graph.lora import add_adapters
 from .graph.parameters import NO_GRADIENT, ParameterChoice, choose_parameters, default_selection, quantization_parameters
 from .graph.qat import QatConfig, insert_fake_quantization
 from .lora import LoraConfig, target_weights
+from .state import PropertyBag
 
 __all__ = ["generate_artifacts", "build_training_graphs", "GeneratedArtifacts", "LoraConfig", "LossType", "OptimType",
            "AdamW", "SGD", "SGDMomentum", "QatConfig", "choose_parameters", "ParameterChoice", "default_selection",
@@ -215,7 +216,7 @@ def generate_artifacts(model, requires_grad=None, frozen_params=None, loss=None,
                        artifact_directory=None, prefix: str = "", ort_format: bool = False,
                        custom_op_library=None, additional_output_names=None, nominal_checkpoint: bool = False,
                        loss_input_names=None, class_axis=None, ignore_index=None, lora=None,
-                       qat: QatConfig | None = None) -> GeneratedArtifacts:
+                       qat: QatConfig | None = None, properties: dict | None = None) -> GeneratedArtifacts:
     """Write the training artifacts for `model` (an onnx.ModelProto or a path) into `artifact_directory`.
 
     `loss` and `optimizer` also accept odtrain.onnxblock blocks (a custom loss; onnxblock.optim.AdamW, SGD,
@@ -225,6 +226,7 @@ def generate_artifacts(model, requires_grad=None, frozen_params=None, loss=None,
     `lora=LoraConfig(rank, alpha, target_params=[...])` trains low-rank adapters of the targeted weights
     (and what `requires_grad` names) instead of the weights; export merges them back. `qat=QatConfig()`
     trains with fake quantization; the exported inference model is then a QDQ model with int8 weights.
+    `properties` (int, float or str values) are stored in the checkpoint, as CheckpointState.properties.
 
     Returns what was written and which parameters train; with `requires_grad=None`, `left_out` names the
     floating-point initializers left as constants (rotary tables, single values, ...) with the reason."""
@@ -247,7 +249,8 @@ def generate_artifacts(model, requires_grad=None, frozen_params=None, loss=None,
     save_graph(built.eval, paths.eval_model, built.param_inputs)
     if optimizer is not None:
         save_graph(build_optimizer_graph(optimizer, trainable), paths.optimizer_model)
-    checkpoint_file.save(paths.checkpoint, checkpoint_file.CheckpointContents(values, trainable))
+    checkpoint_file.save(paths.checkpoint, checkpoint_file.CheckpointContents(values, trainable,
+                                                                              PropertyBag(properties).to_dict()))
     if nominal_checkpoint:
         checkpoint_file.save(paths.nominal_checkpoint,
                              checkpoint_file.CheckpointContents(values, trainable, nominal=True))
