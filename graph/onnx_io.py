@@ -17,6 +17,7 @@ onnx is imported inside the functions that use it, never when this module loads.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import TYPE_CHECKING
 
@@ -24,8 +25,9 @@ import numpy as np
 
 from .errors import ArtifactNotFoundError, ModelError, UnsupportedOpError
 from .ir import DEFAULT_DOMAIN, ODTRAIN_DOMAIN, Graph, Node, TensorType
-from .onnx_wire import (EXTERNAL, AttributeData, AttributeType, GraphData, ModelData, NodeData, TensorData,
-                        ValueInfoData, element_type_name, map_model, numpy_dtype, without_weights)
+from .onnx_wire import (EXTERNAL, LIGHT_BYTES, AttributeData, AttributeType, GraphData, ModelData, NodeData, TensorData,
+                        ValueInfoData, element_type_name, map_model, numpy_dtype,
+                        without_weights)
 
 if TYPE_CHECKING:
     import onnx
@@ -415,7 +417,13 @@ def save_graph(graph: Graph, path, extra_inputs: list[str] = ()) -> None:
     """Write `graph` with ONNX's inferred value types inside, so that loading it runs no inference."""
     import onnx
 
-    proto = _with_inferred_shapes(graph_to_proto(graph, extra_inputs))
+    # ONNX infers on a copy whose large initializers are typed inputs: the weights are copied once, not thrice
+    large = [k for k, v in graph.initializers.items() if np.asarray(v).nbytes >= LIGHT_BYTES]
+    light = dataclasses.replace(graph, inputs=list(graph.inputs) + large,
+                                initializers={k: v for k, v in graph.initializers.items() if k not in large})
+    inferred = _with_inferred_shapes(graph_to_proto(light, extra_inputs))
+    proto = graph_to_proto(graph, extra_inputs)
+    proto.graph.value_info.extend(inferred.graph.value_info)
     proto.metadata_props.add(key=SHAPES_INFERRED, value=onnx.__version__)
     onnx.save(proto, os.fspath(path))
 
