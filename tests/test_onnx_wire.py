@@ -468,3 +468,14 @@ def test_artifacts_of_a_model_with_external_data_equal_those_of_the_inline_model
     assert list(inline.parameters) == list(external.parameters) and inline.trainable == external.trainable
     for name, array in inline.parameters.items():
         np.testing.assert_array_equal(external.parameters[name], array)
+
+
+def test_the_light_copy_keeps_everything_but_the_large_initializers_data(mlp_reference):
+    model = onnx.load(str(mlp_reference[0]))
+    light = onnx.load_from_string(onnx_wire.without_weights(model.SerializeToString()))
+    assert light.graph.node == model.graph.node and light.graph.input == model.graph.input
+    for kept, tensor in zip(light.graph.initializer, model.graph.initializer, strict=True):
+        assert (kept.name, kept.dims, kept.data_type) == (tensor.name, tensor.dims, tensor.data_type)
+        large = len(tensor.raw_data) >= onnx_wire.LIGHT_BYTES
+        assert kept.raw_data == (b"" if large else tensor.raw_data)
+    assert any(len(t.raw_data) >= onnx_wire.LIGHT_BYTES for t in model.graph.initializer)
