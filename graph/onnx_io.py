@@ -26,8 +26,8 @@ import numpy as np
 from .errors import ArtifactNotFoundError, ModelError, UnsupportedOpError
 from .ir import DEFAULT_DOMAIN, ODTRAIN_DOMAIN, Graph, Node, TensorType
 from .onnx_wire import (EXTERNAL, LIGHT_BYTES, AttributeData, AttributeType, GraphData, ModelData, NodeData, TensorData,
-                        ValueInfoData, element_type_name, map_model, numpy_dtype,
-                        without_weights)
+                        ValueInfoData, element_type, element_type_name, initializer_field,
+                        map_model, numpy_dtype, without_weights)
 
 if TYPE_CHECKING:
     import onnx
@@ -414,18 +414,27 @@ def graph_to_proto(graph: Graph, extra_inputs: list[str] = (), producer: str = "
 
 
 def save_graph(graph: Graph, path, extra_inputs: list[str] = ()) -> None:
-    """Write `graph` with ONNX's inferred value types inside, so that loading it runs no inference."""
+    """Write `graph` with ONNX's inferred value types inside, so that loading it runs no inference.
+    Initializers of LIGHT_BYTES or more never enter protobuf: ONNX infers on the model with them as typed
+    inputs, that model is written without them, and each is appended from its array as one more `graph`
+    field holding one initializer (protobuf merges a message field seen twice, appending repeated ones)."""
     import onnx
 
-    # ONNX infers on a copy whose large initializers are typed inputs: the weights are copied once, not thrice
-    large = [k for k, v in graph.initializers.items() if np.asarray(v).nbytes >= LIGHT_BYTES]
+    large = [k for k, v in graph.initializers.items()
+             if np.asarray(v).nbytes >= LIGHT_BYTES and np.asarray(v).dtype.kind in "biuf"]
     light = dataclasses.replace(graph, inputs=list(graph.inputs) + large,
                                 initializers={k: v for k, v in graph.initializers.items() if k not in large})
-    inferred = _with_inferred_shapes(graph_to_proto(light, extra_inputs))
-    proto = graph_to_proto(graph, extra_inputs)
-    proto.graph.value_info.extend(inferred.graph.value_info)
+    proto = _with_inferred_shapes(graph_to_proto(light, extra_inputs))
+    kept = [i for i in proto.graph.input if i.name not in set(large)]
+    del proto.graph.input[:]
+    proto.graph.input.extend(kept)
     proto.metadata_props.add(key=SHAPES_INFERRED, value=onnx.__version__)
-    onnx.save(proto, os.fspath(path))
+    with open(os.fspath(path), "wb") as f:
+        f.write(proto.SerializeToString())
+        for name in large:
+            array = np.ascontiguousarray(graph.initializers[name])
+            f.write(initializer_field(name, element_type(array.dtype), array.shape, array.nbytes))
+            f.write(array.reshape(-1).view(np.uint8))
 
 
 def _with_inferred_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:

@@ -588,6 +588,15 @@ def without_weights(data) -> bytes:
     return bytes(model)
 
 
+def initializer_field(name: str, data_type: int, dims, nbytes: int) -> bytes:
+    """The bytes of a ModelProto's `graph` field holding one initializer, up to its raw data (`nbytes`
+    bytes that the caller writes next)."""
+    header = (b"".join(_encode(1, VARINT, int(d)) for d in dims) + _encode(2, VARINT, data_type)
+              + _encode(8, LENGTH, name.encode()) + _varint_bytes(9 << 3 | LENGTH) + _varint_bytes(nbytes))
+    tensor = _varint_bytes(5 << 3 | LENGTH) + _varint_bytes(len(header) + nbytes) + header
+    return _varint_bytes(7 << 3 | LENGTH) + _varint_bytes(len(tensor) + nbytes) + tensor
+
+
 def _encode(number: int, wire: int, value, data=None) -> bytes:
     """One field: `value` an int (varint), bytes, or the span of its bytes in `data`."""
     if wire == VARINT:
