@@ -205,16 +205,6 @@ class ModelData:
         return any(t.data_location == EXTERNAL for t in tensors)
 
 
-def read_model(path: str, what: str = "model") -> ModelData:
-    """Read an ONNX file; a damaged one raises ModelError naming it."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as error:
-        raise ModelError(f"{what} file '{path}' cannot be read ({error})") from None
-    return parse_model(data, f"{what} file '{path}'")
-
-
 def map_model(path: str, what: str = "model") -> tuple[ModelData, memoryview]:
     """Read an ONNX file through a copy-on-write mapping of it, and that mapping's bytes: the raw data of
     its tensors are views of the mapping (file pages the kernel can drop), not copies."""
