@@ -5,7 +5,8 @@ onnxruntime's with --onnxruntime.
 
 Each case (built in memory by onnx.backend.test.loader, no download) runs its first data set with the
 inputs fed as ONNX feeds them; outputs must have the expected shapes and dtypes and match (floats to
-rtol 1e-4, atol 1e-5, NaN equal to NaN; everything else exactly). Prints the count, then the op types
+rtol 1e-4, atol 1e-5, NaN equal to NaN; the float types numpy lacks, such as bfloat16 and float8,
+exactly, NaN equal to NaN; everything else exactly). Prints the count, then the op types
 that keep the most cases from running: unsupported ops by the cases that name them, other errors by
 their first line.
 """
@@ -59,8 +60,12 @@ def check(case, run) -> str | None:
         g = np.asarray(g)
         if g.shape != e.shape or g.dtype != e.dtype:
             return f"output {g.dtype}{list(g.shape)} instead of {e.dtype}{list(e.shape)}"
-        same = (np.allclose(g, e, rtol=1e-4, atol=1e-5, equal_nan=True) if e.dtype.kind == "f"
-                else np.array_equal(g, e))
+        if e.dtype.kind == "V" and e.dtype.name.startswith(("float", "bfloat")):  # ml_dtypes' floats
+            g, e = g.astype(np.float64), e.astype(np.float64)
+            same = np.array_equal(g, e, equal_nan=True)
+        else:
+            same = (np.allclose(g, e, rtol=1e-4, atol=1e-5, equal_nan=True) if e.dtype.kind == "f"
+                    else np.array_equal(g, e))
         if not same:
             return "wrong values"
     return None

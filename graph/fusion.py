@@ -33,6 +33,11 @@ the chain's output name, so the rest of the graph is untouched:
   the decomposed ops read them; h is the Slices' shared boundary (the TorchScript exporter computes
   it from x's shape, known when the step is bound). Nothing is assumed of the caches' halves or of
   h. Six passes become one.
+- A language model's vocabulary product scored by the class-last cross-entropy (graph/losses.py):
+      SoftmaxCrossEntropyLoss(Reshape(FusedMatMul(h, W, transB) or MatMul(h, W), [-1, V]), labels)
+  → ai.odtrain LinearCrossEntropy(h, W, labels, transB): the [tokens, V] logits and their gradient
+  never exist whole; the kernels hold one chunk of rows of them at a time (kernels/training.py).
+  Only when nothing else reads the logits: a model that also outputs them keeps the product.
 Values computed from constants alone (a Slice's starts through Unsqueeze and Cast, say) are
 folded by the ops' own type rules when a pattern needs them.
 """
@@ -373,9 +378,13 @@ def _match_rotary(index: _Index, last: Node):
 def fuse_for_training(graph: Graph) -> Graph:
     """A copy of `graph` with the patterns above fused (the input is not modified)."""
     fused = graph.copy()
-    for rewrite in (_gelu_pass, _decoder_pass, _matmul_pass, _matmul_pass, _bias_pass):  # the second MatMul pass
-        rewrite(fused)  # scales fused products; biases are added to products that are final
+    for rewrite in TRAINING_PASSES:
+        rewrite(fused)
     return fused
+
+
+def vocabulary_loss_pass(graph: Graph) -> None:
+    _rewrite_all(graph, _match_vocabulary_loss)
 
 
 def _decoder_pass(graph: Graph) -> None:
@@ -423,6 +432,47 @@ def _gelu_pass(graph: Graph) -> None:
     _rewrite_all(graph, match)
 
 
+def _match_vocabulary_loss(index: _Index, node: Node):
+    """SoftmaxCrossEntropyLoss of a product's private logits [.., V] (through a private Reshape to [-1, V] or
+    already [N, V]), by the mean or the sum, without class weights → LinearCrossEntropy, or None."""
+    reduction = node.attrs.get("reduction", "mean")
+    reduction = reduction.decode() if isinstance(reduction, bytes) else reduction
+    if node.key != ("", "SoftmaxCrossEntropyLoss") or len(node.inputs) != 2 or \
+            len([o for o in node.outputs if o]) != 1 or reduction not in ("mean", "sum"):
+        return None
+    removed, scores = [node], node.inputs[0]
+    reshape = index.made_by(scores, "Reshape")
+    if reshape is not None:
+        target, logits = index.ints(reshape.inputs[1]), reshape.inputs[0]
+        classes = (index.shape(logits) or (None,))[-1]
+        if not index.private(scores) or target is None or len(target) != 2 or target[0] != -1 or \
+                not isinstance(classes, int) or target[1] != classes:
+            return None
+        removed.append(reshape)
+        scores = logits
+    product = index.producer.get(scores)
+    if product is None or not index.private(scores):
+        return None
+    hidden, weight = product.inputs[:2] if len(product.inputs) >= 2 else ("", "")
+    hidden_shape, weight_shape = index.shape(hidden), index.shape(weight)
+    if hidden_shape is None or weight_shape is None or len(hidden_shape) < 2 or len(weight_shape) != 2 or \
+            (reshape is None and len(hidden_shape) != 2):
+        return None
+    if product.key == ("", "MatMul"):
+        transposed = 0
+    elif product.key == (ODTRAIN_DOMAIN, "FusedMatMul") and len(product.inputs) == 2 and \
+            set(product.attrs) <= {"transB", "alpha", "transA"} and float(product.attrs.get("alpha", 1.0)) == 1.0 \
+            and not product.attrs.get("transA", 0):
+        transposed = int(product.attrs.get("transB", 0))
+    else:
+        return None
+    attrs = {"transB": transposed, "reduction": reduction}
+    if node.attrs.get("ignore_index") is not None:
+        attrs["ignore_index"] = int(node.attrs["ignore_index"])
+    return removed + [product], Node("LinearCrossEntropy", [hidden, weight, node.inputs[1]], list(node.outputs),
+                                     attrs, node.name, ODTRAIN_DOMAIN)
+
+
 def _bias_pass(graph: Graph) -> None:
     _rewrite_all(graph, _match_bias)
 
@@ -430,3 +480,7 @@ def _bias_pass(graph: Graph) -> None:
 def _matmul_pass(graph: Graph) -> None:
     _rewrite_all(graph, lambda index, node: _match_transposed_weight(index, node) or
                  _match_scaled_product(index, node) or _match_head_transposes(index, node))
+
+
+# the second MatMul pass scales fused products; biases are added to products that are final
+TRAINING_PASSES = (_gelu_pass, _decoder_pass, _matmul_pass, _matmul_pass, _bias_pass, vocabulary_loss_pass)

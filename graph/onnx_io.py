@@ -246,6 +246,7 @@ def _build_graph(model: ModelData, opsets: dict[str, int], source: str, folder: 
             raise ModelError(f"{source}: node '{n.name or index}' ({n.op_type}): {error}") from None
         nodes.append(Node(n.op_type, list(n.inputs), list(n.outputs), attrs, _node_name(n, index), n.domain))
     _pin_legacy_softmax_axis(nodes, opsets.get(DEFAULT_DOMAIN, 0), value_types, source)
+    _pin_legacy_dft_axis(nodes, opsets.get(DEFAULT_DOMAIN, 0))
     inputs = [i.name for i in g.inputs if i.name not in initializers]
     return Graph(nodes, inputs, [o.name for o in g.outputs], initializers, value_types, opsets, g.name or "graph")
 
@@ -288,6 +289,16 @@ def _attr_value(attr: AttributeData, to_array=TensorData.to_array):
         held = "a sparse tensor" if kind in (AttributeType.SPARSE_TENSOR, AttributeType.SPARSE_TENSORS) else "a type"
         raise ModelError(f"attribute '{attr.name}' holds {held}, which odtrain does not read")
     return value  # a float, an int, a list of them, [] or None
+
+
+def _pin_legacy_dft_axis(nodes, opset: int) -> None:
+    """Before opset 20, DFT's axis was an attribute with default 1; from 20 it is input 2 with default -2.
+    Write the old default out, so that the DFT rule reads one meaning."""
+    if opset >= 20:
+        return
+    for node in nodes:
+        if node.op_type == "DFT" and node.domain in ("", "ai.onnx"):
+            node.attrs.setdefault("axis", 1)
 
 
 def _pin_legacy_softmax_axis(nodes, opset: int, value_types, source: str) -> None:

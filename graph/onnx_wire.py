@@ -59,14 +59,36 @@ _STORAGE = {1: "float_data", 2: "int32_data", 3: "int32_data", 4: "int32_data", 
             13: "uint64_data"}
 
 
+# The element types numpy lacks that odtrain's Cast converts to and from: bfloat16, the float8 types,
+# float4 and the 4- and 2-bit integers, one byte or two per element (ml_dtypes' arrays, as
+# onnx.numpy_helper gives them). Other ops refuse them.
+STORAGE_TYPES = (16, 17, 18, 19, 20, 21, 22, 23, 25, 26)
+STORAGE_NAMES = frozenset({"bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
+                           "uint4", "int4", "float4_e2m1fn", "uint2", "int2"})
+
+
 def numpy_dtype(code: int) -> np.dtype | None:
-    """The numpy dtype of an ONNX element type, None for the types numpy does not have."""
+    """The numpy dtype of an ONNX element type (ml_dtypes' for STORAGE_TYPES, through onnx, imported
+    only then), None for the types odtrain does not hold."""
+    if code in STORAGE_TYPES:
+        from onnx.helper import tensor_dtype_to_np_dtype
+
+        return np.dtype(tensor_dtype_to_np_dtype(code))
     return ELEMENT_DTYPES.get(code)
+
+
+def is_storage_dtype(dtype) -> bool:
+    """Whether a dtype is one of STORAGE_TYPES' (numpy's own dtypes never are)."""
+    return np.dtype(dtype).name in STORAGE_NAMES
+
 
 
 def element_type(dtype) -> int:
     """The ONNX element type of a numpy dtype."""
-    return _ELEMENT_TYPES[np.dtype(dtype)]
+    dtype = np.dtype(dtype)
+    if dtype.name in STORAGE_NAMES:
+        return next(code for code in STORAGE_TYPES if numpy_dtype(code) == dtype)
+    return _ELEMENT_TYPES[dtype]
 
 
 def element_type_name(code: int) -> str:

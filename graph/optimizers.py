@@ -9,6 +9,9 @@ AdamW follows ONNX Runtime's generated optimizer (and Hugging Face's AdamW):
     m = β1·m + (1-β1)·g;  v = β2·v + (1-β2)·g²
     step_size = lr·√(1-β2ᵗ)/(1-β1ᵗ)   (lr when bias correction is off)
     w = w - step_size · m / (√v + ε);  then  w = w - lr·λ·w
+With `state_dtype="int8"` AdamW keeps m and v in one byte each, quantized in blocks of STATE_BLOCK values of
+one parameter with a float32 absmax per block (kernels/optim.py states the code maps); the node's attributes
+say so (`state_dtype`, `state_block`), and the checkpoint stores the codes and the absmax values.
 SGD: w = w - lr·g.
 SGDMomentum (torch.optim.SGD; μ momentum, τ dampening, λ weight decay):
     d = g + λ·w;  b = d on the first step, else μ·b + (1-τ)·d
@@ -30,20 +33,42 @@ class OptimType(enum.Enum):
     SGD = 2
 
 
+STATE_DTYPES = ("float32", "int8")  # how AdamW stores its moments
+STATE_BLOCK = 2048  # values per absmax of 8-bit moments
+
+
+def check_state_dtype(state_dtype, kind: str) -> str:
+    """`state_dtype` when `kind` supports it, else an ArgumentError naming what does."""
+    if state_dtype not in STATE_DTYPES:
+        raise ArgumentError(f"state_dtype must be one of {list(STATE_DTYPES)}, got {state_dtype!r}")
+    if state_dtype != "float32" and kind != "AdamW":
+        raise ArgumentError(f"state_dtype={state_dtype!r} applies to AdamW's moments; {kind} keeps its state in "
+                            "float32 (leave state_dtype out, or train with AdamW)")
+    return state_dtype
+
+
 @dataclass
 class AdamW:
-    """AdamW hyper-parameters, fixed when the artifacts are generated."""
+    """AdamW hyper-parameters, fixed when the artifacts are generated; `state_dtype="int8"` keeps the moments
+    in 8 bits (a quarter of the bytes)."""
 
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-6
     weight_decay: float = 0.0
     bias_correction: bool = True
+    state_dtype: str = "float32"
     kind: str = field(default="AdamW", init=False)
     state_names = ("momentum0", "momentum1")
 
+    def __post_init__(self):
+        check_state_dtype(self.state_dtype, self.kind)
+
     def attributes(self) -> dict:
-        return {"beta1": float(self.betas[0]), "beta2": float(self.betas[1]), "epsilon": float(self.eps),
-                "weight_decay": float(self.weight_decay), "bias_correction": int(bool(self.bias_correction))}
+        attrs = {"beta1": float(self.betas[0]), "beta2": float(self.betas[1]), "epsilon": float(self.eps),
+                 "weight_decay": float(self.weight_decay), "bias_correction": int(bool(self.bias_correction))}
+        if self.state_dtype != "float32":  # float32 models stay as they were
+            attrs.update(state_dtype=self.state_dtype, state_block=STATE_BLOCK)
+        return attrs
 
 
 @dataclass
@@ -116,9 +141,15 @@ def read_optimizer_graph(graph: Graph, source: str) -> tuple[AdamW | SGD | SGDMo
     if node.op_type == "SGDMomentum":
         return SGDMomentum(momentum=attrs["momentum"], dampening=attrs["dampening"], nesterov=bool(attrs["nesterov"]),
                            weight_decay=attrs["weight_decay"]), parameters
+    state_dtype = attrs.get("state_dtype", "float32")
+    state_dtype = state_dtype.decode() if isinstance(state_dtype, bytes) else state_dtype
+    if state_dtype not in STATE_DTYPES or int(attrs.get("state_block", STATE_BLOCK)) != STATE_BLOCK:
+        raise ModelError(f"'{source}' keeps AdamW's moments as {state_dtype} in blocks of "
+                         f"{attrs.get('state_block')}; this odtrain reads {list(STATE_DTYPES)} in blocks of "
+                         f"{STATE_BLOCK}: generate the artifacts again")
     return AdamW(betas=(attrs["beta1"], attrs["beta2"]), eps=attrs["epsilon"], weight_decay=attrs["weight_decay"],
-                 bias_correction=bool(attrs["bias_correction"])), parameters
+                 bias_correction=bool(attrs["bias_correction"]), state_dtype=state_dtype), parameters
 
 
-__all__ = ["OptimType", "AdamW", "SGD", "SGDMomentum", "parse_optimizer", "build_optimizer_graph",
-           "read_optimizer_graph"]
+__all__ = ["OptimType", "STATE_BLOCK", "STATE_DTYPES", "check_state_dtype", "AdamW", "SGD", "SGDMomentum",
+           "parse_optimizer", "build_optimizer_graph", "read_optimizer_graph"]

@@ -30,7 +30,9 @@ import numpy as np
 
 from .errors import MemoryBudgetError, ModelError
 from .ir import ODTRAIN_DOMAIN, Graph, Node, TensorType
+from .onnx_wire import is_storage_dtype
 from .ops import lookup
+from .ops.tensor import STORAGE_OPS
 from .ops.training import APPLY_UPDATE
 
 RECOMPUTE_SUFFIX = "::recomputed"
@@ -71,6 +73,8 @@ def bind_types(graph: Graph, known: dict[str, TensorType], constants: dict[str, 
             raise ModelError(f"{node.describe()}: cannot compute its output types from inputs "
                              f"{[str(t) for t in in_types]}: {error}") from None
         out_types, out_values = result if isinstance(result, tuple) else (result, None)
+        if out_values is None:  # a node that runs a kernel
+            _refuse_storage_types(node, in_types)
         for i, name in enumerate(node.outputs):
             if not name:
                 continue
@@ -81,6 +85,19 @@ def bind_types(graph: Graph, known: dict[str, TensorType], constants: dict[str, 
             if out_values is not None:
                 folded[name] = np.asarray(out_values[i], order="C")  # keeps 0-d values 0-d
     return types, folded
+
+
+def _refuse_storage_types(node: Node, in_types) -> None:
+    """Only STORAGE_OPS run on the element types numpy lacks (bfloat16, float8...) and on float16, which Numba
+    has no arithmetic for: other kernels cannot read them (a node folded to a constant runs none)."""
+    if node.op_type in STORAGE_OPS and node.domain in ("", "ai.onnx"):
+        return
+    stored = next((t for t in in_types if t is not None and (is_storage_dtype(t.dtype) or t.dtype == np.float16)),
+                  None)
+    if stored is not None:
+        raise ModelError(f"{node.describe()}: an input is {stored}; odtrain computes on float32, float64, "
+                         "integer and bool tensors and converts other element types only in Cast: cast it to "
+                         "float first")
 
 
 def configuring_inputs(graph: Graph) -> list[str]:

@@ -49,5 +49,5 @@ def binding(op_type: str, domain: str = "", scratch=None, parallel: bool = False
 
 
 from . import (  # noqa: E402,F401
-    attention, conv, elementwise, linalg, nn, normalization, optim, pool, quantize, recurrent, reduction, resize, tensor,
-    training)
+    attention, conv, elementwise, linalg, nn, normalization, optim, pool, quantize, recurrent, reduction, resize, signal,
+    tensor, training)

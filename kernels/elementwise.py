@@ -1,7 +1,10 @@
-"""Elementwise kernels: unary maps, same-shape binaries, broadcasting binaries, comparisons, Where.
+"""Elementwise kernels: unary maps, same-shape binaries, broadcasting binaries, comparisons, float
+classes (IsNaN, IsInf: one kernel), Where.
 
 Unary ops come from one table per loop, each row an op type and its scalar function: `UNARY`
-(cheap maps, one loop `_unary`) and `SPECIAL_UNARY` (transcendental ones, loop `_special_unary`).
+(cheap maps, one loop `_unary`), `SPECIAL_UNARY` (erf and GELU's tanh form, loop `_special_unary`)
+and `RARE_UNARY` (the functions few models use: tan, hyperbolic and inverse functions, softplus,
+softsign, mish, round; loop `_rare_unary`).
 A row's position is its code, the argument that lets one compiled loop serve the whole table;
 the loop picks the function through a dispatch generated from the same table (`_dispatch`), so
 a code is never written out. Adding a unary op here is adding its row. The graph layer has its
@@ -12,7 +15,8 @@ Binary and comparison op codes (arguments, so one compiled kernel serves a famil
   binary: 0 add, 1 sub, 2 mul, 3 div, 4 relu-grad(dy, y), 5 sigmoid-grad(dy, y), 6 tanh-grad(dy, y),
           7 pow, 8 max, 9 min, 10 erf-grad(dy, x), 11 atan-grad(dy, x), 12 gelu-grad(dy, x),
           13 gelu-tanh-grad(dy, x), 14 mod (the divisor's sign), 15 fmod (the dividend's sign),
-          16 shift left, 17 shift right, 18 bitwise and, 19 or, 20 xor (integers only)
+          16 shift left, 17 shift right, 18 bitwise and, 19 or, 20 xor (integers only), 21 prelu (x, or x·slope
+          below 0)
   compare: 0 ==, 1 <, 2 >, 3 <=, 4 >=, 5 and, 6 or, 7 xor
 
 The transcendental ops (erf, GELU and their gradients, codes in SPECIAL_*) have kernels of
@@ -40,7 +44,7 @@ from .layout import broadcast_layout, flat
 from .parts import part_bounds, part_count
 
 BINARY = {"Add": 0, "Sub": 1, "Mul": 2, "Div": 3, "ReluGrad": 4, "SigmoidGrad": 5, "TanhGrad": 6,
-          "Pow": 7, "Max": 8, "Min": 9, "ErfGrad": 10, "AtanGrad": 11, "Mod": 14}
+          "Pow": 7, "Max": 8, "Min": 9, "ErfGrad": 10, "AtanGrad": 11, "Mod": 14, "PRelu": 21}
 GELU_GRAD, GELU_TANH_GRAD = 12, 13
 FMOD = 15
 SHIFT = {"LEFT": 16, "RIGHT": 17}
@@ -223,6 +227,8 @@ def _binary_op(code, x, y):
         return x % y
     if code == 15:
         return c_fmod(x, y)
+    if code == 21:
+        return x if x >= 0 else x * y
     if code >= 16:
         return integer_op(code, x, y)
     return min(x, y)  # 9
@@ -279,6 +285,22 @@ def _copy(x):
     return x
 
 
+@njit(inline="always")
+def _softplus(x):
+    """log(1 + e^x) without overflow: max(x, 0) + log1p(e^-|x|)."""
+    return max(x, x * 0) + np.log1p(np.exp(-abs(x)))
+
+
+@njit(inline="always")
+def _softsign(x):
+    return x / (1 + abs(x))
+
+
+@njit(inline="always")
+def _mish(x):
+    return x * np.tanh(_softplus(x))
+
+
 # Cheap unary maps: op type -> scalar function; the row's position is its code in `_unary`.
 UNARY = {
     "Neg": _negative, "Abs": _absolute, "Exp": np.exp, "Log": np.log, "Relu": _relu, "Sigmoid": _sigmoid,
@@ -288,6 +310,10 @@ UNARY = {
 # Transcendental maps, in a loop of their own that only models using them compile; GELU's tanh form
 # (op Gelu with approximate="tanh") is the last code, after the rows bound by op type.
 SPECIAL_UNARY = {"Erf": fast_erf}
+# Maps few models use, in a third loop, so that models using erf or GELU do not compile them.
+RARE_UNARY = {"Tan": np.tan, "Sinh": np.sinh, "Cosh": np.cosh, "Asin": np.arcsin, "Acos": np.arccos,
+              "Atanh": np.arctanh, "Asinh": np.arcsinh, "Acosh": np.arccosh, "Softplus": _softplus,
+              "Softsign": _softsign, "Mish": _mish, "Round": np.rint}
 GELU_TANH = len(SPECIAL_UNARY)
 NEG, ABS, RELU, COPY = (list(UNARY).index(name) for name in ("Neg", "Abs", "Relu", "Identity"))
 
@@ -308,6 +334,7 @@ def _dispatch(functions: tuple):
 
 _unary_op = _dispatch(tuple(UNARY.values()))
 _special_unary_op = _dispatch((*SPECIAL_UNARY.values(), gelu_tanh))
+_rare_unary_op = _dispatch(tuple(RARE_UNARY.values()))
 SPECIAL_BINARY = (10, 11, 12, 13)
 
 
@@ -337,6 +364,14 @@ def _special_unary(code, x, out):
     """out[i] = erf or tanh-GELU of x[i] (rarer: one kernel for both)."""
     for i in range(out.size):
         out[i] = _special_unary_op(code, x[i])
+
+
+@njit(cache=True, error_model="numpy")
+def _rare_unary(code, x, out):
+    """out[i] = f(x[i]) for RARE_UNARY's maps: tan, the hyperbolic and inverse functions, softplus, softsign,
+    mish, round (halves to even)."""
+    for i in range(out.size):
+        out[i] = _rare_unary_op(code, x[i])
 
 
 @njit(cache=True, error_model="numpy")
@@ -511,6 +546,14 @@ def _logical_not(x, out):
         out[i] = not x[i]
 
 
+@njit(cache=True, error_model="numpy")
+def _float_class(x, out, nan, positive, negative):
+    """out[i] = x[i] is NaN (if nan), +inf (if positive) or -inf (if negative): IsNaN and IsInf."""
+    for i in range(out.size):
+        v = x[i]
+        out[i] = (nan and v != v) or (positive and v == np.inf) or (negative and v == -np.inf)
+
+
 # ---- the same on parts of the flat arrays (or of the rows), in parallel: every value as in one thread -----
 
 
@@ -524,6 +567,12 @@ def _unary_parts(code, x, out, bounds):
 def _special_unary_parts(code, x, out, bounds):
     for p in prange(bounds.size - 1):
         _special_unary(code, x[bounds[p]:bounds[p + 1]], out[bounds[p]:bounds[p + 1]])
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _rare_unary_parts(code, x, out, bounds):
+    for p in prange(bounds.size - 1):
+        _rare_unary(code, x[bounds[p]:bounds[p + 1]], out[bounds[p]:bounds[p + 1]])
 
 
 @njit(cache=True, error_model="numpy", parallel=True)
@@ -578,8 +627,9 @@ def _binary_rows_parts(code, a, b, out, rows, cols, a_row, b_row, bounds):
 
 
 # the parallel twin of each kernel over flat arrays (flat bounds), and of _binary_rows (row bounds)
-FLAT_TWINS = {_unary: _unary_parts, _special_unary: _special_unary_parts, _gelu: _gelu_parts,
-              _gelu_inplace: _gelu_inplace_parts, _binary: _binary_parts, _special_binary: _special_binary_parts,
+FLAT_TWINS = {_unary: _unary_parts, _special_unary: _special_unary_parts, _rare_unary: _rare_unary_parts,
+              _gelu: _gelu_parts, _gelu_inplace: _gelu_inplace_parts, _binary: _binary_parts,
+              _special_binary: _special_binary_parts,
               _gelu_grad: _gelu_grad_parts, _gelu_grad_into_dy: _gelu_grad_into_dy_parts,
               _binary_scalar: _binary_scalar_parts, _binary_rows: _binary_rows_parts}
 
@@ -652,7 +702,7 @@ def _make_unary(kernel, code):
 for _name, _code in BINARY.items():
     if _name not in ("Max", "Min", "Mod"):  # variadic, or with attributes: bound below
         binding(_name, ODTRAIN_DOMAIN if _name.endswith("Grad") else "", parallel=True)(_make_binary(_code))
-for _kernel, _table in ((_unary, UNARY), (_special_unary, SPECIAL_UNARY)):
+for _kernel, _table in ((_unary, UNARY), (_special_unary, SPECIAL_UNARY), (_rare_unary, RARE_UNARY)):
     for _code, _name in enumerate(_table):
         binding(_name, parallel=True)(_make_unary(_kernel, _code))
 
@@ -746,6 +796,27 @@ for _name, _code in COMPARE.items():
 @binding("Not")
 def Not(inputs, outputs):
     return [(_logical_not, (flat(inputs[0]), flat(outputs[0])))]
+
+
+@binding("IsNaN")
+def IsNaN(inputs, outputs):
+    return [(_float_class, (flat(inputs[0]), flat(outputs[0]), True, False, False))]
+
+
+@binding("IsInf")
+def IsInf(inputs, outputs, detect_negative=1, detect_positive=1):
+    return [(_float_class, (flat(inputs[0]), flat(outputs[0]), False, bool(detect_positive), bool(detect_negative)))]
+
+
+@njit(cache=True, error_model="numpy")
+def _bitwise_not(x, out):
+    for i in range(out.size):
+        out[i] = ~x[i]
+
+
+@binding("BitwiseNot")
+def BitwiseNot(inputs, outputs):
+    return [(_bitwise_not, (flat(inputs[0]), flat(outputs[0])))]
 
 
 @binding("Where")

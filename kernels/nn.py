@@ -1,4 +1,5 @@
-"""Kernels: batch normalization, image activations (Clip, LeakyRelu, HardSigmoid, HardSwish), Pad and Dropout.
+"""Kernels: batch normalization, activations with parameters (Clip, LeakyRelu, HardSigmoid, HardSwish, Elu, Selu,
+Celu, ThresholdedRelu, Shrink, Swish), Pad and Dropout.
 
 BatchNormalization sums in float64 per channel (Σx, Σx²; backward Σdy,
 Σdy·x), so one pass gives statistics accurate for float32 data. Its output
@@ -297,9 +298,19 @@ def BatchNormalizationGrad(inputs, outputs, epsilon=1e-5, training_mode=1, activ
 
 # ---- activations ---------------------------------------------------------------------------------
 # Codes (arguments, so one compiled kernel serves the family), parameters a and b as 1-element arrays:
-#   0 Clip(a = min, b = max), 1 LeakyRelu(a = alpha), 2 HardSigmoid(a = alpha, b = beta), 3 HardSwish
+#   0 Clip(a = min, b = max), 1 LeakyRelu(a = alpha), 2 HardSigmoid(a = alpha, b = beta), 3 HardSwish,
+#   4 Elu(a = alpha), 5 Selu(a = alpha, b = gamma), 6 Celu(a = alpha), 7 ThresholdedRelu(a = alpha),
+#   8 Shrink(a = lambd, b = bias), 9 Swish(a = alpha)
 
-ACTIVATIONS = {"Clip": 0, "LeakyRelu": 1, "HardSigmoid": 2, "HardSwish": 3}
+ACTIVATIONS = {"Clip": 0, "LeakyRelu": 1, "HardSigmoid": 2, "HardSwish": 3, "Elu": 4, "Selu": 5, "Celu": 6,
+               "ThresholdedRelu": 7, "Shrink": 8, "Swish": 9}
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _logistic(x):
+    """1 / (1 + e^-x) without overflow."""
+    e = np.exp(-abs(x))
+    return (x * 0 + 1 if x >= 0 else e) / (1 + e)
 
 
 @njit(cache=True, error_model="numpy")
@@ -317,11 +328,29 @@ def _activation(code, x, a_in, b_in, out):
     elif code == 2:
         for i in range(out.size):
             out[i] = max(zero, min(one, a * x[i] + b))
-    else:
+    elif code == 3:
         sixth, half = np.float32(1.0 / 6.0), np.float32(0.5)
         for i in range(out.size):
             v = x[i]
             out[i] = v * max(zero, min(one, v * sixth + half))
+    elif code <= 6:  # Elu, Selu (scaled by gamma), Celu (alpha also divides x): below 0, alpha · (e^x - 1)
+        scale = b if code == 5 else one
+        inner = one / a if code == 6 else one
+        for i in range(out.size):
+            v = x[i]
+            out[i] = scale * (v if v > 0 else a * (np.exp(v * inner) - one))
+    elif code == 7:
+        for i in range(out.size):
+            v = x[i]
+            out[i] = v if v > a else zero
+    elif code == 8:
+        for i in range(out.size):
+            v = x[i]
+            out[i] = v - b if v > a else (v + b if v < -a else zero)
+    else:  # x · sigmoid(alpha · x)
+        for i in range(out.size):
+            v = x[i]
+            out[i] = v * _logistic(a * v)
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -337,12 +366,31 @@ def _activation_grad_loops(code, dy, v, a, b, out):
     elif code == 2:  # alpha where 0 < y < 1
         for i in range(out.size):
             out[i] = dy[i] * (a * np.float32((v[i] > 0) & (v[i] < 1)))
-    else:  # PyTorch's hardswish_backward: 0 below -3, x/3 + 1/2 up to 3, then 1
+    elif code == 3:  # PyTorch's hardswish_backward: 0 below -3, x/3 + 1/2 up to 3, then 1
         third, half = np.float32(1.0 / 3.0), np.float32(0.5)
         for i in range(out.size):
             x = v[i]
             above = np.float32(x > 3)
             out[i] = dy[i] * (np.float32(x >= -3) * ((one - above) * (x * third + half) + above))
+    elif code <= 6:  # from y (y > 0 exactly where x > 0): Elu 1 | y + alpha, Selu gamma | y + gamma·alpha,
+        # Celu 1 | y / alpha + 1
+        above = b if code == 5 else one
+        slope = one / a if code == 6 else one
+        offset = one if code == 6 else (a * b if code == 5 else a)
+        for i in range(out.size):
+            y = v[i]
+            out[i] = dy[i] * (above if y > 0 else y * slope + offset)
+    elif code == 7:  # from x: x > alpha
+        for i in range(out.size):
+            out[i] = dy[i] * np.float32(v[i] > a)
+    elif code == 8:  # from x: |x| > lambd
+        for i in range(out.size):
+            out[i] = dy[i] * np.float32(abs(v[i]) > a)
+    else:  # from x: s + alpha · x · s · (1 - s), s = sigmoid(alpha · x)
+        for i in range(out.size):
+            x = v[i]
+            s = _logistic(a * x)
+            out[i] = dy[i] * (s + a * x * s * (one - s))
 
 
 @njit(cache=True, error_model="numpy")
@@ -394,6 +442,13 @@ def _activation_params(op_type, inputs, attrs):
         return _scalar(attrs.get("alpha", 0.01)), _scalar(0.0)
     if op_type == "HardSigmoid":
         return _scalar(attrs.get("alpha", 0.2)), _scalar(attrs.get("beta", 0.5))
+    if op_type == "Selu":
+        return (_scalar(attrs.get("alpha", 1.67326319217681884765625)),
+                _scalar(attrs.get("gamma", 1.05070102214813232421875)))
+    if op_type == "Shrink":
+        return _scalar(attrs.get("lambd", 0.5)), _scalar(attrs.get("bias", 0.0))
+    if op_type in ("Elu", "Celu", "ThresholdedRelu", "Swish"):
+        return _scalar(attrs.get("alpha", 1.0)), _scalar(0.0)
     return _scalar(0.0), _scalar(0.0)
 
 

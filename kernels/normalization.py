@@ -1,4 +1,4 @@
-"""Softmax, LogSoftmax, LayerNormalization and RMSNormalization kernels, forward and backward.
+"""Softmax, LogSoftmax, LayerNormalization, RMSNormalization and LpNormalization kernels, forward and backward.
 
 Tensors are viewed as [outer, n, inner] around the normalised axis (softmax) or as rows of
 the normalised axes (layer norm), so every kernel is a loop over independent rows; the
@@ -188,6 +188,55 @@ def _around(shape, axis):
     axis = int(axis) % len(shape)
     return (int(np.prod(shape[:axis], dtype=np.int64)), int(shape[axis]),
             int(np.prod(shape[axis + 1:], dtype=np.int64)))
+
+
+@njit(cache=True, inline="always", error_model="numpy")
+def _lp_norm(x, base, n, inner, p):
+    total = x[base] * 0
+    for k in range(n):
+        v = x[base + k * inner]
+        total += abs(v) if p == 1 else v * v
+    norm = total if p == 1 else np.sqrt(total)
+    return norm if norm > 0 else norm + 1  # a zero line stays zero
+
+
+@njit(cache=True, error_model="numpy")
+def _lp_normalize(x, out, outer, n, inner, p):
+    """out = x / its L1 or L2 norm along the middle axis of [outer, n, inner]."""
+    for o in range(outer):
+        for i in range(inner):
+            base = o * n * inner + i
+            norm = _lp_norm(x, base, n, inner, p)
+            for k in range(n):
+                out[base + k * inner] = x[base + k * inner] / norm
+
+
+@njit(cache=True, error_model="numpy")
+def _lp_normalize_grad(dy, x, dx, outer, n, inner, p):
+    """dx = (dy - g · Σ dy·y) / N along the middle axis, y = x / N, g = y (L2) or sign(x) (L1); dx may be dy."""
+    for o in range(outer):
+        for i in range(inner):
+            base = o * n * inner + i
+            norm = _lp_norm(x, base, n, inner, p)
+            s = x[base] * 0
+            for k in range(n):
+                s += dy[base + k * inner] * x[base + k * inner] / norm
+            for k in range(n):
+                v = x[base + k * inner]
+                g = v / norm if p == 2 else (v > 0) - (v < 0)
+                dx[base + k * inner] = (dy[base + k * inner] - g * s) / norm
+
+
+@binding("LpNormalization")
+def LpNormalization(inputs, outputs, axis=-1, p=2):
+    x = inputs[0]
+    return [(_lp_normalize, (flat(x), flat(outputs[0])) + _around(x.shape, axis) + (int(p),))]
+
+
+@binding("LpNormalizationGrad", ODTRAIN_DOMAIN)
+def LpNormalizationGrad(inputs, outputs, axis=-1, p=2):
+    dy, x = inputs
+    return [(_lp_normalize_grad, (flat(dy), flat(x), flat(outputs[0])) + _around(x.shape, axis) + (int(p),))]
 
 
 @binding("Softmax", parallel=True)

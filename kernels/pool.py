@@ -1,4 +1,4 @@
-"""Kernels: MaxPool, AveragePool, GlobalMaxPool, GlobalAveragePool and their gradient ops.
+"""Kernels: MaxPool, AveragePool, LpPool, GlobalMaxPool, GlobalAveragePool and their gradient ops.
 
 Every (image, channel) pair is one plane: X is seen as [N·C, D, H, W], with the 3 spatial axes
 and `geom` of windows.py (a global pool is one window the size of the input). MaxPool's first
@@ -258,6 +258,60 @@ def _average_pool_parts(x, y, inverse_count, geom, bounds):
 def _average_pool_grad_parts(dy, dx, inverse_count, geom, bounds):
     for p in prange(bounds.size - 1):
         _average_pool_grad(dy[bounds[p]:bounds[p + 1]], dx[bounds[p]:bounds[p + 1]], inverse_count, geom)
+
+
+@njit(cache=True, error_model="numpy")
+def _lp_pool(x, y, dy, dx, p, geom, backward):
+    """Forward: y = (Σ |x|^p)^(1/p) over each window. Backward: dx = Σ over the windows holding a cell of
+    dy · sign(x) · (|x| / y)^(p-1) (zero where y is zero)."""
+    depth, height, width = x.shape[1], x.shape[2], x.shape[3]
+    if backward:
+        dx.reshape(-1)[:] = 0
+    for nc in range(x.shape[0]):
+        plane = x[nc]
+        for od in range(y.shape[1]):
+            for oh in range(y.shape[2]):
+                for ow in range(y.shape[3]):
+                    total = np.float32(0.0)
+                    norm = y[nc, od, oh, ow]
+                    for kd in range(geom[0]):
+                        i_d = od * geom[3] + kd * geom[6] - geom[9]
+                        if i_d < 0 or i_d >= depth:
+                            continue
+                        for kh in range(geom[1]):
+                            i_h = oh * geom[4] + kh * geom[7] - geom[10]
+                            if i_h < 0 or i_h >= height:
+                                continue
+                            for kw in range(geom[2]):
+                                i_w = ow * geom[5] + kw * geom[8] - geom[11]
+                                if i_w < 0 or i_w >= width:
+                                    continue
+                                v = plane[i_d, i_h, i_w]
+                                if not backward:
+                                    total += abs(v) ** p
+                                elif norm > 0:
+                                    sign = np.float32((v > 0) - (v < 0))
+                                    dx[nc, i_d, i_h, i_w] += dy[nc, od, oh, ow] * sign * (abs(v) / norm) ** (p - 1)
+                    if not backward:
+                        y[nc, od, oh, ow] = total ** (np.float32(1.0) / p)
+
+
+@binding("LpPool")
+def LpPool(inputs, outputs, p=2, **attrs):
+    x, y = inputs[0], outputs[0]
+    geom, _ = _pool_geometry(x.shape, y.shape, **attrs)
+    xv, yv = _pool_views(x.shape, y.shape)
+    x4, y4 = x.reshape(xv), y.reshape(yv)
+    return [(_lp_pool, (x4, y4, y4, x4, np.float32(p), geom, False))]
+
+
+@binding("LpPoolGrad", ODTRAIN_DOMAIN)
+def LpPoolGrad(inputs, outputs, p=2, **attrs):
+    dy, x, y = inputs
+    dx = outputs[0]
+    geom, _ = _pool_geometry(x.shape, y.shape, **attrs)
+    xv, yv = _pool_views(x.shape, y.shape)
+    return [(_lp_pool, (x.reshape(xv), y.reshape(yv), dy.reshape(yv), dx.reshape(xv), np.float32(p), geom, True))]
 
 
 PARALLEL_TWINS = {_max_pool: _max_pool_parts, _max_pool_grad: _max_pool_grad_parts, _max_pool_2x2: _max_pool_2x2_parts,

@@ -27,6 +27,7 @@ from numba import njit
 from . import ODTRAIN_DOMAIN, binding
 from .conv import Conv, conv_scratch
 from .linalg import gemm_calls, promoted_shapes
+from .tensor import convert_call, converts
 
 QUANTIZE, DEQUANTIZE, REQUANTIZE, FAKE, FAKE_GRAD = 0, 1, 2, 3, 4
 ALIGNMENT = 64
@@ -163,7 +164,17 @@ def QuantizeLinear(inputs, outputs, axis=1, saturate=1, block_size=0, output_dty
 
 @binding("DequantizeLinear")
 def DequantizeLinear(inputs, outputs, axis=1, block_size=0, output_dtype=0):
-    return [affine_call(DEQUANTIZE, inputs[0], inputs[1], _optional(inputs, 2), outputs[0], axis, block_size)]
+    x, zero, y = inputs[0], _optional(inputs, 2), outputs[0]
+    if not converts(x.dtype):
+        return [affine_call(DEQUANTIZE, x, inputs[1], zero, y, axis, block_size)]
+    # float8, float4, int4, int2: converted to float32 into y (and the zero point into a buffer of its own, made
+    # when the step is bound), then dequantized in place
+    calls = [convert_call(x, y, 1)]
+    if zero is not None:
+        zero32 = np.zeros(zero.shape, np.float32)
+        calls.append(convert_call(zero, zero32, 1))
+        zero = zero32
+    return calls + [affine_call(DEQUANTIZE, y, inputs[1], zero, y, axis, block_size)]
 
 
 @binding("DynamicQuantizeLinear")

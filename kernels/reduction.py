@@ -1,6 +1,6 @@
 """Reductions: sums over axes (ReduceSum, ReduceMean, SumToShape), the other folds (ReduceMax,
 ReduceMin, ReduceL1, ReduceL2, ReduceSumSquare, ReduceLogSum, ReduceLogSumExp, ReduceProd),
-their broadcasts back, ArgMax/ArgMin, and CumSum/CumProd.
+their broadcasts back, ArgMax/ArgMin, Hardmax, TopK, and CumSum/CumProd.
 
 An op along one axis (ArgMax, CumSum) sees its input as [outer, axis, inner]."""
 from __future__ import annotations
@@ -251,6 +251,64 @@ def _make_arg(smallest: bool):
 
 binding("ArgMax")(_make_arg(False))
 binding("ArgMin")(_make_arg(True))
+
+
+@njit(cache=True, error_model="numpy")
+def _hardmax(x, out, outer, n, inner):
+    """out [outer, n, inner] = 1 at the first largest element of x along the middle axis, else 0."""
+    for o in range(outer):
+        for i in range(inner):
+            base = o * n * inner + i
+            at = 0
+            for k in range(n):
+                out[base + k * inner] = 0
+                if x[base + k * inner] > x[base + at * inner]:
+                    at = k
+            out[base + at * inner] = 1
+
+
+@binding("Hardmax")
+def Hardmax(inputs, outputs, axis=-1):
+    x = inputs[0]
+    outer, n, inner = _outer_axis_inner(x.shape, int(axis) % max(x.ndim, 1))
+    return [(_hardmax, (flat(x), flat(outputs[0]), outer, n, inner))]
+
+
+@njit(cache=True, error_model="numpy")
+def _top_k(x, values, indices, outer, n, inner, k, largest):
+    """values, indices [outer, k, inner] = the k largest (smallest) elements of x [outer, n, inner] along the middle
+    axis and their positions, sorted, the first of equal elements first: each element is inserted after those
+    at least as good, into a list kept in the outputs."""
+    for o in range(outer):
+        for i in range(inner):
+            base = o * n * inner + i
+            top = o * k * inner + i
+            kept = 0
+            for j in range(n):
+                v = x[base + j * inner]
+                p = kept
+                while p > 0:
+                    kept_value = values[top + (p - 1) * inner]
+                    if not ((v > kept_value) if largest else (v < kept_value)):
+                        break
+                    p -= 1
+                if p >= k:
+                    continue
+                for q in range(min(kept, k - 1), p, -1):  # shift the worse ones down by one
+                    values[top + q * inner] = values[top + (q - 1) * inner]
+                    indices[top + q * inner] = indices[top + (q - 1) * inner]
+                values[top + p * inner] = v
+                indices[top + p * inner] = j
+                kept = min(kept + 1, k)
+
+
+@binding("TopK")
+def TopK(inputs, outputs, axis=-1, largest=1, sorted=1):
+    x = inputs[0]
+    axis = int(axis) % max(x.ndim, 1)
+    outer, n, inner = _outer_axis_inner(x.shape, axis)
+    k = outputs[0].shape[axis]
+    return [(_top_k, (flat(x), flat(outputs[0]), flat(outputs[1]), outer, n, inner, k, bool(largest)))]
 
 
 @njit(cache=True, error_model="numpy")

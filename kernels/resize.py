@@ -1,4 +1,4 @@
-"""Kernels: Resize, Upsample and ResizeGrad.
+"""Kernels: Resize, Upsample and ResizeGrad; GridSample and AffineGrid and their gradients.
 
 Resize builds per-axis tables of source cells and weights at bind time; a step gathers (nearest),
 resamples each plane separably through a scratch of rows (linear, cubic), or sums the tap products
@@ -342,3 +342,179 @@ def Upsample(inputs, outputs, mode="nearest", scratch=None):  # opset 9: Upsampl
 def ResizeGrad(inputs, outputs, scratch=None, **attrs):
     return _resize_calls(inputs[0], outputs[0], _optional(inputs, 2), _optional(inputs, 3), _optional(inputs, 4),
                          attrs, scratch, gradient=True)
+
+
+# ---- GridSample --------------------------------------------------------------------------------------------
+# Modes and padding modes as codes (arguments of one kernel): 0 nearest, 1 linear, 2 cubic; 0 zeros, 1 border,
+# 2 reflection.
+GRID_MODES = {"nearest": 0, "linear": 1, "bilinear": 1, "cubic": 2, "bicubic": 2}
+GRID_PADDINGS = {"zeros": 0, "border": 1, "reflection": 2}
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _reflect(v, low, high):
+    """v reflected by the near border until it lies in [low, high]."""
+    span = high - low
+    if span <= 0:
+        return low
+    if v < low:
+        distance = low - v
+        n = int(distance / span)
+        rest = distance - n * span
+        return low + rest if n % 2 == 0 else high - rest
+    if v > high:
+        distance = v - high
+        n = int(distance / span)
+        rest = distance - n * span
+        return high - rest if n % 2 == 0 else low + rest
+    return v
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _grid_taps(g, size, mode, padding, align, index, weight):
+    """The cells one normalised coordinate g reads along an axis of `size` cells and their weights, written into
+    index and weight (up to 4); returns their count. A cell outside the input reads zero (zeros padding: weight
+    0), the nearest border cell (border) or its reflection (reflection)."""
+    pos = (g + 1) / 2 * (size - 1) if align else ((g + 1) * size - 1) / 2
+    low, high = (0.0, size - 1.0) if align else (-0.5, size - 0.5)
+    if mode == 0:
+        pos = np.rint(pos)
+    if pos < low or pos > high:
+        if padding == 1:
+            pos = min(max(pos, 0.0), size - 1.0)
+        elif padding == 2:
+            pos = _reflect(pos, low, high)
+    if mode == 0:
+        count, first = 1, int(pos)
+        weight[0] = 1.0
+    else:
+        base = np.floor(pos)
+        f = pos - base
+        if mode == 1:
+            count, first = 2, int(base)
+            weight[0], weight[1] = 1 - f, f
+        else:  # Keys' cubic convolution, A = -0.75
+            count, first = 4, int(base) - 1
+            a = -0.75
+            for t in range(4):
+                x = abs(f - (t - 1))
+                weight[t] = ((a + 2) * x - (a + 3)) * x * x + 1 if x <= 1 else ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+    for t in range(count):
+        i = first + t
+        if i < 0 or i >= size:
+            if padding == 0:
+                i, weight[t] = 0, 0.0
+            elif padding == 1:
+                i = min(max(i, 0), size - 1)
+            else:
+                i = int(_reflect(float(i), low, high))
+        index[t] = i
+    return count
+
+
+@njit(cache=True, error_model="numpy")
+def _grid_sample(x, grid, y, dy, dx, mode, padding, align, volumetric, backward, index, weight):
+    """Forward: y[n, c, p] = Σ over the taps of grid point p of weight · x[n, c, tap]. Backward: dx = Σ over the
+    points of dy · weight at each tap. x, dx: [N, C, D, H, W]; grid: [N, P, 3 or 2] (x, y[, z]); y, dy: [N, C, P]."""
+    depth, height, width = x.shape[2], x.shape[3], x.shape[4]
+    index = np.zeros((3, 4), np.int64)  # small, fixed: LLVM keeps it on the stack
+    weight = np.zeros((3, 4), np.float64)
+    if backward:
+        dx.reshape(-1)[:] = 0
+    for n in range(x.shape[0]):
+        for p in range(grid.shape[1]):
+            if volumetric:
+                taps_d = _grid_taps(grid[n, p, 2], depth, mode, padding, align, index[0], weight[0])
+            else:
+                taps_d, index[0, 0], weight[0, 0] = 1, 0, 1.0
+            taps_h = _grid_taps(grid[n, p, 1], height, mode, padding, align, index[1], weight[1])
+            taps_w = _grid_taps(grid[n, p, 0], width, mode, padding, align, index[2], weight[2])
+            for c in range(x.shape[1]):
+                total = 0.0
+                for a in range(taps_d):
+                    for b in range(taps_h):
+                        for e in range(taps_w):
+                            w = weight[0, a] * weight[1, b] * weight[2, e]
+                            if backward:
+                                dx[n, c, index[0, a], index[1, b], index[2, e]] += dy[n, c, p] * w
+                            else:
+                                total += w * x[n, c, index[0, a], index[1, b], index[2, e]]
+                if not backward:
+                    y[n, c, p] = total
+
+
+def _tap_buffers():
+    """Each axis's taps (up to 4) and weights of one grid point: made when the step is bound, reused by every call."""
+    return np.zeros((3, 4), np.int64), np.zeros((3, 4), np.float64)
+
+
+def _grid_views(x_shape, grid, y_shape):
+    volumetric = len(x_shape) == 5
+    x5 = tuple(x_shape) if volumetric else (x_shape[0], x_shape[1], 1) + tuple(x_shape[2:])
+    points = int(np.prod(grid.shape[1:-1], dtype=np.int64))
+    return volumetric, x5, grid.reshape(grid.shape[0], points, grid.shape[-1]), (y_shape[0], y_shape[1], points)
+
+
+@binding("GridSample")
+def GridSample(inputs, outputs, mode="linear", padding_mode="zeros", align_corners=0):
+    x, grid = inputs
+    y = outputs[0]
+    volumetric, x5, grid3, y3 = _grid_views(x.shape, grid, y.shape)
+    x5v, y3v = x.reshape(x5), y.reshape(y3)
+    return [(_grid_sample, (x5v, grid3, y3v, y3v, x5v, GRID_MODES[_text(mode)], GRID_PADDINGS[_text(padding_mode)],
+                            bool(align_corners), volumetric, False) + _tap_buffers())]
+
+
+@binding("GridSampleGrad", ODTRAIN_DOMAIN)
+def GridSampleGrad(inputs, outputs, mode="linear", padding_mode="zeros", align_corners=0):
+    dy, x, grid = inputs
+    dx = outputs[0]
+    volumetric, x5, grid3, y3 = _grid_views(x.shape, grid, dy.shape)
+    dx5, dy3 = dx.reshape(x5), dy.reshape(y3)
+    return [(_grid_sample, (x.reshape(x5), grid3, dy3, dy3, dx5, GRID_MODES[_text(mode)],
+                            GRID_PADDINGS[_text(padding_mode)], bool(align_corners), volumetric, True)
+             + _tap_buffers())]
+
+
+# ---- AffineGrid ---------------------------------------------------------------------------------------------
+
+
+def _base_grid(size, align_corners) -> np.ndarray:
+    """[P, k + 1]: each output point's normalised (x, y[, z], 1), the x of the last axis first."""
+    spatial = [int(s) for s in size[2:]]
+    axes = [np.linspace(-1, 1, n) if align_corners else (2 * np.arange(n) + 1) / n - 1 for n in spatial]
+    mesh = np.meshgrid(*axes, indexing="ij")
+    points = [m.reshape(-1) for m in reversed(mesh)] + [np.ones(mesh[0].size)]
+    return np.ascontiguousarray(np.stack(points, axis=1), dtype=np.float32)
+
+
+@njit(cache=True, error_model="numpy")
+def _affine_grid(theta, base, grid, backward):
+    """Forward: grid[n, p, i] = Σ_j theta[n, i, j] · base[p, j]. Backward (theta is dθ, grid is dY):
+    dθ[n, i, j] = Σ_p dY[n, p, i] · base[p, j]."""
+    for n in range(theta.shape[0]):
+        for i in range(theta.shape[1]):
+            if backward:
+                for j in range(theta.shape[2]):
+                    total = np.float32(0.0)
+                    for p in range(base.shape[0]):
+                        total += grid[n, p, i] * base[p, j]
+                    theta[n, i, j] = total
+            else:
+                for p in range(base.shape[0]):
+                    total = np.float32(0.0)
+                    for j in range(theta.shape[2]):
+                        total += theta[n, i, j] * base[p, j]
+                    grid[n, p, i] = total
+
+
+def _affine_grid_call(theta, size, grid, align_corners, backward):
+    base = _base_grid(size.reshape(-1), align_corners)
+    k = theta.shape[1]
+    return [(_affine_grid, (theta, base, grid.reshape(theta.shape[0], base.shape[0], k), backward))]
+
+
+binding("AffineGrid")(lambda inputs, outputs, align_corners=0: _affine_grid_call(
+    inputs[0], inputs[1], outputs[0], align_corners, False))
+binding("AffineGridGrad", ODTRAIN_DOMAIN)(lambda inputs, outputs, align_corners=0: _affine_grid_call(
+    outputs[0], inputs[1], inputs[0], align_corners, True))

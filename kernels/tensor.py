@@ -1,6 +1,7 @@
-"""Layout and indexing kernels: Transpose, Expand, Tile, Slice, Concat, Split, Gather*, Scatter*, Cast, fills.
+"""Layout and indexing kernels: Transpose (DepthToSpace, SpaceToDepth), Expand, Tile, Slice, Concat, Split, Gather*,
+Scatter*, TensorScatter, Compress, OneHot, CenterCropPad, ReverseSequence, Cast, fills.
 
-(Reshape, Flatten, Squeeze, Unsqueeze and Identity are arena views; Shape, Constant, Range and
+(Reshape, Flatten, Squeeze, Unsqueeze, BitCast and Identity are arena views; Shape, Constant, Range and
 ConstantOfShape usually fold to constants before a step.)
 
 Most ops here are one strided copy, `_copy_strided`: 6 nested loops over a coalesced index
@@ -93,6 +94,29 @@ def Transpose(inputs, outputs, perm=None):
                       out.shape)]
 
 
+def _depth_space(inputs, outputs, blocksize, mode, to_space):
+    """DepthToSpace and SpaceToDepth (modes DCR and CRD): a transpose of 6-D views of input and output."""
+    x, out = inputs[0], outputs[0]
+    b = int(blocksize)
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    n, c, h, w = x.shape
+    if to_space:
+        view, perm = ((n, b, b, c // (b * b), h, w), (0, 3, 4, 1, 5, 2)) if mode == "DCR" else \
+            ((n, c // (b * b), b, b, h, w), (0, 1, 4, 2, 5, 3))
+    else:
+        view = (n, c, h // b, b, w // b, b)
+        perm = (0, 3, 5, 1, 2, 4) if mode == "DCR" else (0, 1, 3, 5, 2, 4)
+    source = x.reshape(view)
+    return Transpose([source], [out.reshape(tuple(view[p] for p in perm))], perm=perm)
+
+
+binding("DepthToSpace")(lambda inputs, outputs, blocksize=0, mode="DCR": _depth_space(inputs, outputs, blocksize,
+                                                                                        mode, True))
+for _domain in ("", ODTRAIN_DOMAIN):  # odtrain's, DepthToSpace's gradient, has CRD in models of any opset
+    binding("SpaceToDepth", _domain)(lambda inputs, outputs, blocksize=0, mode="DCR": _depth_space(
+        inputs, outputs, blocksize, mode, False))
+
+
 @binding("Expand")
 def Expand(inputs, outputs):
     x, out = inputs[0], outputs[0]
@@ -158,6 +182,18 @@ def SliceGrad(inputs, outputs, **attrs):
     dy, out = inputs[0], outputs[0]
     offset, strides = _slice_layout(out.shape, *_slice_args(inputs[1:], attrs))
     return [fill_call(out), copy_call(dy, 0, _c_strides(dy.shape), out, offset, strides, dy.shape)]
+
+
+@binding("CenterCropPad")
+def CenterCropPad(inputs, outputs, axes=None):
+    """Zeros where the output is padded, then the centred overlap of input and output copied."""
+    x, out = inputs[0], outputs[0]
+    xs, os_ = _c_strides(x.shape), _c_strides(out.shape)
+    x_start = sum(max(a - b, 0) // 2 * s for a, b, s in zip(x.shape, out.shape, xs))
+    out_start = sum(max(b - a, 0) // 2 * s for a, b, s in zip(x.shape, out.shape, os_))
+    overlap = tuple(min(a, b) for a, b in zip(x.shape, out.shape))
+    fill = [fill_call(out)] if out.size > int(np.prod(overlap, dtype=np.int64)) else []
+    return fill + [copy_call(x, x_start, xs, out, out_start, os_, overlap)]
 
 
 def _axis_offsets(shapes, axis):
@@ -297,6 +333,26 @@ def GatherGrad(inputs, outputs, axis=0, threads=1):
     return [(_scatter_add_parts, args + (part_bounds(inner, parts),))]
 
 
+def _compressed(x: np.ndarray, condition: np.ndarray, axis):
+    """(x, or x flattened without an axis; the axis; the positions kept): Compress as a Gather."""
+    if axis is None:
+        x, axis = x.reshape(-1), 0
+    axis = int(axis) % x.ndim
+    return x, axis, np.flatnonzero(condition.reshape(-1)[:x.shape[axis]]).astype(np.int64)
+
+
+@binding("Compress")
+def Compress(inputs, outputs, axis=None):
+    x, axis, kept = _compressed(inputs[0], inputs[1], axis)
+    return Gather([x, kept], outputs, axis=axis)
+
+
+@binding("CompressGrad", ODTRAIN_DOMAIN)
+def CompressGrad(inputs, outputs, axis=None):
+    dx, axis, kept = _compressed(outputs[0], inputs[1], axis)
+    return GatherGrad([inputs[0], kept], [dx], axis=axis)  # zeros where nothing was kept
+
+
 @njit(cache=True, inline="always")
 def _element_offset(k, position, index_axis, axis_len, data_strides):
     if k < 0:
@@ -378,6 +434,7 @@ def GatherElementsGrad(inputs, outputs, axis=0):
     return [(_scatter_elements, (flat(out), strides, flat(indices), flat(dy), dims, index_axis, axis_len, 5))]
 
 
+@binding("Scatter")  # ScatterElements' name in opsets 9 and 10
 @binding("ScatterElements")
 def ScatterElements(inputs, outputs, axis=0, reduction="none"):
     data, indices, updates, out = inputs[0], inputs[1], inputs[2], outputs[0]
@@ -451,6 +508,103 @@ def ScatterND(inputs, outputs, reduction="none"):
                                    SCATTER[reduction]))]
 
 
+@njit(cache=True, error_model="numpy")
+def _reverse_sequence(x, lengths, out, steps, batch, time_stride, batch_stride, inner):
+    """out[t, b] = x[lengths[b] - 1 - t, b] for t < lengths[b], else x[t, b]; each [t, b] a run of `inner`."""
+    for b in range(batch):
+        length = min(max(np.int64(lengths[b]), 0), steps)
+        for t in range(steps):
+            source = length - 1 - t if t < length else t
+            src = source * time_stride + b * batch_stride
+            dst = t * time_stride + b * batch_stride
+            for i in range(inner):
+                out[dst + i] = x[src + i]
+
+
+@binding("ReverseSequence")
+def ReverseSequence(inputs, outputs, time_axis=0, batch_axis=1):
+    x, lengths = inputs
+    inner = int(np.prod(x.shape[2:], dtype=np.int64))
+    strides = (x.shape[1] * inner, inner)  # of axes 0 and 1
+    time_stride, batch_stride = strides if int(time_axis) == 0 else strides[::-1]
+    return [(_reverse_sequence, (flat(x), flat(lengths), flat(outputs[0]), int(x.shape[int(time_axis)]),
+                                 int(x.shape[int(batch_axis)]), time_stride, batch_stride, inner))]
+
+
+@njit(cache=True, error_model="numpy")
+def _tensor_scatter(cache, update, indices, out, outer, per_batch, length, steps, inner, circular, backward):
+    """Forward: out = cache, then update's rows [outer, steps, inner] written into out's [outer, length, inner] from
+    row indices[outer // per_batch] (modulo length if circular). Backward (cache is dY, update is dUpdate,
+    out is dCache): dCache = dY with those rows zeroed, dUpdate = dY's rows there."""
+    for i in range(out.size):
+        out[i] = cache[i]
+    for o in range(outer):
+        start = indices[o // per_batch] if indices.size else 0
+        for s in range(steps):
+            row = start + s
+            if circular:
+                row %= length
+            target = (o * length + row) * inner
+            source = (o * steps + s) * inner
+            for i in range(inner):
+                if backward:
+                    update[source + i] = cache[target + i]
+                    out[target + i] = 0
+                else:
+                    out[target + i] = update[source + i]
+
+
+def _tensor_scatter_layout(cache_shape, update_shape, axis):
+    axis = int(axis) % len(cache_shape)
+    outer = int(np.prod(cache_shape[:axis], dtype=np.int64))
+    return (outer, outer // int(cache_shape[0]), int(cache_shape[axis]), int(update_shape[axis]),
+            int(np.prod(cache_shape[axis + 1:], dtype=np.int64)))
+
+
+def _write_indices(inputs) -> np.ndarray:
+    return flat(inputs[2]) if len(inputs) > 2 and inputs[2] is not None else np.zeros(0, np.int64)
+
+
+@binding("TensorScatter")
+def TensorScatter(inputs, outputs, axis=-2, mode="linear"):
+    cache, update, out = inputs[0], inputs[1], outputs[0]
+    layout = _tensor_scatter_layout(cache.shape, update.shape, axis)
+    return [(_tensor_scatter, (flat(cache), flat(update), _write_indices(inputs), flat(out)) + layout
+             + (mode == "circular", False))]
+
+
+@binding("TensorScatterGrad", ODTRAIN_DOMAIN)
+def TensorScatterGrad(inputs, outputs, axis=-2, mode="linear"):
+    dy, update = inputs[0], inputs[1]
+    d_cache, d_update = outputs
+    layout = _tensor_scatter_layout(dy.shape, update.shape, axis)
+    return [(_tensor_scatter, (flat(dy), flat(d_update), _write_indices(inputs), flat(d_cache)) + layout
+             + (mode == "circular", True))]
+
+
+@njit(cache=True, error_model="numpy")
+def _one_hot(indices, values, out, outer, depth, inner):
+    """out [outer, depth, inner] = values[1] where the index at (outer, inner) (negative: from the end) is the
+    position along depth, values[0] elsewhere."""
+    for o in range(outer):
+        for i in range(inner):
+            at = np.int64(indices[o * inner + i])
+            if at < 0:
+                at += depth
+            for d in range(depth):
+                out[(o * depth + d) * inner + i] = values[1] if d == at else values[0]
+
+
+@binding("OneHot")
+def OneHot(inputs, outputs, axis=-1):
+    indices, _, values = inputs
+    out = outputs[0]
+    axis = int(axis) % out.ndim
+    outer = int(np.prod(out.shape[:axis], dtype=np.int64))
+    return [(_one_hot, (flat(indices), flat(values), flat(out), outer, int(out.shape[axis]),
+                        int(np.prod(out.shape[axis + 1:], dtype=np.int64))))]
+
+
 # ---- Cast and fills ---------------------------------------------------------------------------
 
 
@@ -466,15 +620,152 @@ def _to_bool(x, out):
         out[i] = x[i] != 0
 
 
+# Element types Numba cannot compute with, held as their bit patterns: dtype name -> (exponent bits, mantissa
+# bits, exponent bias, specials). Specials: "ieee" (all-ones exponent: infinities and NaNs), "fn" (only the
+# all-ones code is NaN), "fnuz" (the negative-zero code is the one NaN), "finite" (neither).
+MINIFLOATS = {"float16": (5, 10, 15, "ieee"), "bfloat16": (8, 7, 127, "ieee"), "float8_e4m3fn": (4, 3, 7, "fn"),
+              "float8_e4m3fnuz": (4, 3, 8, "fnuz"), "float8_e5m2": (5, 2, 15, "ieee"),
+              "float8_e5m2fnuz": (5, 2, 16, "fnuz"), "float4_e2m1fn": (2, 1, 1, "finite")}
+# Integers of fewer than 8 bits, one a byte: dtype name -> (bits, signed).
+SMALL_INTEGERS = {"int4": (4, True), "uint4": (4, False), "int2": (2, True), "uint2": (2, False)}
+READ_NATIVE, READ_TABLE, READ_SIGNED, READ_UNSIGNED = range(4)
+WRITE_NATIVE, WRITE_MINIFLOAT, WRITE_SMALL_INTEGER = range(3)
+
+
+def minifloat_values(name: str) -> np.ndarray:
+    """The value of every code of a MINIFLOATS format, in float64 (NaN for its NaN codes)."""
+    exponent_bits, mantissa_bits, bias, specials = MINIFLOATS[name]
+    codes = np.arange(1 << (1 + exponent_bits + mantissa_bits), dtype=np.int64)
+    sign_bit = 1 << (exponent_bits + mantissa_bits)
+    exponent = (codes >> mantissa_bits) & ((1 << exponent_bits) - 1)
+    mantissa = (codes & ((1 << mantissa_bits) - 1)).astype(np.float64)
+    normal = exponent > 0
+    values = np.ldexp(np.where(normal, mantissa + (1 << mantissa_bits), mantissa),
+                      np.where(normal, exponent, 1) - bias - mantissa_bits)
+    values = np.where(codes & sign_bit, -values, values)
+    top = exponent == (1 << exponent_bits) - 1
+    if specials == "ieee":
+        values = np.where(top, np.where(mantissa == 0, np.copysign(np.inf, values), np.nan), values)
+    elif specials == "fn":
+        values[(codes & (sign_bit - 1)) == sign_bit - 1] = np.nan
+    elif specials == "fnuz":
+        values[sign_bit] = np.nan
+    return values
+
+
+def _encoding(name: str, saturate: bool):
+    """The arguments of _convert's minifloat writer: the ascending finite magnitudes (the codes 0, 1, ...),
+    the sign bit, the codes of overflow and NaN, whether it saturates and has a negative zero."""
+    exponent_bits, mantissa_bits, _, specials = MINIFLOATS[name]
+    values = minifloat_values(name)
+    sign_bit = 1 << (exponent_bits + mantissa_bits)
+    positive = values[:sign_bit]
+    finite = int(np.argmax(~np.isfinite(positive))) if not np.isfinite(positive).all() else sign_bit
+    if specials == "ieee":  # overflow to infinity; only the float8 types saturate
+        overflow, nan = finite, finite | (1 << (mantissa_bits - 1))
+        saturate = saturate and exponent_bits + mantissa_bits < 8
+    elif specials == "fn":
+        overflow = nan = sign_bit - 1
+    elif specials == "fnuz":
+        overflow = nan = sign_bit
+    else:  # no infinity, no NaN: always saturates, NaN becomes negative zero (as ml_dtypes does)
+        overflow, nan, saturate = finite - 1, sign_bit, True
+    return (np.ascontiguousarray(positive[:finite]), sign_bit, overflow, nan, bool(saturate), specials != "fnuz")
+
+
+@njit(cache=True, error_model="numpy")
+def _convert(x, out, read, table, bits, write, magnitudes, sign_bit, overflow, nan, saturate, negative_zero):
+    """out = x converted through float64: x read natively, through a table of its codes' values, or as a small
+    signed/unsigned integer of `bits` bits; out written natively, as the code of the nearest of the
+    ascending `magnitudes` (ties to the even code; beyond the largest: the largest if saturating, else
+    `overflow`; NaN: `nan`; a sign bit unless the result is a zero without `negative_zero`), or as a
+    small integer (truncated, wrapped to `bits` bits)."""
+    count = magnitudes.size
+    mask = (1 << bits) - 1
+    for i in range(out.size):
+        if read == READ_NATIVE:
+            v = np.float64(x[i])
+        elif read == READ_TABLE:
+            v = table[np.int64(x[i])]
+        else:
+            c = np.int64(x[i]) & mask
+            v = np.float64(c - (1 << bits) if read == READ_SIGNED and c >> (bits - 1) else c)
+        if write == WRITE_NATIVE:
+            out[i] = v
+        elif write == WRITE_SMALL_INTEGER:
+            c = (np.int64(v) if np.isfinite(v) else 0) & mask
+            out[i] = c - (1 << bits) if sign_bit and c >> (bits - 1) else c
+        elif v != v:
+            out[i] = nan
+        else:
+            a = abs(v)
+            if a == np.inf:
+                code = count - 1 if saturate else overflow
+            else:
+                low, high = 0, count - 1  # the largest k with magnitudes[k] <= a
+                while low < high:
+                    middle = (low + high + 1) // 2
+                    if magnitudes[middle] <= a:
+                        low = middle
+                    else:
+                        high = middle - 1
+                above = magnitudes[low + 1] if low + 1 < count else 2 * magnitudes[count - 1] - magnitudes[count - 2]
+                below = magnitudes[low]
+                code = low
+                if a - below > above - a or (a - below == above - a and low % 2 == 1):
+                    code = low + 1
+                if code == count:
+                    code = count - 1 if saturate else overflow
+            negative = v < 0 or (v == 0 and np.copysign(1.0, v) < 0)
+            if negative and (code != 0 or negative_zero) and not (code == nan and sign_bit == nan):
+                code |= sign_bit  # a negative overflow keeps its sign, even as NaN, unless NaN is the sign bit
+            out[i] = code
+
+
+def _minifloat_table(name: str) -> np.ndarray:
+    return minifloat_values(name)
+
+
+def converts(dtype) -> bool:
+    """Whether a dtype is one _convert reads or writes through its bits (float16 and the types numpy lacks)."""
+    return dtype.name in MINIFLOATS or dtype.name in SMALL_INTEGERS
+
+
+def _bits_view(a: np.ndarray) -> np.ndarray:
+    """A storage-type array as its unsigned codes (numpy views)."""
+    return flat(a).view(np.uint16 if a.dtype.itemsize == 2 else np.uint8)
+
+
+def convert_call(x: np.ndarray, out: np.ndarray, saturate: int):
+    none = np.zeros(2, np.float64)
+    read, table, bits, source = READ_NATIVE, none, 8, flat(x)
+    if x.dtype.name in MINIFLOATS:
+        read, table, source = READ_TABLE, _minifloat_table(x.dtype.name), _bits_view(x)
+    elif x.dtype.name in SMALL_INTEGERS:
+        bits, signed = SMALL_INTEGERS[x.dtype.name]
+        read, source = READ_SIGNED if signed else READ_UNSIGNED, _bits_view(x)
+    target, encoding = flat(out), (none, 0, 0, 0, False, True)
+    write = WRITE_NATIVE
+    if out.dtype.name in MINIFLOATS:
+        write, target, encoding = WRITE_MINIFLOAT, _bits_view(out), _encoding(out.dtype.name, bool(saturate))
+    elif out.dtype.name in SMALL_INTEGERS:
+        bits, signed = SMALL_INTEGERS[out.dtype.name]
+        write, target = WRITE_SMALL_INTEGER, flat(out).view(np.int8)
+        encoding = (none, int(signed), 0, 0, False, True)
+    return (_convert, (source, target, read, table, bits, write) + encoding)
+
+
 @binding("Cast")
-def Cast(inputs, outputs, to=None, saturate=1):
+def Cast(inputs, outputs, to=None, saturate=1, round_mode="up"):
     x, out = inputs[0], outputs[0]
+    if converts(x.dtype) or converts(out.dtype):
+        return [convert_call(x, out, saturate)]
     if out.dtype == np.bool_ and x.dtype != np.bool_:
         return [(_to_bool, (flat(x), flat(out)))]
     return [(_cast, (flat(x), flat(out)))]
 
 
-binding("CastLike")(lambda inputs, outputs, saturate=1: Cast(inputs[:1], outputs))
+binding("CastLike")(lambda inputs, outputs, saturate=1, round_mode="up": Cast(inputs[:1], outputs, saturate=saturate))
 
 
 @njit(cache=True, error_model="numpy")

@@ -1,4 +1,5 @@
-"""Fused softmax cross-entropy and negative log-likelihood, forward and backward.
+"""Fused softmax cross-entropy and negative log-likelihood, forward and backward; and the vocabulary product
+fused with a class-last cross-entropy (LinearCrossEntropy, stated at its kernels below).
 
 Scores are viewed as [N, C, D] (D = 1 for [N, C]) and labels as [N, D]:
 each (n, d) is one sample. With class weights w and ignore_index:
@@ -11,9 +12,12 @@ alike, and dx[n, c, d] = -g(n, d) · w[y] · [c == y].
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from . import ODTRAIN_DOMAIN, binding
+from .blas import gemm_blocks
+from .layout import flat, float_buffers
+from .parts import part_bounds, part_count
 
 REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
 
@@ -124,3 +128,224 @@ def _make_loss_grad(softmax: bool):
 for _name, _softmax in (("SoftmaxCrossEntropyLoss", True), ("NegativeLogLikelihoodLoss", False)):
     binding(_name)(_make_loss(_softmax))
     binding(f"{_name}Grad", ODTRAIN_DOMAIN)(_make_loss_grad(_softmax))
+
+
+# ---- the vocabulary product fused with the class-last cross-entropy ----------------------------------------
+# LinearCrossEntropy(hidden [N.., H], W, labels [N..]) = cross-entropy of logits = hidden · op(W) (op(W) = Wᵀ for
+# W [V, H] with transB, else W [H, V]) against labels, reduced by the mean over counted labels (or the sum), with
+# `ignore_index` labels left out. The logits exist one chunk of rows at a time, in the node's scratch:
+#   forward   per chunk: logits = hidden_c · op(W); loss += Σ_rows lse(logits_r) - logits_r[y_r]; and when hidden
+#             needs a gradient, G = (softmax(logits) - onehot(y)) / count in place (0 on ignored rows) and
+#             dHidden_c = G · op(W)ᵀ for a loss gradient of 1 (the backward scales it: no second product for it)
+#   backward  (W trained) per chunk: logits again; G = g · (softmax(logits) - onehot(y)) in place;
+#             dW += Gᵀ · hidden_c (transB) or hidden_cᵀ · G (the first chunk writes it)
+# In parts (threads), a product splits the vocabulary (logits and dW columns, disjoint) or the chunk's rows
+# (softmax rows and dHidden, disjoint): no partial sums, the bits of one thread. Row losses are summed in row order.
+CHUNK_BYTES = 1 << 22  # the logits of one chunk at most (unless CHUNK_MIN_ROWS rows take more)
+CHUNK_MIN_ROWS = 64  # fewer rows make each product read all of W for too little work
+
+
+def chunk_rows(rows: int, classes: int) -> int:
+    """Rows of hidden per chunk of logits."""
+    return int(max(1, min(rows, max(CHUNK_MIN_ROWS, CHUNK_BYTES // (4 * max(classes, 1))))))
+
+
+@njit(cache=True, error_model="numpy")
+def _counted_labels(labels, ignore_index, classes):
+    """How many labels count (not ignore_index); fails on a label outside the classes."""
+    count = 0
+    dummy = np.ones(1, np.float32)
+    for n in range(labels.shape[0]):
+        count += _sample_weight(labels, dummy, False, ignore_index, classes, n, 0)[1] != 0.0
+    return count
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _chunk_logits(hidden, weight, transposed, logits, first, rows, classes, width, lo, hi):
+    """logits[:rows, lo:hi] = hidden[first:first + rows] · op(W)[:, lo:hi]."""
+    if transposed:  # W [V, H]
+        gemm_blocks(0, 1, rows, hi - lo, width, 1.0, hidden, first * width, width, weight, lo * width, width, 0.0,
+                    logits, lo, classes)
+    else:  # W [H, V]
+        gemm_blocks(0, 0, rows, hi - lo, width, 1.0, hidden, first * width, width, weight, lo, classes, 0.0,
+                    logits, lo, classes)
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _row_losses(logits3, labels, ignore_index, first, lo, hi, values):
+    """values[r] = lse(logits_r) - logits_r[y] for rows lo..hi of the chunk (0 when ignored)."""
+    dummy = np.ones(1, np.float32)
+    for r in range(lo, hi):
+        y, w = _sample_weight(labels, dummy, False, ignore_index, logits3.shape[1], first + r, 0)
+        values[r] = 0.0 if w == 0.0 else _logsumexp(logits3, r, 0) - logits3[r, y, 0]
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _row_gradients(logits3, labels, ignore_index, first, lo, hi, g):
+    """logits_r ← g · (softmax(logits_r) - onehot(y)) for rows lo..hi of the chunk (0 when ignored)."""
+    dummy = np.ones(1, np.float32)
+    for r in range(lo, hi):
+        y, w = _sample_weight(labels, dummy, False, ignore_index, logits3.shape[1], first + r, 0)
+        if w == 0.0 or g == 0.0:
+            for c in range(logits3.shape[1]):
+                logits3[r, c, 0] = 0.0
+            continue
+        lse = _logsumexp(logits3, r, 0)
+        for c in range(logits3.shape[1]):
+            logits3[r, c, 0] = g * np.exp(logits3[r, c, 0] - lse)
+        logits3[r, y, 0] -= g
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _hidden_gradient(grads, weight, transposed, dhidden, first, classes, width, lo, hi):
+    """dHidden[first + lo:first + hi] = G[lo:hi] · op(W)ᵀ."""
+    gemm_blocks(0, 0 if transposed else 1, hi - lo, width, classes, 1.0, grads, lo * classes, classes, weight, 0,
+                width if transposed else classes, 0.0, dhidden, (first + lo) * width, width)
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _weight_gradient(grads, hidden, transposed, dweight, first, rows, classes, width, lo, hi, beta):
+    """dW[vocabulary lo:hi] = Gᵀ · hidden_c (W [V, H]) or hidden_cᵀ · G (W [H, V]), + beta · dW."""
+    if transposed:
+        gemm_blocks(1, 0, hi - lo, width, rows, 1.0, grads, lo, classes, hidden, first * width, width, beta,
+                    dweight, lo * width, width)
+    else:
+        gemm_blocks(1, 0, width, hi - lo, rows, 1.0, hidden, first * width, width, grads, lo, classes, beta,
+                    dweight, lo, classes)
+
+
+@njit(cache=True, error_model="numpy")
+def _linear_cross_entropy(hidden, weight, transposed, labels, ignore_index, mean, logits, logits3, values, loss,
+                          dhidden, want_hidden, width, chunk):
+    """loss ← the mean (or sum) cross-entropy of hidden · op(W) against labels, a chunk of logits at a time;
+    if wanted, dhidden ← its gradient with respect to hidden (for a loss gradient of 1), from the same logits."""
+    rows, classes = labels.shape[0], logits3.shape[1]
+    count = _counted_labels(labels, ignore_index, classes)
+    g = (1.0 / count if count > 0 else 0.0) if mean else 1.0
+    total = 0.0
+    for first in range(0, rows, chunk):
+        size = min(chunk, rows - first)
+        _chunk_logits(hidden, weight, transposed, logits, first, size, classes, width, 0, classes)
+        _row_losses(logits3, labels, ignore_index, first, 0, size, values)
+        for r in range(size):
+            total += values[r]
+        if want_hidden:
+            _row_gradients(logits3, labels, ignore_index, first, 0, size, g)
+            _hidden_gradient(logits, weight, transposed, dhidden, first, classes, width, 0, size)
+    loss[0] = (total / count if count > 0 else 0.0) if mean else total
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _logits_in_parts(hidden, weight, transposed, logits, first, size, classes, width, vocabulary):
+    """_chunk_logits with the vocabulary split into parts (bounds), in parallel."""
+    for p in prange(vocabulary.size - 1):
+        _chunk_logits(hidden, weight, transposed, logits, first, size, classes, width, vocabulary[p],
+                      vocabulary[p + 1])
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _linear_cross_entropy_parts(hidden, weight, transposed, labels, ignore_index, mean, logits, logits3, values, loss,
+                                dhidden, want_hidden, width, chunk, vocabulary):
+    """_linear_cross_entropy with each chunk's product split over the vocabulary (bounds) and its rows over
+    as many parts."""
+    rows, classes, parts = labels.shape[0], logits3.shape[1], vocabulary.size - 1
+    count = _counted_labels(labels, ignore_index, classes)
+    g = (1.0 / count if count > 0 else 0.0) if mean else 1.0
+    total = 0.0
+    for first in range(0, rows, chunk):
+        size = min(chunk, rows - first)
+        _logits_in_parts(hidden, weight, transposed, logits, first, size, classes, width, vocabulary)
+        for p in prange(parts):
+            lo, hi = size * p // parts, size * (p + 1) // parts
+            _row_losses(logits3, labels, ignore_index, first, lo, hi, values)
+            if want_hidden:
+                _row_gradients(logits3, labels, ignore_index, first, lo, hi, g)
+                _hidden_gradient(logits, weight, transposed, dhidden, first, classes, width, lo, hi)
+        for r in range(size):
+            total += values[r]
+    loss[0] = (total / count if count > 0 else 0.0) if mean else total
+
+
+@njit(cache=True, error_model="numpy")
+def _linear_cross_entropy_grad(dloss, hidden, weight, transposed, labels, ignore_index, mean, logits, logits3,
+                               dweight, width, chunk):
+    """dW of _linear_cross_entropy's loss, recomputing each chunk's logits."""
+    rows, classes = labels.shape[0], logits3.shape[1]
+    count = _counted_labels(labels, ignore_index, classes)
+    g = dloss[0] / count if mean and count > 0 else (0.0 if mean else dloss[0])
+    for first in range(0, rows, chunk):
+        size = min(chunk, rows - first)
+        _chunk_logits(hidden, weight, transposed, logits, first, size, classes, width, 0, classes)
+        _row_gradients(logits3, labels, ignore_index, first, 0, size, g)
+        _weight_gradient(logits, hidden, transposed, dweight, first, size, classes, width, 0, classes,
+                         0.0 if first == 0 else 1.0)
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _linear_cross_entropy_grad_parts(dloss, hidden, weight, transposed, labels, ignore_index, mean, logits, logits3,
+                                     dweight, width, chunk, vocabulary):
+    """_linear_cross_entropy_grad with the vocabulary products split over the vocabulary (bounds) and the
+    row work over as many parts of the chunk's rows."""
+    rows, classes, parts = labels.shape[0], logits3.shape[1], vocabulary.size - 1
+    count = _counted_labels(labels, ignore_index, classes)
+    g = dloss[0] / count if mean and count > 0 else (0.0 if mean else dloss[0])
+    for first in range(0, rows, chunk):
+        size = min(chunk, rows - first)
+        _logits_in_parts(hidden, weight, transposed, logits, first, size, classes, width, vocabulary)
+        for p in prange(parts):
+            _row_gradients(logits3, labels, ignore_index, first, size * p // parts, size * (p + 1) // parts, g)
+        for p in prange(parts):
+            _weight_gradient(logits, hidden, transposed, dweight, first, size, classes, width, vocabulary[p],
+                             vocabulary[p + 1], 0.0 if first == 0 else 1.0)
+
+
+def _vocabulary_layout(hidden_shape, weight_shape, transB):
+    """(rows, width, classes) of hidden [rows.., width] · op(W)."""
+    width = int(hidden_shape[-1])
+    rows = int(np.prod(hidden_shape[:-1], dtype=np.int64))
+    classes = int(weight_shape[0] if transB else weight_shape[1])
+    return rows, width, classes
+
+
+def _vocabulary_parts(threads, rows, width, classes):
+    return part_count(threads, classes, rows * width * classes)
+
+
+def _vocabulary_scratch(specs_in, specs_out, transB=0, threads=1, **attrs):
+    rows, width, classes = _vocabulary_layout(specs_in[-3][0], specs_in[-2][0], transB)
+    return 4 * chunk_rows(rows, classes) * classes
+
+
+def _vocabulary_operands(hidden, weight, labels, scratch, transB, ignore_index, reduction):
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"LinearCrossEntropy reduces by 'mean' or 'sum', not {reduction!r}")
+    rows, width, classes = _vocabulary_layout(hidden.shape, weight.shape, transB)
+    chunk = chunk_rows(rows, classes)
+    (logits,) = float_buffers(scratch, chunk * classes)
+    ignore = np.int64(ignore_index) if ignore_index is not None else np.int64(-(2 ** 62))
+    return (flat(hidden), flat(weight), bool(transB), labels.reshape(-1, 1), ignore, reduction == "mean", logits,
+            logits.reshape(chunk, classes, 1)), rows, width, classes, chunk
+
+
+@binding("LinearCrossEntropy", ODTRAIN_DOMAIN, scratch=_vocabulary_scratch, parallel=True)
+def LinearCrossEntropy(inputs, outputs, scratch=None, transB=0, ignore_index=None, reduction="mean", threads=1):
+    operands, rows, width, classes, chunk = _vocabulary_operands(*inputs, scratch, transB, ignore_index, reduction)
+    want_hidden = len(outputs) > 1 and outputs[1] is not None
+    dhidden = flat(outputs[1]) if want_hidden else np.zeros(1, inputs[0].dtype)
+    args = operands + (np.zeros(chunk, np.float64), outputs[0].reshape(-1), dhidden, want_hidden, width, chunk)
+    parts = _vocabulary_parts(threads, rows, width, classes)
+    if parts == 1:
+        return [(_linear_cross_entropy, args)]
+    return [(_linear_cross_entropy_parts, args + (part_bounds(classes, parts),))]
+
+
+@binding("LinearCrossEntropyGrad", ODTRAIN_DOMAIN, scratch=_vocabulary_scratch, parallel=True)
+def LinearCrossEntropyGrad(inputs, outputs, scratch=None, transB=0, ignore_index=None, reduction="mean", threads=1):
+    dloss, hidden, weight, labels = inputs
+    operands, rows, width, classes, chunk = _vocabulary_operands(hidden, weight, labels, scratch, transB,
+                                                                 ignore_index, reduction)
+    args = (dloss.reshape(-1),) + operands + (flat(outputs[0]), width, chunk)
+    parts = _vocabulary_parts(threads, rows, width, classes)
+    if parts == 1:
+        return [(_linear_cross_entropy_grad, args)]
+    return [(_linear_cross_entropy_grad_parts, args + (part_bounds(classes, parts),))]

@@ -20,6 +20,7 @@ it (the CLI, the memory report, the training loop, benchmarks):
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -28,16 +29,17 @@ import numpy as np
 
 from . import checkpoint as checkpoint_file
 from .graph.autodiff import GRAD_SUFFIX
-from .graph.errors import ArgumentError, InputError, ModelError, NonFiniteError, ParameterError, StateError
+from .graph.errors import (ArgumentError, CheckpointError, InputError, ModelError, NonFiniteError, ParameterError,
+                           StateError)
 from .graph.ir import Graph, TensorType
 from .graph.lora import merge_adapters
 from .graph.onnx_io import load_graph, save_graph
 from .graph.ops import check_supported
-from .graph.optimizers import read_optimizer_graph
+from .graph.optimizers import STATE_BLOCK, STATE_DTYPES, AdamW, check_state_dtype, read_optimizer_graph
 from .graph.planner import MemoryPlan
 from .graph.qat import quantized_for_inference
 from .signals import deferred_interrupt
-from .state import OptimizerState, ParameterStore, PropertyBag
+from .state import ABSMAX, OptimizerState, ParameterStore, PropertyBag, moment_blocks
 from .threads import checked as checked_threads, get_num_threads, usable
 
 DEFAULT_LEARNING_RATE = 1e-3
@@ -162,20 +164,30 @@ class CheckpointState:
         self._reset_grad_pending = True  # the next backward writes the gradients instead of adding
         if contents.optimizer is not None:
             info = contents.optimizer
+            state_dtype = info.get("state_dtype", "float32")
+            if state_dtype not in STATE_DTYPES or int(info.get("state_block", STATE_BLOCK)) != STATE_BLOCK:
+                raise CheckpointError(f"the checkpoint's optimizer state is {state_dtype} in blocks of "
+                                      f"{info.get('state_block')}; this odtrain reads {list(STATE_DTYPES)} in blocks "
+                                      f"of {STATE_BLOCK}: save it again with a matching odtrain")
+            _, blocks = moment_blocks(self._store.trainable_sizes(), STATE_BLOCK)
             moments = {}
             for state_name, per_param in contents.optimizer_tensors.items():
-                flat = np.zeros(self._store.trainable_size, dtype=np.float32)
+                absmax = state_name.endswith(ABSMAX)  # 8-bit moments' scales: a range of blocks per parameter
+                size = max((b for _, b in blocks.values()), default=0) if absmax else self._store.trainable_size
+                dtype = np.float32 if absmax or state_dtype == "float32" else np.uint8
+                flat = np.zeros(size, dtype=dtype)
                 for name, array in per_param.items():
                     if name not in self._store.trainable:
                         raise ParameterError(f"optimizer state for '{name}', which is not a trainable parameter")
-                    target = self._store.trainable_view(flat, name)
+                    target = flat[slice(*blocks[name])] if absmax else self._store.trainable_view(flat, name)
                     if source is not None:
                         source.read_into(f"{checkpoint_file.OPTIMIZER_PREFIX}{name}/{state_name}", target)
                     else:
                         target[...] = array
                 moments[state_name] = flat
             self._optimizer = OptimizerState(info["kind"], int(info["step"]), float(info["learning_rate"]),
-                                             float(info.get("initial_learning_rate", info["learning_rate"])), moments)
+                                             float(info.get("initial_learning_rate", info["learning_rate"])), moments,
+                                             state_dtype)
 
     @classmethod
     def load_checkpoint(cls, checkpoint_uri) -> "CheckpointState":
@@ -195,7 +207,11 @@ class CheckpointState:
                                  "create an Optimizer for a Module of this state first")
             contents.optimizer = {"kind": opt.kind, "step": opt.step, "learning_rate": opt.learning_rate,
                                   "initial_learning_rate": opt.initial_learning_rate}
-            contents.optimizer_tensors = {s: {n: store.trainable_view(flat, n) for n in store.trainable}
+            if opt.state_dtype != "float32":
+                contents.optimizer.update(state_dtype=opt.state_dtype, state_block=STATE_BLOCK)
+            _, blocks = moment_blocks(store.trainable_sizes(), STATE_BLOCK)
+            contents.optimizer_tensors = {s: {n: flat[slice(*blocks[n])] if s.endswith(ABSMAX) else
+                                              store.trainable_view(flat, n) for n in store.trainable}
                                           for s, flat in opt.moments.items()}
         checkpoint_file.save(checkpoint_uri, contents)
 
@@ -562,11 +578,13 @@ class Module:
 class Optimizer:
     """Applies the optimizer model's update to the trainable parameters of a Module."""
 
-    def __init__(self, optimizer_uri, module: Module, *, fuse_with_backward: bool = False):
+    def __init__(self, optimizer_uri, module: Module, *, fuse_with_backward: bool = False, state_dtype=None):
         """`fuse_with_backward=True` applies each parameter's update inside the training call, as soon as
         its gradient is complete and nothing else reads the parameter, so the full gradient buffer never
         exists. Gradients then cannot accumulate across calls: each training call is a whole step, and
-        `step()` has nothing left to do. Parameters end bit-identical to the unfused loop."""
+        `step()` has nothing left to do. Parameters end bit-identical to the unfused loop.
+        `state_dtype="int8"` keeps AdamW's moments in 8 bits, quantized in blocks (graph/optimizers.py); None
+        takes the optimizer model's choice. Moments loaded in the other type are converted."""
         if not isinstance(module, Module):
             raise ArgumentError(f"module must be an odtrain Module, got {type(module).__name__}")
         self._module = module
@@ -576,11 +594,25 @@ class Optimizer:
         if params and params != store.trainable:
             raise ParameterError(f"the optimizer model updates {params}, but the checkpoint's trainable "
                                  f"parameters are {store.trainable}; generate them together")
+        if state_dtype is not None and check_state_dtype(state_dtype, config.kind) and isinstance(config, AdamW):
+            config = dataclasses.replace(config, state_dtype=state_dtype)
         self._config = config
+        wanted = getattr(config, "state_dtype", "float32")
+        self._blocks = moment_blocks(store.trainable_sizes(), STATE_BLOCK)
+        from .executor import float_moments, int8_moments  # kernels load with the first session or optimizer
         current = self._state._optimizer
         if current is None or current.kind != config.kind:
             moments = {s: np.zeros(store.trainable_size, dtype=np.float32) for s in config.state_names}
-            self._state._optimizer = OptimizerState(config.kind, 0, DEFAULT_LEARNING_RATE, DEFAULT_LEARNING_RATE, moments)
+            if wanted == "int8":
+                moments = int8_moments(self._blocks[0], config.state_names)
+            self._state._optimizer = OptimizerState(config.kind, 0, DEFAULT_LEARNING_RATE, DEFAULT_LEARNING_RATE, moments,
+                                                    wanted)
+        elif current.state_dtype != wanted:  # moments saved in the other type
+            if wanted == "int8":
+                current.moments = int8_moments(self._blocks[0], config.state_names, current.moments)
+            else:
+                current.moments = float_moments(self._blocks[0], current.moments, config.state_names)
+            current.state_dtype = wanted
         self._fused = bool(fuse_with_backward)
         session = module._train
         session.fused = {f"{p}{GRAD_SUFFIX}": (p, self._update_of(p)) for p in store.trainable} if self._fused else {}
@@ -593,11 +625,15 @@ class Optimizer:
         start, stop, _ = self._state._store.slices[name]
         weights = self._state._store.flat[start:stop]
         state = self._state._optimizer
-        moments = {key: flat[start:stop] for key, flat in state.moments.items()}
+        starts, ranges = self._blocks
+        first, last = ranges[name]
+        moments = {key: flat[first:last] if key.endswith(ABSMAX) else flat[start:stop]
+                   for key, flat in state.moments.items()}
+        blocks = starts[first:last + 1] - start
 
         def update(gradient):  # inside the training step, which runs at the module's threads
             apply_optimizer(self._config, weights, gradient, moments, state.learning_rate, state.step + 1,
-                            self._module._train.threads())
+                            self._module._train.threads(), blocks)
 
         return update
 
@@ -616,7 +652,7 @@ class Optimizer:
                                  f"'{store.first_nonfinite_gradient()}' is not finite; the parameters are unchanged")
         with deferred_interrupt():
             apply_optimizer(self._config, weights, store.grad_flat, opt.moments, opt.learning_rate, opt.step + 1,
-                            self._module._train.threads())
+                            self._module._train.threads(), self._blocks[0])
             opt.step += 1
 
     def set_learning_rate(self, learning_rate: float) -> None:

@@ -331,13 +331,16 @@ def _data(args, paths):
     if paths is None:
         return None
     texts = [p for p in paths if str(p).endswith(".txt")]
+    audio = _audio_source(args, paths)
+    if audio is not None:
+        return audio
     if len(paths) == 1 and os.path.isdir(paths[0]):
         from .data import ImageFolder
 
         return ImageFolder(paths[0], args.skip_unreadable, report=lambda line: _note(args, line))
     if args.skip_unreadable:
-        raise ArgumentError("--skip-unreadable leaves out unreadable images of a folder: give --data FOLDER, with "
-                            "one sub-folder of images per class")
+        raise ArgumentError("--skip-unreadable leaves out unreadable images of a folder (or clips): give --data "
+                            "FOLDER, with one sub-folder of images or .wav clips per class")
     if args.tokenizer is None:
         if args.encoding != "utf-8":
             raise ArgumentError("--encoding reads a text file: give --tokenizer and a .txt file too")
@@ -357,6 +360,24 @@ def _data(args, paths):
 
 def _note(args, line: str) -> None:
     print(f"odtrain {args.command}: note: {line}", file=sys.stderr)
+
+
+def _audio_source(args, paths):
+    """An AudioSource when the one path is a folder of clips or audio options were given, else None."""
+    from .audio import AudioSource, LogMel, is_audio_folder, stderr_report
+
+    features = getattr(args, "audio_features", None)
+    folder = len(paths) == 1 and os.path.isdir(paths[0]) and is_audio_folder(paths[0])
+    if not folder:
+        if features is not None:
+            raise ArgumentError("--audio-features reads a folder of clips: give --data clips/, with one sub-folder "
+                                "of .wav files per class")
+        return None
+    settings = None
+    if features == "log-mel":
+        settings = LogMel(args.sample_rate, args.n_mels, args.win_ms, args.hop_ms, args.n_fft)
+        settings.check()
+    return AudioSource(paths[0], settings, args.sample_rate, args.skip_unreadable, report=stderr_report)
 
 
 def _train(args) -> int:
@@ -578,8 +599,18 @@ def _add_data_options(command, what: str) -> None:
                          "token's label the next one")
     command.add_argument("--encoding", default="utf-8", help="with --tokenizer: the text file's encoding, e.g. "
                          "latin-1, cp1252, utf-16 (default: utf-8)")
-    command.add_argument("--skip-unreadable", action="store_true", help="with a folder of images: leave out the "
-                         "images that cannot be read and say how many (default: stop at the first)")
+    command.add_argument("--skip-unreadable", action="store_true", help="with a folder of images or clips: leave "
+                         "out the files that cannot be read (corrupt, empty, truncated, too short, another "
+                         "encoding) and say how many (default: stop at the first)")
+    audio = command.add_argument_group("audio clips (--data clips/, one sub-folder of .wav files per class)")
+    audio.add_argument("--audio-features", choices=("log-mel",), help="compute features for a model whose input is "
+                       "log-mel [batch, n_mels, frames] (default: feed the waveform [batch, samples])")
+    audio.add_argument("--sample-rate", type=int, default=16000, metavar="HZ",
+                       help="the model's sample rate; clips are resampled to it (default 16000)")
+    audio.add_argument("--n-mels", type=int, default=40, metavar="N", help="mel bands (default 40)")
+    audio.add_argument("--win-ms", type=float, default=25.0, metavar="MS", help="analysis window (default 25 ms)")
+    audio.add_argument("--hop-ms", type=float, default=10.0, metavar="MS", help="hop between frames (default 10 ms)")
+    audio.add_argument("--n-fft", type=int, default=512, metavar="N", help="DFT size (default 512)")
 
 
 def _add_selection_options(command) -> None:

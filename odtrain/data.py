@@ -10,6 +10,7 @@ Which array feeds which input:
   with one data input, the conventional names (`x`, `images`, `inputs`, ...
   and `y`, `labels`, `target`, ...).
 - `.npy` files: one per input, in the model's input order.
+- a folder of audio clips (odtrain/audio.py): one sub-folder per class, as for images.
 - a folder: one sub-folder per class, named by the class; images are read
   with Pillow, converted to grayscale or RGB and resized to the model's input
   (NCHW, NHWC, [N, H, W] or flattened [N, H*W*C]), scaled to [0, 1]; the
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .audio import AUDIO_EXTENSIONS, AudioSource, is_audio_folder
 from .graph.errors import ArgumentError, ArtifactNotFoundError, InputError
 from .graph.wording import count
 
@@ -98,6 +100,8 @@ def load(paths, inputs: list[InputSpec], x=None, y=None) -> Dataset:
         raise ArgumentError("--x/--y name arrays inside an .npz file; .npy files feed the inputs in order "
                             f"({', '.join(s.name for s in inputs)})")
     if len(paths) == 1 and os.path.isdir(first):
+        if is_audio_folder(first):
+            return load_audio_folder(AudioSource(first), inputs)
         return load_image_folder(first, inputs)
     if len(paths) == 1 and first.endswith(".npz"):
         return _load_npz(first, inputs, list(x or []), y)
@@ -295,6 +299,46 @@ def load_image_folder(folder: str, inputs: list[InputSpec], skip_unreadable: boo
     return from_arrays({spec.name: stacked.reshape((len(images),) + _sample_shape(spec, stacked.shape[1:])),
                         label_inputs[0].name: np.asarray(labels, dtype=np.int64)},
                        inputs, source=f"image folder '{folder}'", classes=classes)
+
+
+def load_audio_folder(source: AudioSource, inputs: list[InputSpec]) -> Dataset:
+    """Clips in one sub-folder per class (odtrain/audio.py), as the model's audio input; labels are class
+    indices. Unreadable clips stop the run by name, or are left out and counted (source.skipped)."""
+    data_inputs = [s for s in inputs if not s.is_label]
+    labels = [s for s in inputs if s.is_label]
+    if len(data_inputs) != 1 or len(labels) != 1 or np.dtype(labels[0].dtype).kind not in "iu":
+        raise ArgumentError(f"a folder of clips trains a classifier with one audio input and integer labels; "
+                            f"this model takes {', '.join(s.describe() for s in inputs)}")
+    spec, folder = data_inputs[0], source.folder
+    length = source.length(spec)
+    classes = sorted(d for d in os.listdir(folder) if os.path.isdir(os.path.join(folder, d)) and not d.startswith("."))
+    if not classes:
+        raise InputError(f"audio folder '{folder}' has no sub-folders; put the clips of each class in a "
+                         "sub-folder named by the class")
+    rows, targets, total = [], [], 0
+    for index, name in enumerate(classes):
+        directory = os.path.join(folder, name)
+        for file in sorted(os.listdir(directory)):
+            if not file.lower().endswith(AUDIO_EXTENSIONS):
+                continue
+            total += 1
+            path = os.path.join(directory, file)
+            try:
+                rows.append(source.clip(path, length))
+            except InputError as error:
+                if not source.skip_unreadable:
+                    raise InputError(f"{error} (--skip-unreadable leaves such files out)") from None
+                source.skipped.append((path, str(error)))
+                continue
+            targets.append(index)
+    if source.skipped and source.report is not None:
+        source.report(f"skipped {len(source.skipped)} of {total} clips that cannot be read; the first: "
+                      f"{source.skipped[0][1]}")
+    if not rows:
+        raise InputError(f"audio folder '{folder}' holds no readable clips ({', '.join(AUDIO_EXTENSIONS)}) in its "
+                         f"class sub-folders {classes}")
+    return from_arrays({spec.name: np.stack(rows), labels[0].name: np.asarray(targets, dtype=np.int64)}, inputs,
+                       source=f"audio folder '{folder}'", classes=classes)
 
 
 def _sample_shape(spec: InputSpec, fallback: tuple) -> tuple:

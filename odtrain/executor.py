@@ -40,9 +40,11 @@ from .kernels.blas import hold_one_thread, release_thread
 from . import runtime, threads as thread_policy
 from .kernel_sources import discard_stale
 from .graph.optimizers import AdamW, SGDMomentum
-from .kernels.optim import (adamw_update, adamw_update_parts, add_into, assert_finite, copy_into, sgd_momentum_update,
-                            sgd_momentum_update_parts, sgd_update, sgd_update_parts)
+from .kernels.optim import (CODE_MAPS, CODE_TABLES, adamw8_update, adamw8_update_parts, adamw_update,
+                            adamw_update_parts, add_into, assert_finite, copy_into, dequantize_blocks, quantize_blocks,
+                            sgd_momentum_update, sgd_momentum_update_parts, sgd_update, sgd_update_parts)
 from .kernels.parts import part_count
+from .state import ABSMAX
 
 
 def scratch_bytes(node: Node, types: dict[str, TensorType], threads: int = 1) -> int:
@@ -223,13 +225,21 @@ class SharedArena:
 
 
 def apply_optimizer(config, weights: np.ndarray, grads: np.ndarray, moments: dict[str, np.ndarray],
-                    learning_rate: float, step: int, threads: int = 1) -> None:
+                    learning_rate: float, step: int, threads: int = 1, blocks: np.ndarray | None = None) -> None:
     """One fused update of the trainable block by the optimizer model's node (AdamW, SGD or SGDMomentum),
-    on parts of the block in parallel at `threads` threads when the block is large enough."""
-    parts = part_count(threads, weights.size, weights.size)
+    on parts of the block in parallel at `threads` threads when the block is large enough. 8-bit AdamW
+    moments are quantized in `blocks` (boundaries within `weights`, odtrain/state.py)."""
+    quantized = isinstance(config, AdamW) and config.state_dtype == "int8"
+    parts = part_count(threads, blocks.size - 1 if quantized else weights.size, weights.size)
     split = (parts,) if parts > 1 else ()
     with thread_policy.running(threads) if split else contextlib.nullcontext():
-        if isinstance(config, AdamW):
+        if quantized:
+            (adamw8_update_parts if split else adamw8_update)(
+                weights, grads, moments["momentum0"], moments["momentum1"], moments["momentum0" + ABSMAX],
+                moments["momentum1" + ABSMAX], CODE_MAPS, CODE_TABLES, blocks, float(learning_rate),
+                float(config.betas[0]), float(config.betas[1]), float(config.eps), float(config.weight_decay),
+                float(step), bool(config.bias_correction), *split)
+        elif isinstance(config, AdamW):
             (adamw_update_parts if split else adamw_update)(
                 weights, grads, moments["momentum0"], moments["momentum1"], float(learning_rate),
                 float(config.betas[0]), float(config.betas[1]), float(config.eps), float(config.weight_decay),
@@ -240,3 +250,24 @@ def apply_optimizer(config, weights: np.ndarray, grads: np.ndarray, moments: dic
                 float(config.dampening), float(config.weight_decay), bool(config.nesterov), step == 1, *split)
         else:
             (sgd_update_parts if split else sgd_update)(weights, grads, float(learning_rate), *split)
+
+
+def int8_moments(blocks: np.ndarray, names, values: dict | None = None) -> dict[str, np.ndarray]:
+    """8-bit moments `names` over the trainable block cut at `blocks` (odtrain/state.py; the signed map for the
+    first, the unsigned one for the others), quantized from float `values` (trainable layout) or zero."""
+    moments = {}
+    for index, name in enumerate(names):
+        codes, absmax = np.zeros(blocks[-1], np.uint8), np.zeros(blocks.size - 1, np.float32)
+        source = values[name] if values is not None else np.zeros(blocks[-1], np.float32)
+        quantize_blocks(source, blocks, CODE_TABLES[min(index, 1)], codes, absmax)
+        moments[name], moments[name + ABSMAX] = codes, absmax
+    return moments
+
+
+def float_moments(blocks: np.ndarray, moments: dict, names) -> dict[str, np.ndarray]:
+    """The float32 values of 8-bit moments `names`."""
+    values = {}
+    for index, name in enumerate(names):
+        values[name] = np.zeros(blocks[-1], np.float32)
+        dequantize_blocks(moments[name], moments[name + ABSMAX], blocks, CODE_MAPS[min(index, 1)], values[name])
+    return values

@@ -13,6 +13,9 @@ Invariants:
 - Parameters of other dtypes (frozen only) are held as separate arrays.
 - The float32 parameters in order (trainable, then frozen) form the layout of
   the contiguous-parameters API, wherever each is held.
+- 8-bit AdamW moments (`state_dtype="int8"`) are one uint8 code per value in the trainable layout and one
+  float32 absmax per block: each parameter is cut into blocks of STATE_BLOCK values (its last one shorter),
+  in trainable order (`moment_blocks`), so a parameter's moments are one slice of each buffer.
 """
 from __future__ import annotations
 
@@ -110,6 +113,10 @@ class ParameterStore:
             return None
         return next(n for n in self.trainable if not np.isfinite(self.grad(n)).all())
 
+    def trainable_sizes(self) -> dict[str, int]:
+        """Each trainable parameter's number of values, in trainable order."""
+        return {name: self.slices[name][1] - self.slices[name][0] for name in self.trainable}
+
     def trainable_view(self, flat: np.ndarray, name: str) -> np.ndarray:
         """The segment of a trainable-layout buffer (gradients, moments) that belongs to `name`."""
         start, stop, shape = self.slices[name]
@@ -121,13 +128,30 @@ class ParameterStore:
 
 @dataclass
 class OptimizerState:
-    """Optimizer step count, learning rate and moment buffers (trainable layout)."""
+    """Optimizer step count, learning rate and moment buffers (trainable layout; 8-bit moments: their codes,
+    and their absmax values in the block layout, keyed `<moment>` + ABSMAX)."""
 
     kind: str
     step: int = 0
     learning_rate: float = 1e-3
     initial_learning_rate: float = 1e-3
     moments: dict[str, np.ndarray] = field(default_factory=dict)
+    state_dtype: str = "float32"
+
+
+ABSMAX = "_absmax"
+
+
+def moment_blocks(sizes: dict[str, int], block: int) -> tuple[np.ndarray, dict[str, tuple[int, int]]]:
+    """(block boundaries over the trainable block, int64 [blocks + 1]; each parameter's range of blocks), from
+    the trainable parameters' sizes in trainable order (`ParameterStore.trainable_sizes`)."""
+    starts, ranges, start = [0], {}, 0
+    for name, size in sizes.items():
+        first = len(starts) - 1
+        starts += list(range(start + block, start + size, block)) + [start + size]
+        ranges[name] = (first, len(starts) - 1)
+        start += size
+    return np.array(starts, np.int64), ranges
 
 
 class PropertyBag:

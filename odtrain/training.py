@@ -44,6 +44,7 @@ from .graph.errors import ArgumentError, ArtifactNotFoundError, InputError, Stat
 from .graph.losses import cross_entropy_classes, cross_entropy_layout
 from .graph import wording
 from .progress import progress_bar
+from .audio import AudioSource
 from .text import TextSource
 
 SCHEDULES = ("constant", "linear", "cosine")
@@ -106,12 +107,14 @@ class Session:
         return list(self.module.graph(training=False).outputs[1:])
 
     def dataset(self, source, x=None, y=None) -> data_files.Dataset:
-        """A Dataset for this model from paths, a Dataset, a text.TextSource, a data.ImageFolder, a dict of arrays or arrays in input
-        order."""
+        """A Dataset for this model from paths, a Dataset, a text.TextSource, a data.ImageFolder, an audio.AudioSource, a dict of
+        arrays or arrays in input order."""
         if isinstance(source, data_files.Dataset):
             dataset = source
         elif isinstance(source, (TextSource, data_files.ImageFolder)):
             dataset = source.dataset(self.inputs)
+        elif isinstance(source, AudioSource):
+            dataset = data_files.load_audio_folder(source, self.inputs)
         elif isinstance(source, (str, os.PathLike)) or (isinstance(source, (list, tuple)) and source
                                                           and all(isinstance(s, (str, os.PathLike)) for s in source)):
             dataset = data_files.load(source, self.inputs, x, y)

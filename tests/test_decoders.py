@@ -18,6 +18,7 @@ from conftest import DATA
 from odtrain import artifacts
 from odtrain.api import CheckpointState, Module, Optimizer
 from odtrain.graph.ops import OPS
+from odtrain.graph.planner import SCRATCH_SUFFIX
 
 onnxruntime = pytest.importorskip("onnxruntime", reason="onnxruntime is the inference oracle (pip install .[test])")
 pytestmark = pytest.mark.skipif(("", "Sin") not in OPS or ("", "Cos") not in OPS,
@@ -54,20 +55,21 @@ def exports_like_onnxruntime(module, golden, directory):
     return path
 
 
-def train_along_golden(path, golden, optimizer: str, lr: float, directory, names, **options):
-    """(losses of the golden's steps, step-0 gradients of `names`, module) for artifacts of `path`."""
+def train_along_golden(path, golden, optimizer: str, lr: float, directory, names, outputs=("logits",), **options):
+    """(losses of the golden's steps, step-0 gradients of `names`, module) for artifacts of `path` that also
+    output `outputs`."""
     kind = artifacts.OptimType.SGD if optimizer == "sgd" else artifacts.OptimType.AdamW
     artifacts.generate_artifacts(str(path), loss=artifacts.LossType.CrossEntropyLoss, class_axis=-1,
                                  ignore_index=-100, optimizer=kind, artifact_directory=directory,
-                                 additional_output_names=["logits"], **options)
+                                 additional_output_names=list(outputs), **options)
     state = CheckpointState.load_checkpoint(directory / "checkpoint")
     module = Module(directory / "training_model.onnx", state, directory / "eval_model.onnx")
     opt = Optimizer(directory / "optimizer_model.onnx", module)
     opt.set_learning_rate(lr)
     losses, grads = [], None
     for step in range(len(golden["input_ids"])):
-        loss, _ = module(golden["input_ids"][step], golden["attention_mask"][step], golden["labels"][step])
-        losses.append(float(loss))
+        results = module(golden["input_ids"][step], golden["attention_mask"][step], golden["labels"][step])
+        losses.append(float(results[0] if outputs else results))
         if step == 0:
             grads = {name: state.parameters[name].grad.copy() for name in names}
         opt.step()
@@ -132,3 +134,42 @@ def test_lora_matches_pytorch_lora(tmp_path):
     np.testing.assert_allclose(losses, golden["lora/adamw_losses"], rtol=TOLERANCE * lora["float32_loss_error"])
     assert gradient_error(grads, golden, names, "lora/") < TOLERANCE * lora["float32_grad_error"]
     exports_like_onnxruntime(module, golden, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_vocabulary_loss_fused_matches_pytorch_and_shrinks_the_arena(family, tmp_path, monkeypatch):
+    """Without a logits output the vocabulary product and the loss train as one op (graph/fusion.py), a chunk of
+    logits at a time: the losses and gradients stay on PyTorch's trajectory (qwen2 ties lm_head to the embedding,
+    whose gradient then sums the fused op's and the Gather's), and the arena shrinks. Untied (llama), the unfused
+    peak is the loss's gradient, where the logits and their gradient are both alive: the arena loses at least the
+    logits' bytes. Tied (qwen2), the peak is the head's gradient, where the embedding's gradient is a value of the
+    arena: the unfused graph holds the logits' gradient there, the fused one its chunk of scratch and the labels
+    (which the unfused loss's gradient has read by then)."""
+    from odtrain.graph import fusion
+    from odtrain.kernels import training as loss_kernels
+
+    folder, meta, golden = decoder(family)
+    names = {n: n for n in meta["requires_grad"]}
+    monkeypatch.setattr(loss_kernels, "CHUNK_MIN_ROWS", 24)  # three chunks of the 64 tokens, the last one short
+    monkeypatch.setattr(loss_kernels, "CHUNK_BYTES", 0)
+    losses, grads, fused = train_along_golden(folder / "torchscript17.onnx", golden, "adamw", meta["adamw"]["lr"],
+                                              tmp_path / "fused", names.values(), outputs=(),
+                                              requires_grad=list(names.values()))
+    assert ("ai.odtrain", "LinearCrossEntropyGrad") in {node.key for node in fused.graph(training=True).nodes}
+    np.testing.assert_allclose(losses, golden["adamw_losses"], rtol=TOLERANCE * meta["adamw"]["float32_loss_error"])
+    assert gradient_error(grads, golden, names) < TOLERANCE * meta["adamw"]["float32_grad_error"]
+
+    monkeypatch.setattr(fusion, "TRAINING_PASSES", tuple(p for p in fusion.TRAINING_PASSES
+                                                         if p is not fusion.vocabulary_loss_pass))
+    _, _, unfused = train_along_golden(folder / "torchscript17.onnx", golden, "adamw", meta["adamw"]["lr"],
+                                       tmp_path / "unfused", (), outputs=(), requires_grad=list(names.values()))
+    (before,), (after,) = unfused._train.plans.values(), fused._train.plans.values()
+    logits = next(t for t in before.types.values() if t.shape == (meta["batch"], meta["seq"],
+                                                                  meta["config"]["vocab_size"]))
+    gradient = next(node for node in after.plan.order if node.op_type == "LinearCrossEntropyGrad")
+    chunk = after.types[gradient.name + SCRATCH_SUFFIX].nbytes
+    assert chunk == 4 * 24 * meta["config"]["vocab_size"]
+    labels = after.types[gradient.inputs[3]].nbytes
+    saved = logits.nbytes - (chunk + labels if meta["config"]["tie_word_embeddings"] else 0)
+    assert after.plan.arena_bytes <= before.plan.arena_bytes - saved

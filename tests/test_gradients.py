@@ -9,7 +9,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from oracles import GradientCase
+from oracles import OPSET, GradientCase
 
 rng = np.random.default_rng(42)
 
@@ -44,17 +44,25 @@ for _op in ("Add", "Sub", "Mul", "Div"):
         GRADIENT_CASES[f"{_op} {_a} {_b}"] = GradientCase(
             [node(_op, ["a", "b"])], {"a": rand(*_a), "b": away_from_zero(*_b) if _op == "Div" else rand(*_b)})
 
+for _slope in ((3, 1, 1), (2, 3, 4, 5)):
+    GRADIENT_CASES[f"PRelu slope {_slope}"] = GradientCase(
+        [node("PRelu", ["x", "slope"])], {"x": away_from_zero(2, 3, 4, 5), "slope": rand(*_slope)})
+
 # One input per unary op, inside its domain and away from its kinks.
 UNARY_INPUTS = {
     "Neg": rand(2, 3), "Abs": away_from_zero(2, 3), "Exp": rand(2, 3), "Log": rand(2, 3, low=0.5, high=2.0),
     "Sqrt": rand(2, 3, low=0.5, high=2.0), "Reciprocal": away_from_zero(2, 3), "Relu": away_from_zero(2, 3),
     "Sigmoid": rand(2, 3, low=-3, high=3), "Tanh": rand(2, 3, low=-2, high=2), "Identity": rand(2, 3),
     "Erf": rand(2, 3, low=-2, high=2), "Atan": rand(2, 3, low=-2, high=2), "Sin": rand(2, 3, low=-4, high=4),
-    "Cos": rand(2, 3, low=-4, high=4),
+    "Cos": rand(2, 3, low=-4, high=4), "Tan": rand(2, 3, low=-1.2, high=1.2), "Sinh": rand(2, 3, low=-2, high=2),
+    "Cosh": rand(2, 3, low=-2, high=2), "Asin": rand(2, 3, low=-0.8, high=0.8), "Acos": rand(2, 3, low=-0.8, high=0.8),
+    "Atanh": rand(2, 3, low=-0.8, high=0.8), "Asinh": rand(2, 3, low=-2, high=2), "Acosh": rand(2, 3, low=1.2, high=3),
+    "Softplus": rand(2, 3, low=-3, high=3), "Softsign": away_from_zero(2, 3), "Mish": rand(2, 3, low=-3, high=3),
 }
 for _op, _x in UNARY_INPUTS.items():
     # ONNX's reference Erf rounds to float32: a larger step keeps its rounding out of the differences
-    GRADIENT_CASES[_op] = GradientCase([node(_op, ["x"])], {"x": _x}, step=1e-3 if _op == "Erf" else 1e-6)
+    GRADIENT_CASES[_op] = GradientCase([node(_op, ["x"])], {"x": _x}, step=1e-3 if _op == "Erf" else 1e-6,
+                                       opset=18 if _op == "Mish" else OPSET)  # Mish is an op from opset 18
 
 GRADIENT_CASES["Sum of three, broadcast"] = GradientCase(
     [node("Sum", ["a", "b", "c"])], {"a": rand(2, 3), "b": rand(3), "c": rand(2, 1)})
@@ -207,6 +215,25 @@ for _reduction, _ids in (("none", [[1, 0], [2, 3]]), ("add", [[1, 0], [2, 2]])):
     GRADIENT_CASES[f"ScatterElements reduction={_reduction}"] = GradientCase(
         [node("ScatterElements", ["data", "ids", "updates"], axis=1, reduction=_reduction)],
         {"data": rand(2, 4), "updates": rand(2, 2)}, {"ids": np.array(_ids, np.int64)})
+for _axis in (1, None):
+    GRADIENT_CASES[f"Compress axis={_axis}"] = GradientCase(
+        [node("Compress", ["x", "keep"], **({} if _axis is None else {"axis": _axis}))], {"x": rand(2, 4)},
+        {"keep": np.array([True, False, True], np.bool_)})
+GRADIENT_CASES["CenterCropPad, cropping one axis and padding another"] = GradientCase(
+    [node("CenterCropPad", ["x", "shape"], axes=[0, 2])], {"x": rand(5, 2, 3)}, {"shape": i64(2, 6)}, opset=18)
+for _time, _batch in ((0, 1), (1, 0)):
+    GRADIENT_CASES[f"ReverseSequence time_axis={_time}"] = GradientCase(
+        [node("ReverseSequence", ["x", "lengths"], time_axis=_time, batch_axis=_batch)], {"x": rand(4, 3, 2)},
+        {"lengths": i64(*([4, 1, 3] if _time == 0 else [2, 0, 3, 1]))})
+GRADIENT_CASES["TensorScatter circular"] = GradientCase(
+    [node("TensorScatter", ["cache", "update", "at"], mode="circular")],
+    {"cache": rand(2, 3, 4, 2), "update": rand(2, 3, 2, 2)}, {"at": i64(3, 1)}, opset=24)
+GRADIENT_CASES["TensorScatter without write indices"] = GradientCase(
+    [node("TensorScatter", ["cache", "update"], axis=1)], {"cache": rand(2, 5, 3), "update": rand(2, 2, 3)}, opset=24)
+for _mode in ("DCR", "CRD"):
+    GRADIENT_CASES[f"DepthToSpace {_mode}, SpaceToDepth"] = GradientCase(
+        [node("DepthToSpace", ["x"], ["d"], blocksize=2, mode=_mode), node("Mul", ["d", "x2"], ["m"]),
+         node("SpaceToDepth", ["m"], blocksize=2)], {"x": rand(2, 8, 2, 3), "x2": rand(2, 2, 4, 6)})
 GRADIENT_CASES["ScatterND, GatherND"] = GradientCase(
     [node("ScatterND", ["data", "ids", "updates"], ["s"]), node("GatherND", ["s", "pick"])],
     {"data": rand(4, 3), "updates": rand(2, 3)},
@@ -269,6 +296,14 @@ for _axis in (1, -1):
             GRADIENT_CASES[f"CumSum axis={_axis} reverse={_reverse} exclusive={_exclusive}"] = GradientCase(
                 [node("CumSum", ["x", "axis"], exclusive=_exclusive, reverse=_reverse)], {"x": rand(2, 3, 4)},
                 {"axis": np.array(_axis, np.int64)})
+# p=1 on positive values: ONNX's reference sums x, not |x| (odtrain and onnxruntime take |x|)
+for _p, _axis, _x in ((2, -1, away_from_zero(3, 4)), (1, 0, rand(3, 4, low=0.2, high=2))):
+    GRADIENT_CASES[f"LpNormalization p={_p} axis={_axis}"] = GradientCase(
+        [node("LpNormalization", ["x"], p=_p, axis=_axis)], {"x": _x})
+for _axis, _largest in ((1, 1), (0, 0)):
+    GRADIENT_CASES[f"TopK axis={_axis} largest={_largest}"] = GradientCase(
+        [node("TopK", ["x", "k"], ["y", "positions"], axis=_axis, largest=_largest)], {"x": rand(3, 5, 2)},
+        {"k": i64(2)}, opset=11)
 for _equation, _shapes in [("ij,jk->ik", [(3, 4), (4, 2)]), ("bij,bjk->bik", [(2, 3, 4), (2, 4, 2)]),
                            ("bhid,bhjd->bhij", [(2, 2, 3, 4), (2, 2, 5, 4)]), ("ij->ji", [(3, 4)]),
                            ("i,j->ij", [(3,), (4,)]), ("ij->i", [(3, 4)]),
@@ -288,6 +323,20 @@ for _reduction in ("mean", "sum", "none"):
             GradientCase([node("LogSoftmax", ["scores"], ["log_prob"], axis=1),
                           node("NegativeLogLikelihoodLoss", _inputs, reduction=_reduction, ignore_index=2)],
                          {"scores": rand(3, 4, 2, low=-2, high=2)}, _constants)
+# a vocabulary product scored by cross-entropy fuses into LinearCrossEntropy: a tied embedding (its gradient the sum of
+# the Gather's and the product's) with the classes last and padding ignored, and a [N, C] product summed
+GRADIENT_CASES["LinearCrossEntropy tied embedding, classes last, mean"] = GradientCase(
+    [node("Gather", ["emb", "ids"], ["h"]), node("Transpose", ["emb"], ["emb_t"], perm=[1, 0]),
+     node("MatMul", ["h", "emb_t"], ["logits"]), node("Reshape", ["logits", "rows_shape"], ["rows"]),
+     node("Reshape", ["labels", "flat_shape"], ["flat"]),
+     node("SoftmaxCrossEntropyLoss", ["rows", "flat"], reduction="mean", ignore_index=-100)],
+    {"emb": rand(7, 3, low=-2, high=2)},
+    {"ids": np.array([[0, 2, 6, 1, 5], [4, 0, 2, 3, 3]], np.int64), "rows_shape": i64(-1, 7), "flat_shape": i64(-1),
+     "labels": np.array([[2, 6, 1, 5, -100], [0, 2, 3, 3, 4]], np.int64)}, fuses_into=("LinearCrossEntropy",))
+GRADIENT_CASES["LinearCrossEntropy [N, C] sum"] = GradientCase(
+    [node("MatMul", ["x", "w"], ["scores"]), node("SoftmaxCrossEntropyLoss", ["scores", "labels"], reduction="sum")],
+    {"x": rand(4, 3), "w": rand(3, 5, low=-2, high=2)}, {"labels": np.array([4, 0, 1, 1], np.int64)},
+    fuses_into=("LinearCrossEntropy",))
 for _op in ("ReduceL1", "ReduceSumSquare", "ReduceLogSum", "ReduceLogSumExp"):
     for _keepdims in (0, 1):
         GRADIENT_CASES[f"{_op} axes as input keepdims={_keepdims}"] = GradientCase(
@@ -324,3 +373,27 @@ def test_a_bias_added_to_a_product_moves_into_it(x_shape, bias_shape, fuses, bia
     with_bias = [n for n in training.graph.node if n.op_type == "FusedMatMul" and len(n.input) == 4]
     assert [list(n.input[2:]) for n in with_bias] == ([["", "b"]] if fuses else [])
     assert ("Add" in [n.op_type for n in training.graph.node]) != fuses
+
+
+def test_scatter_gradients_are_scatter_elements(tmp_path):
+    """Scatter (opsets 9 and 10, which ONNX's reference evaluator does not run) is ScatterElements under another
+    name: its gradients equal those of the ScatterElements row, which finite differences check."""
+    from odtrain import artifacts
+    from odtrain.api import CheckpointState, Module
+    from oracles import make_model, with_weighted_sum
+
+    case = GRADIENT_CASES["ScatterElements reduction=none"]
+    expected = case.check(tmp_path / "elements")
+    weights = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)  # gradient_check's
+    nodes = with_weighted_sum([node("Scatter", ["data", "ids", "updates"], axis=1)], "y", weights)
+    model = make_model(nodes, {**case.params, **case.constants, "gc_weights": weights},
+                       outputs=[("loss", np.float32, [])], opset=10)
+    artifacts.generate_artifacts(model, requires_grad=list(case.params), loss=None,
+                                 optimizer=artifacts.OptimType.SGD, artifact_directory=tmp_path / "scatter")
+    state = CheckpointState.load_checkpoint(tmp_path / "scatter" / "checkpoint")
+    Module(tmp_path / "scatter" / "training_model.onnx", state, tmp_path / "scatter" / "eval_model.onnx")()
+    for name in case.params:
+        np.testing.assert_array_equal(state.parameters[name].grad, expected[name], err_msg=name)
+
+
+GRADIENT_ORACLES = {"Scatter": test_scatter_gradients_are_scatter_elements}

@@ -8,8 +8,12 @@ from odtrain.kernels import BINDINGS
 
 # Ops that never reach a kernel: views share their input's bytes, constants fold when shapes bind.
 NO_KERNEL = {("", "Reshape"), ("", "Flatten"), ("", "Identity"), ("", "Shape"), ("", "Size"), ("", "Constant")}
+NO_KERNEL |= {("", "BitCast"), ("", "EyeLike")}  # a view; a constant once shapes bind
+# run where their input is a constant, and fold
+NO_KERNEL |= {("", "Unique"), ("", "NonZero"), ("", "NonMaxSuppression")}
 NO_KERNEL |= {("ai.odtrain", "ApplyUpdate")}  # the executor calls the optimizer for it
 NO_KERNEL |= {("", "Squeeze"), ("", "Unsqueeze")}  # views
+NO_KERNEL |= {("", "HannWindow"), ("", "HammingWindow"), ("", "BlackmanWindow"), ("", "MelWeightMatrix")}  # constants
 
 TESTS = pathlib.Path(__file__).parent
 

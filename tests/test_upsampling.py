@@ -278,6 +278,21 @@ def test_scales_that_train_or_freeze_are_refused_with_the_way_out(tmp_path):
 # ---- gradients against float64 finite differences -----------------------------------------------
 
 GRADIENT_CASES = {
+    **{f"grid_sample_{mode}_{padding}_align{align}": GradientCase(
+        [node("GridSample", ["x", "grid"], mode=mode, padding_mode=padding, align_corners=align)],
+        {"x": rand(2, 2, 3, 4)}, {"grid": rand(2, 3, 5, 2, low=-1.3, high=1.3)}, opset=20)
+       for mode, padding, align in (("linear", "zeros", 0), ("linear", "border", 1), ("linear", "reflection", 0),
+                                    ("nearest", "zeros", 1), ("cubic", "reflection", 1))},
+    **{f"affine_grid_{len(size) - 2}d_align{align}": GradientCase(
+        # the Cast, made float64 in the float64 reference, where ONNX's AffineGrid gives float32 from float64; a large
+        # step (the grid is linear in theta) keeps that float32 rounding out of the differences
+        [node("AffineGrid", ["theta", "size"], ["g"], align_corners=align), node("Cast", ["g"], to=TensorProto.FLOAT)],
+        {"theta": rand(2, len(size) - 2, len(size) - 1)},
+        {"size": np.array(size, np.int64)}, opset=20, step=0.05)
+       for size, align in (((2, 3, 4, 5), 0), ((2, 1, 2, 3, 4), 1))},
+    "grid_sample_volume": GradientCase(
+        [node("GridSample", ["x", "grid"], padding_mode="border")], {"x": rand(1, 2, 3, 2, 3)},
+        {"grid": rand(1, 2, 2, 3, 3, low=-1.2, high=1.2)}, opset=22),
     "conv_transpose_bias_pads_output_padding": GradientCase(
         [node("ConvTranspose", ["x", "w", "b"], strides=[2, 2], pads=[1, 0, 0, 1], output_padding=[1, 0])],
         {"x": rand(2, 3, 3, 2), "w": rand(3, 2, 3, 2), "b": rand(2)}, opset=19),

@@ -161,9 +161,9 @@ def test_unsupported_forms_are_declined_clearly():
                          inputs=[("x", np.float32, x.shape)], outputs=["y", "rm", "rv"])
     with pytest.raises(OdtrainError, match="unbiased batch variance"):
         InferenceSession(running).run(None, {"x": x})
-    int_clip = make_model([node("Clip", ["x"])], {}, inputs=[("x", np.int64, x.shape)])
+    int_sigmoid = make_model([node("HardSigmoid", ["x"])], {}, inputs=[("x", np.int64, x.shape)])
     with pytest.raises(OdtrainError, match="float32 only"):
-        InferenceSession(int_clip).run(None, {"x": x.astype(np.int64)})
+        InferenceSession(int_sigmoid).run(None, {"x": x.astype(np.int64)})
 
 
 # ---- gradients against float64 finite differences -----------------------------------------------
@@ -274,6 +274,15 @@ GRADIENT_CASES = {
         [node("LeakyRelu", ["x"], alpha=-0.5)], {"x": rand(2, 3, 4)}),
     "hard_sigmoid": GradientCase(
         [node("HardSigmoid", ["x"])], {"x": rand(2, 3, 4, low=-4, high=4)}),
+    "lp_pool": GradientCase([node("LpPool", ["x"], kernel_shape=[2, 2], pads=[1, 0, 0, 1], p=3)],
+                            {"x": rand(2, 2, 3, 4, low=0.2, high=1.5) * np.sign(rand(2, 2, 3, 4))}),
+    "lp_pool_l2_strided": GradientCase([node("LpPool", ["x"], kernel_shape=[3], strides=[2])], {"x": rand(2, 2, 7)}),
+    "elu": GradientCase([node("Elu", ["x"], alpha=0.7)], {"x": rand(2, 3, 4, low=-2, high=2)}),
+    "selu": GradientCase([node("Selu", ["x"])], {"x": rand(2, 3, 4, low=-2, high=2)}),
+    "celu": GradientCase([node("Celu", ["x"], alpha=0.6)], {"x": rand(2, 3, 4, low=-2, high=2)}),
+    "thresholded_relu": GradientCase([node("ThresholdedRelu", ["x"], alpha=0.3)], {"x": rand(2, 3, 4)}),
+    "shrink": GradientCase([node("Shrink", ["x"], lambd=0.3, bias=0.2)], {"x": rand(2, 3, 4)}),
+    "swish": GradientCase([node("Swish", ["x"], alpha=0.8)], {"x": rand(2, 3, 4, low=-3, high=3)}, opset=24),
     "hard_swish": GradientCase(
         [node("HardSwish", ["x"])], {"x": rand(2, 3, 4, low=-5, high=5)}),
     "pad_reflect": GradientCase(

@@ -11,10 +11,12 @@ labels, indices and token ids). `threads` is the thread count the op is bound an
 Families: ConvOps (convolutions and their gradients, depthwise included), ProductOps (Gemm,
 FusedMatMul as a linear layer and as attention's batched products), NormalizationOps, PoolOps,
 ElementwiseOps (activations, their gradients, Softmax, Add), OptimizerOps (the fused AdamW update
-of a model's trainable block).
+of a model's trainable block, its moments in float32 or in 8 bits), VocabularyLossOps (a decoder's vocabulary
+product fused with its cross-entropy, forward and backward, at the shape of the benchmark decoder).
 
-UnaryOps: every unary op of the elementwise kernels (`odtrain.kernels.elementwise`, tables UNARY and
-SPECIAL_UNARY: a row added there is a parameter here) over 2^20 float32 values, out of place, as a
+UnaryOps: every unary op of the elementwise kernels (`odtrain.kernels.elementwise`, tables UNARY,
+SPECIAL_UNARY and RARE_UNARY: a row added there is a parameter here; and IsNaN, IsInf) over 2^20 float32 values,
+out of place, as a
 step runs them (the binding's prepared calls, one thread).
 """
 import functools
@@ -168,21 +170,79 @@ class OptimizerOps:
 
     params = [["cnn", "transformer", "mobilenetv2_full"], THREADS]
     param_names = ["model", "threads"]
+    state_dtype = "float32"
 
     def setup(self, model, threads):
-        from odtrain.executor import apply_optimizer
+        import dataclasses
+
+        from odtrain.executor import apply_optimizer, int8_moments
+        from odtrain.graph.optimizers import STATE_BLOCK
+        from odtrain.state import moment_blocks
 
         module, optimizer, _ = training_step(model)
         weights = np.asarray(module.get_contiguous_parameters(trainable_only=True))  # a copy: the update's cost
         rng = np.random.default_rng(common.SEED)
         grads = rng.uniform(-1, 1, weights.size).astype(np.float32)
+        config = dataclasses.replace(optimizer.config, state_dtype=self.state_dtype)
         moments = {k: v.copy() for k, v in optimizer.state.moments.items()}
-        self.update = functools.partial(apply_optimizer, optimizer.config, weights, grads, moments, 1e-3, 1,
-                                        threads=threads)
+        sizes = {name: p.data.size for name, p in module.state.parameters.items() if p.requires_grad}
+        blocks = moment_blocks(sizes, STATE_BLOCK)[0]
+        if self.state_dtype == "int8":
+            moments = int8_moments(blocks, config.state_names)
+        self.update = functools.partial(apply_optimizer, config, weights, grads, moments, 1e-3, 1, threads=threads,
+                                        blocks=blocks)
         self.update()
 
     def time_update(self, model, threads):
         self.update()
+
+
+class Int8OptimizerOps(OptimizerOps):
+    """OptimizerOps with AdamW's moments in 8 bits: dequantized, updated and requantized a block at a time."""
+
+    state_dtype = "int8"
+
+
+VOCABULARY = {"rows": 8 * 128, "width": 256, "classes": 4096}  # make_models.py --benchmark: batch 8 of 128 tokens
+
+
+class VocabularyLossOps:
+    """LinearCrossEntropy (hidden [tokens, H] times lm_head [V, H]ᵀ, scored against labels) and its gradient,
+    bound alone at the benchmark decoder's shape; track_ reports the chunk of logits the node holds."""
+
+    params = [["LinearCrossEntropy", "LinearCrossEntropyGrad"], THREADS]
+    param_names = ["op", "threads"]
+
+    def setup(self, op, threads):
+        from odtrain.executor import BoundGraph
+        from odtrain.graph.ir import ODTRAIN_DOMAIN, Graph, Node, TensorType
+
+        rows, width, classes = VOCABULARY["rows"], VOCABULARY["width"], VOCABULARY["classes"]
+        rng = np.random.default_rng(common.SEED)
+        held = {"hidden": rng.standard_normal((rows, width)).astype(np.float32),
+                "weight": (rng.standard_normal((classes, width)) * 0.05).astype(np.float32),
+                "labels": rng.integers(0, classes, rows).astype(np.int64)}
+        inputs = ["hidden", "weight", "labels"]
+        outputs = ["loss"]
+        if op.endswith("Grad"):
+            held["dloss"] = np.ones((), np.float32)
+            inputs, outputs = ["dloss"] + inputs, ["dhidden", "dweight"]
+        types = {name: TensorType(value.dtype, value.shape) for name, value in held.items()}
+        types.update(loss=TensorType(np.dtype(np.float32), ()), dhidden=types["hidden"], dweight=types["weight"])
+        node = Node(op, inputs, outputs, {"transB": 1, "reduction": "mean"}, op, ODTRAIN_DOMAIN)
+        self.bound = BoundGraph(Graph([node], list(held), outputs[:1], {}, types, name=op), {}, held, threads=threads)
+        for _ in range(2):
+            self.bound.run([])
+
+    def time_run(self, op, threads):
+        self.bound.run([])
+
+    def track_scratch_bytes(self, op, threads):
+        from odtrain.executor import scratch_bytes
+
+        return scratch_bytes(self.bound.order[0], self.bound.types, threads)
+
+    track_scratch_bytes.unit = "bytes"
 
 
 SIZE = 1 << 20
@@ -194,9 +254,12 @@ def unary_input(size: int, seed: int = common.SEED) -> np.ndarray:
 
 
 def _unary_ops() -> list[str]:
-    from odtrain.kernels.elementwise import SPECIAL_UNARY, UNARY
+    from odtrain.kernels.elementwise import RARE_UNARY, SPECIAL_UNARY, UNARY
 
-    return [*UNARY, *SPECIAL_UNARY]
+    return [*UNARY, *SPECIAL_UNARY, *RARE_UNARY, *BOOLEAN_UNARY]
+
+
+BOOLEAN_UNARY = ("IsNaN", "IsInf")  # float classes: boolean outputs
 
 
 class UnaryOps:
@@ -207,7 +270,7 @@ class UnaryOps:
         from odtrain.kernels import BINDINGS
 
         x = unary_input(SIZE)
-        self.calls = BINDINGS[("", op)]([x], [np.empty_like(x)])
+        self.calls = BINDINGS[("", op)]([x], [np.empty(x.shape, bool if op in BOOLEAN_UNARY else x.dtype)])
         self.time_forward(op)  # compiles or loads the kernel
 
     def time_forward(self, op):

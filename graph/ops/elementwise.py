@@ -12,8 +12,9 @@ never sees kernel codes. GELU, which has an attribute, is registered apart.
 
 Every op here folds to a constant when its inputs are constants (shape
 arithmetic such as Gather(Shape(x)) / 2, Sqrt(Cast(...)) in exported
-attention). Comparisons and logic ops give booleans and have no gradient;
-BitShift and the bitwise ops take integers only and have none either. Mod
+attention). Comparisons, logic ops and the float classes (IsNaN, IsInf) give
+booleans and have no gradient;
+BitShift and the bitwise ops (BitwiseNot too) take integers only and have none either. Mod
 follows its divisor's sign (Python's %), or its dividend's with fmod=1 (C's
 fmod); Mean is a Sum divided by the number of inputs.
 """
@@ -43,7 +44,8 @@ def _pow(a, b):
 BINARY_FOLDS = {
     "Add": np.add, "Sub": np.subtract, "Mul": np.multiply,
     "Div": lambda a, b: _int_div(a, b) if np.issubdtype(a.dtype, np.integer) else np.divide(a, b),
-    "Pow": _pow, "Equal": np.equal, "Less": np.less, "Greater": np.greater, "LessOrEqual": np.less_equal,
+    "Pow": _pow, "PRelu": lambda x, slope: np.where(x < 0, x * slope, x),
+    "Equal": np.equal, "Less": np.less, "Greater": np.greater, "LessOrEqual": np.less_equal,
     "GreaterOrEqual": np.greater_equal, "And": np.logical_and, "Or": np.logical_or, "Xor": np.logical_xor,
 }
 # Binaries whose function an attribute chooses: Mod's fmod (C's sign of the dividend, or the divisor's),
@@ -99,6 +101,7 @@ op("Sum", inplace=((0, 0),))(_broadcast_rule)
 op("Pow", inplace=((0, 0),), passes=2.0)(_broadcast_rule)
 for _name in ("Max", "Min", "Mean"):
     op(_name, inplace=((0, 0),))(_broadcast_rule)
+op("PRelu", inplace=((0, 0),))(_broadcast_rule)
 op("Mod", inplace=((0, 0), (0, 1)))(_broadcast_rule)
 for _name in sorted(INTEGER_BINARIES):
     op(_name, inplace=((0, 0), (0, 1)))(_broadcast_rule)
@@ -134,6 +137,30 @@ class Unary:
 
 PIECEWISE_CONSTANT = "it is piecewise constant: its derivative is zero wherever it exists"
 
+
+def _one(g):
+    return g.constant(1.0, "one")
+
+
+def _square(g, value=None):
+    value = g.I(0) if value is None else value
+    return g.emit("Mul", [value, value])
+
+
+def _one_plus_abs(g):  # 1 + |X|
+    return g.emit("Add", [_one(g), g.emit("Abs", [g.I(0)])])
+
+
+def _one_minus_square(g):  # 1 - X²
+    return g.emit("Sub", [_one(g), _square(g)])
+
+
+def _mish_grad(g):  # dX = dY · (t + X · sigmoid(X) · (1 - t²)), t = tanh(softplus(X))
+    t = g.emit("Tanh", [g.emit("Softplus", [g.I(0)])])
+    x_sigmoid = g.emit("Mul", [g.I(0), g.emit("Sigmoid", [g.I(0)])])
+    slope = g.emit("Mul", [x_sigmoid, g.emit("Sub", [_one(g), _square(g, t)])])
+    return g.emit("Mul", [g.GO(0), g.emit("Add", [t, slope])])
+
 # One row per unary op, with its gradient's math. The kernel side keeps a row of its own for each op
 # (kernels/elementwise.py: the scalar function, whose position is its code): the layers never import
 # each other, and tests/test_registry.py checks that every op registered here has a kernel.
@@ -156,6 +183,28 @@ UNARY = {
     "Cos": Unary(np.cos, passes=2.0,  # dX = -dY · sin(X)
                  gradient=lambda g: g.emit("Neg", [g.emit("Mul", [g.GO(0), g.emit("Sin", [g.I(0)])])])),
     "Identity": Unary(lambda x: x, view=True, gradient=lambda g: g.GO(0)),  # dX = dY
+    "Tan": Unary(np.tan, passes=2.0,  # dX = dY · (1 + Y²)
+                 gradient=lambda g: g.emit("Mul", [g.GO(0), g.emit("Add", [_one(g), _square(g, g.O(0))])])),
+    "Sinh": Unary(np.sinh, passes=2.0,  # dX = dY · cosh(X)
+                  gradient=lambda g: g.emit("Mul", [g.GO(0), g.emit("Cosh", [g.I(0)])])),
+    "Cosh": Unary(np.cosh, passes=2.0,  # dX = dY · sinh(X)
+                  gradient=lambda g: g.emit("Mul", [g.GO(0), g.emit("Sinh", [g.I(0)])])),
+    "Asin": Unary(np.arcsin, passes=2.0,  # dX = dY / √(1 - X²)
+                  gradient=lambda g: g.emit("Div", [g.GO(0), g.emit("Sqrt", [_one_minus_square(g)])])),
+    "Acos": Unary(np.arccos, passes=2.0,  # dX = -dY / √(1 - X²)
+                  gradient=lambda g: g.emit("Neg", [g.emit("Div", [g.GO(0), g.emit("Sqrt", [_one_minus_square(g)])])])),
+    "Atanh": Unary(np.arctanh, passes=2.0,  # dX = dY / (1 - X²)
+                   gradient=lambda g: g.emit("Div", [g.GO(0), _one_minus_square(g)])),
+    "Asinh": Unary(np.arcsinh, passes=2.0,  # dX = dY / √(X² + 1)
+                   gradient=lambda g: g.emit("Div", [g.GO(0), g.emit("Sqrt", [g.emit("Add", [_square(g), _one(g)])])])),
+    "Acosh": Unary(np.arccosh, passes=2.0,  # dX = dY / √(X² - 1)
+                   gradient=lambda g: g.emit("Div", [g.GO(0), g.emit("Sqrt", [g.emit("Sub", [_square(g), _one(g)])])])),
+    "Softplus": Unary(lambda x: np.logaddexp(0, x), passes=2.0,  # dX = dY · sigmoid(X)
+                      gradient=lambda g: g.emit("Mul", [g.GO(0), g.emit("Sigmoid", [g.I(0)])])),
+    "Softsign": Unary(lambda x: x / (1 + np.abs(x)),  # dX = dY / (1 + |X|)²
+                      gradient=lambda g: g.emit("Div", [g.GO(0), _square(g, _one_plus_abs(g))])),
+    "Mish": Unary(lambda x: x * np.tanh(np.logaddexp(0, x)), passes=2.0, gradient=lambda g: _mish_grad(g)),
+    "Round": Unary(np.round, no_grad=PIECEWISE_CONSTANT),  # halves to even, as ONNX
     "Sign": Unary(np.sign, no_grad=PIECEWISE_CONSTANT),
     "Floor": Unary(np.floor, no_grad=PIECEWISE_CONSTANT),
     "Ceil": Unary(np.ceil, no_grad=PIECEWISE_CONSTANT),
@@ -185,6 +234,42 @@ def _register_unary(name: str, row: Unary) -> None:
 
 for _name, _row in UNARY.items():
     _register_unary(_name, _row)
+
+
+def float_classes(op_type: str, attrs) -> tuple[bool, bool, bool]:
+    """Which of (NaN, +inf, -inf) IsNaN or IsInf (with its detect_positive/detect_negative) reports."""
+    if op_type == "IsNaN":
+        return True, False, False
+    return False, bool(attrs.get("detect_positive", 1)), bool(attrs.get("detect_negative", 1))
+
+
+@op("IsNaN")
+@op("IsInf")
+def _classify_rule(node, types, consts):
+    """IsNaN and IsInf: a float tensor in, a boolean tensor of its shape out (folded by numpy)."""
+    if types[0].dtype.kind != "f":
+        raise ModelError(f"{node.describe()}: {node.op_type} takes a float tensor, got {types[0]}; cast it first")
+    if consts and consts[0] is not None:
+        nan, positive, negative = float_classes(node.op_type, node.attrs)
+        x = np.asarray(consts[0])
+        value = (nan & np.isnan(x)) | (positive & np.isposinf(x)) | (negative & np.isneginf(x))
+        return [TensorType(value.dtype, value.shape)], [np.ascontiguousarray(value)]
+    return [TensorType(np.dtype(np.bool_), types[0].shape)]
+
+
+@op("BitwiseNot", inplace=((0, 0),))
+def _bitwise_not_rule(node, types, consts):
+    if types[0].dtype.kind not in "iu":
+        raise ModelError(f"{node.describe()}: BitwiseNot takes integer tensors, got {types[0]}")
+    if consts and consts[0] is not None:
+        value = np.ascontiguousarray(np.invert(consts[0]))
+        return [TensorType(value.dtype, value.shape)], [value]
+    return [types[0]]
+
+
+no_grad("BitwiseNot", "it works on the bits of integers")
+no_grad("IsNaN", "its output is boolean")
+no_grad("IsInf", "its output is boolean")
 
 
 # GELU has an attribute (approximate), so it is registered on its own, with its gradient kernel
@@ -283,6 +368,18 @@ def _pow_grad(ctx):  # dA = dY · B · A^(B-1), dB = dY · Y · ln(A)
     if ctx.needs(1):
         scaled = ctx.emit("Mul", [ctx.emit("Mul", [dy, ctx.O(0)]), ctx.emit("Log", [a])])
         ctx.set_grad(1, ctx.sum_to_input(scaled, 1))
+
+
+@grad("PRelu")
+def _prelu_grad(ctx):  # dX = dY · (X < 0 ? slope : 1), dSlope = dY · (X < 0 ? X : 0), each summed to its shape
+    below = ctx.emit("Less", [ctx.I(0), ctx.constant(np.zeros((), np.float32), "zero")])
+    if ctx.needs(0):
+        scaled = ctx.emit("Mul", [ctx.GO(0), ctx.I(1)])
+        ctx.set_grad(0, ctx.sum_to_input(ctx.emit("Where", [below, scaled, ctx.GO(0)]), 0))
+    if ctx.needs(1):
+        product = ctx.emit("Mul", [ctx.GO(0), ctx.I(0)])
+        zero = ctx.constant(np.zeros((), np.float32), "zero")
+        ctx.set_grad(1, ctx.sum_to_input(ctx.emit("Where", [below, product, zero]), 1))
 
 
 def _extremum_grad(ctx):  # dX_i = dY where X_i is the extremum (every tied input receives it), else 0

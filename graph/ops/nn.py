@@ -1,4 +1,5 @@
-"""Batch normalization, image activations (Clip, LeakyRelu, HardSigmoid, HardSwish), Pad and Dropout.
+"""Batch normalization, activations with parameters (Clip, LeakyRelu, HardSigmoid, HardSwish, Elu, Selu, Celu,
+ThresholdedRelu, Shrink, Swish), Pad and Dropout.
 
 Gradients:
 - BatchNormalization: BatchNormalizationGrad(dY, X, scale[, mean, var]) recomputes
@@ -8,8 +9,9 @@ Gradients:
   variance for running_var (PyTorch's convention; ONNX's reference uses the
   population variance). The eval form runs it with training_mode=0 and output Y only.
 - Activations read their output when it determines the derivative (Clip,
-  HardSigmoid, LeakyRelu with alpha > 0), so the forward op may work in place;
-  HardSwish reads its input.
+  HardSigmoid, Elu, Selu and Celu with positive parameters, LeakyRelu with
+  alpha > 0), so the forward op may work in place; HardSwish, ThresholdedRelu,
+  Shrink and Swish read their input.
 - Dropout: the gradient multiplies by the forward's mask, which the gradient rule
   adds as the forward node's second output when the model did not ask for it.
 
@@ -135,14 +137,19 @@ def fuse_normalization_activations(graph) -> None:
 
 def _activation_rule(node, types, consts):
     x = types[0]
-    _require_float32(node, x)
+    if not (node.op_type == "Clip" and x.dtype.kind in "iu"):  # Clip also bounds integers
+        _require_float32(node, x)
     for i, t in enumerate(types[1:], start=1):
         if t is not None and (t.dtype != x.dtype or (t.shape is not None and int(np.prod(t.shape)) != 1)):
             raise ModelError(f"{node.describe()}: input {i} must be a {x.dtype} scalar, got {t}")
     return [x]
 
 
-for _name in ("Clip", "LeakyRelu", "HardSigmoid", "HardSwish"):
+# Activations whose gradient kernel reads the forward output Y (each determines where X > 0 or X is inside its
+# bounds) or the input X: <Op>Grad(dY, Y or X).
+READS_OUTPUT = ("Clip", "HardSigmoid", "Elu", "Selu", "Celu")
+READS_INPUT = ("HardSwish", "ThresholdedRelu", "Shrink", "Swish")
+for _name in ("LeakyRelu",) + READS_OUTPUT + READS_INPUT:
     op(_name, inplace=((0, 0),))(_activation_rule)
 
 
@@ -170,7 +177,19 @@ def _hard_swish_grad(ctx):  # dX = dY · (X < -3 ? 0 : X <= 3 ? X/3 + 1/2 : 1), 
     ctx.set_grad(0, ctx.odtrain("HardSwishGrad", [ctx.GO(0), ctx.I(0)]))
 
 
-for _name in ("ClipGrad", "LeakyReluGrad", "HardSigmoidGrad", "HardSwishGrad"):
+def _parameter_activation_grad(ctx, reads_output: bool):
+    # Elu: dX = dY · (X > 0 ? 1 : Y + alpha); Selu: dY · (X > 0 ? gamma : Y + gamma·alpha);
+    # Celu: dY · (X > 0 ? 1 : Y / alpha + 1); ThresholdedRelu: dY · (X > alpha); Shrink: dY · (|X| > lambd);
+    # Swish: dY · (s + alpha · X · s · (1 - s)), s = sigmoid(alpha · X)
+    attrs = {k: float(v) for k, v in ctx.node.attrs.items() if k in ("alpha", "gamma", "lambd", "bias")}
+    ctx.set_grad(0, ctx.odtrain(f"{ctx.node.op_type}Grad", [ctx.GO(0), ctx.O(0) if reads_output else ctx.I(0)], attrs))
+
+
+for _name in ("Elu", "Selu", "Celu", "ThresholdedRelu", "Shrink", "Swish"):
+    grad(_name)(lambda ctx: _parameter_activation_grad(ctx, ctx.node.op_type in READS_OUTPUT))
+
+for _name in ("ClipGrad", "LeakyReluGrad", "HardSigmoidGrad", "HardSwishGrad", "EluGrad", "SeluGrad", "CeluGrad",
+              "ThresholdedReluGrad", "ShrinkGrad", "SwishGrad"):
     op(_name, ODTRAIN_DOMAIN, inplace=((0, 0),))(lambda node, types, consts: [types[0]])
 
 
@@ -212,7 +231,8 @@ def _pad_mode(node) -> str:
 @op("Pad", constant_inputs=(1, 2, 3))
 def _pad_rule(node, types, consts):
     x = types[0]
-    _require_float32(node, x)
+    if x.dtype.kind not in "fiub":  # a copy with a fill: any numeric type
+        raise UnsupportedOpError(f"{node.describe()}: its input is {x}; odtrain pads float, integer and bool tensors")
     if x.shape is None:
         return [TensorType(x.dtype, None)]
     rank = len(x.shape)

@@ -1,4 +1,4 @@
-"""Softmax, LogSoftmax, LayerNormalization and RMSNormalization, with fused gradient ops.
+"""Softmax, LogSoftmax, LayerNormalization, RMSNormalization and LpNormalization, with fused gradient ops.
 
 Softmax/LogSoftmax normalise along one axis (opset 13 semantics; default -1):
     softmax:  dX = Y · (dY - Σ dY·Y)          (SoftmaxGrad reads Y)
@@ -16,6 +16,8 @@ cheaper than keeping two more tensors alive) and gives dX, dScale and dBias:
 RMSNormalization (opset 23) scales without centring: Y = X · r · scale, r = 1/√(mean(X²) + ε)
 over the axes from `axis` on. RMSNormalizationGrad(dY, X, scale) recomputes r:
     g = dY·scale,  dX = r · (g - X · r² · mean(g·X)),  dScale = Σ dY·X·r
+LpNormalization divides by the L1 or L2 norm along one axis, Y = X / N; its gradient
+LpNormalizationGrad(dY, X) recomputes N:  dX = (dY - g · Σ dY·Y) / N, g = Y (L2) or sign(X) (L1).
 The training model's fusion (graph/fusion.py) writes the exporters' decomposed RMSNorm as
 ai.odtrain RMSNormalization, the same op in odtrain's domain, so that a model of an older
 opset stays valid ONNX.
@@ -48,6 +50,26 @@ op("Softmax", inplace=((0, 0),), passes=3.0)(_softmax_rule)
 op("LogSoftmax", inplace=((0, 0),), passes=3.0)(_softmax_rule)
 op("SoftmaxGrad", ODTRAIN_DOMAIN, inplace=((0, 0),))(same_as_input(0))
 op("LogSoftmaxGrad", ODTRAIN_DOMAIN, inplace=((0, 0),))(same_as_input(0))
+
+
+@op("LpNormalization", inplace=((0, 0),), passes=2.0)
+def _lp_normalization_rule(node, types, consts):
+    x = types[0]
+    if x.dtype.kind != "f" or x.shape is None:
+        raise ModelError(f"{node.describe()}: LpNormalization takes a float tensor of known rank, got {x}")
+    if int(node.attrs.get("p", 2)) not in (1, 2):
+        raise ModelError(f"{node.describe()}: p must be 1 or 2, got {node.attrs['p']}")
+    _check_axis(node, len(x.shape), -1)
+    return [x]
+
+
+op("LpNormalizationGrad", ODTRAIN_DOMAIN, inplace=((0, 0),))(same_as_input(0))
+
+
+@grad("LpNormalization")
+def _lp_normalization_grad(ctx):  # dX = (dY - g · Σ_axis dY·Y) / N, g = Y (p = 2) or sign(X) (p = 1)
+    attrs = {"axis": ctx.attr("axis", -1), "p": ctx.attr("p", 2)}
+    ctx.set_grad(0, ctx.odtrain("LpNormalizationGrad", [ctx.GO(0), ctx.I(0)], attrs))
 
 
 @grad("Softmax")

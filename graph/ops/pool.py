@@ -1,7 +1,8 @@
-"""Pooling (MaxPool, AveragePool, GlobalMaxPool, GlobalAveragePool): type rules and gradients.
+"""Pooling (MaxPool, AveragePool, LpPool, GlobalMaxPool, GlobalAveragePool): type rules and gradients.
 
 Gradients: MaxPoolGrad recomputes each window's argmax from X (first maximum wins);
-AveragePoolGrad spreads dY over each window's counted cells. The global pools' gradients do
+AveragePoolGrad spreads dY over each window's counted cells; LpPoolGrad(dY, X, Y) gives each
+cell dY · sign(X) · (|X| / Y)^(p-1). The global pools' gradients do
 the same over one window that covers the input.
 """
 from __future__ import annotations
@@ -41,6 +42,7 @@ def _pool_window_reads(node, types, out) -> float:  # each output element reads 
 
 op("MaxPool", window_reads=_pool_window_reads)(_pool_rule)
 op("AveragePool", window_reads=_pool_window_reads)(_pool_rule)
+op("LpPool", window_reads=_pool_window_reads)(_pool_rule)
 
 POOL_ATTRS = ("auto_pad", "ceil_mode", "dilations", "kernel_shape", "pads", "strides", "count_include_pad")
 
@@ -70,6 +72,12 @@ def _average_pool_grad(ctx):  # dX[each counted cell of a window] += dY / count
     ctx.set_grad(0, ctx.odtrain("AveragePoolGrad", [ctx.GO(0), ctx.I(0)], attrs))
 
 
+@grad("LpPool")
+def _lp_pool_grad(ctx):  # dX[each cell of a window] += dY · sign(X) · (|X| / Y)^(p-1)
+    attrs = {k: v for k, v in ctx.node.attrs.items() if k in POOL_ATTRS or k == "p"}
+    ctx.set_grad(0, ctx.odtrain("LpPoolGrad", [ctx.GO(0), ctx.I(0), ctx.O(0)], attrs))
+
+
 @grad("GlobalMaxPool")
 def _global_max_pool_grad(ctx):
     ctx.set_grad(0, ctx.odtrain("GlobalMaxPoolGrad", [ctx.GO(0), ctx.I(0)]))
@@ -83,5 +91,6 @@ def _global_average_pool_grad(ctx):  # dX = dY / (spatial size), broadcast
 
 op("MaxPoolGrad", ODTRAIN_DOMAIN)(_input_shaped)
 op("AveragePoolGrad", ODTRAIN_DOMAIN, shape_only=(1,))(_input_shaped)
+op("LpPoolGrad", ODTRAIN_DOMAIN)(_input_shaped)
 op("GlobalMaxPoolGrad", ODTRAIN_DOMAIN)(_input_shaped)
 op("GlobalAveragePoolGrad", ODTRAIN_DOMAIN, shape_only=(1,))(_input_shaped)

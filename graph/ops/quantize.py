@@ -34,6 +34,7 @@ import numpy as np
 
 from ..errors import ModelError, UnsupportedOpError
 from ..ir import ODTRAIN_DOMAIN, Graph, Node, TensorType
+from ..onnx_wire import element_type_name, is_storage_dtype
 from . import eval_form, grad, no_grad, op
 from .conv import conv_output_shape
 from .linalg import matmul_shape
@@ -59,7 +60,8 @@ def _tensor_type_attr(node, name: str):
     if not code:
         return None
     if code not in TENSOR_TYPES:
-        raise UnsupportedOpError(f"{node.describe()}: {name}={code} is a type odtrain does not quantize to "
+        raise UnsupportedOpError(f"{node.describe()}: {name}={code} ({element_type_name(code)}) is a type odtrain "
+                                 "does not quantize to "
                                  "(uint8, int8, uint16, int16 are supported; float8, 4-bit and 2-bit are not)")
     return TENSOR_TYPES[code]
 
@@ -133,7 +135,8 @@ def _quantize_rule(node, types, consts):
 @op("DequantizeLinear")
 def _dequantize_rule(node, types, consts):
     x, scale, zero = types[0], _present(types, 1), _present(types, 2)
-    _require_quantized(node, x, "input", tuple(QUANTIZED_RANGES) + (INT32,))
+    if not is_storage_dtype(x.dtype):  # float8, float4, int4, int2: read through Cast's conversion
+        _require_quantized(node, x, "input", tuple(QUANTIZED_RANGES) + (INT32,))
     _require_scale(node, scale, "scale")
     if zero is not None and zero.dtype != x.dtype:
         raise ModelError(f"{node.describe()}: zero point {zero} and input {x} differ in type")

@@ -10,7 +10,9 @@ elements equal to the extremum, shared evenly among ties (as PyTorch's amax).
 ReduceL2's is X · broadcast(dY / Y); the others are written the same way from
 ONNX ops (ReduceProd has none: it would divide by elements that may be zero).
 
-ArgMax/ArgMin give int64 positions and have no gradient. CumSum(X, axis) sums
+ArgMax/ArgMin give int64 positions and have no gradient; Hardmax (1 at the first
+largest element) has none either. TopK's gradient puts dY back at the positions it
+took (GatherElementsGrad). CumSum(X, axis) sums
 along one axis (`exclusive` leaves each element out, `reverse` runs from the
 end); its gradient is the CumSum of dY in the other direction. CumProd
 multiplies alike and has no gradient (as ReduceProd).
@@ -169,6 +171,47 @@ def _arg_rule(node, types, consts):
 for _name in ("ArgMax", "ArgMin"):
     op(_name)(_arg_rule)
     no_grad(_name, "its output is an integer position")
+
+
+def _one_axis(node, x, default: int) -> int:
+    rank = len(x.shape)
+    axis = int(node.attrs.get("axis", default))
+    if not -rank <= axis < max(rank, 1):
+        raise ModelError(f"{node.describe()}: axis {axis} is out of range for {x}")
+    return axis % max(rank, 1)
+
+
+@op("Hardmax")
+def _hardmax_rule(node, types, consts):
+    """1 at the first largest element along the axis, 0 elsewhere."""
+    x = types[0]
+    if x.dtype.kind != "f":
+        raise ModelError(f"{node.describe()}: Hardmax takes a float tensor, got {x}")
+    _one_axis(node, x, -1)
+    return [x]
+
+
+no_grad("Hardmax", "it is piecewise constant: its derivative is zero wherever it exists")
+
+
+@op("TopK", shape_only=(1,), constant_inputs=(1,))
+def _top_k_rule(node, types, consts):
+    """The k largest (or smallest) elements along the axis, sorted, the first of equal values first, and their
+    int64 positions."""
+    x = types[0]
+    axis = _one_axis(node, x, -1)
+    if consts[1] is None:
+        raise UnsupportedOpError(f"{node.describe()}: its k input '{node.inputs[1]}' must be a constant")
+    k = int(np.asarray(consts[1]).reshape(-1)[0])
+    if not 0 <= k <= x.shape[axis]:
+        raise ModelError(f"{node.describe()}: k={k} is outside [0, {x.shape[axis]}] for {x}")
+    shape = tuple(k if a == axis else d for a, d in enumerate(x.shape))
+    return [TensorType(x.dtype, shape), TensorType(np.dtype(np.int64), shape)]
+
+
+@grad("TopK")
+def _top_k_grad(ctx):  # dX = zeros; dX[index with axis → indices[p]] = dY[p]
+    ctx.set_grad(0, ctx.odtrain("GatherElementsGrad", [ctx.GO(0), ctx.O(1), ctx.I(0)], {"axis": ctx.attr("axis", -1)}))
 
 
 def cumulative_axis(node, axis_value, rank: int | None) -> int:

@@ -1,8 +1,9 @@
-"""Resize and Upsample: type rules and gradients.
+"""Resize, Upsample, GridSample and AffineGrid: type rules and gradients.
 
 Gradients: ResizeGrad(dY, X, roi, scales, sizes) scatters each output's gradient back to the
 cells it read, times their interpolation weights (X for its shape only); for nearest that sums
-the gradients of every copy of a cell.
+the gradients of every copy of a cell. GridSampleGrad(dY, X, grid) does the same for the taps of each
+grid point; GridSample has no gradient with respect to its grid.
 """
 from __future__ import annotations
 
@@ -149,3 +150,65 @@ def _resize_grad(ctx):  # dX[each tap's source cell] += weight · dY: the adjoin
 grad("Resize")(_resize_grad)
 grad("Upsample")(_resize_grad)
 op("ResizeGrad", ODTRAIN_DOMAIN, shape_only=(1,))(_input_shaped)
+
+
+# ---- GridSample -------------------------------------------------------------------------------------------
+
+
+@op("GridSample")
+def _grid_sample_rule(node, types, consts):
+    """X [N, C, (D,) H, W] sampled at grid [N, (D_out,) H_out, W_out, 2 or 3] (x, y[, z] in [-1, 1]): nearest,
+    linear or cubic (2-D), each tap outside X reading zero, the border or its reflection."""
+    x, grid = types
+    _require_float32(node, x)
+    rank = len(x.shape) - 2
+    if rank not in (2, 3) or grid.shape is None or len(grid.shape) != rank + 2 or grid.shape[-1] != rank \
+            or grid.shape[0] != x.shape[0]:
+        raise ModelError(f"{node.describe()}: X {x} needs a grid [N, ..., {rank}] of spatial rank {rank}, got {grid}")
+    mode = _text_attr(node, "mode", "linear", ("nearest", "linear", "cubic", "bilinear", "bicubic"))
+    _text_attr(node, "padding_mode", "zeros", ("zeros", "border", "reflection"))
+    if rank == 3 and mode in ("cubic", "bicubic"):
+        raise UnsupportedOpError(f"{node.describe()}: cubic sampling of a volume is not supported (ONNX does not "
+                                 "define it either)")
+    return [TensorType(x.dtype, tuple(x.shape[:2]) + tuple(grid.shape[1:-1]))]
+
+
+@grad("GridSample")
+def _grid_sample_grad(ctx):  # dX[each tap] += dY · its weight; the grid's gradient is not implemented
+    if ctx.needs(1):
+        raise UnsupportedOpError(f"{ctx.node.describe()}: no gradient with respect to the grid (only X's): freeze "
+                                 "what computes the grid")
+    attrs = {k: ctx.attr(k) for k in ("mode", "padding_mode", "align_corners") if ctx.attr(k) is not None}
+    ctx.set_grad(0, ctx.odtrain("GridSampleGrad", [ctx.GO(0), ctx.I(0), ctx.I(1)], attrs))
+
+
+op("GridSampleGrad", ODTRAIN_DOMAIN, shape_only=(1,))(_input_shaped)
+
+
+# ---- AffineGrid -------------------------------------------------------------------------------------------
+
+
+@op("AffineGrid", constant_inputs=(1,))
+def _affine_grid_rule(node, types, consts):
+    """The grid GridSample reads for affine maps theta [N, 2, 3] (or [N, 3, 4]) over an output of `size`
+    [N, C, H, W] (or [N, C, D, H, W]): [N, H, W, 2] (or [N, D, H, W, 3])."""
+    theta = types[0]
+    _require_float32(node, theta)
+    if consts[1] is None:
+        raise UnsupportedOpError(f"{node.describe()}: its size input '{node.inputs[1]}' must be a constant")
+    size = [int(s) for s in np.asarray(consts[1]).reshape(-1)]
+    k = len(size) - 2
+    if k not in (2, 3) or theta.shape != (size[0], k, k + 1):
+        raise ModelError(f"{node.describe()}: theta {theta} must be [N, {k}, {k + 1}] for size {size}")
+    return [TensorType(theta.dtype, tuple(size[:1] + size[2:] + [k]))]
+
+
+@grad("AffineGrid")
+def _affine_grid_grad(ctx):  # dθ[n] = dYᵀ · base grid, summed over the points
+    ctx.set_grad(0, ctx.odtrain("AffineGridGrad", [ctx.GO(0), ctx.I(1), ctx.I(0)],
+                                {"align_corners": ctx.attr("align_corners", 0)}))
+
+
+@op("AffineGridGrad", ODTRAIN_DOMAIN, shape_only=(2,), constant_inputs=(1,))
+def _affine_grid_grad_rule(node, types, consts):
+    return [types[2]]

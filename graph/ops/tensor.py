@@ -1,8 +1,12 @@
 """Shape, layout and indexing ops: Reshape, Flatten, Squeeze, Unsqueeze, Transpose, Expand, Tile, Slice,
 Concat, Split, Gather, GatherElements, GatherND, ScatterElements, ScatterND, Where, Cast, CastLike,
-Trilu, Shape, Size, Constant, ConstantOfShape, Range.
+Trilu, Shape, Size, Constant, ConstantOfShape, Range, BitCast, EyeLike, OneHot, DepthToSpace, SpaceToDepth,
+CenterCropPad, Compress, ReverseSequence, TensorScatter, Unique, NonZero, NonMaxSuppression.
 
-Reshape, Flatten, Squeeze and Unsqueeze are views: their output shares the input's bytes.
+Cast and CastLike alone also take and give the element types numpy lacks (bfloat16, float8, float4,
+int4, int2: STORAGE_OPS), which a model converts to a computing type before any other op.
+
+Reshape, Flatten, Squeeze, Unsqueeze and BitCast are views: their output shares the input's bytes.
 Every op here folds to a constant when all of its inputs are constants, so the shape
 subgraphs that exporters emit (Shape → Gather → Unsqueeze → Concat → Reshape) cost nothing
 per step once input shapes are bound. Inputs that give shapes, axes, starts or repeats must
@@ -16,9 +20,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import ModelError
+from ..errors import ModelError, UnsupportedOpError
 from ..ir import ODTRAIN_DOMAIN, TensorType
-from ..onnx_wire import element_type, numpy_dtype
+from ..onnx_wire import element_type, is_storage_dtype, numpy_dtype
 from . import broadcast_shapes, grad, no_grad, op
 
 
@@ -285,7 +289,8 @@ def _slice_rule(node, types, consts):
         return [TensorType(x.dtype, None)]
     ranges = slice_ranges(node, x.shape, consts)
     if consts[0] is not None:
-        return _folded([consts[0][tuple(slice(*r) for r in ranges)]])
+        # a range's stop of -1 (a reversed slice down to index 0) means the last index to numpy: None
+        return _folded([consts[0][tuple(slice(start, None if stop < 0 else stop, step) for start, stop, step in ranges)]])
     return [TensorType(x.dtype, _slice_shape(ranges))]
 
 
@@ -459,6 +464,7 @@ def _scatter_rule(node, types, consts):
 
 
 op("ScatterElements")(_scatter_rule)
+op("Scatter")(_scatter_rule)  # ScatterElements' name in opsets 9 and 10
 op("ScatterND")(_scatter_rule)
 
 
@@ -482,6 +488,7 @@ def _scatter_grad(ctx, gather: str):
 
 
 grad("ScatterElements")(lambda ctx: _scatter_grad(ctx, "GatherElements"))
+grad("Scatter")(lambda ctx: _scatter_grad(ctx, "GatherElements"))
 grad("ScatterND")(lambda ctx: _scatter_grad(ctx, "GatherND"))
 
 
@@ -510,35 +517,53 @@ def _where_grad(ctx):  # dA = where(C, dY, 0), dB = where(C, 0, dY), each summed
         ctx.set_grad(2, ctx.sum_to_input(ctx.emit("Where", [ctx.I(0), zero, ctx.GO(0)]), 2))
 
 
-def onnx_dtype(node, code) -> np.dtype:
+def onnx_dtype(node, code, storage: bool = False) -> np.dtype:
+    """The numpy dtype of an element type attribute; with `storage`, also the types only Cast holds."""
     try:
         dtype = numpy_dtype(int(code))
     except Exception:
         dtype = None
+    if dtype is not None and storage and is_storage_dtype(dtype):
+        return dtype
     if dtype is None or dtype.kind not in "fiub" or dtype.itemsize > 8:
         raise ModelError(f"{node.describe()}: element type {code} is not supported (float, int and bool are)")
     return dtype
+
+
+# The ops that take or give the element types numpy lacks (bfloat16, float8, float4, int4, int2): a model
+# converts them to a computing type first (graph/schedule.py refuses them at any other op).
+STORAGE_OPS = frozenset({"Cast", "CastLike", "DequantizeLinear"})
 
 
 def _same_dtype(input_types, output_types) -> bool:
     return np.dtype(input_types[0].dtype) == np.dtype(output_types[0].dtype)
 
 
-@op("Cast", view=_same_dtype)
-def _cast_rule(node, types, consts):
-    dtype = onnx_dtype(node, node.attrs.get("to"))
-    if np.dtype(types[0].dtype).kind not in "fiub":
+def _cast_to(node, types, consts, dtype):
+    """Cast's type, folded by numpy between numpy's own types (the others run Cast's kernel: their rounding
+    and saturation are odtrain's, not numpy's)."""
+    source = np.dtype(types[0].dtype)
+    if source.kind not in "fiub" and not is_storage_dtype(source):
         raise ModelError(f"{node.describe()}: cannot cast from {types[0]}")
-    if consts[0] is not None:
+    if consts[0] is not None and not is_storage_dtype(source) and not is_storage_dtype(dtype):
         return _folded([np.asarray(consts[0]).astype(dtype)])
     return [TensorType(dtype, types[0].shape)]
 
 
+@op("Cast", view=_same_dtype)
+def _cast_rule(node, types, consts):
+    return _cast_to(node, types, consts, onnx_dtype(node, node.attrs.get("to"), storage=True))
+
+
+def _computes_gradients(dtype) -> bool:
+    return dtype is not None and dtype.kind == "f" and not is_storage_dtype(dtype)
+
+
 @grad("Cast")
-def _cast_grad(ctx):  # dX = cast(dY, type of X); no gradient through a cast to an integer type
+def _cast_grad(ctx):  # dX = cast(dY, type of X); no gradient through a cast to an integer or storage type
     source = dtype_of(ctx, ctx.I(0)) or np.dtype(np.float32)
-    target = onnx_dtype(ctx.node, ctx.attr("to"))
-    if target.kind != "f" or source.kind != "f":
+    target = onnx_dtype(ctx.node, ctx.attr("to"), storage=True)
+    if not (_computes_gradients(target) and _computes_gradients(source)):
         return
     ctx.set_grad(0, ctx.GO(0) if source == target else
                  ctx.emit("Cast", [ctx.GO(0)], {"to": element_type(source)}))
@@ -546,18 +571,299 @@ def _cast_grad(ctx):  # dX = cast(dY, type of X); no gradient through a cast to 
 
 @op("CastLike", view=_same_dtype, shape_only=(1,))
 def _cast_like_rule(node, types, consts):
-    dtype = np.dtype(types[1].dtype)
-    if consts[0] is not None:
-        return _folded([np.asarray(consts[0]).astype(dtype)])
-    return [TensorType(dtype, types[0].shape)]
+    return _cast_to(node, types, consts, np.dtype(types[1].dtype))
 
 
 @grad("CastLike")
 def _cast_like_grad(ctx):  # dX = cast(dY, type of X)
     source, target = dtype_of(ctx, ctx.I(0)), dtype_of(ctx, ctx.I(1))
-    if (source is not None and source.kind != "f") or (target is not None and target.kind != "f"):
+    if (source is not None and not _computes_gradients(source)) or (
+            target is not None and not _computes_gradients(target)):
         return
     ctx.set_grad(0, ctx.emit("CastLike", [ctx.GO(0), ctx.I(0)]))
+
+
+@op("BitCast", view=True)
+def _bit_cast_rule(node, types, consts):
+    """The input's bytes read as another element type of the same size (a view)."""
+    dtype = onnx_dtype(node, node.attrs.get("to"))
+    source = np.dtype(types[0].dtype)
+    if source.kind not in "fiub" or source.itemsize != dtype.itemsize:
+        raise ModelError(f"{node.describe()}: cannot reinterpret {types[0]} as {dtype}: odtrain reinterprets "
+                         "between float, int and bool types of one size")
+    if consts[0] is not None:
+        return _folded([np.ascontiguousarray(consts[0]).view(dtype)])
+    return [TensorType(dtype, types[0].shape)]
+
+
+no_grad("BitCast", "its output is the input's bits read as another type")
+
+
+@op("EyeLike", shape_only=(0,))
+def _eye_like_rule(node, types, consts):
+    """Ones on the k-th diagonal of a matrix shaped as the input: a constant once shapes are bound."""
+    x = types[0]
+    if x.shape is None or len(x.shape) != 2:
+        raise ModelError(f"{node.describe()}: EyeLike takes a matrix, got {x}")
+    code = node.attrs.get("dtype")
+    dtype = onnx_dtype(node, code) if code is not None else np.dtype(x.dtype)
+    return _folded([np.eye(x.shape[0], x.shape[1], int(node.attrs.get("k", 0)), dtype=dtype)])
+
+
+no_grad("EyeLike", "its output depends on the input's shape only")
+
+
+@op("OneHot", constant_inputs=(1,))
+def _one_hot_rule(node, types, consts):
+    """values[1] where an index (negative ones from the end) meets its position along the new axis of `depth`
+    positions, values[0] elsewhere; an index out of range marks nothing."""
+    indices, _, values = types
+    if consts[1] is None:
+        raise UnsupportedOpError(f"{node.describe()}: its depth input '{node.inputs[1]}' must be a constant")
+    depth = int(np.asarray(consts[1]).reshape(-1)[0])
+    rank = len(indices.shape) + 1
+    axis = int(node.attrs.get("axis", -1))
+    if not -rank <= axis < rank:
+        raise ModelError(f"{node.describe()}: axis {axis} is out of range for an output of rank {rank}")
+    shape = list(indices.shape)
+    shape.insert(axis % rank, depth)
+    return [TensorType(values.dtype, tuple(shape))]
+
+
+no_grad("OneHot", "its output places the two given values by integer indices")
+
+
+def _depth_space_rule(node, types, consts):
+    """DepthToSpace moves blocks of channels into b×b pixel blocks ([N, C, H, W] → [N, C/b², H·b, W·b]), channels
+    taken depth-column-row (mode DCR) or column-row-depth (CRD); SpaceToDepth is its inverse in the same mode
+    (ONNX's has a mode in recent opsets only; odtrain's, DepthToSpace's gradient, in any)."""
+    x = types[0]
+    b = int(node.attrs.get("blocksize", 0))
+    if x.shape is None or len(x.shape) != 4 or b < 1:
+        raise ModelError(f"{node.describe()}: takes a 4-D [N, C, H, W] tensor and a blocksize >= 1, got {x} and {b}")
+    if node.attrs.get("mode", "DCR") not in ("DCR", "CRD"):
+        raise ModelError(f"{node.describe()}: mode must be 'DCR' or 'CRD', got {node.attrs['mode']!r}")
+    n, c, h, w = x.shape
+    if node.op_type == "DepthToSpace":
+        if c % (b * b):
+            raise ModelError(f"{node.describe()}: {c} channels do not split into blocks of {b}×{b}")
+        return [TensorType(x.dtype, (n, c // (b * b), h * b, w * b))]
+    if h % b or w % b:
+        raise ModelError(f"{node.describe()}: {h}×{w} pixels do not split into blocks of {b}×{b}")
+    return [TensorType(x.dtype, (n, c * b * b, h // b, w // b))]
+
+
+op("DepthToSpace")(_depth_space_rule)
+op("SpaceToDepth")(_depth_space_rule)
+op("SpaceToDepth", ODTRAIN_DOMAIN)(_depth_space_rule)
+
+
+@grad("DepthToSpace")
+def _depth_to_space_grad(ctx):  # dX = the inverse rearrangement of dY
+    attrs = {"blocksize": ctx.attr("blocksize"), "mode": ctx.attr("mode", "DCR")}
+    ctx.set_grad(0, ctx.odtrain("SpaceToDepth", [ctx.GO(0)], attrs))
+
+
+@grad("SpaceToDepth")
+def _space_to_depth_grad(ctx):  # dX = DepthToSpace(dY), the same mode
+    ctx.set_grad(0, ctx.emit("DepthToSpace", [ctx.GO(0)], {"blocksize": ctx.attr("blocksize"),
+                                                         "mode": ctx.attr("mode", "DCR")}))
+
+
+grad("SpaceToDepth", ODTRAIN_DOMAIN)(_space_to_depth_grad)
+
+
+@op("CenterCropPad", shape_only=(), constant_inputs=(1,))
+def _center_crop_pad_rule(node, types, consts):
+    """Each of `axes` (default all) cropped or zero-padded to its size in `shape`, centred (the extra element of an
+    odd difference at the end)."""
+    x = types[0]
+    if consts[1] is None:
+        raise UnsupportedOpError(f"{node.describe()}: its shape input '{node.inputs[1]}' must be a constant")
+    sizes = _ints(consts[1])
+    rank = len(x.shape)
+    axes = [int(a) % rank for a in node.attrs.get("axes", range(rank))]
+    if len(axes) != len(sizes) or any(size < 0 for size in sizes):
+        raise ModelError(f"{node.describe()}: shape {sizes} must give one size >= 0 for each of the axes {axes}")
+    shape = list(x.shape)
+    for axis, size in zip(axes, sizes):
+        shape[axis] = size
+    return [TensorType(x.dtype, tuple(shape))]
+
+
+@grad("CenterCropPad")
+def _center_crop_pad_grad(ctx):  # dX = dY cropped or padded back to X's shape: the same centring undoes it
+    ctx.set_grad(0, ctx.emit("CenterCropPad", [ctx.GO(0), ctx.emit("Shape", [ctx.I(0)])]))
+
+
+@op("Compress", constant_inputs=(1,))
+def _compress_rule(node, types, consts):
+    """The slices along `axis` (of the flattened input without one) where the condition is true; a condition
+    shorter than the axis is false beyond its end."""
+    x = types[0]
+    if consts[1] is None:
+        raise UnsupportedOpError(f"{node.describe()}: its condition input '{node.inputs[1]}' must be a constant "
+                                 "(its count of true values is the output's size)")
+    condition = np.asarray(consts[1]).reshape(-1)
+    if "axis" not in node.attrs:
+        return [TensorType(x.dtype, (int(np.count_nonzero(condition[:_static_size(x.shape)])),))]
+    rank = len(x.shape)
+    axis = int(node.attrs["axis"])
+    if not -rank <= axis < rank:
+        raise ModelError(f"{node.describe()}: axis {axis} is out of range for {x}")
+    axis %= rank
+    shape = list(x.shape)
+    shape[axis] = int(np.count_nonzero(condition[:x.shape[axis]]))
+    return [TensorType(x.dtype, tuple(shape))]
+
+
+@grad("Compress")
+def _compress_grad(ctx):  # dX = zeros; dY's slices put back where the condition is true
+    attrs = {"axis": ctx.attr("axis")} if ctx.attr("axis") is not None else {}
+    ctx.set_grad(0, ctx.odtrain("CompressGrad", [ctx.GO(0), ctx.I(1), ctx.I(0)], attrs))
+
+
+@op("CompressGrad", ODTRAIN_DOMAIN, shape_only=(2,), constant_inputs=(1,))
+def _compress_grad_rule(node, types, consts):
+    return [TensorType(types[0].dtype, types[2].shape)]
+
+
+@op("ReverseSequence")
+def _reverse_sequence_rule(node, types, consts):
+    """Each batch entry's first sequence_lens[b] steps along time_axis reversed, the rest as they are."""
+    x = types[0]
+    axes = {int(node.attrs.get("time_axis", 0)), int(node.attrs.get("batch_axis", 1))}
+    if x.shape is None or len(x.shape) < 2 or axes != {0, 1}:
+        raise ModelError(f"{node.describe()}: time_axis and batch_axis must be 0 and 1 (in either order) of a "
+                         f"tensor of rank >= 2, got {sorted(axes)} for {x}")
+    return [x]
+
+
+@grad("ReverseSequence")
+def _reverse_sequence_grad(ctx):  # dX = ReverseSequence(dY): reversing is its own inverse
+    attrs = {k: ctx.attr(k) for k in ("time_axis", "batch_axis") if ctx.attr(k) is not None}
+    ctx.set_grad(0, ctx.emit("ReverseSequence", [ctx.GO(0), ctx.I(1)], attrs))
+
+
+@op("TensorScatter", inplace=((0, 0),))
+def _tensor_scatter_rule(node, types, consts):
+    """A cache [B, ..., max, ...] with an update [B, ..., seq, ...] written along `axis` (default -2) from each
+    batch entry's write index (0 without the input), wrapping around in mode circular."""
+    cache, update = types[0], types[1]
+    rank = len(cache.shape)
+    axis = int(node.attrs.get("axis", -2))
+    if not -rank < axis < rank or axis % rank == 0 or len(update.shape) != rank:
+        raise ModelError(f"{node.describe()}: axis {axis} must name a non-batch axis of {cache}, and {update} "
+                         "must have its rank")
+    axis %= rank
+    if any(u != c for a, (u, c) in enumerate(zip(update.shape, cache.shape)) if a != axis) \
+            or update.shape[axis] > cache.shape[axis]:
+        raise ModelError(f"{node.describe()}: the update {update} does not fit the cache {cache} along axis {axis}")
+    if node.attrs.get("mode", "linear") not in ("linear", "circular"):
+        raise ModelError(f"{node.describe()}: mode must be 'linear' or 'circular', got {node.attrs['mode']!r}")
+    return [cache]
+
+
+@grad("TensorScatter")
+def _tensor_scatter_grad(ctx):  # dCache = dY with the written places zeroed, dUpdate = dY at those places
+    attrs = {k: ctx.attr(k) for k in ("axis", "mode") if ctx.attr(k) is not None}
+    indices = ctx.I(2) if len(ctx.node.inputs) > 2 and ctx.node.inputs[2] else ""
+    cache_grad, update_grad = ctx.odtrain("TensorScatterGrad", [ctx.GO(0), ctx.I(1), indices], attrs, outputs=2)
+    if ctx.needs(0):
+        ctx.set_grad(0, cache_grad)
+    if ctx.needs(1):
+        ctx.set_grad(1, update_grad)
+
+
+@op("TensorScatterGrad", ODTRAIN_DOMAIN, shape_only=(1,))
+def _tensor_scatter_grad_rule(node, types, consts):
+    return [types[0], types[1]]
+
+
+# Ops whose output shape depends on the input's values: they run where that input is a constant (an initializer,
+# or a feed bound as one, one plan per value) and fold there.
+
+
+def _value_input(node, consts, index: int = 0) -> np.ndarray:
+    if consts[index] is None:
+        raise UnsupportedOpError(f"{node.describe()}: its input '{node.inputs[index]}' must be a constant: the "
+                                 "output's shape depends on its values")
+    return np.asarray(consts[index])
+
+
+@op("Unique", constant_inputs=(0,))
+def _unique_rule(node, types, consts):
+    """The distinct values (or slices along `axis`), sorted or in order of first appearance, with the first
+    index of each, the index of each input element's value, and the counts."""
+    x = _value_input(node, consts)
+    axis = node.attrs.get("axis")
+    values, first, inverse, counts = np.unique(x, return_index=True, return_inverse=True, return_counts=True,
+                                               axis=None if axis is None else int(axis))
+    inverse = inverse.reshape(-1)
+    if not node.attrs.get("sorted", 1):  # in order of first appearance
+        order = np.argsort(first, kind="stable")
+        values = np.take(values, order, axis=0 if axis is None else int(axis))
+        first, counts = first[order], counts[order]
+        inverse = np.argsort(order)[inverse]
+    return _folded([values, first.astype(np.int64), inverse.astype(np.int64), counts.astype(np.int64)])
+
+
+@op("NonZero", constant_inputs=(0,))
+def _non_zero_rule(node, types, consts):
+    """The indices of the nonzero elements, one row per axis."""
+    x = _value_input(node, consts)
+    return _folded([np.array(np.nonzero(x), dtype=np.int64).reshape(x.ndim, -1)])
+
+
+def _corners(boxes: np.ndarray, center_point_box: int) -> np.ndarray:
+    """[y1, x1, y2, x2] with y1 <= y2, x1 <= x2, from corners in either order or from [x_c, y_c, w, h]."""
+    if center_point_box:
+        xc, yc, w, h = boxes[:, 0], boxes[:, 1], boxes[:, 2], boxes[:, 3]
+        return np.stack([yc - h / 2, xc - w / 2, yc + h / 2, xc + w / 2], axis=1)
+    return np.stack([np.minimum(boxes[:, 0], boxes[:, 2]), np.minimum(boxes[:, 1], boxes[:, 3]),
+                     np.maximum(boxes[:, 0], boxes[:, 2]), np.maximum(boxes[:, 1], boxes[:, 3])], axis=1)
+
+
+def _iou(box: np.ndarray, others: np.ndarray) -> np.ndarray:
+    height = np.clip(np.minimum(box[2], others[:, 2]) - np.maximum(box[0], others[:, 0]), 0, None)
+    width = np.clip(np.minimum(box[3], others[:, 3]) - np.maximum(box[1], others[:, 1]), 0, None)
+    inter = height * width
+    areas = (others[:, 2] - others[:, 0]) * (others[:, 3] - others[:, 1])
+    union = (box[2] - box[0]) * (box[3] - box[1]) + areas - inter
+    return np.where(union > 0, inter / np.where(union > 0, union, 1), 0)
+
+
+@op("NonMaxSuppression", constant_inputs=(0, 1, 2, 3, 4))
+def _non_max_suppression_rule(node, types, consts):
+    """[batch, class, box] of the boxes kept: per batch and class, by descending score (above score_threshold),
+    each box whose IoU with every box kept before it is at most iou_threshold, at most
+    max_output_boxes_per_class of them."""
+    boxes, scores = _value_input(node, consts, 0), _value_input(node, consts, 1)
+    limits = [np.asarray(consts[i]).reshape(-1)[0] if len(node.inputs) > i and node.inputs[i] else None
+              for i in (2, 3, 4)]
+    if any(len(node.inputs) > i and node.inputs[i] and consts[i] is None for i in (2, 3, 4)):
+        raise UnsupportedOpError(f"{node.describe()}: its limits and thresholds must be constants")
+    most = int(limits[0]) if limits[0] is not None else 0
+    iou_threshold = float(limits[1]) if limits[1] is not None else 0.0
+    kept = []
+    for b in range(scores.shape[0]):
+        corners = _corners(boxes[b].astype(np.float64), int(node.attrs.get("center_point_box", 0)))
+        for c in range(scores.shape[1]):
+            score = scores[b, c]
+            order = [i for i in np.argsort(-score, kind="stable") if limits[2] is None or score[i] > limits[2]]
+            chosen: list[int] = []
+            for i in order:
+                if len(chosen) >= most:
+                    break
+                if not chosen or np.all(_iou(corners[i], corners[chosen]) <= iou_threshold):
+                    chosen.append(int(i))
+            kept += [(b, c, i) for i in chosen]
+    return _folded([np.array(kept, dtype=np.int64).reshape(-1, 3)])
+
+
+no_grad("NonMaxSuppression", "its output is integer positions")
+no_grad("Unique", "its outputs are values picked from a constant, and integer positions")
+no_grad("NonZero", "its output is integer positions")
 
 
 def trilu_mask(shape: tuple, k: int, upper: bool) -> np.ndarray:

@@ -12,6 +12,8 @@ SoftmaxCrossEntropyLoss after a LogSoftmax over the classes.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..errors import ModelError
@@ -63,3 +65,68 @@ def _apply_update_rule(node, types, consts):
     """ApplyUpdate(gradient, parameter): the optimizer update of one parameter during the backward
     pass (fused update mode); it reads the gradient, writes the parameter, and outputs nothing."""
     return []
+
+
+# LinearCrossEntropy(hidden [N.., H], W, labels [N..]) -> loss: SoftmaxCrossEntropyLoss(hidden · op(W), labels)
+# with the classes last, op(W) = Wᵀ for W [V, H] (transB=1) or W [H, V]; reduction mean (over the labels that
+# are not ignore_index) or sum. Graph fusion (graph/fusion.py) makes it from a causal LM's vocabulary product and
+# its class-last loss; the kernels (kernels/training.py) hold one chunk of logits at a time, never all of them.
+def _vocabulary(node, types) -> tuple:
+    """(rows, width, classes) of the product, checked against the labels."""
+    hidden, weight, labels = types[-3].shape, types[-2].shape, types[-1].shape
+    transposed = int(node.attrs.get("transB", 0))
+    if len(weight) != 2 or len(hidden) < 2:
+        raise ModelError(f"{node.describe()}: LinearCrossEntropy needs hidden [..., H] and a 2-D weight, got "
+                         f"{list(hidden)} and {list(weight)}")
+    width, classes = (weight[1], weight[0]) if transposed else weight
+    if isinstance(width, int) and isinstance(hidden[-1], int) and width != hidden[-1]:
+        raise ModelError(f"{node.describe()}: hidden {list(hidden)} does not fit the weight {list(weight)} "
+                         f"(transB={transposed})")
+    rows = math.prod(hidden[:-1]) if all(isinstance(d, int) for d in hidden[:-1]) else None
+    count = math.prod(labels) if all(isinstance(d, int) for d in labels) else None
+    if rows is not None and count is not None and rows != count:
+        raise ModelError(f"{node.describe()}: {count} labels for {rows} rows of hidden {list(hidden)}")
+    return rows, width, classes
+
+
+def _vocabulary_flops(node, types, out) -> float:
+    rows, width, classes = _vocabulary(node, types)
+    return 2.0 * rows * width * classes
+
+
+# Its optional second output is the gradient with respect to hidden for a loss gradient of 1, computed from the
+# forward's own chunks of logits: the backward scales it instead of forming the logits again for it.
+def _vocabulary_outputs_flops(node, types, out) -> float:  # the product, and dHidden's if the forward makes it
+    return _vocabulary_flops(node, types, out) * (2 if len(node.outputs) > 1 and node.outputs[1] else 1)
+
+
+@op("LinearCrossEntropy", ODTRAIN_DOMAIN, passes=3, flops=_vocabulary_outputs_flops)
+def _linear_cross_entropy_rule(node, types, consts):
+    if node.attrs.get("reduction", "mean") not in ("mean", "sum", b"mean", b"sum"):
+        raise ModelError(f"{node.describe()}: LinearCrossEntropy reduces by 'mean' or 'sum'")
+    if not np.issubdtype(types[2].dtype, np.integer):
+        raise ModelError(f"{node.describe()}: labels must be integers, got {types[2]}")
+    if types[0].shape is not None and types[1].shape is not None and types[2].shape is not None:
+        _vocabulary(node, types)
+    return [TensorType(types[0].dtype, ())] + [types[0]] * (len(node.outputs) > 1 and bool(node.outputs[1]))
+
+
+@grad("LinearCrossEntropy", ODTRAIN_DOMAIN)
+def _linear_cross_entropy_grad(ctx):
+    # G = (softmax(hidden · op(W)) - onehot(labels)) / count, a chunk at a time;
+    # dHidden = dLoss · (G · op(W)ᵀ) (the forward's second output), dW = dLoss · (Gᵀ · hidden or hiddenᵀ · G)
+    if ctx.needs(0):
+        ctx.set_grad(0, ctx.emit("Mul", [ctx.forward_output(1, "unit_grad"), ctx.GO(0)]))
+    if ctx.needs(1):
+        attrs = {k: ctx.attr(k) for k in ("transB", "reduction", "ignore_index") if ctx.attr(k) is not None}
+        ctx.set_grad(1, ctx.odtrain("LinearCrossEntropyGrad", [ctx.GO(0), ctx.I(0), ctx.I(1), ctx.I(2)], attrs))
+
+
+def _vocabulary_grad_flops(node, types, out) -> float:  # the logits again, then dW's product
+    return 2 * _vocabulary_flops(node, types, out)
+
+
+# LinearCrossEntropyGrad(dLoss, hidden, W, labels) -> dW, forming each chunk's logits again
+@op("LinearCrossEntropyGrad", ODTRAIN_DOMAIN, passes=3, flops=_vocabulary_grad_flops)
+def _linear_cross_entropy_grad_rule(node, types, consts):
+    return [types[2]]
