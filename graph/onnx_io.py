@@ -9,11 +9,15 @@ Two readers give the same plain data (`onnx_wire.ModelData`), from which one bui
   goes through onnx, and ONNX shape inference runs first so that gradient rules can ask for
   ranks; values whose types stay unknown are typed when shapes are bound.
 The checks, the tensor decoding and the IR building are the same for both.
+A file's external data (`.onnx.data`) is never read whole: `read_graph` maps each external initializer
+copy-on-write from its file (after checking that it sits in the model's folder and inside the file), so
+a frozen weight costs page cache the kernel can drop, not memory of its own.
 Export stamps the lowest IR version the opsets allow, so older runtimes load what odtrain writes.
 onnx is imported inside the functions that use it, never when this module loads.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from typing import TYPE_CHECKING
@@ -22,9 +26,10 @@ import numpy as np
 
 from .errors import ArtifactNotFoundError, ModelError, UnsupportedOpError
 from .ir import DEFAULT_DOMAIN, ODTRAIN_DOMAIN, Graph, Node, TensorType
-from .onnx_wire import (EXTERNAL, SCOPE_KEY, AttributeData, AttributeType, GraphData, ModelData, NodeData,
-                        TensorData, ValueInfoData, element_type, element_type_name, encode_model, minimum_ir_version,
-                        node_scope, numpy_dtype, read_model, tensor_data)
+from .onnx_wire import (EXTERNAL, LIGHT_BYTES, SCOPE_KEY, AttributeData, AttributeType, GraphData, ModelData,
+                        NodeData, TensorData, ValueInfoData, element_type, element_type_name, encode_model,
+                        initializer_field, map_model, minimum_ir_version, node_scope, numpy_dtype, tensor_data,
+                        without_weights)
 
 if TYPE_CHECKING:
     import onnx
@@ -41,11 +46,29 @@ def load_graph(model, what: str = "model") -> Graph:
     external data) is read without importing onnx; anything else is read through onnx."""
     if isinstance(model, (str, os.PathLike)):
         path = _existing_file(model, what)
-        data = read_model(path, what)
+        data, _ = map_model(path, what)
         if SHAPES_INFERRED in data.metadata and not data.uses_external_data():
             return graph_from_model(data, path)
-    proto, path = read_model_proto(model, what)
-    return graph_from_proto(proto, path or what)
+    return read_graph(model, what)[0]
+
+
+def read_graph(model, what: str = "model") -> tuple[Graph, str | None]:
+    """The IR of a ModelProto or an ONNX file, and the file's path. A file is mapped: its initializers
+    are views of the mapping, its external data maps from its own files, and onnx (shape inference)
+    sees a copy without the weights."""
+    if not isinstance(model, (str, os.PathLike)):
+        return graph_from_proto(read_model_proto(model, what)[0], what), None
+    import onnx
+
+    path = _existing_file(model, what)
+    data, mapping = map_model(path, what)
+    try:
+        light = onnx.load_from_string(without_weights(mapping))
+    except Exception as error:  # protobuf DecodeError and the like
+        raise ModelError(f"{what} file '{path}' is not a readable ONNX model ({type(error).__name__}: {error})") from None
+    folder = os.path.dirname(os.path.abspath(path))
+    check_external_data(light, folder, path)
+    return graph_from_proto(light, path, folder, data.graph.initializers), path
 
 
 def _existing_file(model, what: str) -> str:
@@ -79,8 +102,9 @@ def check_external_data(proto: onnx.ModelProto, folder: str, path: str) -> None:
                                         f"'{tensor.name}' does not exist in '{root}'")
 
 
-def read_model_proto(model, what: str = "model") -> tuple[onnx.ModelProto, str | None]:
-    """A ModelProto from a ModelProto or a path, with clear errors for missing or unreadable files."""
+def read_model_proto(model, what: str = "model", load_external_data: bool = True) -> tuple[onnx.ModelProto, str | None]:
+    """A ModelProto from a ModelProto or a path, with clear errors for missing or unreadable files; without
+    `load_external_data`, external tensors stay references (checked to sit in the model's folder)."""
     import onnx
 
     if isinstance(model, onnx.ModelProto):
@@ -92,6 +116,8 @@ def read_model_proto(model, what: str = "model") -> tuple[onnx.ModelProto, str |
         raise ModelError(f"{what} file '{path}' is not a readable ONNX model ({type(error).__name__}: {error})") from None
     folder = os.path.dirname(os.path.abspath(path))
     check_external_data(proto, folder, path)
+    if not load_external_data:
+        return proto, path
     try:
         onnx.load_external_data_for_model(proto, folder)
     except Exception as error:
@@ -99,8 +125,11 @@ def read_model_proto(model, what: str = "model") -> tuple[onnx.ModelProto, str |
     return proto, path
 
 
-def graph_from_proto(proto: onnx.ModelProto, source: str = "model") -> Graph:
-    """The IR of a ModelProto, after ONNX shape inference unless odtrain saved it with its types."""
+def graph_from_proto(proto: onnx.ModelProto, source: str = "model", folder: str | None = None,
+                     initializers: list[TensorData] | None = None) -> Graph:
+    """The IR of a ModelProto, after ONNX shape inference unless odtrain saved it with its types; external
+    initializers are mapped from their files in `folder` (checked by `check_external_data`);
+    `initializers`, when given, replace the proto's (a light copy's, without their data)."""
     import onnx.defs
 
     opsets = _opsets((o.domain, o.version) for o in proto.opset_import)
@@ -114,7 +143,10 @@ def graph_from_proto(proto: onnx.ModelProto, source: str = "model") -> Graph:
                          f"knows ({newest}); re-export with opset {newest} or older, or upgrade the onnx package")
     if not any(p.key == SHAPES_INFERRED for p in proto.metadata_props):
         proto = _with_inferred_shapes(proto)
-    return _build_graph(model_from_proto(proto), opsets, source)
+    model = model_from_proto(proto)
+    if initializers is not None:
+        model.graph.initializers = initializers
+    return _build_graph(model, opsets, source, folder)
 
 
 def graph_from_model(model: ModelData, source: str = "model") -> Graph:
@@ -122,6 +154,28 @@ def graph_from_model(model: ModelData, source: str = "model") -> Graph:
     opsets = _opsets(model.opset_import)
     _check_opsets(opsets, model.graph.nodes, source)
     return _build_graph(model, opsets, source)
+
+
+def _mapped(tensor: TensorData, folder: str) -> np.ndarray:
+    """An external tensor's values: a copy-on-write map of its bytes in its file (a copy when the offset
+    does not suit the element type's alignment, or the tensor is empty)."""
+    dtype = numpy_dtype(tensor.data_type)
+    if dtype is None or dtype == object or tensor.segmented:
+        raise ModelError(f"its element type {element_type_name(tensor.data_type)} is not supported externally")
+    path = os.path.join(folder, tensor.external_data.get("location", ""))
+    size = os.path.getsize(path)
+    try:
+        offset = int(tensor.external_data.get("offset", 0))
+        length = int(tensor.external_data.get("length", size - offset))
+    except ValueError:
+        raise ModelError(f"its external offset or length is not a number: {tensor.external_data}") from None
+    count = int(np.prod(tensor.dims, dtype=np.int64))
+    if count * dtype.itemsize != length or offset < 0 or offset + length > size:
+        raise ModelError(f"its dims {list(tensor.dims)} need {count * dtype.itemsize} bytes; its external data "
+                         f"gives {length} at offset {offset} of '{path}', a file of {size} bytes")
+    if count == 0 or offset % dtype.itemsize:
+        return np.fromfile(path, dtype.newbyteorder("<"), count, offset=offset).astype(dtype).reshape(tensor.dims)
+    return np.memmap(path, dtype.newbyteorder("<"), "c", offset, tuple(tensor.dims)).view(np.ndarray)
 
 
 def _opsets(opset_import) -> dict[str, int]:
@@ -166,13 +220,17 @@ def _node_name(node, index: int) -> str:
     return node.name or f"{node.op_type}_{index}"
 
 
-def _build_graph(model: ModelData, opsets: dict[str, int], source: str) -> Graph:
+def _build_graph(model: ModelData, opsets: dict[str, int], source: str, folder: str | None = None) -> Graph:
     """The IR of a model whose opsets passed `_check_opsets`, from either reader's data."""
+    def to_array(tensor: TensorData) -> np.ndarray:
+        external = folder is not None and tensor.data_location == EXTERNAL
+        return _mapped(tensor, folder) if external else tensor.to_array()
+
     g = model.graph
     initializers = {}
     for tensor in g.initializers:
         try:
-            initializers[tensor.name] = tensor.to_array()
+            initializers[tensor.name] = to_array(tensor)
         except ModelError as error:
             raise ModelError(f"{source}: initializer '{tensor.name}' cannot be read: {error}") from None
     value_types: dict[str, TensorType] = {}
@@ -185,7 +243,7 @@ def _build_graph(model: ModelData, opsets: dict[str, int], source: str) -> Graph
     nodes = []
     for index, n in enumerate(g.nodes):
         try:
-            attrs = {a.name: _attr_value(a) for a in n.attributes}
+            attrs = {a.name: _attr_value(a, to_array) for a in n.attributes}
         except ModelError as error:
             raise ModelError(f"{source}: node '{n.name or index}' ({n.op_type}): {error}") from None
         nodes.append(Node(n.op_type, list(n.inputs), list(n.outputs), attrs, _node_name(n, index), n.domain, n.scope))
@@ -209,8 +267,9 @@ def _value_type(info: ValueInfoData, source: str) -> TensorType | None:
                                    for axis, dim in enumerate(info.shape)))
 
 
-def _attr_value(attr: AttributeData):
-    """A plain value for the IR: str for text, numpy arrays for tensors; kinds odtrain cannot run are refused."""
+def _attr_value(attr: AttributeData, to_array=TensorData.to_array):
+    """A plain value for the IR: str for text, numpy arrays for tensors (read by `to_array`); kinds odtrain
+    cannot run are refused."""
     kind, value = attr.type, attr.value
     try:
         if kind == AttributeType.STRING:
@@ -218,9 +277,9 @@ def _attr_value(attr: AttributeData):
         if kind == AttributeType.STRINGS:
             return [v.decode("utf-8") for v in value]
         if kind == AttributeType.TENSOR:
-            return value.to_array()
+            return to_array(value)
         if kind == AttributeType.TENSORS:
-            return [t.to_array() for t in value]
+            return [to_array(t) for t in value]
     except UnicodeDecodeError:
         raise ModelError(f"attribute '{attr.name}' holds text that is not UTF-8") from None
     except ModelError as error:
@@ -410,9 +469,12 @@ def graph_data(graph: Graph, extra_inputs: list[str] = ()) -> ModelData:
 
 
 def save_graph(graph: Graph, path, extra_inputs: list[str] = ()) -> None:
-    """Write `graph` with ONNX's inferred value types inside, so that loading it runs no inference. Where
-    onnx is not loaded (a device that trains), the file is encoded by onnx_wire with the value types odtrain
-    knows instead of importing onnx for it."""
+    """Write `graph` with ONNX's inferred value types inside, so that loading it runs no inference.
+    Where onnx is not loaded (a device that trains), the file is encoded by onnx_wire with the value types
+    odtrain knows instead of importing onnx for it. Otherwise initializers of LIGHT_BYTES or more never enter
+    protobuf: ONNX infers on the model with them as typed inputs, that model is written without them, and
+    each is appended from its array as one more `graph` field holding one initializer (protobuf merges a
+    message field seen twice, appending repeated ones)."""
     if "onnx" not in sys.modules:
         data = graph_data(graph, extra_inputs)
         data.metadata[SHAPES_INFERRED] = "odtrain"
@@ -421,9 +483,21 @@ def save_graph(graph: Graph, path, extra_inputs: list[str] = ()) -> None:
         return
     import onnx
 
-    proto = _with_inferred_shapes(graph_to_proto(graph, extra_inputs))
+    large = [k for k, v in graph.initializers.items()
+             if np.asarray(v).nbytes >= LIGHT_BYTES and np.asarray(v).dtype.kind in "biuf"]
+    light = dataclasses.replace(graph, inputs=list(graph.inputs) + large,
+                                initializers={k: v for k, v in graph.initializers.items() if k not in large})
+    proto = _with_inferred_shapes(graph_to_proto(light, extra_inputs))
+    kept = [i for i in proto.graph.input if i.name not in set(large)]
+    del proto.graph.input[:]
+    proto.graph.input.extend(kept)
     proto.metadata_props.add(key=SHAPES_INFERRED, value=onnx.__version__)
-    onnx.save(proto, os.fspath(path))
+    with open(os.fspath(path), "wb") as f:
+        f.write(proto.SerializeToString())
+        for name in large:
+            array = np.ascontiguousarray(graph.initializers[name])
+            f.write(initializer_field(name, element_type(array.dtype), array.shape, array.nbytes))
+            f.write(array.reshape(-1).view(np.uint8))
 
 
 def _with_inferred_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:

@@ -27,6 +27,7 @@ Invariant: a malformed file (a value running past the end of its message, a vari
 from __future__ import annotations
 
 import enum
+import os
 import struct
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -239,20 +240,23 @@ class ModelData:
         return any(t.data_location == EXTERNAL for t in tensors)
 
 
-def read_model(path: str, what: str = "model") -> ModelData:
-    """Read an ONNX file; a damaged one raises ModelError naming it."""
+def map_model(path: str, what: str = "model") -> tuple[ModelData, memoryview]:
+    """Read an ONNX file through a copy-on-write mapping of it, and that mapping's bytes: the raw data of
+    its tensors are views of the mapping (file pages the kernel can drop), not copies."""
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        if os.path.getsize(path) == 0:
+            return parse_model(b"", f"{what} file '{path}'"), memoryview(b"")
+        data = memoryview(np.memmap(path, np.uint8, "c"))
     except OSError as error:
         raise ModelError(f"{what} file '{path}' cannot be read ({error})") from None
-    return parse_model(data, f"{what} file '{path}'")
+    return parse_model(data, f"{what} file '{path}'"), data
 
 
-def parse_model(data: bytes, source: str = "model") -> ModelData:
-    """Decode a serialized ModelProto; `source` names it in errors."""
+def parse_model(data, source: str = "model") -> ModelData:
+    """Decode a serialized ModelProto (bytes, or a memoryview whose tensors' raw data stay views of it);
+    `source` names it in errors."""
     try:
-        return _model(bytes(data), [(0, len(data))])
+        return _model(data if isinstance(data, memoryview) else bytes(data), [(0, len(data))])
     except _Damaged as damage:
         raise ModelError(f"{source} is not a readable ONNX model ({damage.args[0]} at byte {damage.args[1]}); "
                          "the file is damaged or not an ONNX model") from None
@@ -350,13 +354,13 @@ def _int64(value: int) -> int:
 
 def _text(data: bytes, span) -> str:
     try:
-        return data[span[0]:span[1]].decode("utf-8")
+        return str(data[span[0]:span[1]], "utf-8")
     except UnicodeDecodeError:
         raise _Damaged("a text field is not UTF-8", span[0]) from None
 
 
 def _bytes(data: bytes, span) -> bytes:
-    return data[span[0]:span[1]]
+    return bytes(data[span[0]:span[1]])
 
 
 def _varints(data: bytes, wire: int, value) -> list[int]:
@@ -374,7 +378,7 @@ def _fixed(data: bytes, span, size: int) -> bytes:
     """The bytes of a repeated fixed-size field: one value, or a packed run of them."""
     if (span[1] - span[0]) % size:
         raise _Damaged(f"a packed run of {size}-byte numbers has {span[1] - span[0]} bytes", span[0])
-    return data[span[0]:span[1]]
+    return bytes(data[span[0]:span[1]])
 
 
 def _entry(data: bytes, span) -> tuple[str, str]:
@@ -525,7 +529,7 @@ def _tensor(data: bytes, spans) -> TensorData:
         elif number == 8 and wire == LENGTH:
             tensor.name = _text(data, value)
         elif number == 9 and wire == LENGTH:
-            tensor.raw_data = _bytes(data, value)
+            tensor.raw_data = data[value[0]:value[1]]  # a view when `data` is a mapping's memoryview
         elif number == 10 and wire in (FIXED64, LENGTH):
             doubles.append(_fixed(data, value, 8))
         elif number == 11 and wire in (VARINT, LENGTH):
@@ -583,6 +587,50 @@ def _dimension(data: bytes, span) -> int | str | None:
         elif number == 2 and wire == LENGTH:
             dim = _text(data, value)
     return None if dim == "" else dim
+
+
+# --- A light copy for shape inference --------------------------------------------------------------
+
+LIGHT_BYTES = 1024  # initializers' raw data of at least this many bytes are left out of a light copy
+
+
+def without_weights(data) -> bytes:
+    """A serialized ModelProto (already parsed whole) re-encoded without the raw data of its large
+    initializers (they keep name, type and dims): what ONNX shape inference needs, without the weights.
+    Groups (a deprecated encoding) are dropped."""
+    model = bytearray()
+    for number, wire, value in _fields(data, [(0, len(data))]):
+        if number == 7 and wire == LENGTH:  # ModelProto.graph
+            graph = bytearray()
+            for n, w, v in _fields(data, [value]):
+                if n == 5 and w == LENGTH:  # GraphProto.initializer
+                    kept = [_encode(tn, tw, tv, data) for tn, tw, tv in _fields(data, [v])
+                            if not (tn == 9 and tw == LENGTH and tv[1] - tv[0] >= LIGHT_BYTES)]
+                    graph += _encode(n, w, b"".join(kept))
+                else:
+                    graph += _encode(n, w, v, data)
+            model += _encode(number, wire, bytes(graph))
+        else:
+            model += _encode(number, wire, value, data)
+    return bytes(model)
+
+
+def initializer_field(name: str, data_type: int, dims, nbytes: int) -> bytes:
+    """The bytes of a ModelProto's `graph` field holding one initializer, up to its raw data (`nbytes`
+    bytes that the caller writes next)."""
+    header = (b"".join(_encode(1, VARINT, int(d)) for d in dims) + _encode(2, VARINT, data_type)
+              + _encode(8, LENGTH, name.encode()) + _varint_bytes(9 << 3 | LENGTH) + _varint_bytes(nbytes))
+    tensor = _varint_bytes(5 << 3 | LENGTH) + _varint_bytes(len(header) + nbytes) + header
+    return _varint_bytes(7 << 3 | LENGTH) + _varint_bytes(len(tensor) + nbytes) + tensor
+
+
+def _encode(number: int, wire: int, value, data=None) -> bytes:
+    """One field: `value` an int (varint), bytes, or the span of its bytes in `data`."""
+    if wire == VARINT:
+        return _varint_bytes(number << 3 | wire) + _varint_bytes(value)
+    content = value if isinstance(value, (bytes, bytearray)) else bytes(data[value[0]:value[1]])
+    length = _varint_bytes(len(content)) if wire == LENGTH else b""
+    return _varint_bytes(number << 3 | wire) + length + content
 
 
 # ---- writing: the same messages encoded, for saving a model where onnx is not loaded ----

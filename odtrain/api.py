@@ -155,7 +155,9 @@ class CheckpointState:
     """Parameters, optimizer state and user properties, loaded from and saved to a checkpoint file."""
 
     def __init__(self, contents: checkpoint_file.CheckpointContents):
-        self._store = ParameterStore(contents.parameters, contents.trainable)
+        source = contents.source
+        self._store = ParameterStore(contents.parameters, contents.trainable, source and (
+            lambda name, out: source.read_into(checkpoint_file.PARAM_PREFIX + name, out)))
         self._properties = PropertyBag(contents.properties)
         self._optimizer: OptimizerState | None = None
         self._unassigned = set(contents.parameters) if contents.nominal else set()
@@ -177,10 +179,11 @@ class CheckpointState:
                 for name, array in per_param.items():
                     if name not in self._store.trainable:
                         raise ParameterError(f"optimizer state for '{name}', which is not a trainable parameter")
-                    if absmax:
-                        flat[slice(*blocks[name])] = array
+                    target = flat[slice(*blocks[name])] if absmax else self._store.trainable_view(flat, name)
+                    if source is not None:
+                        source.read_into(f"{checkpoint_file.OPTIMIZER_PREFIX}{name}/{state_name}", target)
                     else:
-                        self._store.trainable_view(flat, name)[...] = array
+                        target[...] = array
                 moments[state_name] = flat
             self._optimizer = OptimizerState(info["kind"], int(info["step"]), float(info["learning_rate"]),
                                              float(info.get("initial_learning_rate", info["learning_rate"])), moments,
@@ -532,27 +535,26 @@ class Module:
 
     def get_parameters_size(self, trainable_only: bool = True) -> int:
         store = self._state._store
-        return store.trainable_size if trainable_only else store.total_size + sum(a.size for a in store.others.values())
+        return store.trainable_size if trainable_only else sum(store.data(n).size for n in store.names)
 
     def get_contiguous_parameters(self, trainable_only: bool = False) -> ParameterBuffer:
         store = self._state._store
-        if not trainable_only and store.others:
-            raise StateError(f"parameters {sorted(store.others)} are not float32 and cannot join a contiguous "
+        others = [n for n in store.names if n not in store.float32_names]
+        if not trainable_only and others:
+            raise StateError(f"parameters {sorted(others)} are not float32 and cannot join a contiguous "
                              "float32 buffer; use trainable_only=True")
-        size = store.trainable_size if trainable_only else store.total_size
-        return store.flat[:size].copy().view(ParameterBuffer)
+        return store.gather(trainable_only).view(ParameterBuffer)
 
     def copy_buffer_to_parameters(self, buffer, trainable_only: bool = True) -> None:
         store = self._state._store
         array = _as_array(buffer)
-        size = store.trainable_size if trainable_only else store.total_size
+        size = store.float32_size(trainable_only)
         if array.dtype != np.float32:
             raise ArgumentError(f"the parameter buffer must be float32, got {array.dtype}")
         if array.size != size:
             raise ArgumentError(f"the parameter buffer has {array.size} elements; the "
                                 f"{'trainable' if trainable_only else 'float32'} parameters have {size}")
-        store.flat[:size] = array.reshape(-1)
-        self._state._mark_assigned(store.trainable if trainable_only else store.slices)
+        self._state._mark_assigned(store.scatter(array.reshape(-1), trainable_only))
 
     def export_model_for_inferencing(self, inference_model_uri, graph_output_names) -> None:
         """Write an ONNX model computing `graph_output_names` from the model inputs, parameters embedded."""

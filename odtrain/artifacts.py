@@ -38,12 +38,13 @@ from .graph.ir import Graph, TensorType
 from .graph.ops import OPS, check_supported
 from .graph.ops.quantize import dequantized_weights, quantization_inputs
 from .graph.losses import LossType, add_loss, parse_loss
-from .graph.onnx_io import graph_from_proto, read_model_proto, save_graph
+from .graph.onnx_io import read_graph, save_graph
 from .graph.optimizers import SGD, AdamW, OptimType, SGDMomentum, build_optimizer_graph, parse_optimizer
 from .graph.lora import add_adapters
 from .graph.parameters import NO_GRADIENT, ParameterChoice, choose_parameters, default_selection, quantization_parameters
 from .graph.qat import QatConfig, insert_fake_quantization
 from .lora import LoraConfig, target_weights
+from .state import PropertyBag
 
 __all__ = ["generate_artifacts", "build_training_graphs", "GeneratedArtifacts", "LoraConfig", "LossType", "OptimType",
            "AdamW", "SGD", "SGDMomentum", "QatConfig", "choose_parameters", "ParameterChoice", "default_selection",
@@ -128,8 +129,7 @@ def build_training_graphs(model, requires_grad=None, frozen_params=None, loss=No
     `qat` inserts fake quantization (graph/qat.py); its activation ranges join the frozen parameters.
     """
     custom_loss = hasattr(loss, "build_loss")
-    proto, path = read_model_proto(model, "model")
-    graph = graph_from_proto(proto, path or "model")
+    graph, path = read_graph(model, "model")
     check_supported(graph.nodes, f"model '{path}'" if path else "model")
     lora_left_out = {}
     if lora is not None:
@@ -224,7 +224,7 @@ def generate_artifacts(model, requires_grad=None, frozen_params=None, loss=None,
                        artifact_directory=None, prefix: str = "", ort_format: bool = False,
                        custom_op_library=None, additional_output_names=None, nominal_checkpoint: bool = False,
                        loss_input_names=None, class_axis=None, ignore_index=None, lora=None,
-                       qat: QatConfig | None = None) -> GeneratedArtifacts:
+                       qat: QatConfig | None = None, properties: dict | None = None) -> GeneratedArtifacts:
     """Write the training artifacts for `model` (an onnx.ModelProto or a path) into `artifact_directory`.
 
     `loss` and `optimizer` also accept odtrain.onnxblock blocks (a custom loss; onnxblock.optim.AdamW, SGD,
@@ -234,6 +234,7 @@ def generate_artifacts(model, requires_grad=None, frozen_params=None, loss=None,
     `lora=LoraConfig(rank, alpha, target_params=[...])` trains low-rank adapters of the targeted weights
     (and what `requires_grad` names) instead of the weights; export merges them back. `qat=QatConfig()`
     trains with fake quantization; the exported inference model is then a QDQ model with int8 weights.
+    `properties` (int, float or str values) are stored in the checkpoint, as CheckpointState.properties.
 
     Returns what was written and which parameters train; with `requires_grad=None`, `left_out` names the
     floating-point initializers left as constants (rotary tables, single values, ...) with the reason."""
@@ -256,7 +257,8 @@ def generate_artifacts(model, requires_grad=None, frozen_params=None, loss=None,
     save_graph(built.eval, paths.eval_model, built.param_inputs)
     if optimizer is not None:
         save_graph(build_optimizer_graph(optimizer, trainable), paths.optimizer_model)
-    checkpoint_file.save(paths.checkpoint, checkpoint_file.CheckpointContents(values, trainable))
+    checkpoint_file.save(paths.checkpoint, checkpoint_file.CheckpointContents(values, trainable,
+                                                                              PropertyBag(properties).to_dict()))
     if nominal_checkpoint:
         checkpoint_file.save(paths.nominal_checkpoint,
                              checkpoint_file.CheckpointContents(values, trainable, nominal=True))

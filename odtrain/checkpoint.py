@@ -11,6 +11,13 @@ Layout (a safetensors file):
   (from format version 2) every other metadata entry; version 1 files, whose
   checksum covers the tensors only, are still read.
 
+Loading holds no second copy: the header and the checksum are read from the
+file (the checksum streamed in blocks), then the tensors are views of one
+copy-on-write mapping of the file, so a frozen parameter costs page cache the
+kernel can drop, not memory of its own; `read_into` reads a tensor's bytes
+straight into a buffer (the trainable block) without touching the mapping.
+A save replaces the file by renaming, so a mapping keeps the old file's bytes.
+
 Guarantees: nothing is unpickled or evaluated; a truncated, damaged, foreign
 or newer-version file is refused with the reason; saving writes a temporary
 file `.<name>.<random>.tmp` in the same folder, flushes and fsyncs it, renames
@@ -24,14 +31,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import re
 import struct
 import tempfile
 from dataclasses import dataclass, field
+from typing import Iterable, NamedTuple
 
 import numpy as np
-import safetensors.numpy
 
 try:
     import fcntl
@@ -45,6 +53,59 @@ FORMAT_VERSION = 2
 CHECKSUM_COVERS_METADATA = {"1": False, "2": True}  # every version this odtrain reads
 PARAM_PREFIX = "param/"
 OPTIMIZER_PREFIX = "optimizer/"
+READ_BLOCK = 1 << 20  # bytes read at a time when the checksum streams the file
+DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "|i1",
+          "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "|u1", "BOOL": "|b1"}  # safetensors' names
+
+
+@dataclass(frozen=True)
+class Stored:
+    """Where a tensor's bytes are in a checkpoint file."""
+
+    dtype: np.dtype
+    shape: tuple
+    offset: int  # from the start of the file
+    nbytes: int
+
+
+class MappedFile:
+    """An open checkpoint file, its stored tensors and one copy-on-write mapping of it."""
+
+    def __init__(self, path: str, file, stored: dict[str, Stored]):
+        self.path, self.file, self.stored = path, file, stored
+        self.mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
+
+    def array(self, key: str) -> np.ndarray:
+        """The tensor `key` as a view of the mapping (writable: a write copies only the pages it touches)."""
+        entry = self.stored[key]
+        return np.frombuffer(self.mapping, entry.dtype, int(np.prod(entry.shape, dtype=np.int64)),
+                             entry.offset).reshape(entry.shape)
+
+    def read_into(self, key: str, out: np.ndarray) -> None:
+        """Read the bytes of tensor `key` from the file straight into the contiguous array `out`."""
+        entry = self.stored[key]
+        if out.nbytes != entry.nbytes or out.dtype != entry.dtype:
+            raise CheckpointError(f"checkpoint '{self.path}': tensor '{key}' is {entry.dtype} {entry.shape}, "
+                                  f"the buffer it should fill is {out.dtype} {out.shape}")
+        self._read(memoryview(out.reshape(-1)).cast("B"), entry.offset)
+
+    def chunks(self, key: str):
+        """The bytes of tensor `key`, read from the file in blocks of at most READ_BLOCK (one reused buffer)."""
+        entry = self.stored[key]
+        block = memoryview(bytearray(min(READ_BLOCK, entry.nbytes)))
+        for start in range(0, entry.nbytes, READ_BLOCK):
+            view = block[:min(READ_BLOCK, entry.nbytes - start)]
+            self._read(view, entry.offset + start)
+            yield view
+
+    def _read(self, view: memoryview, offset: int) -> None:
+        self.file.seek(offset)
+        done = 0
+        while done < len(view):
+            count = self.file.readinto(view[done:])
+            if not count:
+                raise CheckpointError(f"checkpoint '{self.path}' is truncated (it shrank while being read)")
+            done += count
 
 
 @dataclass
@@ -55,33 +116,49 @@ class CheckpointContents:
     optimizer: dict | None = None  # kind, step, learning_rate, initial_learning_rate
     optimizer_tensors: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # state -> name -> array
     nominal: bool = False
+    source: MappedFile | None = None  # the file the arrays are views of, when loaded from one
 
 
-def _digest(tensors: dict[str, np.ndarray], metadata: dict[str, str] | None) -> str:
-    """sha256 over the tensors, then over the metadata entries other than the digest itself (if given)."""
+class Streamed(NamedTuple):
+    """A tensor hashed from blocks of its bytes rather than from an array."""
+
+    dtype: np.dtype
+    shape: tuple
+    chunks: Iterable
+
+
+def _digest(tensors: dict, metadata: dict[str, str] | None) -> str:
+    """sha256 over the tensors (arrays or Streamed), then over the metadata entries other than the digest
+    itself (if given)."""
     h = hashlib.sha256()
     for name in sorted(tensors):
-        array = np.ascontiguousarray(tensors[name])
-        h.update(f"{name}|{array.dtype.str}|{array.shape}|".encode())
-        h.update(array.tobytes())
+        value = tensors[name]
+        h.update(f"{name}|{value.dtype.str}|{tuple(value.shape)}|".encode())
+        for chunk in value.chunks if isinstance(value, Streamed) else [np.ascontiguousarray(value).reshape(-1)]:
+            h.update(chunk.view(np.uint8) if isinstance(chunk, np.ndarray) else chunk)
     if metadata is not None:
         h.update(json.dumps(sorted((k, v) for k, v in metadata.items() if k != "sha256")).encode())
     return h.hexdigest()
 
 
-def _read_header(blob: bytes, path: str) -> dict:
-    """The metadata of a checkpoint's safetensors header, after checking that it is odtrain's and readable."""
-    def refuse(reason: str):
-        raise CheckpointError(f"checkpoint '{path}' is {reason}; it cannot be loaded. Use an intact checkpoint "
-                              "(odtrain writes them atomically, so the previous save is still whole).")
+def _refuse(path: str, reason: str):
+    raise CheckpointError(f"checkpoint '{path}' is {reason}; it cannot be loaded. Use an intact checkpoint "
+                          "(odtrain writes them atomically, so the previous save is still whole).")
 
-    if len(blob) < 8:
+
+def _read_header(file, size: int, path: str) -> tuple[dict, int]:
+    """A checkpoint's safetensors header and where its data starts, after checking that it is odtrain's and
+    readable."""
+    def refuse(reason: str):
+        _refuse(path, reason)
+
+    if size < 8:
         refuse("truncated (shorter than its header)")
-    (header_len,) = struct.unpack("<Q", blob[:8])
-    if header_len > len(blob) - 8:
+    (header_len,) = struct.unpack("<Q", file.read(8))
+    if header_len > size - 8:
         refuse("truncated (its header runs past the end of the file)")
     try:
-        header = json.loads(blob[8:8 + header_len])
+        header = json.loads(file.read(header_len))
     except (UnicodeDecodeError, ValueError):
         refuse("damaged (its header is not valid JSON)")
     metadata = header.get("__metadata__") if isinstance(header, dict) else None
@@ -93,20 +170,54 @@ def _read_header(blob: bytes, path: str) -> dict:
         refuse(f"of format version {version!r}, newer than this odtrain reads ({FORMAT_VERSION}); upgrade odtrain")
     if version not in CHECKSUM_COVERS_METADATA:
         refuse(f"damaged (its format version {version!r} is none that odtrain wrote)")
-    return metadata
+    return header, 8 + header_len
 
 
-def _decode(blob: bytes, path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    metadata = _read_header(blob, path)
+def _stored(header: dict, start: int, size: int, path: str) -> dict[str, Stored]:
+    """Where each tensor of the header is, after checking that their bytes tile the data exactly."""
+    stored, spans = {}, []
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = np.dtype(DTYPES[entry["dtype"]]), tuple(entry["shape"]), entry["data_offsets"]
+            if not all(isinstance(n, int) and n >= 0 for n in (*shape, begin, end)):
+                raise ValueError
+        except (KeyError, TypeError, ValueError):
+            _refuse(path, f"damaged (tensor '{key}' has no valid dtype, shape and offsets)")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if end - begin != nbytes:
+            _refuse(path, f"damaged (tensor '{key}' holds {end - begin} bytes, its shape needs {nbytes})")
+        stored[key] = Stored(dtype, shape, start + begin, nbytes)
+        spans.append((begin, end))
+    cursor = 0
+    for begin, end in sorted(spans):
+        if begin != cursor:
+            _refuse(path, "damaged (its tensors overlap or leave gaps)")
+        cursor = end
+    if start + cursor != size:
+        _refuse(path, "truncated (its tensors run past the end of the file)" if start + cursor > size
+                else "damaged (bytes follow its last tensor)")
+    return stored
+
+
+def _open(path: str) -> tuple[MappedFile, dict[str, str]]:
+    """The checkpoint at `path` mapped, and its metadata, after checking its checksum by reading the file."""
+    file = open(path, "rb")
     try:
-        tensors = safetensors.numpy.load(blob)
-    except Exception as error:  # SafetensorError and friends: offsets, sizes, dtypes
-        raise CheckpointError(f"checkpoint '{path}' is truncated or damaged ({error}); it cannot be loaded") from None
-    covered = metadata if CHECKSUM_COVERS_METADATA[metadata["format_version"]] else None
-    if metadata.get("sha256") != _digest(tensors, covered):
-        raise CheckpointError(f"checkpoint '{path}' is damaged: its tensors or metadata do not match the "
-                              "checksum it was saved with; it cannot be loaded")
-    return tensors, metadata
+        size = os.fstat(file.fileno()).st_size
+        header, start = _read_header(file, size, path)
+        metadata = header["__metadata__"]
+        source = MappedFile(path, file, _stored(header, start, size, path))
+        tensors = {k: Streamed(e.dtype, e.shape, source.chunks(k)) for k, e in source.stored.items()}
+        covered = metadata if CHECKSUM_COVERS_METADATA[metadata["format_version"]] else None
+        if metadata.get("sha256") != _digest(tensors, covered):
+            raise CheckpointError(f"checkpoint '{path}' is damaged: its tensors or metadata do not match the "
+                                  "checksum it was saved with; it cannot be loaded")
+    except BaseException:
+        file.close()
+        raise
+    return source, metadata
 
 
 def _json(metadata: dict, key: str, path: str, default=None):
@@ -156,15 +267,16 @@ def remove_stale_temporaries(path: str) -> list[str]:
     return removed
 
 
-def write_atomically(path: str, blob: bytes) -> None:
-    """Write `blob` to `path` so that a crash at any moment leaves the old file or the new one, whole;
-    first remove the temporary files that killed earlier saves of `path` left behind."""
+def write_atomically(path: str, blob) -> None:
+    """Write `blob` (bytes, or a function writing to a binary file) to `path` so that a crash at any moment
+    leaves the old file or the new one, whole; first remove the temporary files that killed earlier saves of
+    `path` left behind."""
     folder = os.path.dirname(os.path.abspath(path))
     remove_stale_temporaries(path)
     fd, tmp = _locked_temporary(folder, os.path.basename(path))
     try:
         with os.fdopen(fd, "wb") as f:  # closing it releases the lock: after the rename
-            f.write(blob)
+            blob(f) if callable(blob) else f.write(blob)
             f.flush()
             os.fsync(f.fileno())
             os.replace(tmp, path)
@@ -198,16 +310,39 @@ def save(path, contents: CheckpointContents) -> None:
             for name, array in per_param.items():
                 tensors[f"{OPTIMIZER_PREFIX}{name}/{state_name}"] = array
     metadata["sha256"] = _digest(tensors, metadata)
-    write_atomically(path, safetensors.numpy.save({k: np.ascontiguousarray(v) for k, v in tensors.items()}, metadata=metadata))
+    write_atomically(path, _safetensors_writer(tensors, metadata))
+
+
+def _safetensors_writer(tensors: dict[str, np.ndarray], metadata: dict[str, str]):
+    """A function writing a safetensors file of `tensors` tensor by tensor (no whole-file buffer): the data
+    ordered by element size, largest first, then by name, so every tensor sits aligned to its element."""
+    names = {np.dtype(v).str: k for k, v in DTYPES.items()}
+    order = sorted(tensors, key=lambda k: (-tensors[k].dtype.itemsize, k))
+    header, cursor = {"__metadata__": metadata}, 0
+    for key in order:
+        array = tensors[key]
+        header[key] = {"dtype": names[array.dtype.str], "shape": list(array.shape),
+                       "data_offsets": [cursor, cursor + array.nbytes]}
+        cursor += array.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+
+    def write(f) -> None:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for key in order:
+            f.write(np.ascontiguousarray(tensors[key]).reshape(-1).view(np.uint8))
+
+    return write
 
 
 def load(path) -> CheckpointContents:
+    """The checkpoint at `path`; its stored tensors are views of a copy-on-write mapping of the file
+    (`contents.source`), read from disk only when used."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ArtifactNotFoundError(f"checkpoint file '{path}' does not exist")
-    with open(path, "rb") as f:
-        blob = f.read()
-    tensors, metadata = _decode(blob, path)
+    source, metadata = _open(path)
+    tensors = {key: source.array(key) for key in source.stored}
     trainable = _json(metadata, "trainable", path, [])
     frozen = _json(metadata, "frozen", path, [])
     names = list(trainable) + list(frozen)
@@ -232,4 +367,5 @@ def load(path) -> CheckpointContents:
         if key.startswith(OPTIMIZER_PREFIX):
             name, state_name = key[len(OPTIMIZER_PREFIX):].rsplit("/", 1)
             optimizer_tensors.setdefault(state_name, {})[name] = array
-    return CheckpointContents(parameters, list(trainable), properties, optimizer, optimizer_tensors, nominal)
+    return CheckpointContents(parameters, list(trainable), properties, optimizer, optimizer_tensors, nominal,
+                              None if nominal else source)

@@ -237,8 +237,7 @@ def _check(args) -> int:
 
 
 def _prepare(args) -> int:
-    from . import artifacts
-    from .api import CheckpointState
+    from . import artifacts, checkpoint as checkpoint_file
     from .graph.onnx_io import load_graph
 
     graph = load_graph(args.model, "model")
@@ -259,16 +258,15 @@ def _prepare(args) -> int:
         raise ArgumentError("--weight-decay applies to AdamW only")
     extra = [o for o in graph.outputs if o in loss_inputs] + [o for o in graph.outputs if o not in loss_inputs]
     qat = choices.get("qat")
+    properties = {"learning_rate": float(args.lr), "loss": args.loss, "optimizer": args.optimizer}
+    del graph  # its mapping of the model file: generate_artifacts maps the file again
     generated = artifacts.generate_artifacts(args.model, optimizer=optimizer, artifact_directory=args.output,
-                                             additional_output_names=extra, **_artifact_options(choices))
+                                             additional_output_names=extra, properties=properties,
+                                             **_artifact_options(choices))
     trainable, frozen = generated.trainable, generated.frozen
-    state = CheckpointState.load_checkpoint(checkpoint)
-    state.properties["learning_rate"] = float(args.lr)
-    state.properties["loss"] = args.loss
-    state.properties["optimizer"] = args.optimizer
-    CheckpointState.save_checkpoint(state, checkpoint)
     paths = ArtifactPaths.find(args.output)
-    sizes = {n: int(state.parameters[n].data.size) for n in trainable + frozen}
+    stored = checkpoint_file.load(checkpoint).parameters  # views of the file: sizes without reading it
+    sizes = {n: int(stored[n].size) for n in trainable + frozen}
     files = (paths.training_model, paths.eval_model, paths.optimizer_model, paths.checkpoint)
     result = {"artifacts": args.output, "files": [os.path.basename(p) for p in files],
               "trainable": trainable, "frozen": frozen, "trainable_values": sum(sizes[n] for n in trainable),

@@ -1,13 +1,18 @@
 """Training state in flat buffers: parameters, gradients, optimizer moments, properties.
 
 Invariants:
-- Every float32 parameter lives in one contiguous float32 buffer, trainable
-  parameters first (in checkpoint order), then frozen ones; a parameter's
-  array is a view into it. So the contiguous-parameters API, federated
+- Every trainable parameter lives in one contiguous float32 buffer, in
+  checkpoint order; a parameter's array is a view into it. So federated
   differences and the optimizer step are each one pass over one block.
+- Frozen float32 parameters follow them in that buffer, unless they come from
+  a file (`reader` given): then each is kept as given, a copy-on-write view of
+  the file that costs no memory of its own until written, and the trainable
+  ones are read from the file straight into the buffer.
 - The gradient buffer and each optimizer moment buffer cover exactly the
   trainable block, with the same layout.
 - Parameters of other dtypes (frozen only) are held as separate arrays.
+- The float32 parameters in order (trainable, then frozen) form the layout of
+  the contiguous-parameters API, wherever each is held.
 - 8-bit AdamW moments (`state_dtype="int8"`) are one uint8 code per value in the trainable layout and one
   float32 absmax per block: each parameter is cut into blocks of STATE_BLOCK values (its last one shorter),
   in trainable order (`moment_blocks`), so a parameter's moments are one slice of each buffer.
@@ -15,6 +20,7 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -24,7 +30,9 @@ PROPERTY_TYPES = (int, float, str)
 
 
 class ParameterStore:
-    def __init__(self, arrays: dict[str, np.ndarray], trainable: list[str]):
+    def __init__(self, arrays: dict[str, np.ndarray], trainable: list[str],
+                 reader: Callable[[str, np.ndarray], None] | None = None):
+        """`reader(name, out)`, when the arrays are views of a file, reads parameter `name` into `out`."""
         missing = [n for n in trainable if n not in arrays]
         if missing:
             raise ParameterError(f"trainable parameters {missing} have no values")
@@ -34,7 +42,7 @@ class ParameterStore:
                 raise ArgumentError(f"trainable parameter '{name}' is {arrays[name].dtype}; only float32 parameters train")
         self.trainable = list(trainable)
         self.frozen = frozen
-        flat_names = self.trainable + [n for n in frozen if arrays[n].dtype == np.float32]
+        flat_names = self.trainable + [n for n in frozen if reader is None and arrays[n].dtype == np.float32]
         self.slices: dict[str, tuple[int, int, tuple]] = {}
         cursor = 0
         for name in flat_names:
@@ -45,17 +53,36 @@ class ParameterStore:
         self.flat = np.empty(cursor, dtype=np.float32)
         for name in flat_names:
             start, stop, _ = self.slices[name]
-            self.flat[start:stop] = np.asarray(arrays[name], dtype=np.float32).reshape(-1)
+            if reader is not None:
+                reader(name, self.flat[start:stop])
+            else:
+                self.flat[start:stop] = np.asarray(arrays[name], dtype=np.float32).reshape(-1)
         self.grad_flat = np.zeros(self.trainable_size, dtype=np.float32)
-        self.others = {n: np.array(arrays[n]) for n in frozen if n not in self.slices}
+        self.others = {n: arrays[n] if reader is not None else np.array(arrays[n]) for n in frozen if n not in self.slices}
+        self.float32_names = flat_names + [n for n in frozen if n in self.others and self.others[n].dtype == np.float32]
+
+    def float32_size(self, trainable_only: bool) -> int:
+        return self.trainable_size if trainable_only else sum(self.data(n).size for n in self.float32_names)
+
+    def gather(self, trainable_only: bool) -> np.ndarray:
+        """A new contiguous copy of the trainable (or all float32) parameters, in layout order."""
+        if trainable_only or len(self.float32_names) == len(self.slices):
+            return self.flat[:self.float32_size(trainable_only)].copy()
+        return np.concatenate([self.data(n).reshape(-1) for n in self.float32_names])
+
+    def scatter(self, array: np.ndarray, trainable_only: bool) -> list[str]:
+        """Write a contiguous buffer (layout order) into the parameters; returns the names written."""
+        names = self.trainable if trainable_only else self.float32_names
+        cursor = 0
+        for name in names:
+            target = self.data(name)
+            target[...] = array[cursor:cursor + target.size].reshape(target.shape)
+            cursor += target.size
+        return names
 
     @property
     def names(self) -> list[str]:
         return self.trainable + self.frozen
-
-    @property
-    def total_size(self) -> int:
-        return int(self.flat.size)
 
     def __contains__(self, name: str) -> bool:
         return name in self.slices or name in self.others

@@ -41,6 +41,9 @@ def test_round_trip_is_bit_exact_with_optimizer_state_and_properties(mlp_artifac
     assert loaded._optimizer.step == 3 and loaded._optimizer.learning_rate == 0.0123
     for key, moment in state._optimizer.moments.items():
         np.testing.assert_array_equal(loaded._optimizer.moments[key], moment)
+    stored = safetensors.numpy.load_file(str(path))  # written tensor by tensor, still a safetensors file
+    for name in state.parameters:
+        np.testing.assert_array_equal(stored[checkpoint_file.PARAM_PREFIX + name], state.parameters[name].data)
 
 
 def test_resumed_training_continues_identically(mlp_artifacts, mlp_reference, tmp_path):
@@ -233,3 +236,70 @@ def test_no_pickle_anywhere():
         for source in (root / folder).rglob("*.py"):
             text = source.read_text()
             assert "import pickle" not in text and "allow_pickle=True" not in text, source
+
+
+LOAD_PEAK = """
+import sys
+import numpy as np
+from odtrain.api import CheckpointState
+
+def status(key):
+    return int(next(l for l in open('/proc/self/status') if l.startswith(key)).split()[1]) * 1024
+
+with open('/proc/self/clear_refs', 'w') as f:
+    f.write('5')  # the high-water mark restarts from the current RSS
+before = status('VmRSS:')
+state = CheckpointState.load_checkpoint(sys.argv[1])
+print(status('VmHWM:') - before)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="measures peak RSS through Linux's /proc")
+def test_loading_costs_the_trainable_bytes_and_maps_the_frozen_ones(tmp_path):
+    """160 MB of frozen and 16 MB of trainable float32: loading raises the peak RSS by about the trainable
+    bytes (reading the whole file, as before, raised it by twice the file)."""
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng(0)
+    trainable = {f"adapter{i}": rng.standard_normal((1000, 1000), dtype=np.float32) for i in range(4)}
+    frozen = {f"base{i}": np.full((5000, 1000), i, dtype=np.float32) for i in range(8)}
+    path = tmp_path / "ckpt"
+    checkpoint_file.save(path, checkpoint_file.CheckpointContents({**trainable, **frozen}, list(trainable)))
+    del frozen
+    run = subprocess.run([sys.executable, "-c", LOAD_PEAK, str(path)], capture_output=True, text=True, check=True)
+    rise, trainable_bytes = int(run.stdout), sum(a.nbytes for a in trainable.values())
+    assert rise < trainable_bytes + (12 << 20), (rise, trainable_bytes)
+    state = CheckpointState.load_checkpoint(path)
+    for name, array in trainable.items():
+        np.testing.assert_array_equal(state.parameters[name].data, array)
+    assert state._store.others["base7"].base is not None and (state.parameters["base7"].data == 7).all()
+
+
+def test_saving_over_a_loaded_checkpoint_leaves_its_mapped_values_alone(tmp_path):
+    """Frozen parameters are views of the file they came from: a save over it (a new file renamed into place)
+    and a write to them change neither the other's values nor the file."""
+    path = tmp_path / "ckpt"
+    values = {"w": np.ones(3, np.float32), "frozen": np.arange(6, dtype=np.float32).reshape(2, 3)}
+    checkpoint_file.save(path, checkpoint_file.CheckpointContents(values, ["w"]))
+    first = CheckpointState.load_checkpoint(path)
+    second = CheckpointState.load_checkpoint(path)
+    second.parameters["frozen"] = np.full((2, 3), -1, np.float32)
+    CheckpointState.save_checkpoint(second, path)
+    np.testing.assert_array_equal(first.parameters["frozen"].data, values["frozen"])
+    np.testing.assert_array_equal(CheckpointState.load_checkpoint(path).parameters["frozen"].data, -1)
+    first.parameters["frozen"] = np.zeros((2, 3), np.float32)  # copy-on-write: the file keeps its bytes
+    np.testing.assert_array_equal(CheckpointState.load_checkpoint(path).parameters["frozen"].data, -1)
+
+
+@pytest.mark.parametrize("change, reason", [
+    (lambda blob: blob + b"\0", "damaged \\(bytes follow its last tensor\\)"),
+    (lambda blob: blob.replace(b'"data_offsets":[0,', b'"data_offsets":[4,', 1), "damaged|truncated"),
+])
+def test_tensors_that_do_not_tile_the_data_are_refused(mlp_artifacts, tmp_path, change, reason):
+    path, blob = _saved(mlp_artifacts, tmp_path)
+    changed = change(blob)
+    assert changed != blob
+    path.write_bytes(changed)
+    with pytest.raises(CheckpointError, match=reason):
+        CheckpointState.load_checkpoint(path)

@@ -399,3 +399,112 @@ def test_a_model_written_without_onnx_reads_back_as_onnx_writes_it():
     assert list(ours.graph.input) == list(theirs.graph.input)
     assert list(ours.graph.output) == list(theirs.graph.output)
     assert [v.name for v in ours.graph.value_info] == ["y"]  # the known intermediate type
+
+
+def external_copy(source: str, folder) -> str:
+    """`source` saved into `folder` with every tensor, Constant attributes included, in one `.onnx.data`."""
+    model = onnx.load(source)
+    path = os.path.join(folder, "model.onnx")
+    onnx.save(model, path, save_as_external_data=True, all_tensors_to_one_file=True, location="model.onnx.data",
+              size_threshold=0, convert_attribute=True)
+    return path
+
+
+def test_external_data_is_mapped_and_reads_as_onnx_reads_it(mlp_reference, tmp_path):
+    import mmap
+
+    forward = str(mlp_reference[0])
+    path = external_copy(forward, tmp_path)
+    graph, read_from = onnx_io.read_graph(path)
+    expected = onnx_io.graph_from_proto(onnx.load(forward), forward)
+    assert read_from == path and list(graph.initializers) == list(expected.initializers)
+    for name, array in graph.initializers.items():
+        np.testing.assert_array_equal(array, expected.initializers[name])
+        assert array.dtype == expected.initializers[name].dtype
+    largest = max(graph.initializers.values(), key=lambda a: a.nbytes)
+    base = largest
+    while not isinstance(base, mmap.mmap):
+        base = base.base
+    assert plain(graph) == plain(expected)
+
+
+@pytest.mark.parametrize("entry, value, reason", [
+    ("length", "5", "need 48 bytes; its external data gives 5"),
+    ("offset", "1000000", "at offset 1000000 of"),
+    ("offset", "ten", "not a number"),
+])
+def test_external_data_outside_its_file_is_refused(tmp_path, entry, value, reason):
+    tensor = numpy_helper.from_array(np.ones((4, 3), np.float32), "w")
+    tensor.ClearField("raw_data")
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+    fields = {"location": "w.bin", "offset": "0", "length": "48", entry: value}
+    for key, text in fields.items():
+        tensor.external_data.add(key=key, value=text)
+    (tmp_path / "w.bin").write_bytes(np.ones(12, np.float32).tobytes())
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", 1, ["batch", 4])],
+                              [helper.make_empty_tensor_value_info("y")], [tensor])
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
+    with pytest.raises(ModelError, match=f"initializer 'w' cannot be read: .*{reason}"):
+        onnx_io.read_graph(str(path))
+
+
+READ_PEAK = """
+import sys
+from odtrain.graph import onnx_io
+
+def status(key):
+    return int(next(l for l in open('/proc/self/status') if l.startswith(key)).split()[1]) * 1024
+
+import onnx, onnx.shape_inference  # imported before the measurement starts
+with open('/proc/self/clear_refs', 'w') as f:
+    f.write('5')
+before = status('VmRSS:')
+graph, _ = onnx_io.read_graph(sys.argv[1])
+print(status('VmHWM:') - before, float(graph.initializers['w'].sum()))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="measures peak RSS through Linux's /proc")
+def test_reading_a_model_with_external_data_holds_no_copy_of_it(tmp_path):
+    """A 64 MB weight in `.onnx.data`: reading the model raises the peak RSS by far less than the weight
+    (onnx's own loading, which odtrain used before, held it twice)."""
+    weight = np.ones((4096, 4096), np.float32)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", 1, ["batch", 4096])],
+                              [helper.make_tensor_value_info("y", 1, ["batch", 4096])],
+                              [numpy_helper.from_array(weight, "w")])
+    path = str(tmp_path / "m.onnx")
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path,
+              save_as_external_data=True, location="m.onnx.data")
+    del graph
+    run = subprocess.run([sys.executable, "-c", READ_PEAK, path], capture_output=True, text=True, check=True)
+    rise, total = run.stdout.split()
+    assert float(total) == weight.size and int(rise) < weight.nbytes // 4, (int(rise), weight.nbytes)
+
+
+def test_artifacts_of_a_model_with_external_data_equal_those_of_the_inline_model(mlp_reference, tmp_path):
+    from odtrain import checkpoint as checkpoint_file
+
+    forward, meta, _ = mlp_reference
+    contents = []
+    for model, name in ((str(forward), "inline"), (external_copy(str(forward), tmp_path), "external")):
+        artifacts.generate_artifacts(model, requires_grad=meta["requires_grad"], frozen_params=meta["frozen_params"],
+                                     loss=artifacts.LossType.CrossEntropyLoss, artifact_directory=tmp_path / name)
+        contents.append(checkpoint_file.load(tmp_path / name / "checkpoint"))
+    inline, external = contents
+    assert list(inline.parameters) == list(external.parameters) and inline.trainable == external.trainable
+    for name, array in inline.parameters.items():
+        np.testing.assert_array_equal(external.parameters[name], array)
+
+
+def test_the_light_copy_keeps_everything_but_the_large_initializers_data(mlp_reference):
+    model = onnx.load(str(mlp_reference[0]))
+    light = onnx.load_from_string(onnx_wire.without_weights(model.SerializeToString()))
+    assert light.graph.node == model.graph.node and light.graph.input == model.graph.input
+    for kept, tensor in zip(light.graph.initializer, model.graph.initializer, strict=True):
+        assert (kept.name, kept.dims, kept.data_type) == (tensor.name, tensor.dims, tensor.data_type)
+        large = len(tensor.raw_data) >= onnx_wire.LIGHT_BYTES
+        assert kept.raw_data == (b"" if large else tensor.raw_data)
+    assert any(len(t.raw_data) >= onnx_wire.LIGHT_BYTES for t in model.graph.initializer)
