@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -282,6 +281,3 @@ def is_audio_folder(folder: str) -> bool:
                     return True
     return False
 
-
-def stderr_report(line: str) -> None:
-    print(f"odtrain: {line}", file=sys.stderr)

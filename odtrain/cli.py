@@ -370,7 +370,7 @@ def _note(args, line: str) -> None:
 
 def _audio_source(args, paths):
     """An AudioSource when the one path is a folder of clips or audio options were given, else None."""
-    from .audio import AudioSource, LogMel, is_audio_folder, stderr_report
+    from .audio import AudioSource, LogMel, is_audio_folder
 
     features = getattr(args, "audio_features", None)
     folder = len(paths) == 1 and os.path.isdir(paths[0]) and is_audio_folder(paths[0])
@@ -383,7 +383,8 @@ def _audio_source(args, paths):
     if features == "log-mel":
         settings = LogMel(args.sample_rate, args.n_mels, args.win_ms, args.hop_ms, args.n_fft)
         settings.check()
-    return AudioSource(paths[0], settings, args.sample_rate, args.skip_unreadable, report=stderr_report)
+    return AudioSource(paths[0], settings, args.sample_rate, args.skip_unreadable,
+                       report=lambda line: _note(args, line))
 
 
 def _train(args) -> int:
