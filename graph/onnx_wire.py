@@ -618,19 +618,18 @@ def without_weights(data) -> bytes:
 def initializer_field(name: str, data_type: int, dims, nbytes: int) -> bytes:
     """The bytes of a ModelProto's `graph` field holding one initializer, up to its raw data (`nbytes`
     bytes that the caller writes next)."""
-    header = (b"".join(_encode(1, VARINT, int(d)) for d in dims) + _encode(2, VARINT, data_type)
-              + _encode(8, LENGTH, name.encode()) + _varint_bytes(9 << 3 | LENGTH) + _varint_bytes(nbytes))
+    header = (b"".join(_number(1, d) for d in dims) + _number(2, data_type) + _length(8, name)
+              + _varint_bytes(9 << 3 | LENGTH) + _varint_bytes(nbytes))
     tensor = _varint_bytes(5 << 3 | LENGTH) + _varint_bytes(len(header) + nbytes) + header
     return _varint_bytes(7 << 3 | LENGTH) + _varint_bytes(len(tensor) + nbytes) + tensor
 
 
 def _encode(number: int, wire: int, value, data=None) -> bytes:
-    """One field: `value` an int (varint), bytes, or the span of its bytes in `data`."""
+    """One field as read by _fields: `value` an int (varint), bytes, or the span of its bytes in `data`."""
     if wire == VARINT:
-        return _varint_bytes(number << 3 | wire) + _varint_bytes(value)
+        return _number(number, value)
     content = value if isinstance(value, (bytes, bytearray)) else bytes(data[value[0]:value[1]])
-    length = _varint_bytes(len(content)) if wire == LENGTH else b""
-    return _varint_bytes(number << 3 | wire) + length + content
+    return _length(number, content) if wire == LENGTH else _varint_bytes(number << 3 | wire) + content
 
 
 # ---- writing: the same messages encoded, for saving a model where onnx is not loaded ----
