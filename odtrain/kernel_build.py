@@ -286,13 +286,13 @@ def _main(spec_path: str, out_dir: str) -> None:
     manifest = {"odtrain": __version__, "numba": numba.__version__, "llvmlite": llvmlite.__version__,
                 "triple": triple, "cpu": cpu, "features": features, "kernel_sources": sources_digest(),
                 "optimised": "llvmlite O3 from Numba's NUMBA_OPT=0 IR" if retarget else "by Numba's JIT",
-                "entries": manifest_entries, "skipped": skipped}
+                "entries": manifest_entries, "skipped": skipped, "stubs": {"functions": stubs, "data": data_stubs}}
     if spec["compiler"] is None:
         with open(os.path.join(out_dir, OBJECT_FILE), "wb") as file:
             file.write(machine.emit_object(linked))
         manifest_path = os.path.join(out_dir, OBJECT_MANIFEST_FILE)
     else:
-        _link(machine.emit_object(linked), stubs, data_stubs, spec["compiler"], os.path.join(out_dir, LIBRARY_FILE))
+        link(machine.emit_object(linked), manifest, spec["compiler"], os.path.join(out_dir, LIBRARY_FILE))
         manifest_path = os.path.join(out_dir, MANIFEST_FILE)
     manifest["build_seconds"] = round(time.perf_counter() - started, 1)
     with open(manifest_path, "w") as file:
@@ -301,8 +301,9 @@ def _main(spec_path: str, out_dir: str) -> None:
         print(f"odtrain compile: left to the JIT: {line}", file=sys.stderr)
 
 
-def _link(kernels: bytes, stubs, data_stubs, compiler: list[str], library: str) -> None:
-    """Link the kernels' object with the launcher and the error path's stubs into `library`, replaced whole."""
+def link(kernels: bytes, manifest: dict, compiler: list[str], library: str) -> None:
+    """Link the kernels' object with the launcher and the stubs of its error path (the manifest's) into
+    `library`, replaced whole."""
     with tempfile.TemporaryDirectory(prefix="odtrain-build-") as scratch:
         objects = os.path.join(scratch, "kernels.o")
         with open(objects, "wb") as file:
@@ -312,8 +313,8 @@ def _link(kernels: bytes, stubs, data_stubs, compiler: list[str], library: str) 
             file.write('#include <stdio.h>\n#include <stdlib.h>\n'
                        'static void odtrain_unreachable(const char *name) {\n'
                        '    fprintf(stderr, "odtrain kernel library: %s reached\\n", name); abort();\n}\n')
-            file.writelines(_stub(n) for n in stubs)
-            file.writelines(f'__attribute__((visibility("hidden"))) void *{n} = 0;\n' for n in data_stubs)
+            file.writelines(_stub(n) for n in manifest["stubs"]["functions"])
+            file.writelines(f'__attribute__((visibility("hidden"))) void *{n} = 0;\n' for n in manifest["stubs"]["data"])
         partial = f"{library}.{os.getpid()}"
         subprocess.run([*compiler, "-shared", "-O2", "-fPIC", "-fopenmp", "-Wl,-z,defs", "-o", partial, objects,
                         LAUNCHER, stub_source, "-lm"], check=True)
