@@ -129,13 +129,27 @@ def target_machine(triple: str, cpu: str, features: str):
     return target.create_target_machine(cpu=cpu, features=features, opt=3, reloc="pic", codemodel="default")
 
 
-def optimise(module, machine) -> None:
-    """Optimise a linked module for `machine` as Numba's JIT optimises its code: O3, loop vectorisation on,
-    SLP vectorisation off (Numba's defaults)."""
+def _pass_builder(machine):
+    """llvmlite's pass builder at Numba's JIT settings: O3, loop vectorisation on, SLP vectorisation off."""
     from llvmlite import binding as llvm
 
     options = llvm.create_pipeline_tuning_options(speed_level=3)
     options.loop_vectorization = True
     options.slp_vectorization = False
-    builder = llvm.create_pass_builder(machine, options)
+    return llvm.create_pass_builder(machine, options)
+
+
+def optimise_functions(module, machine) -> None:
+    """The function passes on each function of one kernel's module, before it is linked (as Numba runs them
+    on each module it adds; the linked module's code measured ~5% faster for it)."""
+    builder = _pass_builder(machine)
+    passes = builder.getFunctionPassManager()
+    for function in module.functions:
+        if not function.is_declaration:
+            passes.run(function, builder)
+
+
+def optimise(module, machine) -> None:
+    """The module passes, once, on the linked module (a second run measured no faster)."""
+    builder = _pass_builder(machine)
     builder.getModulePassManager().run(module, builder)
