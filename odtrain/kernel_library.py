@@ -238,8 +238,10 @@ def find(artifact_folder=None) -> KernelLibrary | None:
             try:
                 _loaded[folder] = KernelLibrary(folder)
             except LibraryRefused as refused:
-                print(f"odtrain: kernel library refused: {refused}; its kernels compile through Numba instead",
-                      file=sys.stderr)
+                instead = ("its kernels compile through Numba instead" if installed_version("numba") else
+                           "Numba is not installed to compile its kernels instead: build the library for this "
+                           "device (odtrain compile ARTIFACT_DIR --target ARCH --cpu CPU, on the desktop)")
+                print(f"odtrain: kernel library refused: {refused}; {instead}", file=sys.stderr)
                 _loaded[folder] = None
         if _loaded[folder] is not None:
             return _loaded[folder]

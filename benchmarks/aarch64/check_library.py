@@ -70,8 +70,12 @@ def run(folder: str) -> int:
     imported = time.perf_counter() - T0
     from odtrain import kernel_library
 
+    from odtrain.kernels.blas_library import product_threads
+
     library = kernel_library.find()
     manifest = library.manifest
+    blas = product_threads()
+    print(f"  products: {blas.name or 'no OpenBLAS found in numpy'} ({blas.core or 'core unknown'})")
     print(f"  numpy and odtrain imported in {imported:.1f} s; library for {manifest['triple']} "
           f"({manifest['cpu']}, {manifest['features']}), {len(manifest['entries'])} kernels; "
           f"this CPU: {' '.join(sorted(kernel_library.cpu_flags() or ['(unknown)']))}")
