@@ -27,7 +27,8 @@ TARGETS = {"x86_64": "x86_64-unknown-linux-gnu", "aarch64": "aarch64-unknown-lin
 DEFAULT_CPU = {"aarch64": "cortex-a72"}  # a Raspberry Pi 4's core (a Pi 5's: cortex-a76)
 DEVICE_CORES = {"aarch64": 4}  # the thread count a device of this architecture runs at (every Pi since the 2)
 CROSS_CC_ENV = "ODTRAIN_CROSS_CC"
-CROSS_CC = {"aarch64": "aarch64-linux-gnu-gcc"}
+CROSS_CC = {"aarch64": ("aarch64-linux-gnu-gcc", "gcc-aarch64-linux-gnu"),  # (command, Debian's package)
+            "x86_64": ("x86_64-linux-gnu-gcc", "gcc-x86-64-linux-gnu")}
 _V8_2 = "+fp-armv8,+neon,+fullfp16,+rdm,+lse,+rcpc,+dotprod"
 CPUS = {
     "aarch64": {"generic": "+fp-armv8,+neon", "cortex-a53": "+fp-armv8,+neon", "cortex-a72": "+fp-armv8,+neon",
@@ -104,11 +105,12 @@ def c_compiler(target: str) -> list[str]:
     named = os.environ.get(CROSS_CC_ENV, "").strip()
     if named:
         return shlex.split(named)
-    if target in CROSS_CC and shutil.which(CROSS_CC[target]):
-        return [CROSS_CC[target]]
+    command, package = CROSS_CC[target]
+    if shutil.which(command):
+        return [command]
     raise NoCompiler(
         f"no C compiler for {target} on this {host_arch()} machine: the kernel library's launcher links with one. "
-        f"Install Debian's or Ubuntu's cross compiler (`apt-get install gcc-{target}-linux-gnu`, which brings "
+        f"Install Debian's or Ubuntu's cross compiler (`apt-get install {package}`, which brings "
         f"{target}'s libgomp), or name another in {CROSS_CC_ENV} (a command that compiles and links for "
         f"{target}-linux-gnu with -fopenmp)")
 
