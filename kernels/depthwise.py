@@ -408,7 +408,8 @@ def _depthwise_weight_grad(dy, x, dw, geom, taps, frame, padded, rows, sums, pad
 
 # ---- the same on parts of the units, in parallel (kernels/parts.py) ---------------------------------
 # work[p] is part p's scratch: its padded planes or image (padded_shape), its output or gradient plane
-# (rows_shape), then its taps or weight-gradient sums (sums_shape).
+# (rows_shape), then its taps or weight-gradient sums (sums_shape): work and sums_shape stand in the twin's
+# arguments where the serial kernel's three pieces of scratch stand.
 
 
 @njit(cache=True, error_model="numpy", inline="always")

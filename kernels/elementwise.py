@@ -30,8 +30,8 @@ libm call per element. `fast_exp`, `fast_erf` and `fast_tanh` are float32 polyno
 approximations (Cephes' expf; Eigen's erf and tanh rational forms, within a few float32
 ulps) that LLVM vectorises: 3-15x faster in softmax, GELU and the recurrent gates.
 
-With threads, the flat kernels (and _binary_rows) have `_parts` twins that run them on parts of
-their elements (rows) in one parallel region; every value is as in one thread.
+With threads, the flat kernels (and _binary_rows) have `_parts` twins (kernels/parts.py) that run them
+on parts of their elements (rows) in one parallel region; every value is as in one thread.
 """
 from __future__ import annotations
 

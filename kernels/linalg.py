@@ -16,7 +16,8 @@ read in place; any other layout (a permutation, a diagonal, a broadcast) is firs
 scratch memory, as is C when the output's label order is not [b, m, n]. One operand is a
 copy through its permuted strides, summed over the labels the output lacks.
 
-With threads, a batch of products large enough runs in parallel parts (blas.gemm_batched_parts):
+With threads, a batch of products large enough runs in parallel parts (blas.gemm_batched_parts, the twin of
+_gemm_batched that also takes how it splits):
 whole products when there are enough with distinct outputs, else blocks of at least MIN_ROWS rows
 of every product, or of columns when the products are wider than tall (a weight matrix times a batch of
 activations: each part then streams its own part of the weights; [64×784]·[784×500]: 0.33 ms a part

@@ -5,9 +5,10 @@ the normalised axes (layer norm), so every kernel is a loop over independent row
 common case inner = 1 walks contiguous rows that LLVM vectorises. Statistics accumulate in
 float32, two passes (mean, then centred variance), as ONNX Runtime's CPU kernels do.
 
-With threads, each kernel's `_parts` twin runs it on parts of the outer rows (contiguous slabs of
-the flat arrays) in one parallel region; every value is computed as in the serial kernel, except
-the scale (and bias) gradients of LayerNorm and RMSNorm, summed per part and then added in part order.
+With threads, each kernel's `_parts` twin (kernels/parts.py) runs it on parts of the outer rows
+(contiguous slabs of the flat arrays) in one parallel region; every value is computed as in the serial
+kernel, except the scale (and bias) gradients of LayerNorm and RMSNorm, summed per part and then added in
+part order.
 """
 from __future__ import annotations
 
@@ -513,4 +514,5 @@ def RMSNormalizationGrad(inputs, outputs, axis=-1, epsilon=1e-5, threads=1):
     dscale = outputs[1] if len(outputs) > 1 and outputs[1] is not None else np.zeros(inner, x.dtype)
     args = (flat(dy), flat(x), flat(scale), index, flat(dx), flat(dscale), rows, inner, float(epsilon))
     # in parts: each part's dscale sums ([parts, inner]), made once here
-    return [split((_rms_norm_grad, args), rows, rows * inner, threads, lambda parts: (np.zeros((parts, inner), np.float32),))]
+    return [split((_rms_norm_grad, args), rows, rows * inner, threads,
+                  lambda parts: (np.zeros((parts, inner), np.float32),))]

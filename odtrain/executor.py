@@ -333,10 +333,11 @@ def apply_optimizer(config, weights: np.ndarray, grads: np.ndarray, moments: dic
     within `weights`, odtrain/state.py)."""
     quantized = isinstance(config, AdamW) and config.state_dtype == "int8"
     if quantized:
-        call = (adamw8_update, (weights, grads, moments["momentum0"], moments["momentum1"], moments["momentum0" + ABSMAX],
-                                moments["momentum1" + ABSMAX], CODE_MAPS, CODE_TABLES, blocks, float(learning_rate),
-                                float(config.betas[0]), float(config.betas[1]), float(config.eps),
-                                float(config.weight_decay), float(step), bool(config.bias_correction)))
+        call = (adamw8_update, (weights, grads, moments["momentum0"], moments["momentum1"],
+                                moments["momentum0" + ABSMAX], moments["momentum1" + ABSMAX], CODE_MAPS, CODE_TABLES,
+                                blocks, float(learning_rate), float(config.betas[0]), float(config.betas[1]),
+                                float(config.eps), float(config.weight_decay), float(step),
+                                bool(config.bias_correction)))
     elif isinstance(config, AdamW):
         call = (adamw_update, (weights, grads, moments["momentum0"], moments["momentum1"], float(learning_rate),
                                float(config.betas[0]), float(config.betas[1]), float(config.eps),

@@ -117,7 +117,8 @@ def test_adamw8_parts_give_the_serial_bits():
     starts = np.append(np.arange(0, w.size, 2048), w.size).astype(np.int64)
     serial = [w.copy(), *quantized(m, starts, True), *quantized(np.abs(v), starts, False)]
     split = [a.copy() for a in serial]
-    for args, kernel, extra in ((serial, adamw8_update, ()), (split, adamw8_update_parts, (part_bounds(starts.size - 1, 2),))):
+    halves = part_bounds(starts.size - 1, 2)
+    for args, kernel, extra in ((serial, adamw8_update, ()), (split, adamw8_update_parts, (halves,))):
         weights, m_codes, m_absmax, v_codes, v_absmax = args
         kernel(weights, g, m_codes, v_codes, m_absmax, v_absmax, CODE_MAPS, CODE_TABLES, starts, LR, BETA1, BETA2, EPS,
                DECAY, STEP, True, *extra)

@@ -13,7 +13,8 @@ from odtrain.kernels.parts import TWINS, on_parts, parameters, part_bounds, spli
 
 
 def kernel_modules():
-    return [importlib.import_module(f"{kernels.__name__}.{info.name}") for info in pkgutil.iter_modules(kernels.__path__)]
+    return [importlib.import_module(f"{kernels.__name__}.{info.name}")
+            for info in pkgutil.iter_modules(kernels.__path__)]
 
 
 def defined_kernels():
