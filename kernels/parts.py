@@ -22,6 +22,9 @@ call itself at one part (exactly as with one thread), else the twin's call:
 Each part runs the serial kernel on its range with its own scratch. The parts are fixed when a step is
 bound, not by the threads that happen to run them, and partial sums are added in part order: a run at a
 given thread count gives the same bits every time.
+
+TWINS (serial kernel -> Twin) is the one table of kernels and their twins: the kernel library's build
+(odtrain/kernel_build.py) and tests/test_twins.py read it. Imports numpy only.
 """
 from __future__ import annotations
 
