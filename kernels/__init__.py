@@ -21,7 +21,8 @@ A binding registered with `parallel=True` splits its work into `threads`
 parts inside one Numba parallel region: it and its scratch-size function
 also receive `threads=` (the step's thread count, fixed when the step is
 bound), so scratch sizes are a function of the thread count. With
-`threads=1` it runs its serial kernels.
+`threads=1` it runs its serial kernels. Each parallel kernel is the
+registered twin of a serial one, chosen by one rule (kernels/parts.py).
 
 Kernel modules take Numba's names from kernels/jit.py, which loads Numba only when a kernel compiles:
 a process whose steps run in a kernel library (odtrain/kernel_library.py) imports the bindings without

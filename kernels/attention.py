@@ -38,7 +38,7 @@ from .jit import njit, prange
 from . import ODTRAIN_DOMAIN, binding
 from .blas import gemm_blocks
 from .layout import element_strides, flat, float_buffers
-from .parts import part_bounds, part_count
+from .parts import on_parts, part_count, split, twin_of
 
 # ---- rotary embeddings ----------------------------------------------------------------------------------
 
@@ -76,6 +76,7 @@ def _rotate_pairs(x, cos, sin, positions, y, batch, heads, seq, xb, xh, xs, cb, 
                 y[xo + d] = x[xo + d]
 
 
+@twin_of(_rotate_pairs, range=("first", "last"))
 @njit(cache=True, error_model="numpy", parallel=True)
 def _rotate_pairs_parts(x, cos, sin, positions, y, batch, heads, seq, xb, xh, xs, cb, ch, cs, row_width, half,
                         head_size, rot, interleaved, inverse, bounds):
@@ -127,18 +128,11 @@ def _rotate_half(x, cos, sin, y, batch, heads, seq, cb, ch, cs, width, split, in
             y[xo + d] = x[xo + d] * cos[co + d] + turned
 
 
+@twin_of(_rotate_half, range=("first", "last"))
 @njit(cache=True, error_model="numpy", parallel=True)
 def _rotate_half_parts(x, cos, sin, y, batch, heads, seq, cb, ch, cs, width, split, inverse, bounds):
     for p in prange(bounds.size - 1):
         _rotate_half(x, cos, sin, y, batch, heads, seq, cb, ch, cs, width, split, inverse, bounds[p], bounds[p + 1])
-
-
-def _rotation_call(kernel, twin, args: tuple, units: int, work: int, threads: int):
-    """(kernel, args + (0, units)), or its parallel twin on parts of the units."""
-    parts = part_count(threads, units, work)
-    if parts == 1:
-        return (kernel, args + (0, units))
-    return (twin, args + (part_bounds(units, parts),))
 
 
 @njit(cache=True, error_model="numpy")
@@ -198,13 +192,14 @@ def _positions(inputs):
 def _pairs_call(x, cos, sin, positions, y, layout, interleaved, inverse, threads):
     args = (flat(x), flat(cos), flat(sin), positions, flat(y), *layout.walk(), layout.head_size, layout.rot,
             bool(interleaved), inverse)
-    return _rotation_call(_rotate_pairs, _rotate_pairs_parts, args, layout.batch * layout.heads, x.size, threads)
+    units = layout.batch * layout.heads
+    return split((_rotate_pairs, args + (0, units)), units, x.size, threads)
 
 
 def _half_call(x, cos, sin, y, walk, inverse, threads):
     rows = walk[0] * walk[1] * walk[2]
-    return _rotation_call(_rotate_half, _rotate_half_parts, (flat(x), flat(cos), flat(sin), flat(y), *walk, inverse),
-                          rows, x.size, threads)
+    return split((_rotate_half, (flat(x), flat(cos), flat(sin), flat(y), *walk, inverse, 0, rows)), rows, x.size,
+                 threads)
 
 
 @binding("RotaryEmbedding", parallel=True)
@@ -346,6 +341,7 @@ def _attention(q, k, v, mask, mask_kind, mask_strides, mask_width, nonpad, past,
                         y_offs[b * q_heads + h], y_ld)
 
 
+@twin_of(_attention, range=("first", "last"))
 @njit(cache=True, error_model="numpy", parallel=True)
 def _attention_parts(q, k, v, mask, mask_kind, mask_strides, mask_width, nonpad, past, y, qk_out, qk_mode, q_offs,
                      k_offs, v_offs, y_offs, q_ld, k_ld, v_ld, y_ld, batch, q_heads, kv_heads, seq, keys, head_size,
@@ -415,6 +411,7 @@ def _attention_grad(dy, q, k, v, mask, mask_kind, mask_strides, mask_width, nonp
                           no_scores, 0, batch * kv_heads)
 
 
+@twin_of(_attention_grad)
 @njit(cache=True, error_model="numpy", parallel=True)
 def _attention_grad_parts(dy, q, k, v, mask, mask_kind, mask_strides, mask_width, nonpad, dq, dk, dv, q_offs, k_offs,
                           v_offs, y_offs, q_ld, k_ld, v_ld, y_ld, batch, q_heads, kv_heads, seq, keys, head_size,
@@ -472,9 +469,6 @@ class _AttentionLayout:
         """Parallel parts of the (batch, kv head) units at `threads` threads (kernels/parts.py)."""
         work = self.batch * self.q_heads * self.seq * self.keys * (self.head_size + self.v_head_size)
         return part_count(threads, self.batch * self.kv_heads, work)
-
-    def bounds(self, parts: int) -> np.ndarray:
-        return part_bounds(self.batch * self.kv_heads, parts)
 
     def heads(self, heads, length, width, rank=None):
         """(offset of each (batch, head) block, row stride) of a [batch, heads, length, width] tensor."""
@@ -560,9 +554,8 @@ def Attention(inputs, outputs, scratch=None, scale=None, is_causal=0, q_num_head
             flat(qk_out) if qk_out is not None else np.zeros(0, np.float32), int(qk_matmul_output_mode), q_offs, k_offs,
             v_offs, y_offs, q_ld, k_ld, v_ld, y_ld, layout.batch, layout.q_heads, layout.kv_heads, layout.seq,
             layout.keys, layout.head_size, layout.v_head_size, *options, raw, probs)
-    if parts == 1:
-        return calls + [(_attention, args + (0, layout.batch * layout.kv_heads))]
-    return calls + [(_attention_parts, args + (layout.bounds(parts),))]
+    units = layout.batch * layout.kv_heads
+    return calls + [on_parts((_attention, args + (0, units)), units, parts)]
 
 
 @binding("AttentionGrad", ODTRAIN_DOMAIN, scratch=_grad_scratch, parallel=True)
@@ -587,6 +580,4 @@ def AttentionGrad(inputs, outputs, scratch=None, scale=None, is_causal=0, q_num_
             q_ld, k_ld, v_ld, y_ld, layout.batch, layout.q_heads, layout.kv_heads, layout.seq, layout.keys,
             layout.head_size, layout.v_head_size, *options, raw, probs, dprobs, wanted[0] is not None,
             wanted[1] is not None, wanted[2] is not None, np.zeros(0, np.float32))
-    if parts == 1:
-        return [(_attention_grad, args)]
-    return [(_attention_grad_parts, args + (layout.bounds(parts),))]
+    return [on_parts((_attention_grad, args), layout.batch * layout.kv_heads, parts)]

@@ -256,7 +256,7 @@ PRODUCTS, ROWS, COLUMNS = 0, 1, 2  # how gemm_batched_parts splits a batch of pr
 
 @njit(cache=True, error_model="numpy", parallel=True)
 def gemm_batched_parts(a, b, out, m, n, k, trans_a, trans_b, lda, ldb, ldc, a_offsets, b_offsets, out_offsets, betas,
-                       alpha, bounds, split):
+                       alpha, split, bounds):
     """out[o_i] = alpha · op(a[a_i]) · op(b[b_i]) + betas[i] · out[o_i] for each product i, in parallel parts:
     `split` ROWS, part p computes rows [bounds[p], bounds[p + 1]) of every product, in product order (so
     products that share an output add up as in one thread); COLUMNS, the same with columns; PRODUCTS, the

@@ -53,13 +53,11 @@ from .jit import njit, prange
 
 from . import ODTRAIN_DOMAIN, binding
 from .blas import NUMPY_OPENBLAS, gemm_blocks, product
-from .depthwise import (_depthwise_forward, _depthwise_forward_parts, _depthwise_input_grad,
-                        _depthwise_input_grad_parts, _depthwise_weight_grad, _depthwise_weight_grad_parts)
-from .conv_taps import (_tap_forward, _tap_forward_parts, _tap_input_grad, _tap_input_grad_parts, _tap_weight_grad,
-                        _tap_weight_grad_parts, by_taps, tap_work_sizes, _pieces as _tap_pieces)
+from .depthwise import _depthwise_forward, _depthwise_input_grad, _depthwise_weight_grad
+from .conv_taps import _tap_forward, _tap_input_grad, _tap_weight_grad, by_taps, tap_work_sizes, _pieces as _tap_pieces
 from .conv_pointwise import (COLUMNS, FORWARD, INPUT_GRADIENT, MIN_CHANNELS, WEIGHT_GRADIENT, _gather, _scatter,
                              pointwise_calls, pointwise_plan)
-from .parts import part_bounds, part_count
+from .parts import on_parts, part_count, split, twin_of
 from .windows import _as_3d, _text, _valid_range, window_geometry
 
 # Forward products with at most this many output channels per group and at least this deep a K run as
@@ -284,6 +282,7 @@ def _conv_forward(x, w, bias, has_bias, y, col_work, row_work, geom, chunk, poin
                         target[p] += value
 
 
+@twin_of(_conv_forward, range=("begin", "end"), replaces=("col_work", "row_work"), takes=("work", "columns"))
 @njit(cache=True, error_model="numpy", parallel=True)
 def _conv_forward_parts(x, w, bias, has_bias, y, work, columns, geom, chunk, pointwise, transposed, bounds):
     """_conv_forward on the images [bounds[p], bounds[p + 1]) of each part p, in parallel, each part with
@@ -319,6 +318,7 @@ def _conv_input_grad(dy, w, dx, col_work, row_work, geom, chunk, pointwise, begi
             _col2im(col, n0, nb, g, geom, dx)
 
 
+@twin_of(_conv_input_grad, range=("begin", "end"), replaces=("col_work", "row_work"), takes=("work", "columns"))
 @njit(cache=True, error_model="numpy", parallel=True)
 def _conv_input_grad_parts(dy, w, dx, work, columns, geom, chunk, pointwise, bounds):
     """_conv_input_grad on the images of each part (bounds), in parallel, each with its own work[p]."""
@@ -359,6 +359,8 @@ def _conv_weight_grad(dy, x, dw, col_work, row_work, sums, chunk_product, geom, 
                 dw[g, m, j] = sums[g, j, m]
 
 
+@twin_of(_conv_weight_grad, replaces=("col_work", "row_work", "sums", "chunk_product"),
+         takes=("work", "columns", "rows", "product_size"))
 @njit(cache=True, error_model="numpy", parallel=True)
 def _conv_weight_grad_parts(dy, x, dw, work, columns, rows, product_size, geom, chunk, pointwise, bounds):
     """dw as _conv_weight_grad, each part (bounds) summing its images into its own sums in work[p] (after its
@@ -402,6 +404,7 @@ def _conv_weight_channels(dy, x, dw, col_work, row_work, sums, geom, chunk, poin
                 dw[g, m, j] = sums[g, j, m]
 
 
+@twin_of(_conv_weight_channels, range=("m0", "m1"), replaces=("col_work", "row_work"), takes=("work", "columns"))
 @njit(cache=True, error_model="numpy", parallel=True)
 def _conv_weight_grad_channel_parts(dy, x, dw, work, columns, sums, geom, chunk, pointwise, bounds):
     """dw as _conv_weight_grad, each part (bounds) computing its own output channels over every image, with
@@ -425,6 +428,7 @@ def _conv_bias_grad(dy, db, m0, m1):
             total += partial
         db[m] = total
 
+@twin_of(_conv_bias_grad, range=("m0", "m1"))
 @njit(cache=True, error_model="numpy", parallel=True)
 def _conv_bias_grad_parts(dy, db, bounds):
     """_conv_bias_grad on parts of the channels (bounds), in parallel: each sum as in one thread."""
@@ -500,7 +504,6 @@ class _ConvLayout:
         self.units = batch * group if planes_layout else batch
         work = batch * self.cells * self.k * int(w_shape[0])  # multiply-adds
         self.parts = part_count(threads, self.units, work)
-        self.bounds = part_bounds(self.units, self.parts)
         per_part = -(-batch // self.parts)  # images of the largest part
         self.pointwise = bool((geom[0:6] == 1).all() and (geom[9:12] == 0).all()
                               and tuple(x_shape[2:]) == tuple(y_shape[2:]))
@@ -619,19 +622,17 @@ class _ConvLayout:
         return columns, rows, totals, product
 
 
-def _depthwise_calls(layout: _ConvLayout, serial, parallel, arrays: tuple, scratch, weight_gradient=False) -> list:
-    """The call of a depthwise kernel on `arrays`: its parallel twin on parts of the units, or the serial
-    kernel (over all units; a weight gradient gets the whole dW sums, the others the taps of one multiplier)."""
-    shapes = (layout.padded_shape, layout.rows_shape)
-    if layout.parts > 1:
-        return [(parallel, arrays + (layout.geom, layout.taps, layout.frame, layout.per_part(scratch)) + shapes
-                 + (layout.sums_shape, layout.channels_last, layout.bounds))]
+def _depthwise_call(layout: _ConvLayout, kernel, arrays: tuple, scratch) -> tuple:
+    """The call of depthwise `kernel` on `arrays` over all units (a weight gradient gets the whole dW sums,
+    the others the taps of one multiplier), or its parallel twin on the layout's parts of the units."""
     padded, rows, taps = layout.depthwise_work(scratch, arrays[0].dtype)
-    if weight_gradient:
-        return [(serial, arrays + (layout.geom, layout.taps, layout.frame, padded, rows, taps) + shapes
-                 + (layout.channels_last,))]
-    return [(serial, arrays + (layout.geom, layout.taps, layout.frame, padded, rows, taps[0]) + shapes
-             + (layout.channels_last, 0, layout.units))]
+    if kernel is _depthwise_weight_grad:
+        pieces, tail = (padded, rows, taps), ()
+    else:
+        pieces, tail = (padded, rows, taps[0]), (0, layout.units)
+    call = (kernel, arrays + (layout.geom, layout.taps, layout.frame) + pieces
+            + (layout.padded_shape, layout.rows_shape, layout.channels_last) + tail)
+    return on_parts(call, layout.units, layout.parts, (layout.per_part(scratch), layout.sums_shape))
 
 
 def _forward_calls(layout: _ConvLayout, x, w, bias, y, scratch) -> list:
@@ -639,79 +640,69 @@ def _forward_calls(layout: _ConvLayout, x, w, bias, y, scratch) -> list:
     wv = w.reshape(layout.w3)
     b = bias if bias is not None else np.zeros((1, 1), x.dtype)
     if layout.depthwise:
-        return _depthwise_calls(layout, _depthwise_forward, _depthwise_forward_parts,
-                                (x.reshape(layout.x5), wv, b, bias is not None, y.reshape(layout.y6)), scratch)
+        return [_depthwise_call(layout, _depthwise_forward,
+                                (x.reshape(layout.x5), wv, b, bias is not None, y.reshape(layout.y6)), scratch)]
     if layout.small_pointwise:
         return pointwise_calls(FORWARD, layout.pointwise_plan(FORWARD),
                                (layout.planes(x), wv, b, bias is not None, layout.planes(y)), scratch, x.dtype)
     xv, yv = x.reshape(layout.x6), y.reshape(layout.y4)
     if layout.by_taps:
         work, pieces = layout.tap_work(scratch, x.dtype)
-        if layout.parts > 1:
-            return [(_tap_forward_parts, (xv, wv, b, bias is not None, yv, work, layout.tap_sizes, layout.geom,
-                                          layout.bounds))]
-        return [(_tap_forward, (xv, wv, b, bias is not None, yv) + pieces + (layout.geom, 0, xv.shape[0]))]
-    if layout.parts > 1:
-        return [(_conv_forward_parts, (xv, wv, b, bias is not None, yv, layout.per_part(scratch), layout.columns,
-                                       layout.geom, layout.chunk, layout.pointwise, layout.transposed, layout.bounds))]
+        call = (_tap_forward, (xv, wv, b, bias is not None, yv) + pieces + (layout.geom, 0, layout.batch))
+        return [on_parts(call, layout.batch, layout.parts, (work, layout.tap_sizes))]
     columns, rows = layout.work(scratch, dtype=x.dtype, forward=True)
-    return [(_conv_forward, (xv, wv, b, bias is not None, yv, columns, rows, layout.geom, layout.chunk,
-                             layout.pointwise, layout.transposed, 0, xv.shape[0]))]
+    call = (_conv_forward, (xv, wv, b, bias is not None, yv, columns, rows, layout.geom, layout.chunk, layout.pointwise,
+                            layout.transposed, 0, layout.batch))
+    return [on_parts(call, layout.batch, layout.parts, (layout.per_part(scratch), layout.columns))]
 
 
 def _input_grad_calls(layout: _ConvLayout, dy, w, dx, scratch) -> list:
     """dx = the input gradient of conv(x, w) from dy: the calls, serial or in parts."""
     wv = w.reshape(layout.w3)
     if layout.depthwise:
-        return _depthwise_calls(layout, _depthwise_input_grad, _depthwise_input_grad_parts,
-                                (dy.reshape(layout.y6), wv, dx.reshape(layout.x5)), scratch)
+        return [_depthwise_call(layout, _depthwise_input_grad, (dy.reshape(layout.y6), wv, dx.reshape(layout.x5)),
+                                scratch)]
     if layout.small_pointwise:
         return pointwise_calls(INPUT_GRADIENT, layout.pointwise_plan(INPUT_GRADIENT),
                                (layout.planes(dy), wv, layout.planes(dx)), scratch, dy.dtype)
     dyv, dxv = dy.reshape(layout.y4), dx.reshape(layout.x6)
     if layout.by_taps:
         work, pieces = layout.tap_work(scratch, dy.dtype)
-        if layout.parts > 1:
-            return [(_tap_input_grad_parts, (dyv, wv, dxv, work, layout.tap_sizes, layout.geom, layout.bounds))]
-        return [(_tap_input_grad, (dyv, wv, dxv) + pieces + (layout.geom, 0, dxv.shape[0]))]
-    if layout.parts > 1:
-        return [(_conv_input_grad_parts, (dyv, wv, dxv, layout.per_part(scratch), layout.columns, layout.geom,
-                                          layout.chunk, layout.pointwise, layout.bounds))]
+        call = (_tap_input_grad, (dyv, wv, dxv) + pieces + (layout.geom, 0, layout.batch))
+        return [on_parts(call, layout.batch, layout.parts, (work, layout.tap_sizes))]
     columns, rows = layout.work(scratch)
-    return [(_conv_input_grad, (dyv, wv, dxv, columns, rows, layout.geom, layout.chunk, layout.pointwise, 0,
-                                dxv.shape[0]))]
+    call = (_conv_input_grad, (dyv, wv, dxv, columns, rows, layout.geom, layout.chunk, layout.pointwise, 0,
+                               layout.batch))
+    return [on_parts(call, layout.batch, layout.parts, (layout.per_part(scratch), layout.columns))]
 
 
 def _weight_grad_calls(layout: _ConvLayout, dy, x, dw, scratch) -> list:
     """dw = the weight gradient of conv(x, w) from dy: the calls, serial or in parts."""
     dwv = dw.reshape(layout.w3)
     if layout.depthwise:
-        return _depthwise_calls(layout, _depthwise_weight_grad, _depthwise_weight_grad_parts,
-                                (dy.reshape(layout.y6), x.reshape(layout.x5), dwv), scratch, weight_gradient=True)
+        return [_depthwise_call(layout, _depthwise_weight_grad, (dy.reshape(layout.y6), x.reshape(layout.x5), dwv),
+                                scratch)]
     if layout.small_pointwise:
         return pointwise_calls(WEIGHT_GRADIENT, layout.pointwise_plan(WEIGHT_GRADIENT),
                                (layout.planes(dy), layout.planes(x), dwv), scratch, x.dtype)
     dyv, xv = dy.reshape(layout.y4), x.reshape(layout.x6)
     if layout.weights_by_taps:
         work, pieces = layout.tap_work(scratch, x.dtype)
-        if layout.parts > 1:
-            return [(_tap_weight_grad_parts, (dyv, xv, dwv, work, layout.tap_sizes, layout.geom, layout.bounds))]
-        return [(_tap_weight_grad, (dyv, xv, dwv) + pieces + (layout.geom,))]
-    if layout.channel_parts > 1:
+        call = (_tap_weight_grad, (dyv, xv, dwv) + pieces + (layout.geom,))
+        return [on_parts(call, layout.batch, layout.parts, (work, layout.tap_sizes))]
+    if layout.channel_parts > 1:  # parts of the output channels, each over all images
         memory = scratch.view(np.float32)
-        per_part = layout.channel_columns + layout.channel_rows
+        columns, per_part = layout.channel_columns, layout.channel_columns + layout.channel_rows
         work = memory[:layout.channel_parts * per_part].reshape(layout.channel_parts, per_part)
         sums = memory[work.size:].reshape(layout.groups, layout.k, layout.out_per_group)
-        return [(_conv_weight_grad_channel_parts, (dyv, xv, dwv, work, layout.channel_columns, sums, layout.geom,
-                                                   layout.channel_chunk, layout.pointwise,
-                                                   part_bounds(layout.out_per_group, layout.channel_parts)))]
-    if layout.parts > 1:
-        return [(_conv_weight_grad_parts, (dyv, xv, dwv, layout.per_part(scratch), layout.columns, layout.rows,
-                                           layout.product, layout.geom, layout.chunk, layout.pointwise,
-                                           layout.bounds))]
+        call = (_conv_weight_channels, (dyv, xv, dwv, work[0, :columns], work[0, columns:], sums, layout.geom,
+                                        layout.channel_chunk, layout.pointwise, 0, layout.out_per_group))
+        return [on_parts(call, layout.out_per_group, layout.channel_parts, (work, columns))]
     columns, rows, sums, product = layout.work(scratch, sums=True)
-    return [(_conv_weight_grad, (dyv, xv, dwv, columns, rows, sums, product, layout.geom, layout.chunk,
-                                 layout.pointwise))]
+    call = (_conv_weight_grad, (dyv, xv, dwv, columns, rows, sums, product, layout.geom, layout.chunk,
+                                layout.pointwise))
+    return [on_parts(call, layout.batch, layout.parts, (layout.per_part(scratch), layout.columns, layout.rows,
+                                                         layout.product))]
 
 
 def conv_scratch(op_type: str):
@@ -757,10 +748,7 @@ def ConvWeightGrad(inputs, outputs, scratch=None, **attrs):
 def ConvBiasGrad(inputs, outputs, threads=1):
     dy = inputs[0]
     args = (dy.reshape(dy.shape[0], dy.shape[1], -1), outputs[0])
-    parts = part_count(threads, dy.shape[1], dy.size)
-    if parts == 1:
-        return [(_conv_bias_grad, args + (0, dy.shape[1]))]
-    return [(_conv_bias_grad_parts, args + (part_bounds(dy.shape[1], parts),))]
+    return [split((_conv_bias_grad, args + (0, dy.shape[1])), dy.shape[1], dy.size, threads)]
 
 
 # ---- ConvTranspose: the convolution kernels with X and Y exchanged --------------------------------

@@ -25,7 +25,7 @@ import numpy as np
 from .jit import njit, prange
 
 from .blas import gemm_blocks, product
-from .parts import part_bounds, part_count
+from .parts import on_parts, part_bounds, part_count, twin_of
 
 COLUMNS = 512  # convolutions gather images into one product until it has this many columns (also kernels/conv.py)
 MIN_CHANNELS = 16  # output channels per part when parts split channels (narrower products lose speed)
@@ -158,6 +158,7 @@ def _pointwise_weight_grad(dy, x, dw, work, chunk, m0, m1, c0, c1):
             gemm_blocks(0, 1, rows, columns, width, 1.0, gathered_dy, 0, width, gathered_x, 0, width, beta, dw, target, k)
 
 
+@twin_of(_pointwise_forward, range=("m0", "m1"), replaces=("work",), takes=("work",))
 @njit(cache=True, error_model="numpy", parallel=True)
 def _pointwise_forward_parts(x, w, bias, has_bias, y, work, chunk, bounds):
     """_pointwise_forward on the output channels [bounds[p], bounds[p + 1]) of each part p, in parallel."""
@@ -165,6 +166,7 @@ def _pointwise_forward_parts(x, w, bias, has_bias, y, work, chunk, bounds):
         _pointwise_forward(x, w, bias, has_bias, y, work[part], chunk, bounds[part], bounds[part + 1])
 
 
+@twin_of(_pointwise_input_grad, range=("c0", "c1"), replaces=("work",), takes=("work",))
 @njit(cache=True, error_model="numpy", parallel=True)
 def _pointwise_input_grad_parts(dy, w, dx, work, chunk, bounds):
     """_pointwise_input_grad on the input channels [bounds[p], bounds[p + 1]) of each part p, in parallel."""
@@ -172,8 +174,9 @@ def _pointwise_input_grad_parts(dy, w, dx, work, chunk, bounds):
         _pointwise_input_grad(dy, w, dx, work[part], chunk, bounds[part], bounds[part + 1])
 
 
+@twin_of(_pointwise_weight_grad, range=("m0", "m1", "c0", "c1"), replaces=("work",), takes=("work", "split_inputs"))
 @njit(cache=True, error_model="numpy", parallel=True)
-def _pointwise_weight_grad_parts(dy, x, dw, work, chunk, bounds, split_inputs):
+def _pointwise_weight_grad_parts(dy, x, dw, work, split_inputs, chunk, bounds):
     """_pointwise_weight_grad on a block of dW per part p, in parallel: its rows [bounds[p], bounds[p + 1]),
     or with `split_inputs` its columns."""
     per_group, k = dy.shape[2], x.shape[2]
@@ -190,16 +193,10 @@ def pointwise_calls(op: int, plan: PointwisePlan, arrays: tuple, scratch, dtype)
     forward's bias [G, M/G] and its flag): the serial kernel over all channels, or its parallel twin."""
     memory = scratch.view(dtype) if scratch is not None and scratch.size else np.zeros(0, dtype)
     work = memory[:plan.parts * plan.per_part].reshape(plan.parts, plan.per_part)
-    bounds = plan.bounds
-    if op == FORWARD:
-        if plan.parts > 1:
-            return [(_pointwise_forward_parts, arrays + (work, plan.chunk, bounds))]
-        return [(_pointwise_forward, arrays + (work[0], plan.chunk, 0, int(bounds[-1])))]
-    if op == INPUT_GRADIENT:
-        if plan.parts > 1:
-            return [(_pointwise_input_grad_parts, arrays + (work, plan.chunk, bounds))]
-        return [(_pointwise_input_grad, arrays + (work[0], plan.chunk, 0, int(bounds[-1])))]
-    if plan.parts > 1:
-        return [(_pointwise_weight_grad_parts, arrays + (work, plan.chunk, bounds, plan.split_inputs))]
-    dw = arrays[2]
-    return [(_pointwise_weight_grad, arrays + (work[0], plan.chunk, 0, dw.shape[1], 0, dw.shape[2]))]
+    units = int(plan.bounds[-1])
+    if op == WEIGHT_GRADIENT:
+        dw = arrays[2]
+        call = (_pointwise_weight_grad, arrays + (work[0], plan.chunk, 0, dw.shape[1], 0, dw.shape[2]))
+        return [on_parts(call, units, plan.parts, (work, plan.split_inputs))]
+    kernel = _pointwise_forward if op == FORWARD else _pointwise_input_grad
+    return [on_parts((kernel, arrays + (work[0], plan.chunk, 0, units)), units, plan.parts, (work,))]

@@ -35,6 +35,7 @@ import numpy as np
 from .jit import njit, prange
 
 from .blas import gemm_blocks
+from .parts import twin_of
 
 TAP_MIN_CHANNELS = 16  # thinner products (K = C/G per tap) lose to im2col's K = C/G·kh·kw
 # Narrower outputs waste more of every product on unused cells ((kw - 1)·dw / Wp). At 8 wide (3x3, 32 images,
@@ -146,6 +147,7 @@ def _tap_forward(x, w, bias, has_bias, y, plane, grid, taps, geom, begin, end):
                         row[ow] = source[ow] + value
 
 
+@twin_of(_tap_forward, range=("begin", "end"), replaces=("plane", "grid", "taps"), takes=("work", "sizes"))
 @njit(cache=True, error_model="numpy", parallel=True)
 def _tap_forward_parts(x, w, bias, has_bias, y, work, sizes, geom, bounds):
     """_tap_forward on the images [bounds[p], bounds[p + 1]) of each part p, in parallel, each with work[p]."""
@@ -178,6 +180,7 @@ def _tap_input_grad(dy, w, dx, rows, grid, taps, geom, begin, end):
                         target[j] = source[j]
 
 
+@twin_of(_tap_input_grad, range=("begin", "end"), replaces=("rows", "grid", "taps"), takes=("work", "sizes"))
 @njit(cache=True, error_model="numpy", parallel=True)
 def _tap_input_grad_parts(dy, w, dx, work, sizes, geom, bounds):
     """_tap_input_grad on the images of each part (bounds), in parallel, each with its own work[p]."""
@@ -223,6 +226,7 @@ def _tap_weight_grad(dy, x, dw, plane, grid, sums, geom):
     _taps_to_weights(sums.reshape(1, -1), dw, geom[1] * geom[2], 1)
 
 
+@twin_of(_tap_weight_grad, replaces=("plane", "grid", "sums"), takes=("work", "sizes"))
 @njit(cache=True, error_model="numpy", parallel=True)
 def _tap_weight_grad_parts(dy, x, dw, work, sizes, geom, bounds):
     """dw as _tap_weight_grad, each part (bounds) summing its images into its own sums in work[p], in

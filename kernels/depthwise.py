@@ -23,6 +23,7 @@ import numpy as np
 
 from .jit import njit, prange
 
+from .parts import twin_of
 from .windows import _valid_range
 
 # Sums may be reassociated (fastmath "reassoc"): they vectorise, and partial sums are no less accurate.
@@ -407,7 +408,8 @@ def _depthwise_weight_grad(dy, x, dw, geom, taps, frame, padded, rows, sums, pad
 
 # ---- the same on parts of the units, in parallel (kernels/parts.py) ---------------------------------
 # work[p] is part p's scratch: its padded planes or image (padded_shape), its output or gradient plane
-# (rows_shape), then its taps or weight-gradient sums (sums_shape).
+# (rows_shape), then its taps or weight-gradient sums (sums_shape): work and sums_shape stand in the twin's
+# arguments where the serial kernel's three pieces of scratch stand.
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -421,8 +423,10 @@ def _part_work(work, part, padded_shape, rows_shape, sums_shape):
     return mine[:padded_size], mine[padded_size:padded_size + rows_size], sums
 
 
+@twin_of(_depthwise_forward, range=("begin", "end"), replaces=("padded", "rows", "weights"),
+         takes=("work", "sums_shape"))
 @njit(cache=True, error_model="numpy", parallel=True)
-def _depthwise_forward_parts(x, w, bias, has_bias, y, geom, taps, frame, work, padded_shape, rows_shape, sums_shape,
+def _depthwise_forward_parts(x, w, bias, has_bias, y, geom, taps, frame, work, sums_shape, padded_shape, rows_shape,
                              channels_last, bounds):
     """_depthwise_forward on the units of each part (bounds), in parallel."""
     for part in prange(bounds.size - 1):
@@ -431,8 +435,10 @@ def _depthwise_forward_parts(x, w, bias, has_bias, y, geom, taps, frame, work, p
                            rows_shape, channels_last, bounds[part], bounds[part + 1])
 
 
+@twin_of(_depthwise_input_grad, range=("begin", "end"), replaces=("padded", "rows", "weights"),
+         takes=("work", "sums_shape"))
 @njit(cache=True, error_model="numpy", parallel=True)
-def _depthwise_input_grad_parts(dy, w, dx, geom, taps, frame, work, padded_shape, rows_shape, sums_shape,
+def _depthwise_input_grad_parts(dy, w, dx, geom, taps, frame, work, sums_shape, padded_shape, rows_shape,
                                 channels_last, bounds):
     """_depthwise_input_grad on the units of each part (bounds), in parallel."""
     for part in prange(bounds.size - 1):
@@ -441,8 +447,9 @@ def _depthwise_input_grad_parts(dy, w, dx, geom, taps, frame, work, padded_shape
                               channels_last, bounds[part], bounds[part + 1])
 
 
+@twin_of(_depthwise_weight_grad, replaces=("padded", "rows", "sums"), takes=("work", "sums_shape"))
 @njit(cache=True, error_model="numpy", parallel=True, fastmath=REDUCTION)
-def _depthwise_weight_grad_parts(dy, x, dw, geom, taps, frame, work, padded_shape, rows_shape, sums_shape,
+def _depthwise_weight_grad_parts(dy, x, dw, geom, taps, frame, work, sums_shape, padded_shape, rows_shape,
                                  channels_last, bounds):
     """dw as _depthwise_weight_grad, each part (bounds) summing its units into its own sums ([G, M/G, K] in
     the planes layout, [M/G, K, G] channels-last), in parallel; the parts' sums are added in part order."""

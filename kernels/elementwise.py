@@ -30,8 +30,8 @@ libm call per element. `fast_exp`, `fast_erf` and `fast_tanh` are float32 polyno
 approximations (Cephes' expf; Eigen's erf and tanh rational forms, within a few float32
 ulps) that LLVM vectorises: 3-15x faster in softmax, GELU and the recurrent gates.
 
-With threads, the flat kernels (and _binary_rows) have `_parts` twins that run them on parts of
-their elements (rows) in one parallel region; every value is as in one thread.
+With threads, the flat kernels (and _binary_rows) have `_parts` twins (kernels/parts.py) that run them
+on parts of their elements (rows) in one parallel region; every value is as in one thread.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ from .jit import intrinsic, njit, overload, prange, types
 
 from . import ODTRAIN_DOMAIN, binding
 from .layout import broadcast_layout, flat
-from .parts import part_bounds, part_count
+from .parts import split, twin_of
 
 BINARY = {"Add": 0, "Sub": 1, "Mul": 2, "Div": 3, "ReluGrad": 4, "SigmoidGrad": 5, "TanhGrad": 6,
           "Pow": 7, "Max": 8, "Min": 9, "ErfGrad": 10, "AtanGrad": 11, "Mod": 14, "PRelu": 21}
@@ -557,66 +557,77 @@ def _float_class(x, out, nan, positive, negative):
 # ---- the same on parts of the flat arrays (or of the rows), in parallel: every value as in one thread -----
 
 
+@twin_of(_unary)
 @njit(cache=True, error_model="numpy", parallel=True)
 def _unary_parts(code, x, out, bounds):
     for p in prange(bounds.size - 1):
         _unary(code, x[bounds[p]:bounds[p + 1]], out[bounds[p]:bounds[p + 1]])
 
 
+@twin_of(_special_unary)
 @njit(cache=True, error_model="numpy", parallel=True)
 def _special_unary_parts(code, x, out, bounds):
     for p in prange(bounds.size - 1):
         _special_unary(code, x[bounds[p]:bounds[p + 1]], out[bounds[p]:bounds[p + 1]])
 
 
+@twin_of(_rare_unary)
 @njit(cache=True, error_model="numpy", parallel=True)
 def _rare_unary_parts(code, x, out, bounds):
     for p in prange(bounds.size - 1):
         _rare_unary(code, x[bounds[p]:bounds[p + 1]], out[bounds[p]:bounds[p + 1]])
 
 
+@twin_of(_gelu)
 @njit(cache=True, error_model="numpy", parallel=True)
 def _gelu_parts(x, out, bounds):
     for p in prange(bounds.size - 1):
         _gelu(x[bounds[p]:bounds[p + 1]], out[bounds[p]:bounds[p + 1]])
 
 
+@twin_of(_gelu_inplace)
 @njit(cache=True, error_model="numpy", parallel=True)
 def _gelu_inplace_parts(x, bounds):
     for p in prange(bounds.size - 1):
         _gelu_inplace(x[bounds[p]:bounds[p + 1]])
 
 
+@twin_of(_binary)
 @njit(cache=True, error_model="numpy", parallel=True)
 def _binary_parts(code, a, b, out, bounds):
     for p in prange(bounds.size - 1):
         _binary(code, a[bounds[p]:bounds[p + 1]], b[bounds[p]:bounds[p + 1]], out[bounds[p]:bounds[p + 1]])
 
 
+@twin_of(_special_binary)
 @njit(cache=True, error_model="numpy", parallel=True)
 def _special_binary_parts(code, dy, x, out, bounds):
     for p in prange(bounds.size - 1):
         _special_binary(code, dy[bounds[p]:bounds[p + 1]], x[bounds[p]:bounds[p + 1]], out[bounds[p]:bounds[p + 1]])
 
 
+@twin_of(_gelu_grad)
 @njit(cache=True, error_model="numpy", parallel=True)
 def _gelu_grad_parts(dy, x, out, bounds):
     for p in prange(bounds.size - 1):
         _gelu_grad(dy[bounds[p]:bounds[p + 1]], x[bounds[p]:bounds[p + 1]], out[bounds[p]:bounds[p + 1]])
 
 
+@twin_of(_gelu_grad_into_dy)
 @njit(cache=True, error_model="numpy", parallel=True)
 def _gelu_grad_into_dy_parts(dy, x, bounds):
     for p in prange(bounds.size - 1):
         _gelu_grad_into_dy(dy[bounds[p]:bounds[p + 1]], x[bounds[p]:bounds[p + 1]])
 
 
+@twin_of(_binary_scalar)
 @njit(cache=True, error_model="numpy", parallel=True)
 def _binary_scalar_parts(code, a, b, out, bounds):
     for p in prange(bounds.size - 1):
         _binary_scalar(code, a[bounds[p]:bounds[p + 1]], b, out[bounds[p]:bounds[p + 1]])
 
 
+@twin_of(_binary_rows)
 @njit(cache=True, error_model="numpy", parallel=True)
 def _binary_rows_parts(code, a, b, out, rows, cols, a_row, b_row, bounds):
     """_binary_rows on parts of the rows (bounds)."""
@@ -626,23 +637,6 @@ def _binary_rows_parts(code, a, b, out, rows, cols, a_row, b_row, bounds):
                      a_row, b_row)
 
 
-# the parallel twin of each kernel over flat arrays (flat bounds), and of _binary_rows (row bounds)
-FLAT_TWINS = {_unary: _unary_parts, _special_unary: _special_unary_parts, _rare_unary: _rare_unary_parts,
-              _gelu: _gelu_parts, _gelu_inplace: _gelu_inplace_parts, _binary: _binary_parts,
-              _special_binary: _special_binary_parts,
-              _gelu_grad: _gelu_grad_parts, _gelu_grad_into_dy: _gelu_grad_into_dy_parts,
-              _binary_scalar: _binary_scalar_parts, _binary_rows: _binary_rows_parts}
-
-
-def _split(call, units: int, size: int, threads: int):
-    """`call` (kernel, args), or its parallel twin on parts of `units` (elements or rows) of `size` elements."""
-    kernel, args = call
-    parts = part_count(threads, units, size) if kernel in FLAT_TWINS else 1
-    if parts == 1:
-        return call
-    return FLAT_TWINS[kernel], args + (part_bounds(units, parts),)
-
-
 def same_buffer(x: np.ndarray, y: np.ndarray) -> bool:
     """Whether two arena views are one buffer (the planner put an output over its input)."""
     return x.size == y.size and x.size > 0 and x.ctypes.data == y.ctypes.data
@@ -650,7 +644,7 @@ def same_buffer(x: np.ndarray, y: np.ndarray) -> bool:
 
 def unary_call(code: int, x: np.ndarray, out: np.ndarray, threads: int = 1):
     """out = UNARY's map number `code` of x."""
-    return _split((_unary, (code, flat(x), flat(out))), out.size, out.size, threads)
+    return split((_unary, (code, flat(x), flat(out))), out.size, out.size, threads)
 
 
 def binary_calls(code: int, a: np.ndarray, b: np.ndarray, out: np.ndarray, threads: int = 1) -> list:
@@ -660,17 +654,17 @@ def binary_calls(code: int, a: np.ndarray, b: np.ndarray, out: np.ndarray, threa
             raise ValueError(f"a gradient of shapes {a.shape} and {b.shape} into {out.shape}")
         if code == GELU_GRAD:
             if same_buffer(a, out):
-                return [_split((_gelu_grad_into_dy, (flat(a), flat(b))), out.size, out.size, threads)]
-            return [_split((_gelu_grad, (flat(a), flat(b), flat(out))), out.size, out.size, threads)]
-        return [_split((_special_binary, (code, flat(a), flat(b), flat(out))), out.size, out.size, threads)]
+                return [split((_gelu_grad_into_dy, (flat(a), flat(b))), out.size, out.size, threads)]
+            return [split((_gelu_grad, (flat(a), flat(b), flat(out))), out.size, out.size, threads)]
+        return [split((_special_binary, (code, flat(a), flat(b), flat(out))), out.size, out.size, threads)]
     if a.shape == out.shape and b.shape == out.shape:
-        return [_split((_binary, (code, flat(a), flat(b), flat(out))), out.size, out.size, threads)]
+        return [split((_binary, (code, flat(a), flat(b), flat(out))), out.size, out.size, threads)]
     if a.shape == out.shape and b.size == 1:
-        return [_split((_binary_scalar, (code, flat(a), flat(b), flat(out))), out.size, out.size, threads)]
+        return [split((_binary_scalar, (code, flat(a), flat(b), flat(out))), out.size, out.size, threads)]
     dims, _, sa, sb = broadcast_layout(out.shape, a.shape, b.shape)
     if dims[0] == dims[1] == 1 and sa[3] == sb[3] == 1 and (sa[2] in (0, dims[3])) and (sb[2] in (0, dims[3])):
         # rows of a matrix against a row vector (bias, scale) or a full matrix: contiguous inner loops
-        return [_split((_binary_rows, (code, flat(a), flat(b), flat(out), int(dims[2]), int(dims[3]), int(sa[2]),
+        return [split((_binary_rows, (code, flat(a), flat(b), flat(out), int(dims[2]), int(dims[3]), int(sa[2]),
                                        int(sb[2]))), int(dims[2]), out.size, threads)]
     return [(_binary_strided, (code, flat(a), flat(b), flat(out), dims, sa, sb))]
 
@@ -694,7 +688,7 @@ def _make_binary(code):
 def _make_unary(kernel, code):
     def bind(inputs, outputs, threads=1):
         x, out = inputs[0], outputs[0]
-        return [_split((kernel, (code, flat(x), flat(out))), out.size, out.size, threads)]
+        return [split((kernel, (code, flat(x), flat(out))), out.size, out.size, threads)]
 
     return bind
 
@@ -739,7 +733,7 @@ def Max(inputs, outputs, threads=1):
 def Mean(inputs, outputs, threads=1):
     out = outputs[0]
     share = np.array([1 / len(inputs)], dtype=out.dtype)
-    scale = _split((_binary_scalar, (BINARY["Mul"], flat(out), share, flat(out))), out.size, out.size, threads)
+    scale = split((_binary_scalar, (BINARY["Mul"], flat(out), share, flat(out))), out.size, out.size, threads)
     return _variadic(BINARY["Add"], inputs, out, threads) + [scale]
 
 
@@ -770,7 +764,7 @@ def Gelu(inputs, outputs, approximate="none", threads=1):
         call = (_special_unary, (GELU_TANH, flat(x), flat(out)))
     else:
         call = (_gelu_inplace, (flat(x),)) if same_buffer(x, out) else (_gelu, (flat(x), flat(out)))
-    return [_split(call, out.size, out.size, threads)]
+    return [split(call, out.size, out.size, threads)]
 
 
 binding("Gelu", ODTRAIN_DOMAIN, parallel=True)(Gelu)

@@ -16,7 +16,8 @@ read in place; any other layout (a permutation, a diagonal, a broadcast) is firs
 scratch memory, as is C when the output's label order is not [b, m, n]. One operand is a
 copy through its permuted strides, summed over the labels the output lacks.
 
-With threads, a batch of products large enough runs in parallel parts (blas.gemm_batched_parts):
+With threads, a batch of products large enough runs in parallel parts (blas.gemm_batched_parts, the twin of
+_gemm_batched that also takes how it splits):
 whole products when there are enough with distinct outputs, else blocks of at least MIN_ROWS rows
 of every product, or of columns when the products are wider than tall (a weight matrix times a batch of
 activations: each part then streams its own part of the weights; [64×784]·[784×500]: 0.33 ms a part
@@ -32,7 +33,7 @@ from . import ODTRAIN_DOMAIN, binding
 from .blas import COLUMNS, PRODUCTS, ROWS, gemm_batched_parts, gemm_blocks
 from .elementwise import gather_call
 from .layout import broadcast_layout, element_strides
-from .parts import part_bounds, part_count
+from .parts import on_parts, part_count, twin_of
 from .reduction import sum_call
 from .tensor import copy_call
 
@@ -43,6 +44,9 @@ def _gemm_batched(a, b, out, m, n, k, trans_a, trans_b, lda, ldb, ldc, a_offsets
     for i in range(a_offsets.size):
         gemm_blocks(trans_a, trans_b, m, n, k, alpha, a, a_offsets[i], lda, b, b_offsets[i], ldb, betas[i],
                     out, out_offsets[i], ldc)
+
+
+twin_of(_gemm_batched, takes=("split",))(gemm_batched_parts)  # in parts of the products, rows or columns
 
 
 @njit(cache=True, error_model="numpy")
@@ -129,12 +133,10 @@ def _calls(a, b, out, m, n, k, trans_a, trans_b, lda, ldb, ldc, a_offsets, b_off
         return [(_gemm_batched, args)]
     distinct = len(set(out_offsets.tolist())) == count
     if distinct and (count >= threads or int(m) * int(n) * int(k) <= SMALL_PRODUCT):  # whole products
-        parts = part_count(threads, count, work)
-        return [(gemm_batched_parts, args + (part_bounds(count, parts), PRODUCTS))]
+        return [on_parts((_gemm_batched, args), count, part_count(threads, count, work), (PRODUCTS,))]
+    # blocks of rows or columns: parts of at least MIN_ROWS each
     parts = part_count(threads, blocks, work)
-    if parts == 1:
-        return [(_gemm_batched, args)]
-    return [(gemm_batched_parts, args + (part_bounds(extent, parts), COLUMNS if by_columns else ROWS))]
+    return [on_parts((_gemm_batched, args), extent, parts, (COLUMNS if by_columns else ROWS,))]
 
 
 def broadcast_batch(*batches: tuple) -> tuple:

@@ -21,7 +21,7 @@ import numpy as np
 from .jit import njit, prange
 
 from . import ODTRAIN_DOMAIN, binding
-from .parts import part_bounds, part_count
+from .parts import split, twin_of
 from .windows import _text
 
 # Sums may be reassociated (fastmath "reassoc"): they vectorise, and partial sums are no less accurate.
@@ -189,6 +189,7 @@ def _batch_norm_grad(dy, x, y, scale, mean_in, var_in, dx, dscale, dbias, dmean,
 # ---- the same on parts of the channels, in parallel: each channel is computed as in the serial kernel --
 
 
+@twin_of(_batch_norm_train, range=("c0", "c1"))
 @njit(cache=True, error_model="numpy", parallel=True)
 def _batch_norm_train_parts(x, scale, bias, mean_in, var_in, y, mean_out, var_out, has_running, momentum, epsilon,
                             stats, low, high, in_place, bounds):
@@ -197,27 +198,20 @@ def _batch_norm_train_parts(x, scale, bias, mean_in, var_in, y, mean_out, var_ou
                           stats, low, high, in_place, bounds[p], bounds[p + 1])
 
 
+@twin_of(_batch_norm_infer, range=("c0", "c1"))
 @njit(cache=True, error_model="numpy", parallel=True)
 def _batch_norm_infer_parts(x, scale, bias, mean, var, y, epsilon, stats, low, high, in_place, bounds):
     for p in prange(bounds.size - 1):
         _batch_norm_infer(x, scale, bias, mean, var, y, epsilon, stats, low, high, in_place, bounds[p], bounds[p + 1])
 
 
+@twin_of(_batch_norm_grad, range=("c0", "c1"))
 @njit(cache=True, error_model="numpy", parallel=True)
 def _batch_norm_grad_parts(dy, x, y, scale, mean_in, var_in, dx, dscale, dbias, dmean, dvar, wants, training,
                            epsilon, masked, low, high, block, sums, in_place, bounds):
     for p in prange(bounds.size - 1):
         _batch_norm_grad(dy, x, y, scale, mean_in, var_in, dx, dscale, dbias, dmean, dvar, wants, training, epsilon,
                          masked, low, high, block, sums, in_place, bounds[p], bounds[p + 1])
-
-
-def _over_channels(kernel, parallel_kernel, args, x, threads: int) -> list:
-    """[(kernel, args + (0, C))], or the parallel twin on parts of the channels when the work pays for it."""
-    channels = x.shape[1]
-    parts = part_count(threads, channels, x.size)
-    if parts == 1:
-        return [(kernel, args + (0, channels))]
-    return [(parallel_kernel, args + (part_bounds(channels, parts),))]
 
 
 def _ncs(array: np.ndarray) -> np.ndarray:
@@ -229,19 +223,20 @@ def _batch_norm_calls(inputs, outputs, low, high, epsilon=1e-5, momentum=0.9, tr
     x, scale, bias, mean, var = inputs[:5]
     y = outputs[0]
     in_place = bool(np.shares_memory(x, y))
+    channels = x.shape[1]  # the parts' units
     if not training_mode:
-        return _over_channels(_batch_norm_infer, _batch_norm_infer_parts, (
-            _ncs(x), scale, bias, mean, var, _ncs(y), float(epsilon), np.zeros((3, x.shape[1])), low, high, in_place),
-            x, threads)
+        return [split((_batch_norm_infer, (_ncs(x), scale, bias, mean, var, _ncs(y), float(epsilon),
+                                           np.zeros((3, channels)), low, high, in_place, 0, channels)),
+                      channels, x.size, threads)]
     mean_out = outputs[1] if len(outputs) > 1 and outputs[1] is not None else None
     var_out = outputs[2] if len(outputs) > 2 and outputs[2] is not None else None
     has_running = mean_out is not None and var_out is not None
     if not has_running:
         mean_out, var_out = np.zeros_like(mean), np.zeros_like(var)
-    stats = np.zeros((3, x.shape[1]), dtype=np.float64)
-    return _over_channels(_batch_norm_train, _batch_norm_train_parts, (
-        _ncs(x), scale, bias, mean, var, _ncs(y), mean_out, var_out, has_running, float(momentum), float(epsilon),
-        stats, low, high, in_place), x, threads)
+    stats = np.zeros((3, channels), dtype=np.float64)
+    return [split((_batch_norm_train, (_ncs(x), scale, bias, mean, var, _ncs(y), mean_out, var_out, has_running,
+                                       float(momentum), float(epsilon), stats, low, high, in_place, 0, channels)),
+                  channels, x.size, threads)]
 
 
 def _activation_bounds(activation, bound_inputs, attrs) -> tuple:
@@ -293,9 +288,9 @@ def BatchNormalizationGrad(inputs, outputs, epsilon=1e-5, training_mode=1, activ
     y = _ncs(inputs[5]) if masked else _ncs(x)  # y is read only when masked
     plane = max(1, _ncs(x).shape[2])
     block = max(1, MASK_BLOCK // plane) if masked else channels
-    return _over_channels(_batch_norm_grad, _batch_norm_grad_parts, (
-        _ncs(dy), _ncs(x), y, scale, mean, var, dx, *small, wants, bool(training_mode), float(epsilon), masked, low,
-        high, block, sums, in_place), x, threads)
+    return [split((_batch_norm_grad, (_ncs(dy), _ncs(x), y, scale, mean, var, dx, *small, wants, bool(training_mode),
+                                      float(epsilon), masked, low, high, block, sums, in_place, 0, channels)),
+                  channels, x.size, threads)]
 
 # ---- activations ---------------------------------------------------------------------------------
 # Codes (arguments, so one compiled kernel serves the family), parameters a and b as 1-element arrays:
@@ -404,6 +399,7 @@ def _activation_grad(code, dy, v, a_in, b_in, out, in_place):
         _activation_grad_loops(code, dy, v, a_in[0], b_in[0], out)
 
 
+@twin_of(_activation)
 @njit(cache=True, error_model="numpy", parallel=True)
 def _activation_parts(code, x, a_in, b_in, out, bounds):
     """_activation on parts of the flat arrays (bounds), in parallel."""
@@ -411,20 +407,13 @@ def _activation_parts(code, x, a_in, b_in, out, bounds):
         _activation(code, x[bounds[p]:bounds[p + 1]], a_in, b_in, out[bounds[p]:bounds[p + 1]])
 
 
+@twin_of(_activation_grad)
 @njit(cache=True, error_model="numpy", parallel=True)
 def _activation_grad_parts(code, dy, v, a_in, b_in, out, in_place, bounds):
     """_activation_grad on parts of the flat arrays (bounds), in parallel."""
     for p in prange(bounds.size - 1):
         lo, hi = bounds[p], bounds[p + 1]
         _activation_grad(code, dy[lo:hi], v[lo:hi], a_in, b_in, out[lo:hi], in_place)
-
-
-def _flat_call(kernel, parallel_kernel, args, size: int, threads: int) -> list:
-    """[(kernel, args)], or the parallel twin on parts of the `size` elements when the work pays for it."""
-    parts = part_count(threads, size, size)
-    if parts == 1:
-        return [(kernel, args)]
-    return [(parallel_kernel, args + (part_bounds(size, parts),))]
 
 
 def _scalar(value: float) -> np.ndarray:
@@ -461,8 +450,7 @@ def _make_activation(op_type):
     def bind(inputs, outputs, threads=1, **attrs):
         a, b = _activation_params(op_type, inputs, attrs)
         out = _flat(outputs[0])
-        return _flat_call(_activation, _activation_parts, (ACTIVATIONS[op_type], _flat(inputs[0]), a, b, out),
-                          out.size, threads)
+        return [split((_activation, (ACTIVATIONS[op_type], _flat(inputs[0]), a, b, out)), out.size, out.size, threads)]
 
     return bind
 
@@ -472,8 +460,8 @@ def _make_activation_grad(op_type):
         a, b = _activation_params(op_type, inputs[1:], attrs)
         dy, out = _flat(inputs[0]), _flat(outputs[0])
         in_place = bool(np.shares_memory(dy, out))
-        return _flat_call(_activation_grad, _activation_grad_parts,
-                          (ACTIVATIONS[op_type], dy, _flat(inputs[1]), a, b, out, in_place), out.size, threads)
+        return [split((_activation_grad, (ACTIVATIONS[op_type], dy, _flat(inputs[1]), a, b, out, in_place)), out.size,
+                      out.size, threads)]
 
     return bind
 

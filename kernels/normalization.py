@@ -5,9 +5,10 @@ the normalised axes (layer norm), so every kernel is a loop over independent row
 common case inner = 1 walks contiguous rows that LLVM vectorises. Statistics accumulate in
 float32, two passes (mean, then centred variance), as ONNX Runtime's CPU kernels do.
 
-With threads, each kernel's `_parts` twin runs it on parts of the outer rows (contiguous slabs of
-the flat arrays) in one parallel region; every value is computed as in the serial kernel, except
-the scale (and bias) gradients of LayerNorm and RMSNorm, summed per part and then added in part order.
+With threads, each kernel's `_parts` twin (kernels/parts.py) runs it on parts of the outer rows
+(contiguous slabs of the flat arrays) in one parallel region; every value is computed as in the serial
+kernel, except the scale (and bias) gradients of LayerNorm and RMSNorm, summed per part and then added in
+part order.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from .jit import njit, prange
 from . import ODTRAIN_DOMAIN, binding
 from .elementwise import fast_exp, same_buffer
 from .layout import flat
-from .parts import part_bounds, part_count
+from .parts import split, twin_of
 
 
 REDUCE = {"reassoc"}  # reductions may reorder their sums: lets LLVM vectorise them (4x on softmax)
@@ -129,6 +130,7 @@ def _log_softmax_grad(dy, y, dx, outer, n, inner):
 # flat elements [bounds[p]·n·inner, bounds[p + 1]·n·inner)
 
 
+@twin_of(_softmax)
 @njit(cache=True, error_model="numpy", fastmath=REDUCE, parallel=True)
 def _softmax_parts(x, out, outer, n, inner, bounds):
     for p in prange(bounds.size - 1):
@@ -136,6 +138,7 @@ def _softmax_parts(x, out, outer, n, inner, bounds):
         _softmax(x[a:b], out[a:b], bounds[p + 1] - bounds[p], n, inner)
 
 
+@twin_of(_softmax_inplace)
 @njit(cache=True, error_model="numpy", fastmath=REDUCE, parallel=True)
 def _softmax_inplace_parts(x, outer, n, inner, bounds):
     for p in prange(bounds.size - 1):
@@ -143,6 +146,7 @@ def _softmax_inplace_parts(x, outer, n, inner, bounds):
         _softmax_inplace(x[a:b], bounds[p + 1] - bounds[p], n, inner)
 
 
+@twin_of(_log_softmax)
 @njit(cache=True, error_model="numpy", fastmath=REDUCE, parallel=True)
 def _log_softmax_parts(x, out, outer, n, inner, bounds):
     for p in prange(bounds.size - 1):
@@ -150,6 +154,7 @@ def _log_softmax_parts(x, out, outer, n, inner, bounds):
         _log_softmax(x[a:b], out[a:b], bounds[p + 1] - bounds[p], n, inner)
 
 
+@twin_of(_softmax_grad)
 @njit(cache=True, error_model="numpy", fastmath=REDUCE, parallel=True)
 def _softmax_grad_parts(dy, y, dx, outer, n, inner, bounds):
     for p in prange(bounds.size - 1):
@@ -157,6 +162,7 @@ def _softmax_grad_parts(dy, y, dx, outer, n, inner, bounds):
         _softmax_grad(dy[a:b], y[a:b], dx[a:b], bounds[p + 1] - bounds[p], n, inner)
 
 
+@twin_of(_softmax_grad_inplace)
 @njit(cache=True, error_model="numpy", fastmath=REDUCE, parallel=True)
 def _softmax_grad_inplace_parts(dy, y, outer, n, inner, bounds):
     for p in prange(bounds.size - 1):
@@ -164,6 +170,7 @@ def _softmax_grad_inplace_parts(dy, y, outer, n, inner, bounds):
         _softmax_grad_inplace(dy[a:b], y[a:b], bounds[p + 1] - bounds[p], n, inner)
 
 
+@twin_of(_log_softmax_grad)
 @njit(cache=True, error_model="numpy", fastmath=REDUCE, parallel=True)
 def _log_softmax_grad_parts(dy, y, dx, outer, n, inner, bounds):
     for p in prange(bounds.size - 1):
@@ -171,18 +178,10 @@ def _log_softmax_grad_parts(dy, y, dx, outer, n, inner, bounds):
         _log_softmax_grad(dy[a:b], y[a:b], dx[a:b], bounds[p + 1] - bounds[p], n, inner)
 
 
-SOFTMAX_TWINS = {_softmax: _softmax_parts, _softmax_inplace: _softmax_inplace_parts, _log_softmax: _log_softmax_parts,
-                 _softmax_grad: _softmax_grad_parts, _softmax_grad_inplace: _softmax_grad_inplace_parts,
-                 _log_softmax_grad: _log_softmax_grad_parts}
-
-
 def _rows_call(kernel, arrays: tuple, shape, axis, threads: int) -> list:
     """[(kernel, arrays + (outer, n, inner))], or its parallel twin on parts of the outer rows."""
     outer, n, inner = _around(shape, axis)
-    parts = part_count(threads, outer, outer * n * inner)
-    if parts == 1:
-        return [(kernel, arrays + (outer, n, inner))]
-    return [(SOFTMAX_TWINS[kernel], arrays + (outer, n, inner, part_bounds(outer, parts)))]
+    return [split((kernel, arrays + (outer, n, inner)), outer, outer * n * inner, threads)]
 
 
 def _around(shape, axis):
@@ -343,6 +342,7 @@ def _layer_norm_grad(dy, x, scale, param_index, dx, dscale, dbias, rows, inner, 
         _layer_norm_grad_rows(dy, x, scale, param_index, False, dx, dscale, dbias, rows, inner, eps)
 
 
+@twin_of(_layer_norm)
 @njit(cache=True, error_model="numpy", fastmath=REDUCE, parallel=True)
 def _layer_norm_parts(x, scale, scale_index, bias, bias_index, has_bias, y, mean_out, inv_out, want_stats, rows,
                       inner, epsilon, bounds):
@@ -354,6 +354,7 @@ def _layer_norm_parts(x, scale, scale_index, bias, bias_index, has_bias, y, mean
                     mean_out[stats_lo:stats_hi], inv_out[stats_lo:stats_hi], want_stats, hi - lo, inner, epsilon)
 
 
+@twin_of(_layer_norm_grad, takes=("partial",))
 @njit(cache=True, error_model="numpy", fastmath=REDUCE, parallel=True)
 def _layer_norm_grad_parts(dy, x, scale, param_index, dx, dscale, dbias, rows, inner, epsilon, partial, bounds):
     """_layer_norm_grad on parts of the rows (bounds), in parallel, each part summing its dscale and dbias
@@ -399,10 +400,7 @@ def LayerNormalization(inputs, outputs, axis=-1, epsilon=1e-5, stash_type=1, thr
     bias_flat = flat(bias) if bias is not None else np.zeros(1, x.dtype)
     args = (flat(x), flat(scale), scale_index, bias_flat, bias_index, bias is not None, flat(outputs[0]), mean, inv,
             want_stats, rows, inner, float(epsilon))
-    parts = part_count(threads, rows, rows * inner)
-    if parts == 1:
-        return [(_layer_norm, args)]
-    return [(_layer_norm_parts, args + (part_bounds(rows, parts),))]
+    return [split((_layer_norm, args), rows, rows * inner, threads)]
 
 
 @binding("LayerNormalizationGrad", ODTRAIN_DOMAIN, parallel=True)
@@ -414,11 +412,9 @@ def LayerNormalizationGrad(inputs, outputs, axis=-1, epsilon=1e-5, threads=1):
     index = _param_index(scale.shape, normalised)
     args = (flat(dy), flat(x), flat(scale), index, flat(outputs[0]), flat(outputs[1]), flat(outputs[2]), rows, inner,
             float(epsilon))
-    parts = part_count(threads, rows, rows * inner)
-    if parts == 1:
-        return [(_layer_norm_grad, args)]
-    # each part's dscale and dbias sums ([parts, 2, inner]), made once here
-    return [(_layer_norm_grad_parts, args + (np.zeros((parts, 2, inner), np.float32), part_bounds(rows, parts)))]
+    # in parts: each part's dscale and dbias sums ([parts, 2, inner]), made once here
+    return [split((_layer_norm_grad, args), rows, rows * inner, threads,
+                  lambda parts: (np.zeros((parts, 2, inner), np.float32),))]
 
 
 @njit(cache=True, inline="always", error_model="numpy", fastmath=REDUCE)
@@ -465,6 +461,7 @@ def _rms_norm_grad(dy, x, scale, scale_index, dx, dscale, rows, inner, epsilon):
             dx[base + j] = inv * (dy[base + j] * s - x[base + j] * factor)
 
 
+@twin_of(_rms_norm)
 @njit(cache=True, error_model="numpy", fastmath=REDUCE, parallel=True)
 def _rms_norm_parts(x, scale, scale_index, y, rows, inner, epsilon, bounds):
     """_rms_norm on parts of the rows (bounds), in parallel."""
@@ -473,6 +470,7 @@ def _rms_norm_parts(x, scale, scale_index, y, rows, inner, epsilon, bounds):
         _rms_norm(x[lo:hi], scale, scale_index, y[lo:hi], bounds[p + 1] - bounds[p], inner, epsilon)
 
 
+@twin_of(_rms_norm_grad, takes=("partial",))
 @njit(cache=True, error_model="numpy", fastmath=REDUCE, parallel=True)
 def _rms_norm_grad_parts(dy, x, scale, scale_index, dx, dscale, rows, inner, epsilon, partial, bounds):
     """_rms_norm_grad on parts of the rows (bounds), in parallel, each part summing its dscale into partial[p];
@@ -499,10 +497,7 @@ def RMSNormalization(inputs, outputs, axis=-1, epsilon=1e-5, stash_type=1, threa
     axis, rows, inner = _rows(x, axis)
     index = _param_index(scale.shape, x.shape[axis:])
     args = (flat(x), flat(scale), index, flat(outputs[0]), rows, inner, float(epsilon))
-    parts = part_count(threads, rows, rows * inner)
-    if parts == 1:
-        return [(_rms_norm, args)]
-    return [(_rms_norm_parts, args + (part_bounds(rows, parts),))]
+    return [split((_rms_norm, args), rows, rows * inner, threads)]
 
 
 binding("RMSNormalization", parallel=True)(RMSNormalization)
@@ -518,7 +513,6 @@ def RMSNormalizationGrad(inputs, outputs, axis=-1, epsilon=1e-5, threads=1):
     dx = outputs[0] if outputs[0] is not None else np.zeros_like(x)
     dscale = outputs[1] if len(outputs) > 1 and outputs[1] is not None else np.zeros(inner, x.dtype)
     args = (flat(dy), flat(x), flat(scale), index, flat(dx), flat(dscale), rows, inner, float(epsilon))
-    parts = part_count(threads, rows, rows * inner)
-    if parts == 1:
-        return [(_rms_norm_grad, args)]
-    return [(_rms_norm_grad_parts, args + (np.zeros((parts, inner), np.float32), part_bounds(rows, parts)))]
+    # in parts: each part's dscale sums ([parts, inner]), made once here
+    return [split((_rms_norm_grad, args), rows, rows * inner, threads,
+                  lambda parts: (np.zeros((parts, inner), np.float32),))]

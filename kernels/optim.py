@@ -19,6 +19,7 @@ import math
 import numpy as np
 
 from .jit import intrinsic, njit, prange, types
+from .parts import twin_of
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -83,28 +84,27 @@ def sgd_momentum_update(w, g, b, lr, momentum, dampening, weight_decay, nesterov
         w[i] -= rate * d
 
 
-# Part p of `parts` updates the elements [p·n // parts, (p + 1)·n // parts): bounds computed inside, so that
-# an optimizer step passes no array beyond the buffers.
-
-
+@twin_of(adamw_update)
 @njit(cache=True, error_model="numpy", parallel=True)
-def adamw_update_parts(w, g, m, v, lr, beta1, beta2, eps, weight_decay, step, bias_correction, parts):
-    for p in prange(parts):
-        a, b = p * w.size // parts, (p + 1) * w.size // parts
+def adamw_update_parts(w, g, m, v, lr, beta1, beta2, eps, weight_decay, step, bias_correction, bounds):
+    for p in prange(bounds.size - 1):
+        a, b = bounds[p], bounds[p + 1]
         adamw_update(w[a:b], g[a:b], m[a:b], v[a:b], lr, beta1, beta2, eps, weight_decay, step, bias_correction)
 
 
+@twin_of(sgd_update)
 @njit(cache=True, error_model="numpy", parallel=True)
-def sgd_update_parts(w, g, lr, parts):
-    for p in prange(parts):
-        a, b = p * w.size // parts, (p + 1) * w.size // parts
+def sgd_update_parts(w, g, lr, bounds):
+    for p in prange(bounds.size - 1):
+        a, b = bounds[p], bounds[p + 1]
         sgd_update(w[a:b], g[a:b], lr)
 
 
+@twin_of(sgd_momentum_update)
 @njit(cache=True, error_model="numpy", parallel=True)
-def sgd_momentum_update_parts(w, g, b, lr, momentum, dampening, weight_decay, nesterov, first_step, parts):
-    for p in prange(parts):
-        lo, hi = p * w.size // parts, (p + 1) * w.size // parts
+def sgd_momentum_update_parts(w, g, b, lr, momentum, dampening, weight_decay, nesterov, first_step, bounds):
+    for p in prange(bounds.size - 1):
+        lo, hi = bounds[p], bounds[p + 1]
         sgd_momentum_update(w[lo:hi], g[lo:hi], b[lo:hi], lr, momentum, dampening, weight_decay, nesterov, first_step)
 
 
@@ -240,13 +240,13 @@ def adamw8_update(w, g, m_codes, v_codes, m_absmax, v_absmax, code_maps, code_ta
         m_absmax[j], v_absmax[j] = m_top, v_top
 
 
+@twin_of(adamw8_update)
 @njit(cache=True, error_model="numpy", parallel=True)
 def adamw8_update_parts(w, g, m_codes, v_codes, m_absmax, v_absmax, code_maps, code_tables, starts, lr, beta1,
-                        beta2, eps, weight_decay, step, bias_correction, parts):
+                        beta2, eps, weight_decay, step, bias_correction, bounds):
     """adamw8_update on parts of the blocks."""
-    blocks = starts.size - 1
-    for p in prange(parts):
-        a, b = p * blocks // parts, (p + 1) * blocks // parts
+    for p in prange(bounds.size - 1):
+        a, b = bounds[p], bounds[p + 1]
         adamw8_update(w, g, m_codes, v_codes, m_absmax[a:b], v_absmax[a:b], code_maps, code_tables,
                       starts[a:b + 1], lr, beta1, beta2, eps, weight_decay, step, bias_correction)
 

@@ -1,13 +1,30 @@
-"""How a parallel kernel splits its work: `parts` ranges of an independent outer loop (images, channels,
-rows), run in one Numba parallel region.
+"""How a parallel kernel splits its work, and the one table of kernels and their parallel twins.
 
-- `part_count(threads, units, work)`: 1 (the serial kernel, exactly as with one thread) when there is one
-  thread, one unit, or too little work to pay for a parallel region; else min(threads, units).
-- `part_bounds(units, parts)`: int64 [parts + 1], balanced; part p runs units [bounds[p], bounds[p + 1]).
+The one rule: a kernel `_x` that runs in parallel has one twin, registered by `@twin_of(_x, ...)` (TWINS),
+that runs `_x` on fixed parts of an independent outer loop (images, channels, rows, elements) in one Numba
+parallel region. The twin takes `_x`'s arguments, with
+- `_x`'s trailing range of units (`range`: the names of its first and last unit, or of two such ranges)
+  left out,
+- `_x`'s work memory (`replaces`) swapped, where it stands, for the twin's own arguments (`takes`: its
+  per-part memory and what cutting it needs; with nothing replaced, `takes` come after `_x`'s arguments),
+- then `bounds`, int64 [parts + 1]: part p runs units [bounds[p], bounds[p + 1]).
+A binding builds the serial call over all its units and hands it to the one chooser, which returns that
+call itself at one part (exactly as with one thread), else the twin's call:
+- `split(call, units, work, threads, takes)`: the parts from part_count;
+- `on_parts(call, units, parts, takes)`: parts the binding's layout fixed already (its scratch sizes, or
+  its units, depend on them).
+`takes` is the twin's own arguments, or a function of the parts that gives them.
+
+- `part_count(threads, units, work)`: 1 when there is one thread, one unit, or too little work to pay for a
+  parallel region; else min(threads, units).
+- `part_bounds(units, parts)`: balanced boundaries; part p runs units [bounds[p], bounds[p + 1]).
 
 Each part runs the serial kernel on its range with its own scratch. The parts are fixed when a step is
 bound, not by the threads that happen to run them, and partial sums are added in part order: a run at a
 given thread count gives the same bits every time.
+
+TWINS (serial kernel -> Twin) is the one table of kernels and their twins: the kernel library's build
+(odtrain/kernel_build.py) and tests/test_twins.py read it. Imports numpy only.
 """
 from __future__ import annotations
 
@@ -33,3 +50,73 @@ def part_count(threads: int, units: int, work: int) -> int:
 def part_bounds(units: int, parts: int) -> np.ndarray:
     """Balanced boundaries: part p covers [bounds[p], bounds[p + 1])."""
     return (np.arange(parts + 1, dtype=np.int64) * int(units)) // int(parts)
+
+
+def parameters(kernel) -> tuple[str, ...]:
+    """A kernel's parameter names."""
+    code = kernel.py_func.__code__
+    return code.co_varnames[:code.co_argcount]
+
+
+class Twin:
+    """A serial kernel, its parallel twin, and how the twin's arguments follow from the serial call's."""
+
+    __slots__ = ("serial", "parallel", "range", "replaces", "takes")
+
+    def __init__(self, serial, parallel, range: tuple[str, ...], replaces: tuple[str, ...], takes: tuple[str, ...]):
+        self.serial, self.parallel = serial, parallel
+        self.range, self.replaces, self.takes = tuple(range), tuple(replaces), tuple(takes)
+
+    def parameters(self) -> tuple[str, ...]:
+        """The twin's parameter names as the rule derives them from the serial kernel's."""
+        names = list(parameters(self.serial))
+        names = names[:len(names) - len(self.range)]
+        if self.replaces:
+            first = names.index(self.replaces[0])
+            names[first:first + len(self.replaces)] = self.takes
+        else:
+            names += self.takes
+        return tuple(names) + ("bounds",)
+
+    def arguments(self, args: tuple, takes: tuple, bounds: np.ndarray) -> tuple:
+        """The twin's arguments from the serial call's `args`, its own `takes` and the parts' `bounds`."""
+        if len(takes) != len(self.takes):
+            raise ValueError(f"{self.parallel.__name__} takes {', '.join(self.takes) or 'nothing'} of its own; "
+                             f"given {len(takes)} values")
+        args = args[:len(args) - len(self.range)]
+        if self.replaces:
+            first = parameters(self.serial).index(self.replaces[0])
+            args = args[:first] + tuple(takes) + args[first + len(self.replaces):]
+        else:
+            args = args + tuple(takes)
+        return args + (bounds,)
+
+
+TWINS: dict = {}  # serial kernel -> Twin
+
+
+def twin_of(serial, range: tuple[str, ...] = (), replaces: tuple[str, ...] = (), takes: tuple[str, ...] = ()):
+    """Register the decorated kernel as `serial`'s parallel twin (the one rule above)."""
+
+    def register(parallel):
+        TWINS[serial] = Twin(serial, parallel, range, replaces, takes)
+        return parallel
+
+    return register
+
+
+def on_parts(call: tuple, units: int, parts: int, takes=()) -> tuple:
+    """`call` (serial kernel, args over all `units`) itself at one part, else its twin's call on `parts`
+    fixed parts of the units; `takes`: the twin's own arguments, or a function of the parts giving them."""
+    if parts == 1:
+        return call
+    kernel, args = call
+    twin = TWINS.get(kernel)
+    if twin is None:
+        raise KeyError(f"{getattr(kernel, '__name__', kernel)} has no parallel twin (kernels/parts.py, twin_of)")
+    return twin.parallel, twin.arguments(args, takes(parts) if callable(takes) else takes, part_bounds(units, parts))
+
+
+def split(call: tuple, units: int, work: int, threads: int, takes=()) -> tuple:
+    """`call` itself, or its twin's call on part_count(threads, units, work) parts of its `units`."""
+    return on_parts(call, units, part_count(threads, units, work), takes)

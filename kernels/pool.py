@@ -17,7 +17,7 @@ import numpy as np
 from .jit import njit, prange
 
 from . import ODTRAIN_DOMAIN, binding
-from .parts import part_bounds, part_count
+from .parts import split, twin_of
 from .windows import _as_3d, window_geometry
 
 
@@ -222,6 +222,7 @@ def _average_pool_grad(dy, dx, inverse_count, geom):
 # ---- the same on parts of the planes, in parallel: part p runs planes [bounds[p], bounds[p + 1]) ------
 
 
+@twin_of(_max_pool)
 @njit(cache=True, error_model="numpy", parallel=True)
 def _max_pool_parts(x, y, indices, want_indices, column_major, geom, tiled, bounds):
     """Without indices only (their values count planes from the first)."""
@@ -229,6 +230,7 @@ def _max_pool_parts(x, y, indices, want_indices, column_major, geom, tiled, boun
         _max_pool(x[bounds[p]:bounds[p + 1]], y[bounds[p]:bounds[p + 1]], indices, False, column_major, geom, tiled)
 
 
+@twin_of(_max_pool_grad)
 @njit(cache=True, error_model="numpy", parallel=True)
 def _max_pool_grad_parts(dy, x, dx, geom, tiled, bounds):
     for p in prange(bounds.size - 1):
@@ -236,12 +238,14 @@ def _max_pool_grad_parts(dy, x, dx, geom, tiled, bounds):
                        tiled)
 
 
+@twin_of(_max_pool_2x2)
 @njit(cache=True, error_model="numpy", parallel=True)
 def _max_pool_2x2_parts(x, y, bounds):
     for p in prange(bounds.size - 1):
         _max_pool_2x2(x[bounds[p]:bounds[p + 1]], y[bounds[p]:bounds[p + 1]])
 
 
+@twin_of(_max_pool_2x2_grad)
 @njit(cache=True, error_model="numpy", parallel=True)
 def _max_pool_2x2_grad_parts(dy_bits, x, dx_bits, bounds):
     for p in prange(bounds.size - 1):
@@ -249,12 +253,14 @@ def _max_pool_2x2_grad_parts(dy_bits, x, dx_bits, bounds):
                            dx_bits[bounds[p]:bounds[p + 1]])
 
 
+@twin_of(_average_pool)
 @njit(cache=True, error_model="numpy", parallel=True)
 def _average_pool_parts(x, y, inverse_count, geom, bounds):
     for p in prange(bounds.size - 1):
         _average_pool(x[bounds[p]:bounds[p + 1]], y[bounds[p]:bounds[p + 1]], inverse_count, geom)
 
 
+@twin_of(_average_pool_grad)
 @njit(cache=True, error_model="numpy", parallel=True)
 def _average_pool_grad_parts(dy, dx, inverse_count, geom, bounds):
     for p in prange(bounds.size - 1):
@@ -315,19 +321,11 @@ def LpPoolGrad(inputs, outputs, p=2, **attrs):
     return [(_lp_pool, (x.reshape(xv), y.reshape(yv), dy.reshape(yv), dx.reshape(xv), np.float32(p), geom, True))]
 
 
-PARALLEL_TWINS = {_max_pool: _max_pool_parts, _max_pool_grad: _max_pool_grad_parts, _max_pool_2x2: _max_pool_2x2_parts,
-                  _max_pool_2x2_grad: _max_pool_2x2_grad_parts, _average_pool: _average_pool_parts,
-                  _average_pool_grad: _average_pool_grad_parts}
-
-
 def _calls(kernel, args, threads: int, x_view, y_view, geom, serial: bool = False) -> list:
     """[(kernel, args)], or its parallel twin on parts of the planes when the work pays for it (a pass over
     the input, and each output cell's window)."""
     work = max(int(np.prod(x_view)), int(np.prod(y_view)) * int(np.prod(geom[0:3])))
-    parts = 1 if serial else part_count(threads, x_view[0], work)
-    if parts == 1:
-        return [(kernel, args)]
-    return [(PARALLEL_TWINS[kernel], args + (part_bounds(x_view[0], parts),))]
+    return [split((kernel, args), x_view[0], work, 1 if serial else threads)]
 
 
 def _pool_views(x_shape, y_shape):

@@ -19,7 +19,7 @@ from .jit import njit, prange
 
 from . import ODTRAIN_DOMAIN, binding
 from .layout import element_strides, flat
-from .parts import part_bounds, part_count
+from .parts import split, twin_of
 
 COPY_DIMS = 6
 SCATTER = {"none": 0, "add": 1, "mul": 2, "max": 3, "min": 4}
@@ -292,6 +292,7 @@ def _check_indices(indices, axis_len):
         _axis_index(indices[j], axis_len)
 
 
+@twin_of(_gather, range=("j0", "j1"))
 @njit(cache=True, error_model="numpy", parallel=True)
 def _gather_parts(x, indices, out, outer, axis_len, inner, bounds):
     """_gather on parts of the indices (bounds), in parallel."""
@@ -300,6 +301,7 @@ def _gather_parts(x, indices, out, outer, axis_len, inner, bounds):
         _gather(x, indices, out, outer, axis_len, inner, bounds[p], bounds[p + 1])
 
 
+@twin_of(_scatter_add, range=("c0", "c1"))
 @njit(cache=True, error_model="numpy", parallel=True)
 def _scatter_add_parts(dy, indices, dx, outer, axis_len, inner, bounds):
     """_scatter_add on parts of the columns (bounds), in parallel: each element adds up as in one thread."""
@@ -317,10 +319,7 @@ def Gather(inputs, outputs, axis=0, threads=1):
     x, indices, out = inputs[0], inputs[1], outputs[0]
     outer, axis_len, inner = _outer_inner(x.shape, int(axis) % x.ndim)
     args = (flat(x), flat(indices), flat(out), outer, axis_len, inner)
-    parts = part_count(threads, indices.size, out.size)
-    if parts == 1:
-        return [(_gather, args + (0, indices.size))]
-    return [(_gather_parts, args + (part_bounds(indices.size, parts),))]
+    return [split((_gather, args + (0, indices.size)), indices.size, out.size, threads)]
 
 
 @binding("GatherGrad", ODTRAIN_DOMAIN, parallel=True)
@@ -328,10 +327,7 @@ def GatherGrad(inputs, outputs, axis=0, threads=1):
     dy, indices, out = inputs[0], inputs[1], outputs[0]
     outer, axis_len, inner = _outer_inner(out.shape, int(axis) % out.ndim)
     args = (flat(dy), flat(indices), flat(out), outer, axis_len, inner)
-    parts = part_count(threads, inner, out.size + dy.size)
-    if parts == 1:
-        return [(_scatter_add, args + (0, inner))]
-    return [(_scatter_add_parts, args + (part_bounds(inner, parts),))]
+    return [split((_scatter_add, args + (0, inner)), inner, out.size + dy.size, threads)]
 
 
 def _compressed(x: np.ndarray, condition: np.ndarray, axis):

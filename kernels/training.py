@@ -18,7 +18,7 @@ from .jit import njit, prange
 from . import ODTRAIN_DOMAIN, binding
 from .blas import gemm_blocks
 from .layout import flat, float_buffers
-from .parts import part_bounds, part_count
+from .parts import split, twin_of
 
 REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
 
@@ -236,26 +236,27 @@ def _linear_cross_entropy(hidden, weight, transposed, labels, ignore_index, mean
     loss[0] = (total / count if count > 0 else 0.0) if mean else total
 
 
+@twin_of(_chunk_logits, range=("lo", "hi"))
 @njit(cache=True, error_model="numpy", inline="always")
-def _logits_in_parts(hidden, weight, transposed, logits, first, size, classes, width, vocabulary):
+def _logits_in_parts(hidden, weight, transposed, logits, first, rows, classes, width, bounds):
     """_chunk_logits with the vocabulary split into parts (bounds), in parallel."""
-    for p in prange(vocabulary.size - 1):
-        _chunk_logits(hidden, weight, transposed, logits, first, size, classes, width, vocabulary[p],
-                      vocabulary[p + 1])
+    for p in prange(bounds.size - 1):
+        _chunk_logits(hidden, weight, transposed, logits, first, rows, classes, width, bounds[p], bounds[p + 1])
 
 
+@twin_of(_linear_cross_entropy)
 @njit(cache=True, error_model="numpy", parallel=True)
 def _linear_cross_entropy_parts(hidden, weight, transposed, labels, ignore_index, mean, logits, logits3, values, loss,
-                                dhidden, want_hidden, width, chunk, vocabulary):
+                                dhidden, want_hidden, width, chunk, bounds):
     """_linear_cross_entropy with each chunk's product split over the vocabulary (bounds) and its rows over
     as many parts."""
-    rows, classes, parts = labels.shape[0], logits3.shape[1], vocabulary.size - 1
+    rows, classes, parts = labels.shape[0], logits3.shape[1], bounds.size - 1
     count = _counted_labels(labels, ignore_index, classes)
     g = (1.0 / count if count > 0 else 0.0) if mean else 1.0
     total = 0.0
     for first in range(0, rows, chunk):
         size = min(chunk, rows - first)
-        _logits_in_parts(hidden, weight, transposed, logits, first, size, classes, width, vocabulary)
+        _logits_in_parts(hidden, weight, transposed, logits, first, size, classes, width, bounds)
         for p in prange(parts):
             lo, hi = size * p // parts, size * (p + 1) // parts
             _row_losses(logits3, labels, ignore_index, first, lo, hi, values)
@@ -282,22 +283,23 @@ def _linear_cross_entropy_grad(dloss, hidden, weight, transposed, labels, ignore
                          0.0 if first == 0 else 1.0)
 
 
+@twin_of(_linear_cross_entropy_grad)
 @njit(cache=True, error_model="numpy", parallel=True)
 def _linear_cross_entropy_grad_parts(dloss, hidden, weight, transposed, labels, ignore_index, mean, logits, logits3,
-                                     dweight, width, chunk, vocabulary):
+                                     dweight, width, chunk, bounds):
     """_linear_cross_entropy_grad with the vocabulary products split over the vocabulary (bounds) and the
     row work over as many parts of the chunk's rows."""
-    rows, classes, parts = labels.shape[0], logits3.shape[1], vocabulary.size - 1
+    rows, classes, parts = labels.shape[0], logits3.shape[1], bounds.size - 1
     count = _counted_labels(labels, ignore_index, classes)
     g = dloss[0] / count if mean and count > 0 else (0.0 if mean else dloss[0])
     for first in range(0, rows, chunk):
         size = min(chunk, rows - first)
-        _logits_in_parts(hidden, weight, transposed, logits, first, size, classes, width, vocabulary)
+        _logits_in_parts(hidden, weight, transposed, logits, first, size, classes, width, bounds)
         for p in prange(parts):
             _row_gradients(logits3, labels, ignore_index, first, size * p // parts, size * (p + 1) // parts, g)
         for p in prange(parts):
-            _weight_gradient(logits, hidden, transposed, dweight, first, size, classes, width, vocabulary[p],
-                             vocabulary[p + 1], 0.0 if first == 0 else 1.0)
+            _weight_gradient(logits, hidden, transposed, dweight, first, size, classes, width, bounds[p],
+                             bounds[p + 1], 0.0 if first == 0 else 1.0)
 
 
 def _vocabulary_layout(hidden_shape, weight_shape, transB):
@@ -306,10 +308,6 @@ def _vocabulary_layout(hidden_shape, weight_shape, transB):
     rows = int(np.prod(hidden_shape[:-1], dtype=np.int64))
     classes = int(weight_shape[0] if transB else weight_shape[1])
     return rows, width, classes
-
-
-def _vocabulary_parts(threads, rows, width, classes):
-    return part_count(threads, classes, rows * width * classes)
 
 
 def _vocabulary_scratch(specs_in, specs_out, transB=0, threads=1, **attrs):
@@ -334,10 +332,7 @@ def LinearCrossEntropy(inputs, outputs, scratch=None, transB=0, ignore_index=Non
     want_hidden = len(outputs) > 1 and outputs[1] is not None
     dhidden = flat(outputs[1]) if want_hidden else np.zeros(1, inputs[0].dtype)
     args = operands + (np.zeros(chunk, np.float64), outputs[0].reshape(-1), dhidden, want_hidden, width, chunk)
-    parts = _vocabulary_parts(threads, rows, width, classes)
-    if parts == 1:
-        return [(_linear_cross_entropy, args)]
-    return [(_linear_cross_entropy_parts, args + (part_bounds(classes, parts),))]
+    return [split((_linear_cross_entropy, args), classes, rows * width * classes, threads)]
 
 
 @binding("LinearCrossEntropyGrad", ODTRAIN_DOMAIN, scratch=_vocabulary_scratch, parallel=True)
@@ -346,7 +341,4 @@ def LinearCrossEntropyGrad(inputs, outputs, scratch=None, transB=0, ignore_index
     operands, rows, width, classes, chunk = _vocabulary_operands(hidden, weight, labels, scratch, transB,
                                                                  ignore_index, reduction)
     args = (dloss.reshape(-1),) + operands + (flat(outputs[0]), width, chunk)
-    parts = _vocabulary_parts(threads, rows, width, classes)
-    if parts == 1:
-        return [(_linear_cross_entropy_grad, args)]
-    return [(_linear_cross_entropy_grad_parts, args + (part_bounds(classes, parts),))]
+    return [split((_linear_cross_entropy_grad, args), classes, rows * width * classes, threads)]

@@ -44,10 +44,9 @@ from . import runtime, threads as thread_policy
 from .kernel_library import kernel_name
 from .kernel_sources import discard_stale
 from .graph.optimizers import AdamW, SGDMomentum
-from .kernels.optim import (CODE_MAPS, CODE_TABLES, adamw8_update, adamw8_update_parts, adamw_update,
-                            adamw_update_parts, add_into, assert_finite, copy_into, dequantize_blocks, quantize_blocks,
-                            sgd_momentum_update, sgd_momentum_update_parts, sgd_update, sgd_update_parts)
-from .kernels.parts import part_count
+from .kernels.optim import (CODE_MAPS, CODE_TABLES, adamw8_update, adamw_update, add_into, assert_finite, copy_into,
+                            dequantize_blocks, quantize_blocks, sgd_momentum_update, sgd_update)
+from .kernels.parts import split
 from .state import ABSMAX
 
 
@@ -333,27 +332,26 @@ def apply_optimizer(config, weights: np.ndarray, grads: np.ndarray, moments: dic
     kernel `library` when it holds the update. 8-bit AdamW moments are quantized in `blocks` (boundaries
     within `weights`, odtrain/state.py)."""
     quantized = isinstance(config, AdamW) and config.state_dtype == "int8"
-    parts = part_count(threads, blocks.size - 1 if quantized else weights.size, weights.size)
-    split = (parts,) if parts > 1 else ()
     if quantized:
-        call = ((adamw8_update_parts if split else adamw8_update),
-                (weights, grads, moments["momentum0"], moments["momentum1"], moments["momentum0" + ABSMAX],
-                 moments["momentum1" + ABSMAX], CODE_MAPS, CODE_TABLES, blocks, float(learning_rate),
-                 float(config.betas[0]), float(config.betas[1]), float(config.eps), float(config.weight_decay),
-                 float(step), bool(config.bias_correction), *split))
+        call = (adamw8_update, (weights, grads, moments["momentum0"], moments["momentum1"],
+                                moments["momentum0" + ABSMAX], moments["momentum1" + ABSMAX], CODE_MAPS, CODE_TABLES,
+                                blocks, float(learning_rate), float(config.betas[0]), float(config.betas[1]),
+                                float(config.eps), float(config.weight_decay), float(step),
+                                bool(config.bias_correction)))
     elif isinstance(config, AdamW):
-        call = ((adamw_update_parts if split else adamw_update),
-                (weights, grads, moments["momentum0"], moments["momentum1"], float(learning_rate),
-                 float(config.betas[0]), float(config.betas[1]), float(config.eps), float(config.weight_decay),
-                 float(step), bool(config.bias_correction), *split))
+        call = (adamw_update, (weights, grads, moments["momentum0"], moments["momentum1"], float(learning_rate),
+                               float(config.betas[0]), float(config.betas[1]), float(config.eps),
+                               float(config.weight_decay), float(step), bool(config.bias_correction)))
     elif isinstance(config, SGDMomentum):
-        call = ((sgd_momentum_update_parts if split else sgd_momentum_update),
-                (weights, grads, moments["momentum_buffer"], float(learning_rate), float(config.momentum),
-                 float(config.dampening), float(config.weight_decay), bool(config.nesterov), step == 1, *split))
+        call = (sgd_momentum_update, (weights, grads, moments["momentum_buffer"], float(learning_rate),
+                                      float(config.momentum), float(config.dampening), float(config.weight_decay),
+                                      bool(config.nesterov), step == 1))
     else:
-        call = ((sgd_update_parts if split else sgd_update), (weights, grads, float(learning_rate), *split))
-    with thread_policy.running(threads) if split else contextlib.nullcontext(1) as running:
-        invoke(*call, threads=running, library=library)
+        call = (sgd_update, (weights, grads, float(learning_rate)))
+    # in parts of the 8-bit moments' blocks, or of the elements
+    parts = split(call, blocks.size - 1 if quantized else weights.size, weights.size, threads)
+    with thread_policy.running(threads) if parts is not call else contextlib.nullcontext(1) as running:
+        invoke(*parts, threads=running, library=library)
 
 
 def int8_moments(blocks: np.ndarray, names, values: dict | None = None) -> dict[str, np.ndarray]:

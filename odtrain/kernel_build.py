@@ -44,7 +44,7 @@ import time
 
 from . import __version__
 from .graph.errors import ArgumentError
-from .kernel_library import FOLDER, LIBRARY_FILE, MANIFEST_FILE
+from .kernel_library import FOLDER, LIBRARY_FILE, MANIFEST_FILE, kernel_name
 from .kernel_sources import sources_digest
 from .kernel_targets import (CPUS, DEFAULT_CPU, DEVICE_CORES, TARGETS, NoCompiler, c_compiler, cpu_features,
                              host_arch, optimise, optimise_functions, target_machine, without_host_cpu)
@@ -245,6 +245,9 @@ def _main(spec_path: str, out_dir: str) -> None:
 
     from . import executor  # noqa: F401  (imports every kernel module)
     from .kernel_sources import loaded_dispatchers
+    from .kernels.parts import TWINS
+
+    serial_of = {twin.parallel: twin.serial for twin in TWINS.values()}
 
     with open(spec_path) as file:
         spec = json.load(file)
@@ -284,6 +287,8 @@ def _main(spec_path: str, out_dir: str) -> None:
         linked.link_in(module)
         manifest_entries.append({"kernel": name, "signature": signature, "symbol": symbol,
                                  "errors": raised_messages(kernel)})
+        if kernel in serial_of:  # a parallel twin: the kernel its parts run (kernels/parts.py)
+            manifest_entries[-1]["twin_of"] = kernel_name(serial_of[kernel])
     linked.verify()
     if retarget:
         optimise(linked, machine)
@@ -344,7 +349,7 @@ def recorded_entries(artifact_dir, batch_size: int = 32, thread_counts=None, inp
     from . import threads
     from .cache import run_steps
     from .executor import record_calls
-    from .kernel_library import LIBRARY_ENV, kernel_name, signature_of
+    from .kernel_library import LIBRARY_ENV, signature_of
 
     counts = sorted(set(thread_counts or (1, threads.available_cores())))
     previous = os.environ.get(LIBRARY_ENV)

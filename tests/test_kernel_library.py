@@ -108,6 +108,20 @@ def test_every_library_kernel_of_a_step_gives_its_jit_twins_bits(mlp_library, th
     assert checked <= used and len(checked) >= 8
 
 
+def test_the_manifest_names_each_parallel_twins_serial_kernel(mlp_library):
+    """From kernels/parts.py's table: the MLP at two threads runs its products and its update in parts."""
+    from odtrain.kernels.parts import TWINS
+
+    with_library, _ = mlp_library
+    manifest = json.loads((with_library / kernel_library.FOLDER / kernel_library.MANIFEST_FILE).read_text())
+    expected = {kernel_name(t.parallel): kernel_name(t.serial) for t in TWINS.values()}
+    found = {e["kernel"]: e.get("twin_of") for e in manifest["entries"]}
+    assert {name: found[name] for name in found if name in expected} == \
+        {"odtrain.kernels.blas:gemm_batched_parts": "odtrain.kernels.linalg:_gemm_batched",
+         "odtrain.kernels.optim:adamw_update_parts": "odtrain.kernels.optim:adamw_update"}
+    assert all(found[name] is None for name in found if name not in expected)
+
+
 def test_a_label_outside_the_classes_names_the_node(mlp_library):
     with_library, _ = mlp_library
     _, meta, golden = reference_model("mlp")

@@ -60,9 +60,10 @@ def test_only_the_executor_joins_graph_nodes_to_kernels():
     users = {(path.name, module) for path, module in imported_modules("odtrain", "odtrain")
              if module.startswith("odtrain.kernels")}
     # besides the executor: the runtime loads the compiler for the kernels, the kernel library hands its
-    # code numpy's BLAS and keeps the compiler unloaded; neither sees a node
+    # code numpy's BLAS and keeps the compiler unloaded, its build reads the table of parallel twins; none
+    # sees a node
     others = {("runtime.py", "odtrain.kernels.jit"), ("kernel_library.py", "odtrain.kernels.blas_library"),
-              ("kernel_library.py", "odtrain.kernels.jit")}
+              ("kernel_library.py", "odtrain.kernels.jit"), ("kernel_build.py", "odtrain.kernels.parts")}
     assert {name for name, _ in users - others} <= {"executor.py"}, users
 
 

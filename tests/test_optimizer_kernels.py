@@ -11,6 +11,7 @@ import numpy as np
 
 from odtrain.kernels.optim import (CODE_MAPS, CODE_TABLES, adamw8_update, adamw8_update_parts, adamw_update,
                                    adamw_update_parts, dequantize_blocks, dynamic_code_map, quantize_blocks)
+from odtrain.kernels.parts import part_bounds
 
 LR, BETA1, BETA2, EPS, DECAY, STEP = 1e-3, 0.9, 0.999, 1e-6, 0.01, 3
 
@@ -53,7 +54,7 @@ def test_subnormal_moments_flush_to_zero_and_nan_stays():
 def test_parts_give_the_serial_bits():
     serial, parallel = state(seed=1), state(seed=1)
     adamw_update(*serial, LR, BETA1, BETA2, EPS, DECAY, STEP, True)
-    adamw_update_parts(*parallel, LR, BETA1, BETA2, EPS, DECAY, STEP, True, 2)
+    adamw_update_parts(*parallel, LR, BETA1, BETA2, EPS, DECAY, STEP, True, part_bounds(parallel[0].size, 2))
     for a, b in zip(serial, parallel):
         assert np.array_equal(a, b)
 
@@ -116,7 +117,8 @@ def test_adamw8_parts_give_the_serial_bits():
     starts = np.append(np.arange(0, w.size, 2048), w.size).astype(np.int64)
     serial = [w.copy(), *quantized(m, starts, True), *quantized(np.abs(v), starts, False)]
     split = [a.copy() for a in serial]
-    for args, kernel, extra in ((serial, adamw8_update, ()), (split, adamw8_update_parts, (2,))):
+    halves = part_bounds(starts.size - 1, 2)
+    for args, kernel, extra in ((serial, adamw8_update, ()), (split, adamw8_update_parts, (halves,))):
         weights, m_codes, m_absmax, v_codes, v_absmax = args
         kernel(weights, g, m_codes, v_codes, m_absmax, v_absmax, CODE_MAPS, CODE_TABLES, starts, LR, BETA1, BETA2, EPS,
                DECAY, STEP, True, *extra)

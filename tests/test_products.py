@@ -38,7 +38,7 @@ def split_by(calls) -> str:
     if kernel is _gemm_batched:
         return "serial"
     assert kernel is gemm_batched_parts
-    return {ROWS: "rows", COLUMNS: "columns"}.get(args[-1], "products")
+    return {ROWS: "rows", COLUMNS: "columns"}.get(args[-2], "products")
 
 
 def attention_scores(threads=THREADS):

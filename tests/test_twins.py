@@ -1,0 +1,75 @@
+"""The one table of parallel twins (kernels/parts.py): every `_parts` kernel is registered, every twin's
+parameters follow from its serial kernel's by the one rule, and the chooser keeps the serial call at one part.
+Nothing compiles: the kernels' Python functions are read, not run.
+"""
+import importlib
+import pkgutil
+
+import numpy as np
+import pytest
+
+import odtrain.kernels as kernels
+from odtrain.kernels.parts import TWINS, on_parts, parameters, part_bounds, split
+
+
+def kernel_modules():
+    return [importlib.import_module(f"{kernels.__name__}.{info.name}")
+            for info in pkgutil.iter_modules(kernels.__path__)]
+
+
+def defined_kernels():
+    """(module name, kernel name, kernel) of every Numba kernel defined in kernels/."""
+    found = []
+    for module in kernel_modules():
+        for name, value in vars(module).items():
+            function = getattr(value, "py_func", None)
+            if function is not None and function.__module__ == module.__name__:
+                found.append((module.__name__, name, value))
+    return found
+
+
+def test_every_parts_kernel_is_a_registered_twin():
+    registered = {twin.parallel for twin in TWINS.values()}
+    unregistered = [f"{module}.{name}" for module, name, kernel in defined_kernels()
+                    if name.endswith("_parts") and kernel not in registered]
+    assert not unregistered, f"parallel kernels missing from kernels/parts.py's TWINS (twin_of): {unregistered}"
+    assert len(TWINS) >= 50
+
+
+@pytest.mark.parametrize("twin", list(TWINS.values()), ids=lambda twin: twin.parallel.__name__)
+def test_twin_signature_is_its_serial_kernels_plus_bounds(twin):
+    assert parameters(twin.parallel) == twin.parameters()
+    serial = parameters(twin.serial)
+    assert serial[len(serial) - len(twin.range):] == twin.range
+    assert set(twin.replaces) <= set(serial)
+
+
+def test_the_chooser_keeps_the_serial_call_at_one_part_and_cuts_fixed_parts():
+    from odtrain.kernels.normalization import _layer_norm_grad, _softmax
+    from odtrain.kernels.nn import _batch_norm_infer
+
+    x, out = np.zeros(12, np.float32), np.zeros(12, np.float32)
+    call = (_softmax, (x, out, 4, 3, 1))
+    assert split(call, 4, 12, threads=2) is call  # too little work for a parallel region
+    assert split(call, 1, 1 << 20, threads=2) is call and split(call, 4, 1 << 20, threads=1) is call
+    kernel, args = split(call, 4, 1 << 20, threads=3)
+    assert kernel is TWINS[_softmax].parallel and args[:-1] == call[1]
+    np.testing.assert_array_equal(args[-1], [0, 1, 2, 4])
+    # a ranged serial call: its (first, last) give way to the bounds
+    ranged = (_batch_norm_infer, tuple(range(11)) + (0, 7))
+    kernel, args = on_parts(ranged, 7, 2)
+    assert args[:-1] == tuple(range(11)) and list(args[-1]) == list(part_bounds(7, 2)) == [0, 3, 7]
+    # the twin's own arguments, here made for its parts
+    grad = (_layer_norm_grad, tuple(range(10)))
+    kernel, args = on_parts(grad, 6, 3, lambda count: (np.zeros((count, 2, 5)),))
+    assert args[10].shape == (3, 2, 5) and list(args[11]) == [0, 2, 4, 6]
+    with pytest.raises(ValueError, match="partial"):
+        on_parts(grad, 6, 3)
+
+
+def test_a_kernel_without_a_twin_is_refused_by_name():
+    from odtrain.kernels.optim import add_into
+
+    assert on_parts((add_into, ()), 8, 1) == (add_into, ())
+    with pytest.raises(KeyError, match="add_into has no parallel twin"):
+        on_parts((add_into, ()), 8, 2)
