@@ -411,7 +411,8 @@ def add_command(commands) -> None:
                          "(default: ARTIFACT_DIR/kernels)")
     command.add_argument("--batch-size", type=int, default=32, help="batch size of the recorded steps (default 32)")
     command.add_argument("--threads", type=int, action="append", default=None, metavar="N", dest="thread_counts",
-                         help="a thread count the device runs at (repeatable; default: 1 and this machine's cores)")
+                         help="a thread count the device runs at (repeatable; default: 1 and the device's cores: this "
+                         "machine's, or 4 for another architecture, a Raspberry Pi's)")
     command.add_argument("--target", default=None, choices=sorted(TARGETS),
                          help="the device's architecture (default: this machine's); aarch64 from an x86_64 machine "
                          "needs a cross compiler (aarch64-linux-gnu-gcc, or ODTRAIN_CROSS_CC)")

@@ -332,3 +332,10 @@ def test_compile_without_artifacts_asks_for_the_librarys_folder(capsys):
 
     code, _, err = odtrain_main(capsys, "compile")
     assert code != 0 and "-o DIR" in err
+
+
+def test_compile_takes_several_thread_counts_for_the_device():
+    from odtrain.cli import build_parser
+
+    args = build_parser().parse_args(["compile", "artifacts", "--threads", "1", "--threads", "4"])
+    assert args.thread_counts == [1, 4] and getattr(args, "threads", None) is None  # not the process's own count
