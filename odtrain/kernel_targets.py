@@ -8,9 +8,9 @@
 - `FLAGS`: how Linux names those features (/proc/cpuinfo's `flags` on x86, `Features` on aarch64), and,
   where /proc/cpuinfo does not describe the CPU the process runs on (qemu's user mode shows the host's),
   the aarch64 hardware capability bits (`getauxval(AT_HWCAP)`), which always do.
-- The C compiler that links the library: `$CC` or `cc` for the host's architecture; for aarch64 on
-  another machine, ODTRAIN_CROSS_CC, else `aarch64-linux-gnu-gcc` (Debian's gcc-aarch64-linux-gnu,
-  which brings the arm64 libgomp the launcher's OpenMP needs).
+- The C compiler that links the library: `$CC` or `cc` for the host's architecture; for another one,
+  ODTRAIN_CROSS_CC, else `CROSS_CC`'s (for aarch64, `aarch64-linux-gnu-gcc` from Debian's
+  gcc-aarch64-linux-gnu, which brings the arm64 libgomp the launcher's OpenMP needs).
 
 Imports nothing of odtrain's; llvmlite only inside the functions that emit code.
 """
