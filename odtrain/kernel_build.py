@@ -307,10 +307,10 @@ def compile_artifacts(artifact_dir=None, out_dir=None, batch_size: int = 32, thr
     entries = set()
     for folder in folders:
         if folder is None:
-            from .cache import _demo_artifacts
+            from .cache import demo_artifacts
 
             with tempfile.TemporaryDirectory(prefix="odtrain-compile-") as scratch:
-                entries.update(recorded_entries(_demo_artifacts(scratch), batch_size, thread_counts))
+                entries.update(recorded_entries(demo_artifacts(scratch), batch_size, thread_counts))
         else:
             entries.update(recorded_entries(folder, batch_size, thread_counts))
     if out_dir is None:
