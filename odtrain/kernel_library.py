@@ -295,11 +295,14 @@ _reported: set = set()
 
 
 def report_missing(calls) -> None:
-    """Say once, on stderr, how many kernels of these calls (which a library lacks) compile through Numba."""
+    """Say once, on stderr and in the progress bar drawn now (odtrain.progress.announce), how many kernels of
+    these calls (which a library lacks) compile through Numba."""
+    from .progress import announce
+
     new = {(kernel_name(k) or repr(k), signature_of(a)) for k, a in calls if hasattr(k, "py_func")} - _reported
     if new:
         _reported.update(new)
-        print(f"odtrain: {FALLBACK_MESSAGE.format(count=len(new))}", file=sys.stderr)
+        announce(f"odtrain: {FALLBACK_MESSAGE.format(count=len(new))}")
 
 
 _loaded: dict[str, KernelLibrary | None] = {}

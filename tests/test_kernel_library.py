@@ -3,6 +3,7 @@
 One library is built for the reference MLP's artifacts (12 kernels, ~15-30 s); its steps are compared with
 the JIT's call by call and step by step, at one thread and at two with the same parts.
 """
+import io
 import json
 import os
 import shutil
@@ -19,6 +20,7 @@ from odtrain.executor import Program, record_calls
 from odtrain.graph.errors import InputError
 from odtrain.kernel_build import compile_artifacts
 from odtrain.kernel_library import FALLBACK_MESSAGE, KernelLibrary, kernel_name, pack, refusal_of, signature_of
+from odtrain.progress import Progress, announce
 
 
 @pytest.fixture(scope="module")
@@ -129,12 +131,44 @@ def test_kernels_the_library_lacks_compile_through_numba_and_say_so_once(mlp_lib
     for key in removed:
         library.entries.pop(key)
     capsys.readouterr()
+    terminal = Terminal()
+    bar = Progress(10, "epoch 1/1", terminal)  # the line odtrain train and odtrain demo draw
     program = Program(library, calls)
     assert program.jit_calls >= 1
     message = FALLBACK_MESSAGE.format(count=len(removed))
     assert message in capsys.readouterr().err
+    assert message in bar.line() and message in terminal.getvalue()  # while the first step compiles
+    bar.update(1, loss=2.5)
+    assert message not in bar.line() and "loss=2.5" in bar.line()
+    bar.close()
     Program(library, calls)
     assert message not in capsys.readouterr().err  # once
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_a_note_shows_in_the_drawn_bar_and_on_stderr(capsys):
+    makers = [lambda: Progress(4, "epoch 1/2", Terminal())]
+    try:
+        from odtrain.progress import _Tqdm
+        from tqdm import tqdm
+    except ImportError:  # tqdm is optional (the cli extra)
+        pass
+    else:
+        makers.append(lambda: _Tqdm(tqdm, 4, "epoch 2/2", Terminal(), "it", 0, True))
+    for make in makers:
+        bar = make()
+        announce("odtrain: compiling 3 kernels for this model")
+        shown = bar.stream.getvalue()
+        assert shown.count("compiling 3 kernels") == 2, shown  # a line of its own, and in the bar
+        assert "compiling 3 kernels" in capsys.readouterr().err  # the bar draws elsewhere: stderr too
+        bar.update(1, loss=0.5)
+        bar.close()
+    announce("odtrain: no bar is drawn")
+    assert capsys.readouterr().err == "odtrain: no bar is drawn\n"
 
 
 def test_a_library_from_elsewhere_is_refused_by_name(mlp_library, tmp_path, capsys):
