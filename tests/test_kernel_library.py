@@ -1,6 +1,6 @@
 """The kernel library (odtrain compile): the same bits as the JIT's kernels, errors by node, refusals, no compiler.
 
-One library is built for the reference MLP's artifacts (12 kernels, ~15-30 s); its steps are compared with
+One library is built for the reference MLP's artifacts and the demo (16 kernels, ~20-40 s); its steps are compared with
 the JIT's call by call and step by step, at one thread and at two with the same parts.
 """
 import io
@@ -25,9 +25,11 @@ from odtrain.progress import Progress, announce
 
 @pytest.fixture(scope="module")
 def mlp_library(tmp_path_factory):
-    """(artifact folder with its library in kernels/, the same artifacts without one)."""
+    """(artifact folder with its library in kernels/, the same artifacts without one). The library also holds
+    the demo's kernels (what `pip install .` builds for it): one build serves both."""
     with_library = reference_artifacts("mlp", tmp_path_factory.mktemp("mlp-library"))
-    compile_artifacts(with_library, thread_counts=(1, 2), out=lambda line: None)
+    compile_artifacts([with_library, None], with_library / kernel_library.FOLDER, thread_counts=(1, 2),
+                      out=lambda line: None)
     without = tmp_path_factory.mktemp("mlp-jit")
     for name in os.listdir(with_library):
         if name != kernel_library.FOLDER:
@@ -352,3 +354,32 @@ def test_compile_without_artifacts_asks_for_the_librarys_folder(capsys):
 
     code, _, err = odtrain_main(capsys, "compile")
     assert code != 0 and "-o DIR" in err
+
+
+DEMO = """
+import sys
+from odtrain import demo
+demo.LIBRARY = sys.argv[1]  # the package's library of the demo's kernels, as `pip install .` builds it (setup.py)
+demo.run(sys.argv[2], epochs=2)
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("numba", "llvmlite", "scipy")))
+"""
+
+
+def test_the_demo_with_the_packages_library_compiles_nothing(mlp_library, tmp_path):
+    with_library, _ = mlp_library
+    result = subprocess.run([sys.executable, "-c", DEMO, str(with_library / kernel_library.FOLDER),
+                             str(tmp_path / "demo")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "copied to" in result.stdout and "held-out accuracy" in result.stdout
+    assert "compiling" not in result.stderr  # the fallback note: no kernel compiled
+    assert result.stdout.splitlines()[-1] == "[]"  # nor was the compiler loaded
+    assert (tmp_path / "demo" / kernel_library.FOLDER / kernel_library.MANIFEST_FILE).is_file()
+
+
+def test_the_demo_without_a_library_in_the_package_says_so(tmp_path, monkeypatch):
+    from odtrain import demo
+
+    monkeypatch.setattr(demo, "LIBRARY", str(tmp_path / "none"))  # an editable install, or no C compiler
+    line = demo.place_library(str(tmp_path / "demo"))
+    assert "holds no library" in line and f"odtrain compile -o {tmp_path / 'none'}" in line
+    assert not (tmp_path / "demo" / kernel_library.FOLDER).exists()
