@@ -4,9 +4,11 @@ Two Modules on the same artifacts (the reference MLP or CNN of tests/data, AdamW
 the artifacts' kernel library (`odtrain compile`) and one without, take turns: each round times a block of
 steps (forward, backward, optimizer.step, lazy_reset_grad) of one, then of the other, the order swapped every
 round, so that a drift of the machine's speed reaches both alike. Printed: the median step of each, and the
-median and spread of the per-round ratios library / JIT.
+median and spread of the per-round ratios library / JIT. `--only library` (or `jit`) times one of them alone,
+in a process of its own, for a runner that alternates whole processes: it prints that median step.
 
     python benchmarks/library_step.py [--model mlp|cnn] [--threads N] [--rounds R] [--steps K] [--work DIR]
+                                      [--only library|jit]
 
 `--work` keeps the artifacts and the library between runs (building the library takes a while).
 """
@@ -74,6 +76,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--steps", type=int, default=None, help="steps a block (default: 200 mlp, 5 cnn)")
     parser.add_argument("--work", default=None, help="folder for the artifacts and the library (default: temporary)")
+    parser.add_argument("--only", choices=["library", "jit"], default=None, help="time this one alone")
     args = parser.parse_args()
     import tempfile
 
@@ -83,6 +86,12 @@ def main() -> None:
     threads = args.threads or thread_policy.available_cores()
     steps = args.steps or (200 if args.model == "mlp" else 5)
     with_library, without = prepare(args.model, work)
+    if args.only:
+        run, module = stepper(with_library if args.only == "library" else without, args.model, threads)
+        assert (module.kernel_library is not None) == (args.only == "library")
+        step = statistics.median(run(steps) / steps for _ in range(args.rounds))
+        print(f"{args.model}, {threads} threads, {args.only}: {step * 1e3:.4f} ms a step")
+        return
     library, library_module = stepper(with_library, args.model, threads)
     jit, jit_module = stepper(without, args.model, threads)
     assert library_module.kernel_library is not None and jit_module.kernel_library is None
