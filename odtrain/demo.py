@@ -117,9 +117,9 @@ def place_library(directory: str) -> str:
 
     target = os.path.join(directory, FOLDER)
     if not os.path.isfile(os.path.join(LIBRARY, MANIFEST_FILE)):
-        return (f"kernels: the package holds no library of them (an editable install, or the install found no C "
-                f"compiler): they compile through Numba on first use, once; `odtrain compile -o {LIBRARY}` "
-                "builds them ahead")
+        return (f"kernels: the package holds no library of them (an editable install, ODTRAIN_BUILD_LIBRARY=0, or "
+                f"a build that failed at install, without a C compiler say): they compile through Numba on first "
+                f"use, once; `odtrain compile -o {LIBRARY}` builds them ahead")
     os.makedirs(target, exist_ok=True)
     for name in (LIBRARY_FILE, MANIFEST_FILE):  # the manifest last: a library is found by its manifest
         partial = os.path.join(target, f".{name}.{os.getpid()}")
