@@ -112,32 +112,6 @@ def test_every_library_kernel_of_a_step_gives_its_jit_twins_bits(mlp_library, th
     assert checked <= used and len(checked) >= 8
 
 
-def test_a_prepared_update_follows_its_arrays_and_scalars(mlp_library):
-    """library.call packs an update once for its arrays: later calls on other arrays of the same layout, or with
-    other scalars, give what the JIT's kernel gives on them."""
-    from odtrain.kernels.jit import resolved
-    from odtrain.kernels.optim import adamw_update
-
-    with_library, _ = mlp_library
-    library = KernelLibrary(str(with_library / kernel_library.FOLDER))
-    rng = np.random.default_rng(0)
-
-    def buffers():
-        weights, gradient, first, second = (rng.standard_normal(1000).astype(np.float32) for _ in range(4))
-        return [weights, gradient, first, np.abs(second)]
-
-    for arrays, rate, step in [(buffers(), 1e-2, 1.0), (buffers(), 1e-2, 1.0), (buffers(), 3e-3, 7.0)]:
-        twins = [a.copy() for a in arrays]
-        assert library.call(adamw_update, (*arrays, rate, 0.9, 0.999, 1e-8, 0.01, step, True))
-        resolved(adamw_update)(*twins, rate, 0.9, 0.999, 1e-8, 0.01, step, True)
-        assert all(np.array_equal(a, b) for a, b in zip(arrays, twins))
-        again = [a.copy() for a in arrays]
-        assert library.call(adamw_update, (*arrays, rate / 2, 0.9, 0.999, 1e-8, 0.01, step + 1, True))
-        resolved(adamw_update)(*again, rate / 2, 0.9, 0.999, 1e-8, 0.01, step + 1, True)
-        assert all(np.array_equal(a, b) for a, b in zip(arrays, again))
-    assert len(library._prepared) == 3
-
-
 def test_a_label_outside_the_classes_names_the_node(mlp_library):
     with_library, _ = mlp_library
     _, meta, golden = reference_model("mlp")
@@ -409,3 +383,29 @@ def test_the_demo_without_a_library_in_the_package_says_so(tmp_path, monkeypatch
     line = demo.place_library(str(tmp_path / "demo"))
     assert "holds no library" in line and f"odtrain compile -o {tmp_path / 'none'}" in line
     assert not (tmp_path / "demo" / kernel_library.FOLDER).exists()
+
+
+def test_a_prepared_update_follows_its_arrays_and_scalars(mlp_library):
+    """library.call packs an update once for its arrays: later calls on other arrays of the same layout, or with
+    other scalars, give what the JIT's kernel gives on them."""
+    from odtrain.kernels.jit import resolved
+    from odtrain.kernels.optim import adamw_update
+
+    with_library, _ = mlp_library
+    library = KernelLibrary(str(with_library / kernel_library.FOLDER))
+    rng = np.random.default_rng(0)
+
+    def buffers():
+        weights, gradient, first, second = (rng.standard_normal(1000).astype(np.float32) for _ in range(4))
+        return [weights, gradient, first, np.abs(second)]
+
+    for arrays, rate, step in [(buffers(), 1e-2, 1.0), (buffers(), 1e-2, 1.0), (buffers(), 3e-3, 7.0)]:
+        twins = [a.copy() for a in arrays]
+        assert library.call(adamw_update, (*arrays, rate, 0.9, 0.999, 1e-8, 0.01, step, True))
+        resolved(adamw_update)(*twins, rate, 0.9, 0.999, 1e-8, 0.01, step, True)
+        assert all(np.array_equal(a, b) for a, b in zip(arrays, twins))
+        again = [a.copy() for a in arrays]
+        assert library.call(adamw_update, (*arrays, rate / 2, 0.9, 0.999, 1e-8, 0.01, step + 1, True))
+        resolved(adamw_update)(*again, rate / 2, 0.9, 0.999, 1e-8, 0.01, step + 1, True)
+        assert all(np.array_equal(a, b) for a, b in zip(arrays, again))
+    assert len(library._prepared) == 3
