@@ -1,7 +1,9 @@
 """`odtrain demo`: the whole on-device workflow on data shipped with the package.
 
 1. Build a small classifier (64-32-10 MLP, ReLU) as an ONNX model, as torch.onnx.export would.
-2. generate_artifacts: training, eval and optimizer models and the checkpoint (AdamW, cross-entropy).
+2. generate_artifacts: training, eval and optimizer models and the checkpoint (AdamW, cross-entropy);
+   the package's library of the demo's kernels (LIBRARY: built by `pip install .`, see setup.py, or by
+   `odtrain compile -o`) goes beside them, so that nothing compiles and Numba is never imported.
 3. Train on 80% of the 8x8 handwritten digits with CheckpointState, Module and Optimizer.
 4. Report held-out accuracy and the process's peak memory; save the checkpoint; export an
    inference model and check it with odtrain's own InferenceSession.
@@ -10,11 +12,16 @@ from __future__ import annotations
 
 import os
 import resource
+import shutil
 import time
 
 import numpy as np
 
 from .graph.wording import count
+
+OUTPUT = "output"  # the classifier's logits
+# the kernels of the demo's steps and of its inference check, built ahead (odtrain.kernel_build.compile_artifacts)
+LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "kernels")
 
 
 def build_classifier(inputs: int = 64, hidden: int = 32, classes: int = 10, seed: int = 0):
@@ -31,12 +38,12 @@ def build_classifier(inputs: int = 64, hidden: int = 32, classes: int = 10, seed
     (w1, b1), (w2, b2) = linear(inputs, hidden), linear(hidden, classes)
     nodes = [helper.make_node("Gemm", ["input", "fc1.weight", "fc1.bias"], ["hidden"], transB=1, name="fc1"),
              helper.make_node("Relu", ["hidden"], ["hidden_relu"], name="relu"),
-             helper.make_node("Gemm", ["hidden_relu", "fc2.weight", "fc2.bias"], ["output"], transB=1, name="fc2")]
+             helper.make_node("Gemm", ["hidden_relu", "fc2.weight", "fc2.bias"], [OUTPUT], transB=1, name="fc2")]
     params = {"fc1.weight": w1, "fc1.bias": b1, "fc2.weight": w2, "fc2.bias": b2}
     graph = helper.make_graph(
         nodes, "digits_mlp",
         [helper.make_tensor_value_info("input", 1, ["batch", inputs])],
-        [helper.make_tensor_value_info("output", 1, ["batch", classes])],
+        [helper.make_tensor_value_info(OUTPUT, 1, ["batch", classes])],
         [numpy_helper.from_array(v, name=k) for k, v in params.items()])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), list(params)
 
@@ -54,8 +61,9 @@ def run(directory: str = "odtrain-demo", epochs: int = 15, batch_size: int = 32,
     model, params = build_classifier(seed=seed)
     artifacts.generate_artifacts(model, requires_grad=params, loss=artifacts.LossType.CrossEntropyLoss,
                                  optimizer=artifacts.OptimType.AdamW, artifact_directory=directory,
-                                 additional_output_names=["output"])
+                                 additional_output_names=[OUTPUT])
     out(f"artifacts written to {directory}/ (training, eval and optimizer models, checkpoint)")
+    out(place_library(directory))
 
     images, labels = load_digits()
     train_x, test_x, train_y, test_y = train_test_split(images, labels, test_fraction=0.2, seed=seed)
@@ -90,8 +98,8 @@ def run(directory: str = "odtrain-demo", epochs: int = 15, batch_size: int = 32,
     state.properties["held_out_accuracy"] = accuracy
     CheckpointState.save_checkpoint(state, paths.checkpoint, include_optimizer_state=True)
     inference_path = os.path.join(directory, "inference.onnx")
-    module.export_model_for_inferencing(inference_path, ["output"])
-    (check,) = InferenceSession(inference_path).run(["output"], {"input": test_x})
+    module.export_model_for_inferencing(inference_path, [OUTPUT])
+    (check,) = InferenceSession(inference_path).run([OUTPUT], {"input": test_x})
     agree = float((check.argmax(axis=1) == logits.argmax(axis=1)).mean())
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     result = {"held_out_accuracy": accuracy, "held_out_loss": float(test_loss), "peak_rss_mib": peak_mib,
@@ -100,3 +108,21 @@ def run(directory: str = "odtrain-demo", epochs: int = 15, batch_size: int = 32,
     out(f"peak memory (RSS): {peak_mib:.0f} MiB; total time {result['seconds']:.1f} s")
     out(f"inference model: {inference_path} (its predictions agree with training's on {agree:.0%} of the digits)")
     return result
+
+
+def place_library(directory: str) -> str:
+    """Copy the package's library of the demo's kernels into the artifact folder's kernels/ (where Module and
+    InferenceSession look), replacing the files whole; returns what was done, as a line to print."""
+    from .kernel_library import FOLDER, LIBRARY_FILE, MANIFEST_FILE
+
+    target = os.path.join(directory, FOLDER)
+    if not os.path.isfile(os.path.join(LIBRARY, MANIFEST_FILE)):
+        return (f"kernels: the package holds no library of them (an editable install, ODTRAIN_BUILD_LIBRARY=0, or "
+                f"a build that failed at install, without a C compiler say): they compile through Numba on first "
+                f"use, once; `odtrain compile -o {LIBRARY}` builds them ahead")
+    os.makedirs(target, exist_ok=True)
+    for name in (LIBRARY_FILE, MANIFEST_FILE):  # the manifest last: a library is found by its manifest
+        partial = os.path.join(target, f".{name}.{os.getpid()}")
+        shutil.copyfile(os.path.join(LIBRARY, name), partial)
+        os.replace(partial, os.path.join(target, name))  # a process that maps the old file keeps it whole
+    return f"kernels: the package's library of them, built ahead, copied to {target}/"

@@ -225,7 +225,7 @@ class ExecutableStep:
 class Program:
     """A step's calls as runs of library calls (one foreign call each) between the calls it lacks.
 
-    `segments` holds (first call index, function addresses, argument blocks) for a run of library calls
+    `segments` holds (first call index, CallList, None) for a run of library calls
     and (index, kernel, args) for a call left to Python (a JIT kernel, an optimizer update). The argument
     blocks are packed once (odtrain.kernel_library.pack) and hold the addresses of the arena views: the
     views must live as long as the program (the bound graph keeps both)."""
@@ -234,13 +234,11 @@ class Program:
         from .kernel_library import pack, report_missing
 
         self.library = library
-        self.segments, self._blocks, run, missing = [], [], [], []
+        self.segments, run, missing = [], [], []
         for index, (kernel, args) in enumerate(calls):
             address = library.address(kernel, args)
             if address is not None:
-                block = pack(args)
-                self._blocks.append(block)
-                run.append((index, address, block.ctypes.data))
+                run.append((index, address, pack(args)))
                 continue
             self._close(run)
             run = []
@@ -254,20 +252,20 @@ class Program:
             report_missing(missing)
 
     def _close(self, run) -> None:
+        from .kernel_library import CallList
+
         if run:
-            functions = np.array([address for _, address, _ in run], dtype=np.uint64)
-            blocks = np.array([block for _, _, block in run], dtype=np.uint64)
-            self.segments.append((run[0][0], functions, blocks))
+            self.segments.append((run[0][0], CallList([a for _, a, _ in run], [b for _, _, b in run]), None))
 
     def run(self, threads: int) -> int | None:
         """Run the calls; the index of a library call that stopped on its data, or None."""
-        for first, functions, blocks in self.segments:
-            if isinstance(functions, np.ndarray):
-                failed = self.library.run(functions, blocks, threads)
+        for first, calls, args in self.segments:
+            if args is None:
+                failed = self.library.run(calls, threads)
                 if failed >= 0:
                     return first + failed
             else:
-                functions(*blocks)  # (index, kernel, args): a call the library lacks
+                calls(*args)  # (index, kernel, args): a call the library lacks
         return None
 
 

@@ -8,9 +8,13 @@ A plan is bound per signature of the feeds: their shapes and dtypes, and the
 values of the inputs that configure an op (axes, pads, target shapes, sizes, k
 fed as inputs: `graph.schedule.configuring_inputs`), which bind as constants,
 and the thread count. The last PLAN_CACHE_SIZE plans are kept.
+
+A model file whose folder holds a kernel library (`kernels/`, odtrain/kernel_library.py), or the one
+ODTRAIN_KERNEL_LIBRARY names, runs its kernels there, as a Module of that folder does.
 """
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -21,6 +25,7 @@ from .graph.ir import TensorType
 from .graph.onnx_io import load_graph
 from .graph.ops import check_supported
 from .graph.schedule import configuring_inputs
+from .kernel_library import find as find_library
 from .threads import get_num_threads, usable
 
 PLAN_CACHE_SIZE = 4
@@ -44,6 +49,8 @@ class InferenceSession:
         check_supported(self._graph.nodes, "model")
         self._configuring = frozenset(configuring_inputs(self._graph))
         self._plans: OrderedDict = OrderedDict()
+        folder = os.path.dirname(os.path.abspath(model)) if isinstance(model, (str, os.PathLike)) else None
+        self._library = find_library(folder)  # None: the JIT's kernels
 
     def get_inputs(self) -> list["NodeArg"]:
         return [self._arg(name) for name in self._graph.inputs]
@@ -76,7 +83,8 @@ class InferenceSession:
         if bound is None:
             types = {n: TensorType(a.dtype, a.shape) for n, a in feeds.items()}
             values = {n: np.array(a) for n, a in feeds.items() if n in self._configuring}  # a copy: the plan keeps it
-            bound = self._plans[signature] = ExecutableStep(graph, types, {}, bound_feeds=values, threads=threads)
+            bound = self._plans[signature] = ExecutableStep(graph, types, {}, bound_feeds=values, threads=threads,
+                                                                library=self._library)
             if len(self._plans) > PLAN_CACHE_SIZE:
                 self._plans.popitem(last=False)
         else:

@@ -342,10 +342,12 @@ def library_folder(artifact_dir) -> str:
     return os.path.join(os.fspath(artifact_dir), FOLDER)
 
 
-def recorded_entries(artifact_dir, batch_size: int = 32, thread_counts=None, input_shapes=None) -> list:
+def recorded_entries(artifact_dir, batch_size: int = 32, thread_counts=None, input_shapes=None,
+                     inference_output: str | None = None) -> list:
     """The (kernel name, signature) pairs of the steps `odtrain warmup` runs on a set of artifacts (a training
     step writing and one accumulating gradients, an optimizer step, an eval step), at each thread count of
-    `thread_counts` (default: 1 and every core of this machine, as a device would run). Nothing runs."""
+    `thread_counts` (default: 1 and every core of this machine, as a device would run); with
+    `inference_output`, also of an InferenceSession on the model they export with that output. Nothing runs."""
     from . import threads
     from .cache import run_steps
     from .executor import record_calls
@@ -355,10 +357,12 @@ def recorded_entries(artifact_dir, batch_size: int = 32, thread_counts=None, inp
     previous = os.environ.get(LIBRARY_ENV)
     os.environ[LIBRARY_ENV] = "off"  # the calls are the same with a library: record them without one
     try:
-        with record_calls() as calls:
+        with record_calls() as calls, tempfile.TemporaryDirectory(prefix="odtrain-compile-") as scratch:
             for count in counts:
                 with threads.process_default(count):
                     run_steps(os.fspath(artifact_dir), int(batch_size), input_shapes or {})
+                    if inference_output is not None:
+                        _run_inference(os.fspath(artifact_dir), inference_output, int(batch_size), scratch)
     finally:
         if previous is None:
             del os.environ[LIBRARY_ENV]
@@ -368,12 +372,29 @@ def recorded_entries(artifact_dir, batch_size: int = 32, thread_counts=None, inp
     return sorted((name, signature) for name, signature in entries if name and signature is not None)
 
 
+def _run_inference(folder: str, output: str, batch_size: int, scratch: str) -> None:
+    """Export the artifacts' model with `output` into `scratch` and run it once on zeros with InferenceSession."""
+    from .api import CheckpointState, Module
+    from .artifact_paths import ArtifactPaths
+    from .cache import zero_inputs
+    from .inference import InferenceSession
+
+    paths = ArtifactPaths.of(folder)
+    module = Module(paths.training_model, CheckpointState.load_checkpoint(paths.checkpoint), paths.eval_model)
+    path = os.path.join(scratch, "inference.onnx")
+    module.export_model_for_inferencing(path, [output])
+    session = InferenceSession(path)
+    feeds = dict(zip(module.eval().input_names(), zero_inputs(module, batch_size)))
+    session.run([output], {i.name: feeds[i.name] for i in session.get_inputs()})
+
+
 def compile_artifacts(artifact_dir=None, out_dir=None, batch_size: int = 32, thread_counts=None, out=print,
                       target: str | None = None, cpu: str | None = None) -> dict:
     """Build the kernel library of a set of artifacts (a folder, or a list of folders: one library for them all;
-    None: the built-in demo classifier's) into `out_dir` (default: the artifact folder's kernels/) for `target`
-    and `cpu` (build()); returns the manifest. The steps are recorded at `thread_counts` (default: 1 and the
-    cores of the device: this machine's, or DEVICE_CORES of another architecture)."""
+    None: the built-in demo classifier's, its inference model's included: the library the package ships,
+    odtrain.demo.LIBRARY) into `out_dir` (default: the artifact folder's kernels/) for `target` and `cpu`
+    (build()); returns the manifest. The steps are recorded at `thread_counts` (default: 1 and the cores of
+    the device: this machine's, or DEVICE_CORES of another architecture)."""
     target, cpu, _, _ = build_target(target, cpu)  # before recording: an unknown name or no compiler fails now
     if target != host_arch() and thread_counts is None:
         thread_counts = (1, DEVICE_CORES.get(target, 1))
@@ -382,10 +403,12 @@ def compile_artifacts(artifact_dir=None, out_dir=None, batch_size: int = 32, thr
     entries = set()
     for folder in folders:
         if folder is None:
-            from .cache import _demo_artifacts
+            from .cache import demo_artifacts
+            from .demo import OUTPUT
 
             with tempfile.TemporaryDirectory(prefix="odtrain-compile-") as scratch:
-                entries.update(recorded_entries(_demo_artifacts(scratch), batch_size, thread_counts))
+                entries.update(recorded_entries(demo_artifacts(scratch), batch_size, thread_counts,
+                                                inference_output=OUTPUT))
         else:
             entries.update(recorded_entries(folder, batch_size, thread_counts))
     if out_dir is None:

@@ -14,7 +14,8 @@ is int64, a float float64, a bool bool); a tuple of scalars, theirs in parenthes
 a step is bound, into one int64 block: a pointer per argument, then each argument's record (an array:
 data address, shape, strides in bytes; a scalar: its value in its own dtype, in one word; a tuple: a
 word per item). A step's calls then run
-in one foreign call (`Program`), the GIL released.
+in one foreign call (`Program`, a `CallList`), the GIL released. A call outside a step (an optimizer
+update) is prepared once for its arrays and later only gets its scalars written (`PreparedCall`).
 
 Refused, by name, never loaded (`load` raises LibraryRefused, which `find` reports once and bypasses):
 a library built by another odtrain version, from other kernel sources, with a Numba other than the
@@ -43,6 +44,7 @@ FOLDER = "kernels"  # the library's folder inside an artifact folder
 LIBRARY_ENV = "ODTRAIN_KERNEL_LIBRARY"  # a library folder to use when the artifact folder has none; "off": none
 FALLBACK_MESSAGE = "compiling {count} kernels for this model (once; `odtrain compile` or `odtrain warmup` does it ahead)"
 _SCALARS = {bool: "bool", int: "int64", float: "float64"}
+_PREPARED_CALLS = 256  # calls outside bound steps a library keeps packed
 
 
 class LibraryRefused(Exception):
@@ -101,14 +103,69 @@ def _record(value) -> list[int]:
 
 def pack(args) -> np.ndarray:
     """The argument block of one call: the address of each argument's record, then the records."""
+    return _packed(args)[0]
+
+
+def _packed(args) -> tuple[np.ndarray, list[int]]:
+    """(the argument block of one call, the word at which each argument's record starts)."""
     records = [_record(a) for a in args]
     block = np.zeros(len(args) + sum(len(r) for r in records), dtype=np.int64)
-    base, offset = block.ctypes.data, len(args)
+    base, offset, starts = block.ctypes.data, len(args), []
     for index, record in enumerate(records):
         block[index] = base + 8 * offset
         block[offset:offset + len(record)] = record
+        starts.append(offset)
         offset += len(record)
-    return block
+    return block, starts
+
+
+class CallList:
+    """Calls functions[i](blocks[i]) as the runner takes them: the argument blocks packed once, and the
+    addresses of the two lists taken once (reading an array's address costs about a microsecond)."""
+
+    __slots__ = ("count", "functions", "blocks", "_arrays")
+
+    def __init__(self, functions: list[int], blocks: list[np.ndarray]):
+        function_array = np.array(functions, dtype=np.uint64)
+        block_array = np.array([block.ctypes.data for block in blocks], dtype=np.uint64)
+        self._arrays = (function_array, block_array, blocks)  # alive as long as the addresses are used
+        self.count, self.functions, self.blocks = len(functions), function_array.ctypes.data, block_array.ctypes.data
+
+
+class PreparedCall(CallList):
+    """One call whose arrays stay and whose scalars change from call to call (an optimizer update: its
+    learning rate and step): `set_scalars(args)` writes them into the packed block in place."""
+
+    __slots__ = ("_slots",)
+
+    def __init__(self, address: int, args):
+        block, starts = _packed(args)
+        super().__init__([address], [block])
+        self._slots = []  # (argument index, the block viewed as the scalar's type, its index there)
+        for index, value in enumerate(args):
+            if not isinstance(value, (np.ndarray, tuple)):
+                dtype = np.dtype(np.uint8 if argument_type(value) == "bool" else argument_type(value))
+                self._slots.append((index, block.view(dtype), starts[index] * 8 // dtype.itemsize))
+
+    def set_scalars(self, args) -> None:
+        for index, view, position in self._slots:
+            view[position] = args[index]
+
+
+def call_key(kernel, args) -> tuple:
+    """What decides a call's function and argument block, its scalars' values aside: the kernel, each array's
+    address, read-only flag, type, shape and strides (numpy's array interface: what Numba's typeof reads, and
+    where the data is), each scalar's type, each tuple of scalars (geometry) with its items' types."""
+    key = [kernel]
+    for value in args:
+        if isinstance(value, np.ndarray):
+            interface = value.__array_interface__
+            key.append((interface["data"], interface["typestr"], interface["shape"], interface["strides"]))
+        elif isinstance(value, tuple):
+            key.append((value, tuple(map(type, value))))
+        else:
+            key.append(type(value))
+    return tuple(key)
 
 
 class KernelLibrary:
@@ -137,6 +194,7 @@ class KernelLibrary:
         found = found_openblas()
         self._dll.odtrain_set_gemm(*(gemm_addresses(found) if found else (0, 0)))
         self.entries, self._messages = {}, {}
+        self._prepared: dict[tuple, PreparedCall | None] = {}  # call_key -> the call (None: not in the library)
         for entry in self.manifest["entries"]:
             key = (entry["kernel"], entry["signature"])
             self.entries[key] = ctypes.cast(getattr(self._dll, entry["symbol"]), ctypes.c_void_p).value
@@ -153,19 +211,28 @@ class KernelLibrary:
         messages = self._messages.get((kernel_name(kernel), signature_of(args)), [])
         return " or ".join(messages) if messages else f"kernel {kernel_name(kernel)} stopped on its data"
 
-    def run(self, functions: np.ndarray, blocks: np.ndarray, threads: int) -> int:
-        """Run the calls functions[i](blocks[i]) in order; the index of the first that failed, or -1."""
-        return int(self._run(len(functions), functions.ctypes.data, blocks.ctypes.data, int(threads)))
+    def run(self, calls: CallList, threads: int) -> int:
+        """Run the calls in order; the index of the first that failed, or -1."""
+        return self._run(calls.count, calls.functions, calls.blocks, threads)
 
     def call(self, kernel, args, threads: int = 1) -> bool:
-        """Run one call through the library if it holds it (False if not); a failure raises ValueError."""
-        address = self.address(kernel, args)
-        if address is None:
+        """Run one call through the library if it holds it (False if not); a failure raises ValueError.
+        The call is prepared once for its arrays (`call_key`); later calls on the same arrays only write
+        their scalars, so that an optimizer update costs no more to start than the JIT's dispatch. Two
+        threads updating the same arrays at once would race on the block as they race on the arrays."""
+        key = call_key(kernel, args)
+        prepared = self._prepared.get(key, False)
+        if prepared is False:
+            address = self.address(kernel, args)
+            prepared = PreparedCall(address, args) if address is not None else None
+            if len(self._prepared) >= _PREPARED_CALLS:  # arrays come and go: forget the old ones
+                self._prepared.clear()
+            self._prepared[key] = prepared
+        elif prepared is not None:
+            prepared.set_scalars(args)
+        if prepared is None:
             return False
-        block = pack(args)
-        functions = np.array([address], dtype=np.uint64)
-        blocks = np.array([block.ctypes.data], dtype=np.uint64)
-        if self.run(functions, blocks, threads) >= 0:
+        if self._run(1, prepared.functions, prepared.blocks, threads) >= 0:
             raise ValueError(self.message(kernel, args))
         return True
 
@@ -210,11 +277,14 @@ _reported: set = set()
 
 
 def report_missing(calls) -> None:
-    """Say once, on stderr, how many kernels of these calls (which a library lacks) compile through Numba."""
+    """Say once, on stderr and in the progress bar drawn now (odtrain.progress.announce), how many kernels of
+    these calls (which a library lacks) compile through Numba."""
+    from .progress import announce
+
     new = {(kernel_name(k) or repr(k), signature_of(a)) for k, a in calls if hasattr(k, "py_func")} - _reported
     if new:
         _reported.update(new)
-        print(f"odtrain: {FALLBACK_MESSAGE.format(count=len(new))}", file=sys.stderr)
+        announce(f"odtrain: {FALLBACK_MESSAGE.format(count=len(new))}")
 
 
 _loaded: dict[str, KernelLibrary | None] = {}

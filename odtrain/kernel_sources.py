@@ -8,6 +8,11 @@ code compiled from the old one. `discard_stale()` runs before the first step of 
 (SOURCES_STAMP), and when the sources differ, odtrain's cached kernels are removed from that folder
 so that they compile again. A process loading one meanwhile compiles it instead.
 
+The digest is taken once, when this module is imported: `import odtrain` imports it before any kernel
+module, so it never describes newer sources than the kernels this process compiles. Taken later (at
+the first bind), sources edited in between would stamp the cache with the new digest over kernels
+compiled from the old files, and the next process would load those as current.
+
 Imports nothing of odtrain's.
 """
 from __future__ import annotations
@@ -49,14 +54,21 @@ def loaded_dispatchers() -> list:
 
 
 def sources_digest() -> str:
-    """SHA-256 over the names and contents of the kernel sources (every .py of the kernels' folder)."""
-    folder = kernels_dir()
+    """SHA-256 over the names and contents of the kernel sources (every .py of the kernels' folder) as
+    they were when this process imported odtrain."""
+    return _IMPORTED_DIGEST
+
+
+def _digest(folder: str) -> str:
     digest = hashlib.sha256()
     for name in sorted(os.listdir(folder)):
         if name.endswith(".py"):
             with open(os.path.join(folder, name), "rb") as source:
                 digest.update(name.encode() + b"\0" + source.read() + b"\0")
     return digest.hexdigest()
+
+
+_IMPORTED_DIGEST = _digest(kernels_dir())
 
 
 def discard_stale() -> int:

@@ -263,3 +263,18 @@ def test_an_edited_kernel_file_recompiles_the_kernels_of_other_files(tmp_path):
     assert after_edit["stats"]["compiled"] >= 1 and after_edit["stats"]["loaded"] == 0
     settled = run_python(ONE_STEP, env, tmp_path)
     assert settled["stats"]["compiled"] == 0
+
+
+def test_the_cache_is_stamped_with_the_sources_as_imported(tmp_path, monkeypatch):
+    """Kernel files edited between `import odtrain` and the first bind: the kernels this process compiles
+    come from the files as imported, so the stamp beside them must name those, not the edited ones."""
+    from odtrain import kernel_sources
+
+    imported = kernel_sources.sources_digest()
+    edited = tmp_path / "kernels"
+    edited.mkdir()
+    (edited / "optim.py").write_text("# the kernels' folder after an update in place\n")
+    monkeypatch.setattr(kernel_sources, "kernels_dir", lambda: str(edited))
+    assert kernel_sources.sources_digest() == imported
+    kernel_sources._discard_stale_in(str(tmp_path / "cache"))
+    assert (tmp_path / "cache" / kernel_sources.SOURCES_STAMP).read_text().strip() == imported

@@ -1,8 +1,9 @@
 """The kernel library (odtrain compile): the same bits as the JIT's kernels, errors by node, refusals, no compiler.
 
-One library is built for the reference MLP's artifacts (12 kernels, ~15-30 s); its steps are compared with
+One library is built for the reference MLP's artifacts and the demo (16 kernels, ~20-40 s); its steps are compared with
 the JIT's call by call and step by step, at one thread and at two with the same parts.
 """
+import io
 import json
 import os
 import shutil
@@ -19,13 +20,16 @@ from odtrain.executor import Program, record_calls
 from odtrain.graph.errors import InputError
 from odtrain.kernel_build import compile_artifacts
 from odtrain.kernel_library import FALLBACK_MESSAGE, KernelLibrary, kernel_name, pack, refusal_of, signature_of
+from odtrain.progress import Progress, announce
 
 
 @pytest.fixture(scope="module")
 def mlp_library(tmp_path_factory):
-    """(artifact folder with its library in kernels/, the same artifacts without one)."""
+    """(artifact folder with its library in kernels/, the same artifacts without one). The library also holds
+    the demo's kernels (what `pip install .` builds for it): one build serves both."""
     with_library = reference_artifacts("mlp", tmp_path_factory.mktemp("mlp-library"))
-    compile_artifacts(with_library, thread_counts=(1, 2), out=lambda line: None)
+    compile_artifacts([with_library, None], with_library / kernel_library.FOLDER, thread_counts=(1, 2),
+                      out=lambda line: None)
     without = tmp_path_factory.mktemp("mlp-jit")
     for name in os.listdir(with_library):
         if name != kernel_library.FOLDER:
@@ -143,12 +147,44 @@ def test_kernels_the_library_lacks_compile_through_numba_and_say_so_once(mlp_lib
     for key in removed:
         library.entries.pop(key)
     capsys.readouterr()
+    terminal = Terminal()
+    bar = Progress(10, "epoch 1/1", terminal)  # the line odtrain train and odtrain demo draw
     program = Program(library, calls)
     assert program.jit_calls >= 1
     message = FALLBACK_MESSAGE.format(count=len(removed))
     assert message in capsys.readouterr().err
+    assert message in bar.line() and message in terminal.getvalue()  # while the first step compiles
+    bar.update(1, loss=2.5)
+    assert message not in bar.line() and "loss=2.5" in bar.line()
+    bar.close()
     Program(library, calls)
     assert message not in capsys.readouterr().err  # once
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_a_note_shows_in_the_drawn_bar_and_on_stderr(capsys):
+    makers = [lambda: Progress(4, "epoch 1/2", Terminal())]
+    try:
+        from odtrain.progress import _Tqdm
+        from tqdm import tqdm
+    except ImportError:  # tqdm is optional (the cli extra)
+        pass
+    else:
+        makers.append(lambda: _Tqdm(tqdm, 4, "epoch 2/2", Terminal(), "it", 0, True))
+    for make in makers:
+        bar = make()
+        announce("odtrain: compiling 3 kernels for this model")
+        shown = bar.stream.getvalue()
+        assert shown.count("compiling 3 kernels") == 2, shown  # a line of its own, and in the bar
+        assert "compiling 3 kernels" in capsys.readouterr().err  # the bar draws elsewhere: stderr too
+        bar.update(1, loss=0.5)
+        bar.close()
+    announce("odtrain: no bar is drawn")
+    assert capsys.readouterr().err == "odtrain: no bar is drawn\n"
 
 
 def test_a_library_from_elsewhere_is_refused_by_name(mlp_library, tmp_path, capsys):
@@ -339,3 +375,58 @@ def test_compile_takes_several_thread_counts_for_the_device():
 
     args = build_parser().parse_args(["compile", "artifacts", "--threads", "1", "--threads", "4"])
     assert args.thread_counts == [1, 4] and getattr(args, "threads", None) is None  # not the process's own count
+
+
+DEMO = """
+import sys
+from odtrain import demo
+demo.LIBRARY = sys.argv[1]  # the package's library of the demo's kernels, as `pip install .` builds it (setup.py)
+demo.run(sys.argv[2], epochs=2)
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("numba", "llvmlite", "scipy")))
+"""
+
+
+def test_the_demo_with_the_packages_library_compiles_nothing(mlp_library, tmp_path):
+    with_library, _ = mlp_library
+    result = subprocess.run([sys.executable, "-c", DEMO, str(with_library / kernel_library.FOLDER),
+                             str(tmp_path / "demo")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "copied to" in result.stdout and "held-out accuracy" in result.stdout
+    assert "compiling" not in result.stderr  # the fallback note: no kernel compiled
+    assert result.stdout.splitlines()[-1] == "[]"  # nor was the compiler loaded
+    assert (tmp_path / "demo" / kernel_library.FOLDER / kernel_library.MANIFEST_FILE).is_file()
+
+
+def test_the_demo_without_a_library_in_the_package_says_so(tmp_path, monkeypatch):
+    from odtrain import demo
+
+    monkeypatch.setattr(demo, "LIBRARY", str(tmp_path / "none"))  # an editable install, or no C compiler
+    line = demo.place_library(str(tmp_path / "demo"))
+    assert "holds no library" in line and f"odtrain compile -o {tmp_path / 'none'}" in line
+    assert not (tmp_path / "demo" / kernel_library.FOLDER).exists()
+
+
+def test_a_prepared_update_follows_its_arrays_and_scalars(mlp_library):
+    """library.call packs an update once for its arrays: later calls on other arrays of the same layout, or with
+    other scalars, give what the JIT's kernel gives on them."""
+    from odtrain.kernels.jit import resolved
+    from odtrain.kernels.optim import adamw_update
+
+    with_library, _ = mlp_library
+    library = KernelLibrary(str(with_library / kernel_library.FOLDER))
+    rng = np.random.default_rng(0)
+
+    def buffers():
+        weights, gradient, first, second = (rng.standard_normal(1000).astype(np.float32) for _ in range(4))
+        return [weights, gradient, first, np.abs(second)]
+
+    for arrays, rate, step in [(buffers(), 1e-2, 1.0), (buffers(), 1e-2, 1.0), (buffers(), 3e-3, 7.0)]:
+        twins = [a.copy() for a in arrays]
+        assert library.call(adamw_update, (*arrays, rate, 0.9, 0.999, 1e-8, 0.01, step, True))
+        resolved(adamw_update)(*twins, rate, 0.9, 0.999, 1e-8, 0.01, step, True)
+        assert all(np.array_equal(a, b) for a, b in zip(arrays, twins))
+        again = [a.copy() for a in arrays]
+        assert library.call(adamw_update, (*arrays, rate / 2, 0.9, 0.999, 1e-8, 0.01, step + 1, True))
+        resolved(adamw_update)(*again, rate / 2, 0.9, 0.999, 1e-8, 0.01, step + 1, True)
+        assert all(np.array_equal(a, b) for a, b in zip(arrays, again))
+    assert len(library._prepared) == 3
