@@ -277,7 +277,8 @@ def _prepare(args) -> int:
         from .kernel_build import compile_artifacts
 
         manifest = compile_artifacts(args.output, batch_size=args.compile_batch_size,
-                                     out=(lambda line: None) if args.json else print)
+                                     out=(lambda line: None) if args.json else print, target=args.compile_target,
+                                     cpu=args.compile_cpu)
         result["kernels"] = len(manifest["entries"])
     if args.json:
         _print_json(result)
@@ -683,6 +684,11 @@ def _add_training_commands(commands) -> None:
                          "ARTIFACT_DIR/kernels (`odtrain compile`): the device then trains without compiling")
     prepare.add_argument("--compile-batch-size", type=int, default=32, metavar="B",
                          help="the batch the kernels are recorded at with --compile (default: 32)")
+    prepare.add_argument("--compile-target", default=None, metavar="ARCH",
+                         help="with --compile: the device's architecture, as `odtrain compile --target` (aarch64 "
+                         "for a Raspberry Pi)")
+    prepare.add_argument("--compile-cpu", default=None, metavar="NAME",
+                         help="with --compile: the device's CPU, as `odtrain compile --cpu`")
     prepare.add_argument("--json", action="store_true", help="print the result as JSON")
     prepare.set_defaults(handler=_prepare)
 

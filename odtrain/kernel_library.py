@@ -19,7 +19,8 @@ update) is prepared once for its arrays and later only gets its scalars written 
 
 Refused, by name, never loaded (`load` raises LibraryRefused, which `find` reports once and bypasses):
 a library built by another odtrain version, from other kernel sources, with a Numba other than the
-installed one (when one is installed), for another machine, or for CPU features this CPU lacks.
+installed one (when one is installed), for another architecture, or for CPU features this CPU lacks
+(odtrain/kernel_targets.py: /proc/cpuinfo, or on aarch64 the hardware capability bits).
 
 Imports numpy and ctypes only, so that a training process with a library never loads the compiler.
 """
@@ -28,12 +29,12 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import platform
 import sys
 
 import numpy as np
 
 from .kernels.blas_library import found_openblas, gemm_addresses
+from .kernel_targets import cpu_flags, host_arch, missing_features
 from .kernels.jit import without_compiler
 from .threads import configure_without_compiler
 
@@ -44,11 +45,6 @@ LIBRARY_ENV = "ODTRAIN_KERNEL_LIBRARY"  # a library folder to use when the artif
 FALLBACK_MESSAGE = "compiling {count} kernels for this model (once; `odtrain compile` or `odtrain warmup` does it ahead)"
 _SCALARS = {bool: "bool", int: "int64", float: "float64"}
 _PREPARED_CALLS = 256  # calls outside bound steps a library keeps packed
-# LLVM's names of the x86 features that matter to the code the library holds, and Linux's (/proc/cpuinfo)
-_X86_FLAGS = {"sse4.1": "sse4_1", "sse4.2": "sse4_2", "avx": "avx", "avx2": "avx2", "fma": "fma", "f16c": "f16c",
-              "bmi": "bmi1", "bmi2": "bmi2", "avx512f": "avx512f", "avx512bw": "avx512bw", "avx512dq": "avx512dq",
-              "avx512vl": "avx512vl", "avx512cd": "avx512cd", "avx512vnni": "avx512_vnni",
-              "avx512bf16": "avx512_bf16", "avx512fp16": "avx512_fp16", "popcnt": "popcnt"}
 
 
 class LibraryRefused(Exception):
@@ -245,18 +241,6 @@ class KernelLibrary:
         return bool(self._forked())
 
 
-def cpu_flags() -> set[str] | None:
-    """The CPU's feature flags as Linux lists them, or None where /proc/cpuinfo is not readable."""
-    try:
-        with open("/proc/cpuinfo") as file:
-            for line in file:
-                if line.startswith(("flags", "Features")):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return None
-
-
 def refusal_of(manifest: dict) -> str:
     """Why a library with this manifest must not be loaded here ('' when it may be)."""
     from . import __version__
@@ -269,16 +253,13 @@ def refusal_of(manifest: dict) -> str:
     numba = installed_version("numba")
     if numba is not None and manifest.get("numba") != numba:
         return f"built with Numba {manifest.get('numba')}, the installed Numba is {numba}"
-    machine = manifest.get("triple", "").split("-")[0]
-    here = platform.machine().lower()
-    if machine != {"arm64": "aarch64", "amd64": "x86_64"}.get(here, here):
+    machine, here = manifest.get("triple", "").split("-")[0], host_arch()
+    if machine != here:
         return f"built for {machine}, this machine is {here}"
-    flags = cpu_flags()
-    if flags is not None and machine == "x86_64":
-        missing = [f for f in manifest.get("features", "").split(",")
-                   if f[:1] == "+" and f[1:] in _X86_FLAGS and _X86_FLAGS[f[1:]] not in flags]
-        if missing:
-            return f"built for CPU features {', '.join(m[1:] for m in missing)}, which this CPU lacks"
+    flags = cpu_flags(here)
+    missing = missing_features(here, manifest.get("features") or "", flags) if flags is not None else []
+    if missing:
+        return f"built for {manifest.get('cpu')}: CPU features {', '.join(missing)}, which this CPU lacks"
     return ""
 
 
@@ -328,8 +309,10 @@ def find(artifact_folder=None) -> KernelLibrary | None:
             try:
                 _loaded[folder] = KernelLibrary(folder)
             except LibraryRefused as refused:
-                print(f"odtrain: kernel library refused: {refused}; its kernels compile through Numba instead",
-                      file=sys.stderr)
+                instead = ("its kernels compile through Numba instead" if installed_version("numba") else
+                           "Numba is not installed to compile its kernels instead: build the library for this "
+                           "device (odtrain compile ARTIFACT_DIR --target ARCH --cpu CPU, on the desktop)")
+                print(f"odtrain: kernel library refused: {refused}; {instead}", file=sys.stderr)
                 _loaded[folder] = None
         if _loaded[folder] is not None:
             return _loaded[folder]

@@ -370,6 +370,13 @@ def test_compile_without_artifacts_asks_for_the_librarys_folder(capsys):
     assert code != 0 and "-o DIR" in err
 
 
+def test_compile_takes_several_thread_counts_for_the_device():
+    from odtrain.cli import build_parser
+
+    args = build_parser().parse_args(["compile", "artifacts", "--threads", "1", "--threads", "4"])
+    assert args.thread_counts == [1, 4] and getattr(args, "threads", None) is None  # not the process's own count
+
+
 DEMO = """
 import sys
 from odtrain import demo

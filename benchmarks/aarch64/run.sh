@@ -7,9 +7,14 @@
 # 2. qemu: qemu-aarch64-static from Debian's qemu-user-static .deb (unpacked, not installed);
 # 3. wheels: odtrain's wheel (pure Python) and the aarch64 wheels of its dependencies, installed
 #    into a target folder with the host's pip;
-# 4. runs, emulated: the imports, the golden MLP training test, the CNN check (tests/test_vision.py
-#    when it exists, else check_cnn.py against this machine's own losses), and the cold start
-#    (`odtrain warmup`, then a first step in a new process).
+# 4. the kernel library: this host builds it for aarch64 (`odtrain compile --target aarch64`) for the
+#    reference MLP's and CNN's artifacts; the emulated Python, with odtrain and numpy only installed (no
+#    numba, llvmlite, scipy or onnx), trains them along PyTorch's golden losses through it and checks
+#    that no compiler module was loaded (check_library.py); skipped, saying so, without a cross compiler
+#    (gcc-aarch64-linux-gnu or ODTRAIN_CROSS_CC);
+# 5. runs, emulated, with every dependency installed: the imports, the golden MLP training test, the CNN
+#    check (tests/test_vision.py when it exists, else check_cnn.py against this machine's own losses),
+#    and the cold start (`odtrain warmup`, then a first step in a new process).
 # Prints how long each phase took. Emulated time is not Raspberry Pi time: qemu translates every
 # instruction, so use the phases' proportions, not their seconds.
 #
@@ -19,7 +24,10 @@
 # Environment: ODTRAIN_AARCH64_CACHE, ODTRAIN_DEBIAN_MIRROR (default: this machine's Debian
 # mirror, else http://deb.debian.org/debian), ODTRAIN_QEMU_CPU (default cortex-a72, a Pi 4's core),
 # ODTRAIN_AARCH64_TESTS (pytest arguments replacing the default test selection),
-# ODTRAIN_AARCH64_REFRESH=1 (resolve and install the dependency wheels again).
+# ODTRAIN_AARCH64_REFRESH=1 (resolve and install the dependency wheels again),
+# ODTRAIN_AARCH64_PHASES=library (only 1-4: no numba, scipy or onnx wheel is fetched),
+# ODTRAIN_HOST_PYTHON (the host's Python, with odtrain's build dependencies; default python3),
+# ODTRAIN_CROSS_CC (the cross compiler; default aarch64-linux-gnu-gcc, from gcc-aarch64-linux-gnu).
 set -euo pipefail
 
 # The whole script is one function, read completely before it runs.
@@ -29,7 +37,9 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
 CACHE="${ODTRAIN_AARCH64_CACHE:-$HOME/.cache/odtrain-aarch64}"
 QEMU_CPU_NAME="${ODTRAIN_QEMU_CPU:-cortex-a72}"
-PY=python3
+PY="${ODTRAIN_HOST_PYTHON:-python3}"
+ONLY_LIBRARY=0
+[ "${ODTRAIN_AARCH64_PHASES:-all}" = library ] && ONLY_LIBRARY=1
 export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 for tool in apt-get dpkg "$PY"; do
   command -v "$tool" > /dev/null || { echo "run.sh needs $tool (a Debian or Ubuntu host with Python 3 and pip)"; exit 1; }
@@ -52,6 +62,7 @@ QEMU_DIR="$CACHE/qemu"
 QEMU="$QEMU_DIR/usr/bin/qemu-aarch64-static"
 WHEELS="$CACHE/wheels"
 DEPS="$CACHE/site-deps"
+DEVICE_SITE="$CACHE/site-numpy"  # numpy alone: the device of the kernel library
 RUN="$CACHE/run"
 
 # ---- timing -------------------------------------------------------------------------------------
@@ -187,7 +198,7 @@ phase_end "(cpu $QEMU_CPU_NAME)"
 emulated_python() {
   env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE -u PYTHONHOME -u VIRTUAL_ENV \
     PYTHONNOUSERSITE=1 PYTHONPYCACHEPREFIX="$CACHE/pycache" \
-    PYTHONPATH="$RUN/site-odtrain:$DEPS" HOME="$RUN/home" \
+    PYTHONPATH="$RUN/site-odtrain:${EMULATED_SITE:-$DEPS}" HOME="$RUN/home" \
     "$QEMU" -cpu "$QEMU_CPU_NAME" -L "$SYSROOT" "$SYSROOT/usr/bin/python3.11" "$@"
 }
 
@@ -211,7 +222,8 @@ except ImportError:  # Python 3.10: the whole file
 p = tomllib.load(open(sys.argv[1], "rb"))["project"]
 print(p["dependencies"], p.get("optional-dependencies", {}).get("test"))' "$ROOT/pyproject.toml"
   echo "${PLATFORMS[*]}") | sha256sum | cut -c1-16)"
-if [ "$(cat "$DEPS/.stamp" 2>/dev/null || true)" != "$STAMP_DEPS" ] || [ "${ODTRAIN_AARCH64_REFRESH:-0}" = 1 ]; then
+if [ "$ONLY_LIBRARY" = 0 ] && { [ "$(cat "$DEPS/.stamp" 2>/dev/null || true)" != "$STAMP_DEPS" ] \
+   || [ "${ODTRAIN_AARCH64_REFRESH:-0}" = 1 ]; }; then
   REQS=("$WHEEL[test]")
   if ! "$PY" -m pip download -q -d "$WHEELS" "${PLATFORMS[@]}" "${REQS[@]}" 2> "$RUN/pip-download.log"; then
     echo "no aarch64 wheel for every test dependency; retrying without onnxruntime"
@@ -230,9 +242,19 @@ if [ "$(cat "$DEPS/.stamp" 2>/dev/null || true)" != "$STAMP_DEPS" ] || [ "${ODTR
   mv "$DEPS.tmp" "$DEPS"
 fi
 "$PY" -m pip install -q --no-warn-conflicts --no-index --no-deps --target "$RUN/site-odtrain" "${PLATFORMS[@]}" "$WHEEL"
-phase_end "(odtrain $(basename "$WHEEL"))"
+# The kernel library's device: numpy, the version this host builds with
+NUMPY_VERSION="$("$PY" -c 'import numpy; print(numpy.__version__)')"
+if [ "$(cat "$DEVICE_SITE/.stamp" 2>/dev/null || true)" != "$NUMPY_VERSION" ]; then
+  "$PY" -m pip download -q -d "$WHEELS" "${PLATFORMS[@]}" "numpy==$NUMPY_VERSION"
+  rm -rf "$DEVICE_SITE"
+  "$PY" -m pip install -q --no-index --find-links "$WHEELS" --target "$DEVICE_SITE" "${PLATFORMS[@]}" \
+    "numpy==$NUMPY_VERSION"
+  rm -rf "$DEVICE_SITE/bin"
+  echo "$NUMPY_VERSION" > "$DEVICE_SITE/.stamp"
+fi
+phase_end "(odtrain $(basename "$WHEEL"), numpy $NUMPY_VERSION)"
 
-# ---- 4. emulated checks -------------------------------------------------------------------------
+# ---- emulated checks -------------------------------------------------------------------------
 phase_start "emulated: python3.11 starts"
 emulated_python - "$CACHE" <<'EOF'
 import os, platform, sys
@@ -243,6 +265,35 @@ assert platform.machine() == "aarch64" and not outside, f"host paths in sys.path
 EOF
 phase_end
 
+# ---- 4. the kernel library, built here for aarch64; the device has numpy and odtrain only -----------
+LIBRARY_RUN="$RUN/library"
+CROSS_CC_FOUND=1
+if [ -z "${ODTRAIN_CROSS_CC:-}" ] && ! command -v aarch64-linux-gnu-gcc > /dev/null; then
+  CROSS_CC_FOUND=0
+  echo "no cross compiler (apt-get install gcc-aarch64-linux-gnu, or ODTRAIN_CROSS_CC): the kernel library phase is skipped"
+  [ "$ONLY_LIBRARY" = 1 ] && exit 1
+fi
+if [ "$CROSS_CC_FOUND" = 1 ]; then
+  phase_start "host: reference artifacts (mlp, cnn; SGD, AdamW)"
+  PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" "$HERE/check_library.py" --prepare "$LIBRARY_RUN"
+  phase_end
+
+  phase_start "host: odtrain compile --target aarch64 --cpu $QEMU_CPU_NAME"
+  PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m odtrain compile "$LIBRARY_RUN"/{mlp,cnn}-{sgd,adamw} \
+    -o "$LIBRARY_RUN/kernels" --target aarch64 --cpu "$QEMU_CPU_NAME"
+  phase_end "($(du -k "$LIBRARY_RUN/kernels/libodtrain_kernels.so" | cut -f1) KiB)"
+
+  phase_start "emulated: golden trajectories through the library, numpy only"
+  EMULATED_SITE="$DEVICE_SITE" ODTRAIN_KERNEL_LIBRARY="$LIBRARY_RUN/kernels" \
+    emulated_python "$HERE/check_library.py" --run "$LIBRARY_RUN"
+  phase_end
+fi
+
+if [ "$ONLY_LIBRARY" = 1 ]; then
+  exit 0
+fi
+
+# ---- 5. emulated, with every dependency installed --------------------------------------------------
 phase_start "emulated: import numpy, scipy, numba, onnx"
 emulated_python - <<'EOF'
 import time
@@ -295,7 +346,7 @@ if [ "$HAVE_CNN_TEST" = 0 ]; then
   fi
 fi
 
-# ---- 5. cold start, emulated --------------------------------------------------------------------
+# ---- cold start, emulated --------------------------------------------------------------------
 phase_start "emulated: odtrain warmup (fills an empty cache)"
 (cd "$RUN" && ODTRAIN_CACHE_DIR="$RUN/numba-cache-warmup" emulated_python -m odtrain warmup)
 phase_end
