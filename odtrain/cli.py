@@ -16,6 +16,8 @@ import sys
 
 from .artifact_paths import ArtifactPaths, refuse_a_model
 from .graph.errors import ArgumentError, ArtifactNotFoundError, OdtrainError
+from .graph.frozen import FROZEN_DTYPES
+from .graph.optimizers import STATE_DTYPES
 from .graph.wording import count, name_list
 
 
@@ -253,16 +255,19 @@ def _prepare(args) -> int:
     if os.path.exists(checkpoint) and not args.force:
         raise ArgumentError(f"'{args.output}' already holds artifacts (a checkpoint); pass --force to replace "
                             "them, or choose another folder with -o")
-    optimizer = {"adamw": artifacts.AdamW(weight_decay=args.weight_decay), "sgd": artifacts.SGD()}[args.optimizer]
     if args.optimizer == "sgd" and args.weight_decay:
         raise ArgumentError("--weight-decay applies to AdamW only")
+    if args.optimizer == "sgd" and args.optimizer_state_dtype != "float32":
+        raise ArgumentError("--optimizer-state-dtype applies to AdamW's moments only; SGD keeps no moments")
+    optimizer = {"adamw": artifacts.AdamW(weight_decay=args.weight_decay, state_dtype=args.optimizer_state_dtype),
+                 "sgd": artifacts.SGD()}[args.optimizer]
     extra = [o for o in graph.outputs if o in loss_inputs] + [o for o in graph.outputs if o not in loss_inputs]
     qat = choices.get("qat")
     properties = {"learning_rate": float(args.lr), "loss": args.loss, "optimizer": args.optimizer}
     del graph  # its mapping of the model file: generate_artifacts maps the file again
     generated = artifacts.generate_artifacts(args.model, optimizer=optimizer, artifact_directory=args.output,
                                              additional_output_names=extra, properties=properties,
-                                             **_artifact_options(choices))
+                                             frozen_dtype=args.frozen_dtype, **_artifact_options(choices))
     trainable, frozen = generated.trainable, generated.frozen
     paths = ArtifactPaths.find(args.output)
     stored = checkpoint_file.load(checkpoint).parameters  # views of the file: sizes without reading it
@@ -678,6 +683,13 @@ def _add_training_commands(commands) -> None:
                          "pattern of the weight or of the node that reads it, e.g. '*q_proj*' (default: every "
                          "weight that feeds a MatMul or Gemm)")
     prepare.add_argument("--lora-seed", type=int, default=0, help="seed of the adapters' initial values (default: 0)")
+    prepare.add_argument("--frozen-dtype", choices=FROZEN_DTYPES, default="float32",
+                         help="store and hold the frozen weight matrices (of products, embeddings, convolutions) "
+                         "in this type: int8 per output channel with float32 scales, or bfloat16; training reads "
+                         "them a block at a time (default: float32)")
+    prepare.add_argument("--optimizer-state-dtype", choices=STATE_DTYPES, default="float32",
+                         help="AdamW's moments in float32, or int8: quantized in blocks, a quarter of the bytes "
+                         "(default: float32)")
     prepare.add_argument("--force", action="store_true", help="replace artifacts already in ARTIFACT_DIR")
     prepare.add_argument("--compile", action="store_true", help="also build the kernels the artifacts use into "
                          "ARTIFACT_DIR/kernels (`odtrain compile`): the device then trains without compiling")

@@ -1,0 +1,185 @@
+"""Frozen matrices kept in fewer bytes: int8 per output channel, or bfloat16.
+
+`store_frozen(graph, frozen, dtype)` rewrites, in place and before the loss and gradients are built, each
+frozen float32 weight of rank 2 or more that only these read: a matrix product (MatMul, Gemm) as its B,
+directly or through Transpose(perm=[1, 0]); Gather as its data along axis 0 (an embedding); Conv as its
+weight. Any other reader (an Add, a norm) leaves the weight float32.
+- int8: the weight becomes q = clamp(rint(W / s), -127, 127) (graph/qat.py's `symmetric_weight`) with one
+  float32 scale s = max|W| / 127 per output channel, the frozen parameter `<W>_frozen_scale`; its readers
+  read DequantizeLinear(q, s, axis) (no zero point: symmetric, weight-only). The output channel is
+  the axis that indexes the product's output columns (a weight read transposed: axis 0; read as B:
+  the last axis), an embedding's rows (axis 0), a Conv's output channels (axis 0). A weight read
+  both ways (a tied embedding: Gather and the vocabulary product through Transpose) takes its first
+  reader's axis; both agree on axis 0 there.
+- bfloat16: the weight becomes its nearest bfloat16 values (ties to even), read through Cast(to=FLOAT).
+The weight keeps its name (its values in the checkpoint are the int8 or bfloat16 ones), so LoRA's
+adapter names and export's merge find it. Both forms are standard ONNX; the training model's fusions
+(graph/fusion.py `dequantized_pass`) then read each product's and Gather's weight through one op that
+dequantizes it a panel at a time (graph/ops/dequantized.py); a Conv keeps the DequantizeLinear, which
+runs just before it (graph/schedule.py `defer_constant_work`): one layer's float weight at a time.
+
+`restore_frozen(graph)` undoes it on a graph whose parameters are initializers (the inference model):
+every weight read through such a DequantizeLinear (two inputs, an int8 initializer) or Cast (from a
+bfloat16 initializer) becomes float32 again, with its readers reading it directly; it returns the names.
+
+`frozen_bytes(types)` sums parameter bytes by element type, for the memory reports.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import ArgumentError
+from .ir import DEFAULT_DOMAIN, Graph, NameScope, Node, TensorType
+from .onnx_wire import numpy_dtype
+from .qat import symmetric_weight
+
+FROZEN_DTYPES = ("float32", "bfloat16", "int8")
+SCALE_SUFFIX = "_frozen_scale"
+BFLOAT16 = 16  # TensorProto.BFLOAT16
+FLOAT = 1
+PRODUCTS = (("", "MatMul"), ("", "Gemm"))
+
+
+def check_frozen_dtype(value) -> str:
+    """`value` when it names a frozen dtype, else an ArgumentError listing them."""
+    if value not in FROZEN_DTYPES:
+        raise ArgumentError(f"frozen_dtype {value!r} is not a type frozen weights are stored in; choose one of "
+                            f"{', '.join(FROZEN_DTYPES)} (int8: per output channel with float32 scales)")
+    return value
+
+
+def _product_axis(product: Node, reads_transposed: bool) -> int:
+    """The axis of the stored weight that indexes a product's output columns."""
+    flipped = product.key == ("", "Gemm") and bool(product.attrs.get("transB", 0))
+    return 0 if reads_transposed != flipped else 1
+
+
+def output_axis(graph: Graph, name: str, consumers) -> int | None:
+    """The output-channel axis of weight `name` by its first reader, or None when a reader is not one that
+    store_frozen handles (see the module docstring)."""
+    axis = None
+    for node in consumers.get(name, []):
+        if node.key == ("", "Transpose") and [int(p) for p in node.attrs.get("perm", [1, 0])] == [1, 0]:
+            readers = consumers.get(node.outputs[0], [])
+            if not readers or any(r.key not in PRODUCTS or r.inputs[1] != node.outputs[0] or r.inputs[0] == node.outputs[0]
+                                  for r in readers):
+                return None
+            found = _product_axis(readers[0], True)
+        elif node.key in PRODUCTS and node.inputs[1] == name and node.inputs[0] != name:
+            found = _product_axis(node, False)
+        elif node.key == ("", "Gather") and node.inputs[0] == name and int(node.attrs.get("axis", 0)) == 0:
+            found = 0
+        elif node.key == ("", "Conv") and node.inputs[1] == name and node.inputs[0] != name:
+            found = 0
+        else:
+            return None
+        axis = found if axis is None else axis
+    return axis
+
+
+def store_frozen(graph: Graph, frozen, dtype: str) -> list[str]:
+    """In place: the frozen float32 weights among `frozen` stored as `dtype` (see the module docstring);
+    returns the names of the scales added (frozen parameters to keep in the checkpoint with their weights)."""
+    check_frozen_dtype(dtype)
+    if dtype == "float32":
+        return []
+    consumers = graph.consumers()
+    names = NameScope(graph)
+    scales: list[str] = []
+    first_reader = {}
+    for position, node in enumerate(graph.nodes):
+        for name in node.inputs:
+            first_reader.setdefault(name, position)
+    inserted: dict[int, list[Node]] = {}
+    for weight in frozen:
+        value = graph.initializers.get(weight)
+        if value is None or np.asarray(value).dtype != np.float32 or np.asarray(value).ndim < 2:
+            continue
+        axis = output_axis(graph, weight, consumers)
+        if axis is None:
+            continue
+        read = names.fresh(f"{weight}_dequantized")
+        if dtype == "int8":
+            values, scale = symmetric_weight(np.asarray(value), axis)
+            scale_name = names.fresh(weight + SCALE_SUFFIX)
+            graph.initializers[scale_name] = scale
+            graph.value_types[scale_name] = TensorType(scale.dtype, scale.shape)
+            scales.append(scale_name)
+            node = Node("DequantizeLinear", [weight, scale_name], [read], {"axis": axis}, names.fresh(f"{weight}_dequantize"))
+        else:
+            values = np.asarray(value).astype(numpy_dtype(BFLOAT16))
+            node = Node("Cast", [weight], [read], {"to": FLOAT}, names.fresh(f"{weight}_to_float"))
+        for reader in consumers[weight]:
+            reader.inputs = [read if i == weight else i for i in reader.inputs]
+        graph.initializers[weight] = values
+        graph.value_types[weight] = TensorType(values.dtype, values.shape)
+        graph.value_types[read] = TensorType(np.dtype(np.float32), values.shape)
+        inserted.setdefault(first_reader[weight], []).append(node)
+    nodes = []
+    for position, node in enumerate(graph.nodes):
+        nodes.extend(inserted.get(position, ()))
+        nodes.append(node)
+    graph.nodes = nodes
+    return scales
+
+
+def _stored_weight(graph: Graph, node: Node) -> str | None:
+    """The int8 or bfloat16 initializer that `node` (DequantizeLinear without zero point, or Cast to float)
+    turns into float32, or None."""
+    source = node.inputs[0] if node.inputs else ""
+    value = graph.initializers.get(source)
+    if value is None:
+        return None
+    dtype = np.asarray(value).dtype
+    if node.key == (DEFAULT_DOMAIN, "DequantizeLinear") and len([i for i in node.inputs if i]) == 2 and \
+            dtype == np.int8 and node.inputs[1] in graph.initializers:
+        return source
+    if node.key == (DEFAULT_DOMAIN, "Cast") and int(node.attrs.get("to", 0)) == FLOAT and dtype.name == "bfloat16":
+        return source
+    return None
+
+
+def dequantized(graph: Graph, node: Node) -> np.ndarray:
+    """The float32 values of the weight a store_frozen node (DequantizeLinear or Cast) reads."""
+    values = np.asarray(graph.initializers[node.inputs[0]])
+    if node.op_type == "Cast":
+        return values.astype(np.float32)
+    scale = np.asarray(graph.initializers[node.inputs[1]], np.float32)
+    shape = [1] * values.ndim
+    if scale.ndim == 1:
+        shape[int(node.attrs.get("axis", 1)) % values.ndim] = -1
+    return values.astype(np.float32) * scale.reshape(shape)
+
+
+def restore_frozen(graph: Graph) -> list[str]:
+    """In place: the weights stored by store_frozen as float32 initializers again (see the module
+    docstring); returns their names."""
+    restored, renamed, kept = [], {}, []
+    for node in graph.nodes:
+        weight = _stored_weight(graph, node)
+        if weight is None:
+            kept.append(node)
+            continue
+        graph.initializers[weight] = dequantized(graph, node)
+        graph.value_types[weight] = TensorType(np.dtype(np.float32), graph.initializers[weight].shape)
+        renamed[node.outputs[0]] = weight
+        restored.append(weight)
+    if not restored:
+        return []
+    for node in kept:
+        node.inputs = [renamed.get(i, i) for i in node.inputs]
+    graph.outputs = [renamed.get(o, o) for o in graph.outputs]
+    graph.nodes = kept
+    read = {i for node in kept for i in node.inputs}
+    for name in [n for n in graph.initializers if n.endswith(SCALE_SUFFIX) and n not in read]:
+        del graph.initializers[name]
+    return restored
+
+
+def frozen_bytes(arrays: dict) -> dict[str, int]:
+    """Bytes of `arrays` ({name: array}) by element type name, largest first."""
+    totals: dict[str, int] = {}
+    for value in arrays.values():
+        key = np.asarray(value).dtype.name
+        totals[key] = totals.get(key, 0) + int(np.asarray(value).nbytes)
+    return dict(sorted(totals.items(), key=lambda item: -item[1]))
