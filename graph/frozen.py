@@ -18,9 +18,12 @@ adapter names and export's merge find it. Both forms are standard ONNX; the trai
 dequantizes it a panel at a time (graph/ops/dequantized.py); a Conv keeps the DequantizeLinear, which
 runs just before it (graph/schedule.py `defer_constant_work`): one layer's float weight at a time.
 
-`restore_frozen(graph)` undoes it on a graph whose parameters are initializers (the inference model):
-every weight read through such a DequantizeLinear (two inputs, an int8 initializer) or Cast (from a
+`restore_frozen(graph, names)` undoes it on a graph whose parameters are initializers (the inference model):
+each weight read through such a DequantizeLinear (two inputs, an int8 initializer) or Cast (from a
 bfloat16 initializer) becomes float32 again, with its readers reading it directly; it returns the names.
+Export (odtrain.api) restores what it must: every weight for a float32 model; for an int8 or bfloat16 model
+the weights stored otherwise and those LoRA adapters merge into, which store_frozen then stores again
+(their values changed), leaving the other weights' stored bytes as they were.
 
 `frozen_bytes(types)` sums parameter bytes by element type, for the memory reports.
 """
@@ -151,18 +154,26 @@ def dequantized(graph: Graph, node: Node) -> np.ndarray:
     return values.astype(np.float32) * scale.reshape(shape)
 
 
-def restore_frozen(graph: Graph) -> list[str]:
-    """In place: the weights stored by store_frozen as float32 initializers again (see the module
-    docstring); returns their names."""
-    restored, renamed, kept = [], {}, []
+def stored_weights(graph: Graph) -> dict[str, str]:
+    """{weight: its element type name} for the weights that store_frozen's nodes read, in a graph whose
+    parameters are initializers."""
+    weights = [_stored_weight(graph, node) for node in graph.nodes]
+    return {w: np.asarray(graph.initializers[w]).dtype.name for w in weights if w is not None}
+
+
+def restore_frozen(graph: Graph, names=None) -> list[str]:
+    """In place: the weights stored by store_frozen (those among `names`, when given) as float32
+    initializers again (see the module docstring); returns their names."""
+    restored, renamed, kept, scales = [], {}, [], set()
     for node in graph.nodes:
         weight = _stored_weight(graph, node)
-        if weight is None:
+        if weight is None or (names is not None and weight not in names):
             kept.append(node)
             continue
         graph.initializers[weight] = dequantized(graph, node)
         graph.value_types[weight] = TensorType(np.dtype(np.float32), graph.initializers[weight].shape)
         renamed[node.outputs[0]] = weight
+        scales.update(node.inputs[1:])
         restored.append(weight)
     if not restored:
         return []
@@ -171,8 +182,8 @@ def restore_frozen(graph: Graph) -> list[str]:
     graph.outputs = [renamed.get(o, o) for o in graph.outputs]
     graph.nodes = kept
     read = {i for node in kept for i in node.inputs}
-    for name in [n for n in graph.initializers if n.endswith(SCALE_SUFFIX) and n not in read]:
-        del graph.initializers[name]
+    for name in scales - read:
+        graph.initializers.pop(name, None)
     return restored
 
 

@@ -32,7 +32,8 @@ from .graph.autodiff import GRAD_SUFFIX
 from .graph.errors import (ArgumentError, CheckpointError, InputError, ModelError, NonFiniteError, ParameterError,
                            StateError)
 from .graph.ir import Graph, TensorType
-from .graph.lora import merge_adapters
+from .graph.frozen import check_frozen_dtype, restore_frozen, store_frozen, stored_weights
+from .graph.lora import SUFFIX_A, merge_adapters
 from .graph.onnx_io import load_graph, save_graph
 from .graph.ops import check_supported
 from .graph.optimizers import STATE_BLOCK, STATE_DTYPES, AdamW, check_state_dtype, read_optimizer_graph
@@ -556,8 +557,13 @@ class Module:
                                 f"{'trainable' if trainable_only else 'float32'} parameters have {size}")
         self._state._mark_assigned(store.scatter(array.reshape(-1), trainable_only))
 
-    def export_model_for_inferencing(self, inference_model_uri, graph_output_names) -> None:
-        """Write an ONNX model computing `graph_output_names` from the model inputs, parameters embedded."""
+    def export_model_for_inferencing(self, inference_model_uri, graph_output_names, frozen_dtype=None) -> None:
+        """Write an ONNX model computing `graph_output_names` from the model inputs, parameters embedded.
+
+        Frozen weights stored as int8 or bfloat16 (generate_artifacts' `frozen_dtype`) are written as float32
+        (`frozen_dtype=None` or "float32"), or as int8 read by DequantizeLinear (a QDQ model, "int8") or
+        bfloat16 read by Cast ("bfloat16"): weights that LoRA adapters merge into are quantized again."""
+        frozen_dtype = check_frozen_dtype(frozen_dtype or "float32")
         if self._eval is None:
             raise StateError("exporting an inference model needs the eval model: pass eval_model_uri to Module(...)")
         self._state._require_values("exporting an inference model")
@@ -577,8 +583,15 @@ class Module:
                 inference.initializers[name] = store.data(name).copy()
         inference.inputs = [n for n in inference.inputs if n not in store]
         inference.name = "inference"
-        # LoRA adapters merged into their weights, then QAT's fake quantization written as QDQ
-        save_graph(quantized_for_inference(merge_adapters(inference)), inference_model_uri)
+        # frozen weights in float32 where they change or must, LoRA adapters merged into their weights, the
+        # changed ones stored again, then QAT's fake quantization written as QDQ
+        adapted = {name[:-len(SUFFIX_A)] for name in inference.initializers if name.endswith(SUFFIX_A)}
+        stored = stored_weights(inference)
+        restored = restore_frozen(inference, None if frozen_dtype == "float32" else
+                                  {w for w, dtype in stored.items() if dtype != frozen_dtype or w in adapted})
+        merged = merge_adapters(inference)
+        store_frozen(merged, restored, frozen_dtype)
+        save_graph(quantized_for_inference(merged), inference_model_uri)
 
 
 class Optimizer:
