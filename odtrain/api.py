@@ -32,7 +32,7 @@ from .graph.autodiff import GRAD_SUFFIX
 from .graph.errors import (ArgumentError, CheckpointError, InputError, ModelError, NonFiniteError, ParameterError,
                            StateError)
 from .graph.ir import Graph, TensorType
-from .graph.frozen import check_frozen_dtype, restore_frozen, store_frozen, stored_weights
+from .graph.frozen import check_frozen_dtype, frozen_bytes, restore_frozen, store_frozen, stored_weights
 from .graph.lora import SUFFIX_A, merge_adapters
 from .graph.onnx_io import load_graph, save_graph
 from .graph.ops import check_supported
@@ -123,6 +123,7 @@ class StateBuffers:
     gradient_bytes: int
     optimizer_kind: str | None  # None before an Optimizer is created for the state
     optimizer_state_bytes: dict[str, int]  # moment name -> bytes
+    frozen_bytes_by_type: dict[str, int] = dataclasses.field(default_factory=dict)  # element type -> bytes
 
 
 @dataclass(frozen=True)
@@ -237,7 +238,8 @@ class CheckpointState:
         return StateBuffers(store.flat.nbytes + sum(a.nbytes for a in store.others.values()),
                             store.flat[:store.trainable_size].nbytes, store.grad_flat.nbytes,
                             optimizer.kind if optimizer else None,
-                            {name: m.nbytes for name, m in optimizer.moments.items()} if optimizer else {})
+                            {name: m.nbytes for name, m in optimizer.moments.items()} if optimizer else {},
+                            frozen_bytes({name: store.data(name) for name in store.frozen}))
 
     def _mark_assigned(self, names) -> None:
         self._unassigned.difference_update(names)

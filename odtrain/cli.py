@@ -16,7 +16,8 @@ import sys
 
 from .artifact_paths import ArtifactPaths, refuse_a_model
 from .graph.errors import ArgumentError, ArtifactNotFoundError, OdtrainError
-from .graph.frozen import FROZEN_DTYPES
+from .allocation import format_bytes
+from .graph.frozen import FROZEN_DTYPES, frozen_bytes
 from .graph.optimizers import STATE_DTYPES
 from .graph.wording import count, name_list
 
@@ -272,10 +273,12 @@ def _prepare(args) -> int:
     paths = ArtifactPaths.find(args.output)
     stored = checkpoint_file.load(checkpoint).parameters  # views of the file: sizes without reading it
     sizes = {n: int(stored[n].size) for n in trainable + frozen}
+    by_type = frozen_bytes({n: stored[n] for n in frozen})
     files = (paths.training_model, paths.eval_model, paths.optimizer_model, paths.checkpoint)
     result = {"artifacts": args.output, "files": [os.path.basename(p) for p in files],
               "trainable": trainable, "frozen": frozen, "trainable_values": sum(sizes[n] for n in trainable),
-              "frozen_values": sum(sizes[n] for n in frozen), "left_out": choices["left_out"], "loss": args.loss,
+              "frozen_values": sum(sizes[n] for n in frozen), "frozen_bytes_by_type": by_type,
+              "left_out": choices["left_out"], "loss": args.loss,
               "loss_layout": choices["loss_text"], "optimizer": args.optimizer, "learning_rate": args.lr,
               "qat": qat is not None}
     if args.compile:
@@ -303,7 +306,8 @@ def _prepare(args) -> int:
     else:
         print(f"trainable: {result['trainable_values']:,} values in {count(len(trainable), 'tensor')} "
               f"({_names(trainable, args.verbose)})")
-    print(f"frozen: {result['frozen_values']:,} values in {count(len(frozen), 'tensor')} "
+    held = ", ".join(f"{dtype} {format_bytes(n)}" for dtype, n in by_type.items())
+    print(f"frozen: {result['frozen_values']:,} values in {count(len(frozen), 'tensor')}, held as {held} "
           f"({_names(frozen, args.verbose)})" if frozen else "frozen: none")
     _print_left_out(choices["left_out"], args.verbose)
     layout = f", {choices['loss_text']}" if choices["loss_text"] else ""
