@@ -33,7 +33,7 @@ from .graph.errors import (ArgumentError, CheckpointError, InputError, ModelErro
                            StateError)
 from .graph.ir import Graph, TensorType
 from .graph.frozen import check_frozen_dtype, frozen_bytes, restore_frozen, store_frozen, stored_weights
-from .graph.lora import SUFFIX_A, merge_adapters
+from .graph.lora import merge_adapters
 from .graph.onnx_io import load_graph, save_graph
 from .graph.ops import check_supported
 from .graph.optimizers import STATE_BLOCK, STATE_DTYPES, AdamW, check_state_dtype, read_optimizer_graph
@@ -563,8 +563,10 @@ class Module:
         """Write an ONNX model computing `graph_output_names` from the model inputs, parameters embedded.
 
         Frozen weights stored as int8 or bfloat16 (generate_artifacts' `frozen_dtype`) are written as float32
-        (`frozen_dtype=None` or "float32"), or as int8 read by DequantizeLinear (a QDQ model, "int8") or
-        bfloat16 read by Cast ("bfloat16"): weights that LoRA adapters merge into are quantized again."""
+        with LoRA adapters merged into them (`frozen_dtype=None` or "float32"), or as int8 read by
+        DequantizeLinear per output channel (a QDQ model, "int8") or bfloat16 read by Cast ("bfloat16"), the
+        adapters then kept as their own rank-r products beside the weights: merged, an update finer than a
+        weight's quantization step would round away. Weights stored in the other type are converted."""
         frozen_dtype = check_frozen_dtype(frozen_dtype or "float32")
         if self._eval is None:
             raise StateError("exporting an inference model needs the eval model: pass eval_model_uri to Module(...)")
@@ -585,15 +587,17 @@ class Module:
                 inference.initializers[name] = store.data(name).copy()
         inference.inputs = [n for n in inference.inputs if n not in store]
         inference.name = "inference"
-        # frozen weights in float32 where they change or must, LoRA adapters merged into their weights, the
-        # changed ones stored again, then QAT's fake quantization written as QDQ
-        adapted = {name[:-len(SUFFIX_A)] for name in inference.initializers if name.endswith(SUFFIX_A)}
-        stored = stored_weights(inference)
-        restored = restore_frozen(inference, None if frozen_dtype == "float32" else
-                                  {w for w, dtype in stored.items() if dtype != frozen_dtype or w in adapted})
-        merged = merge_adapters(inference)
-        store_frozen(merged, restored, frozen_dtype)
-        save_graph(quantized_for_inference(merged), inference_model_uri)
+        # float32: every frozen weight restored and the LoRA adapters merged into their weights; int8 or
+        # bfloat16: the weights stored in the other type converted, the adapters kept beside their weights
+        # (an update finer than int8's step would round away in a merge); then QAT's fake quantization as QDQ
+        if frozen_dtype == "float32":
+            restore_frozen(inference)
+            inference = merge_adapters(inference)
+        else:
+            stored = stored_weights(inference)
+            store_frozen(inference, restore_frozen(inference, {w for w, t in stored.items() if t != frozen_dtype}),
+                         frozen_dtype)
+        save_graph(quantized_for_inference(inference), inference_model_uri)
 
 
 class Optimizer:
