@@ -4,8 +4,8 @@
 frozen float32 weight of rank 2 or more that only these read: a matrix product (MatMul, Gemm) as its B,
 directly or through Transpose(perm=[1, 0]); Gather as its data along axis 0 (an embedding); Conv as its
 weight. Any other reader (an Add, a norm) leaves the weight float32.
-- int8: the weight becomes q = clamp(rint(W / s), -127, 127) (graph/qat.py's `symmetric_weight`) with one
-  float32 scale s = max|W| / 127 per output channel, the frozen parameter `<W>_frozen_scale`; its readers
+- int8: the weight becomes q = rint(W / s) (within [-127, 127]; graph/qat.py's `symmetric_weight`, computed
+  a block of rows at a time) with one float32 scale s = max|W| / 127 per output channel, the frozen parameter `<W>_frozen_scale`; its readers
   read DequantizeLinear(q, s, axis) (no zero point: symmetric, weight-only). The output channel is
   the axis that indexes the product's output columns (a weight read transposed: axis 0; read as B:
   the last axis), an embedding's rows (axis 0), a Conv's output channels (axis 0). A weight read
@@ -33,8 +33,7 @@ import numpy as np
 
 from .errors import ArgumentError
 from .ir import DEFAULT_DOMAIN, Graph, NameScope, Node, TensorType
-from .onnx_wire import numpy_dtype
-from .qat import symmetric_weight
+from .onnx_wire import numpy_dtype, release_mapped
 
 FROZEN_DTYPES = ("float32", "bfloat16", "int8")
 SCALE_SUFFIX = "_frozen_scale"
@@ -80,6 +79,43 @@ def output_axis(graph: Graph, name: str, consumers) -> int | None:
     return axis
 
 
+BLOCK_ELEMENTS = 1 << 20  # a weight is converted this many values at a time: temporaries stay small
+
+
+def _row_blocks(matrix: np.ndarray):
+    step = max(1, BLOCK_ELEMENTS // max(matrix.shape[1], 1))
+    for first in range(0, matrix.shape[0], step):
+        yield slice(first, first + step)
+
+
+def int8_per_channel(weight: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """qat.symmetric_weight's (int8 values, float32 scales) of `weight` along `axis` (0, or the last for a
+    matrix), computed a block of rows at a time."""
+    matrix = weight.reshape(weight.shape[0], -1) if axis == 0 else weight.reshape(-1, weight.shape[-1])
+    rows = list(_row_blocks(matrix))
+    if axis == 0:
+        largest = np.concatenate([np.abs(matrix[r]).max(axis=1, initial=0) for r in rows])
+    else:
+        largest = np.zeros(matrix.shape[1], np.float32)
+        for r in rows:
+            np.maximum(largest, np.abs(matrix[r]).max(axis=0, initial=0), out=largest)
+    scale = np.where(largest > 0, largest / np.float32(127), np.float32(1.0)).astype(np.float32)
+    values = np.empty(matrix.shape, np.int8)
+    for r in rows:
+        divisor = scale[r, None] if axis == 0 else scale
+        values[r] = np.clip(np.rint(matrix[r] / divisor), -128, 127)
+    return values.reshape(weight.shape), scale
+
+
+def bfloat16_values(weight: np.ndarray) -> np.ndarray:
+    """The nearest bfloat16 values of `weight` (ties to even), a block of rows at a time."""
+    matrix = weight.reshape(weight.shape[0], -1)
+    values = np.empty(matrix.shape, numpy_dtype(BFLOAT16))
+    for r in _row_blocks(matrix):
+        values[r] = matrix[r].astype(values.dtype)
+    return values.reshape(weight.shape)
+
+
 def store_frozen(graph: Graph, frozen, dtype: str) -> list[str]:
     """In place: the frozen float32 weights among `frozen` stored as `dtype` (see the module docstring);
     returns the names of the scales added (frozen parameters to keep in the checkpoint with their weights)."""
@@ -103,17 +139,18 @@ def store_frozen(graph: Graph, frozen, dtype: str) -> list[str]:
             continue
         read = names.fresh(f"{weight}_dequantized")
         if dtype == "int8":
-            values, scale = symmetric_weight(np.asarray(value), axis)
+            values, scale = int8_per_channel(np.asarray(value), axis)
             scale_name = names.fresh(weight + SCALE_SUFFIX)
             graph.initializers[scale_name] = scale
             graph.value_types[scale_name] = TensorType(scale.dtype, scale.shape)
             scales.append(scale_name)
             node = Node("DequantizeLinear", [weight, scale_name], [read], {"axis": axis}, names.fresh(f"{weight}_dequantize"))
         else:
-            values = np.asarray(value).astype(numpy_dtype(BFLOAT16))
+            values = bfloat16_values(np.asarray(value))
             node = Node("Cast", [weight], [read], {"to": FLOAT}, names.fresh(f"{weight}_to_float"))
         for reader in consumers[weight]:
             reader.inputs = [read if i == weight else i for i in reader.inputs]
+        release_mapped(np.asarray(value))  # the float32 values, read once: their file pages may go
         graph.initializers[weight] = values
         graph.value_types[weight] = TensorType(values.dtype, values.shape)
         graph.value_types[read] = TensorType(np.dtype(np.float32), values.shape)

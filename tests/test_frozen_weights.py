@@ -212,3 +212,21 @@ def test_exported_models_run_in_onnxruntime_like_odtrain(kind, tmp_path):
                             {TensorProto.INT8 if kind == "int8" else TensorProto.BFLOAT16})
         (got,) = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)
         np.testing.assert_allclose(got, logits, atol=1e-5 * np.abs(logits).max(), rtol=0, err_msg=str(frozen_dtype))
+
+
+def test_weights_convert_in_blocks_as_whole():
+    """int8 per channel (either axis, several blocks of rows) equals qat.symmetric_weight; bfloat16 equals ml_dtypes'
+    conversion of the whole weight."""
+    from odtrain.graph import frozen
+    from odtrain.graph.qat import symmetric_weight
+
+    w = np.random.default_rng(3).standard_normal((3000, 700)).astype(np.float32)
+    w[5] = 0  # a channel of zeros: scale 1
+    assert w.size > 2 * frozen.BLOCK_ELEMENTS
+    for axis in (0, 1):
+        values, scale = frozen.int8_per_channel(w, axis)
+        expected_values, expected_scale = symmetric_weight(w, axis)
+        np.testing.assert_array_equal(scale, expected_scale)
+        np.testing.assert_array_equal(values, expected_values)
+    converted = frozen.bfloat16_values(w)
+    assert converted.tobytes() == w.astype(converted.dtype).tobytes()
