@@ -230,3 +230,28 @@ def test_weights_convert_in_blocks_as_whole():
         np.testing.assert_array_equal(values, expected_values)
     converted = frozen.bfloat16_values(w)
     assert converted.tobytes() == w.astype(converted.dtype).tobytes()
+
+
+def test_a_model_written_without_onnx_appends_its_large_initializers(tmp_path, monkeypatch):
+    """Where onnx is not loaded (a device exporting), save_graph writes the large initializers (int8, bfloat16,
+    float32) from their arrays after the model's other bytes; onnx reads every value back."""
+    import sys
+
+    from odtrain.graph.ir import Graph, Node
+    from odtrain.graph.onnx_io import save_graph
+    from odtrain.graph.onnx_wire import numpy_dtype
+
+    w = np.random.default_rng(4).standard_normal((64, 48)).astype(np.float32)
+    values = {"float": w, "int8": np.arange(64 * 48).reshape(64, 48).astype(np.int8),
+              "bf16": w.astype(numpy_dtype(TensorProto.BFLOAT16)), "scale": np.ones(48, np.float32)}
+    graph = Graph([Node("DequantizeLinear", ["int8", "scale"], ["a"], {"axis": 1}, "dq"),
+                   Node("Cast", ["bf16"], ["b"], {"to": 1}, "cast"), Node("Add", ["a", "b"], ["c"], {}, "add"),
+                   Node("Add", ["c", "float"], ["y"], {}, "add2")], [], ["y"], dict(values), {}, {"": 21})
+    path = tmp_path / "model.onnx"
+    with monkeypatch.context() as patched:
+        patched.delitem(sys.modules, "onnx")
+        save_graph(graph, path)
+    saved = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer}
+    assert sorted(saved) == sorted(values)
+    for name, value in values.items():
+        assert saved[name].dtype == value.dtype and saved[name].tobytes() == value.tobytes(), name
