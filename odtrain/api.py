@@ -583,8 +583,8 @@ class Module:
         inference = graph.prune(list(graph_output_names))
         store = self._state._store
         for name in list(inference.inputs):
-            if name in store:
-                inference.initializers[name] = store.data(name).copy()
+            if name in store:  # the live arrays: the steps below make new arrays where they change a value
+                inference.initializers[name] = store.data(name)
         inference.inputs = [n for n in inference.inputs if n not in store]
         inference.name = "inference"
         # float32: every frozen weight restored and the LoRA adapters merged into their weights; int8 or

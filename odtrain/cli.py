@@ -306,8 +306,9 @@ def _prepare(args) -> int:
     else:
         print(f"trainable: {result['trainable_values']:,} values in {count(len(trainable), 'tensor')} "
               f"({_names(trainable, args.verbose)})")
-    held = ", ".join(f"{dtype} {format_bytes(n)}" for dtype, n in by_type.items())
-    print(f"frozen: {result['frozen_values']:,} values in {count(len(frozen), 'tensor')}, held as {held} "
+    held = "" if set(by_type) <= {"float32"} else \
+        ", held as " + ", ".join(f"{dtype} {format_bytes(n)}" for dtype, n in by_type.items())
+    print(f"frozen: {result['frozen_values']:,} values in {count(len(frozen), 'tensor')}{held} "
           f"({_names(frozen, args.verbose)})" if frozen else "frozen: none")
     _print_left_out(choices["left_out"], args.verbose)
     layout = f", {choices['loss_text']}" if choices["loss_text"] else ""
