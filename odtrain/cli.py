@@ -456,7 +456,7 @@ def _export(args) -> int:
     if not outputs:
         raise ArgumentError(f"the eval model of '{args.artifacts}' computes only the loss; name the values to "
                             "export with --outputs NAME")
-    session.module.export_model_for_inferencing(args.output, outputs)
+    session.module.export_model_for_inferencing(args.output, outputs, frozen_dtype=args.frozen_dtype)
     graph = load_graph(args.output, "inference model")
     result = {"model": args.output, "inputs": [_value(graph, n) for n in graph.inputs],
               "outputs": [_value(graph, n) for n in graph.outputs]}
@@ -749,6 +749,9 @@ def _add_training_commands(commands) -> None:
     export.add_argument("artifacts", metavar="ARTIFACT_DIR", help="a folder written by `odtrain prepare`")
     export.add_argument("-o", "--output", required=True, metavar="MODEL.onnx", help="the file to write")
     export.add_argument("--outputs", nargs="+", metavar="NAME", help="values to output (default: the model's outputs)")
+    export.add_argument("--frozen-dtype", choices=FROZEN_DTYPES, help="write frozen weights stored as int8 or "
+                        "bfloat16 (prepare --frozen-dtype) in this type: int8 read by DequantizeLinear (a QDQ "
+                        "model), bfloat16 by Cast, LoRA adapters beside them; default float32, adapters merged")
     export.add_argument("--adapters-only", action="store_true", help="write only the trained LoRA adapters (and "
                         "the parameters trained with them) as a safetensors file to -o, not the merged model")
     export.add_argument("--json", action="store_true", help="print the result as JSON")
