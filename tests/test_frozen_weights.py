@@ -255,3 +255,57 @@ def test_a_model_written_without_onnx_appends_its_large_initializers(tmp_path, m
     assert sorted(saved) == sorted(values)
     for name, value in values.items():
         assert saved[name].dtype == value.dtype and saved[name].tobytes() == value.tobytes(), name
+
+
+def embedding_model(vocabulary=64, width=48, outer=40):
+    """y = (E[ids] ⊙ P) · Wᵀ, loss = Σ y ⊙ R: an embedding and a product of frozen weights, P trains."""
+    rng = np.random.default_rng(5)
+    inits = {"E": rng.standard_normal((vocabulary, width)).astype(np.float32),
+             "P": rng.standard_normal(width).astype(np.float32),
+             "W": rng.standard_normal((outer, width)).astype(np.float32),
+             "R": rng.standard_normal((2, 8, outer)).astype(np.float32)}
+    nodes = [helper.make_node("Gather", ["E", "ids"], ["h"]), helper.make_node("Mul", ["h", "P"], ["scaled"]),
+             helper.make_node("Transpose", ["W"], ["Wt"], perm=[1, 0]), helper.make_node("MatMul", ["scaled", "Wt"], ["y"]),
+             helper.make_node("Mul", ["y", "R"], ["weighted"]), helper.make_node("ReduceSum", ["weighted"], ["loss"], keepdims=0)]
+    graph = helper.make_graph(nodes, "embedding", [helper.make_tensor_value_info("ids", TensorProto.INT64, [2, 8])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+                              [onnx.numpy_helper.from_array(v, n) for n, v in inits.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["int8", "bfloat16"])
+def test_the_kernel_library_runs_stored_weights_with_the_jits_bits(kind, tmp_path):
+    """The dequantizing kernels built into the kernel library (odtrain compile) give the JIT's bits, at one
+    thread and at two."""
+    import shutil
+
+    from odtrain import kernel_library
+    from odtrain.kernel_build import compile_artifacts
+
+    with_library, without = tmp_path / "library", tmp_path / "jit"
+    artifacts.generate_artifacts(embedding_model(), requires_grad=["P"], frozen_params=["E", "W"], loss=None,
+                                 optimizer=artifacts.OptimType.AdamW, artifact_directory=with_library,
+                                 frozen_dtype=kind)
+    shutil.copytree(with_library, without)
+    compile_artifacts(with_library, thread_counts=(1, 2), out=lambda line: None)
+    ids = np.random.default_rng(6).integers(0, 64, (3, 2, 8))
+    for threads in (1, 2):
+        results = []
+        for folder in (with_library, without):
+            state = CheckpointState.load_checkpoint(folder / "checkpoint")
+            module = Module(folder / "training_model.onnx", state, folder / "eval_model.onnx", num_threads=threads)
+            optimizer = Optimizer(folder / "optimizer_model.onnx", module)
+            losses = []
+            for step in range(3):
+                losses.append(float(module(ids[step])))
+                optimizer.step()
+                module.lazy_reset_grad()
+            assert (module.kernel_library is not None) == (folder == with_library)
+            if folder == with_library:  # every call of the step ran in the library
+                assert next(iter(module._train.plans.values())).program.jit_calls == 0
+            results.append((losses, state._store.flat.copy()))
+        kinds = {n.op_type for n in onnx.load(str(with_library / "training_model.onnx")).graph.node}
+        assert {"DequantizedGather", "DequantizedMatMul"} <= kinds
+        assert results[0][0] == results[1][0] and np.array_equal(results[0][1], results[1][1])
+    assert kernel_library.FOLDER in {p.name for p in with_library.iterdir()}
