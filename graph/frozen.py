@@ -5,8 +5,9 @@ frozen float32 weight of rank 2 or more that only these read: a matrix product (
 directly or through Transpose(perm=[1, 0]); Gather as its data along axis 0 (an embedding); Conv as its
 weight. Any other reader (an Add, a norm) leaves the weight float32.
 - int8: the weight becomes q = rint(W / s) (within [-127, 127]; graph/qat.py's `symmetric_weight`, computed
-  a block of rows at a time) with one float32 scale s = max|W| / 127 per output channel, the frozen parameter `<W>_frozen_scale`; its readers
-  read DequantizeLinear(q, s, axis) (no zero point: symmetric, weight-only). The output channel is
+  a block of rows at a time: `int8_per_channel`) with one float32 scale s = max|W| / 127 per output channel,
+  the frozen parameter `<W>_frozen_scale`; its readers read DequantizeLinear(q, s, axis) (no zero point:
+  symmetric, weight-only). The output channel is
   the axis that indexes the product's output columns (a weight read transposed: axis 0; read as B:
   the last axis), an embedding's rows (axis 0), a Conv's output channels (axis 0). A weight read
   both ways (a tied embedding: Gather and the vocabulary product through Transpose) takes its first
@@ -21,11 +22,13 @@ runs just before it (graph/schedule.py `defer_constant_work`): one layer's float
 `restore_frozen(graph, names)` undoes it on a graph whose parameters are initializers (the inference model):
 each weight read through such a DequantizeLinear (two inputs, an int8 initializer) or Cast (from a
 bfloat16 initializer) becomes float32 again, with its readers reading it directly; it returns the names.
-Export (odtrain.api) restores what it must: every weight for a float32 model; for an int8 or bfloat16 model
-the weights stored otherwise and those LoRA adapters merge into, which store_frozen then stores again
-(their values changed), leaving the other weights' stored bytes as they were.
+Export (odtrain.api) restores every weight for a float32 model; for an int8 or bfloat16 model only the
+weights stored in the other type, which store_frozen then stores in the asked one.
 
-`frozen_bytes(types)` sums parameter bytes by element type, for the memory reports.
+`prepare` reads the model file through a mapping (graph/onnx_wire.py): once a weight is converted, the
+file's pages of its float32 values are released (`release_mapped`), so they leave the process's RSS.
+
+`frozen_bytes(arrays)` sums parameter bytes by element type, for the memory reports.
 """
 from __future__ import annotations
 
@@ -63,7 +66,8 @@ def output_axis(graph: Graph, name: str, consumers) -> int | None:
     for node in consumers.get(name, []):
         if node.key == ("", "Transpose") and [int(p) for p in node.attrs.get("perm", [1, 0])] == [1, 0]:
             readers = consumers.get(node.outputs[0], [])
-            if not readers or any(r.key not in PRODUCTS or r.inputs[1] != node.outputs[0] or r.inputs[0] == node.outputs[0]
+            transposed = node.outputs[0]
+            if not readers or any(r.key not in PRODUCTS or r.inputs[1] != transposed or r.inputs[0] == transposed
                                   for r in readers):
                 return None
             found = _product_axis(readers[0], True)
@@ -144,7 +148,8 @@ def store_frozen(graph: Graph, frozen, dtype: str) -> list[str]:
             graph.initializers[scale_name] = scale
             graph.value_types[scale_name] = TensorType(scale.dtype, scale.shape)
             scales.append(scale_name)
-            node = Node("DequantizeLinear", [weight, scale_name], [read], {"axis": axis}, names.fresh(f"{weight}_dequantize"))
+            node = Node("DequantizeLinear", [weight, scale_name], [read], {"axis": axis},
+                        names.fresh(f"{weight}_dequantize"))
         else:
             values = bfloat16_values(np.asarray(value))
             node = Node("Cast", [weight], [read], {"to": FLOAT}, names.fresh(f"{weight}_to_float"))
@@ -163,20 +168,26 @@ def store_frozen(graph: Graph, frozen, dtype: str) -> list[str]:
     return scales
 
 
-def _stored_weight(graph: Graph, node: Node) -> str | None:
-    """The int8 or bfloat16 initializer that `node` (DequantizeLinear without zero point, or Cast to float)
-    turns into float32, or None."""
+def reads_stored(node: Node, dtype_of) -> str | None:
+    """The weight that `node` turns into float32 the way store_frozen writes it (DequantizeLinear of int8 without
+    zero point or blocks, or Cast to float of bfloat16), or None; `dtype_of(name)` gives a value's dtype or None."""
     source = node.inputs[0] if node.inputs else ""
-    value = graph.initializers.get(source)
-    if value is None:
+    dtype = dtype_of(source) if source else None
+    if dtype is None:
         return None
-    dtype = np.asarray(value).dtype
-    if node.key == (DEFAULT_DOMAIN, "DequantizeLinear") and len([i for i in node.inputs if i]) == 2 and \
-            dtype == np.int8 and node.inputs[1] in graph.initializers:
+    if node.key == (DEFAULT_DOMAIN, "DequantizeLinear") and len(node.inputs) == 2 and all(node.inputs) and \
+            dtype == np.int8 and not node.attrs.get("block_size", 0):
         return source
     if node.key == (DEFAULT_DOMAIN, "Cast") and int(node.attrs.get("to", 0)) == FLOAT and dtype.name == "bfloat16":
         return source
     return None
+
+
+def _stored_weight(graph: Graph, node: Node) -> str | None:
+    """The int8 or bfloat16 initializer (with an initializer scale) that `node` turns into float32, or None."""
+    weight = reads_stored(node, lambda name: np.asarray(graph.initializers[name]).dtype
+                          if name in graph.initializers else None)
+    return weight if weight is not None and all(i in graph.initializers for i in node.inputs) else None
 
 
 def dequantized(graph: Graph, node: Node) -> np.ndarray:

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .frozen import reads_stored
 from .ir import ODTRAIN_DOMAIN, Graph, Node, TensorType
 from .ops import OPS
 from .ops.linalg import adds_into, fused_matmul_shape
@@ -481,14 +482,12 @@ def _match_vocabulary_loss(index: _Index, node: Node):
 def _stored_weight(graph: Graph, node: Node) -> tuple[list[str], int] | None:
     """([W] or [W, scale], axis) when `node` turns a 2-D int8 weight (DequantizeLinear without zero point, per
     tensor or per axis) or bfloat16 weight (Cast to float) into float32, else None."""
-    source = graph.value_types.get(node.inputs[0]) if node.inputs else None
+    weight = reads_stored(node, lambda name: graph.value_types[name].dtype if name in graph.value_types else None)
+    source = graph.value_types.get(weight) if weight is not None else None
     if source is None or source.shape is None or len(source.shape) != 2:
         return None
-    if node.key == ("", "Cast") and int(node.attrs.get("to", 0)) == 1 and source.dtype.name == "bfloat16":
-        return [node.inputs[0]], 0
-    if node.key != ("", "DequantizeLinear") or len([i for i in node.inputs if i]) != 2 or len(node.inputs) != 2 or \
-            source.dtype != np.int8 or node.attrs.get("block_size", 0):
-        return None
+    if node.op_type == "Cast":
+        return [weight], 0
     scale = graph.value_types.get(node.inputs[1])
     axis = int(node.attrs.get("axis", 1)) % 2
     if scale is None or scale.shape is None or (scale.shape not in ((), (1,)) and scale.shape != (source.shape[axis],)):
@@ -507,8 +506,8 @@ def _dequantized_reader(graph: Graph, reader: Node, weight: str, stored: list[st
         return None
     if reader.key == ("", "MatMul") and len(inputs) == 2:
         transposed = 0
-    elif reader.key == (ODTRAIN_DOMAIN, "FusedMatMul") and len(inputs) == 2 and set(reader.attrs) <= {"transB", "alpha"} \
-            and float(reader.attrs.get("alpha", 1.0)) == 1.0:
+    elif reader.key == (ODTRAIN_DOMAIN, "FusedMatMul") and len(inputs) == 2 and \
+            set(reader.attrs) <= {"transB", "alpha"} and float(reader.attrs.get("alpha", 1.0)) == 1.0:
         transposed = int(reader.attrs.get("transB", 0))
     elif reader.key == ("", "Gemm") and len([i for i in inputs if i]) == 2 and not reader.attrs.get("transA", 0) and \
             float(reader.attrs.get("alpha", 1.0)) == 1.0:

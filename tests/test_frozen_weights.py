@@ -6,8 +6,6 @@ the float32 LoRA run of the test decoder (the int8 run's loss after 8 steps); on
 A float32 product of inner size K lands within K·2⁻²⁴·(|A|·|W|) of the exact one per element (the rounding of
 each multiply-add); the tests allow 4x that bound elementwise, far below what a wrong scale or panel shifts.
 """
-import json
-
 import numpy as np
 import onnx
 import pytest

@@ -32,13 +32,14 @@ def batches(vocab, batch, seq, count, seed=0):
     return ids[..., :-1], ids[..., 1:]
 
 
-def run_odtrain(kind, model, batch, seq, steps, warmup, directory, targets=LORA_TARGETS):
+def run_odtrain(kind, model, batch, seq, steps, warmup, directory, targets=LORA_TARGETS, frozen_dtype="float32"):
     from odtrain import artifacts
     from odtrain.api import CheckpointState, Module, Optimizer
 
     lora = artifacts.LoraConfig(RANK, ALPHA, targets) if kind == "lora" else None
     artifacts.generate_artifacts(model, loss=artifacts.LossType.CrossEntropyLoss, class_axis=-1, ignore_index=-100,
-                                 optimizer=artifacts.OptimType.AdamW, artifact_directory=directory, lora=lora)
+                                 optimizer=artifacts.OptimType.AdamW, artifact_directory=directory, lora=lora,
+                                 frozen_dtype=frozen_dtype)
     state = CheckpointState.load_checkpoint(f"{directory}/checkpoint")
     module = Module(f"{directory}/training_model.onnx", state, f"{directory}/eval_model.onnx")
     optimizer = Optimizer(f"{directory}/optimizer_model.onnx", module)
@@ -104,6 +105,8 @@ def main(argv=None):
     parser.add_argument("--lora-targets", nargs="+", default=LORA_TARGETS, metavar="GLOB",
                         help=f"the weights LoRA adapts (default: {' '.join(LORA_TARGETS)}; the issue's runs: "
                         "'*q_proj*' '*k_proj*' '*v_proj*' '*o_proj*')")
+    parser.add_argument("--frozen-dtype", choices=("float32", "bfloat16", "int8"), default="float32",
+                        help="odtrain: the type the frozen weights are stored and held in (generate_artifacts)")
     parser.add_argument("--torch-threads", type=int, help="torch.set_num_threads (default: PyTorch's own choice; "
                         "odtrain's threads follow ODTRAIN_NUM_THREADS)")
     args = parser.parse_args(argv)
@@ -116,7 +119,7 @@ def main(argv=None):
 
         with tempfile.TemporaryDirectory() as directory:
             times, trainable = run_odtrain(args.kind, args.model, args.batch, args.seq, args.steps, args.warmup,
-                                           directory, args.lora_targets)
+                                           directory, args.lora_targets, args.frozen_dtype)
     else:
         times, trainable = run_torch(args.kind, args.batch, args.seq, args.steps, args.warmup, args.shape,
                                      args.lora_targets)
