@@ -495,10 +495,12 @@ def _stored_weight(graph: Graph, node: Node) -> tuple[list[str], int] | None:
     return list(node.inputs), axis
 
 
-def _dequantized_reader(graph: Graph, reader: Node, weight: str, stored: list[str], axis: int) -> Node | None:
-    """The DequantizedMatMul or DequantizedGather reading `stored` in place of `reader`'s `weight`, or None."""
+def _dequantized_reader(graph: Graph, reader: Node, weight: str, stored: list[str], axis: int,
+                        flipped: int = 0) -> Node | None:
+    """The DequantizedMatMul or DequantizedGather reading `stored` in place of `reader`'s `weight` (the weight
+    transposed when `flipped`), or None."""
     inputs = reader.inputs
-    if reader.key == ("", "Gather") and inputs[0] == weight and inputs[1] != weight and \
+    if reader.key == ("", "Gather") and inputs[0] == weight and inputs[1] != weight and not flipped and \
             int(reader.attrs.get("axis", 0)) == 0:
         return Node("DequantizedGather", [stored[0], inputs[1]] + stored[1:], list(reader.outputs), {"axis": axis},
                     reader.name, ODTRAIN_DOMAIN)
@@ -514,12 +516,13 @@ def _dequantized_reader(graph: Graph, reader: Node, weight: str, stored: list[st
         transposed = int(reader.attrs.get("transB", 0))
     else:
         return None
-    return Node("DequantizedMatMul", [inputs[0]] + stored, list(reader.outputs), {"transB": transposed, "axis": axis},
-                reader.name, ODTRAIN_DOMAIN)
+    return Node("DequantizedMatMul", [inputs[0]] + stored, list(reader.outputs),
+                {"transB": transposed ^ flipped, "axis": axis}, reader.name, ODTRAIN_DOMAIN)
 
 
 def dequantized_pass(graph: Graph) -> None:
-    """Products and gathers of frozen int8 and bfloat16 weights read them in place (see the module docstring)."""
+    """Products and gathers of frozen int8 and bfloat16 weights read them in place (see the module docstring);
+    a product reading the weight through Transpose(perm=[1, 0]) (an eval model, unfused) too."""
     consumers = graph.consumers()
     replaced: dict[int, Node] = {}
     removed: set[int] = set()
@@ -528,11 +531,29 @@ def dequantized_pass(graph: Graph) -> None:
         readers = consumers.get(node.outputs[0], []) if found is not None else []
         if not readers or node.outputs[0] in graph.outputs:
             continue
-        fused = [_dequantized_reader(graph, reader, node.outputs[0], *found) for reader in readers]
-        if all(f is not None for f in fused):
-            removed.add(id(node))
-            replaced.update((id(reader), f) for reader, f in zip(readers, fused))
+        fused, transposes = [], []
+        for reader in readers:
+            if reader.key == ("", "Transpose") and [int(p) for p in reader.attrs.get("perm", [])] == [1, 0] and \
+                    reader.outputs[0] not in graph.outputs and consumers.get(reader.outputs[0]):
+                transposes.append(reader)
+                fused += [(user, _dequantized_reader(graph, user, reader.outputs[0], *found, flipped=1))
+                          for user in consumers[reader.outputs[0]]]
+            else:
+                fused.append((reader, _dequantized_reader(graph, reader, node.outputs[0], *found)))
+        if all(f is not None for _, f in fused):
+            removed.update(id(n) for n in [node] + transposes)
+            replaced.update((id(reader), f) for reader, f in fused)
     graph.nodes = [replaced.get(id(n), n) for n in graph.nodes if id(n) not in removed]
+
+
+def with_stored_weights_read_in_place(graph: Graph) -> Graph:
+    """`graph` itself, or a copy whose products and gathers read frozen int8 and bfloat16 weights in place
+    (dequantized_pass): what an eval model runs."""
+    if not any(_stored_weight(graph, node) for node in graph.nodes):
+        return graph
+    fused = graph.copy()
+    dequantized_pass(fused)
+    return fused
 
 
 def _bias_pass(graph: Graph) -> None:

@@ -33,6 +33,7 @@ from .graph.errors import (ArgumentError, CheckpointError, InputError, ModelErro
                            StateError)
 from .graph.ir import Graph, TensorType
 from .graph.frozen import check_frozen_dtype, frozen_bytes, restore_frozen, store_frozen, stored_weights
+from .graph.fusion import with_stored_weights_read_in_place
 from .graph.lora import merge_adapters
 from .graph.onnx_io import load_graph, save_graph
 from .graph.ops import check_supported
@@ -282,6 +283,8 @@ class _GraphSession:
         self.library = kernel_library.find(os.path.dirname(os.path.abspath(self.uri)))  # None: the JIT's kernels
         self.graph = load_graph(uri, what)
         check_supported(self.graph.nodes, f"{what} '{self.uri}'")
+        # what the steps run: an eval model reads stored frozen weights in place (the training model already does)
+        self.step_graph = self.graph if with_gradients else with_stored_weights_read_in_place(self.graph)
         store = state._store
         self.state = state
         self.input_names = [n for n in self.graph.inputs if n not in store]
@@ -345,7 +348,7 @@ class _GraphSession:
             types = {name: TensorType(a.dtype, a.shape) for name, a in zip(self.input_names, arrays)}
             guarded = tuple(self.output_names[:1]) if self.check_finite else ()
             sinks = {} if self.fused else self.sinks
-            plan = ExecutableStep(self.graph, types, self.external, sinks, accumulate and not self.fused, guarded,
+            plan = ExecutableStep(self.step_graph, types, self.external, sinks, accumulate and not self.fused, guarded,
                                   self.memory_budget, self.fused, self.arena, threads=threads, library=self.library)
             self.plans[signature] = plan
             if len(self.plans) > PLAN_CACHE_SIZE:

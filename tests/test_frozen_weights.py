@@ -15,7 +15,7 @@ from conftest import DATA, odtrain_main
 from odtrain import artifacts
 from odtrain.api import CheckpointState, Module, Optimizer
 from odtrain.graph.errors import ArgumentError
-from odtrain.graph.frozen import restore_frozen, store_frozen
+from odtrain.graph.frozen import reads_stored, restore_frozen, store_frozen
 from odtrain.graph.ir import Graph
 from odtrain.kernels import BINDINGS
 from odtrain.kernels.dequantized import PANEL_ELEMENTS, _product_scratch
@@ -193,13 +193,18 @@ def test_int8_lora_run_lands_on_the_float32_run(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["int8", "bfloat16"])
 def test_exported_models_run_in_onnxruntime_like_odtrain(kind, tmp_path):
-    """After LoRA steps on a stored base, the inference model in float32 (the default: adapters merged) and in the
+    """After LoRA steps on a stored base, odtrain's eval (the eval model's products and gathers reading the stored
+    weights in place) and the inference model in float32 (the default: adapters merged) and in the
     stored type (int8 as QDQ, DequantizeLinear per output channel; bfloat16 through Cast; adapters beside the
     weights) gives odtrain's eval logits in onnxruntime. Measured: 4.6e-7 of the largest logit (float32),
     3.1e-7 (int8), 3.0e-7 (bfloat16); merging the adapters into int8 weights instead was 6.8e-3 away."""
     onnxruntime = pytest.importorskip("onnxruntime")
     _, module, batch = lora_run(tmp_path, kind, outputs=("logits",))
     _, logits = module(*batch)
+    evaluated = module._eval.step_graph  # the eval model reads them in place too
+    types = evaluated.value_types
+    assert {"DequantizedMatMul", "DequantizedGather"} <= {n.op_type for n in evaluated.nodes}
+    assert not any(reads_stored(n, lambda name: types[name].dtype if name in types else None) for n in evaluated.nodes)
     feeds = {"input_ids": batch[0], "attention_mask": batch[1]}
     for frozen_dtype in (None, kind):
         path = tmp_path / f"inference_{frozen_dtype}.onnx"
