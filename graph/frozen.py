@@ -21,7 +21,8 @@ runs just before it (graph/schedule.py `defer_constant_work`): one layer's float
 
 `restore_frozen(graph, names)` undoes it on a graph whose parameters are initializers (the inference model):
 each weight read through such a DequantizeLinear (two inputs, an int8 initializer) or Cast (from a
-bfloat16 initializer) becomes float32 again, with its readers reading it directly; it returns the names.
+bfloat16 initializer) becomes float32 again (a `Dequantized`: computed when read, so that writing the model
+holds one float32 weight at a time), with its readers reading it directly; it returns the names.
 Export (odtrain.api) restores every weight for a float32 model; for an int8 or bfloat16 model only the
 weights stored in the other type, which store_frozen then stores in the asked one.
 
@@ -135,15 +136,17 @@ def store_frozen(graph: Graph, frozen, dtype: str) -> list[str]:
             first_reader.setdefault(name, position)
     inserted: dict[int, list[Node]] = {}
     for weight in frozen:
-        value = graph.initializers.get(weight)
-        if value is None or np.asarray(value).dtype != np.float32 or np.asarray(value).ndim < 2:
+        if weight not in graph.initializers:
+            continue
+        value = np.asarray(graph.initializers[weight])  # computed here when it is a Dequantized
+        if value.dtype != np.float32 or value.ndim < 2:
             continue
         axis = output_axis(graph, weight, consumers)
         if axis is None:
             continue
         read = names.fresh(f"{weight}_dequantized")
         if dtype == "int8":
-            values, scale = int8_per_channel(np.asarray(value), axis)
+            values, scale = int8_per_channel(value, axis)
             scale_name = names.fresh(weight + SCALE_SUFFIX)
             graph.initializers[scale_name] = scale
             graph.value_types[scale_name] = TensorType(scale.dtype, scale.shape)
@@ -151,11 +154,11 @@ def store_frozen(graph: Graph, frozen, dtype: str) -> list[str]:
             node = Node("DequantizeLinear", [weight, scale_name], [read], {"axis": axis},
                         names.fresh(f"{weight}_dequantize"))
         else:
-            values = bfloat16_values(np.asarray(value))
+            values = bfloat16_values(value)
             node = Node("Cast", [weight], [read], {"to": FLOAT}, names.fresh(f"{weight}_to_float"))
         for reader in consumers[weight]:
             reader.inputs = [read if i == weight else i for i in reader.inputs]
-        release_mapped(np.asarray(value))  # the float32 values, read once: their file pages may go
+        release_mapped(value)  # the float32 values, read once: their file pages may go
         graph.initializers[weight] = values
         graph.value_types[weight] = TensorType(values.dtype, values.shape)
         graph.value_types[read] = TensorType(np.dtype(np.float32), values.shape)
@@ -190,16 +193,31 @@ def _stored_weight(graph: Graph, node: Node) -> str | None:
     return weight if weight is not None and all(i in graph.initializers for i in node.inputs) else None
 
 
-def dequantized(graph: Graph, node: Node) -> np.ndarray:
-    """The float32 values of the weight a store_frozen node (DequantizeLinear or Cast) reads."""
+class Dequantized:
+    """The float32 values of a stored weight, computed each time they are read (np.asarray): a model written
+    from such values holds one float32 weight at a time. Its shape, dtype and nbytes are known unread."""
+
+    def __init__(self, values: np.ndarray, scale: np.ndarray | None, axis: int):
+        self.values, self.scale, self.axis = values, scale, axis
+        self.shape, self.ndim, self.size = values.shape, values.ndim, values.size
+        self.dtype = np.dtype(np.float32)
+        self.nbytes = 4 * values.size
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        result = self.values.astype(np.float32)
+        if self.scale is not None:
+            shape = [1] * self.ndim
+            if self.scale.ndim == 1:
+                shape[self.axis % self.ndim] = -1
+            result *= self.scale.reshape(shape)
+        return result if dtype is None else result.astype(dtype)
+
+
+def dequantized(graph: Graph, node: Node) -> Dequantized:
+    """The float32 values of the weight a store_frozen node (DequantizeLinear or Cast) reads, as they are read."""
     values = np.asarray(graph.initializers[node.inputs[0]])
-    if node.op_type == "Cast":
-        return values.astype(np.float32)
-    scale = np.asarray(graph.initializers[node.inputs[1]], np.float32)
-    shape = [1] * values.ndim
-    if scale.ndim == 1:
-        shape[int(node.attrs.get("axis", 1)) % values.ndim] = -1
-    return values.astype(np.float32) * scale.reshape(shape)
+    scale = np.asarray(graph.initializers[node.inputs[1]], np.float32) if node.op_type != "Cast" else None
+    return Dequantized(values, scale, int(node.attrs.get("axis", 1)))
 
 
 def stored_weights(graph: Graph) -> dict[str, str]:

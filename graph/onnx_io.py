@@ -475,8 +475,10 @@ def save_graph(graph: Graph, path, extra_inputs: list[str] = ()) -> None:
     protobuf: ONNX infers on the model with them as typed inputs, that model is written without them, and
     each is appended from its array as one more `graph` field holding one initializer (protobuf merges a
     message field seen twice, appending repeated ones)."""
-    large = [k for k, v in graph.initializers.items() if np.asarray(v).nbytes >= LIGHT_BYTES and
-             (np.asarray(v).dtype.kind in "biuf" or is_storage_dtype(np.asarray(v).dtype))]
+    held = {k: v if hasattr(v, "nbytes") and hasattr(v, "dtype") else np.asarray(v)  # arrays, or values
+            for k, v in graph.initializers.items()}  # computed when read (graph/frozen.py Dequantized)
+    large = [k for k, v in held.items() if v.nbytes >= LIGHT_BYTES and (v.dtype.kind in "biuf" or
+                                                                          is_storage_dtype(v.dtype))]
     if "onnx" not in sys.modules:
         data = graph_data(dataclasses.replace(graph, initializers={k: v for k, v in graph.initializers.items()
                                                                    if k not in large}), extra_inputs)

@@ -35,7 +35,7 @@ def stored(kind: str, shape, axis: int, seed: int = 0):
     scales = store_frozen(graph, ["w"], kind)
     values, scale = graph.initializers["w"], graph.initializers[scales[0]] if scales else None
     restore_frozen(graph)
-    return values, scale, graph.initializers["w"].astype(np.float64)
+    return values, scale, np.asarray(graph.initializers["w"], np.float64)
 
 
 def bound(a, w64):
@@ -215,6 +215,13 @@ def test_exported_models_run_in_onnxruntime_like_odtrain(kind, tmp_path):
                             {TensorProto.INT8 if kind == "int8" else TensorProto.BFLOAT16})
         (got,) = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)
         np.testing.assert_allclose(got, logits, atol=1e-5 * np.abs(logits).max(), rtol=0, err_msg=str(frozen_dtype))
+    # stored in the other type: the weights converted once more (measured: int8 to bfloat16 2.4e-3 of the largest
+    # logit, bfloat16 to int8 1.0e-2), still a model onnxruntime runs
+    other = "bfloat16" if kind == "int8" else "int8"
+    path = tmp_path / f"inference_{other}.onnx"
+    module.export_model_for_inferencing(path, ["logits"], frozen_dtype=other)
+    (got,) = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)
+    np.testing.assert_allclose(got, logits, atol=3e-2 * np.abs(logits).max(), rtol=0)
 
 
 def test_weights_convert_in_blocks_as_whole():
