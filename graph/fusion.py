@@ -38,6 +38,11 @@ the chain's output name, so the rest of the graph is untouched:
   → ai.odtrain LinearCrossEntropy(h, W, labels, transB): the [tokens, V] logits and their gradient
   never exist whole; the kernels hold one chunk of rows of them at a time (kernels/training.py).
   Only when nothing else reads the logits: a model that also outputs them keeps the product.
+- A frozen weight stored as int8 or bfloat16 (graph/frozen.py) read by products and embeddings:
+      MatMul(A, DequantizeLinear(W, s, axis)) or FusedMatMul(.., transB) or Gemm → ai.odtrain DequantizedMatMul
+      Gather(DequantizeLinear(W, s, axis), ids)                                → ai.odtrain DequantizedGather
+  (Cast(W, to=FLOAT) for bfloat16), when every reader of the dequantized weight is one of these: the
+  kernels dequantize it a panel at a time (graph/ops/dequantized.py), never whole.
 Values computed from constants alone (a Slice's starts through Unsqueeze and Cast, say) are
 folded by the ops' own type rules when a pattern needs them.
 """
@@ -45,6 +50,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .frozen import reads_stored
 from .ir import ODTRAIN_DOMAIN, Graph, Node, TensorType
 from .ops import OPS
 from .ops.linalg import adds_into, fused_matmul_shape
@@ -473,6 +479,83 @@ def _match_vocabulary_loss(index: _Index, node: Node):
                                      attrs, node.name, ODTRAIN_DOMAIN)
 
 
+def _stored_weight(graph: Graph, node: Node) -> tuple[list[str], int] | None:
+    """([W] or [W, scale], axis) when `node` turns a 2-D int8 weight (DequantizeLinear without zero point, per
+    tensor or per axis) or bfloat16 weight (Cast to float) into float32, else None."""
+    weight = reads_stored(node, lambda name: graph.value_types[name].dtype if name in graph.value_types else None)
+    source = graph.value_types.get(weight) if weight is not None else None
+    if source is None or source.shape is None or len(source.shape) != 2:
+        return None
+    if node.op_type == "Cast":
+        return [weight], 0
+    scale = graph.value_types.get(node.inputs[1])
+    axis = int(node.attrs.get("axis", 1)) % 2
+    if scale is None or scale.shape is None or (scale.shape not in ((), (1,)) and scale.shape != (source.shape[axis],)):
+        return None
+    return list(node.inputs), axis
+
+
+def _dequantized_reader(graph: Graph, reader: Node, weight: str, stored: list[str], axis: int,
+                        flipped: int = 0) -> Node | None:
+    """The DequantizedMatMul or DequantizedGather reading `stored` in place of `reader`'s `weight` (the weight
+    transposed when `flipped`), or None."""
+    inputs = reader.inputs
+    if reader.key == ("", "Gather") and inputs[0] == weight and inputs[1] != weight and not flipped and \
+            int(reader.attrs.get("axis", 0)) == 0:
+        return Node("DequantizedGather", [stored[0], inputs[1]] + stored[1:], list(reader.outputs), {"axis": axis},
+                    reader.name, ODTRAIN_DOMAIN)
+    if len(inputs) < 2 or inputs[1] != weight or inputs[0] == weight:
+        return None
+    if reader.key == ("", "MatMul") and len(inputs) == 2:
+        transposed = 0
+    elif reader.key == (ODTRAIN_DOMAIN, "FusedMatMul") and len(inputs) == 2 and \
+            set(reader.attrs) <= {"transB", "alpha"} and float(reader.attrs.get("alpha", 1.0)) == 1.0:
+        transposed = int(reader.attrs.get("transB", 0))
+    elif reader.key == ("", "Gemm") and len([i for i in inputs if i]) == 2 and not reader.attrs.get("transA", 0) and \
+            float(reader.attrs.get("alpha", 1.0)) == 1.0:
+        transposed = int(reader.attrs.get("transB", 0))
+    else:
+        return None
+    return Node("DequantizedMatMul", [inputs[0]] + stored, list(reader.outputs),
+                {"transB": transposed ^ flipped, "axis": axis}, reader.name, ODTRAIN_DOMAIN)
+
+
+def dequantized_pass(graph: Graph) -> None:
+    """Products and gathers of frozen int8 and bfloat16 weights read them in place (see the module docstring);
+    a product reading the weight through Transpose(perm=[1, 0]) (an eval model, unfused) too."""
+    consumers = graph.consumers()
+    replaced: dict[int, Node] = {}
+    removed: set[int] = set()
+    for node in graph.nodes:
+        found = _stored_weight(graph, node)
+        readers = consumers.get(node.outputs[0], []) if found is not None else []
+        if not readers or node.outputs[0] in graph.outputs:
+            continue
+        fused, transposes = [], []
+        for reader in readers:
+            if reader.key == ("", "Transpose") and [int(p) for p in reader.attrs.get("perm", [])] == [1, 0] and \
+                    reader.outputs[0] not in graph.outputs and consumers.get(reader.outputs[0]):
+                transposes.append(reader)
+                fused += [(user, _dequantized_reader(graph, user, reader.outputs[0], *found, flipped=1))
+                          for user in consumers[reader.outputs[0]]]
+            else:
+                fused.append((reader, _dequantized_reader(graph, reader, node.outputs[0], *found)))
+        if all(f is not None for _, f in fused):
+            removed.update(id(n) for n in [node] + transposes)
+            replaced.update((id(reader), f) for reader, f in fused)
+    graph.nodes = [replaced.get(id(n), n) for n in graph.nodes if id(n) not in removed]
+
+
+def with_stored_weights_read_in_place(graph: Graph) -> Graph:
+    """`graph` itself, or a copy whose products and gathers read frozen int8 and bfloat16 weights in place
+    (dequantized_pass): what an eval model runs."""
+    if not any(_stored_weight(graph, node) for node in graph.nodes):
+        return graph
+    fused = graph.copy()
+    dequantized_pass(fused)
+    return fused
+
+
 def _bias_pass(graph: Graph) -> None:
     _rewrite_all(graph, _match_bias)
 
@@ -482,5 +565,7 @@ def _matmul_pass(graph: Graph) -> None:
                  _match_scaled_product(index, node) or _match_head_transposes(index, node))
 
 
-# the second MatMul pass scales fused products; biases are added to products that are final
-TRAINING_PASSES = (_gelu_pass, _decoder_pass, _matmul_pass, _matmul_pass, _bias_pass, vocabulary_loss_pass)
+# the second MatMul pass scales fused products; biases are added to products that are final;
+# frozen int8 and bfloat16 weights are read in place by the products the MatMul passes made, whose biases stay Adds
+TRAINING_PASSES = (_gelu_pass, _decoder_pass, _matmul_pass, _matmul_pass, dequantized_pass, _bias_pass,
+                   vocabulary_loss_pass)

@@ -28,8 +28,8 @@ from .errors import ArtifactNotFoundError, ModelError, UnsupportedOpError
 from .ir import DEFAULT_DOMAIN, ODTRAIN_DOMAIN, Graph, Node, TensorType
 from .onnx_wire import (EXTERNAL, LIGHT_BYTES, SCOPE_KEY, AttributeData, AttributeType, GraphData, ModelData,
                         NodeData, TensorData, ValueInfoData, element_type, element_type_name, encode_model,
-                        initializer_field, map_model, minimum_ir_version, node_scope, numpy_dtype, tensor_data,
-                        without_weights)
+                        initializer_field, is_storage_dtype, map_model, minimum_ir_version, node_scope, numpy_dtype,
+                        tensor_data, without_weights)
 
 if TYPE_CHECKING:
     import onnx
@@ -475,16 +475,18 @@ def save_graph(graph: Graph, path, extra_inputs: list[str] = ()) -> None:
     protobuf: ONNX infers on the model with them as typed inputs, that model is written without them, and
     each is appended from its array as one more `graph` field holding one initializer (protobuf merges a
     message field seen twice, appending repeated ones)."""
+    held = {k: v if hasattr(v, "nbytes") and hasattr(v, "dtype") else np.asarray(v)  # arrays, or values
+            for k, v in graph.initializers.items()}  # computed when read (graph/frozen.py Dequantized)
+    large = [k for k, v in held.items() if v.nbytes >= LIGHT_BYTES and (v.dtype.kind in "biuf" or
+                                                                          is_storage_dtype(v.dtype))]
     if "onnx" not in sys.modules:
-        data = graph_data(graph, extra_inputs)
+        data = graph_data(dataclasses.replace(graph, initializers={k: v for k, v in graph.initializers.items()
+                                                                   if k not in large}), extra_inputs)
         data.metadata[SHAPES_INFERRED] = "odtrain"
-        with open(os.fspath(path), "wb") as file:
-            file.write(encode_model(data))
+        _write_appending(path, encode_model(data), graph, large)
         return
     import onnx
 
-    large = [k for k, v in graph.initializers.items()
-             if np.asarray(v).nbytes >= LIGHT_BYTES and np.asarray(v).dtype.kind in "biuf"]
     light = dataclasses.replace(graph, inputs=list(graph.inputs) + large,
                                 initializers={k: v for k, v in graph.initializers.items() if k not in large})
     proto = _with_inferred_shapes(graph_to_proto(light, extra_inputs))
@@ -492,8 +494,13 @@ def save_graph(graph: Graph, path, extra_inputs: list[str] = ()) -> None:
     del proto.graph.input[:]
     proto.graph.input.extend(kept)
     proto.metadata_props.add(key=SHAPES_INFERRED, value=onnx.__version__)
+    _write_appending(path, proto.SerializeToString(), graph, large)
+
+
+def _write_appending(path, model: bytes, graph: Graph, large: list[str]) -> None:
+    """Write a model's bytes, then each initializer of `large` from its array as one more `graph` field."""
     with open(os.fspath(path), "wb") as f:
-        f.write(proto.SerializeToString())
+        f.write(model)
         for name in large:
             array = np.ascontiguousarray(graph.initializers[name])
             f.write(initializer_field(name, element_type(array.dtype), array.shape, array.nbytes))

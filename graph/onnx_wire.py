@@ -27,6 +27,7 @@ Invariant: a malformed file (a value running past the end of its message, a vari
 from __future__ import annotations
 
 import enum
+import mmap
 import os
 import struct
 from dataclasses import dataclass, field
@@ -250,6 +251,21 @@ def map_model(path: str, what: str = "model") -> tuple[ModelData, memoryview]:
     except OSError as error:
         raise ModelError(f"{what} file '{path}' cannot be read ({error})") from None
     return parse_model(data, f"{what} file '{path}'"), data
+
+
+def release_mapped(array: np.ndarray) -> None:
+    """Let the kernel drop the file pages under `array` when it is a view of map_model's mapping (of a file's
+    tensor that nothing reads any more): its RSS goes, and a later read would fetch the pages again."""
+    base = array
+    while base is not None and not isinstance(base, mmap.mmap):
+        base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
+    if base is None or not hasattr(base, "madvise") or not hasattr(mmap, "MADV_DONTNEED") or array.size == 0:
+        return
+    start = array.__array_interface__["data"][0] - np.frombuffer(base, np.uint8, 1).__array_interface__["data"][0]
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (start + array.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if 0 <= first < end <= len(base):
+        base.madvise(mmap.MADV_DONTNEED, first, end - first)
 
 
 def parse_model(data, source: str = "model") -> ModelData:

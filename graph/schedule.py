@@ -32,6 +32,7 @@ from .errors import MemoryBudgetError, ModelError
 from .ir import ODTRAIN_DOMAIN, Graph, Node, TensorType
 from .onnx_wire import is_storage_dtype
 from .ops import lookup
+from .ops.dequantized import STORED_WEIGHT_READERS
 from .ops.tensor import STORAGE_OPS
 from .ops.training import APPLY_UPDATE
 
@@ -90,7 +91,7 @@ def bind_types(graph: Graph, known: dict[str, TensorType], constants: dict[str, 
 def _refuse_storage_types(node: Node, in_types) -> None:
     """Only STORAGE_OPS run on the element types numpy lacks (bfloat16, float8...) and on float16, which Numba
     has no arithmetic for: other kernels cannot read them (a node folded to a constant runs none)."""
-    if node.op_type in STORAGE_OPS and node.domain in ("", "ai.onnx"):
+    if node.op_type in STORAGE_OPS and node.domain in ("", "ai.onnx") or node.key in STORED_WEIGHT_READERS:
         return
     stored = next((t for t in in_types if t is not None and (is_storage_dtype(t.dtype) or t.dtype == np.float16)),
                   None)

@@ -51,5 +51,5 @@ def binding(op_type: str, domain: str = "", scratch=None, parallel: bool = False
     return register
 
 from . import (  # noqa: E402,F401
-    attention, conv, elementwise, linalg, nn, normalization, optim, pool, quantize, recurrent, reduction, resize, signal,
+    attention, conv, dequantized, elementwise, linalg, nn, normalization, optim, pool, quantize, recurrent, reduction, resize, signal,
     tensor, training)

@@ -32,6 +32,8 @@ from .graph.autodiff import GRAD_SUFFIX
 from .graph.errors import (ArgumentError, CheckpointError, InputError, ModelError, NonFiniteError, ParameterError,
                            StateError)
 from .graph.ir import Graph, TensorType
+from .graph.frozen import check_frozen_dtype, frozen_bytes, restore_frozen, store_frozen, stored_weights
+from .graph.fusion import with_stored_weights_read_in_place
 from .graph.lora import merge_adapters
 from .graph.onnx_io import load_graph, save_graph
 from .graph.ops import check_supported
@@ -122,6 +124,7 @@ class StateBuffers:
     gradient_bytes: int
     optimizer_kind: str | None  # None before an Optimizer is created for the state
     optimizer_state_bytes: dict[str, int]  # moment name -> bytes
+    frozen_bytes_by_type: dict[str, int] = dataclasses.field(default_factory=dict)  # element type -> bytes
 
 
 @dataclass(frozen=True)
@@ -236,7 +239,8 @@ class CheckpointState:
         return StateBuffers(store.flat.nbytes + sum(a.nbytes for a in store.others.values()),
                             store.flat[:store.trainable_size].nbytes, store.grad_flat.nbytes,
                             optimizer.kind if optimizer else None,
-                            {name: m.nbytes for name, m in optimizer.moments.items()} if optimizer else {})
+                            {name: m.nbytes for name, m in optimizer.moments.items()} if optimizer else {},
+                            frozen_bytes({name: store.data(name) for name in store.frozen}))
 
     def _mark_assigned(self, names) -> None:
         self._unassigned.difference_update(names)
@@ -279,6 +283,8 @@ class _GraphSession:
         self.library = kernel_library.find(os.path.dirname(os.path.abspath(self.uri)))  # None: the JIT's kernels
         self.graph = load_graph(uri, what)
         check_supported(self.graph.nodes, f"{what} '{self.uri}'")
+        # what the steps run: an eval model reads stored frozen weights in place (the training model already does)
+        self.step_graph = self.graph if with_gradients else with_stored_weights_read_in_place(self.graph)
         store = state._store
         self.state = state
         self.input_names = [n for n in self.graph.inputs if n not in store]
@@ -342,7 +348,7 @@ class _GraphSession:
             types = {name: TensorType(a.dtype, a.shape) for name, a in zip(self.input_names, arrays)}
             guarded = tuple(self.output_names[:1]) if self.check_finite else ()
             sinks = {} if self.fused else self.sinks
-            plan = ExecutableStep(self.graph, types, self.external, sinks, accumulate and not self.fused, guarded,
+            plan = ExecutableStep(self.step_graph, types, self.external, sinks, accumulate and not self.fused, guarded,
                                   self.memory_budget, self.fused, self.arena, threads=threads, library=self.library)
             self.plans[signature] = plan
             if len(self.plans) > PLAN_CACHE_SIZE:
@@ -556,8 +562,15 @@ class Module:
                                 f"{'trainable' if trainable_only else 'float32'} parameters have {size}")
         self._state._mark_assigned(store.scatter(array.reshape(-1), trainable_only))
 
-    def export_model_for_inferencing(self, inference_model_uri, graph_output_names) -> None:
-        """Write an ONNX model computing `graph_output_names` from the model inputs, parameters embedded."""
+    def export_model_for_inferencing(self, inference_model_uri, graph_output_names, frozen_dtype=None) -> None:
+        """Write an ONNX model computing `graph_output_names` from the model inputs, parameters embedded.
+
+        Frozen weights stored as int8 or bfloat16 (generate_artifacts' `frozen_dtype`) are written as float32
+        with LoRA adapters merged into them (`frozen_dtype=None` or "float32"), or as int8 read by
+        DequantizeLinear per output channel (a QDQ model, "int8") or bfloat16 read by Cast ("bfloat16"), the
+        adapters then kept as their own rank-r products beside the weights: merged, an update finer than a
+        weight's quantization step would round away. Weights stored in the other type are converted."""
+        frozen_dtype = check_frozen_dtype(frozen_dtype or "float32")
         if self._eval is None:
             raise StateError("exporting an inference model needs the eval model: pass eval_model_uri to Module(...)")
         self._state._require_values("exporting an inference model")
@@ -573,12 +586,21 @@ class Module:
         inference = graph.prune(list(graph_output_names))
         store = self._state._store
         for name in list(inference.inputs):
-            if name in store:
-                inference.initializers[name] = store.data(name).copy()
+            if name in store:  # the live arrays: the steps below make new arrays where they change a value
+                inference.initializers[name] = store.data(name)
         inference.inputs = [n for n in inference.inputs if n not in store]
         inference.name = "inference"
-        # LoRA adapters merged into their weights, then QAT's fake quantization written as QDQ
-        save_graph(quantized_for_inference(merge_adapters(inference)), inference_model_uri)
+        # float32: every frozen weight restored and the LoRA adapters merged into their weights; int8 or
+        # bfloat16: the weights stored in the other type converted, the adapters kept beside their weights
+        # (an update finer than int8's step would round away in a merge); then QAT's fake quantization as QDQ
+        if frozen_dtype == "float32":
+            restore_frozen(inference)
+            inference = merge_adapters(inference)
+        else:
+            stored = stored_weights(inference)
+            store_frozen(inference, restore_frozen(inference, {w for w, t in stored.items() if t != frozen_dtype}),
+                         frozen_dtype)
+        save_graph(quantized_for_inference(inference), inference_model_uri)
 
 
 class Optimizer:

@@ -34,6 +34,7 @@ from . import checkpoint as checkpoint_file
 from .artifact_paths import ArtifactPaths
 from .graph.autodiff import build_gradient_graph, missing_support
 from .graph.errors import ArgumentError, ModelError, ParameterError
+from .graph.frozen import check_frozen_dtype, store_frozen
 from .graph.ir import Graph, TensorType
 from .graph.ops import OPS, check_supported
 from .graph.ops.quantize import dequantized_weights, quantization_inputs
@@ -117,7 +118,7 @@ def _with_adapters(graph, lora: LoraConfig, requires_grad, frozen_params):
 
 def build_training_graphs(model, requires_grad=None, frozen_params=None, loss=None, additional_output_names=None,
                           loss_input_names=None, class_axis=None, ignore_index=None, lora=None,
-                          qat: QatConfig | None = None) -> TrainingGraphs:
+                          qat: QatConfig | None = None, frozen_dtype: str = "float32") -> TrainingGraphs:
     """Forward model + loss -> training graph (with `<param>_grad` outputs) and eval graph.
 
     `loss` is a LossType; or an object with a method `build_loss(graph, loss_inputs)` that adds the loss to
@@ -127,7 +128,10 @@ def build_training_graphs(model, requires_grad=None, frozen_params=None, loss=No
     LossType.CrossEntropyLoss (odtrain.graph.losses). With `lora` (a LoraConfig), adapters train on the
     targeted weights, with the parameters `requires_grad` names; the rest is frozen (odtrain.graph.lora).
     `qat` inserts fake quantization (graph/qat.py); its activation ranges join the frozen parameters.
+    `frozen_dtype` ("float32", "bfloat16", "int8") is the type the frozen weight matrices are stored and
+    held in (odtrain.graph.frozen); int8's scales join the frozen parameters.
     """
+    check_frozen_dtype(frozen_dtype)
     custom_loss = hasattr(loss, "build_loss")
     graph, path = read_graph(model, "model")
     check_supported(graph.nodes, f"model '{path}'" if path else "model")
@@ -138,6 +142,7 @@ def build_training_graphs(model, requires_grad=None, frozen_params=None, loss=No
     left_out.update(lora_left_out)
     if qat is not None:
         frozen += insert_fake_quantization(graph, qat, trainable + frozen)
+    frozen += store_frozen(graph, frozen, frozen_dtype)  # the graph read here is ours to change
     if not trainable:
         raise ArgumentError("no parameter requires a gradient: list parameters in requires_grad")
 
@@ -224,7 +229,8 @@ def generate_artifacts(model, requires_grad=None, frozen_params=None, loss=None,
                        artifact_directory=None, prefix: str = "", ort_format: bool = False,
                        custom_op_library=None, additional_output_names=None, nominal_checkpoint: bool = False,
                        loss_input_names=None, class_axis=None, ignore_index=None, lora=None,
-                       qat: QatConfig | None = None, properties: dict | None = None) -> GeneratedArtifacts:
+                       qat: QatConfig | None = None, properties: dict | None = None,
+                       frozen_dtype: str = "float32") -> GeneratedArtifacts:
     """Write the training artifacts for `model` (an onnx.ModelProto or a path) into `artifact_directory`.
 
     `loss` and `optimizer` also accept odtrain.onnxblock blocks (a custom loss; onnxblock.optim.AdamW, SGD,
@@ -235,6 +241,9 @@ def generate_artifacts(model, requires_grad=None, frozen_params=None, loss=None,
     (and what `requires_grad` names) instead of the weights; export merges them back. `qat=QatConfig()`
     trains with fake quantization; the exported inference model is then a QDQ model with int8 weights.
     `properties` (int, float or str values) are stored in the checkpoint, as CheckpointState.properties.
+    `frozen_dtype="int8"` (per output channel, float32 scales) or `"bfloat16"` stores and holds the frozen
+    weight matrices (those of products, embeddings, convolutions) in that type (odtrain.graph.frozen);
+    training reads them a panel at a time, never as a whole float32 copy.
 
     Returns what was written and which parameters train; with `requires_grad=None`, `left_out` names the
     floating-point initializers left as constants (rotary tables, single values, ...) with the reason."""
@@ -248,7 +257,7 @@ def generate_artifacts(model, requires_grad=None, frozen_params=None, loss=None,
     optimizer = getattr(optimizer, "config", optimizer)  # an optimizer block's hyper-parameters
     optimizer = parse_optimizer(optimizer) if optimizer is not None else None
     built = build_training_graphs(model, requires_grad, frozen_params, loss, additional_output_names, loss_input_names,
-                                  class_axis, ignore_index, lora, qat)
+                                  class_axis, ignore_index, lora, qat, frozen_dtype)
     trainable, values = built.trainable, built.values
 
     paths = ArtifactPaths.of(artifact_directory if artifact_directory is not None else os.getcwd(), prefix)

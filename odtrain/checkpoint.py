@@ -56,6 +56,23 @@ OPTIMIZER_PREFIX = "optimizer/"
 READ_BLOCK = 1 << 20  # bytes read at a time when the checksum streams the file
 DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "|i1",
           "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "|u1", "BOOL": "|b1"}  # safetensors' names
+BFLOAT16 = "BF16"  # frozen weights stored as bfloat16 (odtrain.graph.frozen): ml_dtypes' type, imported then
+
+
+def element_dtype(code: str) -> np.dtype:
+    """The numpy dtype of a safetensors element type (KeyError for one a checkpoint does not hold)."""
+    if code == BFLOAT16:
+        import ml_dtypes  # numpy has no bfloat16; onnx depends on ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(DTYPES[code])
+
+
+def element_code(dtype: np.dtype) -> str | None:
+    """The safetensors element type of a numpy dtype, or None."""
+    if dtype.name == "bfloat16":
+        return BFLOAT16
+    return next((k for k, v in DTYPES.items() if np.dtype(v) == dtype), None)
 
 
 @dataclass(frozen=True)
@@ -180,7 +197,7 @@ def _stored(header: dict, start: int, size: int, path: str) -> dict[str, Stored]
         if key == "__metadata__":
             continue
         try:
-            dtype, shape, (begin, end) = np.dtype(DTYPES[entry["dtype"]]), tuple(entry["shape"]), entry["data_offsets"]
+            dtype, shape, (begin, end) = element_dtype(entry["dtype"]), tuple(entry["shape"]), entry["data_offsets"]
             if not all(isinstance(n, int) and n >= 0 for n in (*shape, begin, end)):
                 raise ValueError
         except (KeyError, TypeError, ValueError):
@@ -300,7 +317,7 @@ def save(path, contents: CheckpointContents) -> None:
                 "properties": json.dumps({k: [type(v).__name__, v] for k, v in contents.properties.items()})}
     if contents.nominal:
         metadata["nominal"] = "1"
-        metadata["shapes"] = json.dumps({n: [a.dtype.str, list(a.shape)] for n, a in contents.parameters.items()})
+        metadata["shapes"] = json.dumps({n: [element_code(a.dtype), list(a.shape)] for n, a in contents.parameters.items()})
     else:
         for name, array in contents.parameters.items():
             tensors[PARAM_PREFIX + name] = array
@@ -316,12 +333,15 @@ def save(path, contents: CheckpointContents) -> None:
 def _safetensors_writer(tensors: dict[str, np.ndarray], metadata: dict[str, str]):
     """A function writing a safetensors file of `tensors` tensor by tensor (no whole-file buffer): the data
     ordered by element size, largest first, then by name, so every tensor sits aligned to its element."""
-    names = {np.dtype(v).str: k for k, v in DTYPES.items()}
     order = sorted(tensors, key=lambda k: (-tensors[k].dtype.itemsize, k))
     header, cursor = {"__metadata__": metadata}, 0
     for key in order:
         array = tensors[key]
-        header[key] = {"dtype": names[array.dtype.str], "shape": list(array.shape),
+        code = element_code(array.dtype)
+        if code is None:
+            raise CheckpointError(f"tensor '{key}' is {array.dtype}, a type a checkpoint does not hold; store it as "
+                                  f"one of {', '.join(sorted(DTYPES) + [BFLOAT16])}")
+        header[key] = {"dtype": code, "shape": list(array.shape),
                        "data_offsets": [cursor, cursor + array.nbytes]}
         cursor += array.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -351,10 +371,11 @@ def load(path) -> CheckpointContents:
     if nominal:
         shapes = _json(metadata, "shapes", path, {})
         for name in names:
-            dtype, shape = shapes.get(name, ["<f4", None])
+            dtype, shape = shapes.get(name, ["F32", None])
             if shape is None:
                 raise CheckpointError(f"checkpoint '{path}' is damaged (no shape for nominal parameter '{name}')")
-            parameters[name] = np.zeros(shape, dtype=np.dtype(dtype))
+            parameters[name] = np.zeros(shape, dtype=element_dtype(dtype) if dtype in DTYPES or dtype == BFLOAT16
+                                        else np.dtype(dtype))  # numpy's names in files written before
     else:
         for name in names:
             if PARAM_PREFIX + name not in tensors:

@@ -16,6 +16,9 @@ import sys
 
 from .artifact_paths import ArtifactPaths, refuse_a_model
 from .graph.errors import ArgumentError, ArtifactNotFoundError, OdtrainError
+from .allocation import format_bytes
+from .graph.frozen import FROZEN_DTYPES, frozen_bytes
+from .graph.optimizers import STATE_DTYPES
 from .graph.wording import count, name_list
 
 
@@ -253,24 +256,29 @@ def _prepare(args) -> int:
     if os.path.exists(checkpoint) and not args.force:
         raise ArgumentError(f"'{args.output}' already holds artifacts (a checkpoint); pass --force to replace "
                             "them, or choose another folder with -o")
-    optimizer = {"adamw": artifacts.AdamW(weight_decay=args.weight_decay), "sgd": artifacts.SGD()}[args.optimizer]
     if args.optimizer == "sgd" and args.weight_decay:
         raise ArgumentError("--weight-decay applies to AdamW only")
+    if args.optimizer == "sgd" and args.optimizer_state_dtype != "float32":
+        raise ArgumentError("--optimizer-state-dtype applies to AdamW's moments only; SGD keeps no moments")
+    optimizer = {"adamw": artifacts.AdamW(weight_decay=args.weight_decay, state_dtype=args.optimizer_state_dtype),
+                 "sgd": artifacts.SGD()}[args.optimizer]
     extra = [o for o in graph.outputs if o in loss_inputs] + [o for o in graph.outputs if o not in loss_inputs]
     qat = choices.get("qat")
     properties = {"learning_rate": float(args.lr), "loss": args.loss, "optimizer": args.optimizer}
     del graph  # its mapping of the model file: generate_artifacts maps the file again
     generated = artifacts.generate_artifacts(args.model, optimizer=optimizer, artifact_directory=args.output,
                                              additional_output_names=extra, properties=properties,
-                                             **_artifact_options(choices))
+                                             frozen_dtype=args.frozen_dtype, **_artifact_options(choices))
     trainable, frozen = generated.trainable, generated.frozen
     paths = ArtifactPaths.find(args.output)
     stored = checkpoint_file.load(checkpoint).parameters  # views of the file: sizes without reading it
     sizes = {n: int(stored[n].size) for n in trainable + frozen}
+    by_type = frozen_bytes({n: stored[n] for n in frozen})
     files = (paths.training_model, paths.eval_model, paths.optimizer_model, paths.checkpoint)
     result = {"artifacts": args.output, "files": [os.path.basename(p) for p in files],
               "trainable": trainable, "frozen": frozen, "trainable_values": sum(sizes[n] for n in trainable),
-              "frozen_values": sum(sizes[n] for n in frozen), "left_out": choices["left_out"], "loss": args.loss,
+              "frozen_values": sum(sizes[n] for n in frozen), "frozen_bytes_by_type": by_type,
+              "left_out": choices["left_out"], "loss": args.loss,
               "loss_layout": choices["loss_text"], "optimizer": args.optimizer, "learning_rate": args.lr,
               "qat": qat is not None}
     if args.compile:
@@ -299,7 +307,9 @@ def _prepare(args) -> int:
     else:
         print(f"trainable: {result['trainable_values']:,} values in {count(len(trainable), 'tensor')} "
               f"({_names(trainable, args.verbose)})")
-    print(f"frozen: {result['frozen_values']:,} values in {count(len(frozen), 'tensor')} "
+    held = "" if set(by_type) <= {"float32"} else \
+        ", held as " + ", ".join(f"{dtype} {format_bytes(n)}" for dtype, n in by_type.items())
+    print(f"frozen: {result['frozen_values']:,} values in {count(len(frozen), 'tensor')}{held} "
           f"({_names(frozen, args.verbose)})" if frozen else "frozen: none")
     _print_left_out(choices["left_out"], args.verbose)
     layout = f", {choices['loss_text']}" if choices["loss_text"] else ""
@@ -447,7 +457,7 @@ def _export(args) -> int:
     if not outputs:
         raise ArgumentError(f"the eval model of '{args.artifacts}' computes only the loss; name the values to "
                             "export with --outputs NAME")
-    session.module.export_model_for_inferencing(args.output, outputs)
+    session.module.export_model_for_inferencing(args.output, outputs, frozen_dtype=args.frozen_dtype)
     graph = load_graph(args.output, "inference model")
     result = {"model": args.output, "inputs": [_value(graph, n) for n in graph.inputs],
               "outputs": [_value(graph, n) for n in graph.outputs]}
@@ -679,6 +689,13 @@ def _add_training_commands(commands) -> None:
                          "pattern of the weight or of the node that reads it, e.g. '*q_proj*' (default: every "
                          "weight that feeds a MatMul or Gemm)")
     prepare.add_argument("--lora-seed", type=int, default=0, help="seed of the adapters' initial values (default: 0)")
+    prepare.add_argument("--frozen-dtype", choices=FROZEN_DTYPES, default="float32",
+                         help="store and hold the frozen weight matrices (of products, embeddings, convolutions) "
+                         "in this type: int8 per output channel with float32 scales, or bfloat16; training reads "
+                         "them a block at a time (default: float32)")
+    prepare.add_argument("--optimizer-state-dtype", choices=STATE_DTYPES, default="float32",
+                         help="AdamW's moments in float32, or int8: quantized in blocks, a quarter of the bytes "
+                         "(default: float32)")
     prepare.add_argument("--force", action="store_true", help="replace artifacts already in ARTIFACT_DIR")
     prepare.add_argument("--compile", action="store_true", help="also build the kernels the artifacts use into "
                          "ARTIFACT_DIR/kernels (`odtrain compile`): the device then trains without compiling")
@@ -738,6 +755,9 @@ def _add_training_commands(commands) -> None:
     export.add_argument("artifacts", metavar="ARTIFACT_DIR", help="a folder written by `odtrain prepare`")
     export.add_argument("-o", "--output", required=True, metavar="MODEL.onnx", help="the file to write")
     export.add_argument("--outputs", nargs="+", metavar="NAME", help="values to output (default: the model's outputs)")
+    export.add_argument("--frozen-dtype", choices=FROZEN_DTYPES, help="write frozen weights stored as int8 or "
+                        "bfloat16 (prepare --frozen-dtype) in this type: int8 read by DequantizeLinear (a QDQ "
+                        "model), bfloat16 by Cast, LoRA adapters beside them; default float32, adapters merged")
     export.add_argument("--adapters-only", action="store_true", help="write only the trained LoRA adapters (and "
                         "the parameters trained with them) as a safetensors file to -o, not the merged model")
     export.add_argument("--json", action="store_true", help="print the result as JSON")

@@ -70,6 +70,7 @@ class MemoryReport:
     optimizer_kind: str | None = None
     optimizer_states: tuple = ()
     shared_arena_bytes: int | None = None  # the buffer the plans share, when read off a Module
+    frozen_bytes_by_type: dict = field(default_factory=dict)  # element type name -> frozen parameter bytes
 
     @property
     def frozen_parameter_bytes(self) -> int:
@@ -80,6 +81,9 @@ class MemoryReport:
         """(gradient, optimizer state) bytes that training the frozen parameters too would add: what freezing
         them (a frozen backbone, LoRA's frozen weights) saves."""
         frozen, trainable = self.frozen_parameter_bytes, max(self.trainable_parameter_bytes, 1)
+        if self.frozen_bytes_by_type:  # as float32 values, which gradients and moments would be
+            frozen = sum(n * 4 // (2 if name == "bfloat16" else np.dtype(name).itemsize)
+                         for name, n in self.frozen_bytes_by_type.items())
         return (frozen if self.gradient_bytes else 0), self.optimizer_bytes * frozen // trainable
 
     @property
@@ -102,7 +106,8 @@ class MemoryReport:
 
     def to_dict(self) -> dict:
         return {"parameters": {"bytes": self.parameter_bytes, "trainable_bytes": self.trainable_parameter_bytes,
-                               "frozen_bytes": self.frozen_parameter_bytes},
+                               "frozen_bytes": self.frozen_parameter_bytes,
+                               "frozen_bytes_by_type": dict(self.frozen_bytes_by_type)},
                 "gradient_bytes": self.gradient_bytes,
                 "optimizer": {"kind": self.optimizer_kind, "states": list(self.optimizer_states),
                               "bytes": self.optimizer_bytes},
@@ -111,6 +116,12 @@ class MemoryReport:
                 "arena_bytes": self.arena_bytes, "training_bytes": self.training_bytes, "peak_bytes": self.peak_bytes,
                 "runtime_floor_included": False}
 
+    def _frozen_types(self) -> str:
+        """': int8 1.2 MiB, float32 3.0 KiB' when the frozen parameters are held in more than float32."""
+        if set(self.frozen_bytes_by_type) <= {"float32"}:
+            return ""
+        return ": " + ", ".join(f"{name} {format_bytes(n)}" for name, n in self.frozen_bytes_by_type.items())
+
     def render(self) -> str:
         def row(label: str, nbytes: int, note: str = "") -> str:
             return f"{label:<18}{format_bytes(nbytes):>11}" + (f"  {note}" if note else "")
@@ -118,7 +129,7 @@ class MemoryReport:
         states = ", ".join(self.optimizer_states) or "no state"
         saved_gradients, saved_state = self.saved_by_freezing
         lines = [row("parameters", self.parameter_bytes, f"({format_bytes(self.trainable_parameter_bytes)} trainable, "
-                     f"{format_bytes(self.frozen_parameter_bytes)} frozen)"),
+                     f"{format_bytes(self.frozen_parameter_bytes)} frozen{self._frozen_types()})"),
                  row("gradients", self.gradient_bytes,
                      f"(frozen parameters save {format_bytes(saved_gradients)})" if saved_gradients else ""),
                  row("optimizer state", self.optimizer_bytes,
@@ -154,7 +165,8 @@ def report(module) -> MemoryReport:
         trainable_parameter_bytes=buffers.trainable_parameter_bytes,
         optimizer_kind=buffers.optimizer_kind,
         optimizer_states=tuple(buffers.optimizer_state_bytes),
-        shared_arena_bytes=module.arena_bytes)
+        shared_arena_bytes=module.arena_bytes,
+        frozen_bytes_by_type=buffers.frozen_bytes_by_type)
     for step in module.bound_steps():
         result.plans.append(PlanMemory(step.mode, step.inputs, step.arena_bytes, step.lower_bound, step.constant_bytes,
                                        step.recomputed_nodes, step.plan.no_reuse_bytes, step.plan, step.loss_step))

@@ -32,13 +32,14 @@ def batches(vocab, batch, seq, count, seed=0):
     return ids[..., :-1], ids[..., 1:]
 
 
-def run_odtrain(kind, model, batch, seq, steps, warmup, directory):
+def run_odtrain(kind, model, batch, seq, steps, warmup, directory, targets=LORA_TARGETS, frozen_dtype="float32"):
     from odtrain import artifacts
     from odtrain.api import CheckpointState, Module, Optimizer
 
-    lora = artifacts.LoraConfig(RANK, ALPHA, LORA_TARGETS) if kind == "lora" else None
+    lora = artifacts.LoraConfig(RANK, ALPHA, targets) if kind == "lora" else None
     artifacts.generate_artifacts(model, loss=artifacts.LossType.CrossEntropyLoss, class_axis=-1, ignore_index=-100,
-                                 optimizer=artifacts.OptimType.AdamW, artifact_directory=directory, lora=lora)
+                                 optimizer=artifacts.OptimType.AdamW, artifact_directory=directory, lora=lora,
+                                 frozen_dtype=frozen_dtype)
     state = CheckpointState.load_checkpoint(f"{directory}/checkpoint")
     module = Module(f"{directory}/training_model.onnx", state, f"{directory}/eval_model.onnx")
     optimizer = Optimizer(f"{directory}/optimizer_model.onnx", module)
@@ -56,7 +57,7 @@ def run_odtrain(kind, model, batch, seq, steps, warmup, directory):
     return times[warmup:], module.get_parameters_size(trainable_only=True)
 
 
-def run_torch(kind, batch, seq, steps, warmup):
+def run_torch(kind, batch, seq, steps, warmup, shape=None, targets=LORA_TARGETS):
     import pathlib
 
     import torch
@@ -64,12 +65,13 @@ def run_torch(kind, batch, seq, steps, warmup):
     sys.path.insert(0, str(pathlib.Path(__file__).parent))
     import make_models
 
-    model = make_models.build("llama", sizes=make_models.BENCHMARK_SIZES).train()
+    family, sizes = make_models.SHAPED[shape] if shape else ("llama", make_models.BENCHMARK_SIZES)
+    model = make_models.build(family, sizes=sizes).train()
     if kind == "lora":
         for p in model.parameters():
             p.requires_grad_(False)
         saved = make_models.LORA
-        make_models.LORA = {**saved, "rank": RANK, "alpha": ALPHA, "target_params": LORA_TARGETS}
+        make_models.LORA = {**saved, "rank": RANK, "alpha": ALPHA, "target_params": targets}
         trainable = list(make_models.add_lora(model, seed=0).values())
         make_models.LORA = saved
     else:
@@ -97,6 +99,14 @@ def main(argv=None):
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--shape", choices=("smollm2-135m", "qwen2-0.5b"),
+                        help="torch: build a model of this released model's shape (make_models.SHAPED) instead of "
+                        "BENCHMARK_SIZES' Llama")
+    parser.add_argument("--lora-targets", nargs="+", default=LORA_TARGETS, metavar="GLOB",
+                        help=f"the weights LoRA adapts (default: {' '.join(LORA_TARGETS)}; the issue's runs: "
+                        "'*q_proj*' '*k_proj*' '*v_proj*' '*o_proj*')")
+    parser.add_argument("--frozen-dtype", choices=("float32", "bfloat16", "int8"), default="float32",
+                        help="odtrain: the type the frozen weights are stored and held in (generate_artifacts)")
     parser.add_argument("--torch-threads", type=int, help="torch.set_num_threads (default: PyTorch's own choice; "
                         "odtrain's threads follow ODTRAIN_NUM_THREADS)")
     args = parser.parse_args(argv)
@@ -109,9 +119,10 @@ def main(argv=None):
 
         with tempfile.TemporaryDirectory() as directory:
             times, trainable = run_odtrain(args.kind, args.model, args.batch, args.seq, args.steps, args.warmup,
-                                           directory)
+                                           directory, args.lora_targets, args.frozen_dtype)
     else:
-        times, trainable = run_torch(args.kind, args.batch, args.seq, args.steps, args.warmup)
+        times, trainable = run_torch(args.kind, args.batch, args.seq, args.steps, args.warmup, args.shape,
+                                     args.lora_targets)
     print(json.dumps({"system": args.system, "kind": args.kind, "torch_threads": args.torch_threads,
                       "trainable": int(trainable),
                       "step_ms": 1000 * float(np.median(times)),

@@ -61,6 +61,15 @@ SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_l
              num_key_value_heads=2, max_position_embeddings=64)
 BENCHMARK_SIZES = dict(vocab_size=4096, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
                        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256)
+# Released models' shapes (their configs; random weights, nothing downloaded): (family, config entries)
+SHAPED = {
+    "smollm2-135m": ("llama", dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                   num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+                                   tie_word_embeddings=True, rope_theta=100000.0, rms_norm_eps=1e-5)),
+    "qwen2-0.5b": ("qwen2", dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                 num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=2048,
+                                 tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6)),
+}
 
 
 def _load_lora_init():
@@ -92,7 +101,7 @@ FAMILIES = {
 
 def build(family: str, attention: str = "eager", sizes=None, seed: int = 0):
     config_class, model_class, extra = FAMILIES[family]
-    config = config_class(**(sizes or SIZES), **extra)
+    config = config_class(**{**extra, **(sizes or SIZES)})
     config._attn_implementation = attention
     torch.manual_seed(seed)
     return model_class(config).eval()
@@ -469,10 +478,17 @@ def main(argv=None) -> None:
                         help="only write the default-attention (SDPA) folders, <family>_sdpa")
     parser.add_argument("--benchmark", type=pathlib.Path, metavar="MODEL.onnx",
                         help="instead, export BENCHMARK_SIZES' Llama (TorchScript, opset 17) for lora_step.py")
+    parser.add_argument("--shaped", nargs=2, metavar=("NAME", "MODEL.onnx"),
+                        help=f"instead, export a model of a released model's shape ({', '.join(SHAPED)}; TorchScript, "
+                        "opset 17) for memory_stages.py and lora_step.py")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     if args.benchmark:
         export_torchscript(build("llama", sizes=BENCHMARK_SIZES, seed=args.seed), args.benchmark)
+        return
+    if args.shaped:
+        family, sizes = SHAPED[args.shaped[0]]
+        export_torchscript(build(family, sizes=sizes, seed=args.seed), args.shaped[1])
         return
     if args.sdpa:
         for family in FAMILIES:

@@ -1,6 +1,6 @@
 """Peak RSS at each stage of personalising a decoder with odtrain, one process, printed as JSON lines.
 
-    python memory_stages.py ARTIFACT_DIR [--batch 4 --seq 128 --steps 10]
+    python memory_stages.py ARTIFACT_DIR [--batch 4 --seq 128 --steps 10 --export-dtype float32]
 
 ARTIFACT_DIR is `odtrain prepare MODEL.onnx --lora-rank 8 --lora-alpha 16 --lora-targets '*q_proj*' ...`'s
 output (MODEL.onnx: e.g. a SmolLM2-135M-shaped Llama built by transformers from its config with random
@@ -38,6 +38,9 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--export-dtype", choices=("float32", "int8", "bfloat16"), default="float32",
+                        help="the frozen weights' type in the exported model (export_model_for_inferencing's "
+                        "frozen_dtype; int8 and bfloat16 keep the adapters beside the stored weights)")
     args = parser.parse_args(argv)
     from odtrain.api import CheckpointState, Module, Optimizer
 
@@ -64,7 +67,8 @@ def main(argv=None) -> None:
     _stage(f"{args.steps} training steps", started)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as scratch:
-        module.export_model_for_inferencing(os.path.join(scratch, "inference.onnx"), ["logits"])
+        module.export_model_for_inferencing(os.path.join(scratch, "inference.onnx"), ["logits"],
+                                            frozen_dtype=args.export_dtype)
     _stage("export", started)
 
 

@@ -279,7 +279,7 @@ class GradContext:
 
 # Fill the registry: each family module registers its ops on import.
 from . import (  # noqa: E402,F401
-    attention, conv, elementwise, linalg, nn, normalization, pool, quantize, recurrent, reduction, resize, signal,
+    attention, conv, dequantized, elementwise, linalg, nn, normalization, pool, quantize, recurrent, reduction, resize, signal,
     tensor, training)
 
 __all__ = ["OPS", "OpDef", "op", "grad", "no_grad", "eval_form", "check_supported", "lookup", "GradContext", "broadcast_shapes", "same_as_input"]

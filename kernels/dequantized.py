@@ -1,0 +1,150 @@
+"""Products and gathers on a frozen weight stored as int8 (with float32 scales along one axis) or bfloat16,
+dequantized a panel at a time (graph/ops/dequantized.py).
+
+DequantizedMatMul: the stored weight W [R, C] is cut into panels of whole rows (`block` rows, at most
+PANEL_ELEMENTS floats) of the columns a part owns; each panel is dequantized into scratch and multiplied by
+BLAS (blas.gemm_blocks), so the float32 weight exists one panel at a time:
+- transB=0, Y [m, C] = A [m, R] · dequant(W): panel k holds rows [r, r + block) and adds
+  A[:, r:r + block] · panel into Y (beta 0 for the first panel, then 1); parts own blocks of columns;
+- transB=1, Y [m, R] = A [m, C] · dequant(W)ᵀ: panel k gives Y[:, r:r + block] = A · panelᵀ outright;
+  parts own blocks of rows.
+Each part's panel is its own slice of the scratch. A panel of 2^16 floats (256 KiB) stays in a core's L2
+cache between its dequantization and its product.
+
+DequantizedGather: out[j, :] = dequant(W[indices[j], :]): only the gathered rows are read.
+
+bfloat16 values are the upper 16 bits of a float32: the panel is written through a uint32 view of itself.
+Kernels read no globals: the stored type is an argument (INT8 or BFLOAT16).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .jit import njit, prange
+
+from . import ODTRAIN_DOMAIN, binding
+from .blas import gemm_blocks
+from .layout import flat
+from .parts import part_bounds, part_count
+
+INT8, BFLOAT16 = 0, 1
+PANEL_ELEMENTS = 1 << 16
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _dequantize_panel(w, scale, axis, stored, first, count, c0, c1, columns, panel, bits):
+    """panel[i, j - c0] = dequant(w[first + i, j]) for rows [first, first + count), columns [c0, c1)."""
+    width = c1 - c0
+    per_index = scale.size > 1
+    for i in range(count):
+        source = (first + i) * columns
+        target = i * width - c0
+        if stored == BFLOAT16:
+            for j in range(c0, c1):
+                bits[target + j] = np.uint32(w[source + j]) << np.uint32(16)
+        elif axis == 0:
+            s = scale[first + i] if per_index else scale[0]
+            for j in range(c0, c1):
+                panel[target + j] = np.float32(w[source + j]) * s
+        else:
+            for j in range(c0, c1):
+                panel[target + j] = np.float32(w[source + j]) * scale[j if per_index else 0]
+
+
+@njit(cache=True, error_model="numpy")
+def _product_part(a, w, scale, axis, stored, out, m, rows, columns, trans_b, block, panel, bits, r0, r1, c0, c1):
+    """The product over stored rows [r0, r1) and columns [c0, c1), a panel of `block` rows at a time."""
+    width = c1 - c0
+    if trans_b == 0 and r1 == r0:  # an empty sum
+        for i in range(m):
+            out[i * columns + c0:i * columns + c1] = 0
+    for first in range(r0, r1, block):
+        count = min(block, r1 - first)
+        _dequantize_panel(w, scale, axis, stored, first, count, c0, c1, columns, panel, bits)
+        if trans_b == 0:  # out[:, c0:c1] (+)= a[:, first:first + count] · panel
+            gemm_blocks(0, 0, m, width, count, 1.0, a, first, rows, panel, 0, width, 0.0 if first == r0 else 1.0,
+                        out, c0, columns)
+        else:  # out[:, first:first + count] = a[:, c0:c1] · panelᵀ
+            gemm_blocks(0, 1, m, count, width, 1.0, a, c0, columns, panel, 0, width, 0.0, out, first, rows)
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _product_parts(a, w, scale, axis, stored, out, m, rows, columns, trans_b, block, panels, bits, bounds):
+    """_product_part on parts (bounds: of rows with transB, else of columns), each with its own panel."""
+    size = panels.size // (bounds.size - 1)
+    for p in prange(bounds.size - 1):
+        panel, own = panels[p * size:(p + 1) * size], bits[p * size:(p + 1) * size]
+        if trans_b:
+            _product_part(a, w, scale, axis, stored, out, m, rows, columns, trans_b, block, panel, own, bounds[p],
+                          bounds[p + 1], 0, columns)
+        else:
+            _product_part(a, w, scale, axis, stored, out, m, rows, columns, trans_b, block, panel, own, 0, rows,
+                          bounds[p], bounds[p + 1])
+
+
+def _panels(rows: int, columns: int, trans_b: int, m: int, threads: int):
+    """(part bounds or None for one part, rows per panel, floats per part's panel)."""
+    units = rows if trans_b else columns
+    parts = part_count(threads, units // 16, m * rows * columns)
+    width = columns if trans_b else -(-columns // parts)
+    block = max(1, min(rows, PANEL_ELEMENTS // max(width, 1)))
+    return (part_bounds(units, parts) if parts > 1 else None), block, block * width
+
+
+def _product_scratch(input_specs, output_specs, transB=0, axis=0, threads=1):
+    (a_shape, _), (w_shape, _) = input_specs[0], input_specs[1]
+    m = int(np.prod(a_shape[:-1], dtype=np.int64))
+    bounds, _, size = _panels(int(w_shape[0]), int(w_shape[1]), int(transB), m, threads)
+    return 4 * size * (1 if bounds is None else bounds.size - 1)
+
+
+def _stored(w: np.ndarray):
+    """(the weight's elements as numbers Numba reads, the stored type)."""
+    if w.dtype == np.int8:
+        return flat(w), INT8
+    return flat(w).view(np.uint16), BFLOAT16
+
+
+def _scale(inputs) -> np.ndarray:
+    return flat(inputs[2]) if len(inputs) > 2 and inputs[2] is not None else np.ones(1, np.float32)
+
+
+@binding("DequantizedMatMul", ODTRAIN_DOMAIN, scratch=_product_scratch, parallel=True)
+def DequantizedMatMul(inputs, outputs, transB=0, axis=0, threads=1, scratch=None):
+    a, w, out = inputs[0], inputs[1], outputs[0]
+    rows, columns = (int(d) for d in w.shape)
+    m = int(out.size // (rows if transB else columns)) if out.size else 0
+    if m == 0:
+        return []
+    values, stored = _stored(w)
+    bounds, block, size = _panels(rows, columns, int(transB), m, threads)
+    panels = scratch.view(np.float32)
+    bits = scratch.view(np.uint32)
+    args = (flat(a), values, _scale(inputs), int(axis), stored, flat(out), m, rows, columns, int(transB), block)
+    if bounds is None:
+        return [(_product_part, args + (panels[:size], bits[:size], 0, rows, 0, columns))]
+    count = bounds.size - 1
+    return [(_product_parts, args + (panels[:size * count], bits[:size * count], bounds))]
+
+
+@njit(cache=True, error_model="numpy")
+def _gather_rows(w, scale, axis, stored, indices, out, rows, columns, bits):
+    """out[j, :] = dequant(w[indices[j], :]) (out written through `bits`, its uint32 view, for bfloat16)."""
+    for j in range(indices.size):
+        k = indices[j]
+        if k < 0:
+            k += rows
+        if k < 0 or k >= rows:
+            raise ValueError("an index is outside the gathered axis")
+        _dequantize_panel(w, scale, axis, stored, k, 1, 0, columns, columns, out[j * columns:(j + 1) * columns],
+                          bits[j * columns:(j + 1) * columns])
+
+
+@binding("DequantizedGather", ODTRAIN_DOMAIN)
+def DequantizedGather(inputs, outputs, axis=0):
+    w, indices, out = inputs[0], inputs[1], outputs[0]
+    values, stored = _stored(w)
+    rows, columns = (int(d) for d in w.shape)
+    target = flat(out)
+    return [(_gather_rows, (values, _scale(inputs), int(axis), stored, flat(indices), target, rows, columns,
+                            target.view(np.uint32)))]
