@@ -25,7 +25,7 @@ from .jit import njit, prange
 from . import ODTRAIN_DOMAIN, binding
 from .blas import gemm_blocks
 from .layout import flat
-from .parts import part_bounds, part_count
+from .parts import on_parts, part_count, twin_of
 
 INT8, BFLOAT16 = 0, 1
 PANEL_ELEMENTS = 1 << 16
@@ -68,6 +68,7 @@ def _product_part(a, w, scale, axis, stored, out, m, rows, columns, trans_b, blo
             gemm_blocks(0, 1, m, count, width, 1.0, a, c0, columns, panel, 0, width, 0.0, out, first, rows)
 
 
+@twin_of(_product_part, range=("r0", "r1", "c0", "c1"), replaces=("panel", "bits"), takes=("panels", "bits"))
 @njit(cache=True, error_model="numpy", parallel=True)
 def _product_parts(a, w, scale, axis, stored, out, m, rows, columns, trans_b, block, panels, bits, bounds):
     """_product_part on parts (bounds: of rows with transB, else of columns), each with its own panel."""
@@ -83,19 +84,19 @@ def _product_parts(a, w, scale, axis, stored, out, m, rows, columns, trans_b, bl
 
 
 def _panels(rows: int, columns: int, trans_b: int, m: int, threads: int):
-    """(part bounds or None for one part, rows per panel, floats per part's panel)."""
+    """(parts, rows per panel, floats per part's panel): parts of the rows with transB, else of the columns."""
     units = rows if trans_b else columns
     parts = part_count(threads, units // 16, m * rows * columns)
     width = columns if trans_b else -(-columns // parts)
     block = max(1, min(rows, PANEL_ELEMENTS // max(width, 1)))
-    return (part_bounds(units, parts) if parts > 1 else None), block, block * width
+    return parts, block, block * width
 
 
 def _product_scratch(input_specs, output_specs, transB=0, axis=0, threads=1):
     (a_shape, _), (w_shape, _) = input_specs[0], input_specs[1]
     m = int(np.prod(a_shape[:-1], dtype=np.int64))
-    bounds, _, size = _panels(int(w_shape[0]), int(w_shape[1]), int(transB), m, threads)
-    return 4 * size * (1 if bounds is None else bounds.size - 1)
+    parts, _, size = _panels(int(w_shape[0]), int(w_shape[1]), int(transB), m, threads)
+    return 4 * size * parts
 
 
 def _stored(w: np.ndarray):
@@ -117,14 +118,12 @@ def DequantizedMatMul(inputs, outputs, transB=0, axis=0, threads=1, scratch=None
     if m == 0:
         return []
     values, stored = _stored(w)
-    bounds, block, size = _panels(rows, columns, int(transB), m, threads)
+    parts, block, size = _panels(rows, columns, int(transB), m, threads)
     panels = scratch.view(np.float32)
     bits = scratch.view(np.uint32)
     args = (flat(a), values, _scale(inputs), int(axis), stored, flat(out), m, rows, columns, int(transB), block)
-    if bounds is None:
-        return [(_product_part, args + (panels[:size], bits[:size], 0, rows, 0, columns))]
-    count = bounds.size - 1
-    return [(_product_parts, args + (panels[:size * count], bits[:size * count], bounds))]
+    serial = (_product_part, args + (panels[:size], bits[:size], 0, rows, 0, columns))
+    return [on_parts(serial, rows if transB else columns, parts, (panels[:size * parts], bits[:size * parts]))]
 
 
 @njit(cache=True, error_model="numpy")
