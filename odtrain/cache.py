@@ -308,3 +308,4 @@ def _command(args) -> int:
     if args.json:
         print(json.dumps(result))
     return 0
+

@@ -43,6 +43,7 @@ from .kernels.jit import resolved
 from . import runtime, threads as thread_policy
 from .kernel_library import kernel_name
 from .kernel_sources import discard_stale
+from .kernel_compile import compile_ahead
 from .graph.optimizers import AdamW, SGDMomentum
 from .kernels.optim import (CODE_MAPS, CODE_TABLES, adamw8_update, adamw_update, add_into, assert_finite, copy_into,
                             dequantize_blocks, quantize_blocks, sgd_momentum_update, sgd_update)
@@ -146,6 +147,8 @@ class ExecutableStep:
         self.call_nodes = call_nodes  # the node each call belongs to (None: a gradient added into its sink)
         self.program = Program(self.library, calls) if self.library is not None else None
         self._jit_calls = [(resolved(kernel), args) for kernel, args in calls] if self.program is None else None
+        if self._jit_calls is not None:
+            compile_ahead(self._jit_calls)  # says so when a kernel compiles, before the step holds the line
 
     def _bind_node(self, index: int, node: Node, storage: dict[str, np.ndarray]):
         types = self.types

@@ -278,3 +278,24 @@ def test_the_cache_is_stamped_with_the_sources_as_imported(tmp_path, monkeypatch
     assert kernel_sources.sources_digest() == imported
     kernel_sources._discard_stale_in(str(tmp_path / "cache"))
     assert (tmp_path / "cache" / kernel_sources.SOURCES_STAMP).read_text().strip() == imported
+
+
+def test_a_step_that_compiles_says_so_first_and_a_cached_one_says_nothing(tmp_path, mlp_artifacts, mlp_reference):
+    """Without a kernel library, the first step of a model on a cold cache compiles its kernels: the note says
+    how many before they compile; the next process loads them from the cache and says nothing."""
+    script = textwrap.dedent(f"""
+        import numpy as np
+        from odtrain.api import CheckpointState, Module, Optimizer
+        d = {str(mlp_artifacts)!r}
+        golden = np.load({str(mlp_reference[0].parent / "golden.npz")!r})
+        module = Module(d + "/training_model.onnx", CheckpointState.load_checkpoint(d + "/checkpoint"))
+        module(golden["x"][0], golden["y"][0])
+    """)
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"), ODTRAIN_KERNEL_LIBRARY="off")
+    runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+            for _ in range(2)]
+    assert all(run.returncode == 0 for run in runs), runs[0].stderr + runs[1].stderr
+    note = re.search(r"compiling (\d+) kernels for this model \(once; `odtrain compile` or `odtrain warmup`",
+                     runs[0].stderr)
+    assert note and int(note.group(1)) > 3, runs[0].stderr
+    assert "compiling" not in runs[1].stderr, runs[1].stderr
