@@ -7,8 +7,12 @@ decides, in this order:
 1. Types: every value gets a static type; values computed only from
    constants fold (`schedule.bind_types`).
 2. Order: the nodes still to run, topologically (`schedule.execution_order`).
-   Under a memory budget, activations are recomputed in the backward pass
-   until the arena fits (`recompute.choose_kept`, `recompute.rewrite`). Fused
+   Dropouts that pass their input through (ratio 0, or not training) become
+   views (`ops.nn.inert_dropouts`). Activations that cheap nodes recompute
+   from smaller values are recomputed in the backward pass when that makes
+   the arena smaller (`recompute.cheap_kept`); under a memory budget that this
+   does not meet, activations are recomputed until the arena fits
+   (`recompute.choose_kept`, `recompute.rewrite`). Fused
    optimizer updates go right after the last use of their parameter
    (`schedule.with_updates`).
 3. Storage outside the arena: parameters, folded constants and `held`
@@ -37,7 +41,8 @@ from .errors import MemoryBudgetError, ModelError, UnsupportedOpError
 from .ir import Graph, Node, TensorType
 from .ops import is_view, lookup
 from .planner import SCRATCH_SUFFIX, MemoryPlan, plan_memory
-from .recompute import choose_kept, rewrite, saved_activations
+from .ops.nn import inert_dropouts
+from .recompute import cheap_kept, choose_kept, rewrite, saved_activations
 from .schedule import (RECOMPUTE_SUFFIX, bind_types, defer_constant_work, execution_order, memory_aware_order,
                        split_forward_backward, with_updates)
 
@@ -73,7 +78,7 @@ class StepPlan:
     views: dict[str, str]
     copies: set[int]  # view nodes whose output is held: they copy
     scratch: dict[int, str]  # node index -> its working memory (an arena value of type uint8[n])
-    recomputed: int  # nodes recomputed in the backward pass to meet the memory budget
+    recomputed: int  # nodes recomputed in the backward pass (cheap ones, and those a memory budget needs)
 
     @property
     def constant_bytes(self) -> int:
@@ -102,12 +107,15 @@ def plan_step(graph: Graph, feed_types: dict[str, TensorType], parameter_types: 
     types, folded = bind_types(graph, known, constants)  # the layout adds scratch and recomputed values
     order = execution_order(graph, folded, list(graph.outputs))
     order = defer_constant_work(order, set(parameter_types) | set(folded))  # e.g. an int8 weight's dequantization
+    order = inert_dropouts(order, folded, set(graph.outputs))
     given = set(parameter_types) | set(folded) | set(held)
     layout = _Layout(graph, types, feeds, live_outputs, scratch_bytes, given, set(parameter_types))
-    recomputed = 0
-    if memory_budget is not None:
+    cheaper, cheaper_bytes = layout.recompute_cheap(order)
+    if memory_budget is not None and cheaper_bytes > int(memory_budget):
         order = layout.fit_budget(order, int(memory_budget))
-        recomputed = sum(1 for n in order if n.name.endswith(RECOMPUTE_SUFFIX))
+    else:
+        order = cheaper
+    recomputed = sum(1 for n in order if n.name.endswith(RECOMPUTE_SUFFIX))
     if fused_updates:
         order = with_updates(order, fused_updates)
     views, copies = layout.outside_arena(order)
@@ -179,6 +187,18 @@ class _Layout:
                         "it as a model output")
         plan = plan_memory(order, types, arena_values, self.feeds, self.live_outputs, scratch)
         return plan, arena_values, scratch
+
+    def recompute_cheap(self, order: list[Node]) -> tuple[list[Node], int]:
+        """(order, its arena bytes): with cheap nodes recomputed in backward (`recompute.cheap_kept`) when
+        that plans a smaller arena, else as given."""
+        plan, arena_values, _ = self.place(order, self.outside_arena(order)[0])
+        _, backward = split_forward_backward(order, LOSS_SEED)
+        if not backward:
+            return order, plan.arena_bytes
+        kept = cheap_kept(order, backward, arena_values, self.types)
+        rewritten = self._typed_clones(rewrite(order, backward, kept, arena_values))
+        candidate = self.place(rewritten, self.outside_arena(rewritten)[0])[0]
+        return (rewritten, candidate.arena_bytes) if candidate.arena_bytes < plan.arena_bytes else (order, plan.arena_bytes)
 
     def fit_budget(self, order: list[Node], budget: int) -> list[Node]:
         """The order, with activations recomputed in backward so that the arena fits `budget` bytes."""
