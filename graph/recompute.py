@@ -375,11 +375,12 @@ def _strides(count: int) -> list[int]:
 
 def choose_kept(saved: list[str], producers: dict[str, Node], plan_of: Callable[[set[str]], MemoryPlan], budget: int,
                 types: dict[str, TensorType], arena_values: set[str],
-                unconstrained: MemoryPlan | None = None) -> tuple[set[str] | None, int]:
+                unconstrained: MemoryPlan | None = None, start: set[str] | None = None) -> tuple[set[str] | None, int]:
     """The checkpoints (kept activations) whose plan fits `budget`, with little recompute work.
 
     `producers` maps forward values to their nodes; `plan_of(kept)` plans the rewritten order
-    (the real planner); `unconstrained` is the plan with every saved activation kept, if known.
+    (the real planner); `start` is the choice to drop more from (default: every saved activation
+    kept) and `unconstrained` its plan, if known.
     Returns (kept, its arena bytes), or (None, the smallest arena of the evenly spaced choices):
     those do not depend on the budget, so any budget at least that large is met.
 
@@ -396,10 +397,11 @@ def choose_kept(saved: list[str], producers: dict[str, Node], plan_of: Callable[
     """
     forced = {v for v in saved if not recomputable(producers[v])}
     forward = {id(node) for node in producers.values()}
-    unconstrained = unconstrained if unconstrained is not None else plan_of(set(saved))
+    start = set(saved) if start is None else start
+    unconstrained = unconstrained if unconstrained is not None else plan_of(start)
     smallest = unconstrained.arena_bytes
     for chains in (False, True):
-        choice = _Choice(saved, producers, arena_values, types, set(saved), chains)
+        choice = _Choice(saved, producers, arena_values, types, start, chains)
         plan = unconstrained
         for _ in range(MAX_ROUNDS):
             if not _cover(plan, choice, forward, budget):

@@ -110,11 +110,7 @@ def plan_step(graph: Graph, feed_types: dict[str, TensorType], parameter_types: 
     order = inert_dropouts(order, folded, set(graph.outputs))
     given = set(parameter_types) | set(folded) | set(held)
     layout = _Layout(graph, types, feeds, live_outputs, scratch_bytes, given, set(parameter_types))
-    cheaper, cheaper_bytes = layout.recompute_cheap(order)
-    if memory_budget is not None and cheaper_bytes > int(memory_budget):
-        order = layout.fit_budget(order, int(memory_budget))
-    else:
-        order = cheaper
+    order = layout.fit_budget(order, None if memory_budget is None else int(memory_budget))
     recomputed = sum(1 for n in order if n.name.endswith(RECOMPUTE_SUFFIX))
     if fused_updates:
         order = with_updates(order, fused_updates)
@@ -188,23 +184,13 @@ class _Layout:
         plan = plan_memory(order, types, arena_values, self.feeds, self.live_outputs, scratch)
         return plan, arena_values, scratch
 
-    def recompute_cheap(self, order: list[Node]) -> tuple[list[Node], int]:
-        """(order, its arena bytes): with cheap nodes recomputed in backward (`recompute.cheap_kept`) when
-        that plans a smaller arena, else as given."""
-        plan, arena_values, _ = self.place(order, self.outside_arena(order)[0])
-        _, backward = split_forward_backward(order, LOSS_SEED)
-        if not backward:
-            return order, plan.arena_bytes
-        kept = cheap_kept(order, backward, arena_values, self.types)
-        rewritten = self._typed_clones(rewrite(order, backward, kept, arena_values))
-        candidate = self.place(rewritten, self.outside_arena(rewritten)[0])[0]
-        return (rewritten, candidate.arena_bytes) if candidate.arena_bytes < plan.arena_bytes else (order, plan.arena_bytes)
-
-    def fit_budget(self, order: list[Node], budget: int) -> list[Node]:
-        """The order, with activations recomputed in backward so that the arena fits `budget` bytes."""
+    def fit_budget(self, order: list[Node], budget: int | None) -> list[Node]:
+        """The order, with activations recomputed in backward: those cheap nodes recompute from smaller
+        values (`recompute.cheap_kept`) when that plans a smaller arena, then, if the arena does not fit
+        `budget` bytes (None: no budget), as many more as it takes (`recompute.choose_kept`)."""
         _, backward = split_forward_backward(order, LOSS_SEED)
         unconstrained, arena_values, _ = self.place(order, self.outside_arena(order)[0])
-        if unconstrained.arena_bytes <= budget:
+        if not backward:
             return order
         saved = saved_activations(order, backward, arena_values)
         producers = {o: n for n in order if id(n) not in backward for o in n.outputs if o}
@@ -213,7 +199,14 @@ class _Layout:
             rewritten = self._typed_clones(rewrite(order, backward, kept, arena_values))
             return self.place(rewritten, self.outside_arena(rewritten)[0])[0]
 
-        kept, size = choose_kept(saved, producers, plan_of, budget, self.types, arena_values, unconstrained)
+        start, start_plan = set(saved), unconstrained
+        cheaper = cheap_kept(order, backward, arena_values, self.types)
+        cheaper_plan = plan_of(cheaper)
+        if cheaper_plan.arena_bytes < unconstrained.arena_bytes:
+            start, start_plan = cheaper, cheaper_plan
+        if budget is None or start_plan.arena_bytes <= budget:
+            return order if start_plan is unconstrained else self._typed_clones(rewrite(order, backward, start, arena_values))
+        kept, size = choose_kept(saved, producers, plan_of, budget, self.types, arena_values, start_plan, start)
         if kept is None:
             raise MemoryBudgetError(
                 f"a memory budget of {budget:,} bytes cannot be met for these input shapes: the smallest arena "
