@@ -320,3 +320,17 @@ def test_a_failed_allocation_becomes_a_memory_budget_error(deep_mlp, monkeypatch
     with pytest.raises(MemoryBudgetError, match="the memory plan needs an arena of .*, more than could be allocated "
                                                 ".*; its largest values: '"):
         train(directory, x, y)
+
+
+@pytest.mark.parametrize("ratio, training, inert", [(0.0, True, True), (0.25, False, True), (0.25, True, False)])
+def test_a_dropout_that_passes_its_input_through_becomes_a_view(ratio, training, inert):
+    from odtrain.graph.ops.nn import inert_dropouts
+
+    order = [Node("Dropout", ["x", "ratio", "training"], ["y", "mask"], {}, "drop"),
+             Node("DropoutGrad", ["dy", "mask", "ratio", "training"], ["dx"], {}, "drop_grad", "ai.odtrain")]
+    folded = {"ratio": np.array(ratio, np.float32), "training": np.array(training)}
+    result = inert_dropouts(order, folded, {"y"})
+    assert [(n.op_type, n.inputs, n.outputs) for n in result] == (
+        [("Identity", ["x"], ["y"]), ("Identity", ["dy"], ["dx"])] if inert else [(n.op_type, n.inputs, n.outputs)
+                                                                                  for n in order])
+    assert inert_dropouts(order, folded, {"mask"})[0].op_type == "Dropout"  # a mask the caller reads stays
