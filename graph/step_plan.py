@@ -189,9 +189,9 @@ class _Layout:
         values (`recompute.cheap_kept`) when that plans a smaller arena, then, if the arena does not fit
         `budget` bytes (None: no budget), as many more as it takes (`recompute.choose_kept`)."""
         _, backward = split_forward_backward(order, LOSS_SEED)
-        unconstrained, arena_values, _ = self.place(order, self.outside_arena(order)[0])
-        if not backward:
+        if not backward:  # an eval step: nothing is saved for a backward pass
             return order
+        unconstrained, arena_values, _ = self.place(order, self.outside_arena(order)[0])
         saved = saved_activations(order, backward, arena_values)
         producers = {o: n for n in order if id(n) not in backward for o in n.outputs if o}
 
