@@ -27,6 +27,11 @@ Invariants:
   fails, every k-th saved activation is kept, for the smallest k whose plan fits.
   If no choice fits, the error names the smallest arena of those evenly spaced
   choices: they do not depend on the budget, so a budget that large is met.
+- Without a budget, `cheap_kept` still drops the saved activations that cheap
+  nodes (elementwise, normalizations, copies: no product, no window, at most
+  CHEAP_UNITS of work per output element) recompute from values no larger than
+  they are: a SiLU's sigmoid and product from the gate, a norm's output from
+  its input, a repeated key from the key.
 """
 from __future__ import annotations
 
@@ -42,6 +47,8 @@ from .planner import MemoryPlan
 from .schedule import RECOMPUTE_SUFFIX
 
 MAX_ROUNDS = 6  # plans each pass of the peak covering may make before falling back to strides
+CHEAP_UNITS = 8.0  # work per output element (graph/cost.py's unit) up to which a node is cheap to run again
+CHEAP_SEGMENT = 4  # cheap nodes at most that one dropped activation's clones may run
 
 
 def saved_activations(order: list[Node], backward: set[int], arena_values: set[str]) -> list[str]:
@@ -102,6 +109,52 @@ def rewrite(order: list[Node], backward: set[int], kept: set[str], arena_values:
             node = Node(node.op_type, with_clones(node), list(node.outputs), dict(node.attrs), node.name, node.domain)
         result.append(node)
     return result
+
+
+def cheap(node: Node, types: dict[str, TensorType]) -> bool:
+    """Whether running the node again costs about as much as reading its output: no product, no sliding
+    window, no random numbers, no state update, at most CHEAP_UNITS of work per output element."""
+    opdef = lookup(node)
+    if opdef.random or opdef.flops is not None or opdef.window_reads is not None or opdef.updates:
+        return False
+    produced = sum(types[o].size for o in node.outputs if o and o in types and types[o].is_static)
+    return node_cost(node, types) <= CHEAP_UNITS * max(produced, 1)
+
+
+def cheap_kept(order: list[Node], backward: set[int], arena_values: set[str],
+               types: dict[str, TensorType]) -> set[str]:
+    """The activations to keep (`rewrite`'s `kept`) when cheap nodes recompute what they can for less memory.
+
+    In forward order, a saved activation made by a cheap node is dropped when the values its clones
+    would read that nobody keeps yet, kept instead, take fewer bytes than it does. Its clones run
+    back through cheap nodes (CHEAP_SEGMENT of them at most) to kept values, parameters, constants
+    and feeds; the value where the segment stops is kept.
+    """
+    saved = saved_activations(order, backward, arena_values)
+    producers = {o: n for n in order if id(n) not in backward for o in n.outputs if o}
+    kept = set(saved)
+    for value in saved:
+        if not cheap(producers[value], types):
+            continue
+        segment, keep, stack = set(), set(), [value]
+        while stack:
+            node = producers[stack.pop()]
+            if id(node) in segment:
+                continue
+            segment.add(id(node))
+            for k in _read(node):
+                name = node.inputs[k]
+                if name not in producers or name not in arena_values or name in kept:
+                    continue  # held outside the arena, a feed, or kept anyway
+                if (len(segment) < CHEAP_SEGMENT and recomputable(producers[name])
+                        and cheap(producers[name], types)):
+                    stack.append(name)
+                else:  # the segment starts here
+                    keep.add(name)
+        if sum(types[k].nbytes for k in keep) < types[value].nbytes:
+            kept.discard(value)
+            kept.update(keep)
+    return kept
 
 
 class _Choice:
@@ -322,11 +375,12 @@ def _strides(count: int) -> list[int]:
 
 def choose_kept(saved: list[str], producers: dict[str, Node], plan_of: Callable[[set[str]], MemoryPlan], budget: int,
                 types: dict[str, TensorType], arena_values: set[str],
-                unconstrained: MemoryPlan | None = None) -> tuple[set[str] | None, int]:
+                unconstrained: MemoryPlan | None = None, start: set[str] | None = None) -> tuple[set[str] | None, int]:
     """The checkpoints (kept activations) whose plan fits `budget`, with little recompute work.
 
     `producers` maps forward values to their nodes; `plan_of(kept)` plans the rewritten order
-    (the real planner); `unconstrained` is the plan with every saved activation kept, if known.
+    (the real planner); `start` is the choice to drop more from (default: every saved activation
+    kept) and `unconstrained` its plan, if known.
     Returns (kept, its arena bytes), or (None, the smallest arena of the evenly spaced choices):
     those do not depend on the budget, so any budget at least that large is met.
 
@@ -343,10 +397,11 @@ def choose_kept(saved: list[str], producers: dict[str, Node], plan_of: Callable[
     """
     forced = {v for v in saved if not recomputable(producers[v])}
     forward = {id(node) for node in producers.values()}
-    unconstrained = unconstrained if unconstrained is not None else plan_of(set(saved))
+    start = set(saved) if start is None else start
+    unconstrained = unconstrained if unconstrained is not None else plan_of(start)
     smallest = unconstrained.arena_bytes
     for chains in (False, True):
-        choice = _Choice(saved, producers, arena_values, types, set(saved), chains)
+        choice = _Choice(saved, producers, arena_values, types, start, chains)
         plan = unconstrained
         for _ in range(MAX_ROUNDS):
             if not _cover(plan, choice, forward, budget):

@@ -7,8 +7,12 @@ decides, in this order:
 1. Types: every value gets a static type; values computed only from
    constants fold (`schedule.bind_types`).
 2. Order: the nodes still to run, topologically (`schedule.execution_order`).
-   Under a memory budget, activations are recomputed in the backward pass
-   until the arena fits (`recompute.choose_kept`, `recompute.rewrite`). Fused
+   Dropouts that pass their input through (ratio 0, or not training) become
+   views (`ops.nn.inert_dropouts`). Activations that cheap nodes recompute
+   from smaller values are recomputed in the backward pass when that makes
+   the arena smaller (`recompute.cheap_kept`); under a memory budget that this
+   does not meet, activations are recomputed until the arena fits
+   (`recompute.choose_kept`, `recompute.rewrite`). Fused
    optimizer updates go right after the last use of their parameter
    (`schedule.with_updates`).
 3. Storage outside the arena: parameters, folded constants and `held`
@@ -37,7 +41,8 @@ from .errors import MemoryBudgetError, ModelError, UnsupportedOpError
 from .ir import Graph, Node, TensorType
 from .ops import is_view, lookup
 from .planner import SCRATCH_SUFFIX, MemoryPlan, plan_memory
-from .recompute import choose_kept, rewrite, saved_activations
+from .ops.nn import inert_dropouts
+from .recompute import cheap_kept, choose_kept, rewrite, saved_activations
 from .schedule import (RECOMPUTE_SUFFIX, bind_types, defer_constant_work, execution_order, memory_aware_order,
                        split_forward_backward, with_updates)
 
@@ -73,7 +78,7 @@ class StepPlan:
     views: dict[str, str]
     copies: set[int]  # view nodes whose output is held: they copy
     scratch: dict[int, str]  # node index -> its working memory (an arena value of type uint8[n])
-    recomputed: int  # nodes recomputed in the backward pass to meet the memory budget
+    recomputed: int  # nodes recomputed in the backward pass (cheap ones, and those a memory budget needs)
 
     @property
     def constant_bytes(self) -> int:
@@ -102,12 +107,11 @@ def plan_step(graph: Graph, feed_types: dict[str, TensorType], parameter_types: 
     types, folded = bind_types(graph, known, constants)  # the layout adds scratch and recomputed values
     order = execution_order(graph, folded, list(graph.outputs))
     order = defer_constant_work(order, set(parameter_types) | set(folded))  # e.g. an int8 weight's dequantization
+    order = inert_dropouts(order, folded, set(graph.outputs))
     given = set(parameter_types) | set(folded) | set(held)
     layout = _Layout(graph, types, feeds, live_outputs, scratch_bytes, given, set(parameter_types))
-    recomputed = 0
-    if memory_budget is not None:
-        order = layout.fit_budget(order, int(memory_budget))
-        recomputed = sum(1 for n in order if n.name.endswith(RECOMPUTE_SUFFIX))
+    order = layout.fit_budget(order, None if memory_budget is None else int(memory_budget))
+    recomputed = sum(1 for n in order if n.name.endswith(RECOMPUTE_SUFFIX))
     if fused_updates:
         order = with_updates(order, fused_updates)
     views, copies = layout.outside_arena(order)
@@ -180,12 +184,14 @@ class _Layout:
         plan = plan_memory(order, types, arena_values, self.feeds, self.live_outputs, scratch)
         return plan, arena_values, scratch
 
-    def fit_budget(self, order: list[Node], budget: int) -> list[Node]:
-        """The order, with activations recomputed in backward so that the arena fits `budget` bytes."""
+    def fit_budget(self, order: list[Node], budget: int | None) -> list[Node]:
+        """The order, with activations recomputed in backward: those cheap nodes recompute from smaller
+        values (`recompute.cheap_kept`) when that plans a smaller arena, then, if the arena does not fit
+        `budget` bytes (None: no budget), as many more as it takes (`recompute.choose_kept`)."""
         _, backward = split_forward_backward(order, LOSS_SEED)
-        unconstrained, arena_values, _ = self.place(order, self.outside_arena(order)[0])
-        if unconstrained.arena_bytes <= budget:
+        if not backward:  # an eval step: nothing is saved for a backward pass
             return order
+        unconstrained, arena_values, _ = self.place(order, self.outside_arena(order)[0])
         saved = saved_activations(order, backward, arena_values)
         producers = {o: n for n in order if id(n) not in backward for o in n.outputs if o}
 
@@ -193,7 +199,14 @@ class _Layout:
             rewritten = self._typed_clones(rewrite(order, backward, kept, arena_values))
             return self.place(rewritten, self.outside_arena(rewritten)[0])[0]
 
-        kept, size = choose_kept(saved, producers, plan_of, budget, self.types, arena_values, unconstrained)
+        start, start_plan = set(saved), unconstrained
+        cheaper = cheap_kept(order, backward, arena_values, self.types)
+        cheaper_plan = plan_of(cheaper)
+        if cheaper_plan.arena_bytes < unconstrained.arena_bytes:
+            start, start_plan = cheaper, cheaper_plan
+        if budget is None or start_plan.arena_bytes <= budget:
+            return order if start_plan is unconstrained else self._typed_clones(rewrite(order, backward, start, arena_values))
+        kept, size = choose_kept(saved, producers, plan_of, budget, self.types, arena_values, start_plan, start)
         if kept is None:
             raise MemoryBudgetError(
                 f"a memory budget of {budget:,} bytes cannot be met for these input shapes: the smallest arena "

@@ -137,7 +137,7 @@ class BoundStep:
     inputs: tuple  # (name, shape) of each user input
     plan: MemoryPlan
     constant_bytes: int  # constants folded at these shapes, held beside the arena
-    recomputed_nodes: int  # nodes run again in the backward pass to meet the memory budget
+    recomputed_nodes: int  # nodes run again in the backward pass: cheap ones, and those a memory budget needs
     loss: str | None  # the name of the loss output
 
     @property

@@ -11,6 +11,7 @@ from odtrain import MemoryBudgetError, artifacts
 from odtrain.api import CheckpointState, Module, Optimizer
 from odtrain.graph.cost import node_cost
 from odtrain.graph.ir import Node, TensorType
+from odtrain.graph import recompute
 from odtrain.graph.recompute import RECOMPUTE_SUFFIX
 from oracles import make_model
 
@@ -49,6 +50,13 @@ def train(directory, x, y, **options):
         module.lazy_reset_grad()
     bound = next(iter(module._train.plans.values()))
     return losses, module.get_contiguous_parameters(), bound
+
+
+def train_keeping_every_activation(directory, x, y, **options):
+    """`train` with no node cheap enough to be recomputed by default: every saved activation kept."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(recompute, "CHEAP_UNITS", -1.0)
+        return train(directory, x, y, **options)
 
 
 def test_half_the_arena_trains_identically(deep_mlp):
@@ -122,7 +130,7 @@ def test_the_cost_model_prices_products_far_above_elementwise_ops():
 
 def test_the_budget_recomputes_cheap_ops_not_products(scaled_mlp):
     directory, x, y = scaled_mlp
-    losses, params, free = train(directory, x, y)
+    losses, params, free = train_keeping_every_activation(directory, x, y)
     budget_losses, budget_params, tight = train(directory, x, y, memory_budget=int(free.plan.arena_bytes * 0.7))
     assert tight.plan.arena_bytes <= free.plan.arena_bytes * 0.7
     ops = recomputed_ops(tight)
@@ -131,10 +139,21 @@ def test_the_budget_recomputes_cheap_ops_not_products(scaled_mlp):
     np.testing.assert_array_equal(budget_params, params)
 
 
+def test_cheap_ops_are_recomputed_by_default_when_that_shrinks_the_arena(scaled_mlp):
+    directory, x, y = scaled_mlp
+    losses, params, kept = train_keeping_every_activation(directory, x, y)
+    default_losses, default_params, default = train(directory, x, y)
+    assert kept.recomputed == 0 and default.plan.arena_bytes < kept.plan.arena_bytes
+    ops = recomputed_ops(default)  # the Relu outputs, from the MatMul outputs the scales' gradients keep anyway
+    assert ops["Relu"] >= 4 and set(ops) <= {"Mul", "Relu"}, ops
+    assert default_losses == losses
+    np.testing.assert_array_equal(default_params, params)
+
+
 @pytest.mark.parametrize("fraction", [0.8, 0.6, 0.5])
 def test_random_ops_are_never_recomputed(scaled_mlp, fraction):
     directory, x, y = scaled_mlp
-    losses, params, free = train(directory, x, y)
+    losses, params, free = train_keeping_every_activation(directory, x, y)
     budget_losses, budget_params, tight = train(directory, x, y, memory_budget=int(free.plan.arena_bytes * fraction))
     assert tight.recomputed > 0 and recomputed_ops(tight)["Dropout"] == 0
     assert budget_losses == losses
@@ -301,3 +320,17 @@ def test_a_failed_allocation_becomes_a_memory_budget_error(deep_mlp, monkeypatch
     with pytest.raises(MemoryBudgetError, match="the memory plan needs an arena of .*, more than could be allocated "
                                                 ".*; its largest values: '"):
         train(directory, x, y)
+
+
+@pytest.mark.parametrize("ratio, training, inert", [(0.0, True, True), (0.25, False, True), (0.25, True, False)])
+def test_a_dropout_that_passes_its_input_through_becomes_a_view(ratio, training, inert):
+    from odtrain.graph.ops.nn import inert_dropouts
+
+    order = [Node("Dropout", ["x", "ratio", "training"], ["y", "mask"], {}, "drop"),
+             Node("DropoutGrad", ["dy", "mask", "ratio", "training"], ["dx"], {}, "drop_grad", "ai.odtrain")]
+    folded = {"ratio": np.array(ratio, np.float32), "training": np.array(training)}
+    result = inert_dropouts(order, folded, {"y"})
+    assert [(n.op_type, n.inputs, n.outputs) for n in result] == (
+        [("Identity", ["x"], ["y"]), ("Identity", ["dy"], ["dx"])] if inert else [(n.op_type, n.inputs, n.outputs)
+                                                                                  for n in order])
+    assert inert_dropouts(order, folded, {"mask"})[0].op_type == "Dropout"  # a mask the caller reads stays

@@ -1,6 +1,6 @@
 """Peak RSS at each stage of personalising a decoder with odtrain, one process, printed as JSON lines.
 
-    python memory_stages.py ARTIFACT_DIR [--batch 4 --seq 128 --steps 10 --export-dtype float32]
+    python memory_stages.py ARTIFACT_DIR [--batch 4 --seq 128 --steps 10 --export-dtype float32 --memory-budget BYTES]
 
 ARTIFACT_DIR is `odtrain prepare MODEL.onnx --lora-rank 8 --lora-alpha 16 --lora-targets '*q_proj*' ...`'s
 output (MODEL.onnx: e.g. a SmolLM2-135M-shaped Llama built by transformers from its config with random
@@ -41,6 +41,8 @@ def main(argv=None) -> None:
     parser.add_argument("--export-dtype", choices=("float32", "int8", "bfloat16"), default="float32",
                         help="the frozen weights' type in the exported model (export_model_for_inferencing's "
                         "frozen_dtype; int8 and bfloat16 keep the adapters beside the stored weights)")
+    parser.add_argument("--memory-budget", type=int, default=None,
+                        help="Module's memory_budget: the training arena's cap in bytes, met by recomputing activations")
     args = parser.parse_args(argv)
     from odtrain.api import CheckpointState, Module, Optimizer
 
@@ -50,7 +52,8 @@ def main(argv=None) -> None:
     state = CheckpointState.load_checkpoint(os.path.join(folder, "checkpoint"))
     _stage("load_checkpoint", started)
     started = time.perf_counter()
-    module = Module(os.path.join(folder, "training_model.onnx"), state, os.path.join(folder, "eval_model.onnx"))
+    module = Module(os.path.join(folder, "training_model.onnx"), state, os.path.join(folder, "eval_model.onnx"),
+                    memory_budget=args.memory_budget)
     optimizer = Optimizer(os.path.join(folder, "optimizer_model.onnx"), module)
     _stage("module and optimizer", started)
     vocab = module.graph(training=False).value_types["logits"].shape[-1]

@@ -289,3 +289,33 @@ def _dropout_grad(ctx):  # dX = dY · mask / (1 - ratio) in training mode, dY ot
 
 
 op("DropoutGrad", ODTRAIN_DOMAIN, inplace=((0, 0),))(lambda node, types, consts: [types[0]])
+
+
+def inert_dropouts(order: list[Node], folded: dict, outputs: set[str]) -> list[Node]:
+    """The order with each Dropout known before the first step to pass its input through (ratio 0, or
+    not training: the kernel copies and its mask is all true) as an Identity (a view), and each
+    DropoutGrad of its mask as an Identity of dY. A Dropout whose mask is a graph output or is read
+    by other nodes stays. Exact: in that case both kernels copy."""
+    readers: dict[str, set] = {}
+    for node in order:
+        for name in node.inputs:
+            readers.setdefault(name, set()).add(node.key)
+    inert, masks = set(), set()
+    for node in order:
+        if node.key != ("", "Dropout"):
+            continue
+        ratio = folded.get(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] else node.attrs.get("ratio", 0.5)
+        training = folded.get(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] else False
+        if ratio is None or training is None or (bool(np.asarray(training)) and float(np.asarray(ratio)) != 0.0):
+            continue
+        mask = node.outputs[1] if len(node.outputs) > 1 else ""
+        if mask and (mask in outputs or not readers.get(mask, set()) <= {(ODTRAIN_DOMAIN, "DropoutGrad")}):
+            continue
+        inert.add(id(node))
+        masks.add(mask)
+    result = []
+    for node in order:
+        if id(node) in inert or (node.key == (ODTRAIN_DOMAIN, "DropoutGrad") and node.inputs[1] in masks):
+            node = Node("Identity", node.inputs[:1], node.outputs[:1], {}, node.name)
+        result.append(node)
+    return result
