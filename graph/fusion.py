@@ -546,14 +546,27 @@ def dequantized_pass(graph: Graph) -> None:
     graph.nodes = [replaced.get(id(n), n) for n in graph.nodes if id(n) not in removed]
 
 
-def with_stored_weights_read_in_place(graph: Graph) -> Graph:
-    """`graph` itself, or a copy whose products and gathers read frozen int8 and bfloat16 weights in place
-    (dequantized_pass): what an eval model runs."""
-    if not any(_stored_weight(graph, node) for node in graph.nodes):
+def with_weights_read_in_place(graph: Graph) -> Graph:
+    """What an eval model runs: `graph` itself, or a copy whose products read a transposed weight (a tied
+    embedding as the output layer) through transB instead of a transposed copy, and whose products and
+    gathers read frozen int8 and bfloat16 weights in place (dequantized_pass)."""
+    made = {o for n in graph.nodes for o in n.outputs}
+    transposed = [n for n in graph.nodes if n.key == ("", "Transpose") and n.inputs[0] not in made]
+    if not transposed and not any(_stored_weight(graph, node) for node in graph.nodes):
         return graph
     fused = graph.copy()
+    _rewrite_all(fused, _match_transposed_parameter)
     dequantized_pass(fused)
     return fused
+
+
+def _match_transposed_parameter(index: _Index, node: Node):
+    """_match_transposed_weight where the transposed value is made by no node (a parameter, held outside the
+    arena, as training's products read it)."""
+    transpose = index.made_by(node.inputs[1], "Transpose") if node.key == ("", "MatMul") else None
+    if transpose is None or transpose.inputs[0] in index.producer:
+        return None
+    return _match_transposed_weight(index, node)
 
 
 def _bias_pass(graph: Graph) -> None:

@@ -33,7 +33,7 @@ from .graph.errors import (ArgumentError, CheckpointError, InputError, ModelErro
                            StateError)
 from .graph.ir import Graph, TensorType
 from .graph.frozen import check_frozen_dtype, frozen_bytes, restore_frozen, store_frozen, stored_weights
-from .graph.fusion import with_stored_weights_read_in_place
+from .graph.fusion import with_weights_read_in_place
 from .graph.lora import merge_adapters
 from .graph.onnx_io import load_graph, save_graph
 from .graph.ops import check_supported
@@ -284,7 +284,7 @@ class _GraphSession:
         self.graph = load_graph(uri, what)
         check_supported(self.graph.nodes, f"{what} '{self.uri}'")
         # what the steps run: an eval model reads stored frozen weights in place (the training model already does)
-        self.step_graph = self.graph if with_gradients else with_stored_weights_read_in_place(self.graph)
+        self.step_graph = self.graph if with_gradients else with_weights_read_in_place(self.graph)
         store = state._store
         self.state = state
         self.input_names = [n for n in self.graph.inputs if n not in store]
