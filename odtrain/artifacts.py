@@ -118,7 +118,8 @@ def _with_adapters(graph, lora: LoraConfig, requires_grad, frozen_params):
 
 def build_training_graphs(model, requires_grad=None, frozen_params=None, loss=None, additional_output_names=None,
                           loss_input_names=None, class_axis=None, ignore_index=None, lora=None,
-                          qat: QatConfig | None = None, frozen_dtype: str = "float32") -> TrainingGraphs:
+                          qat: QatConfig | None = None, frozen_dtype: str = "float32",
+                          eval_output_names=None) -> TrainingGraphs:
     """Forward model + loss -> training graph (with `<param>_grad` outputs) and eval graph.
 
     `loss` is a LossType; or an object with a method `build_loss(graph, loss_inputs)` that adds the loss to
@@ -129,7 +130,9 @@ def build_training_graphs(model, requires_grad=None, frozen_params=None, loss=No
     targeted weights, with the parameters `requires_grad` names; the rest is frozen (odtrain.graph.lora).
     `qat` inserts fake quantization (graph/qat.py); its activation ranges join the frozen parameters.
     `frozen_dtype` ("float32", "bfloat16", "int8") is the type the frozen weight matrices are stored and
-    held in (odtrain.graph.frozen); int8's scales join the frozen parameters.
+    held in (odtrain.graph.frozen); int8's scales join the frozen parameters. `additional_output_names` are
+    outputs of both graphs; `eval_output_names` of the eval graph only, so that the training step neither
+    keeps nor returns them (a language model's logits: then the vocabulary product fuses with its loss).
     """
     check_frozen_dtype(frozen_dtype)
     custom_loss = hasattr(loss, "build_loss")
@@ -148,7 +151,8 @@ def build_training_graphs(model, requires_grad=None, frozen_params=None, loss=No
 
     known = graph.all_value_names()
     extra_outputs = list(additional_output_names or [])
-    for name in extra_outputs:
+    eval_outputs = [n for n in eval_output_names or [] if n not in extra_outputs]
+    for name in extra_outputs + eval_outputs:
         if name not in known:
             raise ArgumentError(f"additional output '{name}' is not a value of the model; its outputs are {graph.outputs}")
     if loss_input_names is not None:
@@ -173,7 +177,7 @@ def build_training_graphs(model, requires_grad=None, frozen_params=None, loss=No
         extra_outputs += [name for name in block_outputs if name not in extra_outputs and name != loss_name]
     else:
         loss_name = add_loss(forward, parse_loss(loss), loss_inputs, class_axis, ignore_index)
-    forward.outputs = [loss_name] + extra_outputs
+    forward.outputs = [loss_name] + extra_outputs + [n for n in eval_outputs if n not in extra_outputs]
     forward = forward.prune(forward.outputs)
 
     params = trainable + frozen
@@ -209,8 +213,9 @@ def build_training_graphs(model, requires_grad=None, frozen_params=None, loss=No
             left_out[name] = NO_GRADIENT
         if not trainable:
             raise ArgumentError("no parameter of the model receives a gradient from the loss")
-    training_graph = build_gradient_graph(forward, loss_name, trainable)
     eval_graph = to_eval_graph(forward)
+    trained = forward.prune([loss_name] + extra_outputs) if len(forward.outputs) > 1 + len(extra_outputs) else forward
+    training_graph = build_gradient_graph(trained, loss_name, trainable)
     return TrainingGraphs(training_graph, eval_graph, trainable, frozen, {p: graph.initializers[p] for p in params},
                           [p for p in params if p in used], left_out)
 
@@ -230,7 +235,7 @@ def generate_artifacts(model, requires_grad=None, frozen_params=None, loss=None,
                        custom_op_library=None, additional_output_names=None, nominal_checkpoint: bool = False,
                        loss_input_names=None, class_axis=None, ignore_index=None, lora=None,
                        qat: QatConfig | None = None, properties: dict | None = None,
-                       frozen_dtype: str = "float32") -> GeneratedArtifacts:
+                       frozen_dtype: str = "float32", eval_output_names=None) -> GeneratedArtifacts:
     """Write the training artifacts for `model` (an onnx.ModelProto or a path) into `artifact_directory`.
 
     `loss` and `optimizer` also accept odtrain.onnxblock blocks (a custom loss; onnxblock.optim.AdamW, SGD,
@@ -243,7 +248,9 @@ def generate_artifacts(model, requires_grad=None, frozen_params=None, loss=None,
     `properties` (int, float or str values) are stored in the checkpoint, as CheckpointState.properties.
     `frozen_dtype="int8"` (per output channel, float32 scales) or `"bfloat16"` stores and holds the frozen
     weight matrices (those of products, embeddings, convolutions) in that type (odtrain.graph.frozen);
-    training reads them a panel at a time, never as a whole float32 copy.
+    training reads them a panel at a time, never as a whole float32 copy. `eval_output_names` are added to
+    the eval model only (what `odtrain eval` scores and export writes), so the training step does not keep
+    them: a language model's [batch, seq, vocab] logits then never exist whole in training.
 
     Returns what was written and which parameters train; with `requires_grad=None`, `left_out` names the
     floating-point initializers left as constants (rotary tables, single values, ...) with the reason."""
@@ -257,7 +264,7 @@ def generate_artifacts(model, requires_grad=None, frozen_params=None, loss=None,
     optimizer = getattr(optimizer, "config", optimizer)  # an optimizer block's hyper-parameters
     optimizer = parse_optimizer(optimizer) if optimizer is not None else None
     built = build_training_graphs(model, requires_grad, frozen_params, loss, additional_output_names, loss_input_names,
-                                  class_axis, ignore_index, lora, qat, frozen_dtype)
+                                  class_axis, ignore_index, lora, qat, frozen_dtype, eval_output_names)
     trainable, values = built.trainable, built.values
 
     paths = ArtifactPaths.of(artifact_directory if artifact_directory is not None else os.getcwd(), prefix)

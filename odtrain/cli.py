@@ -262,12 +262,13 @@ def _prepare(args) -> int:
         raise ArgumentError("--optimizer-state-dtype applies to AdamW's moments only; SGD keeps no moments")
     optimizer = {"adamw": artifacts.AdamW(weight_decay=args.weight_decay, state_dtype=args.optimizer_state_dtype),
                  "sgd": artifacts.SGD()}[args.optimizer]
-    extra = [o for o in graph.outputs if o in loss_inputs] + [o for o in graph.outputs if o not in loss_inputs]
+    # the model's outputs are what eval scores and export writes; a training step returns the loss alone
+    predictions = [o for o in graph.outputs if o in loss_inputs] + [o for o in graph.outputs if o not in loss_inputs]
     qat = choices.get("qat")
     properties = {"learning_rate": float(args.lr), "loss": args.loss, "optimizer": args.optimizer}
     del graph  # its mapping of the model file: generate_artifacts maps the file again
     generated = artifacts.generate_artifacts(args.model, optimizer=optimizer, artifact_directory=args.output,
-                                             additional_output_names=extra, properties=properties,
+                                             eval_output_names=predictions, properties=properties,
                                              frozen_dtype=args.frozen_dtype, **_artifact_options(choices))
     trainable, frozen = generated.trainable, generated.frozen
     paths = ArtifactPaths.find(args.output)

@@ -119,6 +119,30 @@ def test_prepare_detects_classes_last_and_says_so(tmp_path, capsys):
     assert code == 2 and "apply to --loss ce" in err
 
 
+def test_prepared_training_step_returns_the_loss_and_fuses_the_vocabulary_product(tmp_path, capsys):
+    """`odtrain prepare` gives the eval model the logits (eval scores them, export writes them) and the training
+    model the loss alone, so the training step fuses the vocabulary product with the loss: no [batch, seq, V]
+    logits in its arena. Its losses are the eval model's on the same batch."""
+    model, _ = tiny_lm()
+    onnx.save(model, tmp_path / "lm.onnx")
+    code, _, err = odtrain_main(capsys, "prepare", tmp_path / "lm.onnx", "-o", tmp_path / "a")
+    assert code == 0, err
+    training, evaluation = (onnx.load(tmp_path / "a" / f"{kind}_model.onnx") for kind in ("training", "eval"))
+    assert [o.name for o in training.graph.output if not o.name.endswith("_grad")] == ["loss"]
+    assert [o.name for o in evaluation.graph.output] == ["loss", "logits"]
+    state = CheckpointState.load_checkpoint(str(tmp_path / "a" / "checkpoint"))
+    module = Module(str(tmp_path / "a" / "training_model.onnx"), state, str(tmp_path / "a" / "eval_model.onnx"))
+    ids, labels = batch()
+    trained = float(module(ids, labels))
+    (plan,) = module._train.plans.values()
+    assert "LinearCrossEntropy" in {node.op_type for node in plan.plan.order}
+    assert all(t.shape != (BATCH, SEQ, VOCAB) for t in plan.types.values())
+    module.eval()
+    loss, logits = module(ids, labels)
+    assert logits.shape == (BATCH, SEQ, VOCAB)
+    np.testing.assert_allclose(trained, float(loss), rtol=1e-6)
+
+
 def positional_model():
     """x [batch, seq, F] times a table of positions (Range over the input's shape) and inv_freq, then a weight;
     an epsilon as a one-element initializer; a float threshold that only feeds a comparison."""
