@@ -30,7 +30,7 @@ libm call per element. `fast_exp`, `fast_erf` and `fast_tanh` are float32 polyno
 approximations (Cephes' expf; Eigen's erf and tanh rational forms, within a few float32
 ulps) that LLVM vectorises: 3-15x faster in softmax, GELU and the recurrent gates.
 
-With threads, the flat kernels (and _binary_rows) have `_parts` twins (kernels/parts.py) that run them
+With threads, the flat kernels (and _binary_strided) have `_parts` twins (kernels/parts.py) that run them
 on parts of their elements (rows) in one parallel region; every value is as in one thread.
 """
 from __future__ import annotations
@@ -49,6 +49,7 @@ GELU_GRAD, GELU_TANH_GRAD = 12, 13
 FMOD = 15
 SHIFT = {"LEFT": 16, "RIGHT": 17}
 BITWISE = {"BitwiseAnd": 18, "BitwiseOr": 19, "BitwiseXor": 20}
+COMMUTATIVE = (0, 2, 8, 9)  # add, mul, max, min
 COMPARE = {"Equal": 0, "Less": 1, "Greater": 2, "LessOrEqual": 3, "GreaterOrEqual": 4, "And": 5, "Or": 6, "Xor": 7}
 
 
@@ -389,28 +390,60 @@ def _gelu_inplace(x):
         x[i] = gelu(x[i])
 
 
-@njit(cache=True, error_model="numpy")
-def _binary(code, a, b, out):
-    """out[i] = f(a[i], b[i]) over flat arrays of one size. One loop per common op, so each vectorises."""
+@njit(cache=True, inline="always", error_model="numpy")
+def _run_pair(code, a, b, out):
+    """out[k] = f(a[k], b[k]) over arrays (slices) of one length. One loop per common op, so each vectorises;
+    slices index from 0, so LLVM needs no per-element wraparound select."""
     n = out.size
     if code == 0:
-        for i in range(n):
-            out[i] = a[i] + b[i]
+        for k in range(n):
+            out[k] = a[k] + b[k]
     elif code == 1:
-        for i in range(n):
-            out[i] = a[i] - b[i]
+        for k in range(n):
+            out[k] = a[k] - b[k]
     elif code == 2:
-        for i in range(n):
-            out[i] = a[i] * b[i]
+        for k in range(n):
+            out[k] = a[k] * b[k]
     elif code == 3:
-        for i in range(n):
-            out[i] = a[i] / b[i]
+        for k in range(n):
+            out[k] = a[k] / b[k]
     elif code == 4:  # branch-free, so it vectorises even when out aliases a (in place)
-        for i in range(n):
-            out[i] = a[i] * (b[i] > 0)
+        for k in range(n):
+            out[k] = a[k] * (b[k] > 0)
     else:
-        for i in range(n):
-            out[i] = _binary_op(code, a[i], b[i])
+        for k in range(n):
+            out[k] = _binary_op(code, a[k], b[k])
+
+
+@njit(cache=True, inline="always", error_model="numpy")
+def _run_scalar(code, x, y, out, y_first):
+    """out[k] = f(x[k], y), or f(y, x[k]) if y_first: a run against one broadcast value."""
+    n = out.size
+    if code == 0:
+        for k in range(n):
+            out[k] = x[k] + y
+    elif code == 2:
+        for k in range(n):
+            out[k] = x[k] * y
+    elif y_first:
+        for k in range(n):
+            out[k] = _binary_op(code, y, x[k])
+    else:
+        for k in range(n):
+            out[k] = _binary_op(code, x[k], y)
+
+
+@njit(cache=True, error_model="numpy")
+def _binary(code, a, b, out):
+    """out[i] = f(a[i], b[i]) over flat arrays of one size."""
+    _run_pair(code, a, b, out)
+
+
+@njit(cache=True, error_model="numpy")
+def _binary_into(code, out, b):
+    """out[i] = f(out[i], b[i]): in place through one name, so LLVM sees one buffer and vectorises (a kernel
+    given the buffer under two names fails the run-time overlap check and runs scalar: 3x slower here)."""
+    _run_pair(code, out, b, out)
 
 
 @njit(cache=True, error_model="numpy")
@@ -437,23 +470,40 @@ def _gelu_grad_into_dy(dy, x):
 @njit(cache=True, error_model="numpy")
 def _binary_scalar(code, a, b, out):
     """out[i] = f(a[i], b[0])."""
-    y = b[0]
-    for i in range(out.size):
-        out[i] = _binary_op(code, a[i], y)
+    _run_scalar(code, a, b[0], out, False)
 
 
 @njit(cache=True, error_model="numpy")
-def _binary_strided(code, a, b, out, dims, sa, sb):
-    """out (flat, C order over dims) = f(a[strided], b[strided]) over a 4-D layout."""
-    k = 0
-    for i0 in range(dims[0]):
-        for i1 in range(dims[1]):
-            for i2 in range(dims[2]):
-                ia = i0 * sa[0] + i1 * sa[1] + i2 * sa[2]
-                ib = i0 * sb[0] + i1 * sb[1] + i2 * sb[2]
-                for i3 in range(dims[3]):
-                    out[k] = _binary_op(code, a[ia + i3 * sa[3]], b[ib + i3 * sb[3]])
-                    k += 1
+def _binary_strided(code, a, b, out, dims, sa, sb, first, last):
+    """out (flat, C order over dims) = f(a[strided], b[strided]) over a 4-D layout, for the rows (the outer
+    three axes read as one number in C order) in [first, last). Each row is a run of dims[3]: a run of each
+    operand, or one of its values repeated (stride 0), as slices so that it vectorises."""
+    if last <= first:
+        return
+    n = dims[3]
+    i2 = first % dims[2]
+    i1 = (first // dims[2]) % dims[1]
+    i0 = first // (dims[2] * dims[1])
+    for row in range(first, last):
+        ia = i0 * sa[0] + i1 * sa[1] + i2 * sa[2]
+        ib = i0 * sb[0] + i1 * sb[1] + i2 * sb[2]
+        target = out[row * n:(row + 1) * n]
+        if sa[3] == 1 and sb[3] == 1:
+            _run_pair(code, a[ia:ia + n], b[ib:ib + n], target)
+        elif sa[3] == 1 and sb[3] == 0:
+            _run_scalar(code, a[ia:ia + n], b[ib], target, False)
+        elif sa[3] == 0 and sb[3] == 1:
+            _run_scalar(code, b[ib:ib + n], a[ia], target, True)
+        else:
+            for k in range(n):
+                target[k] = _binary_op(code, a[ia + k * sa[3]], b[ib + k * sb[3]])
+        i2 += 1  # the next row: an odometer over the outer three axes
+        if i2 == dims[2]:
+            i2 = 0
+            i1 += 1
+            if i1 == dims[1]:
+                i1 = 0
+                i0 += 1
 
 
 @njit(cache=True, error_model="numpy")
@@ -474,24 +524,6 @@ def _gather_strided(x, out, dims, sx, scale):
                     for i3 in range(inner):
                         target[i3] = x[ix + i3 * sx[3]] * scale
                 k += inner
-
-
-@njit(cache=True, error_model="numpy")
-def _binary_rows(code, a, b, out, rows, cols, a_row, b_row):
-    """out[r, c] = f(a[r·a_row + c], b[r·b_row + c]): a row vector (bias) or a full operand on each side."""
-    for r in range(rows):
-        ia = r * a_row
-        ib = r * b_row
-        io = r * cols
-        if code == 0:
-            for c in range(cols):
-                out[io + c] = a[ia + c] + b[ib + c]
-        elif code == 2:
-            for c in range(cols):
-                out[io + c] = a[ia + c] * b[ib + c]
-        else:
-            for c in range(cols):
-                out[io + c] = _binary_op(code, a[ia + c], b[ib + c])
 
 
 @njit(cache=True, error_model="numpy")
@@ -599,6 +631,14 @@ def _binary_parts(code, a, b, out, bounds):
         _binary(code, a[bounds[p]:bounds[p + 1]], b[bounds[p]:bounds[p + 1]], out[bounds[p]:bounds[p + 1]])
 
 
+@twin_of(_binary_into)
+@njit(cache=True, error_model="numpy", parallel=True)
+def _binary_into_parts(code, out, b, bounds):
+    """_binary_into on parts of the elements (bounds)."""
+    for p in prange(bounds.size - 1):
+        _binary_into(code, out[bounds[p]:bounds[p + 1]], b[bounds[p]:bounds[p + 1]])
+
+
 @twin_of(_special_binary)
 @njit(cache=True, error_model="numpy", parallel=True)
 def _special_binary_parts(code, dy, x, out, bounds):
@@ -627,14 +667,12 @@ def _binary_scalar_parts(code, a, b, out, bounds):
         _binary_scalar(code, a[bounds[p]:bounds[p + 1]], b, out[bounds[p]:bounds[p + 1]])
 
 
-@twin_of(_binary_rows)
+@twin_of(_binary_strided, range=("first", "last"))
 @njit(cache=True, error_model="numpy", parallel=True)
-def _binary_rows_parts(code, a, b, out, rows, cols, a_row, b_row, bounds):
-    """_binary_rows on parts of the rows (bounds)."""
+def _binary_strided_parts(code, a, b, out, dims, sa, sb, bounds):
+    """_binary_strided on parts of the rows (bounds)."""
     for p in prange(bounds.size - 1):
-        first = bounds[p]
-        _binary_rows(code, a[first * a_row:], b[first * b_row:], out[first * cols:], bounds[p + 1] - first, cols,
-                     a_row, b_row)
+        _binary_strided(code, a, b, out, dims, sa, sb, bounds[p], bounds[p + 1])
 
 
 def same_buffer(x: np.ndarray, y: np.ndarray) -> bool:
@@ -658,15 +696,17 @@ def binary_calls(code: int, a: np.ndarray, b: np.ndarray, out: np.ndarray, threa
             return [split((_gelu_grad, (flat(a), flat(b), flat(out))), out.size, out.size, threads)]
         return [split((_special_binary, (code, flat(a), flat(b), flat(out))), out.size, out.size, threads)]
     if a.shape == out.shape and b.shape == out.shape:
+        if same_buffer(b, out) and code in COMMUTATIVE and not same_buffer(a, out):
+            a, b = b, a
+        if same_buffer(a, out):
+            return [split((_binary_into, (code, flat(out), flat(b))), out.size, out.size, threads)]
         return [split((_binary, (code, flat(a), flat(b), flat(out))), out.size, out.size, threads)]
     if a.shape == out.shape and b.size == 1:
         return [split((_binary_scalar, (code, flat(a), flat(b), flat(out))), out.size, out.size, threads)]
     dims, _, sa, sb = broadcast_layout(out.shape, a.shape, b.shape)
-    if dims[0] == dims[1] == 1 and sa[3] == sb[3] == 1 and (sa[2] in (0, dims[3])) and (sb[2] in (0, dims[3])):
-        # rows of a matrix against a row vector (bias, scale) or a full matrix: contiguous inner loops
-        return [split((_binary_rows, (code, flat(a), flat(b), flat(out), int(dims[2]), int(dims[3]), int(sa[2]),
-                                       int(sb[2]))), int(dims[2]), out.size, threads)]
-    return [(_binary_strided, (code, flat(a), flat(b), flat(out), dims, sa, sb))]
+    rows = int(dims[0] * dims[1] * dims[2])
+    return [split((_binary_strided, (code, flat(a), flat(b), flat(out), dims, sa, sb, 0, rows)), rows, out.size,
+                  threads)]
 
 
 def compare_calls(code: int, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> list:
@@ -709,7 +749,7 @@ def _variadic(code: int, inputs, out, threads: int = 1) -> list:
         dims, _, sx = broadcast_layout(out.shape, inputs[0].shape)
         return [gather_call(inputs[0], out, dims, sx)]
     first = inputs[0]
-    if first.shape != out.shape and inputs[1].shape == out.shape and code in (0, 2, 8, 9):  # commutative
+    if first.shape != out.shape and inputs[1].shape == out.shape and code in COMMUTATIVE:
         first, second = inputs[1], inputs[0]
     else:
         second = inputs[1]

@@ -16,40 +16,39 @@ from .layout import coalesce, element_strides, flat
 
 @njit(cache=True, error_model="numpy", fastmath={"reassoc"})
 def _sum_strided(x, out, dims, sx, so, scale):
-    """out[strided] = scale · Σ x[strided] over the axes where out's stride is 0."""
+    """out[strided] = scale · Σ x[strided] over the axes where out's stride is 0 (a 4-D layout).
+
+    The innermost axis is a run: added into a run of out (a summed outer axis: a bias gradient, the
+    repeated heads of grouped-query attention) or summed into one value (a summed last axis). Unit-stride
+    runs go through slices, whose indices LLVM knows are in range, so they vectorise."""
     for i in range(out.size):
         out[i] = 0
-    if dims[0] == dims[1] == 1 and sx[3] == 1 and sx[2] == dims[3]:
-        # rows of a contiguous matrix: summed into a row vector (a bias gradient) or into one value per row
-        rows, cols = dims[2], dims[3]
-        if so[3] == 1 and so[2] == 0:
-            for r in range(rows):
-                for c in range(cols):
-                    out[c] += x[r * cols + c]
-        elif so[3] == 0:
-            for r in range(rows):
-                total = x[r * cols] * 0
-                for c in range(cols):
-                    total += x[r * cols + c]
-                out[r * so[2]] += total
-        else:
-            _sum_general(x, out, dims, sx, so)
-    else:
-        _sum_general(x, out, dims, sx, so)
-    if scale != 1.0:
-        for i in range(out.size):
-            out[i] *= scale
-
-
-@njit(cache=True, inline="always", error_model="numpy", fastmath={"reassoc"})
-def _sum_general(x, out, dims, sx, so):
+    n = dims[3]
     for i0 in range(dims[0]):
         for i1 in range(dims[1]):
             for i2 in range(dims[2]):
                 ix = i0 * sx[0] + i1 * sx[1] + i2 * sx[2]
                 io = i0 * so[0] + i1 * so[1] + i2 * so[2]
-                for i3 in range(dims[3]):
-                    out[io + i3 * so[3]] += x[ix + i3 * sx[3]]
+                if so[3] == 0:
+                    total = x[ix] * 0
+                    if sx[3] == 1:
+                        source = x[ix:ix + n]
+                        for k in range(n):
+                            total += source[k]
+                    else:
+                        for k in range(n):
+                            total += x[ix + k * sx[3]]
+                    out[io] += total
+                elif sx[3] == 1 and so[3] == 1:
+                    target, source = out[io:io + n], x[ix:ix + n]
+                    for k in range(n):
+                        target[k] += source[k]
+                else:
+                    for k in range(n):
+                        out[io + k * so[3]] += x[ix + k * sx[3]]
+    if scale != 1.0:
+        for i in range(out.size):
+            out[i] *= scale
 
 
 def _keepdims_shape(shape: tuple, axes: tuple) -> tuple:

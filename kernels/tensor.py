@@ -28,25 +28,70 @@ SCATTER = {"none": 0, "add": 1, "mul": 2, "max": 3, "min": 4}
 # ---- strided copies ---------------------------------------------------------------------------
 
 
+@njit(cache=True, inline="always", error_model="numpy")
+def _copy_run(x, ix, sx, out, io, so, n, accumulate):
+    """out[io + k·so] (+)= x[ix + k·sx] for k < n. Unit and zero strides go through slices, whose indices
+    LLVM knows are in range (no wraparound select per element), so those runs vectorise."""
+    if so == 1 and sx == 1:
+        target, source = out[io:io + n], x[ix:ix + n]
+        if accumulate:
+            for k in range(n):
+                target[k] += source[k]
+        else:
+            for k in range(n):
+                target[k] = source[k]
+    elif so == 1 and sx == 0 and not accumulate:  # a value repeated along the run (Expand of a last axis)
+        target, value = out[io:io + n], x[ix]
+        for k in range(n):
+            target[k] = value
+    elif accumulate:
+        for k in range(n):
+            out[io + k * so] += x[ix + k * sx]
+    else:
+        for k in range(n):
+            out[io + k * so] = x[ix + k * sx]
+
+
 @njit(cache=True, error_model="numpy")
-def _copy_strided(x, x_start, sx, out, out_start, so, dims, accumulate):
-    """out[out_start + Σ i·so] (+)= x[x_start + Σ i·sx] for every index i < dims (6 axes)."""
-    for i0 in range(dims[0]):
-        for i1 in range(dims[1]):
-            for i2 in range(dims[2]):
-                for i3 in range(dims[3]):
-                    for i4 in range(dims[4]):
-                        ix = x_start + i0 * sx[0] + i1 * sx[1] + i2 * sx[2] + i3 * sx[3] + i4 * sx[4]
-                        io = out_start + i0 * so[0] + i1 * so[1] + i2 * so[2] + i3 * so[3] + i4 * so[4]
-                        if accumulate:
-                            for i5 in range(dims[5]):
-                                out[io + i5 * so[5]] += x[ix + i5 * sx[5]]
-                        elif sx[5] == 1 and so[5] == 1:
-                            for i5 in range(dims[5]):
-                                out[io + i5] = x[ix + i5]
-                        else:
-                            for i5 in range(dims[5]):
-                                out[io + i5 * so[5]] = x[ix + i5 * sx[5]]
+def _copy_strided(x, x_start, sx, out, out_start, so, dims, accumulate, first, last):
+    """out[out_start + Σ i·so] (+)= x[x_start + Σ i·sx] for every index i < dims (6 axes) whose outer five
+    axes, read as one row number in C order, lie in [first, last): each row is one run of dims[5]."""
+    if last <= first:
+        return
+    r = first
+    i4 = r % dims[4]
+    r //= dims[4]
+    i3 = r % dims[3]
+    r //= dims[3]
+    i2 = r % dims[2]
+    r //= dims[2]
+    i1 = r % dims[1]
+    i0 = r // dims[1]
+    for _ in range(first, last):
+        ix = x_start + i0 * sx[0] + i1 * sx[1] + i2 * sx[2] + i3 * sx[3] + i4 * sx[4]
+        io = out_start + i0 * so[0] + i1 * so[1] + i2 * so[2] + i3 * so[3] + i4 * so[4]
+        _copy_run(x, ix, sx[5], out, io, so[5], dims[5], accumulate)
+        i4 += 1  # the next row: an odometer over the outer five axes
+        if i4 == dims[4]:
+            i4 = 0
+            i3 += 1
+            if i3 == dims[3]:
+                i3 = 0
+                i2 += 1
+                if i2 == dims[2]:
+                    i2 = 0
+                    i1 += 1
+                    if i1 == dims[1]:
+                        i1 = 0
+                        i0 += 1
+
+
+@twin_of(_copy_strided, range=("first", "last"))
+@njit(cache=True, error_model="numpy", parallel=True)
+def _copy_strided_parts(x, x_start, sx, out, out_start, so, dims, accumulate, bounds):
+    """_copy_strided on parts of the rows (bounds); only for copies that write each element once."""
+    for p in prange(bounds.size - 1):
+        _copy_strided(x, x_start, sx, out, out_start, so, dims, accumulate, bounds[p], bounds[p + 1])
 
 
 @njit(cache=True, error_model="numpy")
@@ -73,9 +118,13 @@ def layout6(dims, x_strides, out_strides):
             np.array([r[2] for r in rows], np.int64))
 
 
-def copy_call(x, x_start, x_strides, out, out_start, out_strides, dims, accumulate=False):
+def copy_call(x, x_start, x_strides, out, out_start, out_strides, dims, accumulate=False, threads=1):
+    """The strided copy's call; with threads, split into parts of its rows unless it accumulates (rows of an
+    accumulation may add into the same elements)."""
     d, sx, so = layout6(dims, x_strides, out_strides)
-    return (_copy_strided, (flat(x), int(x_start), sx, flat(out), int(out_start), so, d, bool(accumulate)))
+    rows = int(np.prod(d[:5]))
+    call = (_copy_strided, (flat(x), int(x_start), sx, flat(out), int(out_start), so, d, bool(accumulate), 0, rows))
+    return call if accumulate else split(call, rows, int(np.prod(d)), threads)
 
 
 def fill_call(out, value=0):
@@ -86,13 +135,13 @@ def _c_strides(shape):
     return element_strides(shape, shape)
 
 
-@binding("Transpose")
-def Transpose(inputs, outputs, perm=None):
+@binding("Transpose", parallel=True)
+def Transpose(inputs, outputs, perm=None, threads=1):
     x, out = inputs[0], outputs[0]
     perm = list(range(x.ndim))[::-1] if perm is None else [int(p) for p in perm]
     source_strides = element_strides(x.shape, x.shape)
     return [copy_call(x, 0, [source_strides[p] for p in perm], out, 0, element_strides(out.shape, out.shape),
-                      out.shape)]
+                      out.shape, threads=threads)]
 
 
 def _depth_space(inputs, outputs, blocksize, mode, to_space):
@@ -118,10 +167,11 @@ for _domain in ("", ODTRAIN_DOMAIN):  # odtrain's, DepthToSpace's gradient, has 
         inputs, outputs, blocksize, mode, False))
 
 
-@binding("Expand")
-def Expand(inputs, outputs):
+@binding("Expand", parallel=True)
+def Expand(inputs, outputs, threads=1):
     x, out = inputs[0], outputs[0]
-    return [copy_call(x, 0, element_strides(x.shape, out.shape), out, 0, _c_strides(out.shape), out.shape)]
+    return [copy_call(x, 0, element_strides(x.shape, out.shape), out, 0, _c_strides(out.shape), out.shape,
+                      threads=threads)]
 
 
 def _tile_layout(x_shape, repeats):
@@ -135,11 +185,11 @@ def _tile_layout(x_shape, repeats):
     return dims, sx, so
 
 
-@binding("Tile")
-def Tile(inputs, outputs):
+@binding("Tile", parallel=True)
+def Tile(inputs, outputs, threads=1):
     x, out = inputs[0], outputs[0]
     dims, sx, so = _tile_layout(x.shape, [int(r) for r in inputs[1].reshape(-1)])
-    return [copy_call(x, 0, sx, out, 0, so, dims)]
+    return [copy_call(x, 0, sx, out, 0, so, dims, threads=threads)]
 
 
 @binding("TileGrad", ODTRAIN_DOMAIN)
@@ -171,11 +221,11 @@ def _slice_args(inputs, attrs):
     return values
 
 
-@binding("Slice")
-def Slice(inputs, outputs, **attrs):
+@binding("Slice", parallel=True)
+def Slice(inputs, outputs, threads=1, **attrs):
     x, out = inputs[0], outputs[0]
     offset, strides = _slice_layout(x.shape, *_slice_args(inputs, attrs))
-    return [copy_call(x, offset, strides, out, 0, _c_strides(out.shape), out.shape)]
+    return [copy_call(x, offset, strides, out, 0, _c_strides(out.shape), out.shape, threads=threads)]
 
 
 @binding("SliceGrad", ODTRAIN_DOMAIN)
@@ -205,27 +255,28 @@ def _axis_offsets(shapes, axis):
     return offsets
 
 
-@binding("Concat")
-def Concat(inputs, outputs, axis=0):
+@binding("Concat", parallel=True)
+def Concat(inputs, outputs, axis=0, threads=1):
     out = outputs[0]
     axis = int(axis) % out.ndim
     present = [x for x in inputs if x is not None]
     strides = _c_strides(out.shape)
-    return [copy_call(x, 0, _c_strides(x.shape), out, offset * strides[axis], strides, x.shape)
+    return [copy_call(x, 0, _c_strides(x.shape), out, offset * strides[axis], strides, x.shape, threads=threads)
             for x, offset in zip(present, _axis_offsets([x.shape for x in present], axis)) if x.size]
 
 
-@binding("ConcatGrad", ODTRAIN_DOMAIN)
-def ConcatGrad(inputs, outputs, axis=0, index=0):
+@binding("ConcatGrad", ODTRAIN_DOMAIN, parallel=True)
+def ConcatGrad(inputs, outputs, axis=0, index=0, threads=1):
     dy, out = inputs[0], outputs[0]
     axis = int(axis) % dy.ndim
     offset = _axis_offsets([x.shape for x in inputs[1:]], axis)[index]
     strides = _c_strides(dy.shape)
-    return [copy_call(dy, offset * strides[axis], strides, out, 0, _c_strides(out.shape), out.shape)]
+    return [copy_call(dy, offset * strides[axis], strides, out, 0, _c_strides(out.shape), out.shape,
+                      threads=threads)]
 
 
-@binding("Split")
-def Split(inputs, outputs, axis=0, split=None, num_outputs=None):
+@binding("Split", parallel=True)
+def Split(inputs, outputs, axis=0, split=None, num_outputs=None, threads=1):
     x = inputs[0]
     axis = int(axis) % x.ndim
     strides = _c_strides(x.shape)
@@ -238,7 +289,7 @@ def Split(inputs, outputs, axis=0, split=None, num_outputs=None):
         else:
             split = [o.shape[axis] for o in outputs]
     offsets = np.concatenate([[0], np.cumsum(split)[:-1]]).astype(int)
-    return [copy_call(x, offset * strides[axis], strides, o, 0, _c_strides(o.shape), o.shape)
+    return [copy_call(x, offset * strides[axis], strides, o, 0, _c_strides(o.shape), o.shape, threads=threads)
             for o, offset in zip(outputs, offsets) if o is not None and o.size]
 
 
