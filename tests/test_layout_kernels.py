@@ -45,6 +45,7 @@ CASES = {
     "sum_last_axis": ("SumToShape", [rand(2, 5, 9), shape_input((2, 5, 1))], (2, 5, 1), {},
                       lambda g, s: g.sum(axis=2, keepdims=True, dtype=np.float64).astype(np.float32)),
     "add_mask_over_heads": ("Add", [rand(2, 9, 5, 6), rand(2, 1, 5, 6)], (2, 9, 5, 6), {}, np.add),
+    "add_over_four_axes": ("Add", [rand(3, 4, 5, 6), rand(3, 1, 5, 1)], (3, 4, 5, 6), {}, np.add),
     "sub_column_on_the_left": ("Sub", [rand(2, 5, 1), rand(2, 5, 7)], (2, 5, 7), {}, np.subtract),
     "div_by_column": ("Div", [rand(2, 5, 7), rand(2, 5, 1)], (2, 5, 7), {}, np.divide),
     "max_row_and_column": ("Max", [rand(5, 1), rand(1, 7)], (5, 7), {}, np.maximum),
