@@ -474,10 +474,11 @@ def _binary_scalar(code, a, b, out):
 
 
 @njit(cache=True, error_model="numpy")
-def _binary_strided(code, a, b, out, dims, sa, sb, first, last):
+def _binary_strided(code, a, b, out, dims, sa, sb, in_place, first, last):
     """out (flat, C order over dims) = f(a[strided], b[strided]) over a 4-D layout, for the rows (the outer
     three axes read as one number in C order) in [first, last). Each row is a run of dims[3]: a run of each
-    operand, or one of its values repeated (stride 0), as slices so that it vectorises."""
+    operand, or one of its values repeated (stride 0), as slices so that it vectorises. `in_place`: a is out
+    (same layout), read through out's name (see _binary_into)."""
     if last <= first:
         return
     n = dims[3]
@@ -488,7 +489,11 @@ def _binary_strided(code, a, b, out, dims, sa, sb, first, last):
         ia = i0 * sa[0] + i1 * sa[1] + i2 * sa[2]
         ib = i0 * sb[0] + i1 * sb[1] + i2 * sb[2]
         target = out[row * n:(row + 1) * n]
-        if sa[3] == 1 and sb[3] == 1:
+        if in_place and sb[3] == 1:
+            _run_pair(code, target, b[ib:ib + n], target)
+        elif in_place and sb[3] == 0:
+            _run_scalar(code, target, b[ib], target, False)
+        elif sa[3] == 1 and sb[3] == 1:
             _run_pair(code, a[ia:ia + n], b[ib:ib + n], target)
         elif sa[3] == 1 and sb[3] == 0:
             _run_scalar(code, a[ia:ia + n], b[ib], target, False)
@@ -669,10 +674,10 @@ def _binary_scalar_parts(code, a, b, out, bounds):
 
 @twin_of(_binary_strided, range=("first", "last"))
 @njit(cache=True, error_model="numpy", parallel=True)
-def _binary_strided_parts(code, a, b, out, dims, sa, sb, bounds):
+def _binary_strided_parts(code, a, b, out, dims, sa, sb, in_place, bounds):
     """_binary_strided on parts of the rows (bounds)."""
     for p in prange(bounds.size - 1):
-        _binary_strided(code, a, b, out, dims, sa, sb, bounds[p], bounds[p + 1])
+        _binary_strided(code, a, b, out, dims, sa, sb, in_place, bounds[p], bounds[p + 1])
 
 
 def same_buffer(x: np.ndarray, y: np.ndarray) -> bool:
@@ -695,18 +700,19 @@ def binary_calls(code: int, a: np.ndarray, b: np.ndarray, out: np.ndarray, threa
                 return [split((_gelu_grad_into_dy, (flat(a), flat(b))), out.size, out.size, threads)]
             return [split((_gelu_grad, (flat(a), flat(b), flat(out))), out.size, out.size, threads)]
         return [split((_special_binary, (code, flat(a), flat(b), flat(out))), out.size, out.size, threads)]
+    if same_buffer(b, out) and code in COMMUTATIVE and not same_buffer(a, out):  # the output over b: read as a
+        a, b = b, a
     if a.shape == out.shape and b.shape == out.shape:
-        if same_buffer(b, out) and code in COMMUTATIVE and not same_buffer(a, out):
-            a, b = b, a
         if same_buffer(a, out):
             return [split((_binary_into, (code, flat(out), flat(b))), out.size, out.size, threads)]
         return [split((_binary, (code, flat(a), flat(b), flat(out))), out.size, out.size, threads)]
-    if a.shape == out.shape and b.size == 1:
+    in_place = same_buffer(a, out)
+    if a.shape == out.shape and b.size == 1 and not in_place:
         return [split((_binary_scalar, (code, flat(a), flat(b), flat(out))), out.size, out.size, threads)]
     dims, _, sa, sb = broadcast_layout(out.shape, a.shape, b.shape)
     rows = int(dims[0] * dims[1] * dims[2])
-    return [split((_binary_strided, (code, flat(a), flat(b), flat(out), dims, sa, sb, 0, rows)), rows, out.size,
-                  threads)]
+    return [split((_binary_strided, (code, flat(a), flat(b), flat(out), dims, sa, sb, in_place, 0, rows)), rows,
+                  out.size, threads)]
 
 
 def compare_calls(code: int, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> list:

@@ -102,3 +102,16 @@ def test_a_sum_of_many_accumulates_in_place():
         expected = expected + x
     np.testing.assert_array_equal(out, expected)
     assert [kernel.__name__ for kernel, _ in calls] == ["_binary"] + ["_binary_into"] * 3
+
+
+@pytest.mark.parametrize("op, ufunc", [("Add", np.add), ("Mul", np.multiply), ("Div", np.divide)])
+def test_a_broadcast_output_over_an_input_is_computed_in_place(op, ufunc):
+    """Scores with a mask added over heads, or a product scaled by one value, written over the scores."""
+    for a, b in ((rand(2, 3, 4, 5), rand(2, 1, 4, 5)), (rand(2, 3, 4), rand(1))):
+        for over in (0, 1):
+            if over == 1 and op == "Div":
+                continue  # the output over the divisor, which is smaller: not in place
+            inputs = [a.copy(), b.copy()] if over == 0 else [b.copy(), a.copy()]
+            calls = run(op, inputs, inputs[over], {}, 1)
+            np.testing.assert_array_equal(inputs[over], ufunc(*((a, b) if over == 0 else (b, a))))
+            assert [kernel.__name__ for kernel, _ in calls] == ["_binary_strided"] and calls[0][1][7]
