@@ -111,6 +111,18 @@ def _rolled(x, row, d, split, keep):
     return -x[row + d + split] if d < keep else x[row + d - keep]
 
 
+@njit(cache=True, inline="always", error_model="numpy")
+def _turn(y, x, c, z, t, negate):
+    """y[e] = x[e]·c[e] + z[e]·t[e] (or - z[e]·t[e]) over slices of one length: every operand indexed from 0,
+    so LLVM vectorises the loop (indexing one row at two offsets, d and d + split, it did not: 4.7x slower)."""
+    if negate:
+        for e in range(y.size):
+            y[e] = x[e] * c[e] + -z[e] * t[e]
+    else:
+        for e in range(y.size):
+            y[e] = x[e] * c[e] + z[e] * t[e]
+
+
 @njit(cache=True, error_model="numpy")
 def _rotate_half(x, cos, sin, y, batch, heads, seq, cb, ch, cs, width, split, inverse, first, last):
     """y ← x·cos + r(x)·sin per row of `width` with r(x) = [-x[split:], x[:split]] (its transpose when
@@ -120,12 +132,13 @@ def _rotate_half(x, cos, sin, y, batch, heads, seq, cb, ch, cs, width, split, in
     for row in range(first, last):
         s, bh = row % seq, row // seq
         xo, co = row * width, (bh // heads) * cb + (bh % heads) * ch + s * cs
-        for d in range(width):
-            if inverse:  # dx[d] = dy[d]·c[d] + the term of the output that reads x[d] through r
-                turned = -x[xo + d - split] * sin[co + d - split] if d >= split else x[xo + d + keep] * sin[co + d + keep]
-            else:
-                turned = _rolled(x, xo, d, split, keep) * sin[co + d]
-            y[xo + d] = x[xo + d] * cos[co + d] + turned
+        xr, yr, c, t = x[xo:xo + width], y[xo:xo + width], cos[co:co + width], sin[co:co + width]
+        if inverse:  # dx[d] = dy[d]·c[d] + the term of the output that reads x[d] through r
+            _turn(yr[:split], xr[:split], c[:split], xr[keep:], t[keep:], False)
+            _turn(yr[split:], xr[split:], c[split:], xr[:keep], t[:keep], True)
+        else:
+            _turn(yr[:keep], xr[:keep], c[:keep], xr[split:], t[:keep], True)
+            _turn(yr[keep:], xr[keep:], c[keep:], xr[:split], t[keep:], False)
 
 
 @twin_of(_rotate_half, range=("first", "last"))
