@@ -418,47 +418,56 @@ def LayerNormalizationGrad(inputs, outputs, axis=-1, epsilon=1e-5, threads=1):
 
 
 @njit(cache=True, inline="always", error_model="numpy", fastmath=REDUCE)
-def _row_inverse_rms(x, base, inner, epsilon):
+def _row_inverse_rms(row, epsilon):
+    """1/√(mean(row²) + ε) of one row (a slice)."""
     squares = np.float32(0.0)
-    for j in range(inner):
-        squares += x[base + j] * x[base + j]
-    return np.float32(1.0) / np.sqrt(squares / inner + epsilon)
+    for j in range(row.size):
+        squares += row[j] * row[j]
+    return np.float32(1.0) / np.sqrt(squares / row.size + epsilon)
 
 
 @njit(cache=True, error_model="numpy", fastmath=REDUCE)
 def _rms_norm(x, scale, scale_index, y, rows, inner, epsilon):
-    """y = x · r · scale per row, r = 1/√(mean(x²) + ε); scale read at scale_index[j] when it broadcasts."""
+    """y = x · r · scale per row, r = 1/√(mean(x²) + ε); scale read at scale_index[j] when it broadcasts.
+    Rows are slices indexed from 0 and the broadcast test is outside the loops, so they vectorise."""
     eps = np.float32(epsilon)
     for r in range(rows):
-        base = r * inner
-        inv = _row_inverse_rms(x, base, inner, eps)
+        xr, yr = x[r * inner:(r + 1) * inner], y[r * inner:(r + 1) * inner]
+        inv = _row_inverse_rms(xr, eps)
         if scale_index.size == 0:
             for j in range(inner):
-                y[base + j] = x[base + j] * inv * scale[j]
+                yr[j] = xr[j] * inv * scale[j]
         else:
             for j in range(inner):
-                y[base + j] = x[base + j] * inv * scale[scale_index[j]]
+                yr[j] = xr[j] * inv * scale[scale_index[j]]
 
 
 @njit(cache=True, error_model="numpy", fastmath=REDUCE)
 def _rms_norm_grad(dy, x, scale, scale_index, dx, dscale, rows, inner, epsilon):
-    """dx = r · (g - x · r² · mean(g·x)) with g = dy·scale;  dscale = Σ dy·x·r."""
+    """dx = r · (g - x · r² · mean(g·x)) with g = dy·scale;  dscale = Σ dy·x·r (as _rms_norm, row slices)."""
     eps = np.float32(epsilon)
     for j in range(inner):
         dscale[j] = 0
     for r in range(rows):
-        base = r * inner
-        inv = _row_inverse_rms(x, base, inner, eps)
+        xr, gr, dr = x[r * inner:(r + 1) * inner], dy[r * inner:(r + 1) * inner], dx[r * inner:(r + 1) * inner]
+        inv = _row_inverse_rms(xr, eps)
         mean_gx = np.float32(0.0)
+        if scale_index.size == 0:
+            for j in range(inner):
+                mean_gx += gr[j] * scale[j] * xr[j]
+        else:
+            for j in range(inner):
+                mean_gx += gr[j] * scale[scale_index[j]] * xr[j]
         for j in range(inner):
-            s = scale[j] if scale_index.size == 0 else scale[scale_index[j]]
-            mean_gx += dy[base + j] * s * x[base + j]
-            dscale[j] += dy[base + j] * x[base + j] * inv
+            dscale[j] += gr[j] * xr[j] * inv
         mean_gx /= inner
         factor = inv * inv * mean_gx
-        for j in range(inner):
-            s = scale[j] if scale_index.size == 0 else scale[scale_index[j]]
-            dx[base + j] = inv * (dy[base + j] * s - x[base + j] * factor)
+        if scale_index.size == 0:
+            for j in range(inner):
+                dr[j] = inv * (gr[j] * scale[j] - xr[j] * factor)
+        else:
+            for j in range(inner):
+                dr[j] = inv * (gr[j] * scale[scale_index[j]] - xr[j] * factor)
 
 
 @twin_of(_rms_norm)
