@@ -59,19 +59,29 @@ def _rotate_pairs(x, cos, sin, positions, y, batch, heads, seq, xb, xh, xs, cb, 
                 co = p * row_width
             else:
                 co = b * cb + h * ch + s * cs
-            for i in range(half):
-                lo = 2 * i if interleaved else i
-                hi = lo + 1 if interleaved else i + half
+            if not interleaved:  # the halves as slices indexed from 0: the loop vectorises
+                c, t = cos[co:co + half], sin[co:co + half]
+                x_lo, x_hi = x[xo:xo + half], x[xo + half:xo + rot]
+                y_lo, y_hi = y[xo:xo + half], y[xo + half:xo + rot]
+                if inverse:
+                    for i in range(half):
+                        y_lo[i] = x_lo[i] * c[i] + x_hi[i] * t[i]
+                        y_hi[i] = x_hi[i] * c[i] - x_lo[i] * t[i]
+                else:
+                    for i in range(half):
+                        y_lo[i] = x_lo[i] * c[i] - x_hi[i] * t[i]
+                        y_hi[i] = x_hi[i] * c[i] + x_lo[i] * t[i]
+            for i in range(half if interleaved else 0):
                 c = cos[co + i]
                 t = sin[co + i]
-                a = x[xo + lo]
-                e = x[xo + hi]
+                a = x[xo + 2 * i]
+                e = x[xo + 2 * i + 1]
                 if inverse:
-                    y[xo + lo] = a * c + e * t
-                    y[xo + hi] = e * c - a * t
+                    y[xo + 2 * i] = a * c + e * t
+                    y[xo + 2 * i + 1] = e * c - a * t
                 else:
-                    y[xo + lo] = a * c - e * t
-                    y[xo + hi] = e * c + a * t
+                    y[xo + 2 * i] = a * c - e * t
+                    y[xo + 2 * i + 1] = e * c + a * t
             for d in range(rot, head_size):
                 y[xo + d] = x[xo + d]
 
