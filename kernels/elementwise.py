@@ -42,6 +42,7 @@ from .jit import intrinsic, njit, overload, prange, types
 from . import ODTRAIN_DOMAIN, binding
 from .layout import broadcast_layout, flat
 from .parts import split, twin_of
+from .tensor import first_row, next_row, row_start
 
 BINARY = {"Add": 0, "Sub": 1, "Mul": 2, "Div": 3, "ReluGrad": 4, "SigmoidGrad": 5, "TanhGrad": 6,
           "Pow": 7, "Max": 8, "Min": 9, "ErfGrad": 10, "AtanGrad": 11, "Mod": 14, "PRelu": 21}
@@ -475,40 +476,32 @@ def _binary_scalar(code, a, b, out):
 
 @njit(cache=True, error_model="numpy")
 def _binary_strided(code, a, b, out, dims, sa, sb, in_place, first, last):
-    """out (flat, C order over dims) = f(a[strided], b[strided]) over a 4-D layout, for the rows (the outer
-    three axes read as one number in C order) in [first, last). Each row is a run of dims[3]: a run of each
+    """out (flat, C order over dims) = f(a[strided], b[strided]) over a 6-axis layout, for the rows (the outer
+    five axes read as one number in C order) in [first, last). Each row is a run of dims[5]: a run of each
     operand, or one of its values repeated (stride 0), as slices so that it vectorises. `in_place`: a is out
     (same layout), read through out's name (see _binary_into)."""
     if last <= first:
         return
-    n = dims[3]
-    i2 = first % dims[2]
-    i1 = (first // dims[2]) % dims[1]
-    i0 = first // (dims[2] * dims[1])
+    n = dims[5]
+    i0, i1, i2, i3, i4 = first_row(first, dims)
     for row in range(first, last):
-        ia = i0 * sa[0] + i1 * sa[1] + i2 * sa[2]
-        ib = i0 * sb[0] + i1 * sb[1] + i2 * sb[2]
+        ia = row_start(0, sa, i0, i1, i2, i3, i4)
+        ib = row_start(0, sb, i0, i1, i2, i3, i4)
         target = out[row * n:(row + 1) * n]
-        if in_place and sb[3] == 1:
+        if in_place and sb[5] == 1:
             _run_pair(code, target, b[ib:ib + n], target)
-        elif in_place and sb[3] == 0:
+        elif in_place and sb[5] == 0:
             _run_scalar(code, target, b[ib], target, False)
-        elif sa[3] == 1 and sb[3] == 1:
+        elif sa[5] == 1 and sb[5] == 1:
             _run_pair(code, a[ia:ia + n], b[ib:ib + n], target)
-        elif sa[3] == 1 and sb[3] == 0:
+        elif sa[5] == 1 and sb[5] == 0:
             _run_scalar(code, a[ia:ia + n], b[ib], target, False)
-        elif sa[3] == 0 and sb[3] == 1:
+        elif sa[5] == 0 and sb[5] == 1:
             _run_scalar(code, b[ib:ib + n], a[ia], target, True)
         else:
             for k in range(n):
-                target[k] = _binary_op(code, a[ia + k * sa[3]], b[ib + k * sb[3]])
-        i2 += 1  # the next row: an odometer over the outer three axes
-        if i2 == dims[2]:
-            i2 = 0
-            i1 += 1
-            if i1 == dims[1]:
-                i1 = 0
-                i0 += 1
+                target[k] = _binary_op(code, a[ia + k * sa[5]], b[ib + k * sb[5]])
+        i0, i1, i2, i3, i4 = next_row(i0, i1, i2, i3, i4, dims)
 
 
 @njit(cache=True, error_model="numpy")
@@ -709,8 +702,9 @@ def binary_calls(code: int, a: np.ndarray, b: np.ndarray, out: np.ndarray, threa
     in_place = same_buffer(a, out)
     if a.shape == out.shape and b.size == 1 and not in_place:
         return [split((_binary_scalar, (code, flat(a), flat(b), flat(out))), out.size, out.size, threads)]
-    dims, _, sa, sb = broadcast_layout(out.shape, a.shape, b.shape)
-    rows = int(dims[0] * dims[1] * dims[2])
+    dims, _, sa, sb = broadcast_layout(out.shape, a.shape, b.shape)  # 4 axes, padded to the rows' 6
+    dims, sa, sb = (np.concatenate([[fill, fill], v]).astype(np.int64) for fill, v in ((1, dims), (0, sa), (0, sb)))
+    rows = int(np.prod(dims[:5]))
     return [split((_binary_strided, (code, flat(a), flat(b), flat(out), dims, sa, sb, in_place, 0, rows)), rows,
                   out.size, threads)]
 

@@ -4,12 +4,16 @@ Scatter*, TensorScatter, Compress, OneHot, CenterCropPad, ReverseSequence, Cast,
 (Reshape, Flatten, Squeeze, Unsqueeze, BitCast and Identity are arena views; Shape, Constant, Range and
 ConstantOfShape usually fold to constants before a step.)
 
-Most ops here are one strided copy, `_copy_strided`: 6 nested loops over a coalesced index
-space, with a start offset and element strides for the source and the destination, so a
-slice, a concatenation slot, a broadcast or a tile is a stride pattern computed once when the
-graph is bound. Gathers check every index against the axis length and raise ValueError
-(an InputError for the caller) instead of reading out of bounds. With threads, Gather splits its
-indices and its gradient (a scatter-add) its columns into parallel parts: every value as in one thread.
+Most ops here are one strided copy, `_copy_strided`, over a coalesced index space of 6 axes
+with a start offset and element strides for the source and the destination, so a slice, a
+concatenation slot, a broadcast or a tile is a stride pattern computed once when the graph is
+bound. The outer five axes are rows, walked by an odometer (`first_row`, `next_row`: no division
+per row); the last axis is a run, copied through slices when both strides are 1 (or repeating one
+value when the source's is 0), which LLVM vectorises: a head transpose [4,128,9,64] took 0.31 ms
+element by element, 0.1 ms by runs of 64 (here, one thread). Gathers check every index against the
+axis length and raise ValueError (an InputError for the caller) instead of reading out of bounds.
+With threads, a copy that writes each element once splits its rows into parallel parts, Gather its
+indices and its gradient (a scatter-add) its columns: every value as in one thread.
 """
 from __future__ import annotations
 
@@ -52,26 +56,54 @@ def _copy_run(x, ix, sx, out, io, so, n, accumulate):
             out[io + k * so] = x[ix + k * sx]
 
 
+@njit(cache=True, inline="always")
+def first_row(row, dims):
+    """The index (i0, ..., i4) of row number `row` (C order) over the outer five axes of a 6-axis layout."""
+    i4 = row % dims[4]
+    row //= dims[4]
+    i3 = row % dims[3]
+    row //= dims[3]
+    i2 = row % dims[2]
+    row //= dims[2]
+    return row // dims[1], row % dims[1], i2, i3, i4
+
+
+@njit(cache=True, inline="always")
+def next_row(i0, i1, i2, i3, i4, dims):
+    """The index of the row after (i0, ..., i4): an odometer, no division per row."""
+    i4 += 1
+    if i4 == dims[4]:
+        i4 = 0
+        i3 += 1
+        if i3 == dims[3]:
+            i3 = 0
+            i2 += 1
+            if i2 == dims[2]:
+                i2 = 0
+                i1 += 1
+                if i1 == dims[1]:
+                    i1 = 0
+                    i0 += 1
+    return i0, i1, i2, i3, i4
+
+
+@njit(cache=True, inline="always")
+def row_start(start, strides, i0, i1, i2, i3, i4):
+    """The element offset of row (i0, ..., i4) through `strides`."""
+    return start + i0 * strides[0] + i1 * strides[1] + i2 * strides[2] + i3 * strides[3] + i4 * strides[4]
+
+
 @njit(cache=True, error_model="numpy")
 def _copy_strided(x, x_start, sx, out, out_start, so, dims, accumulate, first, last):
     """out[out_start + Σ i·so] (+)= x[x_start + Σ i·sx] for every index i < dims (6 axes) whose outer five
     axes, read as one row number in C order, lie in [first, last): each row is one run of dims[5]."""
     if last <= first:
         return
-    r = first
-    i4 = r % dims[4]
-    r //= dims[4]
-    i3 = r % dims[3]
-    r //= dims[3]
-    i2 = r % dims[2]
-    r //= dims[2]
-    i1 = r % dims[1]
-    i0 = r // dims[1]
+    i0, i1, i2, i3, i4 = first_row(first, dims)
     for _ in range(first, last):
-        ix = x_start + i0 * sx[0] + i1 * sx[1] + i2 * sx[2] + i3 * sx[3] + i4 * sx[4]
-        io = out_start + i0 * so[0] + i1 * so[1] + i2 * so[2] + i3 * so[3] + i4 * so[4]
+        ix, io = row_start(x_start, sx, i0, i1, i2, i3, i4), row_start(out_start, so, i0, i1, i2, i3, i4)
         _copy_run(x, ix, sx[5], out, io, so[5], dims[5], accumulate)
-        i4 += 1  # the next row: an odometer over the outer five axes
+        i4 += 1  # next_row written out: through its returned tuple, a head transpose's rows of 64 took 1.2x
         if i4 == dims[4]:
             i4 = 0
             i3 += 1
