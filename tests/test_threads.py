@@ -122,6 +122,15 @@ CASES.update({
     "rotary_embedding": ([node("RotaryEmbedding", ["x", "cos", "sin"])],
                          {"x": rand(2, 3, 4, 6), "cos": rand(2, 4, 3), "sin": rand(2, 4, 3)}),
     "rotary_fused": (decomposed_rotary(), {"x": rand(2, 3, 4, 4), "cos": rand(2, 1, 4, 4), "sin": rand(2, 1, 4, 4)}),
+    # grouped-query attention's repeated kv heads, a head transpose, a mask over heads, a fan-out (Sum): copies
+    # split into parts of their rows, broadcasting binaries likewise
+    "repeated_heads_layout": ([node("Unsqueeze", ["k", "axis"], ["u"]), node("Expand", ["u", "shape"], ["e"]),
+                               node("Reshape", ["e", "merged"], ["r"]),
+                               node("Transpose", ["r"], ["t"], perm=[0, 2, 1, 3]), node("Add", ["t", "mask"], ["s"]),
+                               node("Mul", ["s", "s"])],
+                              {"k": rand(2, 2, 3, 4), "mask": rand(2, 3, 1, 4)},
+                              {"axis": np.array([2], np.int64), "shape": np.array([2, 2, 2, 3, 4], np.int64),
+                               "merged": np.array([2, 4, 3, 4], np.int64)}),
     "attention_gqa_causal": ([node("Attention", ["q", "k", "v"], is_causal=1)],
                              {"q": rand(2, 4, 5, 4), "k": rand(2, 2, 5, 4), "v": rand(2, 2, 5, 3)}),
 })
@@ -135,7 +144,7 @@ LARGE_CASES = {"conv_pointwise_large_images": ([node("Conv", ["x", "w"])], {"x":
                                                                              "w": rand(32, 4, 1, 1)})}
 # Kernels split where no sum crosses a part (planes, channels, rows): every value as in the serial kernel.
 EXACT = ("max_pool", "average_pool", "global_", "batch_norm", "softmax", "log_softmax", "gather", "elementwise",
-         "gelu", "clip", "leaky_relu", "hard_", "attention_gqa", "rotary")
+         "gelu", "clip", "leaky_relu", "hard_", "attention_gqa", "rotary", "repeated_heads")
 
 
 @pytest.mark.parametrize("name", PARALLEL_CASES)
