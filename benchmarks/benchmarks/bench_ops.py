@@ -12,7 +12,8 @@ Families: ConvOps (convolutions and their gradients, depthwise included), Produc
 FusedMatMul as a linear layer and as attention's batched products), NormalizationOps, PoolOps,
 ElementwiseOps (activations, their gradients, Softmax, Add), OptimizerOps (the fused AdamW update
 of a model's trainable block, its moments in float32 or in 8 bits), VocabularyLossOps (a decoder's vocabulary
-product fused with its cross-entropy, forward and backward, at the shape of the benchmark decoder).
+product fused with its cross-entropy, forward and backward, at the shape of the benchmark decoder),
+DecoderLayoutOps (a decoder's memory-bound ops at the SmolLM2-135M LoRA step's shapes, with the bytes they move).
 
 UnaryOps: every unary op of the elementwise kernels (`odtrain.kernels.elementwise`, tables UNARY,
 SPECIAL_UNARY and RARE_UNARY: a row added there is a parameter here; and IsNaN, IsInf) over 2^20 float32 values,
@@ -276,3 +277,62 @@ class UnaryOps:
     def time_forward(self, op):
         for kernel, args in self.calls:
             kernel(*args)
+
+
+# The data-movement ops of a Llama-style decoder's step at the SmolLM2-135M LoRA step's shapes (batch 4, seq 128,
+# 9 query heads, 3 key/value heads of 64, hidden 576): label -> (domain, op type, inputs (a shape, or an int64
+# constant), output shapes, attributes). Memory-bound: track_bytes is what one run reads and writes (bytes over
+# time_run: its GB/s).
+SMOLLM2_LAYOUT = {
+    "Expand repeated heads": ("", "Expand", [(4, 3, 1, 128, 64), np.array([4, 3, 3, 128, 64])], [(4, 3, 3, 128, 64)],
+                              {}),
+    "SumToShape repeated heads": ("ai.odtrain", "SumToShape", [(4, 3, 3, 128, 64), (4, 3, 1, 128, 64)],
+                                  [(4, 3, 1, 128, 64)], {}),
+    "Transpose heads": ("", "Transpose", [(4, 128, 9, 64)], [(4, 9, 128, 64)], {"perm": [0, 2, 1, 3]}),
+    "Add mask over heads": ("", "Add", [(4, 9, 128, 128), (4, 1, 128, 128)], [(4, 9, 128, 128)], {}),
+    "Sum of 5": ("", "Sum", [(4, 128, 576)] * 5, [(4, 128, 576)], {}),
+    "RotaryEmbedding fused": ("ai.odtrain", "RotaryEmbedding", [(4, 9, 128, 64), (4, 1, 128, 64), (4, 1, 128, 64),
+                                                                np.array([32])], [(4, 9, 128, 64)], {}),
+    "RMSNormalizationGrad": ("ai.odtrain", "RMSNormalizationGrad", [(4, 128, 576), (4, 128, 576), (576,)],
+                             [(4, 128, 576), (576,)], {"epsilon": 1e-5}),
+}
+
+
+class DecoderLayoutOps:
+    """SMOLLM2_LAYOUT's ops, each bound alone (inputs held outside the arena, fixed-seed values in [0.5, 1.5))."""
+
+    params = [list(SMOLLM2_LAYOUT), THREADS]
+    param_names = ["op", "threads"]
+
+    def setup(self, op, threads):
+        from odtrain.executor import ExecutableStep
+        from odtrain.graph.ir import Graph, Node, TensorType
+        from odtrain.graph.ops import OPS
+
+        domain, op_type, inputs, outputs, attrs = SMOLLM2_LAYOUT[op]
+        rng = np.random.default_rng(common.SEED)
+        held, constants = {}, {}
+        for i, value in enumerate(inputs):
+            if isinstance(value, np.ndarray):
+                constants[f"in{i}"] = value.astype(np.int64)
+            else:
+                held[f"in{i}"] = rng.uniform(0.5, 1.5, value).astype(np.float32)
+        names = [f"out{i}" for i in range(len(outputs))]
+        types = {name: TensorType(v.dtype, v.shape) for name, v in {**held, **constants}.items()}
+        types.update({name: TensorType(np.dtype(np.float32), shape) for name, shape in zip(names, outputs)})
+        node = Node(op_type, [f"in{i}" for i in range(len(inputs))], names, dict(attrs), op, domain)
+        self.bound = ExecutableStep(Graph([node], list(held), names[:1], constants, types, name=op), {}, held,
+                                    threads=threads)
+        unread = {f"in{i}" for i in OPS[(domain, op_type)].shape_only}
+        self.bytes = sum(v.nbytes for k, v in held.items() if k not in unread) + \
+            sum(4 * int(np.prod(shape)) for shape in outputs)
+        for _ in range(2):
+            self.bound.run([])
+
+    def time_run(self, op, threads):
+        self.bound.run([])
+
+    def track_bytes(self, op, threads):
+        return self.bytes
+
+    track_bytes.unit = "bytes"
