@@ -37,6 +37,7 @@ the chain's output name, so the rest of the graph is untouched:
       SoftmaxCrossEntropyLoss(Reshape(FusedMatMul(h, W, transB) or MatMul(h, W), [-1, V]), labels)
   → ai.odtrain LinearCrossEntropy(h, W, labels, transB): the [tokens, V] logits and their gradient
   never exist whole; the kernels hold one chunk of rows of them at a time (kernels/training.py).
+  A stored weight's DequantizedMatMul (below; that pass runs first) fuses alike, with its scale and axis.
   Only when nothing else reads the logits: a model that also outputs them keeps the product.
 - A frozen weight stored as int8 or bfloat16 (graph/frozen.py) read by products and embeddings:
       MatMul(A, DequantizeLinear(W, s, axis)) or FusedMatMul(.., transB) or Gemm → ai.odtrain DequantizedMatMul
@@ -464,19 +465,22 @@ def _match_vocabulary_loss(index: _Index, node: Node):
     if hidden_shape is None or weight_shape is None or len(hidden_shape) < 2 or len(weight_shape) != 2 or \
             (reshape is None and len(hidden_shape) != 2):
         return None
+    attrs, stored = {"reduction": reduction}, []
     if product.key == ("", "MatMul"):
-        transposed = 0
+        attrs["transB"] = 0
     elif product.key == (ODTRAIN_DOMAIN, "FusedMatMul") and len(product.inputs) == 2 and \
             set(product.attrs) <= {"transB", "alpha", "transA"} and float(product.attrs.get("alpha", 1.0)) == 1.0 \
             and not product.attrs.get("transA", 0):
-        transposed = int(product.attrs.get("transB", 0))
+        attrs["transB"] = int(product.attrs.get("transB", 0))
+    elif product.key == (ODTRAIN_DOMAIN, "DequantizedMatMul"):  # a stored weight, read a panel at a time
+        attrs.update(transB=int(product.attrs.get("transB", 0)), axis=int(product.attrs.get("axis", 0)))
+        stored = list(product.inputs[2:3])
     else:
         return None
-    attrs = {"transB": transposed, "reduction": reduction}
     if node.attrs.get("ignore_index") is not None:
         attrs["ignore_index"] = int(node.attrs["ignore_index"])
-    return removed + [product], Node("LinearCrossEntropy", [hidden, weight, node.inputs[1]], list(node.outputs),
-                                     attrs, node.name, ODTRAIN_DOMAIN)
+    return removed + [product], Node("LinearCrossEntropy", [hidden, weight, node.inputs[1]] + stored,
+                                     list(node.outputs), attrs, node.name, ODTRAIN_DOMAIN)
 
 
 def _stored_weight(graph: Graph, node: Node) -> tuple[list[str], int] | None:
