@@ -325,9 +325,10 @@ def _linear_cross_entropy_grad_parts(dloss, hidden, weight, transposed, labels, 
 # with its own panel, so no panel is dequantized twice in one product.
 @njit(cache=True, error_model="numpy", inline="always")
 def _stored_product(a, w, scale, axis, stored, out, m, rows, columns, trans_b, panel, bits, r0, r1, c0, c1):
-    """dequantized_product_part over stored rows [r0, r1) and columns [c0, c1) with panels of `panel`'s size:
-    whole rows of the range with transB, else blocks of columns deep enough for BLAS."""
-    if trans_b or (c1 - c0) * min(r1 - r0, 256) <= panel.size:
+    """kernels/dequantized.py's product over stored rows [r0, r1) and columns [c0, c1) with panels of `panel`'s
+    size: whole rows of the range with transB or when 64 of them fit a panel, else blocks of columns deep
+    enough for BLAS."""
+    if trans_b or (c1 - c0) * min(r1 - r0, 64) <= panel.size:
         _product_part(a, w, scale, axis, stored, out, m, rows, columns, trans_b,
                                  max(1, panel.size // (c1 - c0)), panel, bits, r0, r1, c0, c1)
         return
