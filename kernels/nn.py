@@ -473,6 +473,7 @@ def _make_activation_grad(op_type):
 for _op in ACTIVATIONS:
     binding(_op, parallel=True)(_make_activation(_op))
     binding(f"{_op}Grad", ODTRAIN_DOMAIN, parallel=True)(_make_activation_grad(_op))
+binding("Swish", ODTRAIN_DOMAIN, parallel=True)(_make_activation("Swish"))  # a SiLU fused from Mul(x, Sigmoid(x))
 
 
 # ---- Pad -----------------------------------------------------------------------------------------
