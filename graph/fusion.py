@@ -8,6 +8,10 @@ the chain's output name, so the rest of the graph is untouched:
 - Erf GELU, as PyTorch exports F.gelu before opset 20:
       Mul(Mul(x, Add(Erf(Div(x, √2)), 1)), 0.5)      (operands in either order; Mul by 1/√2 too)
   → ai.odtrain Gelu(x): forward one pass instead of five, backward one instead of about six.
+- SiLU as exporters write it before opset 24 (nn.SiLU, the gate of a Llama or Qwen2 MLP):
+      Mul(x, Sigmoid(x))      (operands in either order; float32 x)
+  → ai.odtrain Swish(x, alpha=1): one pass forward instead of two, and one backward (SwishGrad from x)
+  instead of the Mul's two gradients, SigmoidGrad and their Sum. The Sigmoid must have no other reader.
 - A weight transposed for a product, as exported nn.Linear (do_constant_folding=False):
       MatMul(A, Transpose(W, perm=[1, 0]))  → ai.odtrain FusedMatMul(A, W, transB=1)
   and a product scaled by a scalar constant (attention's 1/√d):
@@ -37,6 +41,7 @@ the chain's output name, so the rest of the graph is untouched:
       SoftmaxCrossEntropyLoss(Reshape(FusedMatMul(h, W, transB) or MatMul(h, W), [-1, V]), labels)
   → ai.odtrain LinearCrossEntropy(h, W, labels, transB): the [tokens, V] logits and their gradient
   never exist whole; the kernels hold one chunk of rows of them at a time (kernels/training.py).
+  A stored weight's DequantizedMatMul (below; that pass runs first) fuses alike, with its scale and axis.
   Only when nothing else reads the logits: a model that also outputs them keeps the product.
 - A frozen weight stored as int8 or bfloat16 (graph/frozen.py) read by products and embeddings:
       MatMul(A, DequantizeLinear(W, s, axis)) or FusedMatMul(.., transB) or Gemm → ai.odtrain DequantizedMatMul
@@ -153,6 +158,21 @@ def _match_gelu(index: _Index, last: Node):
                 if (scaled.key == ("", "Div") and _near(factor, np.sqrt(2.0))) or \
                         (scaled.key == ("", "Mul") and _near(factor, 1 / np.sqrt(2.0))):
                     return [scaled, erf, shifted, product, last], x
+    return None
+
+
+def _match_silu(index: _Index, node: Node):
+    """Mul(x, Sigmoid(x)) → Swish(x, alpha=1), when nothing else reads the Sigmoid."""
+    if node.key != ("", "Mul"):
+        return None
+    for sigmoid_name in node.inputs:
+        sigmoid = index.made_by(sigmoid_name, "Sigmoid")
+        x = sigmoid.inputs[0] if sigmoid is not None else None
+        x_type = index.graph.value_types.get(x)
+        if sigmoid is None or not index.private(sigmoid_name) or _other(node, sigmoid_name) != x or \
+                x_type is None or x_type.dtype != np.float32:
+            continue
+        return [sigmoid, node], Node("Swish", [x], list(node.outputs), {"alpha": 1.0}, node.name, ODTRAIN_DOMAIN)
     return None
 
 
@@ -427,11 +447,11 @@ def _rewrite_all(graph: Graph, match) -> None:
             index = _Index(graph)
 
 
-def _gelu_pass(graph: Graph) -> None:
+def _activation_pass(graph: Graph) -> None:
     def match(index, node):
         found = _match_gelu(index, node)
         if found is None:
-            return None
+            return _match_silu(index, node)
         chain, x = found
         return chain, Node("Gelu", [x], list(node.outputs), {}, chain[1].name, ODTRAIN_DOMAIN)
 
@@ -464,19 +484,22 @@ def _match_vocabulary_loss(index: _Index, node: Node):
     if hidden_shape is None or weight_shape is None or len(hidden_shape) < 2 or len(weight_shape) != 2 or \
             (reshape is None and len(hidden_shape) != 2):
         return None
+    attrs, stored = {"reduction": reduction}, []
     if product.key == ("", "MatMul"):
-        transposed = 0
+        attrs["transB"] = 0
     elif product.key == (ODTRAIN_DOMAIN, "FusedMatMul") and len(product.inputs) == 2 and \
             set(product.attrs) <= {"transB", "alpha", "transA"} and float(product.attrs.get("alpha", 1.0)) == 1.0 \
             and not product.attrs.get("transA", 0):
-        transposed = int(product.attrs.get("transB", 0))
+        attrs["transB"] = int(product.attrs.get("transB", 0))
+    elif product.key == (ODTRAIN_DOMAIN, "DequantizedMatMul"):  # a stored weight, read a panel at a time
+        attrs.update(transB=int(product.attrs.get("transB", 0)), axis=int(product.attrs.get("axis", 0)))
+        stored = list(product.inputs[2:3])
     else:
         return None
-    attrs = {"transB": transposed, "reduction": reduction}
     if node.attrs.get("ignore_index") is not None:
         attrs["ignore_index"] = int(node.attrs["ignore_index"])
-    return removed + [product], Node("LinearCrossEntropy", [hidden, weight, node.inputs[1]], list(node.outputs),
-                                     attrs, node.name, ODTRAIN_DOMAIN)
+    return removed + [product], Node("LinearCrossEntropy", [hidden, weight, node.inputs[1]] + stored,
+                                     list(node.outputs), attrs, node.name, ODTRAIN_DOMAIN)
 
 
 def _stored_weight(graph: Graph, node: Node) -> tuple[list[str], int] | None:
@@ -580,5 +603,5 @@ def _matmul_pass(graph: Graph) -> None:
 
 # the second MatMul pass scales fused products; biases are added to products that are final;
 # frozen int8 and bfloat16 weights are read in place by the products the MatMul passes made, whose biases stay Adds
-TRAINING_PASSES = (_gelu_pass, _decoder_pass, _matmul_pass, _matmul_pass, dequantized_pass, _bias_pass,
+TRAINING_PASSES = (_activation_pass, _decoder_pass, _matmul_pass, _matmul_pass, dequantized_pass, _bias_pass,
                    vocabulary_loss_pass)

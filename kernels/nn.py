@@ -21,6 +21,7 @@ import numpy as np
 from .jit import njit, prange
 
 from . import ODTRAIN_DOMAIN, binding
+from .elementwise import fast_sigmoid, fast_sigmoid_pair, same_buffer
 from .parts import split, twin_of
 from .windows import _text
 
@@ -303,16 +304,8 @@ ACTIVATIONS = {"Clip": 0, "LeakyRelu": 1, "HardSigmoid": 2, "HardSwish": 3, "Elu
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _logistic(x):
-    """1 / (1 + e^-x) without overflow."""
-    e = np.exp(-abs(x))
-    return (x * 0 + 1 if x >= 0 else e) / (1 + e)
-
-
-@njit(cache=True, error_model="numpy")
-def _activation(code, x, a_in, b_in, out):
+def _activation_loops(code, x, a, b, out):
     """out = f(x) elementwise; one loop per op, so each vectorises."""
-    a, b = a_in[0], b_in[0]
     one, zero = np.float32(1.0), np.float32(0.0)
     if code == 0:
         for i in range(out.size):
@@ -346,7 +339,17 @@ def _activation(code, x, a_in, b_in, out):
     else:  # x · sigmoid(alpha · x)
         for i in range(out.size):
             v = x[i]
-            out[i] = v * _logistic(a * v)
+            out[i] = v * fast_sigmoid(a * v)
+
+
+@njit(cache=True, error_model="numpy")
+def _activation(code, x, a_in, b_in, out, in_place):
+    """out = f(x) elementwise. In place (out is x) the loops see one array, so no aliasing check sends them to a
+    scalar path."""
+    if in_place:
+        _activation_loops(code, out, a_in[0], b_in[0], out)
+    else:
+        _activation_loops(code, x, a_in[0], b_in[0], out)
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -382,11 +385,11 @@ def _activation_grad_loops(code, dy, v, a, b, out):
     elif code == 8:  # from x: |x| > lambd
         for i in range(out.size):
             out[i] = dy[i] * np.float32(abs(v[i]) > a)
-    else:  # from x: s + alpha · x · s · (1 - s), s = sigmoid(alpha · x)
+    else:  # from x: s · (1 + alpha · x · (1 - s)), s = sigmoid(alpha · x)
         for i in range(out.size):
             x = v[i]
-            s = _logistic(a * x)
-            out[i] = dy[i] * (s + a * x * s * (one - s))
+            s, rest = fast_sigmoid_pair(a * x)
+            out[i] = dy[i] * (s * (one + a * x * rest))
 
 
 @njit(cache=True, error_model="numpy")
@@ -401,10 +404,10 @@ def _activation_grad(code, dy, v, a_in, b_in, out, in_place):
 
 @twin_of(_activation)
 @njit(cache=True, error_model="numpy", parallel=True)
-def _activation_parts(code, x, a_in, b_in, out, bounds):
+def _activation_parts(code, x, a_in, b_in, out, in_place, bounds):
     """_activation on parts of the flat arrays (bounds), in parallel."""
     for p in prange(bounds.size - 1):
-        _activation(code, x[bounds[p]:bounds[p + 1]], a_in, b_in, out[bounds[p]:bounds[p + 1]])
+        _activation(code, x[bounds[p]:bounds[p + 1]], a_in, b_in, out[bounds[p]:bounds[p + 1]], in_place)
 
 
 @twin_of(_activation_grad)
@@ -449,8 +452,9 @@ def _flat(array: np.ndarray) -> np.ndarray:
 def _make_activation(op_type):
     def bind(inputs, outputs, threads=1, **attrs):
         a, b = _activation_params(op_type, inputs, attrs)
-        out = _flat(outputs[0])
-        return [split((_activation, (ACTIVATIONS[op_type], _flat(inputs[0]), a, b, out)), out.size, out.size, threads)]
+        x, out = _flat(inputs[0]), _flat(outputs[0])
+        in_place = same_buffer(x, out)
+        return [split((_activation, (ACTIVATIONS[op_type], x, a, b, out, in_place)), out.size, out.size, threads)]
 
     return bind
 
@@ -469,6 +473,7 @@ def _make_activation_grad(op_type):
 for _op in ACTIVATIONS:
     binding(_op, parallel=True)(_make_activation(_op))
     binding(f"{_op}Grad", ODTRAIN_DOMAIN, parallel=True)(_make_activation_grad(_op))
+binding("Swish", ODTRAIN_DOMAIN, parallel=True)(_make_activation("Swish"))  # a SiLU fused from Mul(x, Sigmoid(x))
 
 
 # ---- Pad -----------------------------------------------------------------------------------------

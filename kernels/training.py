@@ -17,10 +17,13 @@ from .jit import njit, prange
 
 from . import ODTRAIN_DOMAIN, binding
 from .blas import gemm_blocks
+from .dequantized import INT8, PANEL_ELEMENTS, _product_part, _stored
+from .elementwise import fast_exp
 from .layout import flat, float_buffers
-from .parts import split, twin_of
+from .parts import on_parts, part_count, split, twin_of
 
 REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
+REDUCE = {"reassoc"}  # the row sums may reorder: LLVM vectorises them
 
 
 @njit(cache=True, error_model="numpy")
@@ -140,9 +143,11 @@ for _name, _softmax in (("SoftmaxCrossEntropyLoss", True), ("NegativeLogLikeliho
 #             dHidden_c = G · op(W)ᵀ for a loss gradient of 1 (the backward scales it: no second product for it)
 #   backward  (W trained) per chunk: logits again; G = g · (softmax(logits) - onehot(y)) in place;
 #             dW += Gᵀ · hidden_c (transB) or hidden_cᵀ · G (the first chunk writes it)
-# In parts (threads), a product splits the vocabulary (logits and dW columns, disjoint) or the chunk's rows
-# (softmax rows and dHidden, disjoint): no partial sums, the bits of one thread. Row losses are summed in row order.
-CHUNK_BYTES = 1 << 22  # the logits of one chunk at most (unless CHUNK_MIN_ROWS rows take more)
+# In parts (threads), a product splits the vocabulary (logits and dW columns) or hidden's width (dHidden), and the
+# softmax the chunk's rows, all disjoint: no partial sums, the bits of one thread. Row losses are summed in order.
+# Each chunk's products pack all of W for BLAS: 256 rows instead of 64 cut SmolLM2's fused loss (vocabulary
+# 49,152) by ~30% at 2 threads, for 36 MiB more scratch.
+CHUNK_BYTES = 48 << 20  # the logits of one chunk at most (unless CHUNK_MIN_ROWS rows take more)
 CHUNK_MIN_ROWS = 64  # fewer rows make each product read all of W for too little work
 
 
@@ -172,36 +177,51 @@ def _chunk_logits(hidden, weight, transposed, logits, first, rows, classes, widt
                     logits, lo, classes)
 
 
+@njit(cache=True, error_model="numpy", inline="always", fastmath=REDUCE)
+def _row_softmax(logits, base, classes, y, g):
+    """lse(row) - row[y] of the row of `classes` logits at `base`; the row becomes g · (softmax(row) - onehot(y))
+    in place. One exponential per logit (fast_exp, vectorised with the float32 sum's order free)."""
+    top = logits[base]
+    for c in range(1, classes):
+        top = max(top, logits[base + c])
+    picked = logits[base + y]
+    total = np.float32(0.0)
+    for c in range(classes):
+        e = fast_exp(logits[base + c] - top)
+        logits[base + c] = e
+        total += e
+    scale = np.float32(g) / total
+    for c in range(classes):
+        logits[base + c] *= scale
+    logits[base + y] -= np.float32(g)
+    return np.log(np.float64(total)) + np.float64(top) - np.float64(picked)
+
+
 @njit(cache=True, error_model="numpy", inline="always")
-def _row_losses(logits3, labels, ignore_index, first, lo, hi, values):
-    """values[r] = lse(logits_r) - logits_r[y] for rows lo..hi of the chunk (0 when ignored)."""
+def _chunk_rows_softmax(logits, labels, ignore_index, first, lo, hi, g, values):
+    """values[r] = the loss of row r for rows lo..hi of the chunk (0 when ignored), and each row of logits
+    ← g · (softmax - onehot(y)) (0 when ignored)."""
+    classes = logits.size // values.size
     dummy = np.ones(1, np.float32)
     for r in range(lo, hi):
-        y, w = _sample_weight(labels, dummy, False, ignore_index, logits3.shape[1], first + r, 0)
-        values[r] = 0.0 if w == 0.0 else _logsumexp(logits3, r, 0) - logits3[r, y, 0]
+        y, w = _sample_weight(labels, dummy, False, ignore_index, classes, first + r, 0)
+        if w == 0.0:
+            logits[r * classes:(r + 1) * classes] = 0.0
+            values[r] = 0.0
+        else:
+            values[r] = _row_softmax(logits, r * classes, classes, y, g)
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _row_gradients(logits3, labels, ignore_index, first, lo, hi, g):
-    """logits_r ← g · (softmax(logits_r) - onehot(y)) for rows lo..hi of the chunk (0 when ignored)."""
-    dummy = np.ones(1, np.float32)
-    for r in range(lo, hi):
-        y, w = _sample_weight(labels, dummy, False, ignore_index, logits3.shape[1], first + r, 0)
-        if w == 0.0 or g == 0.0:
-            for c in range(logits3.shape[1]):
-                logits3[r, c, 0] = 0.0
-            continue
-        lse = _logsumexp(logits3, r, 0)
-        for c in range(logits3.shape[1]):
-            logits3[r, c, 0] = g * np.exp(logits3[r, c, 0] - lse)
-        logits3[r, y, 0] -= g
-
-
-@njit(cache=True, error_model="numpy", inline="always")
-def _hidden_gradient(grads, weight, transposed, dhidden, first, classes, width, lo, hi):
-    """dHidden[first + lo:first + hi] = G[lo:hi] · op(W)ᵀ."""
-    gemm_blocks(0, 0 if transposed else 1, hi - lo, width, classes, 1.0, grads, lo * classes, classes, weight, 0,
-                width if transposed else classes, 0.0, dhidden, (first + lo) * width, width)
+def _hidden_gradient(grads, weight, transposed, dhidden, first, size, classes, width, lo, hi):
+    """dHidden[first:first + size, lo:hi] = G · op(W)ᵀ[:, lo:hi] (lo..hi: columns of hidden, so that parts read
+    disjoint parts of W and each product has all the chunk's rows)."""
+    if transposed:  # G [size, V] · W [V, H][:, lo:hi]
+        gemm_blocks(0, 0, size, hi - lo, classes, 1.0, grads, 0, classes, weight, lo, width, 0.0, dhidden,
+                    first * width + lo, width)
+    else:  # G · (W [H, V][lo:hi])ᵀ
+        gemm_blocks(0, 1, size, hi - lo, classes, 1.0, grads, 0, classes, weight, lo * classes, classes, 0.0,
+                    dhidden, first * width + lo, width)
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -216,24 +236,22 @@ def _weight_gradient(grads, hidden, transposed, dweight, first, rows, classes, w
 
 
 @njit(cache=True, error_model="numpy")
-def _linear_cross_entropy(hidden, weight, transposed, labels, ignore_index, mean, logits, logits3, values, loss,
-                          dhidden, want_hidden, width, chunk):
+def _linear_cross_entropy(hidden, weight, transposed, labels, ignore_index, mean, logits, values, loss, dhidden,
+                          want_hidden, width, classes, chunk):
     """loss ← the mean (or sum) cross-entropy of hidden · op(W) against labels, a chunk of logits at a time;
     if wanted, dhidden ← its gradient with respect to hidden (for a loss gradient of 1), from the same logits."""
-    rows, classes = labels.shape[0], logits3.shape[1]
-    count = _counted_labels(labels, ignore_index, classes)
-    g = (1.0 / count if count > 0 else 0.0) if mean else 1.0
+    rows = labels.shape[0]
+    g = _unit_weight(labels, ignore_index, classes, mean)
     total = 0.0
     for first in range(0, rows, chunk):
         size = min(chunk, rows - first)
         _chunk_logits(hidden, weight, transposed, logits, first, size, classes, width, 0, classes)
-        _row_losses(logits3, labels, ignore_index, first, 0, size, values)
+        _chunk_rows_softmax(logits, labels, ignore_index, first, 0, size, g, values)
         for r in range(size):
             total += values[r]
         if want_hidden:
-            _row_gradients(logits3, labels, ignore_index, first, 0, size, g)
-            _hidden_gradient(logits, weight, transposed, dhidden, first, classes, width, 0, size)
-    loss[0] = (total / count if count > 0 else 0.0) if mean else total
+            _hidden_gradient(logits, weight, transposed, dhidden, first, size, classes, width, 0, width)
+    loss[0] = total * g if mean else total
 
 
 @twin_of(_chunk_logits, range=("lo", "hi"))
@@ -246,60 +264,160 @@ def _logits_in_parts(hidden, weight, transposed, logits, first, rows, classes, w
 
 @twin_of(_linear_cross_entropy)
 @njit(cache=True, error_model="numpy", parallel=True)
-def _linear_cross_entropy_parts(hidden, weight, transposed, labels, ignore_index, mean, logits, logits3, values, loss,
-                                dhidden, want_hidden, width, chunk, bounds):
-    """_linear_cross_entropy with each chunk's product split over the vocabulary (bounds) and its rows over
-    as many parts."""
-    rows, classes, parts = labels.shape[0], logits3.shape[1], bounds.size - 1
-    count = _counted_labels(labels, ignore_index, classes)
-    g = (1.0 / count if count > 0 else 0.0) if mean else 1.0
+def _linear_cross_entropy_parts(hidden, weight, transposed, labels, ignore_index, mean, logits, values, loss, dhidden,
+                                want_hidden, width, classes, chunk, bounds):
+    """_linear_cross_entropy with each chunk's logits split over the vocabulary (bounds), the row work over as
+    many parts of its rows and dHidden over as many parts of hidden's width."""
+    rows, parts = labels.shape[0], bounds.size - 1
+    g = _unit_weight(labels, ignore_index, classes, mean)
     total = 0.0
     for first in range(0, rows, chunk):
         size = min(chunk, rows - first)
         _logits_in_parts(hidden, weight, transposed, logits, first, size, classes, width, bounds)
         for p in prange(parts):
-            lo, hi = size * p // parts, size * (p + 1) // parts
-            _row_losses(logits3, labels, ignore_index, first, lo, hi, values)
-            if want_hidden:
-                _row_gradients(logits3, labels, ignore_index, first, lo, hi, g)
-                _hidden_gradient(logits, weight, transposed, dhidden, first, classes, width, lo, hi)
+            _chunk_rows_softmax(logits, labels, ignore_index, first, size * p // parts, size * (p + 1) // parts, g,
+                                values)
+        if want_hidden:
+            for p in prange(parts):
+                _hidden_gradient(logits, weight, transposed, dhidden, first, size, classes, width,
+                                 width * p // parts, width * (p + 1) // parts)
         for r in range(size):
             total += values[r]
-    loss[0] = (total / count if count > 0 else 0.0) if mean else total
+    loss[0] = total * g if mean else total
 
 
 @njit(cache=True, error_model="numpy")
-def _linear_cross_entropy_grad(dloss, hidden, weight, transposed, labels, ignore_index, mean, logits, logits3,
-                               dweight, width, chunk):
+def _linear_cross_entropy_grad(dloss, hidden, weight, transposed, labels, ignore_index, mean, logits, values,
+                               dweight, width, classes, chunk):
     """dW of _linear_cross_entropy's loss, recomputing each chunk's logits."""
-    rows, classes = labels.shape[0], logits3.shape[1]
-    count = _counted_labels(labels, ignore_index, classes)
-    g = dloss[0] / count if mean and count > 0 else (0.0 if mean else dloss[0])
+    rows = labels.shape[0]
+    g = dloss[0] * _unit_weight(labels, ignore_index, classes, mean)
     for first in range(0, rows, chunk):
         size = min(chunk, rows - first)
         _chunk_logits(hidden, weight, transposed, logits, first, size, classes, width, 0, classes)
-        _row_gradients(logits3, labels, ignore_index, first, 0, size, g)
+        _chunk_rows_softmax(logits, labels, ignore_index, first, 0, size, g, values)
         _weight_gradient(logits, hidden, transposed, dweight, first, size, classes, width, 0, classes,
                          0.0 if first == 0 else 1.0)
 
 
 @twin_of(_linear_cross_entropy_grad)
 @njit(cache=True, error_model="numpy", parallel=True)
-def _linear_cross_entropy_grad_parts(dloss, hidden, weight, transposed, labels, ignore_index, mean, logits, logits3,
-                                     dweight, width, chunk, bounds):
+def _linear_cross_entropy_grad_parts(dloss, hidden, weight, transposed, labels, ignore_index, mean, logits, values,
+                                     dweight, width, classes, chunk, bounds):
     """_linear_cross_entropy_grad with the vocabulary products split over the vocabulary (bounds) and the
     row work over as many parts of the chunk's rows."""
-    rows, classes, parts = labels.shape[0], logits3.shape[1], bounds.size - 1
-    count = _counted_labels(labels, ignore_index, classes)
-    g = dloss[0] / count if mean and count > 0 else (0.0 if mean else dloss[0])
+    rows, parts = labels.shape[0], bounds.size - 1
+    g = dloss[0] * _unit_weight(labels, ignore_index, classes, mean)
     for first in range(0, rows, chunk):
         size = min(chunk, rows - first)
         _logits_in_parts(hidden, weight, transposed, logits, first, size, classes, width, bounds)
         for p in prange(parts):
-            _row_gradients(logits3, labels, ignore_index, first, size * p // parts, size * (p + 1) // parts, g)
+            _chunk_rows_softmax(logits, labels, ignore_index, first, size * p // parts, size * (p + 1) // parts, g,
+                                values)
         for p in prange(parts):
             _weight_gradient(logits, hidden, transposed, dweight, first, size, classes, width, bounds[p],
                              bounds[p + 1], 0.0 if first == 0 else 1.0)
+
+
+# A weight stored as int8 or bfloat16 (graph/frozen.py; frozen, so no dW) is read a panel at a time, as
+# DequantizedMatMul reads it (kernels/dequantized.py): per chunk, the logits' product dequantizes every panel
+# once, and dHidden's once more. Parts split the vocabulary for the logits and hidden's width for dHidden, each
+# with its own panel, so no panel is dequantized twice in one product.
+@njit(cache=True, error_model="numpy", inline="always")
+def _stored_product(a, w, scale, axis, stored, out, m, rows, columns, trans_b, panel, bits, r0, r1, c0, c1):
+    """kernels/dequantized.py's product over stored rows [r0, r1) and columns [c0, c1) with panels of `panel`'s
+    size: whole rows of the range with transB or when 64 of them fit a panel, else blocks of columns deep
+    enough for BLAS."""
+    if trans_b or (c1 - c0) * min(r1 - r0, 64) <= panel.size:
+        _product_part(a, w, scale, axis, stored, out, m, rows, columns, trans_b,
+                                 max(1, panel.size // (c1 - c0)), panel, bits, r0, r1, c0, c1)
+        return
+    width = min(panel.size, max(16, panel.size // min(r1 - r0, 1024) // 16 * 16))
+    for lo in range(c0, c1, width):
+        hi = min(c1, lo + width)
+        _product_part(a, w, scale, axis, stored, out, m, rows, columns, trans_b,
+                                 max(1, panel.size // (hi - lo)), panel, bits, r0, r1, lo, hi)
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _stored_logits(hidden, w, scale, axis, stored, transposed, logits, first, size, classes, width, panel, bits,
+                   lo, hi):
+    """logits[:size, lo:hi] = hidden[first:first + size] · op(dequant(W))[:, lo:hi]."""
+    a = hidden[first * width:(first + size) * width]
+    if transposed:  # W [V, H]: rows lo..hi of W
+        _stored_product(a, w, scale, axis, stored, logits, size, classes, width, 1, panel, bits, lo, hi, 0, width)
+    else:  # W [H, V]: columns lo..hi
+        _stored_product(a, w, scale, axis, stored, logits, size, width, classes, 0, panel, bits, 0, width, lo, hi)
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _stored_hidden_gradient(grads, w, scale, axis, stored, transposed, dhidden, first, size, classes, width, panel,
+                            bits, lo, hi):
+    """dHidden[first:first + size, lo:hi] = G · op(dequant(W))ᵀ[:, lo:hi] (lo..hi: columns of hidden)."""
+    d = dhidden[first * width:(first + size) * width]
+    if transposed:  # G [size, V] · W [V, H], columns lo..hi of W
+        _stored_product(grads, w, scale, axis, stored, d, size, classes, width, 0, panel, bits, 0, classes, lo, hi)
+    else:  # G · W [H, V]ᵀ: rows lo..hi of W
+        _stored_product(grads, w, scale, axis, stored, d, size, width, classes, 1, panel, bits, lo, hi, 0, classes)
+
+
+@njit(cache=True, error_model="numpy")
+def _stored_linear_cross_entropy(hidden, w, scale, axis, stored, transposed, labels, ignore_index, mean, logits,
+                                 values, loss, dhidden, want_hidden, width, classes, chunk, panel, bits):
+    """_linear_cross_entropy of a weight stored as int8 or bfloat16."""
+    rows = labels.shape[0]
+    g = _unit_weight(labels, ignore_index, classes, mean)
+    total = 0.0
+    for first in range(0, rows, chunk):
+        size = min(chunk, rows - first)
+        _stored_logits(hidden, w, scale, axis, stored, transposed, logits, first, size, classes, width, panel, bits,
+                       0, classes)
+        _chunk_rows_softmax(logits, labels, ignore_index, first, 0, size, g, values)
+        for r in range(size):
+            total += values[r]
+        if want_hidden:
+            _stored_hidden_gradient(logits, w, scale, axis, stored, transposed, dhidden, first, size, classes,
+                                    width, panel, bits, 0, width)
+    loss[0] = total * g if mean else total
+
+
+@twin_of(_stored_linear_cross_entropy, replaces=("panel", "bits"), takes=("panels", "bits"))
+@njit(cache=True, error_model="numpy", parallel=True)
+def _stored_linear_cross_entropy_parts(hidden, w, scale, axis, stored, transposed, labels, ignore_index, mean, logits,
+                                       values, loss, dhidden, want_hidden, width, classes, chunk, panels, bits,
+                                       bounds):
+    """_stored_linear_cross_entropy with the logits split over the vocabulary (bounds), the row work over parts
+    of the chunk's rows and dHidden over parts of its width; each part dequantizes into its own panel."""
+    rows, parts = labels.shape[0], bounds.size - 1
+    size_of_panel = panels.size // parts
+    g = _unit_weight(labels, ignore_index, classes, mean)
+    total = 0.0
+    for first in range(0, rows, chunk):
+        size = min(chunk, rows - first)
+        for p in prange(parts):
+            own = slice(p * size_of_panel, (p + 1) * size_of_panel)
+            _stored_logits(hidden, w, scale, axis, stored, transposed, logits, first, size, classes, width,
+                           panels[own], bits[own], bounds[p], bounds[p + 1])
+        for p in prange(parts):
+            _chunk_rows_softmax(logits, labels, ignore_index, first, size * p // parts, size * (p + 1) // parts, g,
+                                values)
+        if want_hidden:
+            for p in prange(parts):
+                own = slice(p * size_of_panel, (p + 1) * size_of_panel)
+                _stored_hidden_gradient(logits, w, scale, axis, stored, transposed, dhidden, first, size, classes,
+                                        width, panels[own], bits[own], width * p // parts, width * (p + 1) // parts)
+        for r in range(size):
+            total += values[r]
+    loss[0] = total * g if mean else total
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _unit_weight(labels, ignore_index, classes, mean):
+    """The loss gradient's weight of each counted row: 1 / count for the mean, 1 for the sum."""
+    if not mean:
+        return 1.0
+    count = _counted_labels(labels, ignore_index, classes)
+    return 1.0 / count if count > 0 else 0.0
 
 
 def _vocabulary_layout(hidden_shape, weight_shape, transB):
@@ -310,35 +428,58 @@ def _vocabulary_layout(hidden_shape, weight_shape, transB):
     return rows, width, classes
 
 
+def _vocabulary_parts(rows, width, classes, threads) -> int:
+    return part_count(threads, classes, rows * width * classes)
+
+
 def _vocabulary_scratch(specs_in, specs_out, transB=0, threads=1, **attrs):
-    rows, width, classes = _vocabulary_layout(specs_in[-3][0], specs_in[-2][0], transB)
-    return 4 * chunk_rows(rows, classes) * classes
+    (hidden_shape, _), (weight_shape, weight_type) = specs_in[0], specs_in[1]
+    rows, width, classes = _vocabulary_layout(hidden_shape, weight_shape, transB)
+    panels = 0 if np.dtype(weight_type) == np.float32 else PANEL_ELEMENTS * _vocabulary_parts(rows, width, classes,
+                                                                                              threads)
+    return 4 * (chunk_rows(rows, classes) * classes + panels)
 
 
-def _vocabulary_operands(hidden, weight, labels, scratch, transB, ignore_index, reduction):
+def _vocabulary_operands(hidden, labels, scratch, rows, classes, ignore_index, reduction):
+    """(the chunk's rows, (labels, ignore_index, mean, logits, values)) and the scratch after the logits."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"LinearCrossEntropy reduces by 'mean' or 'sum', not {reduction!r}")
-    rows, width, classes = _vocabulary_layout(hidden.shape, weight.shape, transB)
     chunk = chunk_rows(rows, classes)
-    (logits,) = float_buffers(scratch, chunk * classes)
+    logits, rest = float_buffers(scratch, chunk * classes, scratch.size // 4 - chunk * classes)
     ignore = np.int64(ignore_index) if ignore_index is not None else np.int64(-(2 ** 62))
-    return (flat(hidden), flat(weight), bool(transB), labels.reshape(-1, 1), ignore, reduction == "mean", logits,
-            logits.reshape(chunk, classes, 1)), rows, width, classes, chunk
+    return chunk, (labels.reshape(-1, 1), ignore, reduction == "mean", logits, np.zeros(chunk, np.float64)), rest
 
 
 @binding("LinearCrossEntropy", ODTRAIN_DOMAIN, scratch=_vocabulary_scratch, parallel=True)
-def LinearCrossEntropy(inputs, outputs, scratch=None, transB=0, ignore_index=None, reduction="mean", threads=1):
-    operands, rows, width, classes, chunk = _vocabulary_operands(*inputs, scratch, transB, ignore_index, reduction)
+def LinearCrossEntropy(inputs, outputs, scratch=None, transB=0, ignore_index=None, reduction="mean", axis=0,
+                       threads=1):
+    hidden, weight, labels = inputs[:3]
+    rows, width, classes = _vocabulary_layout(hidden.shape, weight.shape, transB)
+    chunk, loss_operands, rest = _vocabulary_operands(hidden, labels, scratch, rows, classes, ignore_index, reduction)
     want_hidden = len(outputs) > 1 and outputs[1] is not None
-    dhidden = flat(outputs[1]) if want_hidden else np.zeros(1, inputs[0].dtype)
-    args = operands + (np.zeros(chunk, np.float64), outputs[0].reshape(-1), dhidden, want_hidden, width, chunk)
-    return [split((_linear_cross_entropy, args), classes, rows * width * classes, threads)]
+    results = (outputs[0].reshape(-1), flat(outputs[1]) if want_hidden else np.zeros(1, np.float32), want_hidden,
+               width, classes, chunk)
+    if weight.dtype == np.float32:
+        args = (flat(hidden), flat(weight), bool(transB)) + loss_operands + results
+        return [split((_linear_cross_entropy, args), classes, rows * width * classes, threads)]
+    values, stored = _stored(weight)
+    scale = flat(inputs[3]) if stored == INT8 else np.ones(1, np.float32)
+    parts = _vocabulary_parts(rows, width, classes, threads)
+    panels = rest[:PANEL_ELEMENTS * parts]
+    args = (flat(hidden), values, scale, int(axis), stored, bool(transB)) + loss_operands + results
+    serial = (_stored_linear_cross_entropy, args + (panels[:PANEL_ELEMENTS], panels[:PANEL_ELEMENTS].view(np.uint32)))
+    return [on_parts(serial, classes, parts, (panels, panels.view(np.uint32)))]
 
 
-@binding("LinearCrossEntropyGrad", ODTRAIN_DOMAIN, scratch=_vocabulary_scratch, parallel=True)
+def _vocabulary_grad_scratch(specs_in, specs_out, **attrs):  # inputs: dLoss, then the forward's
+    return _vocabulary_scratch(specs_in[1:], specs_out, **attrs)
+
+
+@binding("LinearCrossEntropyGrad", ODTRAIN_DOMAIN, scratch=_vocabulary_grad_scratch, parallel=True)
 def LinearCrossEntropyGrad(inputs, outputs, scratch=None, transB=0, ignore_index=None, reduction="mean", threads=1):
     dloss, hidden, weight, labels = inputs
-    operands, rows, width, classes, chunk = _vocabulary_operands(hidden, weight, labels, scratch, transB,
-                                                                 ignore_index, reduction)
-    args = (dloss.reshape(-1),) + operands + (flat(outputs[0]), width, chunk)
+    rows, width, classes = _vocabulary_layout(hidden.shape, weight.shape, transB)
+    chunk, loss_operands, _ = _vocabulary_operands(hidden, labels, scratch, rows, classes, ignore_index, reduction)
+    args = (dloss.reshape(-1), flat(hidden), flat(weight), bool(transB)) + loss_operands + (flat(outputs[0]), width,
+                                                                                            classes, chunk)
     return [split((_linear_cross_entropy_grad, args), classes, rows * width * classes, threads)]

@@ -1,6 +1,6 @@
 """The opset-23 ops of decoder language models — RMSNormalization, RotaryEmbedding, Attention — against
 ONNX's reference evaluator (forward) and float64 finite differences (every input's gradient), and the fusion
-of the exporters' decomposed RMSNorm and rotary patterns onto the same kernels."""
+of the exporters' decomposed RMSNorm, rotary and SiLU patterns onto the same kernels."""
 import numpy as np
 import pytest
 from onnx import TensorProto, helper
@@ -153,6 +153,20 @@ def test_decomposed_rotary_fuses_and_keeps_its_gradients(cos_shape, from_shape, 
     ops = fused_ops(model)  # what computes the boundary from x's shape stays
     assert "ai.odtrain::RotaryEmbedding" in ops and not {"Slice", "Neg", "Concat", "Mul", "Add"} & set(ops)
     gradient_check(nodes, params, tmp_path=tmp_path, opset=17)
+
+
+def test_only_a_private_sigmoid_of_the_other_operand_fuses_into_swish():
+    """The SiLU gate Mul(x, Sigmoid(x)) becomes one Swish; a GLU's Mul(u, Sigmoid(x)), a Sigmoid also read
+    elsewhere and a float64 SiLU (Swish's kernels are float32) keep their ops."""
+    x, u = rand(2, 3), rand(2, 3)
+    silu = [node("Sigmoid", ["x"], ["s"]), node("Mul", ["x", "s"])]
+    cases = [(silu, {"x": x}, ["ai.odtrain::Swish"]),
+             ([silu[0], node("Mul", ["u", "s"])], {"x": x, "u": u}, ["Mul", "Sigmoid"]),
+             (silu + [node("Identity", ["s"], ["s_copy"])], {"x": x}, ["Identity", "Mul", "Sigmoid"]),
+             (silu, {"x": x.astype(np.float64)}, ["Mul", "Sigmoid"])]
+    for nodes, params, expected in cases:
+        outputs = [o for n in nodes for o in n.output if o in ("y", "s_copy")]
+        assert fused_ops(make_model(nodes, params, outputs=outputs, opset=17)) == expected, nodes
 
 
 def test_a_rotary_whose_pieces_are_read_elsewhere_is_left_alone():

@@ -19,6 +19,7 @@ from odtrain import artifacts
 from odtrain.api import CheckpointState, Module, Optimizer
 from odtrain.graph.ops import OPS
 from odtrain.graph.planner import SCRATCH_SUFFIX
+from odtrain.graph.schedule import RECOMPUTE_SUFFIX
 
 onnxruntime = pytest.importorskip("onnxruntime", reason="onnxruntime is the inference oracle (pip install .[test])")
 pytestmark = pytest.mark.skipif(("", "Sin") not in OPS or ("", "Cos") not in OPS,
@@ -29,6 +30,7 @@ FILES = [("llama", "torchscript17"), ("llama", "dynamo18"), ("llama", "dynamo23"
          ("qwen2", "dynamo23")]
 SINGLE_OPS = {"dynamo23": {("", "RMSNormalization"), ("", "RotaryEmbedding"), ("", "Attention")}}
 FUSED_OPS = {("ai.odtrain", "RMSNormalization"), ("ai.odtrain", "RotaryEmbedding")}
+SILU = ("ai.odtrain", "Swish")  # every export's MLP gate, Mul(x, Sigmoid(x)) before opset 24
 
 
 def decoder(family: str):
@@ -88,6 +90,9 @@ def test_decoder_matches_pytorch(family, export, optimizer, tmp_path):
                                                tmp_path, names.values(), requires_grad=list(names.values()))
     ops = {node.key for node in module.graph(training=True).nodes}
     assert SINGLE_OPS.get(export, FUSED_OPS) <= ops
+    assert SILU in ops and ("", "Sigmoid") not in ops
+    (bound,) = module._train.plans.values()  # the fused SiLU stays cheap: run again before its gradient
+    assert any(n.key == SILU and n.name.endswith(RECOMPUTE_SUFFIX) for n in bound.plan.order)
     np.testing.assert_allclose(losses, golden[f"{optimizer}_losses"],
                                rtol=TOLERANCE * meta[optimizer]["float32_loss_error"])
     assert gradient_error(grads, golden, names) < TOLERANCE * meta["adamw"]["float32_grad_error"]

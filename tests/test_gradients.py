@@ -81,6 +81,9 @@ GRADIENT_CASES["Erf GELU as exported"] = GradientCase(  # PyTorch's exact GELU: 
     [node("Div", ["x", "root2"], ["d"]), node("Erf", ["d"], ["e"]), node("Add", ["e", "one"], ["a"]),
      node("Mul", ["x", "a"], ["m"]), node("Mul", ["m", "half"])], {"x": rand(3, 4, low=-3, high=3)},
     {"root2": f32(1.4142135), "one": f32(1.0), "half": f32(0.5)}, step=1e-3, fuses_into=("Gelu",))
+for _order in (["x", "s"], ["s", "x"]):  # PyTorch's SiLU before opset 24: x · sigmoid(x), either operand first
+    GRADIENT_CASES[f"SiLU as exported, Mul({', '.join(_order)})"] = GradientCase(
+        [node("Sigmoid", ["x"], ["s"]), node("Mul", _order)], {"x": rand(3, 4, low=-6, high=6)}, fuses_into=("Swish",))
 GRADIENT_CASES["comparison mask"] = GradientCase(  # x · Where(x > 0, 1, 0): Greater has no gradient, Where passes it
     [node("Greater", ["x", "zero"], ["positive"]), node("Where", ["positive", "one", "zero"], ["mask"]),
      node("Mul", ["x", "mask"])], {"x": away_from_zero(2, 3)}, {"zero": f32(0.0), "one": f32(1.0)})

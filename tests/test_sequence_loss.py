@@ -250,3 +250,68 @@ def test_fused_vocabulary_loss_in_chunks_and_parts_equals_the_unfused_one(thread
     assert loss == pytest.approx(reference, rel=1e-6)
     for key, value in expected.items():  # float32 sums in another order: measured 3e-8 of 0.27
         np.testing.assert_allclose(grads[key], value, rtol=0, atol=1e-6 * np.abs(value).max(), err_msg=key)
+
+
+def stored_head_lm(tied: bool):
+    """tiny_lm with a trained layer between the embedding and the head; `tied`: the head is the embedding's
+    transpose (a weight [V, H] read with transB), else its own [H, V] weight."""
+    rng = np.random.default_rng(2)
+    params = {"embed": rng.standard_normal((VOCAB, WIDTH)).astype(np.float32),
+              "w": (rng.standard_normal((WIDTH, WIDTH)) / 2).astype(np.float32)}
+    nodes = [helper.make_node("Gather", ["embed", "ids"], ["h"]), helper.make_node("MatMul", ["h", "w"], ["z"]),
+             helper.make_node("Add", ["z", "h"], ["hidden"])]
+    if tied:
+        nodes += [helper.make_node("Transpose", ["embed"], ["embed_t"], perm=[1, 0]),
+                  helper.make_node("MatMul", ["hidden", "embed_t"], ["logits"])]
+    else:
+        params["head"] = rng.standard_normal((WIDTH, VOCAB)).astype(np.float32)
+        nodes.append(helper.make_node("MatMul", ["hidden", "head"], ["logits"]))
+    return make_model(nodes, params, inputs=[("ids", np.int64, ["batch", "seq"])],
+                      outputs=[("logits", np.float32, ["batch", "seq", VOCAB])])
+
+
+@pytest.mark.parametrize("kind", ["int8", "bfloat16"])
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_vocabulary_loss_reads_a_stored_head_as_the_unfused_product(kind, tied, threads, tmp_path, monkeypatch):
+    """With the head stored as int8 or bfloat16 (frozen_dtype), the vocabulary loss still fuses: LinearCrossEntropy
+    reads the stored weight a panel at a time (here panels of 8 floats and chunks of 4 tokens, serial and in
+    parts) and gives the loss and the trained layer's gradient of the unfused DequantizedMatMul and loss."""
+    import odtrain.threads as thread_policy
+    from odtrain.graph import fusion
+    from odtrain.kernels import parts
+    from odtrain.kernels import training as loss_kernels
+
+    monkeypatch.setattr(loss_kernels, "CHUNK_MIN_ROWS", 4)
+    monkeypatch.setattr(loss_kernels, "CHUNK_BYTES", 0)
+    monkeypatch.setattr(loss_kernels, "PANEL_ELEMENTS", 8)
+    monkeypatch.setattr(parts, "MIN_PARALLEL_WORK", 0)
+    thread_policy.set_num_threads(threads)
+    results = {}
+    try:
+        for fused in (True, False):
+            with monkeypatch.context() as patch:
+                if not fused:
+                    patch.setattr(fusion, "TRAINING_PASSES", tuple(p for p in fusion.TRAINING_PASSES
+                                                                   if p is not fusion.vocabulary_loss_pass))
+                directory = tmp_path / str(fused)
+                artifacts.generate_artifacts(stored_head_lm(tied), requires_grad=["w"],
+                                             frozen_params=["embed"] if tied else ["embed", "head"],
+                                             loss=artifacts.LossType.CrossEntropyLoss, class_axis=-1,
+                                             ignore_index=-100, artifact_directory=directory, frozen_dtype=kind)
+            state = CheckpointState.load_checkpoint(directory / "checkpoint")
+            module = Module(directory / "training_model.onnx", state, directory / "eval_model.onnx")
+            loss = float(module(*batch()))
+            (plan,) = module._train.plans.values()
+            kernels = {getattr(k, "__name__", "") for k, _ in plan.calls}
+            results[fused] = loss, state.parameters["w"].grad.copy(), plan, kernels
+    finally:
+        thread_policy._process_default = None
+    loss, grad, plan, kernels = results[True]
+    (node,) = [n for n in plan.plan.order if n.op_type == "LinearCrossEntropy"]
+    assert plan.types[node.inputs[1]].dtype.name == kind and len(node.inputs) == (4 if kind == "int8" else 3)
+    assert "_stored_linear_cross_entropy" + ("_parts" if threads > 1 else "") in kernels
+    assert all(t.shape != (BATCH, SEQ, VOCAB) for t in plan.types.values())
+    reference, expected, _, _ = results[False]
+    assert loss == pytest.approx(reference, rel=1e-6)
+    np.testing.assert_allclose(grad, expected, rtol=0, atol=1e-6 * np.abs(expected).max())

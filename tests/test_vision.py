@@ -98,6 +98,22 @@ def test_forward_matches_reference(name):
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
 
 
+def test_activations_written_over_their_input_match_their_own_buffer():
+    """Each activation and gradient kernel of kernels/nn.py, written over its first input (as the planner places it
+    when that input dies there), gives the bits it gives into a buffer of its own."""
+    from odtrain.kernels import BINDINGS, ODTRAIN_DOMAIN
+    from odtrain.kernels.nn import ACTIVATIONS
+
+    values = np.random.default_rng(3)
+    x, dy = values.uniform(-6, 6, (3, 40)).astype(np.float32), values.uniform(-1, 1, (3, 40)).astype(np.float32)
+    for op in ACTIVATIONS:
+        for key, inputs in ((("", op), [x]), ((ODTRAIN_DOMAIN, op + "Grad"), [dy, x])):
+            apart, over = np.empty_like(x), inputs[0].copy()
+            for kernel, args in BINDINGS[key](inputs, [apart]) + BINDINGS[key]([over] + inputs[1:], [over]):
+                kernel(*args)
+            np.testing.assert_array_equal(over, apart, err_msg=f"{key} in place")
+
+
 def test_max_pool_indices_point_at_the_maxima():
     """Indices: flat positions in X (row-major, or column-major over the spatial axes with storage_order=1).
     Checked by what they point at: ONNX's reference gets them wrong for non-square windows (and its 2-D

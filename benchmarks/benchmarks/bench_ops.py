@@ -10,7 +10,8 @@ labels, indices and token ids). `threads` is the thread count the op is bound an
 
 Families: ConvOps (convolutions and their gradients, depthwise included), ProductOps (Gemm,
 FusedMatMul as a linear layer and as attention's batched products), NormalizationOps, PoolOps,
-ElementwiseOps (activations, their gradients, Softmax, Add), OptimizerOps (the fused AdamW update
+ElementwiseOps (activations, their gradients, Softmax, Add), SiluOps (a decoder's fused SiLU gate and its
+gradient), OptimizerOps (the fused AdamW update
 of a model's trainable block, its moments in float32 or in 8 bits), VocabularyLossOps (a decoder's vocabulary
 product fused with its cross-entropy, forward and backward, at the shape of the benchmark decoder),
 DecoderLayoutOps (a decoder's memory-bound ops at the SmolLM2-135M LoRA step's shapes, with the bytes they move).
@@ -215,8 +216,7 @@ class VocabularyLossOps:
     param_names = ["op", "threads"]
 
     def setup(self, op, threads):
-        from odtrain.executor import ExecutableStep
-        from odtrain.graph.ir import ODTRAIN_DOMAIN, Graph, Node, TensorType
+        from odtrain.graph.ir import ODTRAIN_DOMAIN, Node, TensorType
 
         rows, width, classes = VOCABULARY["rows"], VOCABULARY["width"], VOCABULARY["classes"]
         rng = np.random.default_rng(common.SEED)
@@ -231,9 +231,7 @@ class VocabularyLossOps:
         types = {name: TensorType(value.dtype, value.shape) for name, value in held.items()}
         types.update(loss=TensorType(np.dtype(np.float32), ()), dhidden=types["hidden"], dweight=types["weight"])
         node = Node(op, inputs, outputs, {"transB": 1, "reduction": "mean"}, op, ODTRAIN_DOMAIN)
-        self.bound = ExecutableStep(Graph([node], list(held), outputs[:1], {}, types, name=op), {}, held, threads=threads)
-        for _ in range(2):
-            self.bound.run([])
+        self.bound = _warm_node_step(node, held, types, threads)
 
     def time_run(self, op, threads):
         self.bound.run([])
@@ -244,6 +242,44 @@ class VocabularyLossOps:
         return scratch_bytes(self.bound.order[0], self.bound.types, threads)
 
     track_scratch_bytes.unit = "bytes"
+
+
+def _warm_node_step(node, held: dict, types: dict, threads: int):
+    """`node` bound alone (its inputs `held` outside the arena, its first output the graph's), run twice."""
+    from odtrain.executor import ExecutableStep
+    from odtrain.graph.ir import Graph
+
+    bound = ExecutableStep(Graph([node], list(held), node.outputs[:1], {}, types, name=node.name), {}, held,
+                           threads=threads)
+    for _ in range(2):
+        bound.run([])
+    return bound
+
+
+SILU_GATE = (4 * 128, 1536)  # SmolLM2-135M's MLP gate at batch 4 of 128 tokens
+
+
+class SiluOps:
+    """A decoder's SiLU gate as training runs it, fused from Mul(x, Sigmoid(x)) into ai.odtrain Swish
+    (graph/fusion.py), and its gradient SwishGrad(dY, X), bound alone at SILU_GATE, values from N(0, 1)."""
+
+    params = [["Swish", "SwishGrad"], THREADS]
+    param_names = ["op", "threads"]
+
+    def setup(self, op, threads):
+        from odtrain.graph.ir import ODTRAIN_DOMAIN, Node, TensorType
+
+        rng = np.random.default_rng(common.SEED)
+        held = {"x": rng.standard_normal(SILU_GATE).astype(np.float32)}
+        inputs = ["x"]
+        if op == "SwishGrad":
+            held["dy"] = rng.standard_normal(SILU_GATE).astype(np.float32)
+            inputs = ["dy", "x"]
+        types = {name: TensorType(np.dtype(np.float32), SILU_GATE) for name in list(held) + ["y"]}
+        self.bound = _warm_node_step(Node(op, inputs, ["y"], {"alpha": 1.0}, op, ODTRAIN_DOMAIN), held, types, threads)
+
+    def time_run(self, op, threads):
+        self.bound.run([])
 
 
 SIZE = 1 << 20

@@ -25,15 +25,16 @@ from . import grad, no_grad, op
 
 FLOAT32 = np.dtype(np.float32)
 STORED_TYPES = ("int8", "bfloat16")  # the element types the weight is read in
-STORED_WEIGHT_READERS = {(ODTRAIN_DOMAIN, "DequantizedMatMul"), (ODTRAIN_DOMAIN, "DequantizedGather")}  # read bfloat16
+STORED_WEIGHT_READERS = {(ODTRAIN_DOMAIN, "DequantizedMatMul"), (ODTRAIN_DOMAIN, "DequantizedGather"),
+                         (ODTRAIN_DOMAIN, "LinearCrossEntropy")}  # read bfloat16
 FROZEN_WEIGHT = "the weight is frozen (stored int8 or bfloat16); only the product's activation input trains"
 
 
-def check_stored_weight(node, types) -> tuple:
-    """(rows, columns) of the stored weight (input 1 of a product, input 0 of a gather), after checking its type
-    and its scale's."""
-    w = types[1] if node.op_type == "DequantizedMatMul" else types[0]
-    scale = types[2] if len(types) > 2 else None
+def check_stored_weight(node, types, weight: int | None = None, scale: int = 2) -> tuple:
+    """(rows, columns) of the stored weight (input `weight`: by default 1 of a product, 0 of a gather), after
+    checking its type and its scale's (input `scale`)."""
+    w = types[weight if weight is not None else (1 if node.op_type == "DequantizedMatMul" else 0)]
+    scale = types[scale] if len(types) > scale else None
     if w.dtype.name not in STORED_TYPES or w.shape is None or len(w.shape) != 2:
         raise ModelError(f"{node.describe()}: its weight is {w}; it reads a 2-D int8 or bfloat16 weight")
     if (w.dtype == np.int8) != (scale is not None):

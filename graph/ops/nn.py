@@ -150,7 +150,10 @@ def _activation_rule(node, types, consts):
 READS_OUTPUT = ("Clip", "HardSigmoid", "Elu", "Selu", "Celu")
 READS_INPUT = ("HardSwish", "ThresholdedRelu", "Shrink", "Swish")
 for _name in ("LeakyRelu",) + READS_OUTPUT + READS_INPUT:
-    op(_name, inplace=((0, 0),))(_activation_rule)
+    op(_name, inplace=((0, 0),), passes=2.0 if _name == "Swish" else 1.0)(_activation_rule)  # Swish: an exp each
+# The same Swish in odtrain's domain: what graph fusion makes of an exported SiLU, Mul(x, Sigmoid(x)), at the
+# opsets before 24, which lack ONNX's (graph/fusion.py).
+op("Swish", ODTRAIN_DOMAIN, inplace=((0, 0),), passes=2.0)(_activation_rule)
 
 
 @grad("Clip")
@@ -187,6 +190,7 @@ def _parameter_activation_grad(ctx, reads_output: bool):
 
 for _name in ("Elu", "Selu", "Celu", "ThresholdedRelu", "Shrink", "Swish"):
     grad(_name)(lambda ctx: _parameter_activation_grad(ctx, ctx.node.op_type in READS_OUTPUT))
+grad("Swish", ODTRAIN_DOMAIN)(lambda ctx: _parameter_activation_grad(ctx, False))
 
 for _name in ("ClipGrad", "LeakyReluGrad", "HardSigmoidGrad", "HardSwishGrad", "EluGrad", "SeluGrad", "CeluGrad",
               "ThresholdedReluGrad", "ShrinkGrad", "SwishGrad"):

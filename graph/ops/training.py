@@ -19,6 +19,7 @@ import numpy as np
 from ..errors import ModelError
 from ..ir import ODTRAIN_DOMAIN, TensorType
 from . import grad, op
+from .dequantized import FROZEN_WEIGHT, check_stored_weight
 
 
 @op("SoftmaxCrossEntropyLoss")
@@ -67,13 +68,14 @@ def _apply_update_rule(node, types, consts):
     return []
 
 
-# LinearCrossEntropy(hidden [N.., H], W, labels [N..]) -> loss: SoftmaxCrossEntropyLoss(hidden · op(W), labels)
-# with the classes last, op(W) = Wᵀ for W [V, H] (transB=1) or W [H, V]; reduction mean (over the labels that
-# are not ignore_index) or sum. Graph fusion (graph/fusion.py) makes it from a causal LM's vocabulary product and
+# LinearCrossEntropy(hidden [N.., H], W, labels [N..][, scale]) -> loss: SoftmaxCrossEntropyLoss(hidden · op(W),
+# labels) with the classes last, op(W) = Wᵀ for W [V, H] (transB=1) or W [H, V]; reduction mean (over the labels
+# that are not ignore_index) or sum. W may be a frozen weight stored as int8 (with its float32 scale along `axis`)
+# or bfloat16, read a panel at a time as DequantizedMatMul reads it (graph/ops/dequantized.py). Graph fusion (graph/fusion.py) makes it from a causal LM's vocabulary product and
 # its class-last loss; the kernels (kernels/training.py) hold one chunk of logits at a time, never all of them.
 def _vocabulary(node, types) -> tuple:
     """(rows, width, classes) of the product, checked against the labels."""
-    hidden, weight, labels = types[-3].shape, types[-2].shape, types[-1].shape
+    hidden, weight, labels = types[0].shape, types[1].shape, types[2].shape
     transposed = int(node.attrs.get("transB", 0))
     if len(weight) != 2 or len(hidden) < 2:
         raise ModelError(f"{node.describe()}: LinearCrossEntropy needs hidden [..., H] and a 2-D weight, got "
@@ -106,6 +108,8 @@ def _linear_cross_entropy_rule(node, types, consts):
         raise ModelError(f"{node.describe()}: LinearCrossEntropy reduces by 'mean' or 'sum'")
     if not np.issubdtype(types[2].dtype, np.integer):
         raise ModelError(f"{node.describe()}: labels must be integers, got {types[2]}")
+    if types[1].dtype != np.float32 or len(types) > 3:  # a frozen weight stored in fewer bytes, and its scale
+        check_stored_weight(node, types, weight=1, scale=3)
     if types[0].shape is not None and types[1].shape is not None and types[2].shape is not None:
         _vocabulary(node, types)
     return [TensorType(types[0].dtype, ())] + [types[0]] * (len(node.outputs) > 1 and bool(node.outputs[1]))
@@ -118,12 +122,14 @@ def _linear_cross_entropy_grad(ctx):
     if ctx.needs(0):
         ctx.set_grad(0, ctx.emit("Mul", [ctx.forward_output(1, "unit_grad"), ctx.GO(0)]))
     if ctx.needs(1):
+        if len(ctx.node.inputs) > 3 or ctx.dtype(ctx.I(1)) not in (None, np.float32):
+            raise ModelError(f"{ctx.node.describe()}: {FROZEN_WEIGHT}")
         attrs = {k: ctx.attr(k) for k in ("transB", "reduction", "ignore_index") if ctx.attr(k) is not None}
         ctx.set_grad(1, ctx.odtrain("LinearCrossEntropyGrad", [ctx.GO(0), ctx.I(0), ctx.I(1), ctx.I(2)], attrs))
 
 
-def _vocabulary_grad_flops(node, types, out) -> float:  # the logits again, then dW's product
-    return 2 * _vocabulary_flops(node, types, out)
+def _vocabulary_grad_flops(node, types, out) -> float:  # the logits again, then dW's product (inputs: dLoss first)
+    return 2 * _vocabulary_flops(node, types[1:], out)
 
 
 # LinearCrossEntropyGrad(dLoss, hidden, W, labels) -> dW, forming each chunk's logits again
