@@ -477,8 +477,9 @@ def _match_vocabulary_loss(index: _Index, node: Node):
         removed.append(reshape)
         scores = logits
     product = index.producer.get(scores)
-    if product is None or not index.private(scores):
-        return None
+    logits_type = index.graph.value_types.get(scores)
+    if product is None or not index.private(scores) or logits_type is None or logits_type.dtype != np.float32:
+        return None  # the kernels compute in float32
     hidden, weight = product.inputs[:2] if len(product.inputs) >= 2 else ("", "")
     hidden_shape, weight_shape = index.shape(hidden), index.shape(weight)
     if hidden_shape is None or weight_shape is None or len(hidden_shape) < 2 or len(weight_shape) != 2 or \
