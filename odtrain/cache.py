@@ -279,31 +279,40 @@ def add_command(commands) -> None:
                          help="folder written by generate_artifacts (default: the demo classifier)")
     command.add_argument("--batch-size", type=int, default=DEFAULT_WARMUP_BATCH,
                          help=f"batch size of the steps, the first symbolic axis (default: {DEFAULT_WARMUP_BATCH})")
-    command.add_argument("--seq-len", type=int, metavar="N", help="length of the inputs' other symbolic axes "
-                         "(a language model's sequence)")
-    command.add_argument("--input-shape", nargs="+", action="extend", default=[], metavar="NAME=D0,D1,...",
-                         help="the whole shape of one or more inputs (--input-shape ids=4,16 mask=4,16), for "
-                         "inputs whose axes --batch-size and --seq-len do not give")
+    add_shape_arguments(command)
     command.add_argument("--json", action="store_true", help="print the results as one JSON object")
     command.set_defaults(handler=_command)
+
+
+def add_shape_arguments(command, prefix: str = "") -> None:
+    """--seq-len and --input-shape (after `prefix`, e.g. "compile-"): the step inputs' axes besides the batch."""
+    command.add_argument(f"--{prefix}seq-len", type=int, metavar="N", help="length of the inputs' other symbolic "
+                         "axes (a language model's sequence)")
+    command.add_argument(f"--{prefix}input-shape", nargs="+", action="extend", default=[], metavar="NAME=D0,D1,...",
+                         help="the whole shape of one or more inputs (ids=4,16 mask=4,16), for inputs whose axes "
+                         "the batch size and the sequence length do not give")
+
+
+def input_shapes(items, option: str = "--input-shape") -> dict:
+    """{input name: shape} from NAME=D0,D1,... items; a malformed one is refused by `option`."""
+    from .graph.errors import ArgumentError
+
+    shapes = {}
+    for item in items:
+        name, _, dims = item.partition("=")
+        try:
+            shapes[name] = tuple(int(d) for d in dims.split(",") if d.strip())
+        except ValueError:
+            raise ArgumentError(f"{option} {item!r}: expected NAME=D0,D1,... with whole numbers") from None
+        if not name or not shapes[name]:
+            raise ArgumentError(f"{option} {item!r}: expected NAME=D0,D1,... (give ARTIFACT_DIR before {option})")
+    return shapes
 
 
 def _command(args) -> int:
     import json
 
-    from .graph.errors import ArgumentError
-
-    shapes = {}
-    for item in args.input_shape:
-        name, _, dims = item.partition("=")
-        try:
-            shapes[name] = tuple(int(d) for d in dims.split(",") if d.strip())
-        except ValueError:
-            raise ArgumentError(f"--input-shape {item!r}: expected NAME=D0,D1,... with whole numbers") from None
-        if not name or not shapes[name]:
-            raise ArgumentError(f"--input-shape {item!r}: expected NAME=D0,D1,... (give ARTIFACT_DIR before "
-                                "--input-shape)")
-    result = warmup(args.artifact_dir, args.batch_size, shapes, out=(lambda line: None) if args.json else print,
+    result = warmup(args.artifact_dir, args.batch_size, input_shapes(args.input_shape), out=(lambda line: None) if args.json else print,
                     sequence_length=args.seq_len)
     if args.json:
         print(json.dumps(result))

@@ -283,11 +283,13 @@ def _prepare(args) -> int:
               "loss_layout": choices["loss_text"], "optimizer": args.optimizer, "learning_rate": args.lr,
               "qat": qat is not None}
     if args.compile:
+        from .cache import input_shapes
         from .kernel_build import compile_artifacts
 
         manifest = compile_artifacts(args.output, batch_size=args.compile_batch_size,
                                      out=(lambda line: None) if args.json else print, target=args.compile_target,
-                                     cpu=args.compile_cpu)
+                                     cpu=args.compile_cpu, sequence_length=args.compile_seq_len,
+                                     input_shapes=input_shapes(args.compile_input_shape, "--compile-input-shape"))
         result["kernels"] = len(manifest["entries"])
     if args.json:
         _print_json(result)
@@ -707,6 +709,9 @@ def _add_training_commands(commands) -> None:
                          "for a Raspberry Pi)")
     prepare.add_argument("--compile-cpu", default=None, metavar="NAME",
                          help="with --compile: the device's CPU, as `odtrain compile --cpu`")
+    from .cache import add_shape_arguments
+
+    add_shape_arguments(prepare, "compile-")
     prepare.add_argument("--json", action="store_true", help="print the result as JSON")
     prepare.set_defaults(handler=_prepare)
 

@@ -343,11 +343,12 @@ def library_folder(artifact_dir) -> str:
 
 
 def recorded_entries(artifact_dir, batch_size: int = 32, thread_counts=None, input_shapes=None,
-                     inference_output: str | None = None) -> list:
+                     inference_output: str | None = None, sequence_length: int | None = None) -> list:
     """The (kernel name, signature) pairs of the steps `odtrain warmup` runs on a set of artifacts (a training
     step writing and one accumulating gradients, an optimizer step, an eval step), at each thread count of
     `thread_counts` (default: 1 and every core of this machine, as a device would run); with
-    `inference_output`, also of an InferenceSession on the model they export with that output. Nothing runs."""
+    `inference_output`, also of an InferenceSession on the model they export with that output. The inputs' other
+    symbolic axes are `sequence_length`, or `input_shapes` gives whole shapes by name. Nothing runs."""
     from . import threads
     from .cache import run_steps
     from .executor import record_calls
@@ -360,7 +361,7 @@ def recorded_entries(artifact_dir, batch_size: int = 32, thread_counts=None, inp
         with record_calls() as calls, tempfile.TemporaryDirectory(prefix="odtrain-compile-") as scratch:
             for count in counts:
                 with threads.process_default(count):
-                    run_steps(os.fspath(artifact_dir), int(batch_size), input_shapes or {})
+                    run_steps(os.fspath(artifact_dir), int(batch_size), input_shapes or {}, sequence_length)
                     if inference_output is not None:
                         _run_inference(os.fspath(artifact_dir), inference_output, int(batch_size), scratch)
     finally:
@@ -389,12 +390,14 @@ def _run_inference(folder: str, output: str, batch_size: int, scratch: str) -> N
 
 
 def compile_artifacts(artifact_dir=None, out_dir=None, batch_size: int = 32, thread_counts=None, out=print,
-                      target: str | None = None, cpu: str | None = None) -> dict:
+                      target: str | None = None, cpu: str | None = None, sequence_length: int | None = None,
+                      input_shapes: dict | None = None) -> dict:
     """Build the kernel library of a set of artifacts (a folder, or a list of folders: one library for them all;
     None: the built-in demo classifier's, its inference model's included: the library the package ships,
     odtrain.demo.LIBRARY) into `out_dir` (default: the artifact folder's kernels/) for `target` and `cpu`
     (build()); returns the manifest. The steps are recorded at `thread_counts` (default: 1 and the cores of
-    the device: this machine's, or DEVICE_CORES of another architecture)."""
+    the device: this machine's, or DEVICE_CORES of another architecture), with the inputs' other symbolic axes
+    at `sequence_length` (a language model's) or the whole shapes of `input_shapes`."""
     target, cpu, _, _ = build_target(target, cpu)  # before recording: an unknown name or no compiler fails now
     if target != host_arch() and thread_counts is None:
         thread_counts = (1, DEVICE_CORES.get(target, 1))
@@ -410,7 +413,8 @@ def compile_artifacts(artifact_dir=None, out_dir=None, batch_size: int = 32, thr
                 entries.update(recorded_entries(demo_artifacts(scratch), batch_size, thread_counts,
                                                 inference_output=OUTPUT))
         else:
-            entries.update(recorded_entries(folder, batch_size, thread_counts))
+            entries.update(recorded_entries(folder, batch_size, thread_counts, input_shapes,
+                                            sequence_length=sequence_length))
     if out_dir is None:
         if len(folders) != 1 or folders[0] is None:
             raise ValueError("give the library's folder (-o DIR) for the demo classifier or several artifact folders")
@@ -420,6 +424,8 @@ def compile_artifacts(artifact_dir=None, out_dir=None, batch_size: int = 32, thr
 
 def add_command(commands) -> None:
     """Add `odtrain compile` to the CLI's subcommands."""
+    from .cache import add_shape_arguments
+
     command = commands.add_parser(
         "compile", help="build the kernels a set of artifacts needs into a native library, ahead of time",
         description="Record every kernel, at every signature, that a training step, an optimizer step and an eval "
@@ -442,15 +448,19 @@ def add_command(commands) -> None:
     command.add_argument("--cpu", default=None, metavar="NAME",
                          help="the device's CPU (default: this machine's; for aarch64 cortex-a72, a Raspberry Pi 4's; "
                          "cortex-a76 for a Pi 5); known: " + "; ".join(f"{t}: {', '.join(c)}" for t, c in CPUS.items()))
+    add_shape_arguments(command)
     command.set_defaults(handler=_command)
 
 
 def _command(args) -> int:
+    from .cache import input_shapes
+
     folders = args.artifact_dir or [None]
     if args.output is None and (len(folders) > 1 or folders[0] is None):
         raise ArgumentError("odtrain compile without ARTIFACT_DIR (the demo classifier's kernels) or with several "
                             "folders needs the library's folder: give -o DIR")
-    compile_artifacts(folders, args.output, args.batch_size, args.thread_counts, target=args.target, cpu=args.cpu)
+    compile_artifacts(folders, args.output, args.batch_size, args.thread_counts, target=args.target, cpu=args.cpu,
+                      sequence_length=args.seq_len, input_shapes=input_shapes(args.input_shape))
     return 0
 
 

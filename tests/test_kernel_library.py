@@ -430,3 +430,49 @@ def test_a_prepared_update_follows_its_arrays_and_scalars(mlp_library):
         resolved(adamw_update)(*again, rate / 2, 0.9, 0.999, 1e-8, 0.01, step + 1, True)
         assert all(np.array_equal(a, b) for a, b in zip(arrays, again))
     assert len(library._prepared) == 3
+
+
+LANGUAGE_STEPS = """
+import sys, numpy as np
+from odtrain.api import CheckpointState, Module, Optimizer
+folder = sys.argv[1]
+state = CheckpointState.load_checkpoint(folder + "/checkpoint")
+module = Module(folder + "/training_model.onnx", state, folder + "/eval_model.onnx", num_threads=2)
+optimizer = Optimizer(folder + "/optimizer_model.onnx", module)
+rng = np.random.default_rng(1)
+ids, labels = rng.integers(0, 7, (3, 5)), rng.integers(0, 7, (3, 5))
+losses = []
+for _ in range(3):
+    losses.append(float(module(ids, labels)))
+    optimizer.step()
+    module.lazy_reset_grad()
+print(losses)
+print(sorted({m.split(".")[0] for m in sys.modules} & {"numba", "llvmlite"}))
+"""
+
+
+def test_a_language_model_compiles_at_a_sequence_length_and_trains_without_numba(tmp_path, capsys):
+    """`odtrain compile --seq-len`: a model whose inputs have a sequence axis records its steps at that length; its
+    library (here with the fused vocabulary loss reading an int8 tied embedding) trains with the JIT's bits and
+    without loading Numba."""
+    from conftest import odtrain_main
+    from odtrain import artifacts
+    from test_sequence_loss import stored_head_lm
+
+    folder = tmp_path / "lm"
+    artifacts.generate_artifacts(stored_head_lm(tied=True), requires_grad=["w"], frozen_params=["embed"],
+                                 loss=artifacts.LossType.CrossEntropyLoss, class_axis=-1, frozen_dtype="int8",
+                                 optimizer=artifacts.OptimType.AdamW, artifact_directory=folder)
+    code, _, err = odtrain_main(capsys, "compile", folder, "--batch-size", 3)
+    assert code == 2 and "--seq-len N" in err  # the message names the option that exists
+    code, _, err = odtrain_main(capsys, "compile", folder, "--batch-size", 3, "--seq-len", 5, "--threads", 2)
+    assert code == 0, err
+    runs = {}
+    for library in ("on", "off"):
+        env = dict(os.environ, **({"ODTRAIN_KERNEL_LIBRARY": "off"} if library == "off" else {}))
+        result = subprocess.run([sys.executable, "-c", LANGUAGE_STEPS, str(folder)], capture_output=True, text=True,
+                                timeout=300, env=env)
+        assert result.returncode == 0, result.stderr
+        runs[library] = result.stdout.splitlines()
+    assert runs["on"][0] == runs["off"][0]
+    assert runs["on"][1] == "[]" and runs["off"][1] != "[]"
