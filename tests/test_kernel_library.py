@@ -225,14 +225,16 @@ def test_argument_blocks_hold_records_numba_would_type_the_same():
     assert block[8] == 3 and block[9:].view(np.float32)[0] == np.float32(1.5)
 
 
-NO_COMPILER = """
+OPEN_ARTIFACTS = """
 import sys, tempfile, numpy as np
-import odtrain
 from odtrain.api import CheckpointState, Module, Optimizer
 folder = sys.argv[1]
 state = CheckpointState.load_checkpoint(folder + "/checkpoint")
 module = Module(folder + "/training_model.onnx", state, folder + "/eval_model.onnx", num_threads=2)
 optimizer = Optimizer(folder + "/optimizer_model.onnx", module)
+"""  # a child process's session on the artifacts folder it is given
+
+NO_COMPILER = OPEN_ARTIFACTS + """
 rng = np.random.default_rng(0)
 x, y = rng.standard_normal((64, 784)).astype(np.float32), rng.integers(0, 10, 64)
 for _ in range(2):
@@ -432,13 +434,7 @@ def test_a_prepared_update_follows_its_arrays_and_scalars(mlp_library):
     assert len(library._prepared) == 3
 
 
-LANGUAGE_STEPS = """
-import sys, numpy as np
-from odtrain.api import CheckpointState, Module, Optimizer
-folder = sys.argv[1]
-state = CheckpointState.load_checkpoint(folder + "/checkpoint")
-module = Module(folder + "/training_model.onnx", state, folder + "/eval_model.onnx", num_threads=2)
-optimizer = Optimizer(folder + "/optimizer_model.onnx", module)
+LANGUAGE_STEPS = OPEN_ARTIFACTS + """
 rng = np.random.default_rng(1)
 ids, labels = rng.integers(0, 7, (3, 5)), rng.integers(0, 7, (3, 5))
 losses = []
