@@ -484,6 +484,8 @@ _VALUE_FIELDS = {AttributeType.FLOAT: 2, AttributeType.INT: 3, AttributeType.STR
                  AttributeType.TENSORS: 10, AttributeType.GRAPHS: 11, AttributeType.TYPE_PROTO: 14,
                  AttributeType.TYPE_PROTOS: 15, AttributeType.SPARSE_TENSOR: 22, AttributeType.SPARSE_TENSORS: 23}
 _UNREAD_MESSAGES = {AttributeType.GRAPH, AttributeType.TYPE_PROTO, AttributeType.SPARSE_TENSOR}
+_TENSOR_FIELDS = {5, 10}  # an attribute's t and tensors
+_MESSAGE_FIELDS = {6, 11, 14, 15, 22, 23}  # its g, graphs, tp, type_protos, sparse_tensor, sparse_tensors
 
 
 def _attribute(data: bytes, span) -> AttributeData:
@@ -497,6 +499,12 @@ def _attribute(data: bytes, span) -> AttributeData:
         else:
             fields.append((number, wire, value))
     wanted = _VALUE_FIELDS.get(kind)
+    for number, wire, value in fields:  # the message fields of other types are read as ONNX would parse them
+        if number != wanted and wire == LENGTH and number in _TENSOR_FIELDS:
+            _tensor(data, [value])
+        elif number != wanted and wire == LENGTH and number in _MESSAGE_FIELDS:
+            for _ in _fields(data, [value]):
+                pass
     runs = [(wire, value) for number, wire, value in fields if number == wanted]
     scalar_wire = {AttributeType.FLOAT: FIXED32, AttributeType.INT: VARINT}.get(kind, LENGTH)
     scalar = [value for wire, value in runs if wire == scalar_wire]

@@ -185,3 +185,16 @@ def test_long_run_keeps_memory_flat(mlp_artifacts, mlp_reference):
         if step in (500, steps):
             samples[step] = _rss_kib()
     assert abs(samples[steps] - samples[500]) < 1024, samples
+
+
+def test_an_attribute_field_onnx_would_parse_as_a_tensor_is_read_as_one(mlp_artifacts, tmp_path):
+    """A flipped bit turns a Gemm attribute's name (field 1) into its tensor field (5): onnx parses that field as a
+    TensorProto and refuses the file; so does odtrain, although the attribute is a float and its tensor unused."""
+    good = (mlp_artifacts / "eval_model.onnx").read_bytes()
+    assert b"\n\x04beta" in good
+    path = tmp_path / "flipped.onnx"
+    path.write_bytes(good.replace(b"\n\x04beta", b"*\x04beta", 1))
+    with pytest.raises(Exception):
+        onnx.load(path)
+    with pytest.raises(ModelError, match="is not a readable ONNX model"):
+        load_graph(path)
