@@ -500,9 +500,11 @@ def _attribute(data: bytes, span) -> AttributeData:
             fields.append((number, wire, value))
     wanted = _VALUE_FIELDS.get(kind)
     for number, wire, value in fields:  # the message fields of other types are read as ONNX would parse them
-        if number != wanted and wire == LENGTH and number in _TENSOR_FIELDS:
+        if number == wanted or wire != LENGTH:
+            continue
+        if number in _TENSOR_FIELDS:
             _tensor(data, [value])
-        elif number != wanted and wire == LENGTH and number in _MESSAGE_FIELDS:
+        elif number in _MESSAGE_FIELDS:
             for _ in _fields(data, [value]):
                 pass
     runs = [(wire, value) for number, wire, value in fields if number == wanted]

@@ -329,14 +329,14 @@ def _stored_product(a, w, scale, axis, stored, out, m, rows, columns, trans_b, p
     size: whole rows of the range with transB or when 64 of them fit a panel, else blocks of columns deep
     enough for BLAS."""
     if trans_b or (c1 - c0) * min(r1 - r0, 64) <= panel.size:
-        _product_part(a, w, scale, axis, stored, out, m, rows, columns, trans_b,
-                                 max(1, panel.size // (c1 - c0)), panel, bits, r0, r1, c0, c1)
+        _product_part(a, w, scale, axis, stored, out, m, rows, columns, trans_b, max(1, panel.size // (c1 - c0)),
+                      panel, bits, r0, r1, c0, c1)
         return
     width = min(panel.size, max(16, panel.size // min(r1 - r0, 1024) // 16 * 16))
     for lo in range(c0, c1, width):
         hi = min(c1, lo + width)
-        _product_part(a, w, scale, axis, stored, out, m, rows, columns, trans_b,
-                                 max(1, panel.size // (hi - lo)), panel, bits, r0, r1, lo, hi)
+        _product_part(a, w, scale, axis, stored, out, m, rows, columns, trans_b, max(1, panel.size // (hi - lo)),
+                      panel, bits, r0, r1, lo, hi)
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -440,7 +440,7 @@ def _vocabulary_scratch(specs_in, specs_out, transB=0, threads=1, **attrs):
     return 4 * (chunk_rows(rows, classes) * classes + panels)
 
 
-def _vocabulary_operands(hidden, labels, scratch, rows, classes, ignore_index, reduction):
+def _vocabulary_operands(labels, scratch, rows, classes, ignore_index, reduction):
     """(the chunk's rows, (labels, ignore_index, mean, logits, values)) and the scratch after the logits."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"LinearCrossEntropy reduces by 'mean' or 'sum', not {reduction!r}")
@@ -455,7 +455,7 @@ def LinearCrossEntropy(inputs, outputs, scratch=None, transB=0, ignore_index=Non
                        threads=1):
     hidden, weight, labels = inputs[:3]
     rows, width, classes = _vocabulary_layout(hidden.shape, weight.shape, transB)
-    chunk, loss_operands, rest = _vocabulary_operands(hidden, labels, scratch, rows, classes, ignore_index, reduction)
+    chunk, loss_operands, rest = _vocabulary_operands(labels, scratch, rows, classes, ignore_index, reduction)
     want_hidden = len(outputs) > 1 and outputs[1] is not None
     results = (outputs[0].reshape(-1), flat(outputs[1]) if want_hidden else np.zeros(1, np.float32), want_hidden,
                width, classes, chunk)
@@ -479,7 +479,7 @@ def _vocabulary_grad_scratch(specs_in, specs_out, **attrs):  # inputs: dLoss, th
 def LinearCrossEntropyGrad(inputs, outputs, scratch=None, transB=0, ignore_index=None, reduction="mean", threads=1):
     dloss, hidden, weight, labels = inputs
     rows, width, classes = _vocabulary_layout(hidden.shape, weight.shape, transB)
-    chunk, loss_operands, _ = _vocabulary_operands(hidden, labels, scratch, rows, classes, ignore_index, reduction)
+    chunk, loss_operands, _ = _vocabulary_operands(labels, scratch, rows, classes, ignore_index, reduction)
     args = (dloss.reshape(-1), flat(hidden), flat(weight), bool(transB)) + loss_operands + (flat(outputs[0]), width,
                                                                                             classes, chunk)
     return [split((_linear_cross_entropy_grad, args), classes, rows * width * classes, threads)]

@@ -71,8 +71,9 @@ def _apply_update_rule(node, types, consts):
 # LinearCrossEntropy(hidden [N.., H], W, labels [N..][, scale]) -> loss: SoftmaxCrossEntropyLoss(hidden · op(W),
 # labels) with the classes last, op(W) = Wᵀ for W [V, H] (transB=1) or W [H, V]; reduction mean (over the labels
 # that are not ignore_index) or sum. W may be a frozen weight stored as int8 (with its float32 scale along `axis`)
-# or bfloat16, read a panel at a time as DequantizedMatMul reads it (graph/ops/dequantized.py). Graph fusion (graph/fusion.py) makes it from a causal LM's vocabulary product and
-# its class-last loss; the kernels (kernels/training.py) hold one chunk of logits at a time, never all of them.
+# or bfloat16, read a panel at a time as DequantizedMatMul reads it (graph/ops/dequantized.py). Graph fusion
+# (graph/fusion.py) makes it from a causal LM's vocabulary product and its class-last loss; the kernels
+# (kernels/training.py) hold one chunk of logits at a time, never all of them.
 def _vocabulary(node, types) -> tuple:
     """(rows, width, classes) of the product, checked against the labels."""
     hidden, weight, labels = types[0].shape, types[1].shape, types[2].shape
