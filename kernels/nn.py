@@ -625,12 +625,14 @@ def _dropout_controls(inputs, ratio):
 
 
 @binding("Dropout")
-def Dropout(inputs, outputs, ratio=0.5, seed=0, is_test=0):
+def Dropout(inputs, outputs, ratio=0.5, seed=0, is_test=0, stream=None):
+    """`stream` (one int64, set before each step by the caller: the node's own stream at that step) seeds the
+    mask; without it the node's `seed` attribute does, advancing by one per call."""
     x, y = inputs[0], outputs[0]
     ratio_array, training = _dropout_controls(inputs, ratio)
     want = len(outputs) > 1 and outputs[1] is not None
     mask = _flat(outputs[1]) if want else np.zeros(1, dtype=np.bool_)
-    state = np.array([int(seed)], dtype=np.int64)
+    state = stream if stream is not None else np.array([int(seed)], dtype=np.int64)
     return [(_dropout, (_flat(x), ratio_array, training, state, _flat(y), mask, want))]
 
 

@@ -165,6 +165,9 @@ class CheckpointState:
         self._optimizer: OptimizerState | None = None
         self._unassigned = set(contents.parameters) if contents.nominal else set()
         self._reset_grad_pending = True  # the next backward writes the gradients instead of adding
+        random = contents.random or {}
+        # [run seed, training steps that drew]: where each random op's stream stands (executor.seed_random)
+        self._random = np.array([random.get("seed", 0), random.get("draws", 0)], dtype=np.int64)
         if contents.optimizer is not None:
             info = contents.optimizer
             state_dtype = info.get("state_dtype", "float32")
@@ -203,6 +206,8 @@ class CheckpointState:
             state._require_values("saving a checkpoint")  # part real, part placeholder: refuse to save zeros
         contents = checkpoint_file.CheckpointContents({n: store.data(n) for n in store.names}, list(store.trainable),
                                                       state._properties.to_dict(), nominal=bool(state._unassigned))
+        if state._random.any():
+            contents.random = {"seed": int(state._random[0]), "draws": int(state._random[1])}
         if include_optimizer_state:
             opt = state._optimizer
             if opt is None:
@@ -225,6 +230,19 @@ class CheckpointState:
     @property
     def properties(self) -> PropertyBag:
         return self._properties
+
+    @property
+    def random_seed(self) -> int:
+        """The run's seed: each random op (Dropout) draws from a stream of its own seeded from it, the node and
+        the training steps done, saved with the checkpoint so a resumed run draws what an uninterrupted one would.
+        Setting it restarts the streams (as onnxruntime.set_seed does for its Dropout); default 0."""
+        return int(self._random[0])
+
+    @random_seed.setter
+    def random_seed(self, seed: int) -> None:
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+            raise ArgumentError(f"random_seed must be an integer, got {seed!r}")
+        self._random[:] = (int(seed), 0)
 
     @property
     def optimizer_state(self) -> OptimizerState | None:
@@ -401,12 +419,15 @@ class _GraphSession:
                 if array.dtype.kind == "f" and not np.isfinite(array).all():
                     raise NonFiniteError(f"input '{name}' holds NaN or infinite values (step {self.steps + 1})")
         plan = self.bound(signature, arrays)
+        plan.seed_random(*self.state._random)
         with deferred_interrupt():
             try:
                 plan.run(arrays)
             except NonFiniteError as error:
                 raise NonFiniteError(f"step {self.steps + 1}: {error}") from None
             self.steps += 1
+            if self.with_gradients and plan.random_streams:
+                self.state._random[1] += 1
             if self.with_gradients:
                 self.state._reset_grad_pending = False
             if self.fused:

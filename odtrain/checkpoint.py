@@ -6,7 +6,9 @@ Layout (a safetensors file):
 - metadata strings: `format` = "odtrain-checkpoint", `format_version`,
   `trainable`/`frozen` (JSON name lists, in order), `properties` (JSON of
   {name: [type, value]}), `optimizer` (JSON: kind, step, learning rates) when
-  saved, `nominal` ("1": shapes only, values to be supplied later) with
+  saved, `random` (JSON: the run's seed and how many training steps drew
+  random numbers, so a resumed run's Dropout masks continue the stream) when
+  not both 0, `nominal` ("1": shapes only, values to be supplied later) with
   `shapes`, and `sha256` over every tensor's name, dtype, shape and bytes and
   (from format version 2) every other metadata entry; version 1 files, whose
   checksum covers the tensors only, are still read.
@@ -134,6 +136,7 @@ class CheckpointContents:
     optimizer_tensors: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # state -> name -> array
     nominal: bool = False
     source: MappedFile | None = None  # the file the arrays are views of, when loaded from one
+    random: dict | None = None  # the run's seed and the training steps that drew random numbers (Dropout)
 
 
 class Streamed(NamedTuple):
@@ -321,6 +324,8 @@ def save(path, contents: CheckpointContents) -> None:
     else:
         for name, array in contents.parameters.items():
             tensors[PARAM_PREFIX + name] = array
+    if contents.random:
+        metadata["random"] = json.dumps(contents.random)
     if contents.optimizer is not None:
         metadata["optimizer"] = json.dumps(contents.optimizer)
         for state_name, per_param in contents.optimizer_tensors.items():
@@ -388,5 +393,9 @@ def load(path) -> CheckpointContents:
         if key.startswith(OPTIMIZER_PREFIX):
             name, state_name = key[len(OPTIMIZER_PREFIX):].rsplit("/", 1)
             optimizer_tensors.setdefault(state_name, {})[name] = array
+    random = _json(metadata, "random", path)
+    if random is not None and not (isinstance(random, dict) and all(isinstance(random.get(k), int)
+                                                                     for k in ("seed", "draws"))):
+        raise CheckpointError(f"checkpoint '{path}' is damaged (metadata 'random' is not a seed and a draw count)")
     return CheckpointContents(parameters, list(trainable), properties, optimizer, optimizer_tensors, nominal,
-                              None if nominal else source)
+                              None if nominal else source, random)

@@ -24,6 +24,7 @@ call per parameter.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import weakref
 from functools import partial
 
@@ -60,6 +61,19 @@ def scratch_bytes(node: Node, types: dict[str, TensorType], threads: int = 1) ->
     specs_out = [(types[o].shape, types[o].dtype) if o else None for o in node.outputs]
     extra = {"threads": threads} if node.key in PARALLEL else {}
     return int(size_of(specs_in, specs_out, **node.attrs, **extra))
+
+
+def stream_key(node: Node) -> bytes:
+    """What tells a random node's stream apart from the others': its first output (unique in a graph, and the
+    same in the training and eval models) and its `seed` attribute."""
+    return f"{node.outputs[0]}\0{int(node.attrs.get('seed', 0))}".encode()
+
+
+def stream_seed(seed: int, key: bytes, draws: int) -> int:
+    """The 32-bit seed of a random node's draw number `draws` in a run seeded `seed` (a hash: nearby seeds,
+    nodes and draws give unrelated streams)."""
+    digest = hashlib.blake2b(key, digest_size=4, key=f"{int(seed)}/{int(draws)}".encode()).digest()
+    return int.from_bytes(digest, "little")
 
 
 class ExecutableStep:
@@ -134,6 +148,7 @@ class ExecutableStep:
         self.storage = storage
         self.feed_views = [storage[name] for name in self.feeds]
         calls, call_nodes = [], []
+        self.random_streams = []  # (node's stream key, the int64 its kernel seeds from) of each random op
         for index, node in enumerate(self.step_plan.order):
             calls.extend(self._bind_node(index, node, storage))
             for name in node.outputs:  # stop before a non-finite value reaches the backward pass
@@ -167,12 +182,21 @@ class ExecutableStep:
         extra = {"scratch": storage[self.step_plan.scratch[index]]} if index in self.step_plan.scratch else {}
         if node.key in PARALLEL:
             extra["threads"] = self.threads
+        if opdef.random:
+            extra["stream"] = np.zeros(1, dtype=np.int64)
+            self.random_streams.append((stream_key(node), extra["stream"]))
         try:
             return bind(inputs, outputs, **node.attrs, **extra)
         except TypeError as error:
             raise ModelError(f"{node.describe()}: unsupported attributes {sorted(node.attrs)}: {error}") from None
         except ValueError as error:
             raise ModelError(f"{node.describe()}: {error}") from None
+
+    def seed_random(self, seed: int, draws: int) -> None:
+        """Seed each random op's next draw: a function of the run's seed, the node and how many training steps
+        drew before, so two nodes of one step draw apart, and a resumed run draws what an uninterrupted one would."""
+        for key, stream in self.random_streams:
+            stream[0] = stream_seed(seed, key, draws)
 
     @property
     def order(self) -> list[Node]:

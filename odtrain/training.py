@@ -320,6 +320,11 @@ def fit(artifacts, train, val=None, *, epochs: int | None = None, batch_size: in
     if settings["lr_schedule"] not in SCHEDULES:
         raise ArgumentError(f"unknown learning-rate schedule {settings['lr_schedule']!r}; "
                             f"use one of {', '.join(SCHEDULES)}")
+    if resume and int(settings["epochs"]) < int(properties["epoch"]):
+        raise ArgumentError(f"the run to resume has trained {properties['epoch']} of its {properties['epochs']} "
+                            f"epochs; {settings['epochs']} epochs would end it before where it stands: resume with "
+                            f"at least {properties['epoch']} epochs (or leave the count out to keep "
+                            f"{properties['epochs']})")
     optimizer.set_learning_rate(settings["learning_rate"])  # validates it
 
     train_set = session.dataset(train, x, y)
@@ -339,6 +344,7 @@ def fit(artifacts, train, val=None, *, epochs: int | None = None, batch_size: in
         global_step, loss_sum = int(properties["global_step"]), float(properties["epoch_loss_sum"])
     else:
         epoch, step_in_epoch, global_step, loss_sum = 0, 0, 0, 0.0
+        state.random_seed = seed  # Dropout's streams; a resumed run continues them from the checkpoint
     for key in SETTINGS:
         properties[key] = settings[key]
     if train_set.classes:

@@ -395,6 +395,25 @@ def test_resume_after_a_stop_mid_epoch_gives_the_uninterrupted_result(here, caps
     assert code == 0 and "epoch 4/4:" in out and "(4 epochs, 40 steps)" in out
 
 
+def test_resume_with_fewer_epochs_than_done_is_refused_and_writes_nothing(here, capsys):
+    """A run stopped in its 3rd of 5 epochs, resumed with --epochs 1: refused (exit 2), the checkpoint untouched."""
+    pieces = fresh_artifacts(here, "fewer")
+    code, _, _ = odtrain_main(capsys, "train", pieces, "--data", "train.npz", "--epochs", "5", "--batch-size", BATCH,
+                              "--stop-after-steps", "23")
+    assert code == 130
+    checkpoint = here / pieces / "checkpoint"
+    before, stamp = checkpoint.read_bytes(), checkpoint.stat().st_mtime_ns
+    folder_before = sorted(os.listdir(here / pieces))
+    code, out, err = odtrain_main(capsys, "train", pieces, "--data", "train.npz", "--resume", "--epochs", "1")
+    assert code == 2 and "already finished" not in out
+    message = one_line(err)
+    assert "trained 2 of its 5 epochs" in message and "at least 2 epochs" in message, message
+    assert checkpoint.read_bytes() == before and checkpoint.stat().st_mtime_ns == stamp
+    assert sorted(os.listdir(here / pieces)) == folder_before
+    code, out, _ = odtrain_main(capsys, "train", pieces, "--data", "train.npz", "--resume", "--epochs", "2")
+    assert code == 0 and "epoch 2/2" not in out  # at least the epochs done: allowed, ends the run where it stands
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
 def test_a_killed_run_resumes_to_the_uninterrupted_result(here, capsys, signum):
     settings = ["--data", "train.npz", "--epochs", "60", "--batch-size", BATCH, "--seed", "3", "--lr-schedule",
