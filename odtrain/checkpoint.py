@@ -22,7 +22,8 @@ A save replaces the file by renaming, so a mapping keeps the old file's bytes.
 
 Guarantees: nothing is unpickled or evaluated; a truncated, damaged, foreign
 or newer-version file is refused with the reason; saving writes a temporary
-file `.<name>.<random>.tmp` in the same folder, flushes and fsyncs it, renames
+file `.<name>.<random>.tmp` in the same folder, flushes and fsyncs it, gives it
+the mode a new file gets (0666 less the umask, as the ONNX files), renames
 it over the target and fsyncs the folder, so a crash leaves either the old or
 the new file. A save first removes the temporary files that earlier saves of
 the same file left when they were killed: a writer holds an exclusive `flock`
@@ -162,8 +163,10 @@ def _digest(tensors: dict, metadata: dict[str, str] | None) -> str:
 
 
 def _refuse(path: str, reason: str):
-    raise CheckpointError(f"checkpoint '{path}' is {reason}; it cannot be loaded. Use an intact checkpoint "
-                          "(odtrain writes them atomically, so the previous save is still whole).")
+    raise CheckpointError(f"checkpoint '{path}' is {reason}; it cannot be loaded. odtrain replaces a checkpoint "
+                          "only with a whole one, so this file was cut short or changed after it was written (a "
+                          "copy, a download, a full disk): copy it again from where it came from, or start from "
+                          "the artifacts' initial checkpoint (odtrain prepare writes it again)")
 
 
 def _read_header(file, size: int, path: str) -> tuple[dict, int]:
@@ -287,6 +290,13 @@ def remove_stale_temporaries(path: str) -> list[str]:
     return removed
 
 
+def _umask() -> int:
+    """The process's umask (read by setting it and setting it back: the only portable way)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_atomically(path: str, blob) -> None:
     """Write `blob` (bytes, or a function writing to a binary file) to `path` so that a crash at any moment
     leaves the old file or the new one, whole; first remove the temporary files that killed earlier saves of
@@ -299,6 +309,7 @@ def write_atomically(path: str, blob) -> None:
             blob(f) if callable(blob) else f.write(blob)
             f.flush()
             os.fsync(f.fileno())
+            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would keep the file from other readers
             os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

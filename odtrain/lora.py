@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -86,7 +87,10 @@ def write_adapters(path, tensors: dict[str, np.ndarray], graph) -> dict[str, flo
     scales."""
     import safetensors.numpy
 
+    from .checkpoint import write_atomically  # whole or not at all, with a new file's mode (save_file's is 0600)
+
     adapted = scales(graph)
-    safetensors.numpy.save_file({n: np.ascontiguousarray(v) for n, v in tensors.items()}, str(path),
-                                metadata={"format": "odtrain LoRA adapters", "scales": json.dumps(adapted)})
+    write_atomically(os.fspath(path), safetensors.numpy.save({n: np.ascontiguousarray(v) for n, v in tensors.items()},
+                                                             metadata={"format": "odtrain LoRA adapters",
+                                                                       "scales": json.dumps(adapted)}))
     return adapted

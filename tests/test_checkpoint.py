@@ -84,6 +84,24 @@ def test_truncated_checkpoint_is_refused(mlp_artifacts, tmp_path, cut):
     with pytest.raises(CheckpointError, match="truncated|damaged") as info:
         CheckpointState.load_checkpoint(path)
     assert str(path) in str(info.value)
+    # no earlier save is kept beside it: the message must not promise one, and must say what to do
+    assert "previous save" not in str(info.value) and "still whole" not in str(info.value)
+    assert "copy it again" in str(info.value) and "odtrain prepare" in str(info.value)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o077])
+def test_a_saved_checkpoint_gets_the_mode_of_a_new_file(mlp_artifacts, tmp_path, umask):
+    """0666 less the umask, as the ONNX files beside it (not the temporary file's 0600)."""
+    state = CheckpointState.load_checkpoint(mlp_artifacts / "checkpoint")
+    previous = os.umask(umask)
+    try:
+        CheckpointState.save_checkpoint(state, tmp_path / "ckpt")
+        (tmp_path / "model.onnx").write_bytes(b"")
+    finally:
+        os.umask(previous)
+    mode = (tmp_path / "ckpt").stat().st_mode & 0o777
+    assert mode == 0o666 & ~umask == (tmp_path / "model.onnx").stat().st_mode & 0o777, oct(mode)
+    assert os.umask(previous) == previous  # the save set the umask back
 
 
 def test_flipped_byte_in_data_is_refused(mlp_artifacts, tmp_path):

@@ -1,6 +1,8 @@
 """LoRA adapters: gradients against float64 finite differences, frozen weights, export merged into the weights
 (onnxruntime agrees with the training model), errors that name the weight, and federated rounds that exchange
 the adapters alone."""
+import os
+
 import numpy as np
 import onnx
 import pytest
@@ -250,9 +252,15 @@ def test_command_line_prepares_lora_and_exports_adapters_alone(tmp_path, capsys)
                                   "--lora-targets", "*.weight", "--requires-grad", "g")
     assert code == 0, err
     assert "LoRA adapters of rank 2 (alpha 4) on 2 weights (q.weight, head.weight), and g" in out
-    code, out, err = odtrain_main(capsys, "export", tmp_path / "a", "-o", tmp_path / "adapters.safetensors",
-                                  "--adapters-only")
+    previous = os.umask(0o022)
+    try:
+        code, out, err = odtrain_main(capsys, "export", tmp_path / "a", "-o", tmp_path / "adapters.safetensors",
+                                      "--adapters-only")
+    finally:
+        os.umask(previous)
     assert code == 0, err
+    # readable by another account or service, as the ONNX files are (safetensors' own writer gives 0600)
+    assert (tmp_path / "adapters.safetensors").stat().st_mode & 0o777 == 0o644
     tensors = safetensors.numpy.load_file(str(tmp_path / "adapters.safetensors"))
     assert sorted(tensors) == sorted(["g"] + [f"{w}.lora_{m}" for w in ("q.weight", "head.weight") for m in "AB"])
     with safe_open(str(tmp_path / "adapters.safetensors"), "np") as handle:
