@@ -15,7 +15,7 @@ import os
 import sys
 
 from .artifact_paths import ArtifactPaths, refuse_a_model
-from .graph.errors import ArgumentError, ArtifactNotFoundError, OdtrainError
+from .graph.errors import ArgumentError, ArtifactNotFoundError, OdtrainError, UnsupportedOpError
 from .allocation import format_bytes
 from .graph.frozen import FROZEN_DTYPES, frozen_bytes
 from .graph.optimizers import STATE_DTYPES
@@ -180,7 +180,13 @@ def _check(args) -> int:
         return 0
     if not args.model:
         raise ArgumentError("name a model to check (odtrain check MODEL.onnx), or list the supported ops with --ops")
-    graph = load_graph(args.model, "model")
+    try:
+        graph = load_graph(args.model, "model")
+    except UnsupportedOpError as error:  # ops of a foreign domain: untrainable (1), as an op without a kernel is
+        if args.json:
+            _print_json({"model": args.model, "trainable": False, "error": str(error)})
+        print(f"odtrain check: error: {error}", file=sys.stderr)
+        return 1
     choices = _training_choices(graph, args)
     trainable, frozen, loss_inputs = choices["requires_grad"], choices["frozen_params"], choices["loss_input_names"]
     no_kernel, no_gradient = missing_support(graph, trainable, loss_inputs)

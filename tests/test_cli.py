@@ -165,6 +165,26 @@ def test_check_names_the_nodes_without_kernel_or_gradient(here, capsys):
     assert code == 0 and not err and "80 trainable in 1 tensor (w2); 512 frozen" in out
 
 
+def test_check_exits_1_for_every_untrainable_model_as_the_docstring_says(here, capsys):
+    """A foreign op and an op without a gradient rule both make a model untrainable: exit 1, not 2 (a user error)."""
+    _model_with(here / "foreign.onnx", ["Relu"])
+    model = onnx.load(str(here / "foreign.onnx"))
+    model.graph.node[1].domain = "com.example"
+    model.opset_import.append(helper.make_opsetid("com.example", 1))
+    onnx.save(model, str(here / "foreign.onnx"))
+    code, _, err = odtrain_main(capsys, "check", "foreign.onnx")
+    assert code == 1 and "com.example" in one_line(err) and "relu_0" in err
+    code, out, _ = odtrain_main(capsys, "check", "foreign.onnx", "--json")
+    assert code == 1 and json.loads(out)["trainable"] is False
+    no_gradient = next(op for op in ("Sign", "Floor", "Ceil", "Round")
+                       if ("", op) in OPS and OPS[("", op)].gradient is None)
+    _model_with(here / "step.onnx", [no_gradient])
+    assert odtrain_main(capsys, "check", "step.onnx")[0] == 1
+    assert "1 when `check` finds\nthe model untrainable" in cli.__doc__
+    code, _, err = odtrain_main(capsys, "check", "absent.onnx")
+    assert code == 2, err  # a model that is not there is the user's error, not an untrainable model
+
+
 def test_check_s_choice_and_walk_are_in_the_python_api(here):
     """What check and prepare decide, odtrain.artifacts offers on a loaded graph."""
     from odtrain.artifacts import choose_parameters, missing_support
