@@ -5,7 +5,8 @@ artifacts), train (odtrain.training.fit), eval, export (the inference model), in
 training step at a batch size holds, odtrain.memory), profile (where its time goes, odtrain.profile).
 
 Exit code 0 on success; on a user error, one line on stderr and exit code 2; 1 when `check` finds
-the model untrainable; 130 (SIGINT) or 143 (SIGTERM) when training stopped after saving.
+the model untrainable; 130 (SIGINT) or 143 (SIGTERM) when training stopped after saving; 141, silently,
+when the reader of its output left (`| head`).
 """
 from __future__ import annotations
 
@@ -868,7 +869,12 @@ def main(argv=None) -> int:
               f"no faster than --threads {cores}")
     try:
         with process_default(threads):
-            return args.handler(args)
+            code = args.handler(args)
+        sys.stdout.flush()  # a reader that left shows here, not in the interpreter's last flush
+        return code
+    except BrokenPipeError:  # stdout's reader left (`odtrain inspect DIR --json | head`): stop quietly, as cat does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+        return 141  # 128 + SIGPIPE, what a shell reports for a writer the closed pipe stopped
     except OdtrainError as error:
         message = str(error).replace("\n", " ")
         print(f"odtrain {args.command}: error: {message}", file=sys.stderr)
