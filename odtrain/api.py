@@ -298,6 +298,7 @@ class _GraphSession:
         from .executor import ExecutableStep  # noqa: F401  (kernels load with the first session)
 
         self.uri = os.fspath(uri)
+        self.what = what
         self.library = kernel_library.find(os.path.dirname(os.path.abspath(self.uri)))  # None: the JIT's kernels
         self.graph = load_graph(uri, what)
         check_supported(self.graph.nodes, f"{what} '{self.uri}'")
@@ -425,6 +426,8 @@ class _GraphSession:
                 plan.run(arrays)
             except NonFiniteError as error:
                 raise NonFiniteError(f"step {self.steps + 1}: {error}") from None
+            except InputError as error:  # a kernel stopped on the data: name the label when it is one
+                raise self._label_error(arrays) or error from None
             self.steps += 1
             if self.with_gradients and plan.random_streams:
                 self.state._random[1] += 1
@@ -439,6 +442,35 @@ class _GraphSession:
                                      "values; lower the learning rate or check the data")
         outputs = [plan.output(name) for name in self.output_names]
         return outputs[0] if len(outputs) == 1 else outputs
+
+
+    def _label_error(self, arrays) -> InputError | None:
+        """The error naming the model, the sample, its label and the class count, when an integer input holds a
+        label outside the cross-entropy's classes (what its kernel stopped on); else None. Looked for only after
+        a step failed, so a step pays nothing for it."""
+        from .graph.losses import cross_entropy_classes, cross_entropy_layout
+
+        classes, layout = cross_entropy_classes(self.graph), cross_entropy_layout(self.graph)
+        if classes is None or layout is None:
+            return None
+        ignore_index = layout[1]
+        for name, labels in zip(self.input_names, arrays):
+            if labels.dtype.kind not in "iu" or labels.ndim == 0:
+                continue
+            outside = (labels < 0) | (labels >= classes)
+            if ignore_index is not None:
+                outside &= labels != ignore_index
+            if outside.any():
+                where = tuple(int(i) for i in np.argwhere(outside)[0])
+                position = f"sample {where[0]}" + (f" (position {', '.join(map(str, where[1:]))})"
+                                                   if len(where) > 1 else "")
+                ignored = f", nor the ignored label {ignore_index}" if ignore_index is not None else ""
+                loss = next(n for n in self.graph.nodes if n.op_type == "SoftmaxCrossEntropyLoss")
+                return InputError(f"{self.what} '{self.uri}': {loss.describe()}: input '{name}': {position} has "
+                                  f"label {labels[where]}, "
+                                  f"outside the model's {classes} classes [0, {classes}){ignored}; relabel the "
+                                  "data, or give a model with as many classes as the labels")
+        return None
 
 
 def _show(t: TensorType) -> str:

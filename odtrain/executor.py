@@ -220,6 +220,8 @@ class ExecutableStep:
                         self._stopped(failed)
         except FloatingPointError as error:
             raise NonFiniteError(f"{self.graph.name}: {error}") from None
+        except InputError:  # a library call's, already worded (_stopped)
+            raise
         except ValueError as error:  # a kernel's check on the data (e.g. a label out of range)
             raise InputError(f"{self.graph.name}: {error}; check the inputs' values") from None
 

@@ -126,16 +126,25 @@ def test_the_manifest_names_each_parallel_twins_serial_kernel(mlp_library):
     assert all(found[name] is None for name in found if name not in expected)
 
 
-def test_a_label_outside_the_classes_names_the_node(mlp_library):
-    with_library, _ = mlp_library
+@pytest.mark.parametrize("route", ["library", "jit"])
+def test_a_label_outside_the_classes_names_the_node(mlp_library, route):
+    """Through the library and through the JIT alike: the model, the node, the sample, the label and the class
+    count, each once (the CLI's check before training names the same)."""
+    folder = mlp_library[0] if route == "library" else mlp_library[1]
     _, meta, golden = reference_model("mlp")
-    state = CheckpointState.load_checkpoint(with_library / "checkpoint")
-    module = Module(with_library / "training_model.onnx", state, num_threads=1)
+    state = CheckpointState.load_checkpoint(folder / "checkpoint")
+    module = Module(folder / "training_model.onnx", state, num_threads=1)
+    assert (module.kernel_library is not None) == (route == "library")
     labels = golden["y"][0].copy()
     labels[3] = meta["classes"] + 5
-    with pytest.raises(InputError, match="a label is outside") as raised:
+    with pytest.raises(InputError) as raised:
         module(golden["x"][0], labels)
-    assert "node" in str(raised.value) and "SoftmaxCrossEntropyLoss" in str(raised.value)
+    message = str(raised.value)
+    assert "node" in message and "SoftmaxCrossEntropyLoss" in message
+    assert f"sample 3 has label {meta['classes'] + 5}, outside the model's {meta['classes']} classes" in message
+    model = str(folder / "training_model.onnx")
+    assert message.count(model) == 1 and message.count("SoftmaxCrossEntropyLoss") == 1, message
+    assert message.count("relabel") == 1 and "check the inputs' values" not in message, message
 
 
 def test_kernels_the_library_lacks_compile_through_numba_and_say_so_once(mlp_library, capsys):
