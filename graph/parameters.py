@@ -9,7 +9,9 @@
   - quantization: a scale or zero point of QuantizeLinear or DequantizeLinear (artifact
     generation freezes those of a frozen quantized weight with it);
   - a single value: exporters store exponents, epsilons, attention scales and mask fill
-    values as one-element initializers (the dynamo exporter's `val_N`, `zeros`);
+    values as one-element initializers (the dynamo exporter's `val_N`, `zeros`); one
+    element that a layer reads as its weights (a 1-channel BatchNormalization's scale and
+    bias: `WEIGHT_INPUTS`) is a parameter;
   - a table of the input's shape: combined with values computed from the input's shape
     (positions from Shape and Range) before it meets any data, such as rotary embeddings'
     `inv_freq`. Such an initializer describes positions, not the data.
@@ -47,6 +49,11 @@ SHAPE_TABLE = ("computed with positions from the input's shape before it meets t
                "rotary inv_freq); name it in requires_grad to train it")
 NO_GRADIENT = "no gradient reaches it from the loss (it feeds only comparisons, indices or integer values)"
 SHAPE_READERS = {("", "Shape"), ("", "Size")}
+# Inputs that hold a layer's weights whatever their size: one element there is a layer of one channel (a
+# 1-channel BatchNormalization's scale), a parameter, not an exporter's single value.
+WEIGHT_INPUTS = {("", "BatchNormalization"): (1, 2), ("", "InstanceNormalization"): (1, 2),
+                 ("", "LayerNormalization"): (1, 2), ("", "GroupNormalization"): (1, 2), ("", "Conv"): (1, 2),
+                 ("", "ConvTranspose"): (1, 2), ("", "Gemm"): (1, 2), ("", "MatMul"): (0, 1), ("", "PRelu"): (1,)}
 
 
 @dataclass
@@ -110,6 +117,12 @@ def _is_shape_table(name: str, consumers, data: set[str], shaped: set[str]) -> b
     return False
 
 
+def _is_weight(name: str, consumers) -> bool:
+    """Whether a node reads `name` as a layer's weights (WEIGHT_INPUTS)."""
+    return any(k in WEIGHT_INPUTS.get(node.key, ()) and i == name
+               for node in consumers.get(name, []) for k, i in enumerate(node.inputs))
+
+
 def default_selection(graph: Graph, frozen=()) -> Selection:
     """The trainable, state and left-out floating-point initializers of `graph` (see the module docstring)."""
     floating = [n for n, v in graph.initializers.items() if np.issubdtype(np.asarray(v).dtype, np.floating)]
@@ -124,7 +137,7 @@ def default_selection(graph: Graph, frozen=()) -> Selection:
             left_out[name] = CONFIGURING
         elif name in quantization:
             left_out[name] = QUANTIZATION
-        elif np.asarray(graph.initializers[name]).size == 1:
+        elif np.asarray(graph.initializers[name]).size == 1 and not _is_weight(name, consumers):
             left_out[name] = SINGLE_VALUE
         elif _is_shape_table(name, consumers, data, shaped):
             left_out[name] = SHAPE_TABLE

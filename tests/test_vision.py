@@ -494,6 +494,29 @@ GRADIENT_ORACLES = {"Dropout": test_dropout_trains_with_a_seeded_mask_and_evalua
 # ---- batch normalization: running statistics, eval mode, export ----------------------------------
 
 
+def test_a_one_channel_batch_normalization_trains_its_scale_and_bias(tmp_path):
+    """One channel makes the scale and bias one element each: they are still the layer's parameters, not the
+    single values (exponents, epsilons) exporters store as initializers, which stay constants."""
+    from odtrain.graph.onnx_io import load_graph
+    from odtrain.graph.parameters import SINGLE_VALUE, default_selection
+
+    nodes = [node("BatchNormalization", ["x", "scale", "bias", "mean", "var"], ["n"]), node("Pow", ["n", "two"], ["y"])]
+    model = make_model(nodes, {"scale": np.ones(1, np.float32), "bias": np.zeros(1, np.float32),
+                               "mean": np.zeros(1, np.float32), "var": np.ones(1, np.float32),
+                               "two": np.array([2.0], np.float32)},
+                       inputs=[("x", np.float32, ["batch", 1, 4, 4])], outputs=[("y", np.float32, ["batch", 1, 4, 4])])
+    onnx.save(model, tmp_path / "norm.onnx")
+    selection = default_selection(load_graph(str(tmp_path / "norm.onnx"), "model"))
+    assert selection.trainable == ["scale", "bias"] and sorted(selection.state) == ["mean", "var"]
+    assert selection.left_out == {"two": SINGLE_VALUE}
+    artifacts.generate_artifacts(model, loss=artifacts.LossType.MSELoss, optimizer=artifacts.OptimType.SGD,
+                                 artifact_directory=tmp_path / "art")
+    state = CheckpointState.load_checkpoint(tmp_path / "art" / "checkpoint")
+    module = Module(tmp_path / "art" / "training_model.onnx", state)
+    module(rand(3, 1, 4, 4), rand(3, 1, 4, 4))
+    assert all(np.abs(state.parameters[name].grad).max() > 0 for name in ("scale", "bias"))
+
+
 def test_running_statistics_update_in_place_as_pytorch(tmp_path):
     """running = 0.9·running + 0.1·batch statistic, with the unbiased variance; eval mode then uses them."""
     x = rand(6, 3, 4, 5, low=-2, high=3)
