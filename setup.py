@@ -12,9 +12,11 @@ are this step's build requirements too (setup_requires, which setuptools' backen
 The package, with its library, is then specific to this machine kind (the wheel says so).
 
 Skipped, with a line saying why, for an editable install, when ODTRAIN_BUILD_LIBRARY=0, or when the
-build fails (no C compiler, for one): the demo's kernels then compile through Numba on first use.
+build fails (no C compiler, for one): the demo's kernels then compile through Numba on first use. A
+library left in a reused build/ by an earlier install is removed first, so it is never packed instead.
 """
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -36,11 +38,13 @@ class BuildWithLibrary(build_py):
         super().run()
         if getattr(self, "editable_mode", False):
             return  # the sources stay where they are; `odtrain compile -o odtrain/data/kernels` builds it there
+        package = os.path.abspath(self.build_lib)
+        target = os.path.join(package, "odtrain", "data", "kernels")
+        # an earlier install's library in a reused build/ must not be packed when this one is not built
+        shutil.rmtree(target, ignore_errors=True)
         if os.environ.get(BUILD_SWITCH, "1").strip() == "0":
             print(f"odtrain: {BUILD_SWITCH}=0: the demo's kernel library is not built", file=sys.stderr)
             return
-        package = os.path.abspath(self.build_lib)
-        target = os.path.join(package, "odtrain", "data", "kernels")
         with tempfile.TemporaryDirectory(prefix="odtrain-build-cache-") as cache:
             paths = [package, *filter(None, [os.environ.get("PYTHONPATH")])]  # pip's build environment: kept
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), PYTHONDONTWRITEBYTECODE="1",
@@ -49,6 +53,7 @@ class BuildWithLibrary(build_py):
             try:
                 subprocess.run([sys.executable, "-c", BUILD, target], cwd=package, env=env, check=True)
             except (OSError, subprocess.CalledProcessError) as error:
+                shutil.rmtree(target, ignore_errors=True)  # nor what the failed build left
                 print(f"odtrain: the demo's kernel library was not built ({error}); `odtrain demo` compiles its "
                       "kernels through Numba on first use instead", file=sys.stderr)
 
