@@ -37,6 +37,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -69,6 +70,7 @@ def build(entries, out_dir, out=print, target: str | None = None, cpu: str | Non
     its own architecture, DEFAULT_CPU for another); returns the manifest. `object_only`: stop at the object
     (OBJECT_FILE and OBJECT_MANIFEST_FILE), with no C compiler."""
     target, cpu, features, compiler = build_target(target, cpu, object_only)
+    created = not os.path.exists(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     spec = {"entries": sorted(set(map(tuple, entries))), "target": target, "cpu": cpu, "features": features,
             "compiler": compiler}
@@ -81,8 +83,14 @@ def build(entries, out_dir, out=print, target: str | None = None, cpu: str | Non
             environment.pop("ODTRAIN_CACHE_DIR", None)
         try:
             started = time.perf_counter()
+            # its own session: Ctrl-C reaches this process alone, which stops the build (subprocess.run kills
+            # it) and says so in one line, instead of the build printing its traceback
             subprocess.run([sys.executable, "-m", "odtrain.kernel_build", spec_file.name, os.fspath(out_dir)],
-                           check=True, env=environment)
+                           check=True, env=environment, start_new_session=True)
+        except BaseException:
+            if created:  # no empty or half-built library folder left behind
+                shutil.rmtree(out_dir, ignore_errors=True)
+            raise
         finally:
             os.unlink(spec_file.name)
     made = os.path.join(out_dir, OBJECT_FILE if object_only else LIBRARY_FILE)
