@@ -22,7 +22,9 @@ The loop:
   parameters equal those of an uninterrupted run.
 - SIGINT (Ctrl-C) and SIGTERM stop the loop after the step in progress: the
   checkpoint is saved and the result says where it stopped. A second Ctrl-C
-  stops at once, leaving the last saved checkpoint.
+  stops at once, leaving the last saved checkpoint; so does a first one
+  before the run's first step has ended (its kernels may be compiling, and
+  nothing has changed yet).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import math
 import os
 import re
 import signal
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -252,17 +255,25 @@ class FitResult:
 
 
 class _StopRequests:
-    """SIGINT/SIGTERM set a flag that the loop reads between steps; a second SIGINT interrupts at once."""
+    """SIGINT/SIGTERM set a flag that the loop reads between steps; a second SIGINT interrupts at once, and so
+    does a first one while `at_once` (before the run's first step has ended: its kernels may be compiling for
+    minutes, and nothing has changed that a save would keep). `says` hears that a stop waits for the step."""
 
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool, says=None):
         self.enabled = enabled and threading.current_thread() is threading.main_thread()
         self.requested: str | None = None
         self.previous = {}
+        self.at_once = True
+        self.says = says
 
     def _handle(self, signum, frame):
-        if self.requested and signum == signal.SIGINT:
+        if signum == signal.SIGINT and (self.requested or self.at_once):
             raise KeyboardInterrupt
         self.requested = signal.Signals(signum).name
+        if self.says:
+            self.says(f"{self.requested}: stopping after the step in progress, then saving"
+                      + (" (Ctrl-C again stops at once, keeping the last saved checkpoint)"
+                         if signum == signal.SIGINT else ""))
 
     def __enter__(self):
         if self.enabled:
@@ -273,6 +284,15 @@ class _StopRequests:
     def __exit__(self, *exc):
         for signum, handler in self.previous.items():
             signal.signal(signum, handler)
+
+
+def _write_now(line: str) -> None:
+    """Write a line to stdout's descriptor: a signal handler must not print through sys.stdout, which it may have
+    interrupted inside a write (stdout without a descriptor, as under a capturing test, hears nothing)."""
+    try:
+        os.write(sys.stdout.fileno(), f"{line}\n".encode())
+    except (AttributeError, ValueError, OSError):
+        pass
 
 
 def _settings(properties, resume: bool, given: dict, checkpoint: str) -> dict:
@@ -370,7 +390,8 @@ def fit(artifacts, train, val=None, *, epochs: int | None = None, batch_size: in
         if resume:
             log(f"resuming at epoch {epoch + 1}, step {step_in_epoch} of {batches} (global step {global_step})")
     steps_this_call = 0
-    with _StopRequests(handle_signals) as stop:
+    says = _write_now if log else None
+    with _StopRequests(handle_signals, says) as stop:
         while epoch < epochs:
             module.train()
             order = epoch_order(seed, epoch, samples)
@@ -390,6 +411,7 @@ def fit(artifacts, train, val=None, *, epochs: int | None = None, batch_size: in
                                      "Lower the learning rate")
                 optimizer.step()
                 module.lazy_reset_grad()
+                stop.at_once = False  # from now on a stop saves this step first
                 count = len(batch[0])
                 step_in_epoch, global_step, steps_this_call = step_in_epoch + 1, global_step + 1, steps_this_call + 1
                 seen, loss_sum = seen + count, loss_sum + loss * count

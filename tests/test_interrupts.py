@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -68,3 +69,47 @@ def test_ctrl_c_during_compile_says_one_line_and_leaves_no_kernels_folder(tmp_pa
     time.sleep(0.2)
     assert not any(Path(f"/proc/{pid}").exists() and Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0]
                    != "Z" for pid in builders), "the build process is still running"
+
+
+@pytest.fixture()
+def digits_artifacts(tmp_path):
+    """The demo classifier's artifacts and 64 digits in train.npz, in tmp_path."""
+    import numpy as np
+    import onnx
+
+    from odtrain import cli
+    from odtrain.datasets import load_digits
+    from odtrain.demo import build_classifier
+
+    images, labels = load_digits()
+    np.savez(tmp_path / "train.npz", input=images[:64], labels=labels[:64])
+    onnx.save(build_classifier()[0], str(tmp_path / "mlp.onnx"))
+    assert cli.main(["prepare", str(tmp_path / "mlp.onnx"), "-o", str(tmp_path / "art")]) == 0
+    return tmp_path
+
+
+def test_ctrl_c_while_the_first_step_compiles_stops_at_once_and_saves_nothing(digits_artifacts, tmp_path):
+    """With an empty kernel cache the first step compiles its kernels (minutes on a small device). A Ctrl-C then
+    stops at once: nothing has changed that a save would keep, so the checkpoint stays as it was, rather than
+    the stop waiting for every kernel, then the step, then a save."""
+    checkpoint = digits_artifacts / "art" / "checkpoint"
+    before = checkpoint.read_bytes()
+    env = dict(_env(), ODTRAIN_CACHE_DIR=str(tmp_path / "empty-cache"))
+    env.pop("NUMBA_CACHE_DIR", None)
+    process = subprocess.Popen([sys.executable, "-m", "odtrain", "train", "art", "--data", "train.npz"],
+                               cwd=digits_artifacts, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(process.stderr.readline, "")), daemon=True)
+    reader.start()
+    _wait_for(lambda: any("compiling" in line for line in lines), process, "the first step compiled")
+    os.killpg(process.pid, signal.SIGINT)
+    out = process.stdout.read()  # to its end: the process closed it
+    process.wait(timeout=600)
+    reader.join(timeout=60)
+    err = "".join(lines)
+    assert process.returncode == 130, (out, err)
+    assert err.strip().splitlines()[-1] == "odtrain train: interrupted", err
+    assert "epoch 1/1" not in out and "stopped by SIGINT" not in err
+    assert checkpoint.read_bytes() == before
+
