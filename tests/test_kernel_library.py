@@ -443,6 +443,32 @@ def test_a_prepared_update_follows_its_arrays_and_scalars(mlp_library):
     assert len(library._prepared) == 3
 
 
+def test_a_prepared_call_is_not_reused_for_a_view_of_other_strides_or_dtype(mlp_library):
+    """A view at the same address and of the same shape as a prepared call's array, but with other strides or
+    another dtype, is another argument: the call is prepared for it anew (here: the library has no such
+    signature, so it is not run), never run on the packed layout of the first."""
+    from odtrain.kernels.optim import adamw_update
+
+    folder = str(mlp_library[0] / kernel_library.FOLDER)
+    library = KernelLibrary(folder)
+    rng = np.random.default_rng(2)
+    base = rng.standard_normal(2000).astype(np.float32)
+    gradient, first, second = (rng.standard_normal(1000).astype(np.float32) for _ in range(3))
+    second = np.abs(second)
+
+    def args(weights):  # the other arrays stay: only the weights' view changes
+        return (weights, gradient, first, second, 1e-2, 0.9, 0.999, 1e-8, 0.01, 1.0, True)
+
+    assert library.call(adamw_update, args(base[:1000]))  # prepared for a contiguous float32 view at base
+    for view in (base[::2][:1000], base[:1000].view(np.int32)):
+        assert view.__array_interface__["data"] == base.__array_interface__["data"] and view.shape == (1000,)
+        expected = KernelLibrary(folder).address(adamw_update, args(view)) is not None
+        before = base.copy()
+        assert library.call(adamw_update, args(view)) == expected, (view.strides, view.dtype)
+        if not expected:
+            np.testing.assert_array_equal(base, before)
+
+
 LANGUAGE_STEPS = OPEN_ARTIFACTS + """
 rng = np.random.default_rng(1)
 ids, labels = rng.integers(0, 7, (3, 5)), rng.integers(0, 7, (3, 5))
