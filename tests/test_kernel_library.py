@@ -112,6 +112,43 @@ def test_every_library_kernel_of_a_step_gives_its_jit_twins_bits(mlp_library, th
     assert checked <= used and len(checked) >= 8
 
 
+def test_kernels_taking_tuples_give_their_jit_twins_bits_through_a_library(tmp_path):
+    """A depthwise Conv's kernels take tuples (their geometry, taps and frames): records of several words each,
+    which the library's loader must rebuild item by item in order. Its training step, call by call, at 1 and 2
+    threads, against the JIT on the same memory."""
+    from onnx import helper
+
+    from odtrain import artifacts
+    from oracles import make_model
+
+    rng = np.random.default_rng(4)
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], group=4, pads=[1, 0, 1, 1], strides=[1, 2],
+                              dilations=[2, 1]),
+             helper.make_node("Relu", ["c"], ["y"])]
+    model = make_model(nodes, {"w": rng.standard_normal((4, 1, 3, 2)).astype(np.float32),
+                               "b": rng.standard_normal(4).astype(np.float32)},
+                       inputs=[("x", np.float32, ["batch", 4, 9, 11])], outputs=[("y", np.float32, ["batch", 4, 7, 6])])
+    folder = tmp_path / "depthwise"
+    artifacts.generate_artifacts(model, requires_grad=["w", "b"], loss=artifacts.LossType.MSELoss,
+                                 optimizer=artifacts.OptimType.SGD, artifact_directory=folder)
+    compile_artifacts(folder, batch_size=3, thread_counts=(1, 2), out=lambda line: None)
+    x = rng.standard_normal((3, 4, 9, 11)).astype(np.float32)
+    target = rng.standard_normal((3, 4, 7, 6)).astype(np.float32)
+    with_tuples = set()
+    for threads in (1, 2):
+        module = Module(folder / "training_model.onnx", CheckpointState.load_checkpoint(folder / "checkpoint"),
+                        num_threads=threads)
+        assert module.kernel_library is not None
+        module(x, target)
+        bound = next(iter(module._train.plans.values()))
+        for view, value in zip(bound.feed_views, [x, target]):
+            np.copyto(view, value)
+        _same_bits_call_by_call(module.kernel_library, bound.calls, threads)
+        with_tuples |= {kernel_name(kernel) for kernel, args in bound.calls
+                        if any(isinstance(a, tuple) for a in args)}
+    assert any("depthwise" in name for name in with_tuples), with_tuples
+
+
 def test_the_manifest_names_each_parallel_twins_serial_kernel(mlp_library):
     """From kernels/parts.py's table: the MLP at two threads runs its products and its update in parts."""
     from odtrain.kernels.parts import TWINS
