@@ -315,3 +315,80 @@ def test_fused_vocabulary_loss_reads_a_stored_head_as_the_unfused_product(kind, 
     reference, expected, _, _ = results[False]
     assert loss == pytest.approx(reference, rel=1e-6)
     np.testing.assert_allclose(grad, expected, rtol=0, atol=1e-6 * np.abs(expected).max())
+
+
+def _fused_loss_model(transposed: bool, ignore_index: int, loss_scale: float, rows: int, width: int, vocab: int,
+                      seed: int = 3):
+    """hidden = x · A (A trained), then ai.odtrain's LinearCrossEntropy(hidden, W, labels) (W trained, [V, H]
+    with transB=1 or [H, V]) times `loss_scale`: the fused op's backward sees a dLoss other than 1. The last
+    vocabulary column's weights are large: that column holds every row's largest logit, in the hundreds."""
+    rng = np.random.default_rng(seed)
+    a = (rng.standard_normal((width, width)) / 2).astype(np.float32)
+    w = rng.standard_normal((vocab, width)).astype(np.float32)
+    x = np.abs(rng.standard_normal((rows, width))).astype(np.float32) + 0.5
+    w[-1] = 60.0 * np.sign(np.abs(x).mean(axis=0) @ a + 1e-3)  # the last column's logit: the largest, ~hundreds
+    weight = w if transposed else np.ascontiguousarray(w.T)
+    nodes = [helper.make_node("MatMul", ["x", "a"], ["hidden"]),
+             helper.make_node("LinearCrossEntropy", ["hidden", "w", "labels"], ["unscaled"], domain="ai.odtrain",
+                              transB=int(transposed), reduction="mean", ignore_index=ignore_index),
+             helper.make_node("Mul", ["unscaled", "scale"], ["loss"])]
+    model = make_model(nodes, {"a": a, "w": weight, "scale": np.array(loss_scale, np.float32)},
+                       inputs=[("x", np.float32, [rows, width]), ("labels", np.int64, [rows])],
+                       outputs=[("loss", np.float32, [])])
+    model.opset_import.append(helper.make_opsetid("ai.odtrain", 1))
+    return model, x, a, w
+
+
+def _fused_loss_reference(x, a, w, labels, ignore_index, loss_scale):
+    """(loss, dA, dW [V, H]) in float64."""
+    x, a, w = (v.astype(np.float64) for v in (x, a, w))
+    hidden = x @ a
+    logits = hidden @ w.T
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    probabilities = np.exp(shifted) / np.exp(shifted).sum(axis=1, keepdims=True)
+    counted = labels != ignore_index
+    count = counted.sum()
+    rows = np.arange(len(labels))
+    losses = -np.log(probabilities[rows, np.where(counted, labels, 0)])
+    loss = loss_scale * losses[counted].sum() / count
+    dlogits = probabilities.copy()
+    dlogits[rows[counted], labels[counted]] -= 1
+    dlogits[~counted] = 0
+    dlogits *= loss_scale / count
+    return loss, x.T @ (dlogits @ w), dlogits.T @ hidden
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("transposed", [True, False])
+def test_fused_vocabulary_loss_against_float64_at_large_last_column_logits_ignore_index_0_and_a_scaled_loss(
+        threads, transposed, tmp_path, monkeypatch):
+    """LinearCrossEntropy on its own against float64: every row's largest logit (in the hundreds) in the last
+    vocabulary column (a row maximum that misses a column overflows exp to inf), labels 0 ignored
+    (`ignore_index=0`: a value that is falsy), the loss scaled by 0.37 after the op (a dLoss other than 1 reaches
+    both gradients). In chunks of 4 rows, serial and in parts of the vocabulary and the rows."""
+    import odtrain.threads as thread_policy
+    from odtrain.kernels import parts
+    from odtrain.kernels import training as loss_kernels
+
+    monkeypatch.setattr(loss_kernels, "CHUNK_MIN_ROWS", 4)
+    monkeypatch.setattr(loss_kernels, "CHUNK_BYTES", 0)
+    monkeypatch.setattr(parts, "MIN_PARALLEL_WORK", 0)
+    rows, width, vocab, scale = 11, 6, 9, 0.37
+    model, x, a, w = _fused_loss_model(transposed, 0, scale, rows, width, vocab)
+    labels = np.random.default_rng(5).integers(1, vocab, rows).astype(np.int64)
+    labels[[1, 4, 5]] = 0  # ignored
+    labels[[2, 7]] = vocab - 1  # the largest logit's own class
+    artifacts.generate_artifacts(model, requires_grad=["a", "w"], loss=None, optimizer=artifacts.OptimType.SGD,
+                                 artifact_directory=tmp_path)
+    thread_policy.set_num_threads(threads)
+    try:
+        state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+        module = Module(tmp_path / "training_model.onnx", state)
+        loss = float(module(x, labels))
+    finally:
+        thread_policy._process_default = None
+    expected, grad_a, grad_w = _fused_loss_reference(x, a, w, labels, 0, scale)
+    assert np.isfinite(loss) and loss == pytest.approx(expected, rel=1e-5)
+    np.testing.assert_allclose(state.parameters["a"].grad, grad_a, rtol=1e-4, atol=1e-5 * np.abs(grad_a).max())
+    grad = state.parameters["w"].grad if transposed else state.parameters["w"].grad.T
+    np.testing.assert_allclose(grad, grad_w, rtol=1e-4, atol=1e-5 * np.abs(grad_w).max())
