@@ -80,6 +80,26 @@ def test_dequantized_gather_reads_only_rows_exactly():
         np.testing.assert_array_equal(out, w64[indices].astype(np.float32))
 
 
+@pytest.mark.parametrize("kind", ["int8", "bfloat16"])
+def test_dequantized_gather_refuses_an_index_outside_the_rows_as_gather_does(kind):
+    """Indices in [-rows, rows) gather (a negative one counts from the end: -rows is row 0); rows itself and
+    -rows - 1 are outside, refused before any row outside the weight is read."""
+    values, scale, w64 = stored(kind, (50, 7), 0)
+    gather = BINDINGS[(ODTRAIN, "DequantizedGather")]
+
+    def run(indices):
+        out = np.full((len(indices), 7), np.nan, np.float32)
+        inputs = [values, np.array(indices, np.int64)] + ([scale] if scale is not None else [])
+        for kernel, args in gather(inputs, [out], axis=0):
+            kernel(*args)
+        return out
+
+    np.testing.assert_array_equal(run([-50, 49, -1]), w64[[0, 49, 49]].astype(np.float32))
+    for outside in (50, -51, 1000):
+        with pytest.raises(ValueError, match="outside the gathered axis"):
+            run([0, outside])
+
+
 def linear_model(rows=24, inner=40, outer=32):
     """y = P · Wᵀ (W [outer, inner] as exported nn.Linear: MatMul of a Transpose); loss = Σ y ⊙ R."""
     rng = np.random.default_rng(2)
