@@ -63,6 +63,57 @@ def test_the_optimizer_model_says_int8_and_the_checkpoint_keeps_codes_and_scales
                                moments["momentum0_absmax"].max(), rtol=1e-6)
 
 
+def test_int8_moments_convert_to_float32_each_through_its_own_code_map(tmp_path):
+    """Loading 8-bit moments as float32 gives each value its code map's value times its block's absmax: the
+    signed map for the first moment, the unsigned one for the second, which stays non-negative."""
+    from odtrain.kernels.optim import CODE_MAPS
+    from odtrain.state import moment_blocks
+
+    model, params = tiny_lm()
+    directory = artifacts_of(model, tmp_path, artifacts.AdamW(state_dtype="int8"), requires_grad=list(params))
+    state, module, optimizer = session(directory)
+    steps(module, optimizer, 3, batch())
+    CheckpointState.save_checkpoint(state, directory / "saved", include_optimizer_state=True)
+    codes = {key: value.copy() for key, value in state._optimizer.moments.items()}
+    as_float, _, _ = session(directory, "saved", state_dtype="float32")
+    starts, _ = moment_blocks(state._store.trainable_sizes(), 2048)
+    block_of = np.repeat(np.arange(starts.size - 1), np.diff(starts))
+    for index, name in enumerate(("momentum0", "momentum1")):
+        values = as_float._optimizer.moments[name]
+        expected = CODE_MAPS[index][codes[name]] * codes[name + "_absmax"][block_of]
+        np.testing.assert_array_equal(values, expected.astype(np.float32), err_msg=name)
+    assert (as_float._optimizer.moments["momentum1"] >= 0).all()
+    assert (as_float._optimizer.moments["momentum0"] < 0).any()  # a signed first moment: the maps differ here
+
+
+def test_an_8bit_step_keeps_each_block_s_largest_magnitude_whatever_its_sign():
+    """One adamw8_update on two blocks whose largest first moment is negative: the new absmax is the largest
+    |moment| of the block (float32 moments as the update computes them), and each stored moment decodes within
+    its code map's spacing of that value."""
+    from odtrain.kernels.optim import CODE_MAPS, CODE_TABLES, adamw8_update
+
+    rng = np.random.default_rng(6)
+    size = 64
+    starts = np.array([0, 32, 64], np.int64)
+    g = rng.standard_normal(size).astype(np.float32)
+    g[5], g[40] = -9.0, -7.0  # the largest gradients, negative: the largest first moments too
+    m_codes, v_codes = np.full(size, np.searchsorted(CODE_MAPS[0], 0.0), np.uint8), np.zeros(size, np.uint8)
+    m_absmax, v_absmax = np.zeros(2, np.float32), np.zeros(2, np.float32)
+    w = rng.standard_normal(size).astype(np.float32)
+    adamw8_update(w, g, m_codes, v_codes, m_absmax, v_absmax, CODE_MAPS, CODE_TABLES, starts, 1e-3, 0.9, 0.999,
+                  1e-8, 0.0, 1.0, True)
+    m, v = np.float32(0.1) * g, np.float32(0.001) * g * g  # from zero moments
+    for j in range(2):
+        block = slice(starts[j], starts[j + 1])
+        np.testing.assert_allclose(m_absmax[j], np.abs(m[block]).max(), rtol=1e-6)
+        np.testing.assert_allclose(v_absmax[j], v[block].max(), rtol=1e-6)
+        decoded_m = CODE_MAPS[0][m_codes[block]] * m_absmax[j]
+        decoded_v = CODE_MAPS[1][v_codes[block]] * v_absmax[j]
+        # nearest codes: the maps' gaps are at most 0.9/64 of the absmax (the signed map's top decade)
+        assert np.all(np.abs(decoded_m - m[block]) <= 0.9 / 128 * m_absmax[j] * 1.0001)
+        assert np.all(np.abs(decoded_v - v[block]) <= 0.9 / 128 * v_absmax[j] * 1.0001)
+
+
 def test_state_dtype_is_refused_where_an_optimizer_has_no_moments(tmp_path):
     model, params = tiny_lm()
     directory = artifacts_of(model, tmp_path, artifacts.OptimType.SGD, requires_grad=list(params))
