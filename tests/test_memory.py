@@ -2,6 +2,7 @@
 products, never random ones; impossible budgets say what works."""
 import re
 from collections import Counter
+from functools import partial
 
 import numpy as np
 import pytest
@@ -334,3 +335,131 @@ def test_a_dropout_that_passes_its_input_through_becomes_a_view(ratio, training,
         [("Identity", ["x"], ["y"]), ("Identity", ["dy"], ["dx"])] if inert else [(n.op_type, n.inputs, n.outputs)
                                                                                   for n in order])
     assert inert_dropouts(order, folded, {"mask"})[0].op_type == "Dropout"  # a mask the caller reads stays
+
+
+def _small_model(tmp_path, name, nodes, params, trained, out="out", frozen=()):
+    rng = np.random.default_rng(8)
+    model = make_model(nodes, params, inputs=[("x", np.float32, ["batch", WIDTH])],
+                       outputs=[(out, np.float32, ["batch", WIDTH])])
+    directory = tmp_path / name
+    artifacts.generate_artifacts(model, requires_grad=trained, frozen_params=list(frozen),
+                                 loss=artifacts.LossType.MSELoss, optimizer=artifacts.OptimType.SGD,
+                                 artifact_directory=directory)
+    x = rng.standard_normal((3, BATCH, WIDTH)).astype(np.float32)
+    y = rng.standard_normal((3, BATCH, WIDTH)).astype(np.float32)
+    return directory, x, y
+
+
+def _weights(*shapes, seed=9):
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32) for shape in shapes]
+
+
+@pytest.mark.parametrize("fraction", [None, 0.8])
+def test_a_dropout_whose_output_a_clone_reads_is_not_recomputed(tmp_path, fraction):
+    """Dropout's output is not itself saved here (an Add broadcasts it 4 times; a trained scale's gradient reads the
+    Add's output), so recomputing the Add's output, by default or under a budget, reads it again: as it is, never
+    from a second Dropout, which would draw another mask than the one the backward pass multiplies by."""
+    nodes, previous, trained = [], "x", []
+    params = {"axis": np.array([1], np.int64), "ratio": np.array(0.5, np.float32), "training": np.array(True)}
+    for layer in range(4):  # MatMul, Dropout, broadcast 4 times, scale, mean: the 4-times outputs dominate
+        params[f"w{layer}"], params[f"c{layer}"] = _weights((WIDTH, WIDTH), (4, WIDTH), seed=layer)
+        params[f"s{layer}"] = np.full(WIDTH, 0.5, np.float32)
+        nodes += [helper.make_node("MatMul", [previous, f"w{layer}"], [f"h{layer}"]),
+                  helper.make_node("Dropout", [f"h{layer}", "ratio", "training"], [f"d{layer}"], name=f"drop{layer}"),
+                  helper.make_node("Unsqueeze", [f"d{layer}", "axis"], [f"u{layer}"]),
+                  helper.make_node("Add", [f"u{layer}", f"c{layer}"], [f"a{layer}"]),
+                  helper.make_node("Mul", [f"a{layer}", f"s{layer}"], [f"m{layer}"]),
+                  helper.make_node("ReduceMean", [f"m{layer}", "axis"], [f"r{layer}"], keepdims=0)]
+        previous = f"r{layer}"
+        trained += [f"w{layer}", f"s{layer}"]
+    nodes.append(helper.make_node("Identity", [previous], ["out"]))
+    directory, x, y = _small_model(tmp_path, "dropout", nodes, params, trained)
+    losses, kept_params, kept = train_keeping_every_activation(directory, x, y)
+    options = {} if fraction is None else {"memory_budget": int(kept.plan.arena_bytes * fraction)}
+    other_losses, other_params, other = train(directory, x, y, **options)
+    assert other.recomputed > 0 and recomputed_ops(other)["Add"] > 0
+    assert recomputed_ops(other)["Dropout"] == 0
+    assert other_losses == losses
+    np.testing.assert_array_equal(other_params, kept_params)
+
+
+def test_a_clone_reads_a_random_op_s_output_as_it_is_even_when_nothing_keeps_it():
+    """`rewrite` with no activation kept (the every-k-th fallback of a tight budget keeps only the saved random
+    outputs; a Dropout's output read only by forward nodes is not one): the Add recomputed for the backward pass
+    reads the Dropout's output itself; the Dropout is never run a second time (another mask)."""
+    forward = [Node("MatMul", ["x", "w"], ["h"], {}, "product"),
+               Node("Dropout", ["h", "ratio", "training"], ["d", "mask"], {}, "drop"),
+               Node("Add", ["d", "c"], ["a"], {}, "add"), Node("Mul", ["a", "s"], ["m"], {}, "scale")]
+    backward = [Node("Mul", ["dm", "a"], ["ds_parts"], {}, "scale_grad"),
+                Node("DropoutGrad", ["dd", "mask", "ratio", "training"], ["dh"], {}, "drop_grad", "ai.odtrain")]
+    order = forward + backward
+    rewritten = recompute.rewrite(order, {id(n) for n in backward}, set(), {"h", "d", "mask", "a", "m"})
+    clones = [n for n in rewritten if n.name.endswith(RECOMPUTE_SUFFIX)]
+    assert [n.op_type for n in clones] == ["Add"] and clones[0].inputs == ["d", "c"], clones
+    (grad,) = [n for n in rewritten if n.name == "scale_grad"]
+    assert grad.inputs == ["dm", clones[0].outputs[0]]
+
+
+def test_a_lora_sized_product_is_not_recomputed_by_default(tmp_path):
+    """A rank-4 adapter's second product costs 8 multiply-adds per output element, as cheap by that count as an
+    elementwise op, and its input is 16 times smaller than its output; it is still a product (a kernel that
+    reads a weight panel by panel), which the default recomputation leaves to a budget."""
+    w, a, b = _weights((WIDTH, WIDTH), (WIDTH, 4), (4, WIDTH))
+    nodes = [helper.make_node("MatMul", ["x", "a"], ["u"]), helper.make_node("MatMul", ["u", "b"], ["v"]),
+             helper.make_node("Mul", ["v", "s"], ["scaled"]), helper.make_node("MatMul", ["x", "w"], ["base"]),
+             helper.make_node("Add", ["base", "scaled"], ["out"])]
+    params = {"w": w, "a": a, "b": b, "s": np.full(WIDTH, 0.5, np.float32)}
+    directory, x, y = _small_model(tmp_path, "lora", nodes, params, ["a", "b", "s"])
+    losses, kept_params, _ = train_keeping_every_activation(directory, x, y)
+    default_losses, default_params, default = train(directory, x, y)
+    assert recomputed_ops(default)["MatMul"] == 0, recomputed_ops(default)
+    assert default_losses == losses
+    np.testing.assert_array_equal(default_params, kept_params)
+
+
+def test_a_recomputed_batch_normalization_updates_its_running_statistics_once_a_step(tmp_path):
+    """BatchNormalization's output, read by a trained scale's gradient, is recomputed under a budget from its
+    input (a cheap norm, kept for its own gradient); the clone must not move the running statistics a second time: after 3 steps they equal
+    those of the run that keeps every activation, and (first layer, whose input does not train) PyTorch's
+    momentum update from the batches' statistics."""
+    nodes, params, previous, trained, frozen = [], {}, "x", [], []
+    for layer in range(3):
+        (params[f"w{layer}"],) = _weights((WIDTH, WIDTH), seed=layer)
+        params.update({f"gamma{layer}": np.ones(WIDTH, np.float32), f"beta{layer}": np.zeros(WIDTH, np.float32),
+                       f"mean{layer}": np.zeros(WIDTH, np.float32), f"var{layer}": np.ones(WIDTH, np.float32),
+                       f"s{layer}": np.full(WIDTH, 0.5, np.float32)})
+        nodes += [helper.make_node("MatMul", [previous, f"w{layer}"], [f"h{layer}"]),
+                  helper.make_node("BatchNormalization", [f"h{layer}", f"gamma{layer}", f"beta{layer}",
+                                                          f"mean{layer}", f"var{layer}"],
+                                   [f"n{layer}", f"mean_out{layer}", f"var_out{layer}"],
+                                   momentum=0.9, training_mode=1, name=f"norm{layer}"),
+                  helper.make_node("Mul", [f"n{layer}", f"s{layer}"], [f"m{layer}"])]
+        previous = f"m{layer}"
+        trained += [f"gamma{layer}", f"beta{layer}", f"s{layer}"]
+        frozen += [f"w{layer}", f"mean{layer}", f"var{layer}"]
+    nodes.append(helper.make_node("Identity", [previous], ["out"]))
+    directory, x, y = _small_model(tmp_path, "norm", nodes, params, trained, frozen=frozen)
+    statistics = [name for name in frozen if not name.startswith("w")]
+
+    def run(train_with):
+        states = []
+        original = CheckpointState.load_checkpoint.__func__
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(CheckpointState, "load_checkpoint",
+                          classmethod(lambda cls, path: states.append(original(cls, path)) or states[-1]))
+            _, _, bound = train_with(directory, x, y)
+        return bound, {k: states[0].parameters[k].data.copy() for k in statistics}
+
+    kept, kept_stats = run(train_keeping_every_activation)
+    default, default_stats = run(partial(train, memory_budget=int(kept.plan.arena_bytes * 0.9)))
+    assert kept.recomputed == 0 and recomputed_ops(default)["BatchNormalization"] > 0, recomputed_ops(default)
+    for key in statistics:
+        np.testing.assert_array_equal(default_stats[key], kept_stats[key], err_msg=key)
+    mean, var = np.zeros(WIDTH), np.ones(WIDTH)
+    for step in range(len(x)):  # the first layer's input and weight do not train
+        h = x[step].astype(np.float64) @ params["w0"]
+        mean = 0.9 * mean + 0.1 * h.mean(axis=0)
+        var = 0.9 * var + 0.1 * h.var(axis=0, ddof=1)
+    np.testing.assert_allclose(default_stats["mean0"], mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(default_stats["var0"], var, rtol=1e-5, atol=1e-6)
