@@ -86,3 +86,37 @@ def test_a_reversing_constant_slice_folds_whole():
     expected = reference_outputs(model, {"x": x})[0]
     np.testing.assert_array_equal(InferenceSession(model).run(None, {"x": x})[0], expected)
     assert expected[0, 0] == 5
+
+
+def _dft(x, out_shape, length=None, **attrs):
+    """odtrain's DFT kernel on x (its binding, as a step calls it; float64 arrays: numpy's precision)."""
+    from odtrain.kernels import BINDINGS, SCRATCH
+
+    inputs = [x] + ([np.array(length, np.int64)] if length is not None else [])
+    out = np.full(out_shape, np.nan, x.dtype)
+    scratch = np.zeros(SCRATCH[("", "DFT")]([(x.shape, x.dtype)], [(out.shape, out.dtype)]), np.uint8)
+    for kernel, args in BINDINGS[("", "DFT")](inputs, [out], scratch=scratch, **attrs):
+        kernel(*args)
+    return out
+
+
+def _complex(x):
+    return x[..., 0] + 1j * x[..., 1]
+
+
+@pytest.mark.parametrize("length", [7, 8, 12])
+def test_an_inverse_dft_longer_than_its_input_is_numpys_zero_padded_ifft(length):
+    """dft_length beyond the input's rows: the input counts as zero-padded to it (numpy.fft.ifft(x, n))."""
+    x = _rng.standard_normal((2, 5, 3, 2))
+    out = _dft(x, (2, length, 3, 2), length, axis=1, inverse=1)
+    np.testing.assert_allclose(_complex(out), np.fft.ifft(_complex(x), n=length, axis=1), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("length", [7, 8, 9, 10])
+def test_the_one_sided_inverse_dft_is_numpys_irfft_at_odd_and_even_lengths(length):
+    """onesided=1, inverse=1 reads the length // 2 + 1 bins of a symmetric spectrum and gives length real samples;
+    at an odd length there is no Nyquist bin: every bin but the zeroth counts twice."""
+    bins = length // 2 + 1
+    x = _rng.standard_normal((2, bins, 2))
+    out = _dft(x, (2, length, 1), length, axis=1, inverse=1, onesided=1)
+    np.testing.assert_allclose(out[..., 0], np.fft.irfft(_complex(x), n=length, axis=1), rtol=1e-12, atol=1e-12)
