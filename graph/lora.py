@@ -59,13 +59,16 @@ def matrices(graph: Graph) -> list[str]:
 def reading_nodes(graph: Graph, names) -> dict[str, list[str]]:
     """For each weight name: the names and module paths (Node.scope) of the nodes that read it, directly or
     through a Transpose, so that a weight the exporter renamed, such as the dynamo exporter's `val_N`, is
-    found by its layer ('/model/layers.0/self_attn/q_proj/MatMul', 'model.layers.0.self_attn.q_proj/linear')."""
+    found by its layer ('/model/layers.0/self_attn/q_proj/MatMul', 'model.layers.0.self_attn.q_proj/linear',
+    'model.layers.0.self_attn.q_proj')."""
     consumers = graph.consumers()
     found = {}
     for name in names:
         direct = consumers.get(name, [])
         nodes = direct + [r for n in direct if n.key == ("", "Transpose") for r in consumers.get(n.outputs[0], [])]
-        found[name] = [n.name for n in nodes] + [n.scope for n in nodes if n.scope]
+        # a scope is 'module path/op': the module path alone names the layer too, as PyTorch names it
+        found[name] = ([n.name for n in nodes] + [n.scope for n in nodes if n.scope]
+                       + [n.scope.rsplit("/", 1)[0] for n in nodes if "/" in n.scope])
     return found
 
 

@@ -162,6 +162,12 @@ def test_targets_name_a_weight_or_the_node_that_reads_it(reader, tmp_path):
         model = read_model_proto(str(tmp_path / "model.onnx"), "model")[0]
     graph = graph_from_proto(model, "model")
     assert target_weights(graph, artifacts.LoraConfig(2, 4.0, ["*q_proj*"])) == ["val_1"]
+    # the exact module path, as PyTorch names the layer (model.get_submodule), and the path with its op
+    assert target_weights(graph, artifacts.LoraConfig(2, 4.0, ["model.layers.0.self_attn.q_proj"])) == ["val_1"]
+    assert target_weights(graph, artifacts.LoraConfig(2, 4.0, ["*.q_proj"])) == ["val_1"]
+    assert target_weights(graph, artifacts.LoraConfig(2, 4.0, ["model.layers.0.self_attn.q_proj/linear"])) == ["val_1"]
+    with pytest.raises(ArgumentError):
+        target_weights(graph, artifacts.LoraConfig(2, 4.0, ["model.layers.0.self_attn"]))  # its parent: no layer
     assert target_weights(graph, artifacts.LoraConfig(2, 4.0, ["*v_proj/MatMul"])) == ["val_2"]
     assert target_weights(graph, artifacts.LoraConfig(2, 4.0, ["val_*"])) == ["val_1", "val_2"]
     with pytest.raises(ArgumentError) as refused:
