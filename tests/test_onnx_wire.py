@@ -450,6 +450,35 @@ def test_external_data_outside_its_file_is_refused(tmp_path, entry, value, reaso
         onnx_io.read_graph(str(path))
 
 
+def test_external_tensors_of_mixed_element_sizes_read_whole_and_aligned(tmp_path):
+    """One `.data` file of an int8, an int64, a float16 and a float32 tensor back to back: offsets 0, 4, 20 and 26;
+    the int64's a multiple of 4, not of 8, the float32's a multiple of 2, not of 4. Each reads as written, aligned
+    for its element type (the kernels, and a kernel library's signatures, take aligned arrays)."""
+    values = {"i8": np.array([-3, 7, 127, 0], np.int8), "i64": np.array([2 ** 40 + 3, -5], np.int64),
+              "f16": np.linspace(-1, 1, 3).astype(np.float16), "f32": np.arange(6, dtype=np.float32).reshape(2, 3) / 7}
+    blob, tensors = b"", []
+    for name, array in values.items():
+        tensor = numpy_helper.from_array(array, name)
+        tensor.ClearField("raw_data")
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+        for key, text in (("location", "m.onnx.data"), ("offset", str(len(blob))), ("length", str(array.nbytes))):
+            tensor.external_data.add(key=key, value=text)
+        blob += array.astype(array.dtype.newbyteorder("<")).tobytes()
+        tensors.append(tensor)
+    assert [int(t.external_data[1].value) for t in tensors] == [0, 4, 20, 26]
+    (tmp_path / "m.onnx.data").write_bytes(blob)
+    nodes = [helper.make_node("Identity", [name], [f"{name}_out"]) for name in values]
+    graph = helper.make_graph(nodes, "g", [], [helper.make_empty_tensor_value_info(f"{n}_out") for n in values],
+                              tensors)
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
+    read, _ = onnx_io.read_graph(str(path))
+    for name, array in values.items():
+        got = read.initializers[name]
+        assert got.dtype == array.dtype and got.flags.aligned, (name, got.dtype, got.flags.aligned)
+        np.testing.assert_array_equal(got, array, err_msg=name)
+
+
 READ_PEAK = """
 import sys
 from odtrain.graph import onnx_io
