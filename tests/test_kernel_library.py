@@ -64,6 +64,27 @@ def test_a_step_through_the_library_gives_the_jits_bits(mlp_library, threads):
     assert np.array_equal(weights, jit_weights)
 
 
+@pytest.mark.parametrize("threads", [2, 3, 5])
+def test_a_step_in_parts_gives_the_jits_bits_as_many_parts_as_threads_or_more(mlp_library, threads, monkeypatch):
+    """Bound for 2, 3 or 5 parts and run on this machine's threads (2 here: the neighbours' load set aside, so
+    that the parts always run in parallel): the library's parallel schedule deals one part to each thread, or
+    several, unevenly, and every part must run once. Three whole steps against the JIT's at the same parts
+    (every kernel that has a parallel twin runs it, even for this small model)."""
+    import odtrain.threads as thread_policy
+    from odtrain.kernels import parts
+
+    monkeypatch.setattr(parts, "MIN_PARALLEL_WORK", 0)
+    enter = thread_policy.NEIGHBOURS.enter  # counted as ever (leave() uncounts it), its answer set aside
+    monkeypatch.setattr(thread_policy.NEIGHBOURS, "enter", lambda count: enter(count) and count)
+    with_library, without = mlp_library
+    library_module, library_losses, library_state = train(with_library, threads)
+    jit_module, jit_losses, jit_state = train(without, threads)
+    bound = next(iter(library_module._train.plans.values()))
+    assert any(kernel_name(kernel) and kernel_name(kernel).endswith("_parts") for kernel, _ in bound.calls)
+    assert library_losses == jit_losses
+    np.testing.assert_array_equal(library_state, jit_state)
+
+
 def _bases(arrays):
     """The distinct buffers that the arrays view."""
     found = {}
