@@ -741,7 +741,7 @@ def _add_training_commands(commands) -> None:
     train.add_argument("--checkpoint-every", type=int, metavar="STEPS", help="also save every STEPS steps "
                        "(default: at each epoch's end only)")
     train.add_argument("--resume", action="store_true", help="continue the run stored in the checkpoint")
-    train.add_argument("--seed", type=int, help="seed of the batch order (default: 0)")
+    train.add_argument("--seed", type=int, help="seed of the batch order and of Dropout's masks (default: 0)")
     train.add_argument("--memory-budget", type=_byte_size, metavar="BYTES",
                        help="cap each training step's arena (e.g. 40MB), recomputing activations in the backward "
                        "pass; fails before training, naming the smallest budget that works, if none fits")

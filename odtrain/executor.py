@@ -10,7 +10,11 @@ outside the arena, the memory plan); the executor only lays out and binds:
   other value is a view of the arena at its planned offset;
 - the arena is allocated only if the machine can hold it (`odtrain.allocation`:
   else a MemoryBudgetError, before any work, says what memory_budget would fit);
-- each node's kernel binding turns it into (kernel, args) calls on views.
+- each node's kernel binding turns it into (kernel, args) calls on views;
+  a random op (Dropout) also gets a one-int64 stream that `seed_random` sets
+  before each step from the run's seed, the node and the steps that drew
+  before, so each node draws its own masks, reproducibly, across plans and
+  resumed runs.
 A step copies the feeds into their arena slots and runs the calls: no
 lookups, no allocation. With a kernel library (odtrain/kernel_library.py) the calls it holds run
 in it, a run of them in one foreign call with their arguments packed once (`Program`); the others,
