@@ -205,6 +205,33 @@ def test_a_label_outside_the_classes_names_the_node(mlp_library, route):
     assert message.count("relabel") == 1 and "check the inputs' values" not in message, message
 
 
+def test_a_library_kernel_stopped_on_its_data_is_worded_once(tmp_path):
+    """An index outside an embedding, through a kernel library: the graph, the node and the advice once each
+    (the library's error is not wrapped again as the JIT's ValueError is)."""
+    from onnx import helper
+
+    from odtrain import artifacts
+    from oracles import make_model
+
+    embed = np.random.default_rng(3).standard_normal((10, 4)).astype(np.float32)
+    model = make_model([helper.make_node("Gather", ["embed", "ids"], ["out"], name="lookup")], {"embed": embed},
+                       inputs=[("ids", np.int64, ["batch", 3])], outputs=[("out", np.float32, ["batch", 3, 4])])
+    folder = tmp_path / "embedding"
+    artifacts.generate_artifacts(model, requires_grad=["embed"], loss=artifacts.LossType.MSELoss,
+                                 optimizer=artifacts.OptimType.SGD, artifact_directory=folder)
+    compile_artifacts(folder, batch_size=2, thread_counts=(1,), out=lambda line: None)
+    module = Module(folder / "training_model.onnx", CheckpointState.load_checkpoint(folder / "checkpoint"),
+                    num_threads=1)
+    assert module.kernel_library is not None
+    ids = np.array([[1, 2, 3], [4, 10, 5]], np.int64)
+    with pytest.raises(InputError) as raised:
+        module(ids, np.zeros((2, 3, 4), np.float32))
+    message = str(raised.value)
+    graph = module.graph(training=True).name
+    assert "lookup" in message and message.count("check the inputs' values") == 1, message
+    assert message.count(f"{graph}:") == 1, message
+
+
 def test_kernels_the_library_lacks_compile_through_numba_and_say_so_once(mlp_library, capsys):
     with_library, _ = mlp_library
     library = KernelLibrary(str(with_library / kernel_library.FOLDER))
