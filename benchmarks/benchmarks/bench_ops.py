@@ -209,8 +209,9 @@ VOCABULARY = {"rows": 8 * 128, "width": 256, "classes": 4096}  # make_models.py 
 
 
 class VocabularyLossOps:
-    """LinearCrossEntropy (hidden [tokens, H] times lm_head [V, H]ᵀ, scored against labels) and its gradient,
-    bound alone at the benchmark decoder's shape; track_ reports the chunk of logits the node holds."""
+    """LinearCrossEntropy (hidden [tokens, H] times lm_head [V, H]ᵀ, scored against labels) and
+    LinearCrossEntropyGrad (the weight's gradient), bound alone at the benchmark decoder's shape; track_ reports
+    the scratch the node holds (its chunk of logits)."""
 
     params = [["LinearCrossEntropy", "LinearCrossEntropyGrad"], THREADS]
     param_names = ["op", "threads"]
@@ -225,11 +226,11 @@ class VocabularyLossOps:
                 "labels": rng.integers(0, classes, rows).astype(np.int64)}
         inputs = ["hidden", "weight", "labels"]
         outputs = ["loss"]
-        if op.endswith("Grad"):
+        if op.endswith("Grad"):  # the weight's gradient alone, each chunk's logits formed again (graph/ops/training.py)
             held["dloss"] = np.ones((), np.float32)
-            inputs, outputs = ["dloss"] + inputs, ["dhidden", "dweight"]
+            inputs, outputs = ["dloss"] + inputs, ["dweight"]
         types = {name: TensorType(value.dtype, value.shape) for name, value in held.items()}
-        types.update(loss=TensorType(np.dtype(np.float32), ()), dhidden=types["hidden"], dweight=types["weight"])
+        types.update(loss=TensorType(np.dtype(np.float32), ()), dweight=types["weight"])
         node = Node(op, inputs, outputs, {"transB": 1, "reduction": "mean"}, op, ODTRAIN_DOMAIN)
         self.bound = _warm_node_step(node, held, types, threads)
 
