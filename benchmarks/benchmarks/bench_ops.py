@@ -91,7 +91,8 @@ CASES = {
 def training_step(name: str):
     """(module, optimizer, bound training step) of a reference model at its batch size (meta.json)."""
     module, optimizer = common.open_training(common.artifacts(name))
-    return module, optimizer, module.executable_step_at(common.meta(name)["input_shape"][0])
+    shape = common.meta(name)["input_shape"]  # MobileNetV2's file leaves its square image's size symbolic
+    return module, optimizer, module.executable_step_at(shape[0], sequence_length=shape[-1] if len(shape) == 4 else None)
 
 
 @functools.lru_cache(maxsize=None)
