@@ -144,7 +144,8 @@ def prepare_api(args, pkg):
         from odtrain.kernel_build import compile_artifacts
 
         t = time.perf_counter()
-        compile_artifacts(args.artifacts, batch_size=meta["input_shape"][0], out=lambda line: print(line, file=sys.stderr))
+        compile_artifacts(args.artifacts, batch_size=meta["input_shape"][0], input_shapes={meta["input_name"]: meta["input_shape"]},
+                          out=lambda line: print(line, file=sys.stderr))
         print(f"library built in {time.perf_counter() - t:.1f} s", file=sys.stderr)
     for f in Path(args.artifacts).glob("*.onnx") if is_ort else ():
         m = onnx.load(str(f))

@@ -197,7 +197,8 @@ def float_memory(directory: Path) -> dict:
                                  requires_grad=meta["requires_grad"], frozen_params=meta["frozen_params"],
                                  loss=artifacts.LossType.CrossEntropyLoss, optimizer=artifacts.OptimType.AdamW,
                                  artifact_directory=directory)
-    report = odtrain.memory.from_artifacts(directory, batch_size=meta["input_shape"][0])
+    shape = meta["input_shape"]  # MobileNetV2's file leaves its square image's size symbolic
+    report = odtrain.memory.from_artifacts(directory, batch_size=shape[0], sequence_length=shape[-1])
     return {"frozen_bytes": report.frozen_parameter_bytes, "arena_bytes": report.arena_bytes}
 
 

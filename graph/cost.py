@@ -2,7 +2,8 @@
 
 Used to choose what to recompute under a memory budget (`graph/recompute.py`), where only the
 relative cost of nodes matters. The unit is the time a memory-bound loop takes to read or write
-one element. Every fact about an op comes from its registration (`graph/ops`, `@op(...)`):
+one element. Every fact about an op comes from its registration (`graph/ops`, `@op(...)`), except
+which gradient ops are products again (GRADIENT_PRODUCTS below, a table of this module):
 - Every op touches each element of its inputs and outputs once (inputs read for their shape
   only do not count), times its `passes` for ops that go over their data more than once
   (normalizations, softmax) or evaluate a transcendental function per element.
@@ -17,9 +18,10 @@ one element. Every fact about an op comes from its registration (`graph/ops`, `@
   `node_cost` does not.
 - Views (Reshape, Flatten, ...) cost nothing.
 Values without a static type count as one element. The constants come from timing each forward
-node of MobileNetV2, a ResNet-style CNN and a transformer encoder on one x86-64 core: most ops
-then take 0.05-0.3 ns per unit (Conv 0.13, BatchNormalization 0.05-0.07, Relu and Add 0.1-0.3,
-FusedMatMul 0.06); pooling and reductions over small outputs are slower (0.5-1.5).
+node of MobileNetV2, a ResNet-style CNN and a transformer encoder on one x86-64 core (`odtrain
+profile --threads 1`): with them most ops, products included, take about the same time per unit,
+within a small factor; pooling and reductions over small outputs are slower per unit, which only
+matters where they are cheap anyway.
 """
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 Two readers give the same plain data (`onnx_wire.ModelData`), from which one builder makes the IR:
 - A file odtrain saved is read by `onnx_wire`, which decodes the protobuf wire format itself: a
-  device that trains needs only these files, and `import onnx` would cost ~10 MiB of RSS and a
-  tenth of a second or more. Such files carry a metadata mark (SHAPES_INFERRED): their
+  device that trains needs only these files, and `import onnx` would add its op-schema registry
+  to the process's memory and start-up (`bench_memory.RuntimeFloor`). Such files carry a metadata mark (SHAPES_INFERRED): their
   value_info already holds ONNX's inferred types, so no shape inference runs.
 - Any other model (a ModelProto, a forward model from an exporter, a file with external data)
   goes through onnx, and ONNX shape inference runs first so that gradient rules can ask for
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 ODTRAIN_OPSET = 1
 # Metadata key of models odtrain wrote with ONNX's inferred types inside: loading them skips the
-# inference, which would give the same types and costs ~8 MiB (ONNX's op-schema registry) and time.
+# inference, which would give the same types and loads ONNX's op-schema registry.
 SHAPES_INFERRED = "odtrain.shapes_inferred"
 MIN_DEFAULT_OPSET = 9
 

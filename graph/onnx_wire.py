@@ -1,7 +1,7 @@
 """ONNX model files read without the onnx package: the protobuf wire format, decoded by hand.
 
-A device that trains reads only the models odtrain saved, and `import onnx` costs about 10 MiB of
-RSS and a tenth of a second (several times that on a Raspberry Pi). This module reads the parts
+A device that trains reads only the models odtrain saved, and `import onnx` would add its op-schema
+registry to the process's memory and start-up, more so on a Raspberry Pi. This module reads the parts
 of onnx.proto that odtrain uses into plain dataclasses (`ModelData`, `GraphData`, `NodeData`,
 `AttributeData`, `TensorData`, `ValueInfoData`). `onnx_io` converts a ModelProto into the same
 dataclasses when onnx is at hand, and builds the IR from them, so both paths share one builder

@@ -124,7 +124,8 @@ def _rolled(x, row, d, split, keep):
 @njit(cache=True, inline="always", error_model="numpy")
 def _turn(y, x, c, z, t, negate):
     """y[e] = x[e]·c[e] + z[e]·t[e] (or - z[e]·t[e]) over slices of one length: every operand indexed from 0,
-    so LLVM vectorises the loop (indexing one row at two offsets, d and d + split, it did not: 4.7x slower)."""
+    so LLVM vectorises the loop (indexing one row at two offsets, d and d + split, it does not; bench_ops
+    DecoderLayoutOps times the rotary embedding)."""
     if negate:
         for e in range(y.size):
             y[e] = x[e] * c[e] + -z[e] * t[e]

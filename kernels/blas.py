@@ -8,9 +8,8 @@ before any kernel is compiled or loaded from Numba's cache (cached code names th
 address, so a cache stays valid whichever library the next process finds):
 
 - numpy's own OpenBLAS (the `scipy_openblas64_` that numpy's wheels bundle), when numpy carries one.
-  It is a newer OpenBLAS than scipy's and much faster on the thin products of convolutions (measured
-  on this machine kind at one thread, GF/s, numpy's 0.3.31 against scipy's 0.3.30:
-  [16×144]·[144×1024] 56 against 31, [32×288]·[288×512] 77 against 51, 512³ 90 against 81);
+  It is a newer OpenBLAS than scipy's and faster on the thin products of convolutions, at one thread
+  (`ODTRAIN_GEMM=numba` against the default in bench_ops.ConvOps and ProductOps);
 - otherwise (numpy built against another BLAS, Accelerate, MKL) a C callback compiled here that
   forwards to Numba's `numba_xxgemm`, which finds scipy's BLAS at run time: the route `np.dot`
   takes inside compiled code. That route relies on two Numba internals, `numba_xxgemm` and
@@ -179,18 +178,17 @@ NUMPY_OPENBLAS = found_openblas() is not None  # the products call numpy's OpenB
 BLAS_CORE = product_threads().core
 # OpenBLAS's AVX-512 kernel families (SkylakeX, and Cooperlake and SapphireRapids, which include it) have
 # float32 small-matrix kernels that skip packing the operands, taken when m·n·k <= 100³ and the first
-# operand of the row-major product is not transposed against a transposed second one. They run 105-116
-# GF/s where the packed path manages 44-95 (one thread, Zen 4, numpy's OpenBLAS 0.3.31: [16×144]·[144×1024]
-# 44 whole, 110 in blocks of 384 columns; [32×288]·[288×256] 86 whole, 114 in blocks of 64), so
+# operand of the row-major product is not transposed against a transposed second one. On the thin products
+# of convolutions they run faster than the packed path, blocks included (bench_ops.ConvOps), so
 # `gemm_blocks`, which the products of convolutions, matrix products and attention go through, cuts wider
 # float32 products into blocks of columns under that size. Other kernel families have no such kernels
 # (cutting there lost 0-15%). Compiled kernels keep the value of the process that compiled them.
 SMALL_PRODUCT_CELLS = 100 ** 3 if BLAS_CORE.lower() in ("skylakex", "cooperlake", "sapphirerapids") else 0
-SMALL_PRODUCT_MIN_COLUMNS = 32  # narrower blocks gain nothing on the packed path's 95 GF/s (64 channels, K = 576)
+SMALL_PRODUCT_MIN_COLUMNS = 32  # narrower blocks gain nothing over the packed path (bench_ops.ConvOps)
 # Against a transposed second operand (c = a · bᵀ, OpenBLAS's "TN" in its column-major terms) the small
-# kernels take only outputs of at most 1200 cells and K >= 32. Blocks of [64 × 16] of [64×784]·[784×500]ᵀ (an
-# MLP layer's forward, the weights stored [out, in]) run 103 GF/s against 76 whole; taller products (512
-# rows) lose in such blocks (87-98 against 98), so only products of few rows are cut.
+# kernels take only outputs of at most 1200 cells and K >= 32. Blocks of an MLP layer's forward (the weights
+# stored [out, in]) run faster so cut than whole; taller products lose in such blocks, so only products of
+# few rows are cut (bench_ops.ProductOps, Gemm).
 SMALL_TN_OUTPUT, SMALL_TN_DEPTH, SMALL_TN_ROWS = 1200, 32, 64
 
 

@@ -28,8 +28,7 @@ Convolution:
 - work memory is the node's arena scratch (declared by `conv_scratch`,
   placed by the planner for that one step): im2col columns K·chunk·P, rows
   gathered from several images M/G·chunk·P (in a forward, also its
-  transposed product), and dW's sums (G + 1)·K·M/G floats; e.g. 1.35 MB
-  for MobileNetV2's first layer at 224x224. Depthwise: one padded plane in
+  transposed product), and dW's sums (G + 1)·K·M/G floats. Depthwise: one padded plane in
   phases and one framed plane, or one padded image and one output plane
   (dY framed), channels-last.
 - threads (kernels/parts.py): each kernel's `_parts` twin splits the batch
@@ -61,21 +60,19 @@ from .parts import on_parts, part_count, split, twin_of
 from .windows import _as_3d, _text, _valid_range, window_geometry
 
 # Forward products with at most this many output channels per group and at least this deep a K run as
-# Yᵀ = im2colᵀ · Wᵀ, then a transpose into Y, on the route to scipy's OpenBLAS 0.3.30 (kernels/blas.py): it is
-# ~15% faster with the few channels as its row count (16 channels, K = 144, 1024 cells: 5.3-5.6 ms against
-# 6.2-6.5 ms for 32 images, im2col included; with K = 27 or 64 channels it is slower). numpy's OpenBLAS 0.3.31
-# runs the direct order faster ([16×144]·[144×1024]: 60 against 44 GF/s at one thread; the cnn model's
-# forward convolutions 19.5 -> 17.5 ms), so there no product is transposed.
+# Yᵀ = im2colᵀ · Wᵀ, then a transpose into Y, on the route to scipy's OpenBLAS (kernels/blas.py), which runs
+# faster with the few channels as its row count (with shallower K or more channels it is slower). numpy's
+# newer OpenBLAS runs the direct order faster, so there no product is transposed (bench_ops.ConvOps, Conv,
+# with and without ODTRAIN_GEMM=numba).
 TRANSPOSED_CHANNELS = 0 if NUMPY_OPENBLAS else 32
 TRANSPOSED_DEPTH = 64
 # A weight gradient splits its output channels only when each part's dW sums would hold more than this many
-# elements (64 KiB of float32): smaller sums cost little memory and little to add, and splitting the batch
-# runs faster (pointwise, 8 images, 2 parts: 24 -> 144 channels over 24x24, 0.39 ms by channels against 0.19
-# by images; 160 -> 960 over 3x3, 0.32 by channels against 0.61 by images, 154k elements of sums: a layer that
-# now runs in conv_pointwise.py).
+# elements: smaller sums cost little memory and little to add, and splitting the batch then runs faster (a
+# pointwise layer over large planes ran twice as fast by images; one over 3x3 planes with large sums, twice
+# as fast by channels: a layer that now runs in conv_pointwise.py; bench_ops.ConvOps, ConvWeightGrad).
 CHANNEL_SPLIT_SUMS = 1 << 14
-# depthwise convolutions with outputs at least this wide work in planes, others channels-last (MobileNetV2,
-# batch 8, 1 thread: planes 1.6-2.8x faster at 24 and 48 wide, channels-last 1.1-1.4x faster at 12 and below)
+# depthwise convolutions with outputs at least this wide work in planes, others channels-last: on
+# MobileNetV2's layers each order wins on its side of this width (bench_ops.ConvOps, depthwise)
 PLANE_WIDTH = 24
 
 

@@ -16,12 +16,10 @@ it and reads zeros where the tap falls outside the output. No im2col: each image
 
 For few channels the per-tap products are thin (K = C/G), so the layout takes this path only for at least
 TAP_MIN_CHANNELS input channels per group and outputs at least TAP_MIN_WIDTH wide (TAP_MIN_WEIGHT_WIDTH
-for the weight gradient; the unused cells cost (kw - 1)·dw / Wp of the products). Measured at one thread,
-32 images, Zen 4 (numpy's OpenBLAS, SkylakeX kernels), ms for the whole batch, im2col (kernels/conv.py)
-against taps:
-- 16 -> 16 channels, 32x32: forward 2.30 -> 1.6, weight gradient 2.8 -> 1.5;
-- 32 -> 32 channels, 16x16: forward 2.05 -> 1.6, weight gradient 2.4 -> 1.65;
-- with OpenBLAS's Haswell kernels on the same CPU, level or up to 20% faster.
+for the weight gradient; the unused cells cost (kw - 1)·dw / Wp of the products). Above those limits the
+taps ran the cnn model's 16- and 32-channel layers faster than im2col (kernels/conv.py), forward and weight
+gradient, on OpenBLAS's SkylakeX and Haswell kernels alike; below them the thin products lose
+(bench_ops.ConvOps, Conv and ConvWeightGrad of the cnn).
 
 Work memory per part (`tap_work_sizes`): the padded planes (or, for dX, its rows on the padded width), the
 output or dY on the padded width (framed: S more cells per channel), and the tap-major weights or dW sums

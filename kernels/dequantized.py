@@ -8,8 +8,8 @@ BLAS (blas.gemm_blocks), so the float32 weight exists one panel at a time:
   A[:, r:r + block] · panel into Y (beta 0 for the first panel, then 1); parts own blocks of columns;
 - transB=1, Y [m, R] = A [m, C] · dequant(W)ᵀ: panel k gives Y[:, r:r + block] = A · panelᵀ outright;
   parts own blocks of rows.
-Each part's panel is its own slice of the scratch. A panel of 2^16 floats (256 KiB) stays in a core's L2
-cache between its dequantization and its product.
+Each part's panel is its own slice of the scratch. A panel of 2^16 floats stays in a core's L2 cache
+between its dequantization and its product.
 
 DequantizedGather: out[j, :] = dequant(W[indices[j], :]): only the gathered rows are read.
 
@@ -34,7 +34,7 @@ PANEL_ELEMENTS = 1 << 16
 @njit(cache=True, error_model="numpy", inline="always")
 def _dequantize_panel(w, scale, axis, stored, first, count, c0, c1, columns, panel, bits):
     """panel[i, j - c0] = dequant(w[first + i, j]) for rows [first, first + count), columns [c0, c1). Rows are
-    read and written as slices indexed from 0, which LLVM vectorises (6x the indexed loop's speed)."""
+    read and written as slices indexed from 0, which LLVM vectorises (an indexed loop stays scalar)."""
     width = c1 - c0
     per_index = scale.size > 1
     for i in range(count):

@@ -22,15 +22,15 @@ Binary and comparison op codes (arguments, so one compiled kernel serves a famil
 The transcendental ops (erf, GELU and their gradients, codes in SPECIAL_*) have kernels of
 their own, so that models without them do not compile them; exact GELU, the common one, also
 has in-place twins: a loop that reads and writes one buffer through two names fails LLVM's
-run-time overlap check and runs scalar, which costs 8x there (cheap ops are memory-bound
+run-time overlap check and runs scalar, which costs most there (cheap ops are memory-bound
 either way).
 
 Numba has no vector math library here (no SVML), so `np.exp` and `math.erf` run one scalar
 libm call per element. `fast_exp`, `fast_erf` and `fast_tanh` are float32 polynomial
 approximations (Cephes' expf; Eigen's erf and tanh rational forms, within a few float32
-ulps) that LLVM vectorises: 3-15x faster in softmax, GELU and the recurrent gates. Float32
-Sigmoid runs on fast_exp too (within 2.3 ulps of float64 numpy over [-100, 100]; 7.4 -> 0.5 ns an
-element here), and so do Swish and its gradient (kernels/nn.py); float64 keeps libm's exp.
+ulps) that LLVM vectorises, several times faster than libm's in softmax, GELU and the recurrent gates
+(bench_ops.ElementwiseOps, UnaryOps). Float32 Sigmoid runs on fast_exp too (within 2.3 ulps of float64
+numpy over [-100, 100]), and so do Swish and its gradient (kernels/nn.py); float64 keeps libm's exp.
 
 With threads, the flat kernels (and _binary_strided) have `_parts` twins (kernels/parts.py) that run them
 on parts of their elements (rows) in one parallel region; every value is as in one thread.
@@ -54,8 +54,8 @@ SHIFT = {"LEFT": 16, "RIGHT": 17}
 BITWISE = {"BitwiseAnd": 18, "BitwiseOr": 19, "BitwiseXor": 20}
 COMMUTATIVE = (0, 2, 8, 9)  # add, mul, max, min
 # ops with a loop of their own in _run_pair, which then vectorise in place (through one name); the others go
-# through _binary_op's dispatch per element, and in place ran slower through one name (SigmoidGrad, before its
-# loop: 0.86 ms against 0.65 through two, [4,128,1536])
+# through _binary_op's dispatch per element, and in place ran slower through one name than through two
+# (SigmoidGrad before it had its loop; bench_ops.SiluOps)
 OWN_LOOPS = (0, 1, 2, 3, 4, 5)
 COMPARE = {"Equal": 0, "Less": 1, "Greater": 2, "LessOrEqual": 3, "GreaterOrEqual": 4, "And": 5, "Or": 6, "Xor": 7}
 
@@ -408,7 +408,7 @@ def _gelu(x, out):
 @njit(cache=True, error_model="numpy")
 def _gelu_inplace(x):
     """x = x · Φ(x). In place, a loop must read and write through one array: given two names for one
-    buffer, LLVM's run-time overlap check fails and this loop stays scalar (8x slower)."""
+    buffer, LLVM's run-time overlap check fails and this loop stays scalar."""
     for i in range(x.size):
         x[i] = gelu(x[i])
 
@@ -468,7 +468,7 @@ def _binary(code, a, b, out):
 @njit(cache=True, error_model="numpy")
 def _binary_into(code, out, b):
     """out[i] = f(out[i], b[i]): in place through one name, so LLVM sees one buffer and vectorises (a kernel
-    given the buffer under two names fails the run-time overlap check and runs scalar: 3x slower here)."""
+    given the buffer under two names fails the run-time overlap check and runs scalar)."""
     _run_pair(code, out, b, out)
 
 

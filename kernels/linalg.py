@@ -20,8 +20,8 @@ With threads, a batch of products large enough runs in parallel parts (blas.gemm
 _gemm_batched that also takes how it splits):
 whole products when there are enough with distinct outputs, else blocks of at least MIN_ROWS rows
 of every product, or of columns when the products are wider than tall (a weight matrix times a batch of
-activations: each part then streams its own part of the weights; [64×784]·[784×500]: 0.33 ms a part
-against 0.42 split by rows, one thread each, Zen 4).
+activations: each part then streams its own part of the weights, faster than splitting by rows;
+bench_ops.ProductOps, Gemm).
 """
 from __future__ import annotations
 
@@ -55,9 +55,9 @@ def _zero(out):
         out[i] = 0
 
 
-# Products of fewer multiply-adds run on one thread: BLAS does 2^20 in about 20 µs, what a parallel region
-# costs to wake its threads after they idle (kernels/parts.py); an MLP's last layer, [64×500]·[500×10],
-# took 60-70 µs in two parts against ~15 µs on one thread.
+# Products of fewer multiply-adds run on one thread: BLAS does that many in about the time a parallel region
+# costs to wake its threads after they idle (kernels/parts.py), so an MLP's last layer ran slower in two
+# parts than on one thread (bench_ops.ProductOps, Gemm).
 MIN_PARALLEL_PRODUCT = 1 << 20
 MIN_ROWS = 16  # rows (or columns) of a product per part: fewer make BLAS's blocks inefficient
 

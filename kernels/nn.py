@@ -29,8 +29,9 @@ from .windows import _text
 REDUCTION = {"reassoc", "contract"}
 FLOAT_MAX = float(np.finfo(np.float32).max)
 # Elements of a block a folded activation gradient writes and the sums read again at once: three float32 arrays
-# of this many elements (dy, y, dx: 192 KiB) stay in a core's L2 cache between the two loops. (Measured here, any
-# block size from 2^12 to a whole image gave the same time: the sums are bound by their float64 arithmetic.)
+# of this many elements (dy, y, dx) stay in a core's L2 cache between the two loops. (Any block size from 2^12
+# to a whole image gave the same time: the sums are bound by their float64 arithmetic; bench_ops
+# NormalizationOps.)
 MASK_BLOCK = 1 << 14
 
 # ---- batch normalization -------------------------------------------------------------------------

@@ -30,13 +30,12 @@ from __future__ import annotations
 
 import numpy as np
 
-# Below this many multiply-adds (or elements) a parallel region costs more than it saves. Measured here (2 cores,
-# odtrain's waiting: a short spin, then sleep, odtrain/threads.py): a 2-thread region within a step costs ~2 µs
-# (43-54 µs when its threads slept); a float32 add after some serial work, 2^12 / 2^15 / 2^18 elements: 5.7 /
-# 41.6 / 209 µs on one thread, 4.5 / 22.7 / 85.5 µs in 2 parts. MobileNetV2 at batch 8 (batch norms over 6x6
-# and 3x3 planes, ~2^17-2^18 elements): 2-thread step 39.9 ms at 2^18, 36.0 at 2^15 (profile medians). The cost:
-# more kernels run their parallel twins, compiled too on a cold cache (the transformer's first step 12.0 -> 17.3
-# s, the CNN's 52.6 -> 55.0 s; `odtrain warmup` compiles them ahead).
+# Below this many multiply-adds (or elements) a parallel region costs more than it saves: with odtrain's waiting
+# (a short spin, then sleep, odtrain/threads.py) a region within a step costs about a small elementwise loop,
+# and from this size on a float32 add runs faster in 2 parts than on one thread; MobileNetV2's batch norms over
+# small planes fall just above it, and its 2-thread step was faster than with a threshold 8 times higher
+# (`benchmarks/threads.py regions`, bench_ops.ElementwiseOps). The cost: more kernels run their parallel twins,
+# compiled too on a cold cache (`odtrain warmup` compiles them ahead).
 MIN_PARALLEL_WORK = 1 << 15
 
 

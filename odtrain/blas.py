@@ -3,8 +3,8 @@
 Numba's CPU target checks for BLAS by importing `scipy.linalg.cython_blas`, the table of BLAS
 functions its products (and kernels/blas.py) call. That import would run `scipy.linalg`'s
 package initialiser, which loads all of scipy.linalg (LAPACK wrappers, the array-API layer,
-numpy.testing and f2py with it): about 15 MiB of RSS and a quarter of a second that no kernel
-uses. `load_blas()` loads the Cython table module by itself instead, under its own name, so
+numpy.testing and f2py with it): memory and start-up time that no kernel uses
+(`bench_memory.RuntimeFloor` measures the floor). `load_blas()` loads the Cython table module by itself instead, under its own name, so
 Numba and its C helpers find it in `sys.modules`; if the program imports `scipy.linalg` later,
 the package is initialised as usual and gets the same module as its `cython_blas` attribute.
 When scipy.linalg is already imported, or the file cannot be found, the usual import is used.

@@ -15,7 +15,8 @@ a training process that does not depend on the model, the floor under every sess
 
 A process whose steps run in a kernel library (odtrain/kernel_library.py) never loads this runtime.
 
-Measured numbers for the floor are in README.md ("Memory").
+The floor's size is measured per commit by the asv suite's `bench_memory.RuntimeFloor`; the latest
+results are in benchmarks/README.md ("The process floor and the cold start").
 """
 from __future__ import annotations
 

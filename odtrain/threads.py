@@ -9,35 +9,31 @@ One setting drives every thread of a step, looked up in this order:
 A count above the pool is allowed: the step is split for that many threads and runs on the pool,
 giving the same bits as on a machine with that many cores.
 
-How threads are used (DESIGN.md, "Threads"): a parallel kernel splits its outer loop (batch,
-channels, rows) into `threads` parts, each with its own scratch in the arena, inside one Numba
-parallel region; a step binds its kernels for its thread count and runs with Numba's pool at
-that count (`numba.set_num_threads` is per calling thread, so modules in different Python
-threads keep their own). BLAS (scipy's OpenBLAS, which Numba's products call) runs one thread:
-products run inside the regions, already split, so threads never multiply, and OpenBLAS's
-own pool, whose idle threads spin, never runs.
+How threads are used: a parallel kernel splits its outer loop (batch, channels, rows) into
+`threads` parts, each with its own scratch in the arena, inside one Numba parallel region; a step
+binds its kernels for its thread count and runs with Numba's pool at that count
+(`numba.set_num_threads` is per calling thread, so modules in different Python threads keep their
+own). BLAS (numpy's bundled OpenBLAS, which the products call; scipy's through Numba where numpy
+carries none) runs one thread: products run inside the regions, already split, so threads never
+multiply, and OpenBLAS's own pool, whose idle threads spin, never runs.
 
 Numba's threading layer is chosen on purpose, by `configure()` before the pool starts (unless
 the user chose one with NUMBA_THREADING_LAYER): OpenMP (libgomp), with OMP_WAIT_POLICY=PASSIVE and
 GOMP_SPINCOUNT=SPIN_COUNT set before libgomp loads (unless the user set either): a thread waiting
-for the next region spins ~350 µs, then sleeps. Measured on this 2-core VM, one 2-thread region
-after a gap of serial work (benchmarks/threads.py regions measures them again):
-- spinning SPIN_COUNT: 1.6 µs for gaps of serial work up to 300 µs (a step's regions follow each
-  other closer than that), 24-38 µs after 400-500 µs; but 270-560 µs right after the process slept
-  1-10 ms (a spin of 2000: 110-150 µs), so a loop that sleeps between steps pays that once a step
-  (the MLP, 3 ms sleeps between steps: 1.72 ms a step, 1.76 with the earlier passive waiting);
-- passive waiting alone (no spin): 43-54 µs whatever the gap; on earlier hosts 18 / 30 / 85 µs
-  back to back / after 1 ms / after 10 ms idle;
-- libgomp's default spinning (~3 ms): 2.6 µs near-quiet, but 12-24 ms beside a busy process;
-- Numba's workqueue layer (condition variables, never spins): 57 / 106 / 182 µs.
-MobileNetV2 (batch 8, 96x96) runs ~200 regions a step: 2 threads over 1 went from 1.24-1.33x with
-passive waiting to 1.78x with the spin (benchmarks/threads.py neighbour).
+for the next region spins a while, then sleeps. Why (`benchmarks/threads.py regions` times one
+2-thread region after a gap of serial work, per layer and policy):
+- a spinning thread starts the next region about as fast as a call, and a step's regions follow
+  each other within the spin; but a loop that sleeps between steps pays a wake-up once a step;
+- passive waiting alone pays the wake-up at every region, an order of magnitude more than a spin,
+  which a model of many regions (MobileNetV2) feels in its step (`benchmarks/threads.py neighbour`);
+- libgomp's default spin is long enough to collapse a step beside a busy process;
+- Numba's workqueue layer (condition variables, never spins) pays more than passive waiting.
 Spinning costs only when the cores are shared: a spinning thread spends a neighbour's share, and a
 part that waits for a core holds up its region. So a step runs its parts on the cores other
 processes leave free (`Neighbours`, read from /proc/stat every LOAD_WINDOW): beside one busy
-process on 2 cores it runs them on one thread, 1.02-1.05x the one-thread step (with the spin and 2
-threads: 2.1x; passive, 2 threads: 1.06-1.14x). The parts stay those the step was bound for, so the
-bits do not depend on the load.
+process it runs them on the free cores, about as fast as the one-thread step, where spinning on
+every core would take twice as long (`benchmarks/threads.py neighbour --pinned`). The parts stay
+those the step was bound for, so the bits do not depend on the load.
 Thread safety: odtrain's kernels hold the GIL, so two modules trained in two Python threads take
 turns kernel by kernel on either layer (tests/test_threads.py; while two steps run at once, each
 runs its parts on one thread, so no team spins while the other works), but two regions at once, e.g.
@@ -50,7 +46,7 @@ region runs its steps on one thread.
 
 With one thread every kernel runs its serial code and a run is bit-for-bit reproducible. With
 n threads a run is reproducible too (the parts are fixed at bind time, partial sums are added
-in part order), but differs from another thread count in rounding (README: "Threads").
+in part order), but differs from another thread count in rounding (README.md, "Threads").
 """
 from __future__ import annotations
 
@@ -65,10 +61,10 @@ from .blas import set_blas_threads
 from .graph.errors import ArgumentError
 
 ENVIRONMENT = "ODTRAIN_NUM_THREADS"
-# libgomp's spin before a waiting thread sleeps (GOMP_SPINCOUNT, iterations of a pause instruction; about
-# 35 ns each on this machine kind, so ~350 µs): regions of one step follow each other within that, and a
-# thread still spinning starts the next one in 1.6 µs, where waking a sleeping one takes 43-54 µs here
-# (MobileNetV2 runs ~200 regions a step). Only while this process has the cores to itself (NEIGHBOURS).
+# libgomp's spin before a waiting thread sleeps (GOMP_SPINCOUNT, iterations of a pause instruction): long
+# enough that the regions of one step follow each other within it, so a spinning thread starts the next one
+# instead of being woken; short enough that a step beside a busy process does not collapse. Only while this
+# process has the cores to itself (NEIGHBOURS). benchmarks/threads.py regions measures it.
 SPIN_COUNT = 10000
 LOAD_WINDOW = 0.25  # seconds: how long the machine's load is measured over before it is read again
 _process_default: int | None = None

@@ -76,7 +76,9 @@ class ColdStart:
             paths = ArtifactPaths.of(self.artifacts)
             state = CheckpointState.load_checkpoint(paths.checkpoint)
             module = Module(paths.training_model, state)
-            inputs = cache.zero_inputs(module, MODELS[model])
+            meta = common.meta(model)  # MobileNetV2's file leaves its image size symbolic: meta.json gives it
+            shape = [MODELS[model], *meta["input_shape"][1:]]
+            inputs = cache.zero_inputs(module, MODELS[model], input_shapes={meta["input_name"]: shape})
             rng = np.random.default_rng(common.SEED)
             for i, array in enumerate(inputs):  # random images, labels 0
                 if array.dtype.kind == "f":
@@ -86,8 +88,11 @@ class ColdStart:
         if not self.warm_cache.exists():  # `odtrain warmup` in its own process fills the cache
             env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
             env["ODTRAIN_CACHE_DIR"] = str(self.warm_cache)
+            meta = common.meta(model)
+            shape = ",".join(str(d) for d in [MODELS[model], *meta["input_shape"][1:]])
             done = subprocess.run([sys.executable, "-m", "odtrain", "warmup", str(self.artifacts),
-                                   "--batch-size", str(MODELS[model])], env=env, capture_output=True, text=True)
+                                   "--batch-size", str(MODELS[model]), "--input-shape", f"{meta['input_name']}={shape}"],
+                                  env=env, capture_output=True, text=True)
             if done.returncode == 2:  # a user-level error: an op without a kernel yet
                 raise NotImplementedError(f"{model}: {done.stderr.strip()}")
             done.check_returncode()

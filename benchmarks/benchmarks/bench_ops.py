@@ -91,7 +91,8 @@ CASES = {
 def training_step(name: str):
     """(module, optimizer, bound training step) of a reference model at its batch size (meta.json)."""
     module, optimizer = common.open_training(common.artifacts(name))
-    return module, optimizer, module.executable_step_at(common.meta(name)["input_shape"][0])
+    shape = common.meta(name)["input_shape"]  # MobileNetV2's file leaves its square image's size symbolic
+    return module, optimizer, module.executable_step_at(shape[0], sequence_length=shape[-1] if len(shape) == 4 else None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -209,8 +210,9 @@ VOCABULARY = {"rows": 8 * 128, "width": 256, "classes": 4096}  # make_models.py 
 
 
 class VocabularyLossOps:
-    """LinearCrossEntropy (hidden [tokens, H] times lm_head [V, H]ᵀ, scored against labels) and its gradient,
-    bound alone at the benchmark decoder's shape; track_ reports the chunk of logits the node holds."""
+    """LinearCrossEntropy (hidden [tokens, H] times lm_head [V, H]ᵀ, scored against labels) and
+    LinearCrossEntropyGrad (the weight's gradient), bound alone at the benchmark decoder's shape; track_ reports
+    the scratch the node holds (its chunk of logits)."""
 
     params = [["LinearCrossEntropy", "LinearCrossEntropyGrad"], THREADS]
     param_names = ["op", "threads"]
@@ -225,11 +227,11 @@ class VocabularyLossOps:
                 "labels": rng.integers(0, classes, rows).astype(np.int64)}
         inputs = ["hidden", "weight", "labels"]
         outputs = ["loss"]
-        if op.endswith("Grad"):
+        if op.endswith("Grad"):  # the weight's gradient alone, each chunk's logits formed again (graph/ops/training.py)
             held["dloss"] = np.ones((), np.float32)
-            inputs, outputs = ["dloss"] + inputs, ["dhidden", "dweight"]
+            inputs, outputs = ["dloss"] + inputs, ["dweight"]
         types = {name: TensorType(value.dtype, value.shape) for name, value in held.items()}
-        types.update(loss=TensorType(np.dtype(np.float32), ()), dhidden=types["hidden"], dweight=types["weight"])
+        types.update(loss=TensorType(np.dtype(np.float32), ()), dweight=types["weight"])
         node = Node(op, inputs, outputs, {"transB": 1, "reduction": "mean"}, op, ODTRAIN_DOMAIN)
         self.bound = _warm_node_step(node, held, types, threads)
 
