@@ -26,6 +26,8 @@ bytes and temporaries of at most ROW_ELEMENTS values.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 INT4_CODE = 22  # TensorProto.INT4
@@ -144,3 +146,51 @@ def dequantize(values: PackedInt4, scale: np.ndarray, axis: int, block: int) -> 
     """The float32 values of a blocked 4-bit weight (ONNX's DequantizeLinear), for writers and tests."""
     q = values.values().astype(np.float32)
     return q * np.repeat(scale, block, axis=axis)[:q.shape[0], :q.shape[1]]
+
+
+# ---- the opset a model holding 4-bit weights is written at ----------------------------------------------
+# INT4 and DequantizeLinear's block_size are opset 21's. A model exported at an older opset is written at 21
+# with the ops whose form changed since rewritten: the reductions' axes (an attribute until 18, an input
+# since). Ops whose meaning changed otherwise (GridSample's mode names and DFT's axis at 20,
+# GroupNormalization's scale at 21) are refused with the advice to export at opset 21.
+BLOCKED_OPSET = 21
+_AXES_BECAME_INPUT = ("ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceMax", "ReduceMean",
+                      "ReduceMin", "ReduceProd", "ReduceSumSquare")  # at opset 18
+_CHANGED = {"GridSample": 20, "DFT": 20, "GroupNormalization": 21}
+
+
+def holds_int4(graph) -> bool:
+    """Whether a graph reads 4-bit values (an initializer, or a value typed int4)."""
+    return any(isinstance(v, PackedInt4) for v in graph.initializers.values()) or \
+        any(t is not None and t.dtype is not None and np.dtype(t.dtype).name == "int4"
+            for t in graph.value_types.values())
+
+
+def at_blocked_opset(graph):
+    """`graph` itself when its default opset is 21 or newer or it holds no 4-bit values, else a copy at opset 21
+    (see above); the caller's graph is not changed."""
+    from .errors import ModelError
+    from .ir import Node, TensorType
+
+    opset = graph.opsets.get("", graph.opsets.get("ai.onnx", 1))
+    if opset >= BLOCKED_OPSET or not holds_int4(graph):
+        return graph
+    nodes, initializers, types = [], dict(graph.initializers), dict(graph.value_types)
+    for node in graph.nodes:
+        if node.domain in ("", "ai.onnx") and opset < _CHANGED.get(node.op_type, 0):
+            raise ModelError(f"{node.describe()}: a model with 4-bit weights is written at opset {BLOCKED_OPSET}, "
+                             f"where {node.op_type} differs from opset {opset}'s; export the model at opset "
+                             f"{BLOCKED_OPSET} (torch.onnx.export(..., opset_version={BLOCKED_OPSET}))")
+        if node.domain in ("", "ai.onnx") and node.op_type in _AXES_BECAME_INPUT and "axes" in node.attrs:
+            attrs = {k: v for k, v in node.attrs.items() if k != "axes"}
+            name = f"{node.name or node.outputs[0]}_axes"
+            while name in initializers or name in types:
+                name += "_"
+            initializers[name] = np.asarray(node.attrs["axes"], np.int64).reshape(-1)
+            types[name] = TensorType(np.dtype(np.int64), initializers[name].shape)
+            node = Node(node.op_type, [node.inputs[0], name], list(node.outputs), attrs, node.name, node.domain,
+                        node.scope)
+        nodes.append(node)
+    opsets = {k: v for k, v in graph.opsets.items() if k != "ai.onnx"}
+    opsets[""] = BLOCKED_OPSET
+    return dataclasses.replace(graph, nodes=nodes, initializers=initializers, value_types=types, opsets=opsets)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .errors import ArtifactNotFoundError, ModelError, UnsupportedOpError
+from .int4 import PackedInt4, at_blocked_opset
 from .ir import DEFAULT_DOMAIN, ODTRAIN_DOMAIN, Graph, Node, TensorType
 from .onnx_wire import (EXTERNAL, LIGHT_BYTES, SCOPE_KEY, AttributeData, AttributeType, GraphData, ModelData,
                         NodeData, TensorData, ValueInfoData, element_type, element_type_name, encode_model,
@@ -406,6 +407,15 @@ def _attribute(node, key: str, value):
     return helper.make_attribute(key, value)
 
 
+def _initializer_proto(name: str, value) -> onnx.TensorProto:
+    """An initializer's TensorProto; a PackedInt4's bytes are already ONNX's raw data."""
+    from onnx import helper, numpy_helper
+
+    if isinstance(value, PackedInt4):
+        return helper.make_tensor(name, element_type(value.dtype), value.shape, value.packed.tobytes(), raw=True)
+    return numpy_helper.from_array(np.asarray(value), name=name)
+
+
 def graph_to_proto(graph: Graph, extra_inputs: list[str] = (), producer: str = "odtrain") -> onnx.ModelProto:
     """Build a ModelProto; `extra_inputs` (e.g. parameters held in a checkpoint) become graph inputs."""
     from onnx import helper, numpy_helper
@@ -417,7 +427,7 @@ def graph_to_proto(graph: Graph, extra_inputs: list[str] = (), producer: str = "
         nodes.append(made)
     inputs = [_value_info(n, graph.value_types.get(n)) for n in list(graph.inputs) + list(extra_inputs)]
     outputs = [_value_info(n, graph.value_types.get(n)) for n in graph.outputs]
-    initializers = [numpy_helper.from_array(np.asarray(v), name=k) for k, v in graph.initializers.items()]
+    initializers = [_initializer_proto(k, v) for k, v in graph.initializers.items()]
     g = helper.make_graph(nodes, graph.name, inputs, outputs, initializers)
     opsets = dict(graph.opsets)
     if any(n.domain == ODTRAIN_DOMAIN for n in graph.nodes):
@@ -475,6 +485,7 @@ def save_graph(graph: Graph, path, extra_inputs: list[str] = ()) -> None:
     protobuf: ONNX infers on the model with them as typed inputs, that model is written without them, and
     each is appended from its array as one more `graph` field holding one initializer (protobuf merges a
     message field seen twice, appending repeated ones)."""
+    graph = at_blocked_opset(graph)  # 4-bit weights are opset 21's
     held = {k: v if hasattr(v, "nbytes") and hasattr(v, "dtype") else np.asarray(v)  # arrays, or values
             for k, v in graph.initializers.items()}  # computed when read (graph/frozen.py Dequantized)
     large = [k for k, v in held.items() if v.nbytes >= LIGHT_BYTES and (v.dtype.kind in "biuf" or
@@ -502,8 +513,9 @@ def _write_appending(path, model: bytes, graph: Graph, large: list[str]) -> None
     with open(os.fspath(path), "wb") as f:
         f.write(model)
         for name in large:
-            array = np.ascontiguousarray(graph.initializers[name])
-            f.write(initializer_field(name, element_type(array.dtype), array.shape, array.nbytes))
+            value = graph.initializers[name]
+            array = value.packed if isinstance(value, PackedInt4) else np.ascontiguousarray(value)  # ONNX's packing
+            f.write(initializer_field(name, element_type(value.dtype), value.shape, array.nbytes))
             f.write(array.reshape(-1).view(np.uint8))
 
 

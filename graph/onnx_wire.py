@@ -695,7 +695,10 @@ def _encode_tensor(tensor: TensorData) -> bytes:
 
 
 def tensor_data(name: str, array: np.ndarray) -> TensorData:
-    """A float, int or bool array as a TensorData with little-endian raw_data."""
+    """A float, int or bool array as a TensorData with little-endian raw_data (a PackedInt4's packed bytes)."""
+    packed = getattr(array, "packed", None)
+    if packed is not None:
+        return TensorData(name, list(array.shape), element_type(array.dtype), packed.tobytes())
     array = np.asarray(array)
     return TensorData(name, list(array.shape), element_type(array.dtype),
                       np.ascontiguousarray(array, array.dtype.newbyteorder("<")).tobytes())
