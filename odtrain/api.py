@@ -565,9 +565,10 @@ class Module:
     def export_model_for_inferencing(self, inference_model_uri, graph_output_names, frozen_dtype=None) -> None:
         """Write an ONNX model computing `graph_output_names` from the model inputs, parameters embedded.
 
-        Frozen weights stored as int8 or bfloat16 (generate_artifacts' `frozen_dtype`) are written as float32
-        with LoRA adapters merged into them (`frozen_dtype=None` or "float32"), or as int8 read by
-        DequantizeLinear per output channel (a QDQ model, "int8") or bfloat16 read by Cast ("bfloat16"), the
+        Frozen weights stored as int8, int4 or bfloat16 (generate_artifacts' `frozen_dtype`) are written as
+        float32 with LoRA adapters merged into them (`frozen_dtype=None` or "float32"), or as int8 read by
+        DequantizeLinear per output channel (a QDQ model, "int8"), int4 read by DequantizeLinear in blocks
+        along the input axis (opset 21, "int4") or bfloat16 read by Cast ("bfloat16"), the
         adapters then kept as their own rank-r products beside the weights: merged, an update finer than a
         weight's quantization step would round away. Weights stored in the other type are converted."""
         frozen_dtype = check_frozen_dtype(frozen_dtype or "float32")

@@ -694,8 +694,9 @@ def _add_training_commands(commands) -> None:
     prepare.add_argument("--lora-seed", type=int, default=0, help="seed of the adapters' initial values (default: 0)")
     prepare.add_argument("--frozen-dtype", choices=FROZEN_DTYPES, default="float32",
                          help="store and hold the frozen weight matrices (of products, embeddings, convolutions) "
-                         "in this type: int8 per output channel with float32 scales, or bfloat16; training reads "
-                         "them a block at a time (default: float32)")
+                         "in this type: int8 per output channel with float32 scales, int4 in blocks of 32 along "
+                         "the input axis with float32 scales (matrices only), or bfloat16; training reads them a "
+                         "block at a time (default: float32)")
     prepare.add_argument("--optimizer-state-dtype", choices=STATE_DTYPES, default="float32",
                          help="AdamW's moments in float32, or int8: quantized in blocks, a quarter of the bytes "
                          "(default: float32)")
@@ -761,9 +762,10 @@ def _add_training_commands(commands) -> None:
     export.add_argument("artifacts", metavar="ARTIFACT_DIR", help="a folder written by `odtrain prepare`")
     export.add_argument("-o", "--output", required=True, metavar="MODEL.onnx", help="the file to write")
     export.add_argument("--outputs", nargs="+", metavar="NAME", help="values to output (default: the model's outputs)")
-    export.add_argument("--frozen-dtype", choices=FROZEN_DTYPES, help="write frozen weights stored as int8 or "
-                        "bfloat16 (prepare --frozen-dtype) in this type: int8 read by DequantizeLinear (a QDQ "
-                        "model), bfloat16 by Cast, LoRA adapters beside them; default float32, adapters merged")
+    export.add_argument("--frozen-dtype", choices=FROZEN_DTYPES, help="write frozen weights stored as int8, int4 "
+                        "or bfloat16 (prepare --frozen-dtype) in this type: int8 read by DequantizeLinear (a QDQ "
+                        "model), int4 by DequantizeLinear with block_size (opset 21), bfloat16 by Cast, LoRA "
+                        "adapters beside them; default float32, adapters merged")
     export.add_argument("--adapters-only", action="store_true", help="write only the trained LoRA adapters (and "
                         "the parameters trained with them) as a safetensors file to -o, not the merged model")
     export.add_argument("--json", action="store_true", help="print the result as JSON")
