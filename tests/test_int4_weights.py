@@ -245,7 +245,7 @@ def test_int4_lora_run_lands_on_its_dequantized_float32_run_and_near_the_float32
 def test_int4_exports_run_in_onnxruntime_like_odtrains_eval(tmp_path):
     """After LoRA steps on an int4 base, the inference model in float32 (adapters merged, the default) and in int4
     (DequantizeLinear with block_size on INT4 initializers at opset 21, adapters beside the weights) give
-    odtrain's eval logits in onnxruntime. Measured: EXPORT_MEASURED of the largest logit."""
+    odtrain's eval logits in onnxruntime. Measured: 4.6e-7 (float32) and 3.4e-7 (int4) of the largest logit."""
     onnxruntime = pytest.importorskip("onnxruntime")
     _, module, batch = lora_run(tmp_path, "int4", outputs=("logits",))
     _, logits = module(*batch)
