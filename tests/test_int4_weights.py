@@ -263,3 +263,64 @@ def test_int4_exports_run_in_onnxruntime_like_odtrains_eval(tmp_path):
 
 
 EXPORT_TOLERANCE = 1e-5
+
+
+# ---- prepare in bounded memory -------------------------------------------------------------------------------
+
+def chain_model(path, layers: int, width: int):
+    """x · W0 → Tanh → ... → · head: `layers` frozen [width, width] float32 products and a small trainable head,
+    saved with external data (as an exporter writes a model beyond protobuf's 2 GB)."""
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(7)
+    nodes, inits, h = [], [], "x"
+    for i in range(layers):
+        w = rng.standard_normal((width, width), dtype=np.float32) / np.float32(np.sqrt(width))
+        inits.append(numpy_helper.from_array(w, f"w{i}"))
+        nodes += [helper.make_node("MatMul", [h, f"w{i}"], [f"m{i}"]), helper.make_node("Tanh", [f"m{i}"], [f"h{i}"])]
+        h = f"h{i}"
+    inits.append(numpy_helper.from_array(np.full((width, 10), 0.01, np.float32), "head"))
+    nodes.append(helper.make_node("MatMul", [h, "head"], ["logits"]))
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", width])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 10])], inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path),
+              save_as_external_data=True, all_tensors_to_one_file=True, location="weights.bin", size_threshold=0)
+    return path
+
+
+def prepare_peak(model, output) -> int:
+    """Peak RSS (bytes, VmHWM) of `odtrain prepare MODEL --frozen-dtype int4` in a process of its own. Not
+    ru_maxrss: a forked child's keeps its parent's peak (this test's, holding the model it wrote) across exec."""
+    import subprocess
+    import sys
+
+    script = ("import sys\n"
+              "from odtrain import cli\n"
+              "assert cli.main(sys.argv[1:]) == 0\n"
+              "print(open('/proc/self/status').read().split('VmHWM:')[1].split()[0])\n")
+    done = subprocess.run([sys.executable, "-c", script, "prepare", str(model), "-o", str(output), "--requires-grad",
+                           "head", "--frozen-dtype", "int4"], capture_output=True, text=True, check=True)
+    return int(done.stdout.split()[-1]) * 1024
+
+
+# prepare's peak above the same process on a model of one small layer, as a share of the float32 weights' file:
+# measured 0.26 (16 layers of 2048 x 2048, a 256 MiB file: the packed values and the scales, an eighth of the
+# file each, and one weight's temporaries); a prepare reading the float32 weights into memory instead of mapping
+# them one at a time adds the whole file (measured 1.06x).
+PREPARE_SHARE = 0.4
+
+
+@pytest.mark.slow
+def test_prepare_quantizes_a_model_with_external_data_in_bounded_memory(tmp_path):
+    """prepare --frozen-dtype int4 reads, quantizes and writes the weights one at a time: its peak RSS grows by
+    well under the file's bytes (issue's target for the 1B model: the whole process at 0.6x the float32 bytes)."""
+    (tmp_path / "large").mkdir()
+    (tmp_path / "small").mkdir()
+    large = chain_model(tmp_path / "large" / "model.onnx", 16, 2048)
+    small = chain_model(tmp_path / "small" / "model.onnx", 1, 64)
+    file_bytes = (tmp_path / "large" / "weights.bin").stat().st_size
+    grown = prepare_peak(large, tmp_path / "large_out") - prepare_peak(small, tmp_path / "small_out")
+    print(f"prepare's peak grows by {grown / file_bytes:.2f}x the {file_bytes / 2 ** 20:.0f} MiB of weights")
+    assert grown <= PREPARE_SHARE * file_bytes
+    state = CheckpointState.load_checkpoint(tmp_path / "large_out" / "checkpoint")
+    assert state.buffer_bytes().frozen_bytes_by_type["int4"] == file_bytes // 8 - 2048 * 10 // 2
