@@ -346,6 +346,11 @@ def _byte_size(text: str) -> int:
     return int(value)
 
 
+def _budget(text: str):
+    """--memory-budget: a size, or "auto" (odtrain.allocation.auto_budget)."""
+    return "auto" if text.strip().lower() == "auto" else _byte_size(text)
+
+
 def _data(args, paths):
     """The data a command reads: its paths, or windows of a text file with --tokenizer and --seq-len."""
     if paths is None:
@@ -736,9 +741,11 @@ def _add_training_commands(commands) -> None:
                        "(default: at each epoch's end only)")
     train.add_argument("--resume", action="store_true", help="continue the run stored in the checkpoint")
     train.add_argument("--seed", type=int, help="seed of the batch order (default: 0)")
-    train.add_argument("--memory-budget", type=_byte_size, metavar="BYTES",
+    train.add_argument("--memory-budget", type=_budget, metavar="BYTES",
                        help="cap each training step's arena (e.g. 40MB), recomputing activations in the backward "
-                       "pass; fails before training, naming the smallest budget that works, if none fits")
+                       "pass; fails before training, naming the smallest budget that works, if none fits; "
+                       "'auto': what the machine has available (MemAvailable) less the mapped frozen weights "
+                       "and a reserve of an eighth")
     _add_threads_option(train)
     train.add_argument("--json", action="store_true", help="print the result as JSON instead of progress")
     train.add_argument("--stop-after-steps", type=int, help=argparse.SUPPRESS)
