@@ -36,17 +36,19 @@ ROW_ELEMENTS = 1 << 20  # values converted at a time: temporaries stay small
 
 
 def int4_dtype() -> np.dtype:
-    """ml_dtypes' int4 (onnx depends on ml_dtypes; imported only when a 4-bit tensor is met)."""
-    import ml_dtypes
+    """ml_dtypes' int4, as onnx gives it (imported only when a 4-bit tensor is met)."""
+    from .onnx_wire import numpy_dtype
 
-    return np.dtype(ml_dtypes.int4)
+    return numpy_dtype(INT4_CODE)
 
 
 class PackedInt4:
     """A signed 4-bit tensor in ONNX's packed layout (see the module docstring). Invariant: `packed` is a
     1-D uint8 array of ⌈size / 2⌉ bytes."""
 
-    def __init__(self, packed: np.ndarray, shape):
+    def __init__(self, packed: np.ndarray, shape, dtype: np.dtype | None = None):
+        """`dtype`: ml_dtypes' int4 when the caller has it (a device that trains imports no onnx), else found
+        through onnx."""
         self.shape = tuple(int(d) for d in shape)
         self.size = int(np.prod(self.shape, dtype=np.int64))
         if packed.dtype != np.uint8 or packed.ndim != 1 or packed.size != (self.size + 1) // 2:
@@ -54,7 +56,7 @@ class PackedInt4:
                              f"{packed.shape}")
         self.packed = packed
         self.ndim = len(self.shape)
-        self.dtype = int4_dtype()
+        self.dtype = dtype if dtype is not None else int4_dtype()
         self.nbytes = int(packed.nbytes)
 
     @classmethod
@@ -71,7 +73,7 @@ class PackedInt4:
         return unpack(self.packed, self.size).reshape(self.shape)
 
     def copy(self) -> "PackedInt4":
-        return PackedInt4(self.packed.copy(), self.shape)
+        return PackedInt4(self.packed.copy(), self.shape, self.dtype)
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         result = self.values().astype(self.dtype)

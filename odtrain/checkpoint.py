@@ -9,7 +9,8 @@ Layout (a safetensors file):
   saved, `nominal` ("1": shapes only, values to be supplied later) with
   `shapes`, `int4` (JSON {name: shape}) for the frozen weights held as 4-bit
   integers (graph/int4.py), each stored as its packed bytes (safetensors has
-  no 4-bit type: a 1-D U8 tensor of ⌈size / 2⌉ bytes, ONNX's packing), and `sha256` over every tensor's name, dtype, shape and bytes and
+  no 4-bit type: a 1-D U8 tensor of ⌈size / 2⌉ bytes, ONNX's packing), and
+  `sha256` over every tensor's name, dtype, shape and bytes and
   (from format version 2) every other metadata entry; version 1 files, whose
   checksum covers the tensors only, are still read.
 
@@ -70,6 +71,12 @@ def element_dtype(code: str) -> np.dtype:
 
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(DTYPES[code])
+
+
+def _int4() -> np.dtype:
+    import ml_dtypes  # as for bfloat16: not through onnx, which a device that trains does not import
+
+    return np.dtype(ml_dtypes.int4)
 
 
 def element_code(dtype: np.dtype) -> str | None:
@@ -369,7 +376,7 @@ def _packed(path: str, name: str, stored, shape) -> PackedInt4:
     try:
         if stored is None or stored.dtype != np.uint8 or stored.ndim != 1:
             raise ValueError
-        return PackedInt4(stored, shape)
+        return PackedInt4(stored, shape, _int4())
     except (ValueError, TypeError):
         got = "nothing" if stored is None else f"{stored.dtype} {list(stored.shape)}"
         raise CheckpointError(f"checkpoint '{path}' is damaged: 4-bit parameter '{name}' of shape {shape} needs "
@@ -396,7 +403,7 @@ def load(path) -> CheckpointContents:
             if shape is None:
                 raise CheckpointError(f"checkpoint '{path}' is damaged (no shape for nominal parameter '{name}')")
             if dtype == INT4:
-                parameters[name] = PackedInt4(np.zeros((int(np.prod(shape)) + 1) // 2, np.uint8), shape)
+                parameters[name] = PackedInt4(np.zeros((int(np.prod(shape)) + 1) // 2, np.uint8), shape, _int4())
                 continue
             parameters[name] = np.zeros(shape, dtype=element_dtype(dtype) if dtype in DTYPES or dtype == BFLOAT16
                                         else np.dtype(dtype))  # numpy's names in files written before

@@ -99,6 +99,21 @@ def test_int4_gather_dequantizes_only_its_rows_exactly():
         np.testing.assert_array_equal(out, w64[indices].astype(np.float32))
 
 
+def test_an_unfused_dequantize_linear_reads_a_packed_weight_as_onnx_does():
+    """DequantizeLinear(int4, scale, axis, block_size) on a packed weight that no product reads in place (the
+    kernel unpacks it as the step binds) against onnx's reference evaluator."""
+    from onnx import helper
+    from onnx.reference import ReferenceEvaluator
+
+    packed, scale, _ = int4_weight((40, 70), 1)
+    y = np.zeros((40, 70), np.float32)
+    for kernel, args in BINDINGS[("", "DequantizeLinear")]([packed, scale], [y], axis=1, block_size=BLOCK):
+        kernel(*args)
+    node = helper.make_node("DequantizeLinear", ["q", "s"], ["y"], axis=1, block_size=BLOCK)
+    (expected,) = ReferenceEvaluator(node).run(None, {"q": np.asarray(packed), "s": scale})
+    np.testing.assert_array_equal(y, expected)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_fused_vocabulary_loss_on_an_int4_head_matches_float64(threads, monkeypatch):
     """LinearCrossEntropy on a tied int4 head (W [V, H] read transposed, blocks along H) in chunks of rows and
