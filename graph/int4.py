@@ -14,8 +14,9 @@ relative RMS error of dequant(W) - W): block 32: 0.086 / 0.127, block 64: 0.095 
 0.081 / 0.101 for an asymmetric rule with a 4-bit zero point per block. Dequantizing a panel runs at the same
 speed either way (the unpacking dominates; the two kernels timed alternately on a 4096 x 2048 weight). The
 asymmetric rule is the more accurate (6% less error on normal weights, 20% on heavy tails) at the cost of a
-zero-point tensor (half a bit a weight more, a third input in every model and kernel); this rule keeps the
-models' DequantizeLinear at two inputs. Block 32: 64 doubles the error's growth for half a bit a weight.
+zero-point tensor (an eighth of a bit a weight more, a third input in every model and kernel); this rule keeps the
+models' DequantizeLinear at two inputs. Blocks of 64 would save half a bit a weight for 10% more error (25%
+on heavy tails).
 float16 scales would make DequantizeLinear's output float16 (ONNX gives it the scale's type) and need a Cast
 after it. Bits a weight: 4 + 32 / 32 = 5.
 
