@@ -1,6 +1,6 @@
 """Peak RSS at each stage of personalising a decoder with odtrain, one process, printed as JSON lines.
 
-    python memory_stages.py ARTIFACT_DIR [--batch 4 --seq 128 --steps 10 --export-dtype float32 --memory-budget BYTES]
+    python memory_stages.py ARTIFACT_DIR [--batch 4 --seq 128 --steps 10 --export-dtype float32 --memory-budget BYTES|auto]
 
 ARTIFACT_DIR is `odtrain prepare MODEL.onnx --lora-rank 8 --lora-alpha 16 --lora-targets '*q_proj*' ...`'s
 output (MODEL.onnx: e.g. a SmolLM2-135M-shaped Llama built by transformers from its config with random
@@ -38,11 +38,12 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--export-dtype", choices=("float32", "int8", "bfloat16"), default="float32",
+    parser.add_argument("--export-dtype", choices=("float32", "int8", "int4", "bfloat16"), default="float32",
                         help="the frozen weights' type in the exported model (export_model_for_inferencing's "
-                        "frozen_dtype; int8 and bfloat16 keep the adapters beside the stored weights)")
-    parser.add_argument("--memory-budget", type=int, default=None,
-                        help="Module's memory_budget: the training arena's cap in bytes, met by recomputing activations")
+                        "frozen_dtype; int8, int4 and bfloat16 keep the adapters beside the stored weights)")
+    parser.add_argument("--memory-budget", type=lambda text: text if text == "auto" else int(text), default=None,
+                        help="Module's memory_budget: the training arena's cap in bytes, met by recomputing "
+                        "activations, or 'auto'")
     args = parser.parse_args(argv)
     from odtrain.api import CheckpointState, Module, Optimizer
 
