@@ -346,3 +346,24 @@ def test_prepare_quantizes_a_model_with_external_data_in_bounded_memory(tmp_path
     assert "held as int4 32.00 MiB, float32 8.00 MiB" in summary
     code, report, _ = odtrain_main(capsys, "memory", tmp_path / "large_out", "--batch-size", "2")
     assert code == 0 and "frozen: int4 32.00 MiB, float32 8.00 MiB" in report
+
+
+def test_a_model_with_int4_weights_is_written_at_opset_21():
+    """at_blocked_opset: an opset-17 graph holding 4-bit values comes back at opset 21 with ReduceMean's axes as
+    an input (the caller's graph unchanged); an op whose meaning changed since (GridSample) is refused."""
+    from odtrain.graph.errors import ModelError
+    from odtrain.graph.int4 import at_blocked_opset
+    from odtrain.graph.ir import Graph, Node
+
+    packed, scale, _ = int4_weight((4, 32), 1)
+    nodes = [Node("DequantizeLinear", ["w", "s"], ["d"], {"axis": 1, "block_size": BLOCK}, "dq"),
+             Node("ReduceMean", ["d"], ["m"], {"axes": [-1], "keepdims": 1}, "mean")]
+    graph = Graph(nodes, [], ["m"], {"w": packed, "s": scale}, {}, {"": 17})
+    raised = at_blocked_opset(graph)
+    assert raised.opsets[""] == 21 and graph.opsets[""] == 17 and graph.nodes[1].attrs["axes"] == [-1]
+    (mean,) = [n for n in raised.nodes if n.op_type == "ReduceMean"]
+    assert "axes" not in mean.attrs and raised.initializers[mean.inputs[1]].tolist() == [-1]
+    graph.nodes.append(Node("GridSample", ["m", "m"], ["g"], {}, "sample"))
+    with pytest.raises(ModelError, match="GridSample.*export the model at opset 21"):
+        at_blocked_opset(graph)
+    assert at_blocked_opset(Graph(nodes[1:], [], ["m"], {}, {}, {"": 17})).opsets[""] == 17  # no 4-bit values
