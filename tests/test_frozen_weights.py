@@ -285,7 +285,7 @@ def embedding_model(vocabulary=64, width=48, outer=40):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["int8", "bfloat16"])
+@pytest.mark.parametrize("kind", ["int8", "bfloat16", "int4"])
 def test_the_kernel_library_runs_stored_weights_with_the_jits_bits(kind, tmp_path):
     """The dequantizing kernels built into the kernel library (odtrain compile) give the JIT's bits, at one
     thread and at two."""
