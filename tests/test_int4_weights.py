@@ -367,3 +367,31 @@ def test_a_model_with_int4_weights_is_written_at_opset_21():
     with pytest.raises(ModelError, match="GridSample.*export the model at opset 21"):
         at_blocked_opset(graph)
     assert at_blocked_opset(Graph(nodes[1:], [], ["m"], {}, {}, {"": 17})).opsets[""] == 17  # no 4-bit values
+
+
+def test_a_model_past_protobufs_limit_keeps_its_weights_beside_it(tmp_path, monkeypatch):
+    """A model whose weights would pass protobuf's 2 GiB (here a limit made small) is written with its large
+    initializers in `<file>.data` (ONNX's external data, float32 and packed int4 alike; a small scale stays
+    inside); onnx, onnxruntime and odtrain read it back whole."""
+    onnxruntime = pytest.importorskip("onnxruntime")
+    from odtrain.graph import onnx_io
+    from odtrain.graph.ir import Graph, Node, TensorType
+
+    packed, scale, w64 = int4_weight((64, 96), 1)
+    w = np.random.default_rng(8).standard_normal((96, 48)).astype(np.float32)
+    nodes = [Node("DequantizeLinear", ["q", "s"], ["d"], {"axis": 1, "block_size": BLOCK}, "dq"),
+             Node("MatMul", ["x", "d"], ["h"], {}, "first"), Node("MatMul", ["h", "w"], ["y"], {}, "second")]
+    types = {"x": TensorType(np.dtype(np.float32), (2, 64)), "y": TensorType(np.dtype(np.float32), (2, 48))}
+    graph = Graph(nodes, ["x"], ["y"], {"q": packed, "s": scale, "w": w}, types, {"": 21})
+    monkeypatch.setattr(onnx_io, "PROTOBUF_LIMIT", 10_000)
+    path = tmp_path / "model.onnx"
+    onnx_io.save_graph(graph, path)
+    assert (tmp_path / "model.onnx.data").stat().st_size >= packed.nbytes + w.nbytes
+    saved = onnx.load(str(path), load_external_data=False)
+    assert {t.name for t in saved.graph.initializer if t.data_location == TensorProto.EXTERNAL} == {"q", "w"}
+    x = np.random.default_rng(9).standard_normal((2, 64)).astype(np.float32)
+    (got,) = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    np.testing.assert_allclose(got, (x.astype(np.float64) @ w64) @ w, rtol=1e-4, atol=1e-4)
+    loaded = onnx_io.load_graph(str(path))
+    assert np.asarray(loaded.initializers["w"]).tobytes() == w.tobytes()
+    assert loaded.initializers["q"].packed.tobytes() == packed.packed.tobytes()
