@@ -17,21 +17,17 @@ rope_theta 500,000; eager attention (plain MatMul/Softmax), no cache.
 import sys
 import time
 
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-
 import make_models
 
 
+SIZES = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+             num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True, rope_theta=500000.0,
+             max_position_embeddings=2048, rms_norm_eps=1e-5)
+
+
 def main(path: str) -> None:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                         num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True,
-                         rope_theta=500000.0, max_position_embeddings=2048, rms_norm_eps=1e-5)
-    config._attn_implementation = "eager"
-    config.use_cache = False
     started = time.time()
-    model = make_models._causal_lm(LlamaForCausalLM)(config)
+    model = make_models.build("llama", "eager", SIZES, seed=0)
     print(f"{sum(p.numel() for p in model.parameters()):,} parameters, built in {time.time() - started:.0f} s")
     make_models.export_torchscript(model, path, 17)
     print(f"exported in {time.time() - started:.0f} s")
