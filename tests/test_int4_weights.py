@@ -58,7 +58,7 @@ def test_int4_quantization_matches_the_rule_and_onnxs_packing(shape):
         assert packed.packed.tobytes() == onnx_bytes and packed.nbytes == (w.size + 1) // 2
         np.testing.assert_array_equal(dequantize(packed, scale, axis, BLOCK),
                                       values * np.repeat(expected_scale, BLOCK, axis)[:shape[0], :shape[1]])
-    assert max(3000 * 701, w.size) > 2 * int4.ROW_ELEMENTS  # the largest shape quantizes in several runs of rows
+    assert w.size > 2 * int4.ROW_ELEMENTS or shape != (3000, 701)  # that one quantizes in several runs of rows
 
 
 def int4_weight(shape, axis, seed=0):
