@@ -8,6 +8,14 @@ weights, exported by make_models.export_torchscript). Stages: load_checkpoint, M
 `--steps` training steps on random token batches, export of the inference model. Each stage's peak is
 the high-water mark of RSS since the previous stage ended (Linux: /proc/self/clear_refs), with RSS after.
 Mapped file pages a stage touches count in RSS (the kernel can drop them; they are not copies).
+
+A 4-bit base at Llama-3.2-1B's shape, in bounded memory (`make_models.py --shaped llama-3.2-1b MODEL.onnx`):
+
+    odtrain prepare MODEL.onnx -o art --lora-rank 8 --lora-alpha 16 \
+        --lora-targets '*q_proj*' '*k_proj*' '*v_proj*' '*o_proj*' --frozen-dtype int4
+    odtrain compile art --batch-size 1 --seq-len 256      # the kernel library: no Numba in the training process
+    odtrain memory art --batch-size 1 --seq-len 256 --budget 180867136   # the smallest arena it names
+    python memory_stages.py art --batch 1 --seq 256 --steps 10 --export-dtype int4 --memory-budget 180867136
 """
 from __future__ import annotations
 
