@@ -14,7 +14,7 @@ A 4-bit base at Llama-3.2-1B's shape, in bounded memory (`make_models.py --shape
     odtrain prepare MODEL.onnx -o art --lora-rank 8 --lora-alpha 16 \
         --lora-targets '*q_proj*' '*k_proj*' '*v_proj*' '*o_proj*' --frozen-dtype int4
     odtrain compile art --batch-size 1 --seq-len 256      # the kernel library: no Numba in the training process
-    odtrain memory art --batch-size 1 --seq-len 256 --budget 180867136   # the smallest arena it names
+    odtrain memory art --batch-size 1 --seq-len 256 --budget 100MB   # refused, naming the smallest arena
     python memory_stages.py art --batch 1 --seq 256 --steps 10 --export-dtype int4 --memory-budget 180867136
 """
 from __future__ import annotations
