@@ -1,4 +1,4 @@
-"""Frozen matrices kept in fewer bytes: int8 per output channel, or bfloat16.
+"""Frozen matrices kept in fewer bytes: int8 per output channel, 4-bit integers in blocks, or bfloat16.
 
 `store_frozen(graph, frozen, dtype)` rewrites, in place and before the loss and gradients are built, each
 frozen float32 weight of rank 2 or more that only these read: a matrix product (MatMul, Gemm) as its B,
@@ -12,6 +12,10 @@ weight. Any other reader (an Add, a norm) leaves the weight float32.
   the last axis), an embedding's rows (axis 0), a Conv's output channels (axis 0). A weight read
   both ways (a tied embedding: Gather and the vocabulary product through Transpose) takes its first
   reader's axis; both agree on axis 0 there.
+- int4 (matrices only: a Conv's weight stays float32): the weight becomes signed 4-bit values in blocks of
+  INT4_BLOCK along the input axis (the other axis than int8's), packed two a byte (graph/int4.py), with one
+  float32 scale a block, the frozen parameter `<W>_frozen_scale` of the blocked shape; its readers read
+  DequantizeLinear(q, s, axis=input axis, block_size=INT4_BLOCK).
 - bfloat16: the weight becomes its nearest bfloat16 values (ties to even), read through Cast(to=FLOAT).
 The weight keeps its name (its values in the checkpoint are the int8 or bfloat16 ones), so LoRA's
 adapter names and export's merge find it. Both forms are standard ONNX; the training model's fusions
@@ -20,7 +24,7 @@ dequantizes it a panel at a time (graph/ops/dequantized.py); a Conv keeps the De
 runs just before it (graph/schedule.py `defer_constant_work`): one layer's float weight at a time.
 
 `restore_frozen(graph, names)` undoes it on a graph whose parameters are initializers (the inference model):
-each weight read through such a DequantizeLinear (two inputs, an int8 initializer) or Cast (from a
+each weight read through such a DequantizeLinear (two inputs, an int8 or int4 initializer) or Cast (from a
 bfloat16 initializer) becomes float32 again (a `Dequantized`: computed when read, so that writing the model
 holds one float32 weight at a time), with its readers reading it directly; it returns the names.
 Export (odtrain.api) restores every weight for a float32 model; for an int8 or bfloat16 model only the
@@ -36,10 +40,12 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import ArgumentError
+from .int4 import DEFAULT_BLOCK, PackedInt4, dequantize, int4_blocks
 from .ir import DEFAULT_DOMAIN, Graph, NameScope, Node, TensorType
 from .onnx_wire import numpy_dtype, release_mapped
 
-FROZEN_DTYPES = ("float32", "bfloat16", "int8")
+FROZEN_DTYPES = ("float32", "bfloat16", "int8", "int4")
+INT4_BLOCK = DEFAULT_BLOCK
 SCALE_SUFFIX = "_frozen_scale"
 BFLOAT16 = 16  # TensorProto.BFLOAT16
 FLOAT = 1
@@ -50,7 +56,8 @@ def check_frozen_dtype(value) -> str:
     """`value` when it names a frozen dtype, else an ArgumentError listing them."""
     if value not in FROZEN_DTYPES:
         raise ArgumentError(f"frozen_dtype {value!r} is not a type frozen weights are stored in; choose one of "
-                            f"{', '.join(FROZEN_DTYPES)} (int8: per output channel with float32 scales)")
+                            f"{', '.join(FROZEN_DTYPES)} (int8: per output channel with float32 scales; int4: in "
+                            f"blocks of {INT4_BLOCK} along the input axis with float32 scales)")
     return value
 
 
@@ -139,13 +146,21 @@ def store_frozen(graph: Graph, frozen, dtype: str) -> list[str]:
         if weight not in graph.initializers:
             continue
         value = np.asarray(graph.initializers[weight])  # computed here when it is a Dequantized
-        if value.dtype != np.float32 or value.ndim < 2:
+        if value.dtype != np.float32 or value.ndim < 2 or (dtype == "int4" and value.ndim != 2):
             continue
         axis = output_axis(graph, weight, consumers)
         if axis is None:
             continue
         read = names.fresh(f"{weight}_dequantized")
-        if dtype == "int8":
+        if dtype == "int4":
+            values, scale = int4_blocks(value, 1 - axis, INT4_BLOCK)  # blocks along the input axis
+            scale_name = names.fresh(weight + SCALE_SUFFIX)
+            graph.initializers[scale_name] = scale
+            graph.value_types[scale_name] = TensorType(scale.dtype, scale.shape)
+            scales.append(scale_name)
+            node = Node("DequantizeLinear", [weight, scale_name], [read], {"axis": 1 - axis, "block_size": INT4_BLOCK},
+                        names.fresh(f"{weight}_dequantize"))
+        elif dtype == "int8":
             values, scale = int8_per_channel(value, axis)
             scale_name = names.fresh(weight + SCALE_SUFFIX)
             graph.initializers[scale_name] = scale
@@ -173,7 +188,8 @@ def store_frozen(graph: Graph, frozen, dtype: str) -> list[str]:
 
 def reads_stored(node: Node, dtype_of) -> str | None:
     """The weight that `node` turns into float32 the way store_frozen writes it (DequantizeLinear of int8 without
-    zero point or blocks, or Cast to float of bfloat16), or None; `dtype_of(name)` gives a value's dtype or None."""
+    zero point or blocks, of int4 in blocks without zero point, or Cast to float of bfloat16), or None;
+    `dtype_of(name)` gives a value's dtype or None."""
     source = node.inputs[0] if node.inputs else ""
     dtype = dtype_of(source) if source else None
     if dtype is None:
@@ -181,29 +197,40 @@ def reads_stored(node: Node, dtype_of) -> str | None:
     if node.key == (DEFAULT_DOMAIN, "DequantizeLinear") and len(node.inputs) == 2 and all(node.inputs) and \
             dtype == np.int8 and not node.attrs.get("block_size", 0):
         return source
+    if node.key == (DEFAULT_DOMAIN, "DequantizeLinear") and len(node.inputs) == 2 and all(node.inputs) and \
+            dtype.name == "int4" and int(node.attrs.get("block_size", 0)) > 0:
+        return source
     if node.key == (DEFAULT_DOMAIN, "Cast") and int(node.attrs.get("to", 0)) == FLOAT and dtype.name == "bfloat16":
         return source
     return None
 
 
 def _stored_weight(graph: Graph, node: Node) -> str | None:
-    """The int8 or bfloat16 initializer (with an initializer scale) that `node` turns into float32, or None."""
-    weight = reads_stored(node, lambda name: np.asarray(graph.initializers[name]).dtype
-                          if name in graph.initializers else None)
+    """The int8, int4 or bfloat16 initializer (with an initializer scale) that `node` turns into float32, or
+    None."""
+    weight = reads_stored(node, lambda name: _dtype(graph.initializers[name]) if name in graph.initializers else None)
     return weight if weight is not None and all(i in graph.initializers for i in node.inputs) else None
+
+
+def _dtype(value) -> np.dtype:
+    """An initializer's element type, without unpacking a PackedInt4 or computing a Dequantized."""
+    return value.dtype if isinstance(value, (PackedInt4, Dequantized)) else np.asarray(value).dtype
 
 
 class Dequantized:
     """The float32 values of a stored weight, computed each time they are read (np.asarray): a model written
     from such values holds one float32 weight at a time. Its shape, dtype and nbytes are known unread."""
 
-    def __init__(self, values: np.ndarray, scale: np.ndarray | None, axis: int):
-        self.values, self.scale, self.axis = values, scale, axis
+    def __init__(self, values, scale: np.ndarray | None, axis: int, block: int = 0):
+        self.values, self.scale, self.axis, self.block = values, scale, axis, block
         self.shape, self.ndim, self.size = values.shape, values.ndim, values.size
         self.dtype = np.dtype(np.float32)
         self.nbytes = 4 * values.size
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        if isinstance(self.values, PackedInt4):
+            result = dequantize(self.values, self.scale, self.axis, self.block)
+            return result if dtype is None else result.astype(dtype)
         result = self.values.astype(np.float32)
         if self.scale is not None:
             shape = [1] * self.ndim
@@ -215,16 +242,17 @@ class Dequantized:
 
 def dequantized(graph: Graph, node: Node) -> Dequantized:
     """The float32 values of the weight a store_frozen node (DequantizeLinear or Cast) reads, as they are read."""
-    values = np.asarray(graph.initializers[node.inputs[0]])
+    values = graph.initializers[node.inputs[0]]
+    values = values if isinstance(values, PackedInt4) else np.asarray(values)
     scale = np.asarray(graph.initializers[node.inputs[1]], np.float32) if node.op_type != "Cast" else None
-    return Dequantized(values, scale, int(node.attrs.get("axis", 1)))
+    return Dequantized(values, scale, int(node.attrs.get("axis", 1)), int(node.attrs.get("block_size", 0)))
 
 
 def stored_weights(graph: Graph) -> dict[str, str]:
     """{weight: its element type name} for the weights that store_frozen's nodes read, in a graph whose
     parameters are initializers."""
     weights = [_stored_weight(graph, node) for node in graph.nodes]
-    return {w: np.asarray(graph.initializers[w]).dtype.name for w in weights if w is not None}
+    return {w: _dtype(graph.initializers[w]).name for w in weights if w is not None}
 
 
 def restore_frozen(graph: Graph, names=None) -> list[str]:
@@ -257,6 +285,6 @@ def frozen_bytes(arrays: dict) -> dict[str, int]:
     """Bytes of `arrays` ({name: array}) by element type name, largest first."""
     totals: dict[str, int] = {}
     for value in arrays.values():
-        key = np.asarray(value).dtype.name
-        totals[key] = totals.get(key, 0) + int(np.asarray(value).nbytes)
+        value = value if isinstance(value, PackedInt4) else np.asarray(value)
+        totals[value.dtype.name] = totals.get(value.dtype.name, 0) + int(value.nbytes)
     return dict(sorted(totals.items(), key=lambda item: -item[1]))

@@ -43,7 +43,7 @@ the chain's output name, so the rest of the graph is untouched:
   never exist whole; the kernels hold one chunk of rows of them at a time (kernels/training.py).
   A stored weight's DequantizedMatMul (below; that pass runs first) fuses alike, with its scale and axis.
   Only when nothing else reads the logits: a model that also outputs them keeps the product.
-- A frozen weight stored as int8 or bfloat16 (graph/frozen.py) read by products and embeddings:
+- A frozen weight stored as int8, int4 or bfloat16 (graph/frozen.py) read by products and embeddings:
       MatMul(A, DequantizeLinear(W, s, axis)) or FusedMatMul(.., transB) or Gemm → ai.odtrain DequantizedMatMul
       Gather(DequantizeLinear(W, s, axis), ids)                                → ai.odtrain DequantizedGather
   (Cast(W, to=FLOAT) for bfloat16), when every reader of the dequantized weight is one of these: the
@@ -494,6 +494,8 @@ def _match_vocabulary_loss(index: _Index, node: Node):
         attrs["transB"] = int(product.attrs.get("transB", 0))
     elif product.key == (ODTRAIN_DOMAIN, "DequantizedMatMul"):  # a stored weight, read a panel at a time
         attrs.update(transB=int(product.attrs.get("transB", 0)), axis=int(product.attrs.get("axis", 0)))
+        if product.attrs.get("block_size", 0):
+            attrs["block_size"] = int(product.attrs["block_size"])
         stored = list(product.inputs[2:3])
     else:
         return None
@@ -503,31 +505,36 @@ def _match_vocabulary_loss(index: _Index, node: Node):
                                      list(node.outputs), attrs, node.name, ODTRAIN_DOMAIN)
 
 
-def _stored_weight(graph: Graph, node: Node) -> tuple[list[str], int] | None:
-    """([W] or [W, scale], axis) when `node` turns a 2-D int8 weight (DequantizeLinear without zero point, per
-    tensor or per axis) or bfloat16 weight (Cast to float) into float32, else None."""
+def _stored_weight(graph: Graph, node: Node) -> tuple[list[str], int, int] | None:
+    """([W] or [W, scale], axis, block_size) when `node` turns a 2-D int8 weight (DequantizeLinear without zero
+    point, per tensor or per axis), int4 weight (the same in blocks) or bfloat16 weight (Cast to float) into
+    float32, else None."""
     weight = reads_stored(node, lambda name: graph.value_types[name].dtype if name in graph.value_types else None)
     source = graph.value_types.get(weight) if weight is not None else None
     if source is None or source.shape is None or len(source.shape) != 2:
         return None
     if node.op_type == "Cast":
-        return [weight], 0
+        return [weight], 0, 0
     scale = graph.value_types.get(node.inputs[1])
     axis = int(node.attrs.get("axis", 1)) % 2
-    if scale is None or scale.shape is None or (scale.shape not in ((), (1,)) and scale.shape != (source.shape[axis],)):
+    block = int(node.attrs.get("block_size", 0))
+    expected = tuple(-(-d // block) if a == axis else d for a, d in enumerate(source.shape)) if block else None
+    per_axis = scale is not None and scale.shape in ((), (1,), (source.shape[axis],))
+    if scale is None or scale.shape is None or not (scale.shape == expected if block else per_axis):
         return None
-    return list(node.inputs), axis
+    return list(node.inputs), axis, block
 
 
-def _dequantized_reader(graph: Graph, reader: Node, weight: str, stored: list[str], axis: int,
+def _dequantized_reader(graph: Graph, reader: Node, weight: str, stored: list[str], axis: int, block: int,
                         flipped: int = 0) -> Node | None:
     """The DequantizedMatMul or DequantizedGather reading `stored` in place of `reader`'s `weight` (the weight
     transposed when `flipped`), or None."""
     inputs = reader.inputs
+    blocks = {"block_size": block} if block else {}
     if reader.key == ("", "Gather") and inputs[0] == weight and inputs[1] != weight and not flipped and \
             int(reader.attrs.get("axis", 0)) == 0:
-        return Node("DequantizedGather", [stored[0], inputs[1]] + stored[1:], list(reader.outputs), {"axis": axis},
-                    reader.name, ODTRAIN_DOMAIN)
+        return Node("DequantizedGather", [stored[0], inputs[1]] + stored[1:], list(reader.outputs),
+                    {"axis": axis, **blocks}, reader.name, ODTRAIN_DOMAIN)
     if len(inputs) < 2 or inputs[1] != weight or inputs[0] == weight:
         return None
     if reader.key == ("", "MatMul") and len(inputs) == 2:
@@ -541,7 +548,7 @@ def _dequantized_reader(graph: Graph, reader: Node, weight: str, stored: list[st
     else:
         return None
     return Node("DequantizedMatMul", [inputs[0]] + stored, list(reader.outputs),
-                {"transB": transposed ^ flipped, "axis": axis}, reader.name, ODTRAIN_DOMAIN)
+                {"transB": transposed ^ flipped, "axis": axis, **blocks}, reader.name, ODTRAIN_DOMAIN)
 
 
 def dequantized_pass(graph: Graph) -> None:

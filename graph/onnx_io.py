@@ -25,11 +25,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .errors import ArtifactNotFoundError, ModelError, UnsupportedOpError
+from .int4 import PackedInt4, at_blocked_opset
 from .ir import DEFAULT_DOMAIN, ODTRAIN_DOMAIN, Graph, Node, TensorType
 from .onnx_wire import (EXTERNAL, LIGHT_BYTES, SCOPE_KEY, AttributeData, AttributeType, GraphData, ModelData,
                         NodeData, TensorData, ValueInfoData, element_type, element_type_name, encode_model,
-                        initializer_field, is_storage_dtype, map_model, minimum_ir_version, node_scope, numpy_dtype,
-                        tensor_data, without_weights)
+                        external_initializer_field, initializer_field, is_storage_dtype, map_model,
+                        minimum_ir_version, node_scope, numpy_dtype, tensor_data, without_weights)
 
 if TYPE_CHECKING:
     import onnx
@@ -170,9 +171,13 @@ def _mapped(tensor: TensorData, folder: str) -> np.ndarray:
     except ValueError:
         raise ModelError(f"its external offset or length is not a number: {tensor.external_data}") from None
     count = int(np.prod(tensor.dims, dtype=np.int64))
-    if count * dtype.itemsize != length or offset < 0 or offset + length > size:
-        raise ModelError(f"its dims {list(tensor.dims)} need {count * dtype.itemsize} bytes; its external data "
+    packed = dtype.name == "int4"  # ONNX's packing, two values a byte, held packed (graph/int4.py)
+    needed = (count + 1) // 2 if packed else count * dtype.itemsize
+    if needed != length or offset < 0 or offset + length > size:
+        raise ModelError(f"its dims {list(tensor.dims)} need {needed} bytes; its external data "
                          f"gives {length} at offset {offset} of '{path}', a file of {size} bytes")
+    if packed:
+        return PackedInt4(np.memmap(path, np.uint8, "c", offset, (length,)).view(np.ndarray), tensor.dims, dtype)
     if count == 0 or offset % dtype.itemsize:
         return np.fromfile(path, dtype.newbyteorder("<"), count, offset=offset).astype(dtype).reshape(tensor.dims)
     return np.memmap(path, dtype.newbyteorder("<"), "c", offset, tuple(tensor.dims)).view(np.ndarray)
@@ -406,6 +411,15 @@ def _attribute(node, key: str, value):
     return helper.make_attribute(key, value)
 
 
+def _initializer_proto(name: str, value) -> onnx.TensorProto:
+    """An initializer's TensorProto; a PackedInt4's bytes are already ONNX's raw data."""
+    from onnx import helper, numpy_helper
+
+    if isinstance(value, PackedInt4):
+        return helper.make_tensor(name, element_type(value.dtype), value.shape, value.packed.tobytes(), raw=True)
+    return numpy_helper.from_array(np.asarray(value), name=name)
+
+
 def graph_to_proto(graph: Graph, extra_inputs: list[str] = (), producer: str = "odtrain") -> onnx.ModelProto:
     """Build a ModelProto; `extra_inputs` (e.g. parameters held in a checkpoint) become graph inputs."""
     from onnx import helper, numpy_helper
@@ -417,7 +431,7 @@ def graph_to_proto(graph: Graph, extra_inputs: list[str] = (), producer: str = "
         nodes.append(made)
     inputs = [_value_info(n, graph.value_types.get(n)) for n in list(graph.inputs) + list(extra_inputs)]
     outputs = [_value_info(n, graph.value_types.get(n)) for n in graph.outputs]
-    initializers = [numpy_helper.from_array(np.asarray(v), name=k) for k, v in graph.initializers.items()]
+    initializers = [_initializer_proto(k, v) for k, v in graph.initializers.items()]
     g = helper.make_graph(nodes, graph.name, inputs, outputs, initializers)
     opsets = dict(graph.opsets)
     if any(n.domain == ODTRAIN_DOMAIN for n in graph.nodes):
@@ -475,6 +489,7 @@ def save_graph(graph: Graph, path, extra_inputs: list[str] = ()) -> None:
     protobuf: ONNX infers on the model with them as typed inputs, that model is written without them, and
     each is appended from its array as one more `graph` field holding one initializer (protobuf merges a
     message field seen twice, appending repeated ones)."""
+    graph = at_blocked_opset(graph)  # 4-bit weights are opset 21's
     held = {k: v if hasattr(v, "nbytes") and hasattr(v, "dtype") else np.asarray(v)  # arrays, or values
             for k, v in graph.initializers.items()}  # computed when read (graph/frozen.py Dequantized)
     large = [k for k, v in held.items() if v.nbytes >= LIGHT_BYTES and (v.dtype.kind in "biuf" or
@@ -497,14 +512,36 @@ def save_graph(graph: Graph, path, extra_inputs: list[str] = ()) -> None:
     _write_appending(path, proto.SerializeToString(), graph, large)
 
 
+# protobuf refuses a message of 2 GiB or more: a model whose weights would make it so keeps them beside it
+PROTOBUF_LIMIT = 2 ** 31 - 2 ** 20  # less a margin for the fields' own bytes
+EXTERNAL_ALIGNMENT = 4096  # each external tensor starts on a page, so that a reader can map it
+
+
 def _write_appending(path, model: bytes, graph: Graph, large: list[str]) -> None:
-    """Write a model's bytes, then each initializer of `large` from its array as one more `graph` field."""
-    with open(os.fspath(path), "wb") as f:
-        f.write(model)
-        for name in large:
-            array = np.ascontiguousarray(graph.initializers[name])
-            f.write(initializer_field(name, element_type(array.dtype), array.shape, array.nbytes))
-            f.write(array.reshape(-1).view(np.uint8))
+    """Write a model's bytes, then each initializer of `large` from its array as one more `graph` field; or,
+    when those would pass protobuf's 2 GiB, as fields that point into `<model file>.data` beside it (ONNX's
+    external data), written there one after another."""
+    path = os.fspath(path)
+    external = len(model) + sum(int(graph.initializers[n].nbytes) for n in large) >= PROTOBUF_LIMIT
+    location = os.path.basename(path) + ".data"
+    data = open(os.path.join(os.path.dirname(path), location), "wb") if external else None
+    try:
+        with open(path, "wb") as f:
+            f.write(model)
+            for name in large:
+                value = graph.initializers[name]
+                array = value.packed if isinstance(value, PackedInt4) else np.ascontiguousarray(value)  # ONNX's
+                if data is None:  # packing for 4 bits
+                    f.write(initializer_field(name, element_type(value.dtype), value.shape, array.nbytes))
+                    f.write(array.reshape(-1).view(np.uint8))
+                    continue
+                data.write(b"\0" * (-data.tell() % EXTERNAL_ALIGNMENT))
+                f.write(external_initializer_field(name, element_type(value.dtype), value.shape, location, data.tell(),
+                                                   array.nbytes))
+                data.write(array.reshape(-1).view(np.uint8))
+    finally:
+        if data is not None:
+            data.close()
 
 
 def _with_inferred_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:

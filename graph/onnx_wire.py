@@ -650,6 +650,17 @@ def initializer_field(name: str, data_type: int, dims, nbytes: int) -> bytes:
     return _varint_bytes(7 << 3 | LENGTH) + _varint_bytes(len(tensor) + nbytes) + tensor
 
 
+def external_initializer_field(name: str, data_type: int, dims, location: str, offset: int, length: int) -> bytes:
+    """The bytes of a ModelProto's `graph` field holding one initializer whose `length` bytes sit at `offset` of
+    the file `location` (beside the model, ONNX's external data)."""
+    entries = b"".join(_length(13, _length(1, key) + _length(2, str(value)))
+                       for key, value in (("location", location), ("offset", offset), ("length", length)))
+    tensor = b"".join(_number(1, d) for d in dims) + _number(2, data_type) + _length(8, name) + entries + \
+        _number(14, EXTERNAL)
+    tensor = _varint_bytes(5 << 3 | LENGTH) + _varint_bytes(len(tensor)) + tensor
+    return _varint_bytes(7 << 3 | LENGTH) + _varint_bytes(len(tensor)) + tensor
+
+
 def _encode(number: int, wire: int, value, data=None) -> bytes:
     """One field as read by _fields: `value` an int (varint), bytes, or the span of its bytes in `data`."""
     if wire == VARINT:
@@ -695,7 +706,10 @@ def _encode_tensor(tensor: TensorData) -> bytes:
 
 
 def tensor_data(name: str, array: np.ndarray) -> TensorData:
-    """A float, int or bool array as a TensorData with little-endian raw_data."""
+    """A float, int or bool array as a TensorData with little-endian raw_data (a PackedInt4's packed bytes)."""
+    packed = getattr(array, "packed", None)
+    if packed is not None:
+        return TensorData(name, list(array.shape), element_type(array.dtype), packed.tobytes())
     array = np.asarray(array)
     return TensorData(name, list(array.shape), element_type(array.dtype),
                       np.ascontiguousarray(array, array.dtype.newbyteorder("<")).tobytes())

@@ -1,5 +1,6 @@
-"""Products and gathers on a frozen weight stored as int8 (with float32 scales along one axis) or bfloat16,
-dequantized a panel at a time (graph/ops/dequantized.py).
+"""Products and gathers on a frozen weight stored as int8 (with float32 scales along one axis), int4 (packed
+two a byte, with a float32 scale per block of `group` values along one axis) or bfloat16, dequantized a panel at
+a time (graph/ops/dequantized.py).
 
 DequantizedMatMul: the stored weight W [R, C] is cut into panels of whole rows (`block` rows, at most
 PANEL_ELEMENTS floats) of the columns a part owns; each panel is dequantized into scratch and multiplied by
@@ -14,7 +15,10 @@ between its dequantization and its product.
 DequantizedGather: out[j, :] = dequant(W[indices[j], :]): only the gathered rows are read.
 
 bfloat16 values are the upper 16 bits of a float32: the panel is written through a uint32 view of itself.
-Kernels read no globals: the stored type is an argument (INT8 or BFLOAT16).
+int4 values are ONNX's packed bytes (graph/int4.py: element e of the flattened weight in byte e // 2, the low
+nibble first); a row's run of them is unpacked a byte (two values) at a time into the panel, then scaled a
+block at a time (blocks along the row, axis 1) or by the row's block's scales (axis 0).
+Kernels read no globals: the stored type is an argument (INT8, BFLOAT16 or INT4).
 """
 from __future__ import annotations
 
@@ -27,17 +31,60 @@ from .blas import gemm_blocks
 from .layout import flat
 from .parts import on_parts, part_count, twin_of
 
-INT8, BFLOAT16 = 0, 1
+INT8, BFLOAT16, INT4 = 0, 1, 2
 PANEL_ELEMENTS = 1 << 16
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _dequantize_panel(w, scale, axis, stored, first, count, c0, c1, columns, panel, bits):
+def _int4_run(w, start, target):
+    """target[k] = the signed 4-bit value of element start + k of the packed bytes w, as float32."""
+    n = target.size
+    k = 0
+    if start % 2 == 1 and n > 0:  # the run starts in a byte's high nibble
+        target[0] = np.float32(((np.int32(w[start >> 1]) >> 4) ^ 8) - 8)
+        k = 1
+    pairs = (n - k) // 2
+    source = w[(start + k) >> 1:((start + k) >> 1) + pairs]
+    out = target[k:k + 2 * pairs]
+    for p in range(pairs):
+        b = np.int32(source[p])
+        out[2 * p] = np.float32(((b & 15) ^ 8) - 8)
+        out[2 * p + 1] = np.float32(((b >> 4) ^ 8) - 8)
+    if k + 2 * pairs < n:  # the run ends in a byte's low nibble
+        target[n - 1] = np.float32(((np.int32(w[(start + n - 1) >> 1]) & 15) ^ 8) - 8)
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _dequantize_int4_row(w, scale, axis, group, row, c0, c1, columns, target):
+    """target[j - c0] = dequant(w[row, j]) for columns [c0, c1) of a 4-bit weight in blocks of `group` values
+    along `axis`."""
+    _int4_run(w, row * columns + c0, target)
+    if axis == 1:  # scale [rows, blocks]: one value for each run of `group` columns
+        blocks = (columns + group - 1) // group
+        j = c0
+        while j < c1:
+            end = min(c1, (j // group + 1) * group)
+            s = scale[row * blocks + j // group]
+            run = target[j - c0:end - c0]
+            for t in range(end - j):
+                run[t] *= s
+            j = end
+    else:  # scale [⌈rows / group⌉, columns]: the row's block's scales, one a column
+        scales = scale[(row // group) * columns + c0:(row // group) * columns + c1]
+        for j in range(c1 - c0):
+            target[j] *= scales[j]
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _dequantize_panel(w, scale, axis, stored, group, first, count, c0, c1, columns, panel, bits):
     """panel[i, j - c0] = dequant(w[first + i, j]) for rows [first, first + count), columns [c0, c1). Rows are
     read and written as slices indexed from 0, which LLVM vectorises (an indexed loop stays scalar)."""
     width = c1 - c0
     per_index = scale.size > 1
     for i in range(count):
+        if stored == INT4:
+            _dequantize_int4_row(w, scale, axis, group, first + i, c0, c1, columns, panel[i * width:(i + 1) * width])
+            continue
         source = w[(first + i) * columns + c0:(first + i) * columns + c1]
         if stored == BFLOAT16:
             target_bits = bits[i * width:(i + 1) * width]
@@ -56,7 +103,8 @@ def _dequantize_panel(w, scale, axis, stored, first, count, c0, c1, columns, pan
 
 
 @njit(cache=True, error_model="numpy")
-def _product_part(a, w, scale, axis, stored, out, m, rows, columns, trans_b, block, panel, bits, r0, r1, c0, c1):
+def _product_part(a, w, scale, axis, stored, group, out, m, rows, columns, trans_b, block, panel, bits, r0, r1, c0,
+                  c1):
     """The product over stored rows [r0, r1) and columns [c0, c1), a panel of `block` rows at a time."""
     width = c1 - c0
     if trans_b == 0 and r1 == r0:  # an empty sum
@@ -64,7 +112,7 @@ def _product_part(a, w, scale, axis, stored, out, m, rows, columns, trans_b, blo
             out[i * columns + c0:i * columns + c1] = 0
     for first in range(r0, r1, block):
         count = min(block, r1 - first)
-        _dequantize_panel(w, scale, axis, stored, first, count, c0, c1, columns, panel, bits)
+        _dequantize_panel(w, scale, axis, stored, group, first, count, c0, c1, columns, panel, bits)
         if trans_b == 0:  # out[:, c0:c1] (+)= a[:, first:first + count] · panel
             gemm_blocks(0, 0, m, width, count, 1.0, a, first, rows, panel, 0, width, 0.0 if first == r0 else 1.0,
                         out, c0, columns)
@@ -74,17 +122,17 @@ def _product_part(a, w, scale, axis, stored, out, m, rows, columns, trans_b, blo
 
 @twin_of(_product_part, range=("r0", "r1", "c0", "c1"), replaces=("panel", "bits"), takes=("panels", "bits"))
 @njit(cache=True, error_model="numpy", parallel=True)
-def _product_parts(a, w, scale, axis, stored, out, m, rows, columns, trans_b, block, panels, bits, bounds):
+def _product_parts(a, w, scale, axis, stored, group, out, m, rows, columns, trans_b, block, panels, bits, bounds):
     """_product_part on parts (bounds: of rows with transB, else of columns), each with its own panel."""
     size = panels.size // (bounds.size - 1)
     for p in prange(bounds.size - 1):
         panel, own = panels[p * size:(p + 1) * size], bits[p * size:(p + 1) * size]
         if trans_b:
-            _product_part(a, w, scale, axis, stored, out, m, rows, columns, trans_b, block, panel, own, bounds[p],
-                          bounds[p + 1], 0, columns)
+            _product_part(a, w, scale, axis, stored, group, out, m, rows, columns, trans_b, block, panel, own,
+                          bounds[p], bounds[p + 1], 0, columns)
         else:
-            _product_part(a, w, scale, axis, stored, out, m, rows, columns, trans_b, block, panel, own, 0, rows,
-                          bounds[p], bounds[p + 1])
+            _product_part(a, w, scale, axis, stored, group, out, m, rows, columns, trans_b, block, panel, own, 0,
+                          rows, bounds[p], bounds[p + 1])
 
 
 def _panels(rows: int, columns: int, trans_b: int, m: int, threads: int):
@@ -96,15 +144,19 @@ def _panels(rows: int, columns: int, trans_b: int, m: int, threads: int):
     return parts, block, block * width
 
 
-def _product_scratch(input_specs, output_specs, transB=0, axis=0, threads=1):
+def _product_scratch(input_specs, output_specs, transB=0, axis=0, threads=1, block_size=0):
     (a_shape, _), (w_shape, _) = input_specs[0], input_specs[1]
     m = int(np.prod(a_shape[:-1], dtype=np.int64))
     parts, _, size = _panels(int(w_shape[0]), int(w_shape[1]), int(transB), m, threads)
     return 4 * size * parts
 
 
-def _stored(w: np.ndarray):
-    """(the weight's elements as numbers Numba reads, the stored type)."""
+def _stored(w):
+    """(the weight's elements as numbers Numba reads, the stored type); a 4-bit weight (graph/int4.py's
+    PackedInt4) gives its packed bytes."""
+    packed = getattr(w, "packed", None)
+    if packed is not None:
+        return packed, INT4
     if w.dtype == np.int8:
         return flat(w), INT8
     return flat(w).view(np.uint16), BFLOAT16
@@ -115,7 +167,7 @@ def _scale(inputs) -> np.ndarray:
 
 
 @binding("DequantizedMatMul", ODTRAIN_DOMAIN, scratch=_product_scratch, parallel=True)
-def DequantizedMatMul(inputs, outputs, transB=0, axis=0, threads=1, scratch=None):
+def DequantizedMatMul(inputs, outputs, transB=0, axis=0, threads=1, scratch=None, block_size=0):
     a, w, out = inputs[0], inputs[1], outputs[0]
     rows, columns = (int(d) for d in w.shape)
     m = int(out.size // (rows if transB else columns)) if out.size else 0
@@ -125,13 +177,14 @@ def DequantizedMatMul(inputs, outputs, transB=0, axis=0, threads=1, scratch=None
     parts, block, size = _panels(rows, columns, int(transB), m, threads)
     panels = scratch.view(np.float32)
     bits = scratch.view(np.uint32)
-    args = (flat(a), values, _scale(inputs), int(axis), stored, flat(out), m, rows, columns, int(transB), block)
+    args = (flat(a), values, _scale(inputs), int(axis), stored, int(block_size), flat(out), m, rows, columns,
+            int(transB), block)
     serial = (_product_part, args + (panels[:size], bits[:size], 0, rows, 0, columns))
     return [on_parts(serial, rows if transB else columns, parts, (panels[:size * parts], bits[:size * parts]))]
 
 
 @njit(cache=True, error_model="numpy")
-def _gather_rows(w, scale, axis, stored, indices, out, rows, columns, bits):
+def _gather_rows(w, scale, axis, stored, group, indices, out, rows, columns, bits):
     """out[j, :] = dequant(w[indices[j], :]) (out written through `bits`, its uint32 view, for bfloat16)."""
     for j in range(indices.size):
         k = indices[j]
@@ -139,15 +192,15 @@ def _gather_rows(w, scale, axis, stored, indices, out, rows, columns, bits):
             k += rows
         if k < 0 or k >= rows:
             raise ValueError("an index is outside the gathered axis")
-        _dequantize_panel(w, scale, axis, stored, k, 1, 0, columns, columns, out[j * columns:(j + 1) * columns],
-                          bits[j * columns:(j + 1) * columns])
+        _dequantize_panel(w, scale, axis, stored, group, k, 1, 0, columns, columns,
+                          out[j * columns:(j + 1) * columns], bits[j * columns:(j + 1) * columns])
 
 
 @binding("DequantizedGather", ODTRAIN_DOMAIN)
-def DequantizedGather(inputs, outputs, axis=0):
+def DequantizedGather(inputs, outputs, axis=0, block_size=0):
     w, indices, out = inputs[0], inputs[1], outputs[0]
     values, stored = _stored(w)
     rows, columns = (int(d) for d in w.shape)
     target = flat(out)
-    return [(_gather_rows, (values, _scale(inputs), int(axis), stored, flat(indices), target, rows, columns,
-                            target.view(np.uint32)))]
+    return [(_gather_rows, (values, _scale(inputs), int(axis), stored, int(block_size), flat(indices), target, rows,
+                            columns, target.view(np.uint32)))]

@@ -166,6 +166,8 @@ def QuantizeLinear(inputs, outputs, axis=1, saturate=1, block_size=0, output_dty
 @binding("DequantizeLinear")
 def DequantizeLinear(inputs, outputs, axis=1, block_size=0, output_dtype=0):
     x, zero, y = inputs[0], _optional(inputs, 2), outputs[0]
+    if hasattr(x, "packed"):  # a packed 4-bit weight no product reads in place: unpacked once, as the step binds
+        x = np.asarray(x)
     if not converts(x.dtype):
         return [affine_call(DEQUANTIZE, x, inputs[1], zero, y, axis, block_size)]
     # float8, float4, int4, int2: converted to float32 into y (and the zero point into a buffer of its own, made

@@ -17,7 +17,7 @@ from .jit import njit, prange
 
 from . import ODTRAIN_DOMAIN, binding
 from .blas import gemm_blocks
-from .dequantized import INT8, PANEL_ELEMENTS, _product_part, _stored
+from .dequantized import INT4, INT8, PANEL_ELEMENTS, _product_part, _stored
 from .elementwise import fast_exp
 from .layout import flat, float_buffers
 from .parts import on_parts, part_count, split, twin_of
@@ -319,73 +319,77 @@ def _linear_cross_entropy_grad_parts(dloss, hidden, weight, transposed, labels, 
                              bounds[p + 1], 0.0 if first == 0 else 1.0)
 
 
-# A weight stored as int8 or bfloat16 (graph/frozen.py; frozen, so no dW) is read a panel at a time, as
+# A weight stored as int8, int4 or bfloat16 (graph/frozen.py; frozen, so no dW) is read a panel at a time, as
 # DequantizedMatMul reads it (kernels/dequantized.py): per chunk, the logits' product dequantizes every panel
 # once, and dHidden's once more. Parts split the vocabulary for the logits and hidden's width for dHidden, each
 # with its own panel, so no panel is dequantized twice in one product.
 @njit(cache=True, error_model="numpy", inline="always")
-def _stored_product(a, w, scale, axis, stored, out, m, rows, columns, trans_b, panel, bits, r0, r1, c0, c1):
+def _stored_product(a, w, scale, axis, stored, group, out, m, rows, columns, trans_b, panel, bits, r0, r1, c0, c1):
     """kernels/dequantized.py's product over stored rows [r0, r1) and columns [c0, c1) with panels of `panel`'s
     size: whole rows of the range with transB or when 64 of them fit a panel, else blocks of columns deep
     enough for BLAS."""
     if trans_b or (c1 - c0) * min(r1 - r0, 64) <= panel.size:
-        _product_part(a, w, scale, axis, stored, out, m, rows, columns, trans_b, max(1, panel.size // (c1 - c0)),
-                      panel, bits, r0, r1, c0, c1)
+        _product_part(a, w, scale, axis, stored, group, out, m, rows, columns, trans_b,
+                      max(1, panel.size // (c1 - c0)), panel, bits, r0, r1, c0, c1)
         return
     width = min(panel.size, max(16, panel.size // min(r1 - r0, 1024) // 16 * 16))
     for lo in range(c0, c1, width):
         hi = min(c1, lo + width)
-        _product_part(a, w, scale, axis, stored, out, m, rows, columns, trans_b, max(1, panel.size // (hi - lo)),
-                      panel, bits, r0, r1, lo, hi)
+        _product_part(a, w, scale, axis, stored, group, out, m, rows, columns, trans_b,
+                      max(1, panel.size // (hi - lo)), panel, bits, r0, r1, lo, hi)
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _stored_logits(hidden, w, scale, axis, stored, transposed, logits, first, size, classes, width, panel, bits,
-                   lo, hi):
+def _stored_logits(hidden, w, scale, axis, stored, group, transposed, logits, first, size, classes, width, panel,
+                   bits, lo, hi):
     """logits[:size, lo:hi] = hidden[first:first + size] · op(dequant(W))[:, lo:hi]."""
     a = hidden[first * width:(first + size) * width]
     if transposed:  # W [V, H]: rows lo..hi of W
-        _stored_product(a, w, scale, axis, stored, logits, size, classes, width, 1, panel, bits, lo, hi, 0, width)
+        _stored_product(a, w, scale, axis, stored, group, logits, size, classes, width, 1, panel, bits, lo, hi, 0,
+                        width)
     else:  # W [H, V]: columns lo..hi
-        _stored_product(a, w, scale, axis, stored, logits, size, width, classes, 0, panel, bits, 0, width, lo, hi)
+        _stored_product(a, w, scale, axis, stored, group, logits, size, width, classes, 0, panel, bits, 0, width, lo,
+                        hi)
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _stored_hidden_gradient(grads, w, scale, axis, stored, transposed, dhidden, first, size, classes, width, panel,
-                            bits, lo, hi):
+def _stored_hidden_gradient(grads, w, scale, axis, stored, group, transposed, dhidden, first, size, classes, width,
+                            panel, bits, lo, hi):
     """dHidden[first:first + size, lo:hi] = G · op(dequant(W))ᵀ[:, lo:hi] (lo..hi: columns of hidden)."""
     d = dhidden[first * width:(first + size) * width]
     if transposed:  # G [size, V] · W [V, H], columns lo..hi of W
-        _stored_product(grads, w, scale, axis, stored, d, size, classes, width, 0, panel, bits, 0, classes, lo, hi)
+        _stored_product(grads, w, scale, axis, stored, group, d, size, classes, width, 0, panel, bits, 0, classes, lo,
+                        hi)
     else:  # G · W [H, V]ᵀ: rows lo..hi of W
-        _stored_product(grads, w, scale, axis, stored, d, size, width, classes, 1, panel, bits, lo, hi, 0, classes)
+        _stored_product(grads, w, scale, axis, stored, group, d, size, width, classes, 1, panel, bits, lo, hi, 0,
+                        classes)
 
 
 @njit(cache=True, error_model="numpy")
-def _stored_linear_cross_entropy(hidden, w, scale, axis, stored, transposed, labels, ignore_index, mean, logits,
-                                 values, loss, dhidden, want_hidden, width, classes, chunk, panel, bits):
-    """_linear_cross_entropy of a weight stored as int8 or bfloat16."""
+def _stored_linear_cross_entropy(hidden, w, scale, axis, stored, group, transposed, labels, ignore_index, mean,
+                                 logits, values, loss, dhidden, want_hidden, width, classes, chunk, panel, bits):
+    """_linear_cross_entropy of a weight stored as int8, int4 or bfloat16."""
     rows = labels.shape[0]
     g = _unit_weight(labels, ignore_index, classes, mean)
     total = 0.0
     for first in range(0, rows, chunk):
         size = min(chunk, rows - first)
-        _stored_logits(hidden, w, scale, axis, stored, transposed, logits, first, size, classes, width, panel, bits,
-                       0, classes)
+        _stored_logits(hidden, w, scale, axis, stored, group, transposed, logits, first, size, classes, width, panel,
+                       bits, 0, classes)
         _chunk_rows_softmax(logits, labels, ignore_index, first, 0, size, g, values)
         for r in range(size):
             total += values[r]
         if want_hidden:
-            _stored_hidden_gradient(logits, w, scale, axis, stored, transposed, dhidden, first, size, classes,
+            _stored_hidden_gradient(logits, w, scale, axis, stored, group, transposed, dhidden, first, size, classes,
                                     width, panel, bits, 0, width)
     loss[0] = total * g if mean else total
 
 
 @twin_of(_stored_linear_cross_entropy, replaces=("panel", "bits"), takes=("panels", "bits"))
 @njit(cache=True, error_model="numpy", parallel=True)
-def _stored_linear_cross_entropy_parts(hidden, w, scale, axis, stored, transposed, labels, ignore_index, mean, logits,
-                                       values, loss, dhidden, want_hidden, width, classes, chunk, panels, bits,
-                                       bounds):
+def _stored_linear_cross_entropy_parts(hidden, w, scale, axis, stored, group, transposed, labels, ignore_index, mean,
+                                       logits, values, loss, dhidden, want_hidden, width, classes, chunk, panels,
+                                       bits, bounds):
     """_stored_linear_cross_entropy with the logits split over the vocabulary (bounds), the row work over parts
     of the chunk's rows and dHidden over parts of its width; each part dequantizes into its own panel."""
     rows, parts = labels.shape[0], bounds.size - 1
@@ -396,7 +400,7 @@ def _stored_linear_cross_entropy_parts(hidden, w, scale, axis, stored, transpose
         size = min(chunk, rows - first)
         for p in prange(parts):
             own = slice(p * size_of_panel, (p + 1) * size_of_panel)
-            _stored_logits(hidden, w, scale, axis, stored, transposed, logits, first, size, classes, width,
+            _stored_logits(hidden, w, scale, axis, stored, group, transposed, logits, first, size, classes, width,
                            panels[own], bits[own], bounds[p], bounds[p + 1])
         for p in prange(parts):
             _chunk_rows_softmax(logits, labels, ignore_index, first, size * p // parts, size * (p + 1) // parts, g,
@@ -404,8 +408,9 @@ def _stored_linear_cross_entropy_parts(hidden, w, scale, axis, stored, transpose
         if want_hidden:
             for p in prange(parts):
                 own = slice(p * size_of_panel, (p + 1) * size_of_panel)
-                _stored_hidden_gradient(logits, w, scale, axis, stored, transposed, dhidden, first, size, classes,
-                                        width, panels[own], bits[own], width * p // parts, width * (p + 1) // parts)
+                _stored_hidden_gradient(logits, w, scale, axis, stored, group, transposed, dhidden, first, size,
+                                        classes, width, panels[own], bits[own], width * p // parts,
+                                        width * (p + 1) // parts)
         for r in range(size):
             total += values[r]
     loss[0] = total * g if mean else total
@@ -452,7 +457,7 @@ def _vocabulary_operands(labels, scratch, rows, classes, ignore_index, reduction
 
 @binding("LinearCrossEntropy", ODTRAIN_DOMAIN, scratch=_vocabulary_scratch, parallel=True)
 def LinearCrossEntropy(inputs, outputs, scratch=None, transB=0, ignore_index=None, reduction="mean", axis=0,
-                       threads=1):
+                       threads=1, block_size=0):
     hidden, weight, labels = inputs[:3]
     rows, width, classes = _vocabulary_layout(hidden.shape, weight.shape, transB)
     chunk, loss_operands, rest = _vocabulary_operands(labels, scratch, rows, classes, ignore_index, reduction)
@@ -463,10 +468,10 @@ def LinearCrossEntropy(inputs, outputs, scratch=None, transB=0, ignore_index=Non
         args = (flat(hidden), flat(weight), bool(transB)) + loss_operands + results
         return [split((_linear_cross_entropy, args), classes, rows * width * classes, threads)]
     values, stored = _stored(weight)
-    scale = flat(inputs[3]) if stored == INT8 else np.ones(1, np.float32)
+    scale = flat(inputs[3]) if stored in (INT8, INT4) else np.ones(1, np.float32)
     parts = _vocabulary_parts(rows, width, classes, threads)
     panels = rest[:PANEL_ELEMENTS * parts]
-    args = (flat(hidden), values, scale, int(axis), stored, bool(transB)) + loss_operands + results
+    args = (flat(hidden), values, scale, int(axis), stored, int(block_size), bool(transB)) + loss_operands + results
     serial = (_stored_linear_cross_entropy, args + (panels[:PANEL_ELEMENTS], panels[:PANEL_ELEMENTS].view(np.uint32)))
     return [on_parts(serial, classes, parts, (panels, panels.view(np.uint32)))]
 

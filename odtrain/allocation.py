@@ -9,6 +9,20 @@ MemoryBudgetError that says the plan's size, its largest values with the nodes t
   request lazily and kill the process when a step first touches the pages.
 - Below that limit the allocation is tried, and numpy's MemoryError (memory others hold) becomes the
   same error, advised against the memory free at that moment.
+
+`auto_budget(mapped, arena)`: the arena budget that memory_budget="auto" stands for, taken when a training
+step is first planned at an input shape:
+    available + arena - mapped - reserve
+- available: MemAvailable (/proc/meminfo: what the kernel estimates a new workload can take without
+  swapping, reclaimable page cache included), or less when a container's limit leaves less
+  (memory.max - memory.current);
+- arena: the shared arena already held (a new plan replaces it, so its bytes are the plan's to use);
+- mapped: the parameters that are views of the checkpoint file (frozen weights): MemAvailable counts their
+  pages as reclaimable cache, yet every step reads all of them, so they must stay resident;
+- reserve: an eighth of what is available, at least RESERVE_FLOOR: what the process adds besides the arena
+  (a kernel's first compilation, LLVM's ~60 MB, where the JIT runs; the plans' Python objects; a batch's
+  feeds) and room for the rest of the device, so that the step does not push the machine into reclaim.
+A budget at or below 0 is a MemoryBudgetError naming these figures.
 """
 from __future__ import annotations
 
@@ -64,6 +78,57 @@ def free_memory() -> int | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     except (AttributeError, ValueError, OSError):
         return None
+
+
+AUTO = "auto"
+RESERVE_SHARE = 8
+RESERVE_FLOOR = 64 << 20
+_CONTAINER_USAGE = {"/sys/fs/cgroup/memory.max": "/sys/fs/cgroup/memory.current",
+                    "/sys/fs/cgroup/memory/memory.limit_in_bytes": "/sys/fs/cgroup/memory/memory.usage_in_bytes"}
+
+
+def _read_number(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def available_memory(meminfo: str = "/proc/meminfo") -> tuple[int, str] | None:
+    """(bytes, what says so) that this process may still take without swapping, or None when unknown."""
+    found = None
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found = (int(line.split()[1]) * 1024, "MemAvailable")
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit_path, usage_path in _CONTAINER_USAGE.items():
+        limit, usage = _read_number(limit_path), _read_number(usage_path)
+        if limit is not None and usage is not None and (found is None or limit - usage < found[0]):
+            found = (max(0, limit - usage), f"this container's limit less its use ({limit_path})")
+    return found
+
+
+def auto_budget(mapped: int, arena: int, available: tuple[int, str] | None = None) -> int:
+    """The arena budget of memory_budget="auto" (see the module docstring); `available` defaults to
+    available_memory()."""
+    available = available if available is not None else available_memory()
+    if available is None:
+        raise MemoryBudgetError('memory_budget="auto" reads the memory available from /proc/meminfo, which this '
+                                "system does not have; give memory_budget a number of bytes")
+    free, source = available
+    reserve = max(RESERVE_FLOOR, free // RESERVE_SHARE)
+    budget = free + arena - mapped - reserve
+    if budget <= 0:
+        raise MemoryBudgetError(f'memory_budget="auto": {format_bytes(free)} available ({source}), of which the '
+                                f"mapped parameters need {format_bytes(mapped)} resident and {format_bytes(reserve)} "
+                                "stay in reserve: nothing is left for a training step's arena; free memory, or "
+                                "store the frozen weights in fewer bytes (prepare --frozen-dtype int8 or int4)")
+    return budget
 
 
 def aligned_buffer(nbytes: int) -> np.ndarray:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import checkpoint as checkpoint_file, kernel_library
+from .allocation import AUTO, auto_budget
 from .graph.autodiff import GRAD_SUFFIX
 from .graph.errors import (ArgumentError, CheckpointError, InputError, ModelError, NonFiniteError, ParameterError,
                            StateError)
@@ -292,6 +293,7 @@ class _GraphSession:
         self.num_threads = num_threads  # None: the process default (odtrain.threads.get_num_threads) at each bind
         self.arena = arena  # an executor.SharedArena shared with the Module's other session, or None
         self.memory_budget = memory_budget
+        self.budget_bytes = memory_budget if memory_budget != AUTO else None  # "auto": set when a step is planned
         self.fused: dict = {}  # gradient output -> (parameter, update) when the optimizer runs inside backward
         self.check_finite = check_finite
         self.steps = 0
@@ -367,8 +369,12 @@ class _GraphSession:
             types = {name: TensorType(a.dtype, a.shape) for name, a in zip(self.input_names, arrays)}
             guarded = tuple(self.output_names[:1]) if self.check_finite else ()
             sinks = {} if self.fused else self.sinks
+            budget = self.memory_budget
+            if budget == AUTO:  # taken now: what is available when the step is planned
+                budget = self.budget_bytes = auto_budget(self.state._store.mapped_bytes(),
+                                                         self.arena.nbytes if self.arena is not None else 0)
             plan = ExecutableStep(self.step_graph, types, self.external, sinks, accumulate and not self.fused, guarded,
-                                  self.memory_budget, self.fused, self.arena, threads=threads, library=self.library)
+                                  budget, self.fused, self.arena, threads=threads, library=self.library)
             self.plans[signature] = plan
             if len(self.plans) > PLAN_CACHE_SIZE:
                 self.plans.popitem(last=False)
@@ -489,7 +495,10 @@ class Module:
 
         `memory_budget` (bytes) caps the arena of a training step: the planner recomputes activations
         in the backward pass instead of storing them until the plan fits; if no plan fits, the first
-        call raises MemoryBudgetError with the smallest budget that works.
+        call raises MemoryBudgetError with the smallest budget that works. `memory_budget="auto"` takes
+        the budget from the memory the machine has available when a step is first planned at an input
+        shape, less the mapped frozen weights and a reserve (odtrain.allocation.auto_budget); the budget
+        taken is `Module.memory_budget_bytes`.
 
         `num_threads` is the number of threads this module's steps use (kernels and BLAS together);
         by default odtrain.threads.get_num_threads(): ODTRAIN_NUM_THREADS, else every core the process
@@ -499,8 +508,9 @@ class Module:
         if str(device).split(":")[0] != "cpu":
             raise ArgumentError(f"device {device!r} is not supported: odtrain runs on the CPU (device='cpu')")
         self._state = state
-        if memory_budget is not None and (not isinstance(memory_budget, (int, np.integer)) or memory_budget <= 0):
-            raise ArgumentError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
+        if memory_budget is not None and memory_budget != AUTO and \
+                (not isinstance(memory_budget, (int, np.integer)) or memory_budget <= 0):
+            raise ArgumentError(f'memory_budget must be a positive number of bytes or "auto", got {memory_budget!r}')
         threads = None if num_threads is None else checked_threads(num_threads)
         from .executor import SharedArena
 
@@ -523,6 +533,12 @@ class Module:
         if self._eval is None:
             raise StateError("eval mode needs an eval model: pass eval_model_uri to Module(...)")
         return self._eval.run(user_inputs)
+
+    @property
+    def memory_budget_bytes(self) -> int | None:
+        """The arena budget of the training steps: memory_budget's bytes; for "auto", the budget taken when the
+        last training step was planned (None before that); None without a budget."""
+        return self._train.budget_bytes
 
     @property
     def kernel_library(self):
@@ -618,9 +634,10 @@ class Module:
     def export_model_for_inferencing(self, inference_model_uri, graph_output_names, frozen_dtype=None) -> None:
         """Write an ONNX model computing `graph_output_names` from the model inputs, parameters embedded.
 
-        Frozen weights stored as int8 or bfloat16 (generate_artifacts' `frozen_dtype`) are written as float32
-        with LoRA adapters merged into them (`frozen_dtype=None` or "float32"), or as int8 read by
-        DequantizeLinear per output channel (a QDQ model, "int8") or bfloat16 read by Cast ("bfloat16"), the
+        Frozen weights stored as int8, int4 or bfloat16 (generate_artifacts' `frozen_dtype`) are written as
+        float32 with LoRA adapters merged into them (`frozen_dtype=None` or "float32"), or as int8 read by
+        DequantizeLinear per output channel (a QDQ model, "int8"), int4 read by DequantizeLinear in blocks
+        along the input axis (opset 21, "int4") or bfloat16 read by Cast ("bfloat16"), the
         adapters then kept as their own rank-r products beside the weights: merged, an update finer than a
         weight's quantization step would round away. Weights stored in the other type are converted."""
         frozen_dtype = check_frozen_dtype(frozen_dtype or "float32")

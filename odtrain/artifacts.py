@@ -129,8 +129,8 @@ def build_training_graphs(model, requires_grad=None, frozen_params=None, loss=No
     LossType.CrossEntropyLoss (odtrain.graph.losses). With `lora` (a LoraConfig), adapters train on the
     targeted weights, with the parameters `requires_grad` names; the rest is frozen (odtrain.graph.lora).
     `qat` inserts fake quantization (graph/qat.py); its activation ranges join the frozen parameters.
-    `frozen_dtype` ("float32", "bfloat16", "int8") is the type the frozen weight matrices are stored and
-    held in (odtrain.graph.frozen); int8's scales join the frozen parameters. `additional_output_names` are
+    `frozen_dtype` ("float32", "bfloat16", "int8", "int4") is the type the frozen weight matrices are stored
+    and held in (odtrain.graph.frozen); int8's and int4's scales join the frozen parameters. `additional_output_names` are
     outputs of both graphs; `eval_output_names` of the eval graph only, so that the training step neither
     keeps nor returns them (a language model's logits: then the vocabulary product fuses with its loss).
     """
@@ -246,7 +246,8 @@ def generate_artifacts(model, requires_grad=None, frozen_params=None, loss=None,
     (and what `requires_grad` names) instead of the weights; export merges them back. `qat=QatConfig()`
     trains with fake quantization; the exported inference model is then a QDQ model with int8 weights.
     `properties` (int, float or str values) are stored in the checkpoint, as CheckpointState.properties.
-    `frozen_dtype="int8"` (per output channel, float32 scales) or `"bfloat16"` stores and holds the frozen
+    `frozen_dtype="int8"` (per output channel, float32 scales), `"int4"` (blocks of 32 along the input axis,
+    float32 scales; the models are then opset 21) or `"bfloat16"` stores and holds the frozen
     weight matrices (those of products, embeddings, convolutions) in that type (odtrain.graph.frozen);
     training reads them a panel at a time, never as a whole float32 copy. `eval_output_names` are added to
     the eval model only (what `odtrain eval` scores and export writes), so the training step does not keep

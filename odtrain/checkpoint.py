@@ -9,7 +9,10 @@ Layout (a safetensors file):
   saved, `random` (JSON: the run's seed and how many training steps drew
   random numbers, so a resumed run's Dropout masks continue the stream) when
   not both 0, `nominal` ("1": shapes only, values to be supplied later) with
-  `shapes`, and `sha256` over every tensor's name, dtype, shape and bytes and
+  `shapes`, `int4` (JSON {name: shape}) for the frozen weights held as 4-bit
+  integers (graph/int4.py), each stored as its packed bytes (safetensors has
+  no 4-bit type: a 1-D U8 tensor of ⌈size / 2⌉ bytes, ONNX's packing), and
+  `sha256` over every tensor's name, dtype, shape and bytes and
   (from format version 2) every other metadata entry; version 1 files, whose
   checksum covers the tensors only, are still read.
 
@@ -50,6 +53,7 @@ except ImportError:  # Windows: stale temporary files are left alone
     fcntl = None
 
 from .graph.errors import ArtifactNotFoundError, CheckpointError
+from .graph.int4 import PackedInt4
 
 FORMAT = "odtrain-checkpoint"
 FORMAT_VERSION = 2
@@ -60,6 +64,7 @@ READ_BLOCK = 1 << 20  # bytes read at a time when the checksum streams the file
 DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "|i1",
           "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "|u1", "BOOL": "|b1"}  # safetensors' names
 BFLOAT16 = "BF16"  # frozen weights stored as bfloat16 (odtrain.graph.frozen): ml_dtypes' type, imported then
+INT4 = "I4"  # a nominal checkpoint's 4-bit weights (stored ones are packed U8 bytes, listed in metadata `int4`)
 
 
 def element_dtype(code: str) -> np.dtype:
@@ -71,10 +76,18 @@ def element_dtype(code: str) -> np.dtype:
     return np.dtype(DTYPES[code])
 
 
+def _int4() -> np.dtype:
+    import ml_dtypes  # as for bfloat16: not through onnx, which a device that trains does not import
+
+    return np.dtype(ml_dtypes.int4)
+
+
 def element_code(dtype: np.dtype) -> str | None:
     """The safetensors element type of a numpy dtype, or None."""
     if dtype.name == "bfloat16":
         return BFLOAT16
+    if dtype.name == "int4":
+        return INT4
     return next((k for k, v in DTYPES.items() if np.dtype(v) == dtype), None)
 
 
@@ -333,8 +346,11 @@ def save(path, contents: CheckpointContents) -> None:
         metadata["nominal"] = "1"
         metadata["shapes"] = json.dumps({n: [element_code(a.dtype), list(a.shape)] for n, a in contents.parameters.items()})
     else:
+        packed = {name: list(a.shape) for name, a in contents.parameters.items() if isinstance(a, PackedInt4)}
+        if packed:
+            metadata["int4"] = json.dumps(packed)
         for name, array in contents.parameters.items():
-            tensors[PARAM_PREFIX + name] = array
+            tensors[PARAM_PREFIX + name] = array.packed if isinstance(array, PackedInt4) else array
     if contents.random:
         metadata["random"] = json.dumps(contents.random)
     if contents.optimizer is not None:
@@ -371,6 +387,18 @@ def _safetensors_writer(tensors: dict[str, np.ndarray], metadata: dict[str, str]
     return write
 
 
+def _packed(path: str, name: str, stored, shape) -> PackedInt4:
+    """Parameter `name`'s packed 4-bit bytes as the tensor of `shape` the metadata gives, or CheckpointError."""
+    try:
+        if stored is None or stored.dtype != np.uint8 or stored.ndim != 1:
+            raise ValueError
+        return PackedInt4(stored, shape, _int4())
+    except (ValueError, TypeError):
+        got = "nothing" if stored is None else f"{stored.dtype} {list(stored.shape)}"
+        raise CheckpointError(f"checkpoint '{path}' is damaged: 4-bit parameter '{name}' of shape {shape} needs "
+                              f"packed uint8 bytes [(size + 1) // 2], it holds {got}; it cannot be loaded") from None
+
+
 def load(path) -> CheckpointContents:
     """The checkpoint at `path`; its stored tensors are views of a copy-on-write mapping of the file
     (`contents.source`), read from disk only when used."""
@@ -390,6 +418,9 @@ def load(path) -> CheckpointContents:
             dtype, shape = shapes.get(name, ["F32", None])
             if shape is None:
                 raise CheckpointError(f"checkpoint '{path}' is damaged (no shape for nominal parameter '{name}')")
+            if dtype == INT4:
+                parameters[name] = PackedInt4(np.zeros((int(np.prod(shape)) + 1) // 2, np.uint8), shape, _int4())
+                continue
             parameters[name] = np.zeros(shape, dtype=element_dtype(dtype) if dtype in DTYPES or dtype == BFLOAT16
                                         else np.dtype(dtype))  # numpy's names in files written before
     else:
@@ -397,6 +428,8 @@ def load(path) -> CheckpointContents:
             if PARAM_PREFIX + name not in tensors:
                 raise CheckpointError(f"checkpoint '{path}' is damaged (parameter '{name}' is listed but not stored)")
             parameters[name] = tensors[PARAM_PREFIX + name]
+        for name, shape in _json(metadata, "int4", path, {}).items():
+            parameters[name] = _packed(path, name, parameters.get(name), shape)
     properties = {k: {"int": int, "float": float, "str": str}[t](v) for k, (t, v) in _json(metadata, "properties", path, {}).items()}
     optimizer = _json(metadata, "optimizer", path)
     optimizer_tensors: dict[str, dict[str, np.ndarray]] = {}

@@ -353,6 +353,11 @@ def _byte_size(text: str) -> int:
     return int(value)
 
 
+def _budget(text: str):
+    """--memory-budget: a size, or "auto" (odtrain.allocation.auto_budget)."""
+    return "auto" if text.strip().lower() == "auto" else _byte_size(text)
+
+
 def _data(args, paths):
     """The data a command reads: its paths, or windows of a text file with --tokenizer and --seq-len."""
     if paths is None:
@@ -701,8 +706,9 @@ def _add_training_commands(commands) -> None:
     prepare.add_argument("--lora-seed", type=int, default=0, help="seed of the adapters' initial values (default: 0)")
     prepare.add_argument("--frozen-dtype", choices=FROZEN_DTYPES, default="float32",
                          help="store and hold the frozen weight matrices (of products, embeddings, convolutions) "
-                         "in this type: int8 per output channel with float32 scales, or bfloat16; training reads "
-                         "them a block at a time (default: float32)")
+                         "in this type: int8 per output channel with float32 scales, int4 in blocks of 32 along "
+                         "the input axis with float32 scales (matrices only), or bfloat16; training reads them a "
+                         "block at a time (default: float32)")
     prepare.add_argument("--optimizer-state-dtype", choices=STATE_DTYPES, default="float32",
                          help="AdamW's moments in float32, or int8: quantized in blocks, a quarter of the bytes "
                          "(default: float32)")
@@ -742,9 +748,11 @@ def _add_training_commands(commands) -> None:
                        "(default: at each epoch's end only)")
     train.add_argument("--resume", action="store_true", help="continue the run stored in the checkpoint")
     train.add_argument("--seed", type=int, help="seed of the batch order and of Dropout's masks (default: 0)")
-    train.add_argument("--memory-budget", type=_byte_size, metavar="BYTES",
+    train.add_argument("--memory-budget", type=_budget, metavar="BYTES",
                        help="cap each training step's arena (e.g. 40MB), recomputing activations in the backward "
-                       "pass; fails before training, naming the smallest budget that works, if none fits")
+                       "pass; fails before training, naming the smallest budget that works, if none fits; "
+                       "'auto': what the machine has available (MemAvailable) less the mapped frozen weights "
+                       "and a reserve of an eighth")
     _add_threads_option(train)
     train.add_argument("--json", action="store_true", help="print the result as JSON instead of progress")
     train.add_argument("--stop-after-steps", type=int, help=argparse.SUPPRESS)
@@ -768,9 +776,10 @@ def _add_training_commands(commands) -> None:
     export.add_argument("artifacts", metavar="ARTIFACT_DIR", help="a folder written by `odtrain prepare`")
     export.add_argument("-o", "--output", required=True, metavar="MODEL.onnx", help="the file to write")
     export.add_argument("--outputs", nargs="+", metavar="NAME", help="values to output (default: the model's outputs)")
-    export.add_argument("--frozen-dtype", choices=FROZEN_DTYPES, help="write frozen weights stored as int8 or "
-                        "bfloat16 (prepare --frozen-dtype) in this type: int8 read by DequantizeLinear (a QDQ "
-                        "model), bfloat16 by Cast, LoRA adapters beside them; default float32, adapters merged")
+    export.add_argument("--frozen-dtype", choices=FROZEN_DTYPES, help="write frozen weights stored as int8, int4 "
+                        "or bfloat16 (prepare --frozen-dtype) in this type: int8 read by DequantizeLinear (a QDQ "
+                        "model), int4 by DequantizeLinear with block_size (opset 21), bfloat16 by Cast, LoRA "
+                        "adapters beside them; default float32, adapters merged")
     export.add_argument("--adapters-only", action="store_true", help="write only the trained LoRA adapters (and "
                         "the parameters trained with them) as a safetensors file to -o, not the merged model")
     export.add_argument("--json", action="store_true", help="print the result as JSON")

@@ -34,6 +34,10 @@ RUNTIME_FLOOR = ("not included: the Python/Numba runtime floor (interpreter, num
                  "kernels), which every odtrain process pays")
 
 
+# values a byte of the frozen types numpy has no dtype for (graph/frozen.py); others: 1 / itemsize
+VALUES_PER_BYTE = {"bfloat16": 0.5, "int4": 2}
+
+
 @dataclass
 class PlanMemory:
     mode: str  # "train" or "eval"
@@ -82,8 +86,8 @@ class MemoryReport:
         them (a frozen backbone, LoRA's frozen weights) saves."""
         frozen, trainable = self.frozen_parameter_bytes, max(self.trainable_parameter_bytes, 1)
         if self.frozen_bytes_by_type:  # as float32 values, which gradients and moments would be
-            frozen = sum(n * 4 // (2 if name == "bfloat16" else np.dtype(name).itemsize)
-                         for name, n in self.frozen_bytes_by_type.items())
+            frozen = sum(int(4 * n * VALUES_PER_BYTE[name]) if name in VALUES_PER_BYTE else
+                         4 * n // np.dtype(name).itemsize for name, n in self.frozen_bytes_by_type.items())
         return (frozen if self.gradient_bytes else 0), self.optimizer_bytes * frozen // trainable
 
     @property

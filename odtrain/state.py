@@ -29,6 +29,11 @@ from .graph.errors import ArgumentError, ParameterError
 PROPERTY_TYPES = (int, float, str)
 
 
+def _copy(value):
+    """A copy of a parameter's values; a packed 4-bit one (graph/int4.py) stays packed."""
+    return value.copy() if hasattr(value, "packed") else np.array(value)
+
+
 class ParameterStore:
     def __init__(self, arrays: dict[str, np.ndarray], trainable: list[str],
                  reader: Callable[[str, np.ndarray], None] | None = None):
@@ -58,8 +63,13 @@ class ParameterStore:
             else:
                 self.flat[start:stop] = np.asarray(arrays[name], dtype=np.float32).reshape(-1)
         self.grad_flat = np.zeros(self.trainable_size, dtype=np.float32)
-        self.others = {n: arrays[n] if reader is not None else np.array(arrays[n]) for n in frozen if n not in self.slices}
+        self.others = {n: arrays[n] if reader is not None else _copy(arrays[n]) for n in frozen if n not in self.slices}
+        self.mapped = reader is not None  # the others are views of the file
         self.float32_names = flat_names + [n for n in frozen if n in self.others and self.others[n].dtype == np.float32]
+
+    def mapped_bytes(self) -> int:
+        """Bytes of the parameters held as views of the checkpoint file (the frozen ones of a loaded state)."""
+        return sum(int(a.nbytes) for a in self.others.values()) if self.mapped else 0
 
     def float32_size(self, trainable_only: bool) -> int:
         return self.trainable_size if trainable_only else sum(self.data(n).size for n in self.float32_names)

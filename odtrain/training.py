@@ -321,7 +321,7 @@ def fit(artifacts, train, val=None, *, epochs: int | None = None, batch_size: in
     Settings left as None come from the interrupted run when resuming, else from the defaults
     (1 epoch, batch size 32, the checkpoint's `learning_rate` property, constant schedule, seed 0).
     `log` receives one line per epoch; `stop_after_steps` stops (as Ctrl-C would) after that many steps.
-    `memory_budget` (bytes) caps a training step's arena, recomputing activations (see odtrain.api.Module).
+    `memory_budget` (bytes, or "auto") caps a training step's arena, recomputing activations (see odtrain.api.Module).
     """
     session = Session(artifacts, fresh_optimizer=not resume, memory_budget=memory_budget)
     paths, state, module, optimizer = session.paths, session.state, session.module, session.optimizer

@@ -162,8 +162,9 @@ def test_a_type_frozen_weights_are_not_stored_in_is_refused(capsys, tmp_path):
                                      artifact_directory=tmp_path, frozen_dtype="float16")
     path = tmp_path / "linear.onnx"
     onnx.save(model, path)
-    code, _, err = odtrain_main(capsys, "prepare", path, "-o", tmp_path / "out", "--frozen-dtype", "int4")
-    assert code == 2 and "--frozen-dtype: invalid choice: 'int4' (choose from 'float32', 'bfloat16', 'int8')" in err
+    code, _, err = odtrain_main(capsys, "prepare", path, "-o", tmp_path / "out", "--frozen-dtype", "int2")
+    assert code == 2 and "--frozen-dtype: invalid choice: 'int2' (choose from 'float32', 'bfloat16', 'int8', 'int4')" \
+        in err
 
 
 # ---- the test decoder with LoRA ----------------------------------------------------------------------------
@@ -304,7 +305,7 @@ def embedding_model(vocabulary=64, width=48, outer=40):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["int8", "bfloat16"])
+@pytest.mark.parametrize("kind", ["int8", "bfloat16", "int4"])
 def test_the_kernel_library_runs_stored_weights_with_the_jits_bits(kind, tmp_path):
     """The dequantizing kernels built into the kernel library (odtrain compile) give the JIT's bits, at one
     thread and at two."""

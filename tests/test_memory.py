@@ -463,3 +463,54 @@ def test_a_recomputed_batch_normalization_updates_its_running_statistics_once_a_
         var = 0.9 * var + 0.1 * h.var(axis=0, ddof=1)
     np.testing.assert_allclose(default_stats["mean0"], mean, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(default_stats["var0"], var, rtol=1e-5, atol=1e-6)
+
+
+# ---- memory_budget="auto" -----------------------------------------------------------------------------------
+
+def test_the_auto_budget_is_what_is_available_less_the_mapped_weights_and_a_reserve(tmp_path, monkeypatch):
+    from odtrain import allocation
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       8000000 kB\nMemFree:         100000 kB\nMemAvailable:    3000000 kB\n")
+    monkeypatch.setattr(allocation, "_CONTAINER_USAGE", {})
+    assert allocation.available_memory(str(meminfo)) == (3000000 * 1024, "MemAvailable")
+    gib, mib = 2 ** 30, 2 ** 20
+    # an eighth of what is available stays in reserve; the arena already held is the new plan's to use
+    assert allocation.auto_budget(100 * mib, 10 * mib, (gib, "test")) == gib + 10 * mib - 100 * mib - gib // 8
+    # at least RESERVE_FLOOR
+    assert allocation.auto_budget(0, 0, (256 * mib, "test")) == 256 * mib - allocation.RESERVE_FLOOR
+    with pytest.raises(MemoryBudgetError, match='"auto": 512.00 MiB available \\(test\\), of which the mapped '
+                                                "parameters need 500.00 MiB resident and 64.00 MiB stay in reserve"):
+        allocation.auto_budget(500 * mib, 0, (512 * mib, "test"))
+
+
+def test_module_with_the_auto_budget_recomputes_when_little_is_available(deep_mlp, monkeypatch):
+    """Module(memory_budget="auto") plans its training step under the budget the available memory gives: with
+    half the free arena's bytes left above the reserve it recomputes activations and trains identically; with
+    this machine's memory it keeps every activation of this small model."""
+    from odtrain import allocation
+    from odtrain.graph.errors import ArgumentError
+
+    directory, x, y = deep_mlp
+    losses, params, free = train(directory, x, y)
+    half = free.plan.arena_bytes // 2
+    monkeypatch.setattr(allocation, "available_memory", lambda: (half + allocation.RESERVE_FLOOR, "test"))
+    auto_losses, auto_params, tight = train(directory, x, y, memory_budget="auto")
+    assert tight.plan.arena_bytes <= half and tight.recomputed > 0
+    assert auto_losses == losses
+    np.testing.assert_array_equal(auto_params, params)
+    monkeypatch.undo()
+    state = CheckpointState.load_checkpoint(directory / "checkpoint")
+    module = Module(directory / "training_model.onnx", state, memory_budget="auto")
+    assert module.memory_budget_bytes is None
+    module(x[0], y[0])
+    assert module.memory_budget_bytes > free.plan.arena_bytes
+    assert next(iter(module._train.plans.values())).plan.arena_bytes == free.plan.arena_bytes
+    with pytest.raises(ArgumentError, match='positive number of bytes or "auto"'):
+        Module(directory / "training_model.onnx", state, memory_budget="some")
+
+
+def test_train_takes_memory_budget_auto():
+    from odtrain import cli
+
+    assert cli._budget("auto") == "auto" and cli._budget("40MB") == 40 * 10 ** 6

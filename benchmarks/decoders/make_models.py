@@ -69,6 +69,10 @@ SHAPED = {
     "qwen2-0.5b": ("qwen2", dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                                  num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=2048,
                                  tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6)),
+    # 1.24B parameters, 4.9 GB in float32: the exporter writes them as external data (about 9 GiB at its peak)
+    "llama-3.2-1b": ("llama", dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                   num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048,
+                                   tie_word_embeddings=True, rope_theta=500000.0, rms_norm_eps=1e-5)),
 }
 
 

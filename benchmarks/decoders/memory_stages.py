@@ -1,6 +1,6 @@
 """Peak RSS at each stage of personalising a decoder with odtrain, one process, printed as JSON lines.
 
-    python memory_stages.py ARTIFACT_DIR [--batch 4 --seq 128 --steps 10 --export-dtype float32 --memory-budget BYTES]
+    python memory_stages.py ARTIFACT_DIR [--batch 4 --seq 128 --steps 10 --export-dtype float32 --memory-budget BYTES|auto]
 
 ARTIFACT_DIR is `odtrain prepare MODEL.onnx --lora-rank 8 --lora-alpha 16 --lora-targets '*q_proj*' ...`'s
 output (MODEL.onnx: e.g. a SmolLM2-135M-shaped Llama built by transformers from its config with random
@@ -8,6 +8,14 @@ weights, exported by make_models.export_torchscript). Stages: load_checkpoint, M
 `--steps` training steps on random token batches, export of the inference model. Each stage's peak is
 the high-water mark of RSS since the previous stage ended (Linux: /proc/self/clear_refs), with RSS after.
 Mapped file pages a stage touches count in RSS (the kernel can drop them; they are not copies).
+
+A 4-bit base at Llama-3.2-1B's shape, in bounded memory (`make_models.py --shaped llama-3.2-1b MODEL.onnx`):
+
+    odtrain prepare MODEL.onnx -o art --lora-rank 8 --lora-alpha 16 \
+        --lora-targets '*q_proj*' '*k_proj*' '*v_proj*' '*o_proj*' --frozen-dtype int4
+    odtrain compile art --batch-size 1 --seq-len 256      # the kernel library: no Numba in the training process
+    odtrain memory art --batch-size 1 --seq-len 256 --budget 100MB   # refused, naming the smallest arena
+    python memory_stages.py art --batch 1 --seq 256 --steps 10 --export-dtype int4 --memory-budget 180867136
 """
 from __future__ import annotations
 
@@ -38,11 +46,12 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--export-dtype", choices=("float32", "int8", "bfloat16"), default="float32",
+    parser.add_argument("--export-dtype", choices=("float32", "int8", "int4", "bfloat16"), default="float32",
                         help="the frozen weights' type in the exported model (export_model_for_inferencing's "
-                        "frozen_dtype; int8 and bfloat16 keep the adapters beside the stored weights)")
-    parser.add_argument("--memory-budget", type=int, default=None,
-                        help="Module's memory_budget: the training arena's cap in bytes, met by recomputing activations")
+                        "frozen_dtype; int8, int4 and bfloat16 keep the adapters beside the stored weights)")
+    parser.add_argument("--memory-budget", type=lambda text: text if text == "auto" else int(text), default=None,
+                        help="Module's memory_budget: the training arena's cap in bytes, met by recomputing "
+                        "activations, or 'auto'")
     args = parser.parse_args(argv)
     from odtrain.api import CheckpointState, Module, Optimizer
 
