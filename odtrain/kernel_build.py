@@ -34,6 +34,7 @@ NUMBA_OPT=0 carries no host-only intrinsics (tests/test_kernel_targets.py emits 
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -342,28 +343,45 @@ def library_folder(artifact_dir) -> str:
     return os.path.join(os.fspath(artifact_dir), FOLDER)
 
 
+def recorded_shapes(batch_size: int, sequence_length: int | None) -> list[tuple[int, int | None]]:
+    """The (batch size, sequence length) pairs a library records: 1 and `batch_size`, 1 and `sequence_length`
+    (when given). Across the sizes of an axis only its length-1 case changes a call's types (a size-1 axis
+    makes a strided view contiguous); at a size above 1, every call that could split is recorded split too
+    (kernels/parts.py, every_split), so one larger size stands for all."""
+    batches = sorted({1, int(batch_size)})
+    lengths = sorted({1, int(sequence_length)}) if sequence_length is not None else [None]
+    return [(b, n) for b in batches for n in lengths]
+
+
 def recorded_entries(artifact_dir, batch_size: int = 32, thread_counts=None, input_shapes=None,
                      inference_output: str | None = None, sequence_length: int | None = None) -> list:
     """The (kernel name, signature) pairs of the steps `odtrain warmup` runs on a set of artifacts (a training
-    step writing and one accumulating gradients, an optimizer step, an eval step), at each thread count of
-    `thread_counts` (default: 1 and every core of this machine, as a device would run); with
-    `inference_output`, also of an InferenceSession on the model they export with that output. The inputs' other
-    symbolic axes are `sequence_length`, or `input_shapes` gives whole shapes by name. Nothing runs."""
+    step writing and one accumulating gradients, an optimizer step, an eval step), closed under the input
+    sizes the artifacts accept: at batch 1 and `batch_size`, and for inputs with another symbolic axis at
+    lengths 1 and `sequence_length` (recorded_shapes; `input_shapes` gives whole shapes by name instead, then
+    recorded as given), at each thread count of `thread_counts` (default: 1 and every core of this machine, as
+    a device would run) both as the step splits its work at that size and with every call that has
+    more than one unit split (kernels/parts.py, every_split: the parallel twins a larger size runs). With
+    `inference_output`, also of an InferenceSession on the model they export with that output. Nothing runs."""
     from . import threads
     from .cache import run_steps
     from .executor import record_calls
     from .kernel_library import LIBRARY_ENV, signature_of
+    from .kernels.parts import every_split
 
     counts = sorted(set(thread_counts or (1, threads.available_cores())))
+    shapes = recorded_shapes(batch_size, sequence_length)
     previous = os.environ.get(LIBRARY_ENV)
     os.environ[LIBRARY_ENV] = "off"  # the calls are the same with a library: record them without one
     try:
         with record_calls() as calls, tempfile.TemporaryDirectory(prefix="odtrain-compile-") as scratch:
             for count in counts:
-                with threads.process_default(count):
-                    run_steps(os.fspath(artifact_dir), int(batch_size), input_shapes or {}, sequence_length)
-                    if inference_output is not None:
-                        _run_inference(os.fspath(artifact_dir), inference_output, int(batch_size), scratch)
+                for split_all in ((False, True) if count > 1 else (False,)):
+                    with threads.process_default(count), every_split() if split_all else contextlib.nullcontext():
+                        for batch, length in shapes:
+                            run_steps(os.fspath(artifact_dir), batch, input_shapes or {}, length)
+                            if inference_output is not None:
+                                _run_inference(os.fspath(artifact_dir), inference_output, batch, scratch)
     finally:
         if previous is None:
             del os.environ[LIBRARY_ENV]
