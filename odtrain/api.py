@@ -349,7 +349,8 @@ class _GraphSession:
             guarded = tuple(self.output_names[:1]) if self.check_finite else ()
             sinks = {} if self.fused else self.sinks
             plan = ExecutableStep(self.step_graph, types, self.external, sinks, accumulate and not self.fused, guarded,
-                                  self.memory_budget, self.fused, self.arena, threads=threads, library=self.library)
+                                  self.memory_budget, self.fused, self.arena, threads=threads, library=self.library,
+                                  artifact_folder=os.path.dirname(os.path.abspath(self.uri)))
             self.plans[signature] = plan
             if len(self.plans) > PLAN_CACHE_SIZE:
                 self.plans.popitem(last=False)

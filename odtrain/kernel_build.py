@@ -45,7 +45,7 @@ import time
 
 from . import __version__
 from .graph.errors import ArgumentError
-from .kernel_library import FOLDER, LIBRARY_FILE, MANIFEST_FILE, kernel_name
+from .kernel_library import FOLDER, LIBRARY_FILE, MANIFEST_FILE, artifacts_digest, kernel_name
 from .kernel_sources import sources_digest
 from .kernel_targets import (CPUS, DEFAULT_CPU, DEVICE_CORES, TARGETS, NoCompiler, c_compiler, cpu_features,
                              host_arch, optimise, optimise_functions, target_machine, without_host_cpu)
@@ -64,15 +64,16 @@ OBJECT_FILE, OBJECT_MANIFEST_FILE = "kernels.o", "kernels.json"  # build(object_
 
 
 def build(entries, out_dir, out=print, target: str | None = None, cpu: str | None = None,
-          object_only: bool = False) -> dict:
+          object_only: bool = False, artifacts: list | None = None) -> dict:
     """Build the library of `entries` ((kernel name, signature) pairs) into `out_dir`, in a fresh process, for
     `target` (an architecture of TARGETS; default this machine's) and `cpu` (default: this machine's CPU for
     its own architecture, DEFAULT_CPU for another); returns the manifest. `object_only`: stop at the object
-    (OBJECT_FILE and OBJECT_MANIFEST_FILE), with no C compiler."""
+    (OBJECT_FILE and OBJECT_MANIFEST_FILE), with no C compiler. `artifacts`: what the manifest records of the
+    artifact folders the entries were recorded on ({"folder", "digest"}: odtrain.kernel_library.artifacts_digest)."""
     target, cpu, features, compiler = build_target(target, cpu, object_only)
     os.makedirs(out_dir, exist_ok=True)
     spec = {"entries": sorted(set(map(tuple, entries))), "target": target, "cpu": cpu, "features": features,
-            "compiler": compiler}
+            "compiler": compiler, "artifacts": artifacts or []}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as spec_file:
         json.dump(spec, spec_file)
     environment = dict(os.environ)
@@ -303,7 +304,8 @@ def _main(spec_path: str, out_dir: str) -> None:
     manifest = {"odtrain": __version__, "numba": numba.__version__, "llvmlite": llvmlite.__version__,
                 "triple": triple, "cpu": cpu, "features": features, "kernel_sources": sources_digest(),
                 "optimised": "llvmlite O3 from Numba's NUMBA_OPT=0 IR" if retarget else "by Numba's JIT",
-                "entries": manifest_entries, "skipped": skipped, "stubs": {"functions": stubs, "data": data_stubs}}
+                "artifacts": spec.get("artifacts", []), "entries": manifest_entries, "skipped": skipped,
+                "stubs": {"functions": stubs, "data": data_stubs}}
     if spec["compiler"] is None:
         with open(os.path.join(out_dir, OBJECT_FILE), "wb") as file:
             file.write(machine.emit_object(linked))
@@ -421,7 +423,7 @@ def compile_artifacts(artifact_dir=None, out_dir=None, batch_size: int = 32, thr
         thread_counts = (1, DEVICE_CORES.get(target, 1))
     folders = [artifact_dir] if artifact_dir is None or isinstance(artifact_dir, (str, os.PathLike)) \
         else list(artifact_dir)
-    entries = set()
+    entries, recorded = set(), []
     for folder in folders:
         if folder is None:
             from .cache import demo_artifacts
@@ -430,14 +432,16 @@ def compile_artifacts(artifact_dir=None, out_dir=None, batch_size: int = 32, thr
             with tempfile.TemporaryDirectory(prefix="odtrain-compile-") as scratch:
                 entries.update(recorded_entries(demo_artifacts(scratch), batch_size, thread_counts,
                                                 inference_output=OUTPUT))
+                recorded.append({"folder": "the demo classifier", "digest": artifacts_digest(scratch)})
         else:
             entries.update(recorded_entries(folder, batch_size, thread_counts, input_shapes,
                                             sequence_length=sequence_length))
+            recorded.append({"folder": os.path.abspath(os.fspath(folder)), "digest": artifacts_digest(folder)})
     if out_dir is None:
         if len(folders) != 1 or folders[0] is None:
             raise ValueError("give the library's folder (-o DIR) for the demo classifier or several artifact folders")
         out_dir = library_folder(folders[0])
-    return build(sorted(entries), out_dir, out, target, cpu)
+    return build(sorted(entries), out_dir, out, target, cpu, artifacts=recorded)
 
 
 def add_command(commands) -> None:
