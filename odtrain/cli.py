@@ -847,6 +847,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# odtrain's dependencies a device may leave out (it trains through a kernel library with numpy alone): a command
+# that needs one of them says so in one line, exit 2
+DESKTOP_MODULES = {"numba": "numba", "llvmlite": "llvmlite", "scipy": "scipy", "onnx": "onnx"}
+
+
+def needs_desktop(command: str, module: str) -> str:
+    """The line of a command that needs `module`, which this device does not have installed."""
+    return (f"`odtrain {command}` needs {DESKTOP_MODULES[module]}, which is not installed here (a device with numpy "
+            f"and odtrain only trains through a kernel library): run it where odtrain's dependencies are installed "
+            f"(`pip install odtrain`, or `pip install {DESKTOP_MODULES[module]}` here)")
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -866,6 +878,12 @@ def main(argv=None) -> int:
     except OdtrainError as error:
         message = str(error).replace("\n", " ")
         print(f"odtrain {args.command}: error: {message}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as error:
+        if (error.name or "").split(".")[0] not in DESKTOP_MODULES:
+            raise
+        print(f"odtrain {args.command}: error: {needs_desktop(args.command, error.name.split('.')[0])}",
+              file=sys.stderr)
         return 2
     except OSError as error:  # a file the command writes or reads, outside odtrain's own checks
         print(f"odtrain {args.command}: error: {error.strerror or error}"

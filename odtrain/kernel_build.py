@@ -476,7 +476,10 @@ def add_command(commands) -> None:
 
 def _command(args) -> int:
     from .cache import input_shapes
+    from .kernel_library import compiler_installed
 
+    if not compiler_installed():  # the build is Numba's: the CLI says so in one line
+        raise ModuleNotFoundError("No module named 'numba'", name="numba")
     folders = args.artifact_dir or [None]
     if args.output is None and (len(folders) > 1 or folders[0] is None):
         raise ArgumentError("odtrain compile without ARTIFACT_DIR (the demo classifier's kernels) or with several "
