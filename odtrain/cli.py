@@ -271,6 +271,15 @@ def _prepare(args) -> int:
                                              eval_output_names=predictions, properties=properties,
                                              frozen_dtype=args.frozen_dtype, **_artifact_options(choices))
     trainable, frozen = generated.trainable, generated.frozen
+    from .kernel_library import FOLDER
+
+    stale = os.path.join(args.output, FOLDER)
+    if os.path.isdir(stale):  # the library of the artifacts just replaced (--force): --compile builds it anew
+        import shutil
+
+        shutil.rmtree(stale)
+        _note(args, f"removed {stale}/, the kernel library of the artifacts replaced"
+              + ("" if args.compile else f"; `odtrain compile {args.output}` builds theirs"))
     paths = ArtifactPaths.find(args.output)
     stored = checkpoint_file.load(checkpoint).parameters  # views of the file: sizes without reading it
     sizes = {n: int(stored[n].size) for n in trainable + frozen}
@@ -615,7 +624,7 @@ def _add_data_options(command, what: str) -> None:
     command.add_argument("--y", metavar="NAME", help="the .npz array of labels or targets "
                          "(default: 'labels'/'target', or y)")
     command.add_argument("--tokenizer", metavar="TOKENIZER.json", help="for a language model: encode the text file "
-                         "given to --data with this tokenizers file (pip install \"odtrain[text]\")")
+                         "given to --data with this tokenizers file (pip install tokenizers)")
     command.add_argument("--seq-len", type=int, metavar="N", help="with --tokenizer: windows of N tokens, each "
                          "token's label the next one")
     command.add_argument("--encoding", default="utf-8", help="with --tokenizer: the text file's encoding, e.g. "
@@ -795,7 +804,7 @@ def _add_training_commands(commands) -> None:
                         "arena budget (e.g. 40MB), recomputing activations as `train --memory-budget` does")
     memory.add_argument("--json", action="store_true", help="print the report as JSON (sizes in bytes)")
     memory.add_argument("--plot", metavar="FILE.png", help="also draw the training step's live bytes per step, "
-                        'by category (needs matplotlib: pip install "odtrain[plot]")')
+                        'by category (needs matplotlib: pip install matplotlib)')
     memory.set_defaults(handler=_memory)
 
     profile = commands.add_parser(
