@@ -259,7 +259,7 @@ def refusal_of(manifest: dict) -> str:
         return f"built by odtrain {manifest.get('odtrain')}, this is odtrain {__version__}"
     if manifest.get("kernel_sources") != sources_digest():
         return "built from other kernel sources than these (odtrain/kernels changed since)"
-    numba = installed_version("numba")
+    numba = installed_version("numba") if compiler_installed() else None  # a device: no metadata read at all
     if numba is not None and manifest.get("numba") != numba:
         return f"built with Numba {manifest.get('numba')}, the installed Numba is {numba}"
     machine, here = manifest.get("triple", "").split("-")[0], host_arch()
