@@ -31,8 +31,6 @@ TWINS (serial kernel -> Twin) is the one table of kernels and their twins: the k
 """
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 
 # Below this many multiply-adds (or elements) a parallel region costs more than it saves. Measured here (2 cores,
@@ -51,16 +49,19 @@ def worth_parallel(work: int, minimum: int = MIN_PARALLEL_WORK) -> bool:
     return _every_split or work >= minimum
 
 
-@contextlib.contextmanager
-def every_split():
-    """Within the block, every call that has more than one unit and more than one thread splits, whatever its
-    work (the kernel library's recording: the twins a larger input would run)."""
-    global _every_split
-    previous, _every_split = _every_split, True
-    try:
-        yield
-    finally:
-        _every_split = previous
+class every_split:
+    """Within the block (`with every_split():`), every call that has more than one unit and more than one thread
+    splits, whatever its work (the kernel library's recording: the twins a larger input would run)."""
+
+    def __enter__(self):
+        global _every_split
+        self._previous, _every_split = _every_split, True
+        return self
+
+    def __exit__(self, *exc):
+        global _every_split
+        _every_split = self._previous
+        return False
 
 
 def part_count(threads: int, units: int, work: int) -> int:

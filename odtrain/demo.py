@@ -149,11 +149,24 @@ def copy_artifacts(directory: str, seed: int = 0) -> None:
         CheckpointState.save_checkpoint(state, path, include_optimizer_state=True)
 
 
+def demo_artifacts(directory: str) -> str:
+    """The demo classifier's artifacts (seed 0) in `directory` (returned): generated, or where onnx is not
+    installed the package's copy, the same bytes."""
+    from . import artifacts
+
+    if not onnx_installed():
+        copy_artifacts(directory)
+        return directory
+    model, params = build_classifier()
+    artifacts.generate_artifacts(model, requires_grad=params, loss=artifacts.LossType.CrossEntropyLoss,
+                                 optimizer=artifacts.OptimType.AdamW, artifact_directory=directory,
+                                 additional_output_names=[OUTPUT])
+    return directory
+
+
 def write_artifacts(directory: str = ARTIFACTS) -> None:
     """Generate the package's demo artifacts (seed 0) into `directory` (needs onnx)."""
     import tempfile
-
-    from .cache import demo_artifacts
 
     os.makedirs(directory, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="odtrain-demo-") as scratch:
