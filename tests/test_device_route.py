@@ -18,8 +18,9 @@ import pytest
 
 from conftest import DATA, odtrain_main, reference_artifacts
 from odtrain import artifacts, kernel_library
-from odtrain.api import CheckpointState, Module, Optimizer
+from odtrain.api import CheckpointState
 from odtrain.kernel_build import compile_artifacts
+from device_steps import steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 THREADS = 2  # the library records 1 and 2 threads; the device runs at 2
@@ -42,7 +43,7 @@ STEPS = DEVICE + """
 import json
 import numpy as np
 sys.path.insert(0, sys.argv[1])
-from test_device_route import steps
+from device_steps import steps
 folder, kind, shapes, threads = sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), int(sys.argv[5])
 print(json.dumps(steps(folder, kind, shapes, threads)))
 print(json.dumps(sorted({m.split(".")[0] for m in sys.modules} & set(%r))))
@@ -52,40 +53,6 @@ CLI = DEVICE + """
 from odtrain.cli import main
 sys.exit(main(sys.argv[1:]))
 """
-
-
-def feeds(kind: str, batch: int, length, rng) -> list:
-    if kind == "mlp":
-        return [rng.standard_normal((batch, 784)).astype(np.float32), rng.integers(0, 10, batch).astype(np.int64)]
-    ids = rng.integers(0, 256, (batch, length)).astype(np.int64)
-    return [ids, np.ones((batch, length), np.int64), np.roll(ids, -1, axis=1)]
-
-
-def steps(folder, kind: str, shapes, threads: int) -> list:
-    """At each (batch, sequence length): a training step, an optimizer step and an eval step from the
-    checkpoint, with each step's calls counted by where they ran. Returns, per shape, the two losses as
-    hex floats, the trained weights' bytes' digest, and the calls left to the JIT."""
-    import hashlib
-
-    results = []
-    for batch, length in shapes:
-        state = CheckpointState.load_checkpoint(os.path.join(folder, "checkpoint"))
-        module = Module(os.path.join(folder, "training_model.onnx"), state, os.path.join(folder, "eval_model.onnx"),
-                        num_threads=threads)
-        optimizer = Optimizer(os.path.join(folder, "optimizer_model.onnx"), module)
-        inputs = feeds(kind, batch, length, np.random.default_rng(batch * 1000 + (length or 0)))
-        train = float(module(*inputs))
-        optimizer.step()
-        module.lazy_reset_grad()
-        module.eval()
-        evaluated = module(*inputs)
-        evaluated = float(evaluated[0] if isinstance(evaluated, (list, tuple)) else evaluated)
-        plans = list(module._train.plans.values()) + list(module._eval.plans.values())
-        jit = sum(plan.program.jit_calls for plan in plans if plan.program is not None)
-        results.append({"shape": [batch, length], "train": train.hex(), "eval": evaluated.hex(),
-                        "weights": hashlib.sha256(state._store.flat.tobytes()).hexdigest(), "jit": jit,
-                        "library": module.kernel_library is not None})
-    return results
 
 
 def llama_artifacts(folder):
