@@ -104,6 +104,9 @@ def run(folder: str) -> int:
     from odtrain.kernels.blas_library import product_threads
 
     library = kernel_library.find()
+    if library is None:  # refused, or none there: the line a step would stop with says why
+        print(f"  no kernel library: {kernel_library.unavailable(None)}")
+        return 1
     manifest = library.manifest
     blas = product_threads()
     print(f"  products: {blas.name or 'no OpenBLAS found in numpy'} ({blas.core or 'core unknown'})")
