@@ -451,8 +451,10 @@ def add_command(commands) -> None:
     command = commands.add_parser(
         "compile", help="build the kernels a set of artifacts needs into a native library, ahead of time",
         description="Record every kernel, at every signature, that a training step, an optimizer step and an eval "
-        "step of the artifacts call (at 1 thread and at this machine's cores), compile them with Numba and link "
-        "them into one shared library with its manifest, by default in ARTIFACT_DIR/kernels/. A training process "
+        "step of the artifacts call (at 1 thread and at this machine's cores; at batch 1 and --batch-size, and for "
+        "inputs with a sequence axis at length 1 and --seq-len; every call that can split into parallel parts "
+        "recorded split as well, so that the library serves every batch size and sequence length), compile them "
+        "with Numba and link them into one shared library with its manifest, by default in ARTIFACT_DIR/kernels/. A training process "
         "that finds it there loads it with ctypes: no kernel compiles, Numba is not imported for the kernels it "
         "holds.")
     command.add_argument("artifact_dir", nargs="*", default=None, metavar="ARTIFACT_DIR",
@@ -460,7 +462,9 @@ def add_command(commands) -> None:
                          "(with -o); none: the demo classifier (with -o)")
     command.add_argument("-o", "--output", default=None, metavar="DIR", help="the library's folder "
                          "(default: ARTIFACT_DIR/kernels)")
-    command.add_argument("--batch-size", type=int, default=32, help="batch size of the recorded steps (default 32)")
+    command.add_argument("--batch-size", type=int, default=32,
+                         help="the batch size above 1 the steps are recorded at, besides batch 1 (default 32); the "
+                         "library serves every batch size: this sets only the memory the recording binds")
     command.add_argument("--threads", type=int, action="append", default=None, metavar="N", dest="thread_counts",
                          help="a thread count the device runs at (repeatable; default: 1 and the device's cores: this "
                          "machine's, or 4 for another architecture, a Raspberry Pi's)")
