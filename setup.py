@@ -14,6 +14,9 @@ The package, with its library, is then specific to this machine kind (the wheel 
 Skipped, with a line saying why, for an editable install, when ODTRAIN_BUILD_LIBRARY=0, or when the
 build fails (no C compiler, for one): the demo's kernels then compile through Numba on first use. A
 library left in a reused build/ by an earlier install is removed first, so it is never packed instead.
+With ODTRAIN_BUILD_LIBRARY=0 the distribution holds no native code and its wheel is pure Python
+(`py3-none-any`): the wheel a device of another architecture installs (`ODTRAIN_BUILD_LIBRARY=0 pip
+wheel --no-deps .`), its kernels coming from a library built for it (`odtrain compile --target`).
 """
 import os
 import shutil
@@ -42,7 +45,7 @@ class BuildWithLibrary(build_py):
         target = os.path.join(package, "odtrain", "data", "kernels")
         # an earlier install's library in a reused build/ must not be packed when this one is not built
         shutil.rmtree(target, ignore_errors=True)
-        if os.environ.get(BUILD_SWITCH, "1").strip() == "0":
+        if not builds_library():
             print(f"odtrain: {BUILD_SWITCH}=0: the demo's kernel library is not built", file=sys.stderr)
             return
         with tempfile.TemporaryDirectory(prefix="odtrain-build-cache-") as cache:
@@ -58,12 +61,20 @@ class BuildWithLibrary(build_py):
                       "kernels through Numba on first use instead", file=sys.stderr)
 
 
+def builds_library() -> bool:
+    """Whether this build makes the demo's native library (ODTRAIN_BUILD_LIBRARY is not 0)."""
+    return os.environ.get(BUILD_SWITCH, "1").strip() != "0"
+
+
 class MachineSpecific(Distribution):
-    """The package holds a native library: its wheel is tagged for this platform, not as pure Python."""
+    """A package that holds a native library has its wheel tagged for this platform; without the library
+    (ODTRAIN_BUILD_LIBRARY=0) it is pure Python."""
 
     def has_ext_modules(self):
-        return True
+        return builds_library()
 
 
+# the library's build needs what the kernels need; a pure build needs nothing besides setuptools
 setup(cmdclass={"build_py": BuildWithLibrary}, distclass=MachineSpecific,
-      setup_requires=read_configuration(os.path.join(HERE, "pyproject.toml"))["project"]["dependencies"])
+      setup_requires=read_configuration(os.path.join(HERE, "pyproject.toml"))["project"]["dependencies"]
+      if builds_library() else [])

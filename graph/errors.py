@@ -61,3 +61,9 @@ class MemoryBudgetError(OdtrainError, ValueError, MemoryError):
     def __init__(self, message: str, smallest_bytes: int | None = None):
         super().__init__(message)
         self.smallest_bytes = smallest_bytes
+
+
+class KernelsUnavailableError(OdtrainError, RuntimeError):
+    """A step whose kernels neither a kernel library holds nor Numba can compile (a device without Numba):
+    names the library's folder or the node, kernel and argument types missing, and the `odtrain compile`
+    command that builds them."""

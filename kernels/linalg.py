@@ -33,7 +33,7 @@ from . import ODTRAIN_DOMAIN, binding
 from .blas import COLUMNS, PRODUCTS, ROWS, gemm_batched_parts, gemm_blocks
 from .elementwise import gather_call
 from .layout import broadcast_layout, element_strides
-from .parts import on_parts, part_count, twin_of
+from .parts import on_parts, part_count, twin_of, worth_parallel
 from .reduction import sum_call
 from .tensor import copy_call
 
@@ -129,7 +129,7 @@ def _calls(a, b, out, m, n, k, trans_a, trans_b, lda, ldb, ldc, a_offsets, b_off
     by_columns = int(n) > int(m)
     extent = int(n) if by_columns else int(m)  # columns or rows, split into blocks
     blocks = extent // MIN_ROWS
-    if work < MIN_PARALLEL_PRODUCT or part_count(threads, max(count, blocks), work) == 1:
+    if not worth_parallel(work, MIN_PARALLEL_PRODUCT) or part_count(threads, max(count, blocks), work) == 1:
         return [(_gemm_batched, args)]
     distinct = len(set(out_offsets.tolist())) == count
     if distinct and (count >= threads or int(m) * int(n) * int(k) <= SMALL_PRODUCT):  # whole products

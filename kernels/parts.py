@@ -16,7 +16,10 @@ call itself at one part (exactly as with one thread), else the twin's call:
 `takes` is the twin's own arguments, or a function of the parts that gives them.
 
 - `part_count(threads, units, work)`: 1 when there is one thread, one unit, or too little work to pay for a
-  parallel region; else min(threads, units).
+  parallel region (`worth_parallel`); else min(threads, units).
+- `every_split()`: while the kernel library records a model's calls (odtrain/kernel_build.py), any work is
+  worth a parallel region, so that each call whose units could split at some input size is recorded as
+  its twin's call too: the library then holds the kernels a larger batch or sequence splits into.
 - `part_bounds(units, parts)`: balanced boundaries; part p runs units [bounds[p], bounds[p + 1]).
 
 Each part runs the serial kernel on its range with its own scratch. The parts are fixed when a step is
@@ -37,11 +40,32 @@ import numpy as np
 # (`benchmarks/threads.py regions`, bench_ops.ElementwiseOps). The cost: more kernels run their parallel twins,
 # compiled too on a cold cache (`odtrain warmup` compiles them ahead).
 MIN_PARALLEL_WORK = 1 << 15
+_every_split = False  # while every_split(): any amount of work is split
+
+
+def worth_parallel(work: int, minimum: int = MIN_PARALLEL_WORK) -> bool:
+    """Whether `work` pays for a parallel region (at least `minimum`; anything within every_split())."""
+    return _every_split or work >= minimum
+
+
+class every_split:
+    """Within the block (`with every_split():`), every call that has more than one unit and more than one thread
+    splits, whatever its work (the kernel library's recording: the twins a larger input would run)."""
+
+    def __enter__(self):
+        global _every_split
+        self._previous, _every_split = _every_split, True
+        return self
+
+    def __exit__(self, *exc):
+        global _every_split
+        _every_split = self._previous
+        return False
 
 
 def part_count(threads: int, units: int, work: int) -> int:
     """How many parts to split `units` independent pieces of `work` (total) into, at `threads` threads."""
-    if threads <= 1 or units <= 1 or work < MIN_PARALLEL_WORK:
+    if threads <= 1 or units <= 1 or not worth_parallel(work):
         return 1
     return int(min(threads, units))
 

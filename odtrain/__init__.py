@@ -25,6 +25,7 @@ from .graph.errors import (  # noqa: E402
     ArtifactNotFoundError,
     CheckpointError,
     InputError,
+    KernelsUnavailableError,
     MemoryBudgetError,
     ModelError,
     NonFiniteError,
@@ -40,7 +41,8 @@ _LAZY = {"InferenceSession": "inference"}  # top-level name -> the module that d
 
 __all__ = [
     "OdtrainError", "ModelError", "UnsupportedOpError", "InputError", "ArgumentError",
-    "ParameterError", "CheckpointError", "ArtifactNotFoundError", "StateError", "NonFiniteError", "MemoryBudgetError", "__version__",
+    "ParameterError", "CheckpointError", "ArtifactNotFoundError", "StateError", "NonFiniteError", "MemoryBudgetError",
+    "KernelsUnavailableError", "__version__",
     *_LAZY,
 ]
 

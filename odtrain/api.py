@@ -374,7 +374,8 @@ class _GraphSession:
                 budget = self.budget_bytes = auto_budget(self.state._store.mapped_bytes(),
                                                          self.arena.nbytes if self.arena is not None else 0)
             plan = ExecutableStep(self.step_graph, types, self.external, sinks, accumulate and not self.fused, guarded,
-                                  budget, self.fused, self.arena, threads=threads, library=self.library)
+                                  budget, self.fused, self.arena, threads=threads, library=self.library,
+                                  artifact_folder=os.path.dirname(os.path.abspath(self.uri)))
             self.plans[signature] = plan
             if len(self.plans) > PLAN_CACHE_SIZE:
                 self.plans.popitem(last=False)

@@ -5,7 +5,7 @@ index in sorted order, as for images (odtrain/data.py).
 
 - Reading: WAV files are parsed here (RIFF chunks): PCM of 8 (unsigned), 16, 24 and 32 bits, IEEE float
   of 32 and 64 bits, WAVE_FORMAT_EXTENSIBLE of these; several channels are averaged to mono. Other
-  formats (FLAC, OGG, ...) go through the optional `soundfile` package (pip install "odtrain[audio]").
+  formats (FLAC, OGG, ...) go through the optional `soundfile` package (pip install soundfile).
   A data chunk that declares more bytes than the file holds is truncated, unless its size is a
   streaming placeholder (`_STREAMED`). A file that is empty, truncated, not RIFF/WAVE, of another
   encoding (ADPCM, μ-law, 12-bit) or holding less than MIN_FRACTION of the model's length raises an
@@ -48,7 +48,7 @@ def read_wav(path: str) -> tuple[np.ndarray, int]:
         raise InputError(f"audio file '{path}' is empty")
     if len(data) < 12 or data[:4] not in (b"RIFF", b"RIFX") or data[8:12] != b"WAVE":
         raise InputError(f"audio file '{path}' is not a RIFF/WAVE file (it starts {data[:12]!r}); convert it to WAV "
-                         "or install soundfile (pip install \"odtrain[audio]\")")
+                         "or install soundfile (pip install soundfile)")
     if data[:4] == b"RIFX":
         raise InputError(f"audio file '{path}' is a big-endian WAV (RIFX); convert it to little-endian WAV")
     fmt, samples, offset = None, None, 12
@@ -84,7 +84,7 @@ def _decode(path: str, fmt: bytes, body: bytes) -> tuple[np.ndarray, int]:
         raise InputError(f"audio file '{path}' holds {encoding if tag not in known else ''}"
                          f"{f'{bits}-bit ' + ('PCM' if tag == _PCM else 'float') if tag in known else ''} samples; "
                          "odtrain reads 8/16/24/32-bit PCM and 32/64-bit float WAV (convert it, e.g. "
-                         "`sox in.wav -b 16 out.wav`, or install soundfile: pip install \"odtrain[audio]\")")
+                         "`sox in.wav -b 16 out.wav`, or install soundfile: pip install soundfile)")
     if channels < 1 or rate < 1:
         raise InputError(f"audio file '{path}' declares {channels} channels at {rate} Hz: it is damaged")
     frame = width * channels
@@ -112,7 +112,7 @@ def read_audio(path: str) -> tuple[np.ndarray, int]:
     try:
         import soundfile
     except ImportError:
-        raise InputError(f"audio file '{path}' is not WAV; reading it needs soundfile: pip install \"odtrain[audio]\" "
+        raise InputError(f"audio file '{path}' is not WAV; reading it needs soundfile: pip install soundfile "
                          "(or convert it to WAV)") from None
     try:
         values, rate = soundfile.read(path, dtype="float32", always_2d=True)

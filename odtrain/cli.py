@@ -278,6 +278,15 @@ def _prepare(args) -> int:
                                              eval_output_names=predictions, properties=properties,
                                              frozen_dtype=args.frozen_dtype, **_artifact_options(choices))
     trainable, frozen = generated.trainable, generated.frozen
+    from .kernel_library import FOLDER
+
+    stale = os.path.join(args.output, FOLDER)
+    if os.path.isdir(stale):  # the library of the artifacts just replaced (--force): --compile builds it anew
+        import shutil
+
+        shutil.rmtree(stale)
+        _note(args, f"removed {stale}/, the kernel library of the artifacts replaced"
+              + ("" if args.compile else f"; `odtrain compile {args.output}` builds theirs"))
     paths = ArtifactPaths.find(args.output)
     stored = checkpoint_file.load(checkpoint).parameters  # views of the file: sizes without reading it
     sizes = {n: int(stored[n].size) for n in trainable + frozen}
@@ -627,7 +636,7 @@ def _add_data_options(command, what: str) -> None:
     command.add_argument("--y", metavar="NAME", help="the .npz array of labels or targets "
                          "(default: 'labels'/'target', or y)")
     command.add_argument("--tokenizer", metavar="TOKENIZER.json", help="for a language model: encode the text file "
-                         "given to --data with this tokenizers file (pip install \"odtrain[text]\")")
+                         "given to --data with this tokenizers file (pip install tokenizers)")
     command.add_argument("--seq-len", type=int, metavar="N", help="with --tokenizer: windows of N tokens, each "
                          "token's label the next one")
     command.add_argument("--encoding", default="utf-8", help="with --tokenizer: the text file's encoding, e.g. "
@@ -811,7 +820,7 @@ def _add_training_commands(commands) -> None:
                         "arena budget (e.g. 40MB), recomputing activations as `train --memory-budget` does")
     memory.add_argument("--json", action="store_true", help="print the report as JSON (sizes in bytes)")
     memory.add_argument("--plot", metavar="FILE.png", help="also draw the training step's live bytes per step, "
-                        'by category (needs matplotlib: pip install "odtrain[plot]")')
+                        'by category (needs matplotlib: pip install matplotlib)')
     memory.set_defaults(handler=_memory)
 
     profile = commands.add_parser(
@@ -863,6 +872,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# odtrain's dependencies a device may leave out (it trains through a kernel library with numpy alone): a command
+# that needs one of them says so in one line, exit 2
+DESKTOP_MODULES = {"numba": "numba", "llvmlite": "llvmlite", "scipy": "scipy", "onnx": "onnx"}
+
+
+def needs_desktop(command: str, module: str) -> str:
+    """The line of a command that needs `module`, which this device does not have installed."""
+    return (f"`odtrain {command}` needs {DESKTOP_MODULES[module]}, which is not installed here (a device with numpy "
+            f"and odtrain only trains through a kernel library): run it where odtrain's dependencies are installed "
+            f"(`pip install odtrain`, or `pip install {DESKTOP_MODULES[module]}` here)")
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -887,6 +908,12 @@ def main(argv=None) -> int:
     except OdtrainError as error:
         message = str(error).replace("\n", " ")
         print(f"odtrain {args.command}: error: {message}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as error:
+        if (error.name or "").split(".")[0] not in DESKTOP_MODULES:
+            raise
+        print(f"odtrain {args.command}: error: {needs_desktop(args.command, error.name.split('.')[0])}",
+              file=sys.stderr)
         return 2
     except OSError as error:  # a file the command writes or reads, outside odtrain's own checks
         print(f"odtrain {args.command}: error: {error.strerror or error}"

@@ -250,7 +250,7 @@ def load_image_folder(folder: str, inputs: list[InputSpec], skip_unreadable: boo
     try:
         from PIL import Image
     except ImportError:
-        raise ArgumentError(f"reading the images in '{folder}' needs Pillow: pip install \"odtrain[images]\"") from None
+        raise ArgumentError(f"reading the images in '{folder}' needs Pillow: pip install Pillow") from None
     spec = data_inputs[0]
     height, width, channels, layout = _image_layout(spec)
     entries = sorted(e for e in os.listdir(folder) if not e.startswith("."))

@@ -1,7 +1,10 @@
 """`odtrain demo`: the whole on-device workflow on data shipped with the package.
 
 1. Build a small classifier (64-32-10 MLP, ReLU) as an ONNX model, as torch.onnx.export would.
-2. generate_artifacts: training, eval and optimizer models and the checkpoint (AdamW, cross-entropy);
+2. generate_artifacts: training, eval and optimizer models and the checkpoint (AdamW, cross-entropy).
+   Where onnx is not installed (a device with numpy and odtrain only), the package's copy of those
+   artifacts (ARTIFACTS: generated this way at seed 0, byte for byte; tests/test_kernel_library.py
+   checks it) is copied instead, its parameters drawn for `seed` as build_classifier draws them;
    the package's library of the demo's kernels (LIBRARY: built by `pip install .`, see setup.py, or by
    `odtrain compile -o`) goes beside them, so that nothing compiles and Numba is never imported.
 3. Train on 80% of the 8x8 handwritten digits with CheckpointState, Module and Optimizer.
@@ -22,12 +25,13 @@ from .graph.wording import count
 OUTPUT = "output"  # the classifier's logits
 # the kernels of the demo's steps and of its inference check, built ahead (odtrain.kernel_build.compile_artifacts)
 LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "kernels")
+# the demo's artifacts (seed 0), for a device without onnx: `python -m odtrain.demo` writes them
+ARTIFACTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "demo")
+ARTIFACT_FILES = ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", "checkpoint")
 
 
-def build_classifier(inputs: int = 64, hidden: int = 32, classes: int = 10, seed: int = 0):
-    """An ONNX MLP with Kaiming-uniform weights (PyTorch's nn.Linear initialisation)."""
-    from onnx import helper, numpy_helper
-
+def classifier_parameters(inputs: int = 64, hidden: int = 32, classes: int = 10, seed: int = 0) -> dict:
+    """The classifier's parameters, Kaiming-uniform (PyTorch's nn.Linear initialisation), by name."""
     rng = np.random.default_rng(seed)
 
     def linear(fan_in, fan_out):
@@ -36,10 +40,17 @@ def build_classifier(inputs: int = 64, hidden: int = 32, classes: int = 10, seed
                 rng.uniform(-bound, bound, fan_out).astype(np.float32))
 
     (w1, b1), (w2, b2) = linear(inputs, hidden), linear(hidden, classes)
+    return {"fc1.weight": w1, "fc1.bias": b1, "fc2.weight": w2, "fc2.bias": b2}
+
+
+def build_classifier(inputs: int = 64, hidden: int = 32, classes: int = 10, seed: int = 0):
+    """An ONNX MLP with Kaiming-uniform weights (classifier_parameters)."""
+    from onnx import helper, numpy_helper
+
+    params = classifier_parameters(inputs, hidden, classes, seed)
     nodes = [helper.make_node("Gemm", ["input", "fc1.weight", "fc1.bias"], ["hidden"], transB=1, name="fc1"),
              helper.make_node("Relu", ["hidden"], ["hidden_relu"], name="relu"),
              helper.make_node("Gemm", ["hidden_relu", "fc2.weight", "fc2.bias"], [OUTPUT], transB=1, name="fc2")]
-    params = {"fc1.weight": w1, "fc1.bias": b1, "fc2.weight": w2, "fc2.bias": b2}
     graph = helper.make_graph(
         nodes, "digits_mlp",
         [helper.make_tensor_value_info("input", 1, ["batch", inputs])],
@@ -58,11 +69,15 @@ def run(directory: str = "odtrain-demo", epochs: int = 15, batch_size: int = 32,
     from .progress import Progress
 
     started = time.perf_counter()
-    model, params = build_classifier(seed=seed)
-    artifacts.generate_artifacts(model, requires_grad=params, loss=artifacts.LossType.CrossEntropyLoss,
-                                 optimizer=artifacts.OptimType.AdamW, artifact_directory=directory,
-                                 additional_output_names=[OUTPUT])
-    out(f"artifacts written to {directory}/ (training, eval and optimizer models, checkpoint)")
+    if onnx_installed():
+        model, params = build_classifier(seed=seed)
+        artifacts.generate_artifacts(model, requires_grad=params, loss=artifacts.LossType.CrossEntropyLoss,
+                                     optimizer=artifacts.OptimType.AdamW, artifact_directory=directory,
+                                     additional_output_names=[OUTPUT])
+        out(f"artifacts written to {directory}/ (training, eval and optimizer models, checkpoint)")
+    else:
+        copy_artifacts(directory, seed)
+        out(f"artifacts copied to {directory}/ from the package (onnx is not installed to generate them)")
     out(place_library(directory))
 
     images, labels = load_digits()
@@ -110,6 +125,56 @@ def run(directory: str = "odtrain-demo", epochs: int = 15, batch_size: int = 32,
     return result
 
 
+def onnx_installed() -> bool:
+    from importlib.util import find_spec
+
+    try:
+        return find_spec("onnx") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def copy_artifacts(directory: str, seed: int = 0) -> None:
+    """The package's demo artifacts into `directory`, their parameters drawn for `seed`."""
+    from .api import CheckpointState
+
+    os.makedirs(directory, exist_ok=True)
+    for name in ARTIFACT_FILES:
+        shutil.copyfile(os.path.join(ARTIFACTS, name), os.path.join(directory, name))
+    if seed != 0:
+        path = os.path.join(directory, "checkpoint")
+        state = CheckpointState.load_checkpoint(path)
+        for name, value in classifier_parameters(seed=seed).items():
+            state.parameters[name] = value
+        CheckpointState.save_checkpoint(state, path, include_optimizer_state=True)
+
+
+def demo_artifacts(directory: str) -> str:
+    """The demo classifier's artifacts (seed 0) in `directory` (returned): generated, or where onnx is not
+    installed the package's copy, the same bytes."""
+    from . import artifacts
+
+    if not onnx_installed():
+        copy_artifacts(directory)
+        return directory
+    model, params = build_classifier()
+    artifacts.generate_artifacts(model, requires_grad=params, loss=artifacts.LossType.CrossEntropyLoss,
+                                 optimizer=artifacts.OptimType.AdamW, artifact_directory=directory,
+                                 additional_output_names=[OUTPUT])
+    return directory
+
+
+def write_artifacts(directory: str = ARTIFACTS) -> None:
+    """Generate the package's demo artifacts (seed 0) into `directory` (needs onnx)."""
+    import tempfile
+
+    os.makedirs(directory, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="odtrain-demo-") as scratch:
+        demo_artifacts(scratch)
+        for name in ARTIFACT_FILES:
+            shutil.copyfile(os.path.join(scratch, name), os.path.join(directory, name))
+
+
 def place_library(directory: str) -> str:
     """Copy the package's library of the demo's kernels into the artifact folder's kernels/ (where Module and
     InferenceSession look), replacing the files whole; returns what was done, as a line to print."""
@@ -117,6 +182,12 @@ def place_library(directory: str) -> str:
 
     target = os.path.join(directory, FOLDER)
     if not os.path.isfile(os.path.join(LIBRARY, MANIFEST_FILE)):
+        from .kernel_library import LIBRARY_ENV, compiler_installed
+
+        if not compiler_installed() and not os.environ.get(LIBRARY_ENV):
+            return (f"kernels: the package holds no library of them (a pure wheel) and Numba is not installed: build "
+                    f"one where odtrain's dependencies are, `odtrain compile -o DIR --target ARCH`, then run "
+                    f"`{LIBRARY_ENV}=DIR odtrain demo` here")
         return (f"kernels: the package holds no library of them (an editable install, ODTRAIN_BUILD_LIBRARY=0, or "
                 f"a build that failed at install, without a C compiler say): they compile through Numba on first "
                 f"use, once; `odtrain compile -o {LIBRARY}` builds them ahead")
@@ -126,3 +197,7 @@ def place_library(directory: str) -> str:
         shutil.copyfile(os.path.join(LIBRARY, name), partial)
         os.replace(partial, os.path.join(target, name))  # a process that maps the old file keeps it whole
     return f"kernels: the package's library of them, built ahead, copied to {target}/"
+
+
+if __name__ == "__main__":
+    write_artifacts()

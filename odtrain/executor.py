@@ -34,7 +34,7 @@ from functools import partial
 
 import numpy as np
 
-from .graph.errors import InputError, ModelError, NonFiniteError, UnsupportedOpError
+from .graph.errors import InputError, KernelsUnavailableError, ModelError, NonFiniteError, UnsupportedOpError
 from .graph.ir import ODTRAIN_DOMAIN, Graph, Node, TensorType
 from .graph.ops import is_view, lookup
 from .graph.ops.training import APPLY_UPDATE
@@ -46,7 +46,7 @@ from .kernels import BINDINGS, PARALLEL, SCRATCH
 from .kernels.blas import hold_one_thread, release_thread
 from .kernels.jit import resolved
 from . import runtime, threads as thread_policy
-from .kernel_library import kernel_name
+from .kernel_library import compiler_installed, kernel_name, library_folder_of, missing_kernel, unavailable
 from .kernel_sources import discard_stale
 from .kernel_compile import compile_ahead
 from .graph.optimizers import AdamW, SGDMomentum
@@ -100,9 +100,13 @@ class ExecutableStep:
                  gradient_sinks: dict[str, np.ndarray] | None = None, accumulate: bool = False,
                  check_finite: tuple[str, ...] = (), memory_budget: int | None = None,
                  fused_updates: dict | None = None, arena: SharedArena | None = None,
-                 bound_feeds: dict[str, np.ndarray] | None = None, threads: int = 1, library=None):
+                 bound_feeds: dict[str, np.ndarray] | None = None, threads: int = 1, library=None,
+                 artifact_folder=None):
         self.library = library  # a KernelLibrary (odtrain/kernel_library.py) whose kernels run the calls it holds
+        self.artifact_folder = artifact_folder  # where the library was looked for (named when kernels are missing)
         if library is None:
+            if not compiler_installed():
+                raise KernelsUnavailableError(unavailable(artifact_folder))
             runtime.load()  # Numba's CPU target, BLAS on one thread, Numba's threading layer (odtrain/threads.py)
             discard_stale()  # cached kernels compiled from other kernel sources than these
         else:
@@ -164,7 +168,8 @@ class ExecutableStep:
             call_nodes.append(None)
         self.calls = calls
         self.call_nodes = call_nodes  # the node each call belongs to (None: a gradient added into its sink)
-        self.program = Program(self.library, calls) if self.library is not None else None
+        self.program = Program(self.library, calls, call_nodes, self.graph.name, self.artifact_folder) \
+            if self.library is not None else None
         self._jit_calls = [(resolved(kernel), args) for kernel, args in calls] if self.program is None else None
         if self._jit_calls is not None:
             compile_ahead(self._jit_calls)  # says so when a kernel compiles, before the step holds the line
@@ -263,11 +268,11 @@ class Program:
     blocks are packed once (odtrain.kernel_library.pack) and hold the addresses of the arena views: the
     views must live as long as the program (the bound graph keeps both)."""
 
-    def __init__(self, library, calls):
+    def __init__(self, library, calls, nodes=None, graph_name: str = "step", artifact_folder=None):
         from .kernel_library import pack, report_missing
 
         self.library = library
-        self.segments, run, missing = [], [], []
+        self.segments, run, missing, first_node = [], [], [], None
         for index, (kernel, args) in enumerate(calls):
             address = library.address(kernel, args)
             if address is not None:
@@ -277,9 +282,15 @@ class Program:
             run = []
             self.segments.append((index, kernel, args))
             if kernel_name(kernel) is not None:  # a JIT kernel (else Python: an optimizer update, itself a library call)
+                if not missing and nodes is not None:
+                    first_node = nodes[index]
                 missing.append((kernel, args))
         self._close(run)
         self.jit_calls = len(missing)
+        if missing and not compiler_installed():  # before any call runs: nothing of the step is half done
+            where = f"{graph_name}: {first_node.describe()}" if first_node is not None else graph_name
+            raise KernelsUnavailableError(missing_kernel(where, *missing[0], library, artifact_folder,
+                                                         len(missing) - 1))
         if missing:
             runtime.load()
             report_missing(missing)
@@ -322,6 +333,10 @@ def invoke(kernel, args, threads: int = 1, library=None) -> None:
     if _recording is not None:
         _recording.append((kernel, args))
     elif library is None or not library.call(kernel, args, threads):
+        if not compiler_installed():
+            raise KernelsUnavailableError(
+                missing_kernel("the optimizer's update", kernel, args, library, library_folder_of(library))
+                if library is not None else f"the optimizer's update: {unavailable(None)}")
         runtime.load()  # the JIT's kernel (before the compiler loads, a kernel would run as Python)
         kernel(*args)
 

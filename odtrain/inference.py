@@ -50,6 +50,7 @@ class InferenceSession:
         self._configuring = frozenset(configuring_inputs(self._graph))
         self._plans: OrderedDict = OrderedDict()
         folder = os.path.dirname(os.path.abspath(model)) if isinstance(model, (str, os.PathLike)) else None
+        self._folder = folder
         self._library = find_library(folder)  # None: the JIT's kernels
 
     def get_inputs(self) -> list["NodeArg"]:
@@ -84,7 +85,7 @@ class InferenceSession:
             types = {n: TensorType(a.dtype, a.shape) for n, a in feeds.items()}
             values = {n: np.array(a) for n, a in feeds.items() if n in self._configuring}  # a copy: the plan keeps it
             bound = self._plans[signature] = ExecutableStep(graph, types, {}, bound_feeds=values, threads=threads,
-                                                                library=self._library)
+                                                                library=self._library, artifact_folder=self._folder)
             if len(self._plans) > PLAN_CACHE_SIZE:
                 self._plans.popitem(last=False)
         else:

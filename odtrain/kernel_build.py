@@ -34,6 +34,7 @@ NUMBA_OPT=0 carries no host-only intrinsics (tests/test_kernel_targets.py emits 
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -45,7 +46,7 @@ import time
 
 from . import __version__
 from .graph.errors import ArgumentError
-from .kernel_library import FOLDER, LIBRARY_FILE, MANIFEST_FILE, kernel_name
+from .kernel_library import FOLDER, LIBRARY_FILE, MANIFEST_FILE, artifacts_digest, kernel_name
 from .kernel_sources import sources_digest
 from .kernel_targets import (CPUS, DEFAULT_CPU, DEVICE_CORES, TARGETS, NoCompiler, c_compiler, cpu_features,
                              host_arch, optimise, optimise_functions, target_machine, without_host_cpu)
@@ -64,16 +65,17 @@ OBJECT_FILE, OBJECT_MANIFEST_FILE = "kernels.o", "kernels.json"  # build(object_
 
 
 def build(entries, out_dir, out=print, target: str | None = None, cpu: str | None = None,
-          object_only: bool = False) -> dict:
+          object_only: bool = False, artifacts: list | None = None) -> dict:
     """Build the library of `entries` ((kernel name, signature) pairs) into `out_dir`, in a fresh process, for
     `target` (an architecture of TARGETS; default this machine's) and `cpu` (default: this machine's CPU for
     its own architecture, DEFAULT_CPU for another); returns the manifest. `object_only`: stop at the object
-    (OBJECT_FILE and OBJECT_MANIFEST_FILE), with no C compiler."""
+    (OBJECT_FILE and OBJECT_MANIFEST_FILE), with no C compiler. `artifacts`: what the manifest records of the
+    artifact folders the entries were recorded on ({"folder", "digest"}: odtrain.kernel_library.artifacts_digest)."""
     target, cpu, features, compiler = build_target(target, cpu, object_only)
     created = not os.path.exists(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     spec = {"entries": sorted(set(map(tuple, entries))), "target": target, "cpu": cpu, "features": features,
-            "compiler": compiler}
+            "compiler": compiler, "artifacts": artifacts or []}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as spec_file:
         json.dump(spec, spec_file)
     environment = dict(os.environ)
@@ -310,7 +312,8 @@ def _main(spec_path: str, out_dir: str) -> None:
     manifest = {"odtrain": __version__, "numba": numba.__version__, "llvmlite": llvmlite.__version__,
                 "triple": triple, "cpu": cpu, "features": features, "kernel_sources": sources_digest(),
                 "optimised": "llvmlite O3 from Numba's NUMBA_OPT=0 IR" if retarget else "by Numba's JIT",
-                "entries": manifest_entries, "skipped": skipped, "stubs": {"functions": stubs, "data": data_stubs}}
+                "artifacts": spec.get("artifacts", []), "entries": manifest_entries, "skipped": skipped,
+                "stubs": {"functions": stubs, "data": data_stubs}}
     if spec["compiler"] is None:
         with open(os.path.join(out_dir, OBJECT_FILE), "wb") as file:
             file.write(machine.emit_object(linked))
@@ -350,28 +353,45 @@ def library_folder(artifact_dir) -> str:
     return os.path.join(os.fspath(artifact_dir), FOLDER)
 
 
+def recorded_shapes(batch_size: int, sequence_length: int | None) -> list[tuple[int, int | None]]:
+    """The (batch size, sequence length) pairs a library records: 1 and `batch_size`, 1 and `sequence_length`
+    (when given). Across the sizes of an axis only its length-1 case changes a call's types (a size-1 axis
+    makes a strided view contiguous); at a size above 1, every call that could split is recorded split too
+    (kernels/parts.py, every_split), so one larger size stands for all."""
+    batches = sorted({1, int(batch_size)})
+    lengths = sorted({1, int(sequence_length)}) if sequence_length is not None else [None]
+    return [(b, n) for b in batches for n in lengths]
+
+
 def recorded_entries(artifact_dir, batch_size: int = 32, thread_counts=None, input_shapes=None,
                      inference_output: str | None = None, sequence_length: int | None = None) -> list:
     """The (kernel name, signature) pairs of the steps `odtrain warmup` runs on a set of artifacts (a training
-    step writing and one accumulating gradients, an optimizer step, an eval step), at each thread count of
-    `thread_counts` (default: 1 and every core of this machine, as a device would run); with
-    `inference_output`, also of an InferenceSession on the model they export with that output. The inputs' other
-    symbolic axes are `sequence_length`, or `input_shapes` gives whole shapes by name. Nothing runs."""
+    step writing and one accumulating gradients, an optimizer step, an eval step), closed under the input
+    sizes the artifacts accept: at batch 1 and `batch_size`, and for inputs with another symbolic axis at
+    lengths 1 and `sequence_length` (recorded_shapes; `input_shapes` gives whole shapes by name instead, then
+    recorded as given), at each thread count of `thread_counts` (default: 1 and every core of this machine, as
+    a device would run) both as the step splits its work at that size and with every call that has
+    more than one unit split (kernels/parts.py, every_split: the parallel twins a larger size runs). With
+    `inference_output`, also of an InferenceSession on the model they export with that output. Nothing runs."""
     from . import threads
     from .cache import run_steps
     from .executor import record_calls
     from .kernel_library import LIBRARY_ENV, signature_of
+    from .kernels.parts import every_split
 
     counts = sorted(set(thread_counts or (1, threads.available_cores())))
+    shapes = recorded_shapes(batch_size, sequence_length)
     previous = os.environ.get(LIBRARY_ENV)
     os.environ[LIBRARY_ENV] = "off"  # the calls are the same with a library: record them without one
     try:
         with record_calls() as calls, tempfile.TemporaryDirectory(prefix="odtrain-compile-") as scratch:
             for count in counts:
-                with threads.process_default(count):
-                    run_steps(os.fspath(artifact_dir), int(batch_size), input_shapes or {}, sequence_length)
-                    if inference_output is not None:
-                        _run_inference(os.fspath(artifact_dir), inference_output, int(batch_size), scratch)
+                for split_all in ((False, True) if count > 1 else (False,)):
+                    with threads.process_default(count), every_split() if split_all else contextlib.nullcontext():
+                        for batch, length in shapes:
+                            run_steps(os.fspath(artifact_dir), batch, input_shapes or {}, length)
+                            if inference_output is not None:
+                                _run_inference(os.fspath(artifact_dir), inference_output, batch, scratch)
     finally:
         if previous is None:
             del os.environ[LIBRARY_ENV]
@@ -411,7 +431,7 @@ def compile_artifacts(artifact_dir=None, out_dir=None, batch_size: int = 32, thr
         thread_counts = (1, DEVICE_CORES.get(target, 1))
     folders = [artifact_dir] if artifact_dir is None or isinstance(artifact_dir, (str, os.PathLike)) \
         else list(artifact_dir)
-    entries = set()
+    entries, recorded = set(), []
     for folder in folders:
         if folder is None:
             from .cache import demo_artifacts
@@ -420,14 +440,16 @@ def compile_artifacts(artifact_dir=None, out_dir=None, batch_size: int = 32, thr
             with tempfile.TemporaryDirectory(prefix="odtrain-compile-") as scratch:
                 entries.update(recorded_entries(demo_artifacts(scratch), batch_size, thread_counts,
                                                 inference_output=OUTPUT))
+                recorded.append({"folder": "the demo classifier", "digest": artifacts_digest(scratch)})
         else:
             entries.update(recorded_entries(folder, batch_size, thread_counts, input_shapes,
                                             sequence_length=sequence_length))
+            recorded.append({"folder": os.path.abspath(os.fspath(folder)), "digest": artifacts_digest(folder)})
     if out_dir is None:
         if len(folders) != 1 or folders[0] is None:
             raise ValueError("give the library's folder (-o DIR) for the demo classifier or several artifact folders")
         out_dir = library_folder(folders[0])
-    return build(sorted(entries), out_dir, out, target, cpu)
+    return build(sorted(entries), out_dir, out, target, cpu, artifacts=recorded)
 
 
 def add_command(commands) -> None:
@@ -437,8 +459,10 @@ def add_command(commands) -> None:
     command = commands.add_parser(
         "compile", help="build the kernels a set of artifacts needs into a native library, ahead of time",
         description="Record every kernel, at every signature, that a training step, an optimizer step and an eval "
-        "step of the artifacts call (at 1 thread and at this machine's cores), compile them with Numba and link "
-        "them into one shared library with its manifest, by default in ARTIFACT_DIR/kernels/. A training process "
+        "step of the artifacts call (at 1 thread and at this machine's cores; at batch 1 and --batch-size, and for "
+        "inputs with a sequence axis at length 1 and --seq-len; every call that can split into parallel parts "
+        "recorded split as well, so that the library serves every batch size and sequence length), compile them "
+        "with Numba and link them into one shared library with its manifest, by default in ARTIFACT_DIR/kernels/. A training process "
         "that finds it there loads it with ctypes: no kernel compiles, Numba is not imported for the kernels it "
         "holds.")
     command.add_argument("artifact_dir", nargs="*", default=None, metavar="ARTIFACT_DIR",
@@ -446,7 +470,9 @@ def add_command(commands) -> None:
                          "(with -o); none: the demo classifier (with -o)")
     command.add_argument("-o", "--output", default=None, metavar="DIR", help="the library's folder "
                          "(default: ARTIFACT_DIR/kernels)")
-    command.add_argument("--batch-size", type=int, default=32, help="batch size of the recorded steps (default 32)")
+    command.add_argument("--batch-size", type=int, default=32,
+                         help="the batch size above 1 the steps are recorded at, besides batch 1 (default 32); the "
+                         "library serves every batch size: this sets only the memory the recording binds")
     command.add_argument("--threads", type=int, action="append", default=None, metavar="N", dest="thread_counts",
                          help="a thread count the device runs at (repeatable; default: 1 and the device's cores: this "
                          "machine's, or 4 for another architecture, a Raspberry Pi's)")
@@ -462,7 +488,10 @@ def add_command(commands) -> None:
 
 def _command(args) -> int:
     from .cache import input_shapes
+    from .kernel_library import compiler_installed
 
+    if not compiler_installed():  # the build is Numba's: the CLI says so in one line
+        raise ModuleNotFoundError("No module named 'numba'", name="numba")
     folders = args.artifact_dir or [None]
     if args.output is None and (len(folders) > 1 or folders[0] is None):
         raise ArgumentError("odtrain compile without ARTIFACT_DIR (the demo classifier's kernels) or with several "

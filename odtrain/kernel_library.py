@@ -20,13 +20,22 @@ update) is prepared once for its arrays and later only gets its scalars written 
 Refused, by name, never loaded (`load` raises LibraryRefused, which `find` reports once and bypasses):
 a library built by another odtrain version, from other kernel sources, with a Numba other than the
 installed one (when one is installed), for another architecture, or for CPU features this CPU lacks
-(odtrain/kernel_targets.py: /proc/cpuinfo, or on aarch64 the hardware capability bits).
+(odtrain/kernel_targets.py: /proc/cpuinfo, or on aarch64 the hardware capability bits); and an artifact
+folder's own kernels/ built for other artifacts (the manifest's `artifacts`: the digests of the models
+it was recorded on, `artifacts_digest`).
+
+Where Numba is not installed (a device), a step whose kernels no library holds cannot run: the executor
+raises KernelsUnavailableError before the step's first call, in one line that names why (no library, a
+refused one: `unavailable`) or the node, kernel and argument types the library lacks (`missing_kernel`),
+and the `odtrain compile` command that builds them (`compile_command`); a refusal is then said in that
+line only.
 
 Imports numpy and ctypes only, so that a training process with a library never loads the compiler.
 """
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import json
 import os
 import sys
@@ -250,7 +259,7 @@ def refusal_of(manifest: dict) -> str:
         return f"built by odtrain {manifest.get('odtrain')}, this is odtrain {__version__}"
     if manifest.get("kernel_sources") != sources_digest():
         return "built from other kernel sources than these (odtrain/kernels changed since)"
-    numba = installed_version("numba")
+    numba = installed_version("numba") if compiler_installed() else None  # a device: no metadata read at all
     if numba is not None and manifest.get("numba") != numba:
         return f"built with Numba {manifest.get('numba')}, the installed Numba is {numba}"
     machine, here = manifest.get("triple", "").split("-")[0], host_arch()
@@ -287,33 +296,130 @@ def report_missing(calls) -> None:
         announce(f"odtrain: {FALLBACK_MESSAGE.format(count=len(new))}")
 
 
+def compiler_installed() -> bool:
+    """Whether Numba can be imported here, to compile the kernels a library lacks (without importing it)."""
+    from importlib.util import find_spec
+
+    try:
+        return find_spec("numba") is not None and find_spec("llvmlite") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+MODEL_FILES = ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx")  # artifact_paths' names
+
+
+def artifacts_digest(folder) -> str | None:
+    """sha256 over an artifact folder's models (not its checkpoint, which training changes), or None when it
+    has no training model: what a library records of the artifacts it was built for."""
+    digest, found = hashlib.sha256(), False
+    for name in MODEL_FILES:
+        path = os.path.join(os.fspath(folder), name)
+        if os.path.isfile(path):
+            found = found or name == MODEL_FILES[0]
+            digest.update(name.encode() + b"\0")
+            with open(path, "rb") as file:
+                for block in iter(lambda: file.read(1 << 20), b""):
+                    digest.update(block)
+    return digest.hexdigest() if found else None
+
+
+def compile_command(artifact_folder) -> str:
+    """The command that builds the library of `artifact_folder` for this machine, run where Numba is (the
+    desktop, for another architecture)."""
+    from .kernel_targets import DEFAULT_CPU
+
+    here = host_arch()
+    target = f" --target {here}" if here in DEFAULT_CPU else ""
+    folder = os.fspath(artifact_folder) if artifact_folder is not None else "ARTIFACT_DIR"
+    return f"`odtrain compile {folder}{target}` (on a machine with odtrain's dependencies; its kernels/ folder " \
+           f"then goes to {os.path.join(folder, FOLDER)} here)"
+
+
 _loaded: dict[str, KernelLibrary | None] = {}
+_why_none: dict[str, str] = {}  # artifact folder -> why find gave it no library
+
+
+def _own_library_mismatch(folder: str, artifact_folder) -> str:
+    """Why an artifact folder's own kernels/ library does not belong to its artifacts ('' when it does, or when
+    its manifest records no artifacts)."""
+    try:
+        with open(os.path.join(folder, MANIFEST_FILE)) as file:
+            recorded = json.load(file).get("artifacts")
+    except (OSError, ValueError):
+        return ""
+    if not recorded:
+        return ""
+    digest = artifacts_digest(artifact_folder)
+    if digest is None or digest in {entry.get("digest") for entry in recorded}:
+        return ""
+    built_for = ", ".join(entry.get("folder", "?") for entry in recorded)
+    return (f"{folder}: built for other artifacts ({built_for}; their models differ from these): rebuild it with "
+            f"{compile_command(artifact_folder)}")
 
 
 def find(artifact_folder=None) -> KernelLibrary | None:
-    """The library for a model in `artifact_folder`: its `kernels/` folder, else the folder ODTRAIN_KERNEL_LIBRARY
-    names; None when there is none, or when it was refused (said once, on stderr)."""
+    """The library for a model in `artifact_folder`: its `kernels/` folder (refused when it was built for other
+    artifacts), else the folder ODTRAIN_KERNEL_LIBRARY names; None when there is none, or when it was refused
+    (said once, on stderr, where Numba compiles the kernels instead; without Numba, `unavailable` says it
+    in the step's error)."""
+    key = os.path.abspath(os.fspath(artifact_folder)) if artifact_folder is not None else None
     if os.environ.get(LIBRARY_ENV, "").strip().lower() == "off":
+        _why_none[key] = f"{LIBRARY_ENV}=off"
         return None
     candidates = []
     if artifact_folder is not None:
-        candidates.append(os.path.join(os.fspath(artifact_folder), FOLDER))
+        candidates.append((os.path.join(os.fspath(artifact_folder), FOLDER), True))
     if os.environ.get(LIBRARY_ENV):
-        candidates.append(os.environ[LIBRARY_ENV])
-    for folder in candidates:
+        candidates.append((os.environ[LIBRARY_ENV], False))
+    reasons = []
+    for folder, own in candidates:
         folder = os.path.abspath(folder)
         if folder not in _loaded:
             if not os.path.isfile(os.path.join(folder, MANIFEST_FILE)):
                 _loaded[folder] = None
+                _refusals[folder] = ""
                 continue
             try:
+                mismatch = _own_library_mismatch(folder, artifact_folder) if own else ""
+                if mismatch:
+                    raise LibraryRefused(mismatch)
                 _loaded[folder] = KernelLibrary(folder)
             except LibraryRefused as refused:
-                instead = ("its kernels compile through Numba instead" if installed_version("numba") else
-                           "Numba is not installed to compile its kernels instead: build the library for this "
-                           "device (odtrain compile ARTIFACT_DIR --target ARCH --cpu CPU, on the desktop)")
-                print(f"odtrain: kernel library refused: {refused}; {instead}", file=sys.stderr)
+                _refusals[folder] = str(refused)
+                if compiler_installed():
+                    print(f"odtrain: kernel library refused: {refused}; its kernels compile through Numba instead",
+                          file=sys.stderr)
                 _loaded[folder] = None
         if _loaded[folder] is not None:
+            _why_none.pop(key, None)
             return _loaded[folder]
+        reasons.append(f"kernel library refused: {_refusals[folder]}" if _refusals.get(folder) else
+                       f"no kernel library in {folder}")
+    _why_none[key] = "; ".join(reasons) or "no kernel library"
     return None
+
+
+_refusals: dict[str, str] = {}  # library folder -> why it was refused ('' when it has no manifest)
+
+
+def unavailable(artifact_folder) -> str:
+    """The one line of a step that has no library and no Numba: why there is no library, and what builds it."""
+    key = os.path.abspath(os.fspath(artifact_folder)) if artifact_folder is not None else None
+    why = _why_none.get(key, "no kernel library")
+    return (f"{why}, and Numba is not installed to compile the kernels instead: build the library with "
+            f"{compile_command(artifact_folder)}")
+
+
+def library_folder_of(library: KernelLibrary) -> str | None:
+    """The artifact folder a library sits in (its kernels/ folder's parent), or None for one elsewhere."""
+    folder = getattr(library, "folder", None)
+    return os.path.dirname(folder) if folder and os.path.basename(folder) == FOLDER else None
+
+
+def missing_kernel(where: str, kernel, args, library: KernelLibrary, artifact_folder, others: int = 0) -> str:
+    """The one line of a call that `library` lacks where Numba is not installed."""
+    more = f" (and {others} more call{'s' if others != 1 else ''} it lacks)" if others else ""
+    return (f"{where}: kernel {kernel_name(kernel)}({signature_of(args)}) is not in the kernel library "
+            f"{library.folder}{more}, and Numba is not installed to compile it: rebuild the library with "
+            f"{compile_command(artifact_folder)}")

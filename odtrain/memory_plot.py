@@ -27,7 +27,7 @@ def require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise ArgumentError('plotting needs matplotlib: pip install "odtrain[plot]"') from None
+        raise ArgumentError('plotting needs matplotlib: pip install matplotlib') from None
 
 
 def plot_timeline(report: MemoryReport, path, title: str) -> None:

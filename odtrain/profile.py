@@ -22,6 +22,8 @@ How it measures:
 - Products: nodes for which `graph.cost.product_flops` counts operations (Conv, Gemm, MatMul,
   FusedMatMul and their gradients that are products). Their time includes what runs around BLAS in
   the same kernel (a convolution's im2col, a bias broadcast). GF/s = those operations over that time.
+- With a kernel library (odtrain/kernel_library.py; the device's route), the timed twin runs each call the
+  library holds as its own foreign call into it, the others as the JIT's kernels; the peak's product too.
 - Threads: the step runs at its module's thread count (`odtrain.threads`), the timed twin too (its
   calls were bound for that count and run on that many of Numba's threads); BLAS runs one thread
   inside each part of a product.
@@ -42,7 +44,7 @@ import numpy as np
 
 from .graph.autodiff import LOSS_SEED
 from .graph.cost import product_flops
-from .graph.errors import ArgumentError
+from .graph.errors import ArgumentError, KernelsUnavailableError
 from .graph.ir import Graph, Node, TensorType
 from .graph.ops.training import APPLY_UPDATE
 from .graph.schedule import split_forward_backward
@@ -56,17 +58,42 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 _peaks: dict[tuple[int, str], float] = {}
 
 
-def timed_calls(calls: list, elapsed: np.ndarray, clock=time.perf_counter) -> None:
-    """Run a bound step's calls in order, as `ExecutableStep.run` does, writing each call's seconds to `elapsed`."""
-    for index, (kernel, args) in enumerate(calls):
+def timed_calls(calls: list, elapsed: np.ndarray, clock=time.perf_counter, library=None, threads: int = 1) -> None:
+    """Run a bound step's calls in order, as `ExecutableStep.run` does, writing each call's seconds to `elapsed`;
+    the calls a kernel `library` holds run in it (one foreign call each, packed before the first run:
+    `library_calls`), the others as the JIT's kernels."""
+    prepared = library_calls(calls, library) if library is not None else [None] * len(calls)
+    for index, ((kernel, args), call) in enumerate(zip(calls, prepared)):
         start = clock()
-        kernel(*args)
+        if call is None:
+            kernel(*args)
+        elif library.run(call, threads) >= 0:
+            raise ValueError(library.message(kernel, args))
         elapsed[index] = clock() - start
 
 
-def gemm_peak(threads: int, clock: str = "wall") -> float:
+_packed_calls: dict[int, tuple] = {}  # id of a step's call list -> (the list, its library calls)
+
+
+def library_calls(calls: list, library) -> list:
+    """Each call as a one-call CallList of `library`, or None where the library lacks it (packed once per list)."""
+    from .kernel_library import CallList, pack
+
+    held = _packed_calls.get(id(calls))
+    if held is None or held[0] is not calls:
+        prepared = []
+        for kernel, args in calls:
+            address = library.address(kernel, args)
+            prepared.append(CallList([address], [pack(args)]) if address is not None else None)
+        held = _packed_calls[id(calls)] = (calls, prepared)
+    return held[1]
+
+
+def gemm_peak(threads: int, clock: str = "wall", library=None) -> float:
     """GF/s of a float32 PEAK_SIZE³ MatMul bound by the executor at `threads` threads, as a step's products
-    are (best of PEAK_REPEATS) on `clock` (CLOCKS), measured once per process and thread count."""
+    are (best of PEAK_REPEATS) on `clock` (CLOCKS), measured once per process and thread count; through the
+    kernel `library` when it holds the product's kernel (KernelsUnavailableError where it does not and Numba
+    is not installed)."""
     threads, read = max(int(threads), 1), CLOCKS[clock]
     if (threads, clock) not in _peaks:
         from .executor import ExecutableStep
@@ -77,7 +104,7 @@ def gemm_peak(threads: int, clock: str = "wall") -> float:
         graph = Graph([Node("MatMul", ["a", "b"], ["y"], name="peak")], ["a", "b"], ["y"],
                       value_types={"a": square, "b": square, "y": square})
         # operands held outside the arena: a run is the product alone
-        product = ExecutableStep(graph, {}, operands, threads=threads)
+        product = ExecutableStep(graph, {}, operands, threads=threads, library=library)
         product.run([])  # the kernel loaded, the threads started
         best = float("inf")
         for _ in range(PEAK_REPEATS):
@@ -292,7 +319,12 @@ def profile_artifacts(directory, batch_size: int, steps: int = 10, threads: int 
     bound = module.executable_step_at(int(batch_size), sequence_length=sequence_length)
     step_threads = bound.threads
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    peaks = {count: gemm_peak(count, clock) for count in sorted({1, step_threads or 1, cores})}
+    peaks = {}
+    for threads_count in sorted({1, step_threads or 1, cores}):
+        try:
+            peaks[threads_count] = gemm_peak(threads_count, clock, module.kernel_library)
+        except KernelsUnavailableError:  # a library without the peak's product and no Numba: no peak
+            pass
     feeds = _random_feeds(bound.feed_views, seed)
     _, backward = split_forward_backward(bound.order, LOSS_SEED)
     untimed, feed_times, optimizer_times, ran_on = [], [], [], []
@@ -310,7 +342,7 @@ def profile_artifacts(directory, batch_size: int, steps: int = 10, threads: int 
             np.copyto(view, value, casting="no")
         feed_times.append(read() - start)
         with bound.step_threads() as running:
-            timed_calls(bound.calls, elapsed[step], read)
+            timed_calls(bound.calls, elapsed[step], read, bound.library, running)
         ran_on.append(running)
         start = read()
         optimizer.step()

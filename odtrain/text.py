@@ -4,7 +4,7 @@
     dataset = odtrain.text.load_text("corpus.txt", "tokenizer.json", inputs, seq_len=128)
 
 The file is read as UTF-8 (or the `encoding` given) and encoded whole by a Hugging Face `tokenizers` tokenizer (a
-tokenizer.json; the optional extra `pip install "odtrain[text]"`). Its ids are cut into
+tokenizer.json; the optional package, `pip install tokenizers`). Its ids are cut into
 consecutive, non-overlapping windows of seq_len + 1 tokens; a window's first seq_len tokens are
 the inputs and its last seq_len the labels (each token's next token). A trailing piece shorter
 than a window is dropped. Training visits the windows in the seeded order of
@@ -45,7 +45,7 @@ def load_tokenizer(path):
     try:
         from tokenizers import Tokenizer
     except ImportError:
-        raise ArgumentError("reading text needs the tokenizers package: pip install \"odtrain[text]\"") from None
+        raise ArgumentError("reading text needs the tokenizers package: pip install tokenizers") from None
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ArtifactNotFoundError(f"tokenizer file '{path}' does not exist")

@@ -564,7 +564,7 @@ def test_a_folder_of_images_without_pillow_is_one_clear_line(here, capsys, monke
     (here / "no_pillow" / "cat").mkdir(parents=True, exist_ok=True)
     monkeypatch.setitem(sys.modules, "PIL", None)
     code, _, err = odtrain_main(capsys, "eval", "art", "--data", "no_pillow")
-    assert code == 2 and 'needs Pillow: pip install "odtrain[images]"' in one_line(err)
+    assert code == 2 and 'needs Pillow: pip install Pillow' in one_line(err)
 
 
 def test_a_regression_model_reports_mse(here, capsys):

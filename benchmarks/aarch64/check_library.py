@@ -6,7 +6,10 @@
 
 --run trains each set of artifacts along its golden batches at 1 thread and at the device's cores (4,
 a Raspberry Pi's), compares the losses with PyTorch's at the suite's tolerances (tests/test_golden_mlp.py,
-tests/test_vision.py), then checks that the process holds none of numba, llvmlite, scipy or onnx, in
+tests/test_vision.py), then runs a training, an optimizer and an eval step of each at other batch sizes
+(SHAPES: 1, a last partial batch, batches larger than the recorded 32, whose steps split into parts the
+library holds as parallel twins) at the device's cores, every call in the library, then checks that the
+process holds none of numba, llvmlite, scipy or onnx, in
 sys.modules or among its mapped files. A kernel that the library lacked would have needed Numba: the
 device has none installed, so the run would have stopped there.
 """
@@ -23,6 +26,7 @@ OPTIMIZERS = ("sgd", "adamw")
 # the suite's tolerances: tests/test_golden_mlp.py (2e-6 for both), tests/test_vision.py's CNN_LOSS_RTOL
 RTOL = {("mlp", "sgd"): 2e-6, ("mlp", "adamw"): 2e-6, ("cnn", "sgd"): 5e-5, ("cnn", "adamw"): 1e-3}
 THREADS = (1, 4)
+SHAPES = {"mlp": (1, 7, 100, 512, 2048), "cnn": (1, 7, 100)}  # batch sizes besides the golden's
 COMPILER = ("numba", "llvmlite", "scipy", "onnx")
 
 
@@ -62,6 +66,33 @@ def train(folder: str, meta: dict, golden, optimizer: str, threads: int) -> list
     return losses
 
 
+def other_batches(folder: str, model: str, threads: int) -> list[str]:
+    """A training, an optimizer and an eval step at each of SHAPES[model]: its losses, each through the library."""
+    import numpy as np
+
+    from odtrain.api import CheckpointState, Module, Optimizer
+
+    state = CheckpointState.load_checkpoint(os.path.join(folder, "checkpoint"))
+    module = Module(os.path.join(folder, "training_model.onnx"), state, os.path.join(folder, "eval_model.onnx"),
+                    num_threads=threads)
+    step = Optimizer(os.path.join(folder, "optimizer_model.onnx"), module)
+    shape, = [t.shape for t in module.input_types(True).values() if t.dtype == np.float32]
+    rng = np.random.default_rng(0)
+    lines = []
+    for batch in SHAPES[model]:
+        x = rng.standard_normal((batch, *shape[1:])).astype(np.float32)
+        y = rng.integers(0, 10, batch).astype(np.int64)
+        module.train()
+        loss = float(module(x, y))
+        step.step()
+        module.lazy_reset_grad()
+        module.eval()
+        evaluated = float(module(x, y))  # a kernel the library lacked would have stopped the step: no Numba here
+        assert np.isfinite(loss) and np.isfinite(evaluated), (batch, loss, evaluated)
+        lines.append(f"batch {batch}: loss {loss:.4f}, eval {evaluated:.4f}")
+    return lines
+
+
 def run(folder: str) -> int:
     import numpy as np
 
@@ -73,6 +104,9 @@ def run(folder: str) -> int:
     from odtrain.kernels.blas_library import product_threads
 
     library = kernel_library.find()
+    if library is None:  # refused, or none there: the line a step would stop with says why
+        print(f"  no kernel library: {kernel_library.unavailable(None)}")
+        return 1
     manifest = library.manifest
     blas = product_threads()
     print(f"  products: {blas.name or 'no OpenBLAS found in numpy'} ({blas.core or 'core unknown'})")
@@ -94,6 +128,15 @@ def run(folder: str) -> int:
                 print(f"  {model} {optimizer:<5} {threads} thread{'s' if threads > 1 else ' '}: {len(losses)} losses "
                       f"within {worst:.1e} of PyTorch's (tolerance {RTOL[model, optimizer]:.0e}) "
                       f"{'ok' if ok else 'FAILED'}  ({time.perf_counter() - started:.1f} s)")
+    for model in MODELS:
+        started = time.perf_counter()
+        try:
+            lines = other_batches(os.path.join(folder, f"{model}-adamw"), model, THREADS[-1])
+            print(f"  {model} adamw {THREADS[-1]} threads, other batches, every call in the library: "
+                  f"{'; '.join(lines)} ok  ({time.perf_counter() - started:.1f} s)")
+        except Exception as error:  # the one line the device printed, or a failed check
+            failed += 1
+            print(f"  {model} adamw, other batches: FAILED: {type(error).__name__}: {error}")
     modules = sorted(m for m in sys.modules if m.split(".")[0] in COMPILER)
     with open("/proc/self/maps") as maps:
         mapped = sorted({line.split()[-1] for line in maps if any(f"/{n}" in line for n in COMPILER)})

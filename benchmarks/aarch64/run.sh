@@ -5,8 +5,9 @@
 #    with apt-get through a private apt configuration (nothing is added to the system's apt or dpkg)
 #    and unpacked with dpkg -x;
 # 2. qemu: qemu-aarch64-static from Debian's qemu-user-static .deb (unpacked, not installed);
-# 3. wheels: odtrain's wheel (pure Python) and the aarch64 wheels of its dependencies, installed
-#    into a target folder with the host's pip;
+# 3. wheels: odtrain's wheel, made as README says for a device (`ODTRAIN_BUILD_LIBRARY=0 pip wheel --no-deps .`
+#    in a copy of the checkout: pure Python, py3-none-any), installed for manylinux2014_aarch64, and the
+#    aarch64 wheels of its dependencies, installed into a target folder with the host's pip;
 # 4. the kernel library: this host builds it for aarch64 (`odtrain compile --target aarch64`) for the
 #    reference MLP's and CNN's artifacts; the emulated Python, with odtrain and numpy only installed (no
 #    numba, llvmlite, scipy or onnx), trains them along PyTorch's golden losses through it and checks
@@ -206,12 +207,23 @@ emulated_python() {
 phase_start "odtrain wheel; aarch64 dependency wheels installed"
 rm -rf "$RUN"
 mkdir -p "$RUN/dist" "$RUN/home" "$WHEELS"
-# Built from a copy, so that the build leaves nothing in the source tree.
+# The device's wheel as README says to make it: `ODTRAIN_BUILD_LIBRARY=0 pip wheel --no-deps .` in the checkout
+# (setup.py included), pure Python. Built from a copy of the checkout's files, so that the build leaves nothing
+# in the source tree; a library built in the package folder (odtrain/data/kernels) is left out, as git does.
 mkdir -p "$RUN/src"
-cp -r "$ROOT/pyproject.toml" "$ROOT/README.md" "$ROOT/odtrain" "$ROOT/graph" "$ROOT/kernels" "$RUN/src/"
+if git -C "$ROOT" rev-parse --git-dir > /dev/null 2>&1; then
+  (cd "$ROOT" && git ls-files -z --cached --others --exclude-standard | xargs -0 cp --parents -t "$RUN/src" 2>/dev/null || true)
+else
+  cp -r "$ROOT/." "$RUN/src/"
+  rm -rf "$RUN/src/odtrain/data/kernels"
+fi
 find "$RUN/src" -name __pycache__ -prune -exec rm -rf {} +
-"$PY" -m pip wheel -q --no-deps -w "$RUN/dist" "$RUN/src"
+(cd "$RUN/src" && ODTRAIN_BUILD_LIBRARY=0 "$PY" -m pip wheel -q --no-deps -w "$RUN/dist" .)
 WHEEL="$(ls -1 "$RUN/dist"/odtrain-*.whl | head -n1)"
+case "$WHEEL" in
+  *-py3-none-any.whl) ;;
+  *) echo "the device's wheel is not pure Python: $WHEEL (setup.py marks it as holding native code)"; exit 1 ;;
+esac
 # Dependencies, with the test extra (pytest, hypothesis, onnxruntime when it has an aarch64 wheel),
 # resolved again when pyproject.toml's dependencies change (or with ODTRAIN_AARCH64_REFRESH=1).
 STAMP_DEPS="$( ("$PY" -c 'import sys
