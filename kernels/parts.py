@@ -43,9 +43,10 @@ MIN_PARALLEL_WORK = 1 << 15
 _every_split = False  # while every_split(): any amount of work is split
 
 
-def worth_parallel(work: int, minimum: int = MIN_PARALLEL_WORK) -> bool:
-    """Whether `work` pays for a parallel region (at least `minimum`; anything within every_split())."""
-    return _every_split or work >= minimum
+def worth_parallel(work: int, minimum: int | None = None) -> bool:
+    """Whether `work` pays for a parallel region (at least `minimum`, by default MIN_PARALLEL_WORK read at the
+    call, so that a test may lower it; anything within every_split())."""
+    return _every_split or work >= (MIN_PARALLEL_WORK if minimum is None else minimum)
 
 
 class every_split:
