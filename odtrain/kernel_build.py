@@ -376,6 +376,7 @@ def recorded_entries(artifact_dir, batch_size: int = 32, thread_counts=None, inp
     from . import threads
     from .cache import run_steps
     from .executor import record_calls
+    from .kernel_compile import silenced
     from .kernel_library import LIBRARY_ENV, signature_of
     from .kernels.parts import every_split
 
@@ -384,7 +385,7 @@ def recorded_entries(artifact_dir, batch_size: int = 32, thread_counts=None, inp
     previous = os.environ.get(LIBRARY_ENV)
     os.environ[LIBRARY_ENV] = "off"  # the calls are the same with a library: record them without one
     try:
-        with record_calls() as calls, tempfile.TemporaryDirectory(prefix="odtrain-compile-") as scratch:
+        with record_calls() as calls, silenced(), tempfile.TemporaryDirectory(prefix="odtrain-compile-") as scratch:
             for count in counts:
                 for split_all in ((False, True) if count > 1 else (False,)):
                     with threads.process_default(count), every_split() if split_all else contextlib.nullcontext():

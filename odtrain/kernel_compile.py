@@ -7,6 +7,22 @@ minutes, and the user is told why and what does it ahead. Cache loads say nothin
 """
 from __future__ import annotations
 
+import contextlib
+
+_silenced = False  # within silenced(): the note is not said
+
+
+@contextlib.contextmanager
+def silenced():
+    """Within the block, compiling says nothing: `odtrain compile` records steps, and its user asked for the
+    compile that the note would advise."""
+    global _silenced
+    previous, _silenced = _silenced, True
+    try:
+        yield
+    finally:
+        _silenced = previous
+
 
 def compile_ahead(calls) -> None:
     """Compile, or load from the cache, the Numba kernels of a bound step's (kernel, args) calls now, before
@@ -52,7 +68,7 @@ def _first_compile_listener():
         remaining, said = 0, False
 
         def on_start(self, ev) -> None:
-            if not self.said:
+            if not self.said and not _silenced:
                 self.said = True
                 announce(f"odtrain: {FALLBACK_MESSAGE.format(count=self.remaining)}")
 
