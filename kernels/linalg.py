@@ -33,7 +33,7 @@ from . import ODTRAIN_DOMAIN, binding
 from .blas import COLUMNS, PRODUCTS, ROWS, gemm_batched_parts, gemm_blocks
 from .elementwise import gather_call
 from .layout import broadcast_layout, element_strides
-from .parts import on_parts, part_count, twin_of, worth_parallel
+from .parts import on_parts, part_count, splitting_everything, twin_of, worth_parallel
 from .reduction import sum_call
 from .tensor import copy_call
 
@@ -133,7 +133,11 @@ def _calls(a, b, out, m, n, k, trans_a, trans_b, lda, ldb, ldc, a_offsets, b_off
         return [(_gemm_batched, args)]
     distinct = len(set(out_offsets.tolist())) == count
     if distinct and (count >= threads or int(m) * int(n) * int(k) <= SMALL_PRODUCT):  # whole products
-        return [on_parts((_gemm_batched, args), count, part_count(threads, count, work), (PRODUCTS,))]
+        parts = part_count(threads, count, work)
+        # recording (every_split): a single small product is cut into blocks, as it is once a larger batch makes
+        # it larger than SMALL_PRODUCT, so that the library holds the twin that size runs
+        if parts > 1 or not splitting_everything():
+            return [on_parts((_gemm_batched, args), count, parts, (PRODUCTS,))]
     # blocks of rows or columns: parts of at least MIN_ROWS each
     parts = part_count(threads, blocks, work)
     return [on_parts((_gemm_batched, args), extent, parts, (COLUMNS if by_columns else ROWS,))]

@@ -49,6 +49,11 @@ def worth_parallel(work: int, minimum: int | None = None) -> bool:
     return _every_split or work >= (MIN_PARALLEL_WORK if minimum is None else minimum)
 
 
+def splitting_everything() -> bool:
+    """Whether every_split() is in force (the kernel library recording the twins a larger input runs)."""
+    return _every_split
+
+
 class every_split:
     """Within the block (`with every_split():`), every call that has more than one unit and more than one thread
     splits, whatever its work (the kernel library's recording: the twins a larger input would run)."""

@@ -716,19 +716,42 @@ class Optimizer:
         session = module._train
         session.fused = {f"{p}{GRAD_SUFFIX}": (p, self._update_of(p)) for p in store.trainable} if self._fused else {}
         session.plans.clear()
+        self._require_kernels()
+
+    def _require_kernels(self) -> None:
+        """Where Numba is not installed: the update's kernel, as the steps will call it, is in the module's
+        library, else KernelsUnavailableError now, before a training step runs (executor.require_optimizer_kernels)."""
+        from .executor import require_optimizer_kernels
+
+        session, store = self._module._train, self._state._store
+        folder = os.path.dirname(os.path.abspath(session.uri))
+        if self._fused:  # one update per parameter, on its slices
+            for name in store.trainable:
+                weights, moments, blocks = self._slices_of(name)
+                start, stop, _ = store.slices[name]
+                require_optimizer_kernels(self._config, weights, store.grad_flat[start:stop], moments,
+                                          session.threads(), blocks, session.library, folder)
+        else:
+            require_optimizer_kernels(self._config, store.flat[:store.trainable_size], store.grad_flat,
+                                      self._state._optimizer.moments, session.threads(), self._blocks[0],
+                                      session.library, folder)
+
+    def _slices_of(self, name: str) -> tuple:
+        """(weights, moments, 8-bit blocks) of one parameter's update: views of the trainable block's."""
+        start, stop, _ = self._state._store.slices[name]
+        weights = self._state._store.flat[start:stop]
+        starts, ranges = self._blocks
+        first, last = ranges[name]
+        moments = {key: flat[first:last] if key.endswith(ABSMAX) else flat[start:stop]
+                   for key, flat in self._state._optimizer.moments.items()}
+        return weights, moments, starts[first:last + 1] - start
 
     def _update_of(self, name: str):
         """The update of one parameter from its gradient, reading the learning rate and step when called."""
         from .executor import apply_optimizer
 
-        start, stop, _ = self._state._store.slices[name]
-        weights = self._state._store.flat[start:stop]
         state = self._state._optimizer
-        starts, ranges = self._blocks
-        first, last = ranges[name]
-        moments = {key: flat[first:last] if key.endswith(ABSMAX) else flat[start:stop]
-                   for key, flat in state.moments.items()}
-        blocks = starts[first:last + 1] - start
+        weights, moments, blocks = self._slices_of(name)
 
         def update(gradient):  # inside the training step, which runs at the module's threads
             apply_optimizer(self._config, weights, gradient, moments, state.learning_rate, state.step + 1,

@@ -377,6 +377,26 @@ def apply_optimizer(config, weights: np.ndarray, grads: np.ndarray, moments: dic
     on parts of the block in parallel at `threads` threads when the block is large enough; through the
     kernel `library` when it holds the update. 8-bit AdamW moments are quantized in `blocks` (boundaries
     within `weights`, odtrain/state.py)."""
+    call, parts = _optimizer_calls(config, weights, grads, moments, learning_rate, step, threads, blocks)
+    with thread_policy.running(threads) if parts is not call else contextlib.nullcontext(1) as running:
+        invoke(*parts, threads=running, library=library)
+
+
+def require_optimizer_kernels(config, weights: np.ndarray, grads: np.ndarray, moments: dict[str, np.ndarray],
+                              threads: int, blocks: np.ndarray | None, library, artifact_folder) -> None:
+    """Where Numba is not installed, raise KernelsUnavailableError, in the one line of a step's missing kernel,
+    when `library` lacks the call apply_optimizer would make on these arrays at `threads` threads: said before
+    a training step computes gradients the update could not apply. Without a library the step's bind says so."""
+    if library is None or compiler_installed():
+        return
+    _, (kernel, args) = _optimizer_calls(config, weights, grads, moments, 0.0, 1, threads, blocks)
+    if library.address(kernel, args) is None:
+        raise KernelsUnavailableError(missing_kernel("the optimizer's update", kernel, args, library,
+                                                     artifact_folder))
+
+
+def _optimizer_calls(config, weights, grads, moments, learning_rate, step, threads, blocks) -> tuple:
+    """(the serial update's call, the call that runs at `threads`: itself, or its twin's on parts)."""
     quantized = isinstance(config, AdamW) and config.state_dtype == "int8"
     if quantized:
         call = (adamw8_update, (weights, grads, moments["momentum0"], moments["momentum1"],
@@ -395,9 +415,7 @@ def apply_optimizer(config, weights: np.ndarray, grads: np.ndarray, moments: dic
     else:
         call = (sgd_update, (weights, grads, float(learning_rate)))
     # in parts of the 8-bit moments' blocks, or of the elements
-    parts = split(call, blocks.size - 1 if quantized else weights.size, weights.size, threads)
-    with thread_policy.running(threads) if parts is not call else contextlib.nullcontext(1) as running:
-        invoke(*parts, threads=running, library=library)
+    return call, split(call, blocks.size - 1 if quantized else weights.size, weights.size, threads)
 
 
 def int8_moments(blocks: np.ndarray, names, values: dict | None = None) -> dict[str, np.ndarray]:

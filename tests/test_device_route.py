@@ -159,6 +159,38 @@ def test_a_library_for_another_architecture_is_refused_in_the_one_line(device, t
     assert "refused" in line and "built for riscv64" in line and "odtrain compile" in line
 
 
+OPTIMIZER = DEVICE + """
+from odtrain.api import CheckpointState, Module, Optimizer
+folder, fused = sys.argv[1], sys.argv[2] == "fused"
+module = Module(folder + "/training_model.onnx", CheckpointState.load_checkpoint(folder + "/checkpoint"))
+Optimizer(folder + "/optimizer_model.onnx", module, fuse_with_backward=fused)
+print("constructed")
+"""
+
+
+def test_a_library_without_the_optimizers_update_says_so_before_any_step(device, tmp_path):
+    """The MLP's AdamW artifacts with their library less its AdamW update (as one compiled from the SGD artifacts
+    would be): the optimizer refuses when it is made, naming its kernel, before a step computes gradients."""
+    folder = artifacts_copy(device["mlp"], tmp_path / "mlp", with_library=True)
+    manifest_path = folder / kernel_library.FOLDER / kernel_library.MANIFEST_FILE
+    manifest = json.loads(manifest_path.read_text())
+    kept = [e for e in manifest["entries"] if e["kernel"].split(":")[1] not in ("adamw_update", "adamw_update_parts")]
+    assert 0 < len(kept) < len(manifest["entries"])
+    manifest_path.write_text(json.dumps(dict(manifest, entries=kept)))
+    for fused in ("fused", "unfused"):
+        result = on_device(folder, fused, script=OPTIMIZER)
+        assert result.returncode != 0 and "constructed" not in result.stdout, (fused, result.stdout, result.stderr)
+        message = result.stderr.strip().splitlines()[-1]
+        assert message.startswith("odtrain.graph.errors.KernelsUnavailableError: the optimizer's update: kernel ")
+        assert ":adamw_update" in message and "(float32[1C]" in message and f"odtrain compile {folder}" in message
+    np.savez(tmp_path / "data.npz", x=np.zeros((16, 784), np.float32), y=np.zeros(16, np.int64))
+    result = on_device("train", folder, "--data", tmp_path / "data.npz", "--epochs", 1, script=CLI)
+    assert result.returncode == 2
+    line = one_line(result.stderr)
+    assert "the optimizer's update: kernel " in line and ":adamw_update" in line and f"odtrain compile {folder}" in line
+    assert (folder / "checkpoint").read_bytes() == (device["mlp"] / "checkpoint").read_bytes()
+
+
 CNN_STEP = DEVICE + """
 import numpy as np
 from odtrain.api import CheckpointState, Module

@@ -73,3 +73,25 @@ def test_a_kernel_without_a_twin_is_refused_by_name():
     assert on_parts((add_into, ()), 8, 1) == (add_into, ())
     with pytest.raises(KeyError, match="add_into has no parallel twin"):
         on_parts((add_into, ()), 8, 2)
+
+
+def test_recording_a_small_product_records_the_twin_a_larger_batch_runs():
+    """A Gemm of 32 rows (at most SMALL_PRODUCT multiply-adds) runs serial; at 2048 rows it runs in blocks of
+    rows. Recorded at 32 with every_split, it must be the twin's call too: the kernel library's build records at
+    batch 32 and its library serves batch 2048 (the reference CNN's classifier, 64 -> 10)."""
+    from odtrain.kernels.blas import gemm_batched_parts
+    from odtrain.kernels.linalg import gemm_calls
+    from odtrain.kernel_library import signature_of
+    from odtrain.kernels.parts import every_split
+
+    def calls(batch):
+        a, b = np.ones((batch, 64), np.float32), np.ones((64, 10), np.float32)
+        return gemm_calls(a, b, np.zeros((batch, 10), np.float32), threads=2)
+
+    [(large, large_args)] = calls(2048)
+    assert large is gemm_batched_parts
+    [(small, _)] = calls(32)
+    assert small is not gemm_batched_parts  # unchanged where nothing records
+    with every_split():
+        [(recorded, recorded_args)] = calls(32)
+    assert recorded is gemm_batched_parts and signature_of(recorded_args) == signature_of(large_args)
