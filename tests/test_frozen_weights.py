@@ -177,10 +177,12 @@ STEPS, LR = 8, 1e-2
 LOSS_TOLERANCE = 1e-4
 
 
-def lora_run(directory, frozen_dtype, lr=LR, outputs=()):
+def lora_run(directory, frozen_dtype, lr=LR, outputs=(), model=None):
+    """STEPS LoRA steps on the tiny Llama's golden batch (or on `model`, a file of the same inputs); returns the eval
+    loss, the module and the batch."""
     folder = DATA / "decoders" / "llama"
     golden = np.load(folder / "golden.npz")
-    artifacts.generate_artifacts(str(folder / "torchscript17.onnx"), loss=artifacts.LossType.CrossEntropyLoss,
+    artifacts.generate_artifacts(str(model or folder / "torchscript17.onnx"), loss=artifacts.LossType.CrossEntropyLoss,
                                  class_axis=-1, ignore_index=-100, optimizer=artifacts.OptimType.AdamW,
                                  artifact_directory=directory, additional_output_names=list(outputs),
                                  lora=artifacts.LoraConfig(4, 8.0, LORA_TARGETS), frozen_dtype=frozen_dtype)

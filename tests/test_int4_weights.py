@@ -16,7 +16,6 @@ from odtrain.graph.int4 import PackedInt4, dequantize, int4_blocks
 from odtrain.kernels import BINDINGS
 from odtrain.kernels.dequantized import PANEL_ELEMENTS
 from conftest import DATA
-from odtrain.api import Optimizer
 from test_frozen_weights import LORA_TARGETS, LR, STEPS, bound, linear_model, lora_run, run_product
 
 ODTRAIN = "ai.odtrain"
@@ -203,21 +202,8 @@ BASE_TOLERANCE = 1e-2
 
 def lora_loss(directory, model, frozen_dtype, lr=LR):
     """The eval loss after STEPS LoRA steps on the golden batch (test_frozen_weights.lora_run on `model`)."""
-    golden = np.load(DECODER / "golden.npz")
-    artifacts.generate_artifacts(str(model), loss=artifacts.LossType.CrossEntropyLoss, class_axis=-1,
-                                 ignore_index=-100, optimizer=artifacts.OptimType.AdamW, artifact_directory=directory,
-                                 lora=artifacts.LoraConfig(4, 8.0, LORA_TARGETS), frozen_dtype=frozen_dtype)
-    state = CheckpointState.load_checkpoint(directory / "checkpoint")
-    module = Module(directory / "training_model.onnx", state, directory / "eval_model.onnx")
-    optimizer = Optimizer(directory / "optimizer_model.onnx", module)
-    optimizer.set_learning_rate(lr)
-    batch = [golden[key][0] for key in ("input_ids", "attention_mask", "labels")]
-    for _ in range(STEPS):
-        module(*batch)
-        optimizer.step()
-        module.lazy_reset_grad()
-    module.eval()
-    return float(module(*batch)), module
+    loss, module, _ = lora_run(directory, frozen_dtype, lr, model=model)
+    return loss, module
 
 
 def dequantized_decoder(path):
