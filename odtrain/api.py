@@ -301,7 +301,8 @@ class _GraphSession:
 
         self.uri = os.fspath(uri)
         self.what = what
-        self.library = kernel_library.find(os.path.dirname(os.path.abspath(self.uri)))  # None: the JIT's kernels
+        self.folder = os.path.dirname(os.path.abspath(self.uri))  # the artifacts' folder, where a library is looked for
+        self.library = kernel_library.find(self.folder)  # None: the JIT's kernels
         self.graph = load_graph(uri, what)
         check_supported(self.graph.nodes, f"{what} '{self.uri}'")
         # what the steps run: an eval model reads stored frozen weights in place (the training model already does)
@@ -375,7 +376,7 @@ class _GraphSession:
                                                          self.arena.nbytes if self.arena is not None else 0)
             plan = ExecutableStep(self.step_graph, types, self.external, sinks, accumulate and not self.fused, guarded,
                                   budget, self.fused, self.arena, threads=threads, library=self.library,
-                                  artifact_folder=os.path.dirname(os.path.abspath(self.uri)))
+                                  artifact_folder=self.folder)
             self.plans[signature] = plan
             if len(self.plans) > PLAN_CACHE_SIZE:
                 self.plans.popitem(last=False)
@@ -449,7 +450,6 @@ class _GraphSession:
                                      "values; lower the learning rate or check the data")
         outputs = [plan.output(name) for name in self.output_names]
         return outputs[0] if len(outputs) == 1 else outputs
-
 
     def _label_error(self, arrays) -> InputError | None:
         """The error naming the model, the sample, its label and the class count, when an integer input holds a
@@ -724,7 +724,7 @@ class Optimizer:
         from .executor import require_optimizer_kernels
 
         session, store = self._module._train, self._state._store
-        folder = os.path.dirname(os.path.abspath(session.uri))
+        folder = session.folder
         if self._fused:  # one update per parameter, on its slices
             for name in store.trainable:
                 weights, moments, blocks = self._slices_of(name)
