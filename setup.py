@@ -1,7 +1,7 @@
 """The install's build step besides copying the sources: the library of the demo's kernels.
 
 `pip install .` builds the kernels that `odtrain demo` runs (its training, eval and optimizer steps and
-its inference check: odtrain.kernel_build.compile_artifacts without artifacts) with Numba and the
+its inference check: odtrain.library_build.compile_artifacts without artifacts) with Numba and the
 system's C compiler into odtrain/data/kernels/ of the package it installs (odtrain.demo.LIBRARY), so
 that the demo compiles nothing at run time. That is 12 kernels: about 20 s here, a few minutes on a
 Raspberry Pi; any other model's library is built where its artifacts are prepared (`odtrain compile`,
@@ -31,7 +31,7 @@ from setuptools.dist import Distribution
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BUILD_SWITCH = "ODTRAIN_BUILD_LIBRARY"
-BUILD = "import sys; from odtrain.kernel_build import compile_artifacts; compile_artifacts(None, sys.argv[1])"
+BUILD = "import sys; from odtrain.library_build import compile_artifacts; compile_artifacts(None, sys.argv[1])"
 
 
 class BuildWithLibrary(build_py):

@@ -47,7 +47,7 @@ creation (checkpoint + Module + Optimizer); first step once the session is ready
 first completed step; median step after --warmup (forward, backward, optimizer); peak RSS
 (ru_maxrss); RSS added by training (peak after checkpoint and data are loaded, reset through
 /proc/self/clear_refs, minus the RSS then); the floor, RSS after the import (for odtrain, the
-import and `odtrain.runtime.load()`, Numba's CPU target and BLAS, which ONNX Runtime's import of
+import and `odtrain.jit.load()`, Numba's CPU target and BLAS, which ONNX Runtime's import of
 its native library corresponds to; without it they load at the first step and count as training);
 anonymous RSS, the private part (peak RSS minus the file-backed pages at the end: those are
 library code read from disk, which the kernel drops under memory pressure and shares between
@@ -141,7 +141,7 @@ def prepare_api(args, pkg):
         loss=artifacts.LossType.CrossEntropyLoss, optimizer=artifacts.OptimType.AdamW,
         artifact_directory=args.artifacts)
     if args.system == "odtrain_lib":
-        from odtrain.kernel_build import compile_artifacts
+        from odtrain.library_build import compile_artifacts
 
         t = time.perf_counter()
         compile_artifacts(args.artifacts, batch_size=meta["input_shape"][0], input_shapes={meta["input_name"]: meta["input_shape"]},
@@ -170,7 +170,7 @@ def run_api(args, pkg, block_torch):
     if pkg == "odtrain" and args.system == "odtrain_lib":  # the kernel library: what ORT's native library is
         assert importlib.import_module("odtrain.kernel_library").find(args.artifacts) is not None
     elif pkg == "odtrain":  # Numba's CPU target and BLAS: what ORT's import of its native library is
-        importlib.import_module("odtrain.runtime").load()
+        importlib.import_module("odtrain.jit").load()
     t_import = time.perf_counter() - t_start
     floor = {"floor_rss_mib": rss_kib() / 1024, "floor_anon_mib": rss_kib("RssAnon") / 1024}
     meta, batches, golden = load_workload(args)

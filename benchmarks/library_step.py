@@ -29,7 +29,7 @@ def prepare(model: str, work: str) -> tuple[str, str]:
     """(artifact folder with its library, the same artifacts without one)."""
     from conftest import reference_artifacts
 
-    from odtrain.kernel_build import compile_artifacts
+    from odtrain.library_build import compile_artifacts
     from odtrain.kernel_library import FOLDER
 
     with_library, without = os.path.join(work, model + "-library"), os.path.join(work, model + "-jit")

@@ -34,7 +34,7 @@ def parts_of(kernel, args) -> int:
 
 def recorded(folder: Path, thread_counts) -> dict:
     from odtrain import artifacts, threads
-    from odtrain.cache import run_steps
+    from odtrain.trial_steps import run_steps
     from odtrain.executor import record_calls
 
     meta = json.loads((folder / "meta.json").read_text())

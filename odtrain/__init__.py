@@ -16,7 +16,7 @@ if _os.path.isfile(_os.path.join(_checkout, "graph", "ir.py")) and _checkout not
     __path__.append(_checkout)
 
 # Where the compiled kernels are cached (ODTRAIN_CACHE_DIR, else Numba's choice), set before numba loads.
-from .cache import configure as _configure_cache  # noqa: E402
+from .jit.cache import configure as _configure_cache  # noqa: E402
 
 _configure_cache()
 

@@ -23,7 +23,7 @@ import numpy as np
 from .graph.wording import count
 
 OUTPUT = "output"  # the classifier's logits
-# the kernels of the demo's steps and of its inference check, built ahead (odtrain.kernel_build.compile_artifacts)
+# the kernels of the demo's steps and of its inference check, built ahead (odtrain.library_build.compile_artifacts)
 LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "kernels")
 # the demo's artifacts (seed 0), for a device without onnx: `python -m odtrain.demo` writes them
 ARTIFACTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "demo")

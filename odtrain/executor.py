@@ -45,10 +45,10 @@ from .graph.step_plan import plan_step
 from .kernels import BINDINGS, PARALLEL, SCRATCH
 from .kernels.blas import hold_one_thread, release_thread
 from .kernels.jit import resolved
-from . import runtime, threads as thread_policy
+from . import jit, threads as thread_policy
 from .kernel_library import compiler_installed, kernel_name, library_folder_of, missing_kernel, unavailable
-from .kernel_sources import discard_stale
-from .kernel_compile import compile_ahead
+from .jit.ahead import compile_ahead
+from .jit.cache import discard_stale
 from .graph.optimizers import AdamW, SGDMomentum
 from .kernels.optim import (CODE_MAPS, CODE_TABLES, adamw8_update, adamw_update, add_into, assert_finite, copy_into,
                             dequantize_blocks, quantize_blocks, sgd_momentum_update, sgd_update)
@@ -107,7 +107,7 @@ class ExecutableStep:
         if library is None:
             if not compiler_installed():
                 raise KernelsUnavailableError(unavailable(artifact_folder))
-            runtime.load()  # Numba's CPU target, BLAS on one thread, Numba's threading layer (odtrain/threads.py)
+            jit.load()  # Numba's CPU target, BLAS on one thread, Numba's threading layer (odtrain/threads.py)
             discard_stale()  # cached kernels compiled from other kernel sources than these
         else:
             thread_policy.configure_without_compiler()
@@ -292,7 +292,7 @@ class Program:
             raise KernelsUnavailableError(missing_kernel(where, *missing[0], library, artifact_folder,
                                                          len(missing) - 1))
         if missing:
-            runtime.load()
+            jit.load()
             report_missing(missing)
 
     def _close(self, run) -> None:
@@ -337,7 +337,7 @@ def invoke(kernel, args, threads: int = 1, library=None) -> None:
             raise KernelsUnavailableError(
                 missing_kernel("the optimizer's update", kernel, args, library, library_folder_of(library))
                 if library is not None else f"the optimizer's update: {unavailable(None)}")
-        runtime.load()  # the JIT's kernel (before the compiler loads, a kernel would run as Python)
+        jit.load()  # the JIT's kernel (before the compiler loads, a kernel would run as Python)
         kernel(*args)
 
 

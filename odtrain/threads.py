@@ -57,7 +57,7 @@ import sys
 import threading
 import time
 
-from .blas import set_blas_threads
+from .jit.blas import set_blas_threads
 from .graph.errors import ArgumentError
 
 ENVIRONMENT = "ODTRAIN_NUM_THREADS"

@@ -24,11 +24,11 @@ ONE_KERNEL = textwrap.dedent("""
     {before}
     import odtrain
     import numba, numpy as np
-    from odtrain import cache
+    from odtrain.jit import cache
     from odtrain.kernels.optim import add_into
     add_into(np.zeros(4, np.float32), np.ones(4, np.float32))
     print(json.dumps({{"odtrain": odtrain.__file__, "numba_cache_dir": numba.config.CACHE_DIR,
-                      "source": cache._configured_source, "cache_dir": cache.cache_dir(),
+                      "source": cache.configured_source(), "cache_dir": cache.cache_dir(),
                       "stats": cache.kernel_stats()}}))
 """)
 
@@ -135,7 +135,7 @@ def test_nothing_writable_falls_back_to_a_temporary_folder(tmp_path, read_only_p
 FIRST_STEP = textwrap.dedent("""
     import json, sys
     import numpy as np
-    from odtrain import cache
+    from odtrain.jit import cache
     from odtrain.api import CheckpointState, Module, Optimizer
     directory = sys.argv[1]
     state = CheckpointState.load_checkpoint(directory + "/checkpoint")
@@ -232,7 +232,7 @@ def test_warmup_errors_are_one_line(tmp_path, capsys):
 ONE_STEP = textwrap.dedent("""
     import json
     import numpy as np
-    from odtrain import cache
+    from odtrain.jit import cache
     from odtrain.executor import ExecutableStep
     from odtrain.graph.ir import Graph, Node, TensorType
     square = TensorType(np.dtype(np.float32), (4, 4))
@@ -268,16 +268,16 @@ def test_an_edited_kernel_file_recompiles_the_kernels_of_other_files(tmp_path):
 def test_the_cache_is_stamped_with_the_sources_as_imported(tmp_path, monkeypatch):
     """Kernel files edited between `import odtrain` and the first bind: the kernels this process compiles
     come from the files as imported, so the stamp beside them must name those, not the edited ones."""
-    from odtrain import kernel_sources
+    from odtrain.jit import cache
 
-    imported = kernel_sources.sources_digest()
+    imported = cache.sources_digest()
     edited = tmp_path / "kernels"
     edited.mkdir()
     (edited / "optim.py").write_text("# the kernels' folder after an update in place\n")
-    monkeypatch.setattr(kernel_sources, "kernels_dir", lambda: str(edited))
-    assert kernel_sources.sources_digest() == imported
-    kernel_sources._discard_stale_in(str(tmp_path / "cache"))
-    assert (tmp_path / "cache" / kernel_sources.SOURCES_STAMP).read_text().strip() == imported
+    monkeypatch.setattr(cache, "kernels_dir", lambda: str(edited))
+    assert cache.sources_digest() == imported
+    cache._discard_stale_in(str(tmp_path / "cache"))
+    assert (tmp_path / "cache" / cache.SOURCES_STAMP).read_text().strip() == imported
 
 
 def test_a_step_that_compiles_says_so_first_and_a_cached_one_says_nothing(tmp_path, mlp_artifacts, mlp_reference):

@@ -19,7 +19,7 @@ import pytest
 from conftest import DATA, odtrain_main, reference_artifacts
 from odtrain import artifacts, kernel_library
 from odtrain.api import CheckpointState
-from odtrain.kernel_build import compile_artifacts
+from odtrain.library_build import compile_artifacts
 from device_steps import steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -235,7 +235,7 @@ def test_a_command_that_needs_the_desktop_says_so_in_one_line(device, argv, modu
 
 def test_the_packages_demo_artifacts_are_what_the_demo_generates(tmp_path):
     from odtrain import demo
-    from odtrain.cache import demo_artifacts
+    from odtrain.demo import demo_artifacts
 
     demo_artifacts(tmp_path)
     for name in demo.ARTIFACT_FILES[:3]:  # the models: their bytes (the library's record of them)

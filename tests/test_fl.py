@@ -1,4 +1,4 @@
-"""Federated averaging on flat buffers (odtrain.fl) and the in-process `odtrain federated` engine; no Flower."""
+"""Federated averaging on flat buffers (odtrain.federated) and the in-process `odtrain federated` engine; no Flower."""
 import json
 import subprocess
 import sys
@@ -6,7 +6,8 @@ import sys
 import numpy as np
 import pytest
 
-from odtrain import fl, federated
+from odtrain import federated as fl
+from odtrain.federated import demo as federated
 from odtrain.graph.errors import ArgumentError
 
 
@@ -162,7 +163,7 @@ def test_the_cli_runs_inprocess_and_rejects_bad_settings(tmp_path, capsys):
 
 
 def test_import_odtrain_never_imports_flower():
-    code = ("import sys, odtrain, odtrain.fl, odtrain.federated, odtrain.cli; odtrain.cli.build_parser(); "
+    code = ("import sys, odtrain, odtrain.federated, odtrain.federated.demo, odtrain.cli; odtrain.cli.build_parser(); "
             "print(any(m == 'flwr' or m.startswith('flwr.') for m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
 
@@ -181,7 +182,7 @@ def test_engines_resolve_by_what_is_installed(monkeypatch):
 
 def test_the_flower_package_names_its_extra_when_flower_is_missing():
     code = ("import sys; sys.modules['flwr'] = None\n"
-            "try:\n    import odtrain.flower\nexcept ImportError as error:\n    print(error)")
+            "try:\n    import odtrain.federated.flower\nexcept ImportError as error:\n    print(error)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert 'pip install "odtrain[flower]"' in out
 

@@ -13,8 +13,9 @@ import pytest
 
 pytest.importorskip("flwr", reason='Flower is not installed: pip install "odtrain[flower]"')
 
-from odtrain import federated, fl  # noqa: E402
-from odtrain.flower import runner  # noqa: E402
+from odtrain import federated as fl  # noqa: E402
+from odtrain.federated import demo as federated  # noqa: E402
+from odtrain.federated.flower import runner  # noqa: E402
 
 SETTINGS = dict(clients=3, rounds=2, local_epochs=1, batch_size=32, learning_rate=1e-2, alpha=0.5, seed=0,
                 clip_norm=None, noise_multiplier=0.0)
@@ -58,7 +59,7 @@ def test_deployment_two_rounds_on_loopback(tmp_path):
     (logits,) = InferenceSession(result["inference_model"]).run(["output"], {"input": test_x})
     assert float((logits.argmax(axis=1) == test_y).mean()) == pytest.approx(rounds[-1]["accuracy"])
 
-    # Same arithmetic as the in-process engine (Flower averages float32 parameters, odtrain.fl float64 differences).
+    # Same arithmetic as the in-process engine (Flower averages float32 parameters, odtrain.federated float64 differences).
     inprocess = federated.run_inprocess(artifact_dir, str(tmp_path / "inprocess"), out=lambda line: None, **SETTINGS)
     np.testing.assert_allclose([r["loss"] for r in rounds], [r["loss"] for r in inprocess["rounds"]], rtol=1e-4)
 

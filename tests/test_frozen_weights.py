@@ -314,7 +314,7 @@ def test_the_kernel_library_runs_stored_weights_with_the_jits_bits(kind, tmp_pat
     import shutil
 
     from odtrain import kernel_library
-    from odtrain.kernel_build import compile_artifacts
+    from odtrain.library_build import compile_artifacts
 
     with_library, without = tmp_path / "library", tmp_path / "jit"
     artifacts.generate_artifacts(embedding_model(), requires_grad=["P"], frozen_params=["E", "W"], loss=None,

@@ -18,7 +18,7 @@ from odtrain import kernel_library
 from odtrain.api import CheckpointState, Module, Optimizer
 from odtrain.executor import Program, record_calls
 from odtrain.graph.errors import InputError
-from odtrain.kernel_build import compile_artifacts
+from odtrain.library_build import compile_artifacts
 from odtrain.kernel_library import FALLBACK_MESSAGE, KernelLibrary, kernel_name, pack, refusal_of, signature_of
 from odtrain.progress import Progress, announce
 
@@ -305,7 +305,7 @@ def test_a_library_from_elsewhere_is_refused_by_name(mlp_library, tmp_path, caps
 def test_argument_blocks_hold_records_numba_would_type_the_same():
     from numba import typeof
 
-    from odtrain.kernel_build import argument_types, numba_type
+    from odtrain.library_build.link import argument_types, numba_type
 
     arena = np.zeros(64, dtype=np.float32)
     strided = arena[:48].reshape(6, 8)[:, ::2]
@@ -427,7 +427,7 @@ def test_strided_views_reshape_in_place_where_numpy_does(tmp_path):
     numpy's reshape without a copy, on random strided views and shapes, in both orders."""
     import ctypes
 
-    from odtrain.kernel_build import LAUNCHER
+    from odtrain.library_build.link import LAUNCHER
 
     library = tmp_path / "launcher.so"
     subprocess.run([os.environ.get("CC", "cc"), "-shared", "-fPIC", "-fopenmp", "-DHIDDEN=", "-o", str(library),

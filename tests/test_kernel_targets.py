@@ -11,7 +11,8 @@ import struct
 
 import pytest
 
-from odtrain import kernel_build, kernel_targets
+from odtrain.kernel_library import cpu
+from odtrain.library_build import link as kernel_build, targets as kernel_targets
 from odtrain.graph.errors import ArgumentError
 from odtrain.kernel_library import refusal_of
 
@@ -86,7 +87,7 @@ def test_the_aarch64_object_links_with_a_cross_compiler(aarch64_object, tmp_path
 def test_a_missing_cross_compiler_says_what_to_install(monkeypatch, tmp_path):
     monkeypatch.delenv(kernel_targets.CROSS_CC_ENV, raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))
-    other = "aarch64" if kernel_targets.host_arch() != "aarch64" else "x86_64"
+    other = "aarch64" if cpu.host_arch() != "aarch64" else "x86_64"
     package = kernel_targets.CROSS_CC[other][1]
     with pytest.raises(ArgumentError, match=f"apt-get install {package}.*{kernel_targets.CROSS_CC_ENV}"):
         kernel_build.build(ENTRIES, tmp_path / "out", target=other)
@@ -96,17 +97,17 @@ def test_a_missing_cross_compiler_says_what_to_install(monkeypatch, tmp_path):
 
 def test_a_library_for_cpu_features_the_device_lacks_is_refused_by_name(aarch64_object, monkeypatch):
     _, manifest = aarch64_object
-    here = kernel_targets.host_arch()
+    here = cpu.host_arch()
     cpu = "cortex-a76" if here == "aarch64" else "x86-64-v3"
     features = kernel_targets.cpu_features(here, cpu)
-    library = {**manifest, "triple": kernel_targets.TARGETS[here], "cpu": cpu, "features": features}
-    monkeypatch.setattr("odtrain.kernel_library.cpu_flags", lambda arch=None: set(kernel_targets.FLAGS[here].values()))
+    library = {**manifest, "triple": cpu.TARGETS[here], "cpu": cpu, "features": features}
+    monkeypatch.setattr("odtrain.kernel_library.cpu_flags", lambda arch=None: set(cpu.FLAGS[here].values()))
     assert refusal_of(library) == ""
-    lacking = set(kernel_targets.FLAGS[here].values()) - {kernel_targets.FLAGS[here][features.split(",")[-1][1:]]}
+    lacking = set(cpu.FLAGS[here].values()) - {cpu.FLAGS[here][features.split(",")[-1][1:]]}
     monkeypatch.setattr("odtrain.kernel_library.cpu_flags", lambda arch=None: lacking)
     assert refusal_of(library) == f"built for {cpu}: CPU features {features.split(',')[-1][1:]}, which this CPU lacks"
     # what a Raspberry Pi 4 says (no crypto extension): a cortex-a72 library loads
     pi4 = {"fp", "asimd", "evtstrm", "crc32", "cpuid"}
-    assert kernel_targets.missing_features("aarch64", kernel_targets.cpu_features("aarch64", "cortex-a72"), pi4) == []
-    assert kernel_targets.missing_features("aarch64", kernel_targets.cpu_features("aarch64", "cortex-a76"), pi4) == [
+    assert cpu.missing_features("aarch64", kernel_targets.cpu_features("aarch64", "cortex-a72"), pi4) == []
+    assert cpu.missing_features("aarch64", kernel_targets.cpu_features("aarch64", "cortex-a76"), pi4) == [
         "fullfp16", "rdm", "lse", "rcpc", "dotprod"]

@@ -9,7 +9,7 @@ import pytest
 from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
-from odtrain import artifacts, fl
+from odtrain import artifacts, federated as fl
 from odtrain.api import CheckpointState, Module, Optimizer
 from odtrain.graph.errors import ArgumentError, ModelError
 from odtrain.graph.lora_init import lora_a

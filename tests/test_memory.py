@@ -511,6 +511,6 @@ def test_module_with_the_auto_budget_recomputes_when_little_is_available(deep_ml
 
 
 def test_train_takes_memory_budget_auto():
-    from odtrain import cli
+    from odtrain.cli.options import budget_size
 
-    assert cli._budget("auto") == "auto" and cli._budget("40MB") == 40 * 10 ** 6
+    assert budget_size("auto") == "auto" and budget_size("40MB") == 40 * 10 ** 6

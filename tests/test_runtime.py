@@ -18,8 +18,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNTIME_PROBE = r"""
 import json, sys
 import numpy as np
-import odtrain.runtime
-odtrain.runtime.load()
+import odtrain.jit
+odtrain.jit.load()
 before = "scipy.linalg" in sys.modules
 from odtrain.api import CheckpointState, Module  # a Gemm through BLAS, after the runtime loaded
 from odtrain import artifacts

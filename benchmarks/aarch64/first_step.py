@@ -3,7 +3,7 @@
     python first_step.py --artifacts DIR [--batch-size 64] [--json] [--expect-no-compile]
     python first_step.py --demo              # the built-in demo classifier (what `odtrain warmup` warms)
 
-Phases: imports (numpy, numba, odtrain.api), the runtime (`odtrain.runtime.load()`: scipy's BLAS
+Phases: imports (numpy, numba, odtrain.api), the runtime (`odtrain.jit.load()`: scipy's BLAS
 table that Numba's np.dot reaches, and Numba's one-off set-up of its typing and lowering registries,
 which it otherwise does at the first kernel it compiles or loads), CheckpointState + Module +
 Optimizer (the models are read without the onnx package), the first training step
@@ -43,7 +43,8 @@ def main() -> int:
     np = timed("import numpy", lambda: __import__("numpy"))
     timed("import numba", lambda: __import__("numba"))
     timed("import odtrain.api", lambda: __import__("odtrain.api"))
-    from odtrain import cache, runtime
+    from odtrain import demo, jit as runtime, trial_steps
+    from odtrain.jit import cache
     from odtrain.api import CheckpointState, Module, Optimizer
     from odtrain.artifact_paths import ArtifactPaths
 
@@ -52,7 +53,7 @@ def main() -> int:
     if args.demo:
         scratch = tempfile.TemporaryDirectory(prefix="odtrain-first-step-")
         t = time.perf_counter()
-        directory = cache.demo_artifacts(scratch.name)
+        directory = demo.demo_artifacts(scratch.name)
         untimed = time.perf_counter() - t
     else:
         untimed = 0.0
@@ -65,7 +66,7 @@ def main() -> int:
 
     timed("runtime: BLAS table, Numba's set-up", runtime.load)
     module, optimizer = timed("CheckpointState + Module + Optimizer", open_session)
-    feeds = cache.zero_inputs(module, args.batch_size)
+    feeds = trial_steps.zero_inputs(module, args.batch_size)
     timed("import kernels", lambda: cache.kernel_dispatchers())
     before = cache.kernel_stats()
 

@@ -69,7 +69,7 @@ class ColdStart:
             raise NotImplementedError(f"{model}: {error}") from None
         self.batch = self.artifacts / "first_batch.npz"
         if not self.batch.exists():
-            from odtrain import cache
+            from odtrain import trial_steps
             from odtrain.api import CheckpointState, Module
             from odtrain.artifact_paths import ArtifactPaths
 
@@ -78,7 +78,7 @@ class ColdStart:
             module = Module(paths.training_model, state)
             meta = common.meta(model)  # MobileNetV2's file leaves its image size symbolic: meta.json gives it
             shape = [MODELS[model], *meta["input_shape"][1:]]
-            inputs = cache.zero_inputs(module, MODELS[model], input_shapes={meta["input_name"]: shape})
+            inputs = trial_steps.zero_inputs(module, MODELS[model], input_shapes={meta["input_name"]: shape})
             rng = np.random.default_rng(common.SEED)
             for i, array in enumerate(inputs):  # random images, labels 0
                 if array.dtype.kind == "f":

@@ -1,6 +1,6 @@
 """What a training process holds: the runtime floor, and what training adds on the reference models.
 
-RuntimeFloor: RSS of a fresh process after `import odtrain.api` and `odtrain.runtime.load()`
+RuntimeFloor: RSS of a fresh process after `import odtrain.api` and `odtrain.jit.load()`
 (Numba's CPU target and BLAS), total and anonymous (the private part; the rest is library code
 mapped from disk).
 TrainingMemory: per reference model (tests/data), from one fresh process each run by
@@ -18,8 +18,8 @@ WORKLOADS = ["mlp", "cnn", "transformer", "mobilenetv2_personalize", "mobilenetv
 MIB = 1024 * 1024
 
 FLOOR_PROBE = """
-import json, odtrain.api, odtrain.runtime
-odtrain.runtime.load()
+import json, odtrain.api, odtrain.jit
+odtrain.jit.load()
 with open("/proc/self/status") as status:
     print(json.dumps({line.split(":")[0]: int(line.split()[1]) for line in status
                       if line.startswith(("VmRSS", "RssAnon"))}))

@@ -7,11 +7,11 @@ layers). A byte-level BPE tokenizer of the model's vocabulary size is trained on
 ships (odtrain/data/coriolanus.txt); its first 90% is cut into one contiguous part per client (each
 device holds its own user's text), the rest is held out. The artifacts carry LoRA adapters of rank 8
 (alpha 16) on every projection; each round, every client starts from the global adapters, trains
-on its part (odtrain.fl.train_local) and returns its difference; the server applies their
-example-weighted mean (odtrain.fl.fedavg).
+on its part (odtrain.federated.train_local) and returns its difference; the server applies their
+example-weighted mean (odtrain.federated.fedavg).
 
 Printed, one JSON object: the bytes a client uploads (and downloads) per round, which is the float32
-trainable buffer (odtrain.fl.get_parameters: the adapters), against the float32 bytes of the
+trainable buffer (odtrain.federated.get_parameters: the adapters), against the float32 bytes of the
 parameters full fine-tuning would train and send; and the held-out loss and perplexity before and
 after the rounds (odtrain.training.evaluate). The frozen weights are checked unchanged.
 """
@@ -76,7 +76,7 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=8)
     args = parser.parse_args(argv)
 
-    from odtrain import artifacts, fl
+    from odtrain import artifacts, federated as fl
     from odtrain.api import CheckpointState
     from odtrain.graph.onnx_io import load_graph
     from odtrain.text import TextSource

@@ -99,7 +99,7 @@ def main(argv=None):
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--shape", choices=("smollm2-135m", "qwen2-0.5b"),
+    parser.add_argument("--shape", choices=("smollm2-135m", "qwen2-0.5b", "llama-3.2-1b"),
                         help="torch: build a model of this released model's shape (make_models.SHAPED) instead of "
                         "BENCHMARK_SIZES' Llama")
     parser.add_argument("--lora-targets", nargs="+", default=LORA_TARGETS, metavar="GLOB",

@@ -1,7 +1,7 @@
 """What the engines of `odtrain federated` share (in process, and Flower's ServerApp and ClientApp).
 
 - The data: the bundled 8x8 digits, TEST_FRACTION held out (stratified, seeded); the rest shared among
-  the clients non-IID by label (`odtrain.fl.partition_by_label`).
+  the clients non-IID by label (`odtrain.federated.partition_by_label`).
 - One line per round, for the console and Flower's log.
 - The files of a finished run in its output folder: the global checkpoint, `inference.onnx`, and
   ROUNDS_FILE, the rounds' metrics (rewritten after every round, `finished` false until the end).
@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 import os
 
-from .artifact_paths import CHECKPOINT
-from .graph.errors import ArgumentError
+from ..artifact_paths import CHECKPOINT
+from ..graph.errors import ArgumentError
 
 TEST_FRACTION = 0.2
 ROUNDS_FILE = "rounds.json"
@@ -22,7 +22,7 @@ ROUNDS_FILE = "rounds.json"
 
 def digits_split(seed: int = 0):
     """(train_x, test_x, train_y, test_y): the bundled digits, 20% held out (stratified, seeded)."""
-    from .datasets import load_digits, train_test_split
+    from ..datasets import load_digits, train_test_split
 
     images, labels = load_digits()
     return train_test_split(images, labels, test_fraction=TEST_FRACTION, seed=seed)
@@ -30,7 +30,7 @@ def digits_split(seed: int = 0):
 
 def digits_partition(partition_id: int, num_partitions: int, alpha: float = 0.5, seed: int = 0):
     """(x, y) of one client: its share of the training digits under `partition_by_label`."""
-    from .fl import partition_by_label
+    from .averaging import partition_by_label
 
     if not 0 <= partition_id < num_partitions:
         raise ArgumentError(f"partition-id must be in [0, {num_partitions}), got {partition_id}")
@@ -50,8 +50,8 @@ def format_round(entry: dict) -> str:
 
 def finish(trainer, buffer, output_dir: str, rounds: list, extra: dict | None = None) -> dict:
     """Write the global checkpoint, `inference.onnx` and the rounds file for the final global buffer."""
-    from .api import CheckpointState
-    from .fl import set_parameters
+    from ..api import CheckpointState
+    from .averaging import set_parameters
 
     os.makedirs(output_dir, exist_ok=True)
     set_parameters(trainer.module, buffer)

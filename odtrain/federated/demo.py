@@ -2,11 +2,11 @@
 
 1. Build the 64-32-10 classifier of `odtrain demo` and generate its artifacts (AdamW, cross-entropy).
 2. Hold out 20% of the bundled 8x8 digits; share the rest among the clients non-IID by label
-   (Dirichlet(alpha) proportions per class, seeded: `odtrain.fl.partition_by_label`).
+   (Dirichlet(alpha) proportions per class, seeded: `odtrain.federated.partition_by_label`).
 3. Run the rounds with one of three engines, all doing the same arithmetic: each client starts from the
    global parameters with fresh optimizer state, trains `local_epochs` on its partition (seed
    `[seed, round, client]`), and the server averages the updates weighted by example counts.
-   - `inprocess`: odtrain.fl in this process, no Flower needed;
+   - `inprocess`: odtrain.federated in this process, no Flower needed;
    - `simulation`: Flower's simulation runtime (a SuperLink in simulation mode; needs `flwr[simulation]`);
    - `deployment`: Flower's deployment runtime: a running SuperLink and SuperNodes (`superlink=`), or a
      SuperLink and one SuperNode per client started here on loopback for the run.
@@ -16,23 +16,22 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import time
 
 import numpy as np
 
-from .federated_rounds import digits_partition, digits_split, finish, format_round
-from .graph.errors import ArgumentError
-from .graph.wording import count
+from .rounds import digits_partition, digits_split, finish, format_round
+from ..graph.errors import ArgumentError
+from ..graph.wording import count
 
 ENGINES = ("auto", "inprocess", "simulation", "deployment")
 
 
 def prepare(directory: str, seed: int = 0) -> str:
     """Generate the classifier's artifacts in `<directory>/artifacts` and return that folder."""
-    from . import artifacts
-    from .demo import build_classifier
+    from .. import artifacts
+    from ..demo import build_classifier
 
     folder = os.path.join(directory, "artifacts")
     model, params = build_classifier(seed=seed)
@@ -63,8 +62,8 @@ def resolve_engine(engine: str) -> str:
 
 def run_inprocess(artifact_dir: str, output_dir: str, clients: int, rounds: int, local_epochs: int, batch_size: int,
                   learning_rate: float, alpha: float, seed: int, clip_norm, noise_multiplier: float, out=print) -> dict:
-    """FedAvg with odtrain.fl: the clients take turns on one Module (each from the global buffer, fresh optimizer)."""
-    from . import fl
+    """FedAvg with odtrain.federated: the clients take turns on one Module (each from the global buffer, fresh optimizer)."""
+    from . import averaging as fl
 
     trainer = fl.open_artifacts(artifact_dir)
     trainer.optimizer.set_learning_rate(learning_rate)
@@ -88,47 +87,6 @@ def run_inprocess(artifact_dir: str, output_dir: str, clients: int, rounds: int,
         history.append(entry)
         out(format_round(entry))
     return finish(trainer, global_buffer, output_dir, history)
-
-
-def add_command(commands) -> None:
-    """Add `odtrain federated` to the CLI's subcommands."""
-    command = commands.add_parser(
-        "federated", help="federated averaging of the demo classifier across simulated devices",
-        description="Share the bundled 8x8 digits among clients non-IID by label, train the demo classifier "
-        "with FedAvg and print the global model's held-out loss and accuracy after every round. Engines: "
-        "inprocess (no Flower), simulation (flwr[simulation]), deployment (a SuperLink and SuperNodes).")
-    command.add_argument("--clients", type=int, default=3, help="simulated devices, each with its own share of "
-                         "the digits (default: 3)")
-    command.add_argument("--rounds", type=int, default=3, help="rounds of federated averaging (default: 3)")
-    command.add_argument("--engine", choices=ENGINES, default="auto",
-                         help="auto: Flower's simulation when flwr[simulation] is installed, else inprocess")
-    command.add_argument("--superlink", metavar="HOST:PORT", help="deployment on a running SuperLink whose SuperNodes "
-                         "have node config partition-id/num-partitions (default: start them on loopback)")
-    command.add_argument("-o", "--output", default="odtrain-federated", help="work folder (default: ./odtrain-federated)")
-    command.add_argument("--local-epochs", type=int, default=3, help="epochs each client trains on its share in "
-                         "a round (default: 3)")
-    command.add_argument("--batch-size", type=int, default=32, help="samples per client step (default: 32)")
-    command.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate on the clients (default: 0.01)")
-    command.add_argument("--alpha", type=float, default=0.5, help="Dirichlet label skew (smaller: more skew; "
-                         "default: 0.5)")
-    command.add_argument("--clip-norm", type=float, default=None, help="clip each client's update to this L2 norm "
-                         "(default: no clipping)")
-    command.add_argument("--noise-multiplier", type=float, default=0.0,
-                         help="Gaussian noise of std noise-multiplier * clip-norm on each client's update (default: 0)")
-    command.add_argument("--seed", type=int, default=0, help="seed of the initial weights, the data split, the label "
-                         "skew and the batch order (default: 0)")
-    command.add_argument("--timeout", type=float, default=600.0, help="seconds a Flower run may take (default: 600)")
-    command.add_argument("--json", action="store_true", help="print the results as one JSON object")
-    command.set_defaults(handler=_command)
-
-
-def _command(args) -> int:
-    result = run(args.clients, args.rounds, args.engine, args.output, args.local_epochs, args.batch_size, args.lr,
-                 args.alpha, args.seed, args.clip_norm, args.noise_multiplier, args.superlink, args.timeout,
-                 out=(lambda line: None) if args.json else print)
-    if args.json:
-        print(json.dumps(result))
-    return 0
 
 
 def run(clients: int = 3, rounds: int = 3, engine: str = "auto", directory: str = "odtrain-federated",

@@ -19,8 +19,8 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
-from .. import fl
-from ..federated_rounds import ROUNDS_FILE, digits_split, finish, format_round, write_json
+from .. import averaging as fl
+from ..rounds import ROUNDS_FILE, digits_split, finish, format_round, write_json
 from . import settings
 
 app = ServerApp()

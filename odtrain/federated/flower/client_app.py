@@ -1,7 +1,7 @@
 """The odtrain ClientApp: local training and evaluation of an artifact folder, on this node's data.
 
 train:    ArrayRecord ``arrays`` (global parameters) + ConfigRecord ``config`` in; the node copies the
-          parameters into its Module, runs ``odtrain.fl.train_local`` on its data (seed
+          parameters into its Module, runs ``odtrain.federated.train_local`` on its data (seed
           ``[seed, server-round, partition-id]``, optimizer state fresh), and replies with the parameters
           ``float32(global + difference)`` (the difference clipped and noised when configured) and a
           MetricRecord: ``num-examples``, ``train-loss``, ``update-norm``, ``clipped``.
@@ -12,7 +12,7 @@ from __future__ import annotations
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from .. import fl
+from .. import averaging as fl
 from . import settings
 
 app = ClientApp()

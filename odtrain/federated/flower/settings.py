@@ -24,8 +24,8 @@ import os
 import numpy as np
 from flwr.app import Array, ArrayRecord, Context
 
-from .. import fl
-from ..graph.errors import ArgumentError
+from .. import averaging as fl
+from ...graph.errors import ArgumentError
 
 RUN_DEFAULTS = {
     "artifact-dir": "", "output-dir": "", "num-server-rounds": 3, "local-epochs": 3, "batch-size": 32,
@@ -72,7 +72,7 @@ def client_data(context: Context, alpha: float, seed: int) -> tuple[np.ndarray, 
     if "partition-id" not in node or "num-partitions" not in node:
         raise ArgumentError("this node has no data: start it with --node-config 'partition-id=K num-partitions=N' "
                             "or 'data-file=\"local.npz\"'")
-    from ..federated_rounds import digits_partition
+    from ..rounds import digits_partition
 
     return digits_partition(int(node["partition-id"]), int(node["num-partitions"]), alpha, seed)
 

@@ -1,10 +1,10 @@
 """The kernel library: odtrain's kernels built ahead of time into one shared object, loaded with ctypes.
 
-`odtrain compile` (odtrain/kernel_build.py) writes a folder `kernels/` beside the artifacts:
+`odtrain compile` (odtrain/library_build/) writes a folder `kernels/` beside the artifacts:
 - LIBRARY_FILE, the shared object: one exported `int32 k(void **arguments)` wrapper per (kernel,
-  signature), the runner `odtrain_run` and the launcher (odtrain/kernel_launcher.c);
+  signature), the runner `odtrain_run` and the launcher (odtrain/library_build/launcher.c);
 - MANIFEST_FILE, JSON: the odtrain, Numba and llvmlite versions, the target triple, CPU and features,
-  the digest of the kernel sources (odtrain.kernel_sources) and each entry's kernel, signature and symbol
+  the digest of the kernel sources (odtrain.jit.cache) and each entry's kernel, signature and symbol
   (and, for a parallel twin, `twin_of`: the serial kernel it runs in parts, from kernels/parts.py's TWINS).
 
 A kernel call is (kernel, args): the kernel is named by its module and qualified name (`kernel_name`),
@@ -20,7 +20,7 @@ update) is prepared once for its arrays and later only gets its scalars written 
 Refused, by name, never loaded (`load` raises LibraryRefused, which `find` reports once and bypasses):
 a library built by another odtrain version, from other kernel sources, with a Numba other than the
 installed one (when one is installed), for another architecture, or for CPU features this CPU lacks
-(odtrain/kernel_targets.py: /proc/cpuinfo, or on aarch64 the hardware capability bits); and an artifact
+(odtrain/kernel_library/cpu.py: /proc/cpuinfo, or on aarch64 the hardware capability bits); and an artifact
 folder's own kernels/ built for other artifacts (the manifest's `artifacts`: the digests of the models
 it was recorded on, `artifacts_digest`).
 
@@ -42,10 +42,10 @@ import sys
 
 import numpy as np
 
-from .kernels.blas_library import found_openblas, gemm_addresses
-from .kernel_targets import cpu_flags, host_arch, missing_features
-from .kernels.jit import without_compiler
-from .threads import configure_without_compiler
+from ..kernels.blas_library import found_openblas, gemm_addresses
+from .cpu import cpu_flags, host_arch, missing_features
+from ..kernels.jit import without_compiler
+from ..threads import configure_without_compiler
 
 LIBRARY_FILE = "libodtrain_kernels.so"
 MANIFEST_FILE = "manifest.json"
@@ -252,8 +252,8 @@ class KernelLibrary:
 
 def refusal_of(manifest: dict) -> str:
     """Why a library with this manifest must not be loaded here ('' when it may be)."""
-    from . import __version__
-    from .kernel_sources import sources_digest
+    from .. import __version__
+    from ..jit.cache import sources_digest
 
     if manifest.get("odtrain") != __version__:
         return f"built by odtrain {manifest.get('odtrain')}, this is odtrain {__version__}"
@@ -288,7 +288,7 @@ _reported: set = set()
 def report_missing(calls) -> None:
     """Say once, on stderr and in the progress bar drawn now (odtrain.progress.announce), how many kernels of
     these calls (which a library lacks) compile through Numba."""
-    from .progress import announce
+    from ..progress import announce
 
     new = {(kernel_name(k) or repr(k), signature_of(a)) for k, a in calls if hasattr(k, "py_func")} - _reported
     if new:
@@ -327,7 +327,7 @@ def artifacts_digest(folder) -> str | None:
 def compile_command(artifact_folder) -> str:
     """The command that builds the library of `artifact_folder` for this machine, run where Numba is (the
     desktop, for another architecture)."""
-    from .kernel_targets import DEFAULT_CPU
+    from .cpu import DEFAULT_CPU
 
     here = host_arch()
     target = f" --target {here}" if here in DEFAULT_CPU else ""

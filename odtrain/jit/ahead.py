@@ -1,7 +1,7 @@
 """Compiling a bound step's Numba kernels before its first run, and saying so when they really compile.
 
 Without a kernel library (odtrain/kernel_library.py) every call of a step runs a Numba dispatcher, which
-compiles its kernel at the first call, or loads it from the cache (odtrain/cache.py). `compile_ahead` does
+compiles its kernel at the first call, or loads it from the cache (odtrain/jit/cache.py). `compile_ahead` does
 that at bind time instead, so that a note can come first: a cold cache holds a step for seconds to
 minutes, and the user is told why and what does it ahead. Cache loads say nothing.
 """
@@ -59,8 +59,8 @@ def compile_ahead(calls) -> None:
 
 def _first_compile_listener():
     from numba.core import event
-    from .kernel_library import FALLBACK_MESSAGE
-    from .progress import announce
+    from ..kernel_library import FALLBACK_MESSAGE
+    from ..progress import announce
 
     class FirstCompile(event.Listener):
         """Says FALLBACK_MESSAGE at the first kernel that compiles (cache loads are not compiles)."""

@@ -2,7 +2,7 @@
 SuperLink with one SuperNode per client (deployment), or on a SuperLink that is already running.
 
 - ``write_app(folder, run_config)`` writes the Flower App (a ``pyproject.toml`` naming
-  ``odtrain.flower.server_app:app`` and ``odtrain.flower.client_app:app``) that ``flwr run`` bundles.
+  ``odtrain.federated.flower.server_app:app`` and ``odtrain.federated.flower.client_app:app``) that ``flwr run`` bundles.
 - ``LocalFederation`` starts ``flower-superlink`` (and ``flower-supernode``s) as subprocesses on
   ``127.0.0.1``, on free ports, insecure (plain HTTP on loopback), with Flower's runtime dependency
   installation, telemetry and update checks off. Every process it starts, and every process those start,
@@ -23,8 +23,8 @@ import time
 import urllib.request
 import uuid
 
-from ..federated_rounds import ROUNDS_FILE, format_round
-from ..graph.errors import OdtrainError
+from ..rounds import ROUNDS_FILE, format_round
+from ...graph.errors import OdtrainError
 
 CONNECTION = "odtrain"
 QUIET_ENV = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1", "RAY_USAGE_STATS_ENABLED": "0",
@@ -46,8 +46,8 @@ def write_app(folder: str, run_config: dict) -> str:
              "[project]", 'name = "odtrain-fedavg"', 'version = "1.0.0"',
              'description = "odtrain artifacts trained on every node, averaged with FedAvg"', 'license = "MIT"',
              "", "[tool.flwr.app]", 'publisher = "odtrain"', "",
-             "[tool.flwr.app.components]", 'serverapp = "odtrain.flower.server_app:app"',
-             'clientapp = "odtrain.flower.client_app:app"', "", "[tool.flwr.app.config]"]
+             "[tool.flwr.app.components]", 'serverapp = "odtrain.federated.flower.server_app:app"',
+             'clientapp = "odtrain.federated.flower.client_app:app"', "", "[tool.flwr.app.config]"]
     lines += [f"{key} = {json.dumps(value)}" for key, value in run_config.items()]
     with open(os.path.join(folder, "pyproject.toml"), "w") as handle:
         handle.write("\n".join(lines) + "\n")

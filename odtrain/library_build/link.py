@@ -1,6 +1,6 @@
-"""Building the kernel library (odtrain/kernel_library.py): Numba compiles, llvmlite links, a C compiler links.
+"""Building the kernel library (odtrain/kernel_library/): Numba compiles, llvmlite links, a C compiler links.
 
-Targets (odtrain/kernel_targets.py): this machine's CPU, or a named one: an aarch64 core (a Raspberry Pi's,
+Targets (targets.py): this machine's CPU, or a named one: an aarch64 core (a Raspberry Pi's,
 built on an x86_64 desktop) or a baseline x86-64 level. For each (kernel, signature) entry:
 1. a generated `cfunc` wrapper with one C signature, `int32 k(void **arguments)`, rebuilds each argument
    from its record (`_loader`: an array of exactly the type Numba's typeof gives the bound view, strided
@@ -22,7 +22,7 @@ by the target's C compiler (`cc`; for aarch64 `aarch64-linux-gnu-gcc` or ODTRAIN
 reporting, reached only when a kernel raises past the wrapper's `except` (never), are bound to stubs
 that abort.
 
-The build runs in its own process (`python -m odtrain.kernel_build SPEC OUT`), where no kernel was
+The build runs in its own process (`python -m odtrain.library_build.link SPEC OUT`), where no kernel was
 compiled or loaded from Numba's cache (a cached kernel has no LLVM module to link) and caching is off;
 a cross build's process has NUMBA_OPT=0 (read when Numba is imported) and its own NUMBA_CACHE_DIR.
 
@@ -34,7 +34,6 @@ NUMBA_OPT=0 carries no host-only intrinsics (tests/test_kernel_targets.py emits 
 """
 from __future__ import annotations
 
-import contextlib
 import importlib
 import json
 import os
@@ -44,16 +43,17 @@ import sys
 import tempfile
 import time
 
-from . import __version__
-from .graph.errors import ArgumentError
-from .kernel_library import FOLDER, LIBRARY_FILE, MANIFEST_FILE, artifacts_digest, kernel_name
-from .kernel_sources import sources_digest
-from .kernel_targets import (CPUS, DEFAULT_CPU, DEVICE_CORES, TARGETS, NoCompiler, c_compiler, cpu_features,
-                             host_arch, optimise, optimise_functions, target_machine, without_host_cpu)
+from .. import __version__
+from ..graph.errors import ArgumentError
+from ..jit.cache import sources_digest
+from ..kernel_library import LIBRARY_FILE, MANIFEST_FILE, kernel_name
+from ..kernel_library.cpu import DEFAULT_CPU, TARGETS, host_arch
+from .targets import (NoCompiler, c_compiler, cpu_features, optimise, optimise_functions, target_machine,
+                      without_host_cpu)
 
 # Numba's helpers that only raise or report an exception: past the wrapper's `except`, never reached
 ERROR_PATH = {"numba_do_raise", "numba_unpickle", "numba_runtime_build_excinfo_struct", "numba_fatal_error"}
-LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernel_launcher.c")
+LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launcher.c")
 # what kernel_launcher.c defines for the kernels' code
 LAUNCHER_SYMBOLS = {"odtrain_cblas_sgemm", "odtrain_cblas_dgemm", "numba_parallel_for", "get_num_threads",
                     "get_thread_id", "set_num_threads", "get_parallel_chunksize", "set_parallel_chunksize",
@@ -87,7 +87,7 @@ def build(entries, out_dir, out=print, target: str | None = None, cpu: str | Non
             started = time.perf_counter()
             # its own session: Ctrl-C reaches this process alone, which stops the build (subprocess.run kills
             # it) and says so in one line, instead of the build printing its traceback
-            subprocess.run([sys.executable, "-m", "odtrain.kernel_build", spec_file.name, os.fspath(out_dir)],
+            subprocess.run([sys.executable, "-m", "odtrain.library_build.link", spec_file.name, os.fspath(out_dir)],
                            check=True, env=environment, start_new_session=True)
         except BaseException:
             if created:  # no empty or half-built library folder left behind
@@ -253,16 +253,15 @@ def _main(spec_path: str, out_dir: str) -> None:
     from numba.core.caching import NullCache
     from numba.core.registry import cpu_target
 
-    from . import executor  # noqa: F401  (imports every kernel module)
-    from .kernel_sources import loaded_dispatchers
-    from .kernels.parts import TWINS
+    from ..jit.cache import kernel_dispatchers
+    from ..kernels.parts import TWINS
 
     serial_of = {twin.parallel: twin.serial for twin in TWINS.values()}
 
     with open(spec_path) as file:
         spec = json.load(file)
     entries = [tuple(e) for e in spec["entries"]]
-    for dispatcher in loaded_dispatchers():
+    for dispatcher in kernel_dispatchers():
         dispatcher._cache = NullCache()
     retarget = spec["cpu"] is not None  # Numba's unoptimised IR (NUMBA_OPT=0), for a named CPU
     if retarget:
@@ -346,160 +345,6 @@ def link(kernels: bytes, manifest: dict, compiler: list[str], library: str) -> N
         subprocess.run([*compiler, "-shared", "-O2", "-fPIC", "-fopenmp", "-Wl,-z,defs", "-o", partial, objects,
                         LAUNCHER, stub_source, "-lm"], check=True)
         os.replace(partial, library)
-
-
-def library_folder(artifact_dir) -> str:
-    """Where the library of an artifact folder goes."""
-    return os.path.join(os.fspath(artifact_dir), FOLDER)
-
-
-def recorded_shapes(batch_size: int, sequence_length: int | None) -> list[tuple[int, int | None]]:
-    """The (batch size, sequence length) pairs a library records: 1 and `batch_size`, 1 and `sequence_length`
-    (when given). Across the sizes of an axis only its length-1 case changes a call's types (a size-1 axis
-    makes a strided view contiguous); at a size above 1, every call that could split is recorded split too
-    (kernels/parts.py, every_split), so one larger size stands for all."""
-    batches = sorted({1, int(batch_size)})
-    lengths = sorted({1, int(sequence_length)}) if sequence_length is not None else [None]
-    return [(b, n) for b in batches for n in lengths]
-
-
-def recorded_entries(artifact_dir, batch_size: int = 32, thread_counts=None, input_shapes=None,
-                     inference_output: str | None = None, sequence_length: int | None = None) -> list:
-    """The (kernel name, signature) pairs of the steps `odtrain warmup` runs on a set of artifacts (a training
-    step writing and one accumulating gradients, an optimizer step, an eval step), closed under the input
-    sizes the artifacts accept: at batch 1 and `batch_size`, and for inputs with another symbolic axis at
-    lengths 1 and `sequence_length` (recorded_shapes; `input_shapes` gives whole shapes by name instead, then
-    recorded as given), at each thread count of `thread_counts` (default: 1 and every core of this machine, as
-    a device would run) both as the step splits its work at that size and with every call that has
-    more than one unit split (kernels/parts.py, every_split: the parallel twins a larger size runs). With
-    `inference_output`, also of an InferenceSession on the model they export with that output. Nothing runs."""
-    from . import threads
-    from .cache import run_steps
-    from .executor import record_calls
-    from .kernel_compile import silenced
-    from .kernel_library import LIBRARY_ENV, signature_of
-    from .kernels.parts import every_split
-
-    counts = sorted(set(thread_counts or (1, threads.available_cores())))
-    shapes = recorded_shapes(batch_size, sequence_length)
-    previous = os.environ.get(LIBRARY_ENV)
-    os.environ[LIBRARY_ENV] = "off"  # the calls are the same with a library: record them without one
-    try:
-        with record_calls() as calls, silenced(), tempfile.TemporaryDirectory(prefix="odtrain-compile-") as scratch:
-            for count in counts:
-                for split_all in ((False, True) if count > 1 else (False,)):
-                    with threads.process_default(count), every_split() if split_all else contextlib.nullcontext():
-                        for batch, length in shapes:
-                            run_steps(os.fspath(artifact_dir), batch, input_shapes or {}, length)
-                            if inference_output is not None:
-                                _run_inference(os.fspath(artifact_dir), inference_output, batch, scratch)
-    finally:
-        if previous is None:
-            del os.environ[LIBRARY_ENV]
-        else:
-            os.environ[LIBRARY_ENV] = previous
-    entries = {(kernel_name(kernel), signature_of(args)) for kernel, args in calls}
-    return sorted((name, signature) for name, signature in entries if name and signature is not None)
-
-
-def _run_inference(folder: str, output: str, batch_size: int, scratch: str) -> None:
-    """Export the artifacts' model with `output` into `scratch` and run it once on zeros with InferenceSession."""
-    from .api import CheckpointState, Module
-    from .artifact_paths import ArtifactPaths
-    from .cache import zero_inputs
-    from .inference import InferenceSession
-
-    paths = ArtifactPaths.of(folder)
-    module = Module(paths.training_model, CheckpointState.load_checkpoint(paths.checkpoint), paths.eval_model)
-    path = os.path.join(scratch, "inference.onnx")
-    module.export_model_for_inferencing(path, [output])
-    session = InferenceSession(path)
-    feeds = dict(zip(module.eval().input_names(), zero_inputs(module, batch_size)))
-    session.run([output], {i.name: feeds[i.name] for i in session.get_inputs()})
-
-
-def compile_artifacts(artifact_dir=None, out_dir=None, batch_size: int = 32, thread_counts=None, out=print,
-                      target: str | None = None, cpu: str | None = None, sequence_length: int | None = None,
-                      input_shapes: dict | None = None) -> dict:
-    """Build the kernel library of a set of artifacts (a folder, or a list of folders: one library for them all;
-    None: the built-in demo classifier's, its inference model's included: the library the package ships,
-    odtrain.demo.LIBRARY) into `out_dir` (default: the artifact folder's kernels/) for `target` and `cpu`
-    (build()); returns the manifest. The steps are recorded at `thread_counts` (default: 1 and the cores of
-    the device: this machine's, or DEVICE_CORES of another architecture), with the inputs' other symbolic axes
-    at `sequence_length` (a language model's) or the whole shapes of `input_shapes`."""
-    target, cpu, _, _ = build_target(target, cpu)  # before recording: an unknown name or no compiler fails now
-    if target != host_arch() and thread_counts is None:
-        thread_counts = (1, DEVICE_CORES.get(target, 1))
-    folders = [artifact_dir] if artifact_dir is None or isinstance(artifact_dir, (str, os.PathLike)) \
-        else list(artifact_dir)
-    entries, recorded = set(), []
-    for folder in folders:
-        if folder is None:
-            from .cache import demo_artifacts
-            from .demo import OUTPUT
-
-            with tempfile.TemporaryDirectory(prefix="odtrain-compile-") as scratch:
-                entries.update(recorded_entries(demo_artifacts(scratch), batch_size, thread_counts,
-                                                inference_output=OUTPUT))
-                recorded.append({"folder": "the demo classifier", "digest": artifacts_digest(scratch)})
-        else:
-            entries.update(recorded_entries(folder, batch_size, thread_counts, input_shapes,
-                                            sequence_length=sequence_length))
-            recorded.append({"folder": os.path.abspath(os.fspath(folder)), "digest": artifacts_digest(folder)})
-    if out_dir is None:
-        if len(folders) != 1 or folders[0] is None:
-            raise ValueError("give the library's folder (-o DIR) for the demo classifier or several artifact folders")
-        out_dir = library_folder(folders[0])
-    return build(sorted(entries), out_dir, out, target, cpu, artifacts=recorded)
-
-
-def add_command(commands) -> None:
-    """Add `odtrain compile` to the CLI's subcommands."""
-    from .cache import add_shape_arguments
-
-    command = commands.add_parser(
-        "compile", help="build the kernels a set of artifacts needs into a native library, ahead of time",
-        description="Record every kernel, at every signature, that a training step, an optimizer step and an eval "
-        "step of the artifacts call (at 1 thread and at this machine's cores; at batch 1 and --batch-size, and for "
-        "inputs with a sequence axis at length 1 and --seq-len; every call that can split into parallel parts "
-        "recorded split as well, so that the library serves every batch size and sequence length), compile them "
-        "with Numba and link them into one shared library with its manifest, by default in ARTIFACT_DIR/kernels/. A training process "
-        "that finds it there loads it with ctypes: no kernel compiles, Numba is not imported for the kernels it "
-        "holds.")
-    command.add_argument("artifact_dir", nargs="*", default=None, metavar="ARTIFACT_DIR",
-                         help="folder written by generate_artifacts; several make one library for them all "
-                         "(with -o); none: the demo classifier (with -o)")
-    command.add_argument("-o", "--output", default=None, metavar="DIR", help="the library's folder "
-                         "(default: ARTIFACT_DIR/kernels)")
-    command.add_argument("--batch-size", type=int, default=32,
-                         help="the batch size above 1 the steps are recorded at, besides batch 1 (default 32); the "
-                         "library serves every batch size: this sets only the memory the recording binds")
-    command.add_argument("--threads", type=int, action="append", default=None, metavar="N", dest="thread_counts",
-                         help="a thread count the device runs at (repeatable; default: 1 and the device's cores: this "
-                         "machine's, or 4 for another architecture, a Raspberry Pi's)")
-    command.add_argument("--target", default=None, choices=sorted(TARGETS),
-                         help="the device's architecture (default: this machine's); aarch64 from an x86_64 machine "
-                         "needs a cross compiler (aarch64-linux-gnu-gcc, or ODTRAIN_CROSS_CC)")
-    command.add_argument("--cpu", default=None, metavar="NAME",
-                         help="the device's CPU (default: this machine's; for aarch64 cortex-a72, a Raspberry Pi 4's; "
-                         "cortex-a76 for a Pi 5); known: " + "; ".join(f"{t}: {', '.join(c)}" for t, c in CPUS.items()))
-    add_shape_arguments(command)
-    command.set_defaults(handler=_command)
-
-
-def _command(args) -> int:
-    from .cache import input_shapes
-    from .kernel_library import compiler_installed
-
-    if not compiler_installed():  # the build is Numba's: the CLI says so in one line
-        raise ModuleNotFoundError("No module named 'numba'", name="numba")
-    folders = args.artifact_dir or [None]
-    if args.output is None and (len(folders) > 1 or folders[0] is None):
-        raise ArgumentError("odtrain compile without ARTIFACT_DIR (the demo classifier's kernels) or with several "
-                            "folders needs the library's folder: give -o DIR")
-    compile_artifacts(folders, args.output, args.batch_size, args.thread_counts, target=args.target, cpu=args.cpu,
-                      sequence_length=args.seq_len, input_shapes=input_shapes(args.input_shape))
-    return 0
 
 
 if __name__ == "__main__":

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .artifact_paths import ArtifactPaths
-from .graph.errors import ArgumentError
+from ..artifact_paths import ArtifactPaths
+from ..graph.errors import ArgumentError
 
 
 @dataclass
@@ -44,7 +44,7 @@ class Trainer:
 
 def open_artifacts(directory) -> Trainer:
     """Load the checkpoint, training, eval and optimizer models of an artifact folder."""
-    from .api import CheckpointState, Module, Optimizer
+    from ..api import CheckpointState, Module, Optimizer
 
     paths = ArtifactPaths.of(directory)
     state = CheckpointState.load_checkpoint(paths.checkpoint)

@@ -1,0 +1,248 @@
+"""`odtrain train` (odtrain.training.fit), `odtrain eval` and `odtrain export` (the inference model).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ..artifact_paths import ArtifactPaths
+from ..graph.errors import ArgumentError
+from ..graph.frozen import FROZEN_DTYPES
+from ..graph.wording import count
+from .options import Command, add_threads_option, budget_size, note, print_json, value_text
+
+
+def _data(args, paths):
+    """The data a command reads: its paths, or windows of a text file with --tokenizer and --seq-len."""
+    if paths is None:
+        return None
+    texts = [p for p in paths if str(p).endswith(".txt")]
+    audio = _audio_source(args, paths)
+    if audio is not None:
+        return audio
+    if len(paths) == 1 and os.path.isdir(paths[0]):
+        from ..data import ImageFolder
+
+        return ImageFolder(paths[0], args.skip_unreadable, report=lambda line: note(args, line))
+    if args.skip_unreadable:
+        raise ArgumentError("--skip-unreadable leaves out unreadable images of a folder (or clips): give --data "
+                            "FOLDER, with one sub-folder of images or .wav clips per class")
+    if args.tokenizer is None:
+        if args.encoding != "utf-8":
+            raise ArgumentError("--encoding reads a text file: give --tokenizer and a .txt file too")
+        if texts:
+            raise ArgumentError(f"'{texts[0]}' is text: give the tokenizer that encodes it with --tokenizer "
+                                "tokenizer.json, and --seq-len N")
+        if args.seq_len is not None:
+            raise ArgumentError("--seq-len cuts a text file into windows: give --tokenizer and a .txt file too")
+        return paths
+    if len(paths) != 1 or args.seq_len is None:
+        raise ArgumentError("with --tokenizer give one text file (--data corpus.txt) and the window length "
+                            "(--seq-len N)")
+    from ..text import TextSource
+
+    return TextSource(paths[0], args.tokenizer, args.seq_len, args.encoding)
+
+
+def _audio_source(args, paths):
+    """An AudioSource when the one path is a folder of clips or audio options were given, else None."""
+    from ..audio import AudioSource, LogMel, is_audio_folder
+
+    features = getattr(args, "audio_features", None)
+    folder = len(paths) == 1 and os.path.isdir(paths[0]) and is_audio_folder(paths[0])
+    if not folder:
+        if features is not None:
+            raise ArgumentError("--audio-features reads a folder of clips: give --data clips/, with one sub-folder "
+                                "of .wav files per class")
+        return None
+    settings = None
+    if features == "log-mel":
+        settings = LogMel(args.sample_rate, args.n_mels, args.win_ms, args.hop_ms, args.n_fft)
+        settings.check()
+    return AudioSource(paths[0], settings, args.sample_rate, args.skip_unreadable,
+                       report=lambda line: note(args, line))
+
+
+def _train(args) -> int:
+    from ..api import CheckpointState
+    from ..training import fit
+
+    paths = ArtifactPaths.find(args.artifacts)
+    properties = CheckpointState.load_checkpoint(paths.checkpoint).properties
+    if not args.resume and properties.get("finished") == 0:
+        note(args, f"'{paths.checkpoint}' holds an unfinished run (epoch {properties['epoch'] + 1}, step "
+              f"{properties['step_in_epoch']}); this run starts anew from its parameters (--resume continues it)")
+    result = fit(args.artifacts, _data(args, args.data), val=_data(args, args.val), epochs=args.epochs,
+                 batch_size=args.batch_size,
+                 learning_rate=args.lr, lr_schedule=args.lr_schedule, warmup_steps=args.warmup, seed=args.seed,
+                 checkpoint_every=args.checkpoint_every, resume=args.resume, x=args.x, y=args.y,
+                 log=None if args.json else print, progress=not args.json, stop_after_steps=args.stop_after_steps,
+                 memory_budget=args.memory_budget)
+    if args.json:
+        print_json(result.to_dict())
+    elif result.finished and not result.history:
+        print(f"the run already finished its {count(result.epochs, 'epoch')}; nothing to do (give a larger --epochs "
+              "with --resume to train further)")
+    elif not result.stopped_by:
+        print(f"checkpoint: {result.checkpoint} ({count(result.epochs, 'epoch')}, {count(result.global_step, 'step')})")
+    if result.stopped_by:
+        print(f"odtrain train: stopped by {result.stopped_by} at epoch {result.epochs + 1}, step "
+              f"{result.step_in_epoch}; saved {result.checkpoint}; add --resume to continue", file=sys.stderr)
+        return 143 if result.stopped_by == "SIGTERM" else 130
+    return 0
+
+
+def _eval(args) -> int:
+    from ..training import evaluate
+
+    metrics = evaluate(args.artifacts, _data(args, args.data), batch_size=args.batch_size, x=args.x, y=args.y)
+    if args.json:
+        print_json(metrics)
+        return 0
+    parts = [f"loss {metrics['loss']:.4f}"]
+    if "perplexity" in metrics:
+        parts.append(f"perplexity {metrics['perplexity']:.4g}")
+    if "accuracy" in metrics:
+        parts.append(f"accuracy {metrics['accuracy']:.1%}")
+    if "mse" in metrics:
+        parts += [f"MSE {metrics['mse']:.4g}", f"MAE {metrics['mae']:.4g}"]
+    labelled = f" ({count(metrics['labels'], 'label')} counted)" if metrics.get("labels", metrics["samples"]) != metrics["samples"] else ""
+    print(f"{', '.join(parts)} on {count(metrics['samples'], 'sample')}{labelled}")
+    return 0
+
+
+def _export(args) -> int:
+    from ..graph.onnx_io import load_graph
+    from ..training import Session
+
+    session = Session(args.artifacts, with_optimizer=False)
+    if args.adapters_only:
+        return _export_adapters(session, args)
+    outputs = args.outputs or session.prediction_outputs
+    if not outputs:
+        raise ArgumentError(f"the eval model of '{args.artifacts}' computes only the loss; name the values to "
+                            "export with --outputs NAME")
+    session.module.export_model_for_inferencing(args.output, outputs, frozen_dtype=args.frozen_dtype)
+    graph = load_graph(args.output, "inference model")
+    result = {"model": args.output, "inputs": [value_text(graph, n) for n in graph.inputs],
+              "outputs": [value_text(graph, n) for n in graph.outputs]}
+    if args.json:
+        print_json(result)
+    else:
+        print(f"inference model written to {args.output}: {', '.join(result['inputs'])} -> "
+              f"{', '.join(result['outputs'])}")
+    return 0
+
+
+def _export_adapters(session, args) -> int:
+    """The trained parameters of LoRA artifacts (adapters, and what trained besides them) as a safetensors file."""
+    from ..lora import is_adapter, write_adapters
+
+    state = session.state
+    trained = [n for n, p in state.parameters.items() if p.requires_grad]
+    if not any(is_adapter(n) for n in trained):
+        raise ArgumentError(f"'{args.artifacts}' has no LoRA adapters; prepare the model with --lora-rank R, or "
+                            "export the whole model without --adapters-only")
+    scales = write_adapters(args.output, {n: state.parameters[n].data for n in trained},
+                            session.module.graph(training=False))
+    nbytes = sum(state.parameters[n].data.nbytes for n in trained)
+    result = {"adapters": args.output, "tensors": trained, "bytes": nbytes, "scales": scales}
+    if args.json:
+        print_json(result)
+    else:
+        print(f"adapters written to {args.output}: {count(len(trained), 'tensor')}, {count(nbytes, 'byte')} of parameters "
+              f"({len(scales)} adapted weights)")
+    return 0
+
+
+def _add_data_options(command, what: str) -> None:
+    command.add_argument("--data", action="append", required=True, metavar="PATH",
+                         help=f"{what}: an .npz file, a folder of images (one sub-folder per class), .npy "
+                         "files, one per model input in input order (--data x.npy --data y.npy), or a text file "
+                         "for a language model (with --tokenizer and --seq-len)")
+    command.add_argument("--x", action="append", metavar="NAME", help="the .npz array feeding the model's data "
+                         "input, once per data input (default: the array named like the input, or x, images, inputs)")
+    command.add_argument("--y", metavar="NAME", help="the .npz array of labels or targets "
+                         "(default: 'labels'/'target', or y)")
+    command.add_argument("--tokenizer", metavar="TOKENIZER.json", help="for a language model: encode the text file "
+                         "given to --data with this tokenizers file (pip install tokenizers)")
+    command.add_argument("--seq-len", type=int, metavar="N", help="with --tokenizer: windows of N tokens, each "
+                         "token's label the next one")
+    command.add_argument("--encoding", default="utf-8", help="with --tokenizer: the text file's encoding, e.g. "
+                         "latin-1, cp1252, utf-16 (default: utf-8)")
+    command.add_argument("--skip-unreadable", action="store_true", help="with a folder of images or clips: leave "
+                         "out the files that cannot be read (corrupt, empty, truncated, too short, another "
+                         "encoding) and say how many (default: stop at the first)")
+    audio = command.add_argument_group("audio clips (--data clips/, one sub-folder of .wav files per class)")
+    audio.add_argument("--audio-features", choices=("log-mel",), help="compute features for a model whose input is "
+                       "log-mel [batch, n_mels, frames] (default: feed the waveform [batch, samples])")
+    audio.add_argument("--sample-rate", type=int, default=16000, metavar="HZ",
+                       help="the model's sample rate; clips are resampled to it (default 16000)")
+    audio.add_argument("--n-mels", type=int, default=40, metavar="N", help="mel bands (default 40)")
+    audio.add_argument("--win-ms", type=float, default=25.0, metavar="MS", help="analysis window (default 25 ms)")
+    audio.add_argument("--hop-ms", type=float, default=10.0, metavar="MS", help="hop between frames (default 10 ms)")
+    audio.add_argument("--n-fft", type=int, default=512, metavar="N", help="DFT size (default 512)")
+
+
+def _train_arguments(train) -> None:
+    train.add_argument("artifacts", metavar="ARTIFACT_DIR", help="a folder written by `odtrain prepare`")
+    _add_data_options(train, "training data")
+    train.add_argument("--val", action="append", metavar="PATH", help="validation data, in the same forms as --data")
+    train.add_argument("--epochs", type=int, help="number of epochs (default: 1, or the resumed run's)")
+    train.add_argument("--batch-size", type=int, help="samples per step (default: 32)")
+    train.add_argument("--lr", type=float, help="learning rate (default: the checkpoint's, from `odtrain prepare` "
+                       "or the last run)")
+    train.add_argument("--lr-schedule", choices=("constant", "linear", "cosine"),
+                       help="learning-rate decay after the warm-up (default: constant)")
+    train.add_argument("--warmup", type=int, metavar="STEPS", help="steps of linear learning-rate warm-up "
+                       "(default: 0)")
+    train.add_argument("--checkpoint-every", type=int, metavar="STEPS", help="also save every STEPS steps "
+                       "(default: at each epoch's end only)")
+    train.add_argument("--resume", action="store_true", help="continue the run stored in the checkpoint")
+    train.add_argument("--seed", type=int, help="seed of the batch order and of Dropout's masks (default: 0)")
+    train.add_argument("--memory-budget", type=budget_size, metavar="BYTES",
+                       help="cap each training step's arena (e.g. 40MB), recomputing activations in the backward "
+                       "pass; fails before training, naming the smallest budget that works, if none fits; "
+                       "'auto': what the machine has available (MemAvailable) less the mapped frozen weights "
+                       "and a reserve of an eighth")
+    add_threads_option(train)
+    train.add_argument("--json", action="store_true", help="print the result as JSON instead of progress")
+    train.add_argument("--stop-after-steps", type=int, help=argparse.SUPPRESS)
+
+
+TRAIN = Command("train", help="train prepared artifacts on data",
+        description="Train in shuffled batches, validate after each epoch, and save the checkpoint "
+        "(ARTIFACT_DIR/checkpoint, with optimizer state) every --checkpoint-every steps and at each epoch's end. "
+        "Ctrl-C stops after the current step and saves; --resume continues exactly where the run stopped.", arguments=_train_arguments, run=_train)
+
+
+def _eval_arguments(evaluate) -> None:
+    evaluate.add_argument("artifacts", metavar="ARTIFACT_DIR", help="a folder written by `odtrain prepare`")
+    _add_data_options(evaluate, "test data")
+    evaluate.add_argument("--batch-size", type=int, default=256, help="samples per step (default: 256)")
+    add_threads_option(evaluate)
+    evaluate.add_argument("--json", action="store_true", help="print the metrics as JSON")
+
+
+EVAL = Command("eval", help="score trained artifacts on data",
+        description="Run the eval model over the data: the mean loss, and accuracy for classifiers "
+        "(cross-entropy, binary cross-entropy) or MSE and MAE for regression.", arguments=_eval_arguments, run=_eval)
+
+
+def _export_arguments(export) -> None:
+    export.add_argument("artifacts", metavar="ARTIFACT_DIR", help="a folder written by `odtrain prepare`")
+    export.add_argument("-o", "--output", required=True, metavar="MODEL.onnx", help="the file to write")
+    export.add_argument("--outputs", nargs="+", metavar="NAME", help="values to output (default: the model's outputs)")
+    export.add_argument("--frozen-dtype", choices=FROZEN_DTYPES, help="write frozen weights stored as int8, int4 "
+                        "or bfloat16 (prepare --frozen-dtype) in this type: int8 read by DequantizeLinear (a QDQ "
+                        "model), int4 by DequantizeLinear with block_size (opset 21), bfloat16 by Cast, LoRA "
+                        "adapters beside them; default float32, adapters merged")
+    export.add_argument("--adapters-only", action="store_true", help="write only the trained LoRA adapters (and "
+                        "the parameters trained with them) as a safetensors file to -o, not the merged model")
+    export.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+EXPORT = Command("export", help="write the trained inference model",
+        description="Write an ONNX inference model with the checkpoint's parameters embedded "
+        "(Module.export_model_for_inferencing); any ONNX runtime runs it.", arguments=_export_arguments, run=_export)
