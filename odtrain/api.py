@@ -41,8 +41,8 @@ from .graph.ops import check_supported
 from .graph.optimizers import STATE_BLOCK, STATE_DTYPES, AdamW, check_state_dtype, read_optimizer_graph
 from .graph.planner import MemoryPlan
 from .graph.qat import quantized_for_inference
-from .signals import deferred_interrupt
-from .state import ABSMAX, OptimizerState, ParameterStore, PropertyBag, moment_blocks
+
+from .state import ABSMAX, OptimizerState, ParameterStore, PropertyBag, deferred_interrupt, moment_blocks
 from .threads import checked as checked_threads, get_num_threads, usable
 
 DEFAULT_LEARNING_RATE = 1e-3
@@ -374,8 +374,9 @@ class _GraphSession:
             if budget == AUTO:  # taken now: what is available when the step is planned
                 budget = self.budget_bytes = auto_budget(self.state._store.mapped_bytes(),
                                                          self.arena.nbytes if self.arena is not None else 0)
-            plan = ExecutableStep(self.step_graph, types, self.external, sinks, accumulate and not self.fused, guarded,
-                                  budget, self.fused, self.arena, threads=threads, library=self.library,
+            plan = ExecutableStep(self.step_graph, feed_types=types, external=self.external, gradient_sinks=sinks,
+                                  accumulate=accumulate and not self.fused, check_finite=guarded, memory_budget=budget,
+                                  fused_updates=self.fused, arena=self.arena, threads=threads, library=self.library,
                                   artifact_folder=self.folder)
             self.plans[signature] = plan
             if len(self.plans) > PLAN_CACHE_SIZE:
@@ -698,7 +699,7 @@ class Optimizer:
         self._config = config
         wanted = getattr(config, "state_dtype", "float32")
         self._blocks = moment_blocks(store.trainable_sizes(), STATE_BLOCK)
-        from .executor import float_moments, int8_moments  # kernels load with the first session or optimizer
+        from .optimizer_update import float_moments, int8_moments  # kernels load with the first session or optimizer
         current = self._state._optimizer
         if current is None or current.kind != config.kind:
             moments = {s: np.zeros(store.trainable_size, dtype=np.float32) for s in config.state_names}
@@ -720,8 +721,8 @@ class Optimizer:
 
     def _require_kernels(self) -> None:
         """Where Numba is not installed: the update's kernel, as the steps will call it, is in the module's
-        library, else KernelsUnavailableError now, before a training step runs (executor.require_optimizer_kernels)."""
-        from .executor import require_optimizer_kernels
+        library, else KernelsUnavailableError now, before a training step runs (optimizer_update.require_update_kernels)."""
+        from .optimizer_update import require_update_kernels
 
         session, store = self._module._train, self._state._store
         folder = session.folder
@@ -729,10 +730,10 @@ class Optimizer:
             for name in store.trainable:
                 weights, moments, blocks = self._slices_of(name)
                 start, stop, _ = store.slices[name]
-                require_optimizer_kernels(self._config, weights, store.grad_flat[start:stop], moments,
+                require_update_kernels(self._config, weights, store.grad_flat[start:stop], moments,
                                           session.threads(), blocks, session.library, folder)
         else:
-            require_optimizer_kernels(self._config, store.flat[:store.trainable_size], store.grad_flat,
+            require_update_kernels(self._config, store.flat[:store.trainable_size], store.grad_flat,
                                       self._state._optimizer.moments, session.threads(), self._blocks[0],
                                       session.library, folder)
 
@@ -748,13 +749,13 @@ class Optimizer:
 
     def _update_of(self, name: str):
         """The update of one parameter from its gradient, reading the learning rate and step when called."""
-        from .executor import apply_optimizer
+        from .optimizer_update import apply_update
 
         state = self._state._optimizer
         weights, moments, blocks = self._slices_of(name)
 
         def update(gradient):  # inside the training step, which runs at the module's threads
-            apply_optimizer(self._config, weights, gradient, moments, state.learning_rate, state.step + 1,
+            apply_update(self._config, weights, gradient, moments, state.learning_rate, state.step + 1,
                             self._module._train.threads(), blocks, self._module._train.library)
 
         return update
@@ -766,14 +767,14 @@ class Optimizer:
         opt = self._state._optimizer
         store = self._state._store
         weights = store.flat[:store.trainable_size]
-        from .executor import apply_optimizer
+        from .optimizer_update import apply_update
 
         self._state._require_values("an optimizer step")
         if self._module._train.check_finite and store.first_nonfinite_gradient() is not None:
             raise NonFiniteError(f"optimizer step {opt.step + 1} refused: the gradient of parameter "
                                  f"'{store.first_nonfinite_gradient()}' is not finite; the parameters are unchanged")
         with deferred_interrupt():
-            apply_optimizer(self._config, weights, store.grad_flat, opt.moments, opt.learning_rate, opt.step + 1,
+            apply_update(self._config, weights, store.grad_flat, opt.moments, opt.learning_rate, opt.step + 1,
                             self._module._train.threads(), self._blocks[0], self._module._train.library)
             opt.step += 1
 
@@ -796,7 +797,7 @@ class Optimizer:
     @property
     def config(self):
         """What the optimizer model computes (odtrain.graph.optimizers' config: the kind, its hyperparameters,
-        the names of its moment buffers), as odtrain.executor.apply_optimizer takes it."""
+        the names of its moment buffers), as odtrain.optimizer_update.apply_update takes it."""
         return self._config
 
     def reset_state(self) -> None:

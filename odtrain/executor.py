@@ -49,11 +49,7 @@ from . import jit, threads as thread_policy
 from .kernel_library import compiler_installed, kernel_name, library_folder_of, missing_kernel, unavailable
 from .jit.ahead import compile_ahead
 from .jit.cache import discard_stale
-from .graph.optimizers import AdamW, SGDMomentum
-from .kernels.optim import (CODE_MAPS, CODE_TABLES, adamw8_update, adamw_update, add_into, assert_finite, copy_into,
-                            dequantize_blocks, quantize_blocks, sgd_momentum_update, sgd_update)
-from .kernels.parts import split
-from .state import ABSMAX
+from .kernels.optim import add_into, assert_finite, copy_into
 
 
 def scratch_bytes(node: Node, types: dict[str, TensorType], threads: int = 1) -> int:
@@ -96,7 +92,7 @@ class ExecutableStep:
     that many parts, with their scratch sized for it, and a run uses that many of Numba's threads.
     """
 
-    def __init__(self, graph: Graph, feed_types: dict[str, TensorType], external: dict[str, np.ndarray],
+    def __init__(self, graph: Graph, *, feed_types: dict[str, TensorType], external: dict[str, np.ndarray],
                  gradient_sinks: dict[str, np.ndarray] | None = None, accumulate: bool = False,
                  check_finite: tuple[str, ...] = (), memory_budget: int | None = None,
                  fused_updates: dict | None = None, arena: SharedArena | None = None,
@@ -368,72 +364,3 @@ class SharedArena:
                 user.attach(self.buffer)
         self._users.add(bound)
         bound.attach(self.buffer)
-
-
-def apply_optimizer(config, weights: np.ndarray, grads: np.ndarray, moments: dict[str, np.ndarray],
-                    learning_rate: float, step: int, threads: int = 1, blocks: np.ndarray | None = None,
-                    library=None) -> None:
-    """One fused update of the trainable block by the optimizer model's node (AdamW, SGD or SGDMomentum),
-    on parts of the block in parallel at `threads` threads when the block is large enough; through the
-    kernel `library` when it holds the update. 8-bit AdamW moments are quantized in `blocks` (boundaries
-    within `weights`, odtrain/state.py)."""
-    call, parts = _optimizer_calls(config, weights, grads, moments, learning_rate, step, threads, blocks)
-    with thread_policy.running(threads) if parts is not call else contextlib.nullcontext(1) as running:
-        invoke(*parts, threads=running, library=library)
-
-
-def require_optimizer_kernels(config, weights: np.ndarray, grads: np.ndarray, moments: dict[str, np.ndarray],
-                              threads: int, blocks: np.ndarray | None, library, artifact_folder) -> None:
-    """Where Numba is not installed, raise KernelsUnavailableError, in the one line of a step's missing kernel,
-    when `library` lacks the call apply_optimizer would make on these arrays at `threads` threads: said before
-    a training step computes gradients the update could not apply. Without a library the step's bind says so."""
-    if library is None or compiler_installed():
-        return
-    _, (kernel, args) = _optimizer_calls(config, weights, grads, moments, 0.0, 1, threads, blocks)
-    if library.address(kernel, args) is None:
-        raise KernelsUnavailableError(missing_kernel("the optimizer's update", kernel, args, library,
-                                                     artifact_folder))
-
-
-def _optimizer_calls(config, weights, grads, moments, learning_rate, step, threads, blocks) -> tuple:
-    """(the serial update's call, the call that runs at `threads`: itself, or its twin's on parts)."""
-    quantized = isinstance(config, AdamW) and config.state_dtype == "int8"
-    if quantized:
-        call = (adamw8_update, (weights, grads, moments["momentum0"], moments["momentum1"],
-                                moments["momentum0" + ABSMAX], moments["momentum1" + ABSMAX], CODE_MAPS, CODE_TABLES,
-                                blocks, float(learning_rate), float(config.betas[0]), float(config.betas[1]),
-                                float(config.eps), float(config.weight_decay), float(step),
-                                bool(config.bias_correction)))
-    elif isinstance(config, AdamW):
-        call = (adamw_update, (weights, grads, moments["momentum0"], moments["momentum1"], float(learning_rate),
-                               float(config.betas[0]), float(config.betas[1]), float(config.eps),
-                               float(config.weight_decay), float(step), bool(config.bias_correction)))
-    elif isinstance(config, SGDMomentum):
-        call = (sgd_momentum_update, (weights, grads, moments["momentum_buffer"], float(learning_rate),
-                                      float(config.momentum), float(config.dampening), float(config.weight_decay),
-                                      bool(config.nesterov), step == 1))
-    else:
-        call = (sgd_update, (weights, grads, float(learning_rate)))
-    # in parts of the 8-bit moments' blocks, or of the elements
-    return call, split(call, blocks.size - 1 if quantized else weights.size, weights.size, threads)
-
-
-def int8_moments(blocks: np.ndarray, names, values: dict | None = None) -> dict[str, np.ndarray]:
-    """8-bit moments `names` over the trainable block cut at `blocks` (odtrain/state.py; the signed map for the
-    first, the unsigned one for the others), quantized from float `values` (trainable layout) or zero."""
-    moments = {}
-    for index, name in enumerate(names):
-        codes, absmax = np.zeros(blocks[-1], np.uint8), np.zeros(blocks.size - 1, np.float32)
-        source = values[name] if values is not None else np.zeros(blocks[-1], np.float32)
-        quantize_blocks(source, blocks, CODE_TABLES[min(index, 1)], codes, absmax)
-        moments[name], moments[name + ABSMAX] = codes, absmax
-    return moments
-
-
-def float_moments(blocks: np.ndarray, moments: dict, names) -> dict[str, np.ndarray]:
-    """The float32 values of 8-bit moments `names`."""
-    values = {}
-    for index, name in enumerate(names):
-        values[name] = np.zeros(blocks[-1], np.float32)
-        dequantize_blocks(moments[name], moments[name + ABSMAX], blocks, CODE_MAPS[min(index, 1)], values[name])
-    return values

@@ -84,7 +84,7 @@ class InferenceSession:
         if bound is None:
             types = {n: TensorType(a.dtype, a.shape) for n, a in feeds.items()}
             values = {n: np.array(a) for n, a in feeds.items() if n in self._configuring}  # a copy: the plan keeps it
-            bound = self._plans[signature] = ExecutableStep(graph, types, {}, bound_feeds=values, threads=threads,
+            bound = self._plans[signature] = ExecutableStep(graph, feed_types=types, external={}, bound_feeds=values, threads=threads,
                                                                 library=self._library, artifact_folder=self._folder)
             if len(self._plans) > PLAN_CACHE_SIZE:
                 self._plans.popitem(last=False)

@@ -104,7 +104,7 @@ def gemm_peak(threads: int, clock: str = "wall", library=None) -> float:
         graph = Graph([Node("MatMul", ["a", "b"], ["y"], name="peak")], ["a", "b"], ["y"],
                       value_types={"a": square, "b": square, "y": square})
         # operands held outside the arena: a run is the product alone
-        product = ExecutableStep(graph, {}, operands, threads=threads, library=library)
+        product = ExecutableStep(graph, feed_types={}, external=operands, threads=threads, library=library)
         product.run([])  # the kernel loaded, the threads started
         best = float("inf")
         for _ in range(PEAK_REPEATS):

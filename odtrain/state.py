@@ -16,9 +16,13 @@ Invariants:
 - 8-bit AdamW moments (`state_dtype="int8"`) are one uint8 code per value in the trainable layout and one
   float32 absmax per block: each parameter is cut into blocks of STATE_BLOCK values (its last one shorter),
   in trainable order (`moment_blocks`), so a parameter's moments are one slice of each buffer.
+- The state is always that of whole steps: a step and an update run inside `deferred_interrupt()`.
 """
 from __future__ import annotations
 
+import signal
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -212,3 +216,23 @@ class PropertyBag:
 
     def __repr__(self) -> str:
         return f"PropertyBag({self._values!r})"
+
+
+# Ctrl-C during a training step completes the step, then interrupts. A step writes gradients, parameters and
+# moments in several kernel calls; stopping between two of them would leave the state half updated. Inside
+# `deferred_interrupt()` a SIGINT is remembered and raised as KeyboardInterrupt when the block ends, so the
+# state is always that of a whole step. Outside the main thread (where handlers cannot be installed) it does
+# nothing.
+@contextmanager
+def deferred_interrupt():
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        raise KeyboardInterrupt

@@ -237,7 +237,7 @@ ONE_STEP = textwrap.dedent("""
     from odtrain.graph.ir import Graph, Node, TensorType
     square = TensorType(np.dtype(np.float32), (4, 4))
     graph = Graph([Node("Relu", ["a"], ["y"], name="relu")], ["a"], ["y"], value_types={"a": square, "y": square})
-    step = ExecutableStep(graph, {"a": square}, {})
+    step = ExecutableStep(graph, feed_types={"a": square}, external={})
     step.run([np.full((4, 4), -1.0, np.float32)])
     assert not step.output("y").any()
     print(json.dumps({"stats": cache.kernel_stats(), "cache_dir": cache.cache_dir()}))

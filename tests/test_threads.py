@@ -215,7 +215,7 @@ def test_the_default_is_the_cores_this_process_may_use(monkeypatch):
 
 @pytest.mark.parametrize("kind", ["adamw", "sgd", "sgd_momentum_nesterov"])
 def test_parallel_optimizer_updates_are_the_serial_ones(kind, split_everything):
-    from odtrain.executor import apply_optimizer
+    from odtrain.optimizer_update import apply_update
     from odtrain.graph.optimizers import SGD, AdamW, SGDMomentum
 
     config = {"adamw": AdamW(weight_decay=0.01), "sgd": SGD(),
@@ -226,7 +226,7 @@ def test_parallel_optimizer_updates_are_the_serial_ones(kind, split_everything):
         weights, grads = same.standard_normal((2, 1001), np.float32)
         moments = {name: same.uniform(0, 1, 1001).astype(np.float32) for name in config.state_names}
         for step in (1, 2):
-            apply_optimizer(config, weights, grads, moments, 1e-2, step, threads)
+            apply_update(config, weights, grads, moments, 1e-2, step, threads)
         runs.append((weights, *moments.values()))
     for other in runs[1:]:
         assert all(np.array_equal(a, b) for a, b in zip(runs[0], other))

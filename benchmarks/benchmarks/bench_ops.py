@@ -125,7 +125,7 @@ def bind_alone(label: str, threads: int = 1):
     outputs = [o for o in node.outputs if o]  # the first is the graph's output; state updates never are
     types = {name: bound.types[name] for name in list(held) + list(constants) + outputs}
     graph = Graph([node], list(held), outputs[:1], constants, types, name=label)
-    return ExecutableStep(graph, {}, held, threads=threads)
+    return ExecutableStep(graph, feed_types={}, external=held, threads=threads)
 
 
 class _OpBenchmark:
@@ -178,7 +178,7 @@ class OptimizerOps:
     def setup(self, model, threads):
         import dataclasses
 
-        from odtrain.executor import apply_optimizer, int8_moments
+        from odtrain.optimizer_update import apply_update, int8_moments
         from odtrain.graph.optimizers import STATE_BLOCK
         from odtrain.state import moment_blocks
 
@@ -192,7 +192,7 @@ class OptimizerOps:
         blocks = moment_blocks(sizes, STATE_BLOCK)[0]
         if self.state_dtype == "int8":
             moments = int8_moments(blocks, config.state_names)
-        self.update = functools.partial(apply_optimizer, config, weights, grads, moments, 1e-3, 1, threads=threads,
+        self.update = functools.partial(apply_update, config, weights, grads, moments, 1e-3, 1, threads=threads,
                                         blocks=blocks)
         self.update()
 
@@ -251,7 +251,7 @@ def _warm_node_step(node, held: dict, types: dict, threads: int):
     from odtrain.executor import ExecutableStep
     from odtrain.graph.ir import Graph
 
-    bound = ExecutableStep(Graph([node], list(held), node.outputs[:1], {}, types, name=node.name), {}, held,
+    bound = ExecutableStep(Graph([node], list(held), node.outputs[:1], {}, types, name=node.name), feed_types={}, external=held,
                            threads=threads)
     for _ in range(2):
         bound.run([])
@@ -359,7 +359,7 @@ class DecoderLayoutOps:
         types = {name: TensorType(v.dtype, v.shape) for name, v in {**held, **constants}.items()}
         types.update({name: TensorType(np.dtype(np.float32), shape) for name, shape in zip(names, outputs)})
         node = Node(op_type, [f"in{i}" for i in range(len(inputs))], names, dict(attrs), op, domain)
-        self.bound = ExecutableStep(Graph([node], list(held), names[:1], constants, types, name=op), {}, held,
+        self.bound = ExecutableStep(Graph([node], list(held), names[:1], constants, types, name=op), feed_types={}, external=held,
                                     threads=threads)
         unread = {f"in{i}" for i in OPS[(domain, op_type)].shape_only}
         self.bytes = sum(v.nbytes for k, v in held.items() if k not in unread) + \

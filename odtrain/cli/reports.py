@@ -88,14 +88,14 @@ def _memory(args) -> int:
     if args.batch_size < 1:
         raise ArgumentError(f"--batch-size must be a positive integer, got {args.batch_size}")
     if args.plot:
-        from ..memory_plot import require_matplotlib
+        from ..memory import require_matplotlib
 
         require_matplotlib()  # before the plans are bound
     result = memory.from_artifacts(args.artifacts, args.batch_size, args.budget, args.seq_len)
     budget = (f"memory budget {memory.format_bytes(args.budget)} ({args.budget:,} B)" if args.budget
               else "no memory budget")
     if args.plot:
-        from ..memory_plot import plot_timeline
+        from ..memory import plot_timeline
 
         folder = os.path.basename(os.path.normpath(args.artifacts))
         plot_timeline(result, args.plot, f"{folder}: training step at batch size {args.batch_size}, {budget}")
