@@ -58,14 +58,79 @@ def test_graph_never_imports_kernels_or_odtrain():
 
 
 def test_only_the_executor_joins_graph_nodes_to_kernels():
-    users = {(path.name, module) for path, module in imported_modules("odtrain", "odtrain")
+    users = {(str(path.relative_to(ROOT / "odtrain")), module) for path, module in imported_modules("odtrain", "odtrain")
              if module.startswith("odtrain.kernels")}
-    # besides the executor: the runtime loads the compiler for the kernels, the kernel library hands its
-    # code numpy's BLAS and keeps the compiler unloaded, its build reads the table of parallel twins; none
-    # sees a node
-    others = {("runtime.py", "odtrain.kernels.jit"), ("kernel_library.py", "odtrain.kernels.blas_library"),
-              ("kernel_library.py", "odtrain.kernels.jit"), ("kernel_build.py", "odtrain.kernels.parts")}
-    assert {name for name, _ in users - others} <= {"executor.py"}, users
+    # besides the executor and the optimizer's update (the two that call kernels): the JIT loads the compiler
+    # for the kernels, the kernel library hands its code numpy's BLAS and keeps the compiler unloaded, its
+    # build reads the table of parallel twins and records split calls; none sees a node
+    others = {("jit/__init__.py", "odtrain.kernels.jit"), ("kernel_library/__init__.py", "odtrain.kernels.blas_library"),
+              ("kernel_library/__init__.py", "odtrain.kernels.jit"), ("library_build/link.py", "odtrain.kernels.parts"),
+              ("library_build/record.py", "odtrain.kernels.parts")}
+    assert {name for name, _ in users - others} <= {"executor.py", "optimizer_update.py"}, users
+
+
+def odtrain_imports(folder: str) -> set[tuple[str, str]]:
+    """(file under odtrain/, odtrain module it imports) for every file of odtrain/`folder` (a package, or a file)."""
+    found = set()
+    for path, module in imported_modules("odtrain", "odtrain"):
+        name = str(path.relative_to(ROOT / "odtrain"))
+        if (name == folder or name.startswith(folder + "/")) and module.startswith("odtrain."):
+            found.add((name, module))
+    return found
+
+
+def test_the_device_side_kernel_library_sits_under_the_executor():
+    """A device loads a kernel library with numpy and ctypes: the loader reaches nothing above the executor's
+    floor (no API, no build tool, no JIT warmup or compile-ahead), and imports no compiler at module level."""
+    above = ("odtrain.api", "odtrain.executor", "odtrain.library_build", "odtrain.cli", "odtrain.trial_steps",
+             "odtrain.jit.warmup", "odtrain.jit.ahead", "odtrain.training", "odtrain.artifacts")
+    reached = sorted((name, module) for name, module in odtrain_imports("kernel_library") if module.startswith(above))
+    assert not reached, reached
+    for path in (ROOT / "odtrain" / "kernel_library").glob("*.py"):
+        for statement in ast.parse(path.read_text()).body:
+            if isinstance(statement, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in statement.names] if isinstance(statement, ast.Import) else [statement.module]
+                assert not any((n or "").split(".")[0] in ("numba", "llvmlite", "scipy", "onnx") for n in names), \
+                    (path.name, statement.lineno)
+
+
+def test_the_build_tool_sits_above_the_api_and_only_the_command_line_reaches_it():
+    """`odtrain compile` records steps through the API: its package may import it; below it, nothing imports
+    the build (the device side never loads the build tool)."""
+    assert ("library_build/record.py", "odtrain.api") in odtrain_imports("library_build")
+    users = {name for path, module in imported_modules("odtrain", "odtrain") if module.startswith("odtrain.library_build")
+             for name in [str(path.relative_to(ROOT / "odtrain"))]}
+    assert {name for name in users if not name.startswith(("library_build/", "cli/"))} == set(), users
+
+
+def test_the_jit_cache_imports_no_api():
+    """The JIT's cache folder, its stale-source check, the compile-ahead note and its BLAS serve the executor:
+    none of them reaches up to the API, the artifacts or a tool (warmup, above the API, is the one exception)."""
+    above = ("odtrain.api", "odtrain.executor", "odtrain.artifacts", "odtrain.training", "odtrain.trial_steps",
+             "odtrain.library_build", "odtrain.cli", "odtrain.inference")
+    for name, module in odtrain_imports("jit"):
+        if name != "jit/warmup.py":
+            assert not module.startswith(above), (name, module)
+
+
+def test_import_odtrain_imports_nothing_tool_level():
+    """`import odtrain` chooses the JIT's cache folder and defines the errors; no tool, no numpy."""
+    import subprocess
+    import sys
+
+    code = "import sys, odtrain; print(sorted(m for m in sys.modules if m.startswith(('odtrain', 'numpy'))))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    assert eval(loaded) == ["odtrain", "odtrain.graph", "odtrain.graph.errors", "odtrain.jit", "odtrain.jit.cache"]
+
+
+def test_no_module_of_a_package_imports_its_own_package():
+    """A package's __init__ may import its modules (to gather or register them); a module importing its own
+    package's __init__ would be an arrow running back up."""
+    graph = module_imports()
+    packages = {name for name in graph if any(other.startswith(name + ".") for other in graph)}
+    upward = sorted((module, package) for module, imported in graph.items() for package in imported & packages
+                    if module.startswith(package + ".") and module.rpartition(".")[0] == package)
+    assert not upward, upward
 
 
 PACKAGES = {"odtrain": "odtrain", "graph": "odtrain.graph", "kernels": "odtrain.kernels"}
@@ -90,8 +155,10 @@ def module_imports() -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom):
                 base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else [])) \
                     if node.level else node.module
-                found.add(base)
-                found.update(f"{base}.{alias.name}" for alias in node.names)  # `from . import module`
+                submodules = {f"{base}.{alias.name}" for alias in node.names} & set(paths)  # `from . import module`
+                found.update(submodules)
+                if len(submodules) < len(node.names):  # names defined in `base` itself
+                    found.add(base)
         graph[name] = {m for m in found if m in paths and m != name and not m.startswith(name + ".")}
     return graph
 
@@ -155,10 +222,10 @@ def test_no_module_reaches_into_the_sessions_or_parameter_store_of_the_api():
 FOREIGN_PRIVATE = {
     ("odtrain/threads.py", "_is_initialized"): "Numba's parallel module: whether its thread pool has started",
     ("benchmarks/decoders/make_models.py", "_attn_implementation"): "transformers' documented way to pick attention",
-    ("odtrain/kernel_build.py", "_getvalue"): "Numba's array structure as an LLVM value, what its own intrinsics return",
-    ("odtrain/kernel_build.py", "_cache"): "a dispatcher's cache, switched off so that every kernel's IR is at hand",
-    ("odtrain/kernel_build.py", "_get_host_cpu_name"): "the CPU Numba's JIT compiles for, so the library's code is the JIT's",
-    ("odtrain/kernel_build.py", "_tm_features"): "the CPU features Numba's JIT compiles with, recorded in the manifest",
+    ("odtrain/library_build/link.py", "_getvalue"): "Numba's array structure as an LLVM value, what its own intrinsics return",
+    ("odtrain/library_build/link.py", "_cache"): "a dispatcher's cache, switched off so that every kernel's IR is at hand",
+    ("odtrain/library_build/link.py", "_get_host_cpu_name"): "the CPU Numba's JIT compiles for, so the library's code is the JIT's",
+    ("odtrain/library_build/link.py", "_tm_features"): "the CPU features Numba's JIT compiles with, recorded in the manifest",
 }
 
 
