@@ -98,14 +98,14 @@ def test_a_missing_cross_compiler_says_what_to_install(monkeypatch, tmp_path):
 def test_a_library_for_cpu_features_the_device_lacks_is_refused_by_name(aarch64_object, monkeypatch):
     _, manifest = aarch64_object
     here = cpu.host_arch()
-    cpu = "cortex-a76" if here == "aarch64" else "x86-64-v3"
-    features = kernel_targets.cpu_features(here, cpu)
-    library = {**manifest, "triple": cpu.TARGETS[here], "cpu": cpu, "features": features}
+    named = "cortex-a76" if here == "aarch64" else "x86-64-v3"
+    features = kernel_targets.cpu_features(here, named)
+    library = {**manifest, "triple": cpu.TARGETS[here], "cpu": named, "features": features}
     monkeypatch.setattr("odtrain.kernel_library.cpu_flags", lambda arch=None: set(cpu.FLAGS[here].values()))
     assert refusal_of(library) == ""
     lacking = set(cpu.FLAGS[here].values()) - {cpu.FLAGS[here][features.split(",")[-1][1:]]}
     monkeypatch.setattr("odtrain.kernel_library.cpu_flags", lambda arch=None: lacking)
-    assert refusal_of(library) == f"built for {cpu}: CPU features {features.split(',')[-1][1:]}, which this CPU lacks"
+    assert refusal_of(library) == f"built for {named}: CPU features {features.split(',')[-1][1:]}, which this CPU lacks"
     # what a Raspberry Pi 4 says (no crypto extension): a cortex-a72 library loads
     pi4 = {"fp", "asimd", "evtstrm", "crc32", "cpuid"}
     assert cpu.missing_features("aarch64", kernel_targets.cpu_features("aarch64", "cortex-a72"), pi4) == []
