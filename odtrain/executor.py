@@ -16,7 +16,7 @@ outside the arena, the memory plan); the executor only lays out and binds:
   before, so each node draws its own masks, reproducibly, across plans and
   resumed runs.
 A step copies the feeds into their arena slots and runs the calls: no
-lookups, no allocation. With a kernel library (odtrain/kernel_library.py) the calls it holds run
+lookups, no allocation. With a kernel library (odtrain/kernel_library/) the calls it holds run
 in it, a run of them in one foreign call with their arguments packed once (`Program`); the others,
 and every call without a library, run through Numba's dispatchers. Graphs that never run at the same time (a
 Module's train and eval steps, at every input shape) share one arena
@@ -98,7 +98,7 @@ class ExecutableStep:
                  fused_updates: dict | None = None, arena: SharedArena | None = None,
                  bound_feeds: dict[str, np.ndarray] | None = None, threads: int = 1, library=None,
                  artifact_folder=None):
-        self.library = library  # a KernelLibrary (odtrain/kernel_library.py) whose kernels run the calls it holds
+        self.library = library  # a KernelLibrary (odtrain/kernel_library/) whose kernels run the calls it holds
         self.artifact_folder = artifact_folder  # where the library was looked for (named when kernels are missing)
         if library is None:
             if not compiler_installed():

@@ -9,7 +9,7 @@ values of the inputs that configure an op (axes, pads, target shapes, sizes, k
 fed as inputs: `graph.schedule.configuring_inputs`), which bind as constants,
 and the thread count. The last PLAN_CACHE_SIZE plans are kept.
 
-A model file whose folder holds a kernel library (`kernels/`, odtrain/kernel_library.py), or the one
+A model file whose folder holds a kernel library (`kernels/`, odtrain/kernel_library/), or the one
 ODTRAIN_KERNEL_LIBRARY names, runs its kernels there, as a Module of that folder does.
 """
 from __future__ import annotations

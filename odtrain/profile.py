@@ -22,7 +22,7 @@ How it measures:
 - Products: nodes for which `graph.cost.product_flops` counts operations (Conv, Gemm, MatMul,
   FusedMatMul and their gradients that are products). Their time includes what runs around BLAS in
   the same kernel (a convolution's im2col, a bias broadcast). GF/s = those operations over that time.
-- With a kernel library (odtrain/kernel_library.py; the device's route), the timed twin runs each call the
+- With a kernel library (odtrain/kernel_library/; the device's route), the timed twin runs each call the
   library holds as its own foreign call into it, the others as the JIT's kernels; the peak's product too.
 - Threads: the step runs at its module's thread count (`odtrain.threads`), the timed twin too (its
   calls were bound for that count and run on that many of Numba's threads); BLAS runs one thread

@@ -155,7 +155,7 @@ def configure() -> None:
 
 
 def configure_without_compiler() -> None:
-    """configure() for a process whose kernels run in the kernel library (odtrain/kernel_library.py): its
+    """configure() for a process whose kernels run in the kernel library (odtrain/kernel_library/): its
     OpenMP waits as Numba's omp layer would here (spin, then sleep), set before libgomp loads; the fork guard."""
     if not _openmp_loaded() and "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
         os.environ["GOMP_SPINCOUNT"] = str(SPIN_COUNT)

@@ -1,6 +1,6 @@
 """The JIT: Numba compiling odtrain's kernels in the training process, and what serves it.
 
-A process whose steps run in a kernel library (odtrain/kernel_library.py) never loads any of this
+A process whose steps run in a kernel library (odtrain/kernel_library/) never loads any of this
 but the cache folder's choice. The modules, from the bottom:
 
 - `cache`: where compiled kernels are kept (chosen when `odtrain` is imported, before Numba loads),

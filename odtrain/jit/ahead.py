@@ -1,6 +1,6 @@
 """Compiling a bound step's Numba kernels before its first run, and saying so when they really compile.
 
-Without a kernel library (odtrain/kernel_library.py) every call of a step runs a Numba dispatcher, which
+Without a kernel library (odtrain/kernel_library/) every call of a step runs a Numba dispatcher, which
 compiles its kernel at the first call, or loads it from the cache (odtrain/jit/cache.py). `compile_ahead` does
 that at bind time instead, so that a note can come first: a cold cache holds a step for seconds to
 minutes, and the user is told why and what does it ahead. Cache loads say nothing.

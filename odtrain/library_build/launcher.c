@@ -1,4 +1,4 @@
-/* What odtrain's kernel library links besides its kernels (odtrain/kernel_build.py).
+/* What odtrain's kernel library links besides its kernels (odtrain/library_build/link.py).
 
 The kernels are Numba code emitted into one object. Numba's JIT hands that code the addresses of its
 parallel launcher and scheduler, of a few runtime and GIL helpers and of the BLAS products; a shared

@@ -16,7 +16,7 @@ built on an x86_64 desktop) or a baseline x86-64 level. For each (kernel, signat
    Both routes give the JIT's bits on x86_64 (the twin tests of the reference MLP and CNN), but the second
    ran the CNN's steps ~4% slower than Numba's own optimisation: this machine's library keeps the first.
 The module is emitted as one position-independent object for the target CPU and linked with
-odtrain/kernel_launcher.c (the parallel launcher on OpenMP, the runner, the helpers Numba's code calls)
+launcher.c (the parallel launcher on OpenMP, the runner, the helpers Numba's code calls)
 by the target's C compiler (`cc`; for aarch64 `aarch64-linux-gnu-gcc` or ODTRAIN_CROSS_CC) with
 `-shared -Wl,-z,defs`: a symbol nobody defines fails the build. References to CPython and Numba's error
 reporting, reached only when a kernel raises past the wrapper's `except` (never), are bound to stubs
@@ -29,7 +29,7 @@ a cross build's process has NUMBA_OPT=0 (read when Numba is imported) and its ow
 Numba internals this relies on (tests/test_kernel_library.py compares every kernel with its JIT twin):
 `CFunc.inspect_llvm()` holding the wrapper and every callee, `CFunc.native_name`, the array data model
 and `numba.np.arrayobj.populate_array`, the names and signatures of the parallel launcher's symbols
-(kernel_launcher.c), the codegen's `_get_host_cpu_name`/`_tm_features`; for a cross build, that IR at
+(launcher.c), the codegen's `_get_host_cpu_name`/`_tm_features`; for a cross build, that IR at
 NUMBA_OPT=0 carries no host-only intrinsics (tests/test_kernel_targets.py emits an aarch64 object).
 """
 from __future__ import annotations
@@ -54,7 +54,7 @@ from .targets import (NoCompiler, c_compiler, cpu_features, optimise, optimise_f
 # Numba's helpers that only raise or report an exception: past the wrapper's `except`, never reached
 ERROR_PATH = {"numba_do_raise", "numba_unpickle", "numba_runtime_build_excinfo_struct", "numba_fatal_error"}
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launcher.c")
-# what kernel_launcher.c defines for the kernels' code
+# what launcher.c defines for the kernels' code
 LAUNCHER_SYMBOLS = {"odtrain_cblas_sgemm", "odtrain_cblas_dgemm", "numba_parallel_for", "get_num_threads",
                     "get_thread_id", "set_num_threads", "get_parallel_chunksize", "set_parallel_chunksize",
                     "get_sched_size", "allocate_sched", "deallocate_sched", "do_scheduling_signed",
