@@ -39,15 +39,21 @@ def zero_inputs(module, batch_size: int, input_shapes: dict | None = None, seque
     return feeds
 
 
-def run_steps(directory: str, batch_size: int, input_shapes: dict, sequence_length=None) -> tuple[list[str], dict]:
+def run_steps(directory: str, batch_size: int, input_shapes: dict, sequence_length=None,
+              inference_output: str | None = None) -> tuple[list[str], dict]:
     """Load the artifacts in `directory` and run each step they have once on zero-valued inputs (zero_inputs):
-    a training step writing gradients and one accumulating them, an optimizer step, an eval step. Nothing is
-    written to the artifacts. Returns the steps run and the inputs' shapes by name."""
+    a training step writing gradients and one accumulating them, an optimizer step, an eval step; with
+    `inference_output`, also the inference model exported with that output, run once by InferenceSession (in
+    a temporary folder). Nothing is written to the artifacts. Returns the steps run and the inputs' shapes by name."""
+    import os
+    import tempfile
+
     import numpy as np
 
     from .api import CheckpointState, Module, Optimizer
     from .artifact_paths import ArtifactPaths
     from .executor import assert_finite, invoke
+    from .inference import InferenceSession
 
     paths = ArtifactPaths.of(directory)
     state = CheckpointState.load_checkpoint(paths.checkpoint)
@@ -68,6 +74,15 @@ def run_steps(directory: str, batch_size: int, input_shapes: dict, sequence_leng
         module(*zero_inputs(module, batch_size, input_shapes, sequence_length))
         module.train()
         steps.append("eval")
+    if inference_output is not None:
+        with tempfile.TemporaryDirectory(prefix="odtrain-inference-") as scratch:
+            path = os.path.join(scratch, "inference.onnx")
+            module.export_model_for_inferencing(path, [inference_output])
+            session = InferenceSession(path)
+            inputs = dict(zip(module.eval().input_names(), zero_inputs(module, batch_size, input_shapes, sequence_length)))
+            module.train()
+            session.run([inference_output], {i.name: inputs[i.name] for i in session.get_inputs()})
+        steps.append("inference")
     first = loss[0] if isinstance(loss, (list, tuple)) else loss
     first = np.asarray(first)
     if first.dtype.kind == "f":  # the check of Module(check_finite=True)

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
 
-from ..artifact_paths import ArtifactPaths
 from ..kernel_library import LIBRARY_ENV, kernel_name, signature_of
-from ..trial_steps import run_steps, zero_inputs
+from ..trial_steps import run_steps
 
 
 def recorded_shapes(batch_size: int, sequence_length: int | None) -> list[tuple[int, int | None]]:
@@ -48,14 +46,12 @@ def recorded_entries(artifact_dir, batch_size: int = 32, thread_counts=None, inp
     previous = os.environ.get(LIBRARY_ENV)
     os.environ[LIBRARY_ENV] = "off"  # the calls are the same with a library: record them without one
     try:
-        with record_calls() as calls, silenced(), tempfile.TemporaryDirectory(prefix="odtrain-compile-") as scratch:
+        with record_calls() as calls, silenced():
             for count in counts:
                 for split_all in ((False, True) if count > 1 else (False,)):
                     with threads.process_default(count), every_split() if split_all else contextlib.nullcontext():
                         for batch, length in shapes:
-                            run_steps(os.fspath(artifact_dir), batch, input_shapes or {}, length)
-                            if inference_output is not None:
-                                _run_inference(os.fspath(artifact_dir), inference_output, batch, scratch)
+                            run_steps(os.fspath(artifact_dir), batch, input_shapes or {}, length, inference_output)
     finally:
         if previous is None:
             del os.environ[LIBRARY_ENV]
@@ -63,17 +59,3 @@ def recorded_entries(artifact_dir, batch_size: int = 32, thread_counts=None, inp
             os.environ[LIBRARY_ENV] = previous
     entries = {(kernel_name(kernel), signature_of(args)) for kernel, args in calls}
     return sorted((name, signature) for name, signature in entries if name and signature is not None)
-
-
-def _run_inference(folder: str, output: str, batch_size: int, scratch: str) -> None:
-    """Export the artifacts' model with `output` into `scratch` and run it once on zeros with InferenceSession."""
-    from ..api import CheckpointState, Module
-    from ..inference import InferenceSession
-
-    paths = ArtifactPaths.of(folder)
-    module = Module(paths.training_model, CheckpointState.load_checkpoint(paths.checkpoint), paths.eval_model)
-    path = os.path.join(scratch, "inference.onnx")
-    module.export_model_for_inferencing(path, [output])
-    session = InferenceSession(path)
-    feeds = dict(zip(module.eval().input_names(), zero_inputs(module, batch_size)))
-    session.run([output], {i.name: feeds[i.name] for i in session.get_inputs()})
