@@ -23,7 +23,7 @@ import time
 import numpy as np
 from numba import njit
 
-from odtrain import runtime
+from odtrain import jit
 from odtrain.kernels.quantize import DEQUANTIZE, affine_call
 
 # (output channels M, input channels K, cells per image) of MobileNetV2's pointwise convolutions at 224x224
@@ -64,7 +64,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeat", type=int, default=7)
     args = parser.parse_args()
-    runtime.load()
+    jit.load()
     rng = np.random.default_rng(0)
     scale, zero = np.array(0.01, np.float32), np.array(0, np.int8)
     totals = {"float": 0.0, "integer": 0.0, "activation DQ": 0.0}

@@ -43,7 +43,7 @@ def main() -> int:
     np = timed("import numpy", lambda: __import__("numpy"))
     timed("import numba", lambda: __import__("numba"))
     timed("import odtrain.api", lambda: __import__("odtrain.api"))
-    from odtrain import demo, jit as runtime, trial_steps
+    from odtrain import demo, jit, trial_steps
     from odtrain.jit import cache
     from odtrain.api import CheckpointState, Module, Optimizer
     from odtrain.artifact_paths import ArtifactPaths
@@ -64,7 +64,7 @@ def main() -> int:
         module = Module(paths.training_model, state, paths.eval_model)
         return module, Optimizer(paths.optimizer_model, module)
 
-    timed("runtime: BLAS table, Numba's set-up", runtime.load)
+    timed("runtime: BLAS table, Numba's set-up", jit.load)
     module, optimizer = timed("CheckpointState + Module + Optimizer", open_session)
     feeds = trial_steps.zero_inputs(module, args.batch_size)
     timed("import kernels", lambda: cache.kernel_dispatchers())

@@ -14,10 +14,10 @@ class QuantizeKernels:
     param_names = ["op"]
 
     def setup(self, op):
-        from odtrain import runtime
+        from odtrain import jit
         from odtrain.kernels import BINDINGS, ODTRAIN_DOMAIN
 
-        runtime.load()
+        jit.load()
         rng = np.random.default_rng(common.SEED)
         x = rng.standard_normal(SHAPE).astype(np.float32)
         scale, zero = np.array(0.02, np.float32), np.array(128, np.uint8)
