@@ -57,7 +57,6 @@ import sys
 import threading
 import time
 
-from .jit.blas import set_blas_threads
 from .graph.errors import ArgumentError
 
 ENVIRONMENT = "ODTRAIN_NUM_THREADS"
@@ -134,12 +133,12 @@ def process_default(count, what: str = "--threads"):
 
 
 def configure() -> None:
-    """Once per process, before the first step: BLAS on one thread, Numba's threading layer (OpenMP with
-    passive waiting, see the module docstring) unless the user chose one, and the fork guard."""
+    """Once per process, before the first JIT step (odtrain.jit.load, which also sets the JIT's BLAS to one
+    thread): Numba's threading layer (OpenMP with passive waiting, see the module docstring) unless the user
+    chose one, and the fork guard."""
     global _configured
     if _configured:
         return
-    set_blas_threads(1)
     from numba import config
 
     if "NUMBA_THREADING_LAYER" not in os.environ and config.THREADING_LAYER == "default":

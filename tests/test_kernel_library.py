@@ -19,7 +19,8 @@ from odtrain.api import CheckpointState, Module, Optimizer
 from odtrain.executor import Program, record_calls
 from odtrain.graph.errors import InputError
 from odtrain.library_build import compile_artifacts
-from odtrain.kernel_library import FALLBACK_MESSAGE, KernelLibrary, kernel_name, pack, refusal_of, signature_of
+from odtrain.jit.ahead import FALLBACK_MESSAGE
+from odtrain.kernel_library import KernelLibrary, kernel_name, pack, refusal_of, signature_of
 from odtrain.progress import Progress, announce
 
 

@@ -7,7 +7,7 @@ import json
 
 from ..graph.errors import ArgumentError
 from ..federated.demo import ENGINES
-from ..jit.warmup import DEFAULT_WARMUP_BATCH
+from ..trial_steps import DEFAULT_WARMUP_BATCH
 from ..kernel_library.cpu import TARGETS
 from ..library_build.targets import CPUS
 from .options import Command, add_shape_arguments, input_shapes
@@ -26,7 +26,7 @@ def _demo(args) -> int:
 def _warmup(args) -> int:
     import json
 
-    from ..jit.warmup import warmup
+    from ..trial_steps import warmup
 
     result = warmup(args.artifact_dir, args.batch_size, input_shapes(args.input_shape), out=(lambda line: None) if args.json else print,
                     sequence_length=args.seq_len)

@@ -6,8 +6,10 @@ but the cache folder's choice. The modules, from the bottom:
 - `cache`: where compiled kernels are kept (chosen when `odtrain` is imported, before Numba loads),
   and the removal of cached kernels compiled from other kernel sources than the installed ones;
 - `blas`: the BLAS that Numba's products call (scipy's OpenBLAS, loaded lean) and its thread count;
-- `ahead`: compiling a bound step's kernels before its first run, with a note when they really compile;
-- `warmup`: the `odtrain warmup` tool, which fills the cache for a set of artifacts (above the API).
+- `ahead`: compiling a bound step's kernels before its first run, with a note when they really compile.
+
+The `odtrain warmup` tool, which fills the cache for a set of artifacts, runs steps through the API:
+it is odtrain/trial_steps.py, above the API.
 
 `load()` below is the compute runtime of a process: Numba's CPU target and the BLAS its matrix
 products call, the floor under every JIT session. It runs once per process, before the first plan
@@ -27,18 +29,19 @@ _loaded = False
 
 
 def load() -> None:
-    """Load the runtime now (idempotent): BLAS, the threads, Numba's CPU target."""
+    """Load the runtime now (idempotent): BLAS on one thread, Numba's threading layer, its CPU target."""
     global _loaded
     if _loaded:
         return
     from ..kernels.jit import load as load_compiler
     from ..threads import configure as configure_threads
-    from .blas import load_blas
+    from .blas import load_blas, set_blas_threads
 
     try:
         load_blas()  # the one extension module of scipy.linalg that Numba's products need (jit/blas.py)
     except ImportError:  # no scipy: Numba says so at the first matrix product, the only thing that needs it
         pass
+    set_blas_threads(1)  # a step's parallel parts each call BLAS: one thread inside, so threads never multiply
     configure_threads()
     load_compiler()  # the kernel modules get Numba's dispatchers in place of their placeholders
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 
 _silenced = False  # within silenced(): the note is not said
+FALLBACK_MESSAGE = "compiling {count} kernels for this model (once; `odtrain compile` or `odtrain warmup` does it ahead)"
 
 
 @contextlib.contextmanager
@@ -28,7 +29,7 @@ def compile_ahead(calls) -> None:
     """Compile, or load from the cache, the Numba kernels of a bound step's (kernel, args) calls now, before
     the step first runs. When one of them really compiles (a cache miss: Numba's "numba:compile" event), say
     once, on stderr and in the progress line drawn now, how many kernels this model may still compile
-    (odtrain.kernel_library.FALLBACK_MESSAGE; the count is of the kernels not compiled yet in this process,
+    (FALLBACK_MESSAGE; the count is of the kernels not compiled yet in this process,
     from the first that missed the cache on). A kernel that fails to compile here is left for its call to
     report, naming its node, as it would without this."""
     from numba import typeof
@@ -59,7 +60,6 @@ def compile_ahead(calls) -> None:
 
 def _first_compile_listener():
     from numba.core import event
-    from ..kernel_library import FALLBACK_MESSAGE
     from ..progress import announce
 
     class FirstCompile(event.Listener):

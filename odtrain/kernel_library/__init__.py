@@ -51,7 +51,6 @@ LIBRARY_FILE = "libodtrain_kernels.so"
 MANIFEST_FILE = "manifest.json"
 FOLDER = "kernels"  # the library's folder inside an artifact folder
 LIBRARY_ENV = "ODTRAIN_KERNEL_LIBRARY"  # a library folder to use when the artifact folder has none; "off": none
-FALLBACK_MESSAGE = "compiling {count} kernels for this model (once; `odtrain compile` or `odtrain warmup` does it ahead)"
 _SCALARS = {bool: "bool", int: "int64", float: "float64"}
 _PREPARED_CALLS = 256  # calls outside bound steps a library keeps packed
 
@@ -288,6 +287,7 @@ _reported: set = set()
 def report_missing(calls) -> None:
     """Say once, on stderr and in the progress bar drawn now (odtrain.progress.announce), how many kernels of
     these calls (which a library lacks) compile through Numba."""
+    from ..jit.ahead import FALLBACK_MESSAGE
     from ..progress import announce
 
     new = {(kernel_name(k) or repr(k), signature_of(a)) for k, a in calls if hasattr(k, "py_func")} - _reported
