@@ -12,7 +12,7 @@ import struct
 import pytest
 
 from odtrain.kernel_library import cpu
-from odtrain.library_build import link as kernel_build, targets as kernel_targets
+from odtrain.library_build import link, targets
 from odtrain.graph.errors import ArgumentError
 from odtrain.kernel_library import refusal_of
 
@@ -50,7 +50,7 @@ def elf_symbols(data: bytes):
 @pytest.fixture(scope="module")
 def aarch64_object(tmp_path_factory):
     folder = tmp_path_factory.mktemp("aarch64")
-    manifest = kernel_build.build(ENTRIES, folder, out=lambda line: None, target="aarch64", object_only=True)
+    manifest = link.build(ENTRIES, folder, out=lambda line: None, target="aarch64", object_only=True)
     return folder, manifest
 
 
@@ -58,14 +58,14 @@ def test_an_aarch64_object_needs_only_the_launcher_the_error_path_and_the_c_libr
     folder, manifest = aarch64_object
     assert manifest["triple"] == "aarch64-unknown-linux-gnu" and manifest["cpu"] == "cortex-a72"
     assert not manifest["skipped"]
-    kind, machine, symbols = elf_symbols((folder / kernel_build.OBJECT_FILE).read_bytes())
+    kind, machine, symbols = elf_symbols((folder / link.OBJECT_FILE).read_bytes())
     assert (kind, machine) == (ET_REL, EM_AARCH64)
     exported = {name for name, (defined, visible) in symbols.items() if defined and visible}
     assert exported == {e["symbol"] for e in manifest["entries"]}  # the wrappers only; the rest is internal
     undefined = {name for name, (defined, _) in symbols.items() if not defined}
     c_library = ctypes.CDLL(None), ctypes.CDLL(ctypes.util.find_library("m"))
     stubs = set(manifest["stubs"]["functions"]) | set(manifest["stubs"]["data"])
-    unexpected = {n for n in undefined - kernel_build.LAUNCHER_SYMBOLS - stubs
+    unexpected = {n for n in undefined - link.LAUNCHER_SYMBOLS - stubs
                   if not any(hasattr(library, n) for library in c_library)}
     assert not unexpected, unexpected
     assert {"numba_parallel_for", "odtrain_cblas_sgemm"} <= undefined  # the parallel kernel, the product
@@ -74,32 +74,32 @@ def test_an_aarch64_object_needs_only_the_launcher_the_error_path_and_the_c_libr
 def test_the_aarch64_object_links_with_a_cross_compiler(aarch64_object, tmp_path):
     folder, manifest = aarch64_object
     try:
-        compiler = kernel_targets.c_compiler("aarch64")
-    except kernel_targets.NoCompiler as missing:
+        compiler = targets.c_compiler("aarch64")
+    except targets.NoCompiler as missing:
         pytest.skip(f"no cross compiler here: {missing}")
     library = tmp_path / "library.so"
-    kernel_build.link((folder / kernel_build.OBJECT_FILE).read_bytes(), manifest, compiler, str(library))
+    link.link((folder / link.OBJECT_FILE).read_bytes(), manifest, compiler, str(library))
     kind, machine, symbols = elf_symbols(library.read_bytes())
     assert (kind, machine) == (ET_DYN, EM_AARCH64)
     assert {"odtrain_run", "odtrain_set_gemm"} | {e["symbol"] for e in manifest["entries"]} <= set(symbols)
 
 
 def test_a_missing_cross_compiler_says_what_to_install(monkeypatch, tmp_path):
-    monkeypatch.delenv(kernel_targets.CROSS_CC_ENV, raising=False)
+    monkeypatch.delenv(targets.CROSS_CC_ENV, raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))
     other = "aarch64" if cpu.host_arch() != "aarch64" else "x86_64"
-    package = kernel_targets.CROSS_CC[other][1]
-    with pytest.raises(ArgumentError, match=f"apt-get install {package}.*{kernel_targets.CROSS_CC_ENV}"):
-        kernel_build.build(ENTRIES, tmp_path / "out", target=other)
+    package = targets.CROSS_CC[other][1]
+    with pytest.raises(ArgumentError, match=f"apt-get install {package}.*{targets.CROSS_CC_ENV}"):
+        link.build(ENTRIES, tmp_path / "out", target=other)
     with pytest.raises(ArgumentError, match="cortex-a72, .*cortex-a76"):
-        kernel_build.build(ENTRIES, tmp_path / "out", target="aarch64", cpu="cortex-a99", object_only=True)
+        link.build(ENTRIES, tmp_path / "out", target="aarch64", cpu="cortex-a99", object_only=True)
 
 
 def test_a_library_for_cpu_features_the_device_lacks_is_refused_by_name(aarch64_object, monkeypatch):
     _, manifest = aarch64_object
     here = cpu.host_arch()
     named = "cortex-a76" if here == "aarch64" else "x86-64-v3"
-    features = kernel_targets.cpu_features(here, named)
+    features = targets.cpu_features(here, named)
     library = {**manifest, "triple": cpu.TARGETS[here], "cpu": named, "features": features}
     monkeypatch.setattr("odtrain.kernel_library.cpu_flags", lambda arch=None: set(cpu.FLAGS[here].values()))
     assert refusal_of(library) == ""
@@ -108,6 +108,6 @@ def test_a_library_for_cpu_features_the_device_lacks_is_refused_by_name(aarch64_
     assert refusal_of(library) == f"built for {named}: CPU features {features.split(',')[-1][1:]}, which this CPU lacks"
     # what a Raspberry Pi 4 says (no crypto extension): a cortex-a72 library loads
     pi4 = {"fp", "asimd", "evtstrm", "crc32", "cpuid"}
-    assert cpu.missing_features("aarch64", kernel_targets.cpu_features("aarch64", "cortex-a72"), pi4) == []
-    assert cpu.missing_features("aarch64", kernel_targets.cpu_features("aarch64", "cortex-a76"), pi4) == [
+    assert cpu.missing_features("aarch64", targets.cpu_features("aarch64", "cortex-a72"), pi4) == []
+    assert cpu.missing_features("aarch64", targets.cpu_features("aarch64", "cortex-a76"), pi4) == [
         "fullfp16", "rdm", "lse", "rcpc", "dotprod"]
