@@ -35,10 +35,10 @@ def elf_symbols(data: bytes):
     entry_size, count = struct.unpack_from("<HH", data, 0x3A)
     sections = [struct.unpack_from("<IIQQQQIIQQ", data, section_offset + i * entry_size) for i in range(count)]
     symbols = {}
-    for _, section_type, _, _, offset, size, link, _, _, _ in sections:
+    for _, section_type, _, _, offset, size, linked, _, _, _ in sections:
         if section_type != 2:  # SHT_SYMTAB
             continue
-        strings = sections[link][4]
+        strings = sections[linked][4]
         for at in range(offset + 24, offset + size, 24):  # the first entry is the null symbol
             name_at, info, _, index = struct.unpack_from("<IBBH", data, at)
             name = data[strings + name_at:data.index(b"\0", strings + name_at)].decode()
