@@ -99,7 +99,7 @@ MUTANTS = [
            "        if k < 0 or k >= rows:\n            raise ValueError(\"an index is outside the gathered axis\")",
            "        if k < 0 or k > rows:\n            raise ValueError(\"an index is outside the gathered axis\")"),
     Mutant("int8-second-moment-map", "8-bit second moments convert to float32 through the signed code map",
-           "odtrain/executor.py", "blocks, CODE_MAPS[min(index, 1)], values[name])", "blocks, CODE_MAPS[0], values[name])"),
+           "odtrain/optimizer_update.py", "blocks, CODE_MAPS[min(index, 1)], values[name])", "blocks, CODE_MAPS[0], values[name])"),
     Mutant("int8-block-max-sign", "an 8-bit step's block absmax is the largest first moment, not magnitude",
            "kernels/optim.py", "            m_top, v_top = max(m_top, abs(mi)), max(v_top, vi)",
            "            m_top, v_top = max(m_top, mi), max(v_top, vi)"),

@@ -96,9 +96,10 @@ def test_the_device_side_kernel_library_sits_under_the_executor():
 
 
 def test_the_build_tool_sits_above_the_api_and_only_the_command_line_reaches_it():
-    """`odtrain compile` records steps through the API: its package may import it; below it, nothing imports
-    the build (the device side never loads the build tool)."""
-    assert ("library_build/record.py", "odtrain.api") in odtrain_imports("library_build")
+    """`odtrain compile` records steps through the API (the trial steps, which load artifacts as a user's script
+    does); below it, nothing imports the build (the device side never loads the build tool)."""
+    assert ("library_build/record.py", "odtrain.trial_steps") in odtrain_imports("library_build")
+    assert ("trial_steps.py", "odtrain.api") in odtrain_imports("trial_steps.py")
     users = {name for path, module in imported_modules("odtrain", "odtrain") if module.startswith("odtrain.library_build")
              for name in [str(path.relative_to(ROOT / "odtrain"))]}
     assert {name for name in users if not name.startswith(("library_build/", "cli/"))} == set(), users

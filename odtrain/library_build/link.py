@@ -22,7 +22,7 @@ by the target's C compiler (`cc`; for aarch64 `aarch64-linux-gnu-gcc` or ODTRAIN
 reporting, reached only when a kernel raises past the wrapper's `except` (never), are bound to stubs
 that abort.
 
-The build runs in its own process (`python -m odtrain.library_build.link SPEC OUT`), where no kernel was
+The build runs in its own process (`python -m odtrain.library_build SPEC OUT`), where no kernel was
 compiled or loaded from Numba's cache (a cached kernel has no LLVM module to link) and caching is off;
 a cross build's process has NUMBA_OPT=0 (read when Numba is imported) and its own NUMBA_CACHE_DIR.
 
@@ -87,7 +87,7 @@ def build(entries, out_dir, out=print, target: str | None = None, cpu: str | Non
             started = time.perf_counter()
             # its own session: Ctrl-C reaches this process alone, which stops the build (subprocess.run kills
             # it) and says so in one line, instead of the build printing its traceback
-            subprocess.run([sys.executable, "-m", "odtrain.library_build.link", spec_file.name, os.fspath(out_dir)],
+            subprocess.run([sys.executable, "-m", "odtrain.library_build", spec_file.name, os.fspath(out_dir)],
                            check=True, env=environment, start_new_session=True)
         except BaseException:
             if created:  # no empty or half-built library folder left behind
@@ -247,7 +247,8 @@ def _stub(name: str) -> str:
     return f'__attribute__((visibility("hidden"))) void {name}(void) {{ odtrain_unreachable("{name}"); }}\n'
 
 
-def _main(spec_path: str, out_dir: str) -> None:
+def build_here(spec_path: str, out_dir: str) -> None:
+    """The build itself, in the process `build` started: the spec's entries into `out_dir`."""
     started = time.perf_counter()
     from llvmlite import binding as llvm
     from numba.core.caching import NullCache
@@ -346,6 +347,3 @@ def link(kernels: bytes, manifest: dict, compiler: list[str], library: str) -> N
                         LAUNCHER, stub_source, "-lm"], check=True)
         os.replace(partial, library)
 
-
-if __name__ == "__main__":
-    _main(sys.argv[1], sys.argv[2])
