@@ -35,7 +35,7 @@ import numpy as np
 
 from .jit import njit, prange
 
-from . import ODTRAIN_DOMAIN, binding
+from .registry import ODTRAIN_DOMAIN, binding
 from .blas import gemm_blocks
 from .layout import element_strides, flat, float_buffers
 from .parts import on_parts, part_count, split, twin_of

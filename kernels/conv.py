@@ -50,7 +50,7 @@ import numpy as np
 
 from .jit import njit, prange
 
-from . import ODTRAIN_DOMAIN, binding
+from .registry import ODTRAIN_DOMAIN, binding
 from .blas import NUMPY_OPENBLAS, gemm_blocks, product
 from .depthwise import _depthwise_forward, _depthwise_input_grad, _depthwise_weight_grad
 from .conv_taps import _tap_forward, _tap_input_grad, _tap_weight_grad, by_taps, tap_work_sizes, _pieces as _tap_pieces

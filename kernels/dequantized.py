@@ -26,7 +26,7 @@ import numpy as np
 
 from .jit import njit, prange
 
-from . import ODTRAIN_DOMAIN, binding
+from .registry import ODTRAIN_DOMAIN, binding
 from .blas import gemm_blocks
 from .layout import flat
 from .parts import on_parts, part_count, twin_of

@@ -41,7 +41,7 @@ import numpy as np
 
 from .jit import intrinsic, njit, overload, prange, types
 
-from . import ODTRAIN_DOMAIN, binding
+from .registry import ODTRAIN_DOMAIN, binding
 from .layout import broadcast_layout, flat
 from .parts import split, twin_of
 from .tensor import first_row, next_row, row_start

@@ -20,7 +20,7 @@ import numpy as np
 
 from .jit import njit, prange
 
-from . import ODTRAIN_DOMAIN, binding
+from .registry import ODTRAIN_DOMAIN, binding
 from .elementwise import fast_sigmoid, fast_sigmoid_pair, same_buffer
 from .parts import split, twin_of
 from .windows import _text

@@ -16,7 +16,7 @@ import numpy as np
 
 from .jit import njit, prange
 
-from . import ODTRAIN_DOMAIN, binding
+from .registry import ODTRAIN_DOMAIN, binding
 from .elementwise import fast_exp, same_buffer
 from .layout import flat
 from .parts import split, twin_of

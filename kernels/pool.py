@@ -16,7 +16,7 @@ import numpy as np
 
 from .jit import njit, prange
 
-from . import ODTRAIN_DOMAIN, binding
+from .registry import ODTRAIN_DOMAIN, binding
 from .parts import split, twin_of
 from .windows import _as_3d, window_geometry
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from .jit import njit, prange
 
-from . import ODTRAIN_DOMAIN, binding
+from .registry import ODTRAIN_DOMAIN, binding
 from .layout import element_strides, flat
 from .parts import split, twin_of
 

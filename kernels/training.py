@@ -15,7 +15,7 @@ import numpy as np
 
 from .jit import njit, prange
 
-from . import ODTRAIN_DOMAIN, binding
+from .registry import ODTRAIN_DOMAIN, binding
 from .blas import gemm_blocks
 from .dequantized import INT4, INT8, PANEL_ELEMENTS, _product_part, _stored
 from .elementwise import fast_exp

@@ -17,7 +17,7 @@ import math
 
 from ..errors import ModelError, UnsupportedOpError
 from ..ir import ODTRAIN_DOMAIN, TensorType
-from . import grad, op, same_as_input
+from .registry import grad, op, same_as_input
 from .windows import _auto_pad, _ints, _require_float32, _spatial_rank, window_output_shape
 
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..errors import ModelError, UnsupportedOpError
 from ..ir import ODTRAIN_DOMAIN, TensorType
-from . import broadcast_shapes, grad, op
+from .registry import broadcast_shapes, grad, op
 
 
 def _gemm_flops(node, types, out) -> float:

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..errors import ModelError
 from ..ir import ODTRAIN_DOMAIN, TensorType
-from . import grad, op, same_as_input
+from .registry import grad, op, same_as_input
 
 
 def _check_axis(node, rank: int, default: int) -> int:

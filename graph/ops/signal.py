@@ -28,7 +28,7 @@ import numpy as np
 from ..errors import ModelError, UnsupportedOpError
 from ..onnx_wire import numpy_dtype
 from ..ir import ODTRAIN_DOMAIN, TensorType
-from . import grad, no_grad, op
+from .registry import grad, no_grad, op
 
 FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 

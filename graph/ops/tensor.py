@@ -23,7 +23,7 @@ import numpy as np
 from ..errors import ModelError, UnsupportedOpError
 from ..ir import ODTRAIN_DOMAIN, TensorType
 from ..onnx_wire import element_type, is_storage_dtype, numpy_dtype
-from . import broadcast_shapes, grad, no_grad, op
+from .registry import broadcast_shapes, grad, no_grad, op
 
 
 def _static_size(dims) -> int | None:

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import ModelError
 from ..ir import ODTRAIN_DOMAIN, TensorType
-from . import grad, op
+from .registry import grad, op
 from .dequantized import FROZEN_WEIGHT, check_stored_weight
 
 
