@@ -38,6 +38,10 @@ Cost facts, read by the cost model (`graph/cost.py`, which states the unit):
 - `window_reads`: for an op over sliding windows, `window_reads(node,
   input_types, output_type)`, the input elements its windows read.
 
+Kernel fact, read by tests/test_registry.py:
+- `no_kernel`: why the op never reaches a kernel (a view sharing its input's bytes, a constant folded
+  when shapes bind, an op the executor runs itself): every other op has a binding in kernels/.
+
 Eval form: `eval_form(node) -> Node` gives the node as the eval and inference
 models run it (BatchNormalization with running statistics, Dropout as
 identity); ops without one run the same in both.
@@ -74,19 +78,21 @@ class OpDef:
     gradient: Callable | None = None
     no_grad_reason: str | None = None
     random: bool = False  # draws random numbers: running it again gives other values (never recomputed)
+    no_kernel: str | None = None  # why no kernel runs it (a view, a folded constant, ...); None: a binding does
 
 
 OPS: dict[tuple[str, str], OpDef] = {}
 
 
 def op(op_type: str, domain: str = DEFAULT_DOMAIN, inplace=(), view=False, shape_only=(), updates=(),
-       constant_inputs=(), passes: float = 1.0, flops=None, window_reads=None, random=False):
-    """Register the type rule of an op, with its memory, input and cost facts (see the module docstring)."""
+       constant_inputs=(), passes: float = 1.0, flops=None, window_reads=None, random=False,
+       no_kernel: str | None = None):
+    """Register the type rule of an op, with its memory, input, cost and kernel facts (see the module docstring)."""
 
     def register(rule):
         OPS[(domain, op_type)] = OpDef(op_type, domain, rule, tuple(inplace), view, frozenset(shape_only),
                                        tuple(updates), frozenset(constant_inputs), passes, flops, window_reads,
-                                       random=random)
+                                       random=random, no_kernel=no_kernel)
         return rule
 
     return register

@@ -31,6 +31,8 @@ from ..ir import ODTRAIN_DOMAIN, TensorType
 from .registry import grad, no_grad, op
 
 FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+# Why the windows and the mel matrix never reach a kernel (their registration's `no_kernel`).
+CONSTANT_OUTPUT = "its inputs are constants: its output folds to a constant when shapes bind"
 
 
 def _scalar(node, consts, index: int, what: str, default=None):
@@ -176,7 +178,7 @@ def _window_rule(coefficients: tuple):
 
 WINDOWS = {"HannWindow": (0.5, 0.5), "HammingWindow": (25 / 46, 21 / 46), "BlackmanWindow": (0.42, 0.5, 0.08)}
 for _name, _coefficients in WINDOWS.items():
-    op(_name, constant_inputs=(0,))(_window_rule(_coefficients))
+    op(_name, constant_inputs=(0,), no_kernel=CONSTANT_OUTPUT)(_window_rule(_coefficients))
     no_grad(_name, "its output depends only on its size")
 
 
@@ -197,7 +199,7 @@ def mel_weight_matrix(bins: int, dft_length: int, sample_rate: float, low_hz: fl
     return out
 
 
-@op("MelWeightMatrix", constant_inputs=(0, 1, 2, 3, 4))
+@op("MelWeightMatrix", constant_inputs=(0, 1, 2, 3, 4), no_kernel=CONSTANT_OUTPUT)
 def _mel_rule(node, types, consts):
     names = ("num_mel_bins", "dft_length", "sample_rate", "lower_edge_hertz", "upper_edge_hertz")
     bins, length, rate, low, high = (_scalar(node, consts, i, name) for i, name in enumerate(names))
