@@ -37,6 +37,10 @@ Cost facts, read by the cost model (`graph/cost.py`, which states the unit):
   operations (2 per multiply-add) at static bound types.
 - `window_reads`: for an op over sliding windows, `window_reads(node,
   input_types, output_type)`, the input elements its windows read.
+- `gradient_product`: for a gradient op that is a product again (a Conv's
+  input and weight gradients, MatMul's), `(forward op, position of its two
+  operands among the gradient's inputs, position of dY)`: it does as many
+  operations as the forward product of those operands giving dY's shape.
 
 Kernel fact, read by tests/test_registry.py:
 - `no_kernel`: why the op never reaches a kernel (a view sharing its input's bytes, a constant folded
@@ -79,6 +83,7 @@ class OpDef:
     no_grad_reason: str | None = None
     random: bool = False  # draws random numbers: running it again gives other values (never recomputed)
     no_kernel: str | None = None  # why no kernel runs it (a view, a folded constant, ...); None: a binding does
+    gradient_product: tuple[str, int, int, int] | None = None  # (forward product, its operands' positions, dY's)
 
 
 OPS: dict[tuple[str, str], OpDef] = {}
@@ -86,13 +91,13 @@ OPS: dict[tuple[str, str], OpDef] = {}
 
 def op(op_type: str, domain: str = DEFAULT_DOMAIN, inplace=(), view=False, shape_only=(), updates=(),
        constant_inputs=(), passes: float = 1.0, flops=None, window_reads=None, random=False,
-       no_kernel: str | None = None):
+       no_kernel: str | None = None, gradient_product: tuple[str, int, int, int] | None = None):
     """Register the type rule of an op, with its memory, input, cost and kernel facts (see the module docstring)."""
 
     def register(rule):
         OPS[(domain, op_type)] = OpDef(op_type, domain, rule, tuple(inplace), view, frozenset(shape_only),
                                        tuple(updates), frozenset(constant_inputs), passes, flops, window_reads,
-                                       random=random, no_kernel=no_kernel)
+                                       random=random, no_kernel=no_kernel, gradient_product=gradient_product)
         return rule
 
     return register
