@@ -11,7 +11,7 @@ import importlib
 import pkgutil
 
 from .registry import (OPS, GradContext, OpDef, attr_axes, broadcast_shapes, check_supported, eval_form, grad,
-                       is_view, lookup, no_grad, op, same_as_input)
+                       is_view, lookup, no_grad, op, same_as_input, upgrade, upgrade_legacy_nodes)
 
 LEAVES = ("registry",)  # imported above; the family modules import it
 
@@ -27,4 +27,4 @@ for _name in family_modules():
     importlib.import_module(f"{__name__}.{_name}")
 
 __all__ = ["OPS", "OpDef", "op", "grad", "no_grad", "eval_form", "check_supported", "lookup", "is_view", "GradContext",
-           "broadcast_shapes", "same_as_input", "attr_axes", "family_modules"]
+           "broadcast_shapes", "same_as_input", "attr_axes", "upgrade", "upgrade_legacy_nodes", "family_modules"]

@@ -46,6 +46,13 @@ Kernel fact, read by tests/test_registry.py:
 - `no_kernel`: why the op never reaches a kernel (a view sharing its input's bytes, a constant folded
   when shapes bind, an op the executor runs itself): every other op has a binding in kernels/.
 
+Opset upgrades, applied by the loader (graph/onnx_io.py): `@upgrade("Softmax",
+before=13)` on `fn(node, opset, value_types, source)` rewrites, in place, a
+node of a model whose opset (of the op's domain) is older than `before` to the
+meaning the type rule and the kernels read (writing out an old default,
+pinning an attribute), or raises ModelError where that meaning cannot express
+it. An op may register several, applied in registration order.
+
 Eval form: `eval_form(node) -> Node` gives the node as the eval and inference
 models run it (BatchNormalization with running statistics, Dropout as
 identity); ops without one run the same in both.
@@ -84,6 +91,7 @@ class OpDef:
     random: bool = False  # draws random numbers: running it again gives other values (never recomputed)
     no_kernel: str | None = None  # why no kernel runs it (a view, a folded constant, ...); None: a binding does
     gradient_product: tuple[str, int, int, int] | None = None  # (forward product, its operands' positions, dY's)
+    upgrades: tuple[tuple[int, Callable], ...] = ()  # (before opset, fn): rewrites a node of an older opset
 
 
 OPS: dict[tuple[str, str], OpDef] = {}
@@ -111,6 +119,31 @@ def eval_form(op_type: str, domain: str = DEFAULT_DOMAIN):
         return fn
 
     return register
+
+
+def upgrade(op_type: str, before: int, domain: str = DEFAULT_DOMAIN):
+    """Register how a node of an opset older than `before` becomes what the op's rule reads:
+    fn(node, opset, value_types, source), changing the node in place (see the module docstring)."""
+
+    def register(fn):
+        opdef = OPS[(domain, op_type)]
+        opdef.upgrades = opdef.upgrades + ((before, fn),)
+        return fn
+
+    return register
+
+
+def upgrade_legacy_nodes(nodes, opsets: dict, value_types: dict, source: str) -> None:
+    """Apply to each node the upgrades its op registers for its model's opset (opsets: domain -> version,
+    'ai.onnx' folded into ''); nodes of ops odtrain does not know are left as they are."""
+    for node in nodes:
+        opdef = OPS.get(node.key)
+        if opdef is None or not opdef.upgrades:
+            continue
+        opset = opsets.get(node.key[0], 0)
+        for before, fn in opdef.upgrades:
+            if opset < before:
+                fn(node, opset, value_types, source)
 
 
 def grad(op_type: str, domain: str = DEFAULT_DOMAIN):

@@ -28,7 +28,7 @@ import numpy as np
 from ..errors import ModelError, UnsupportedOpError
 from ..onnx_wire import numpy_dtype
 from ..ir import ODTRAIN_DOMAIN, TensorType
-from .registry import grad, no_grad, op
+from .registry import grad, no_grad, op, upgrade
 
 FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 # Why the windows and the mel matrix never reach a kernel (their registration's `no_kernel`).
@@ -91,6 +91,13 @@ def _dft_rule(node, types, consts):
     s = dft_settings(node, types, consts)
     return [TensorType(types[0].dtype, dft_output_shape(types[0].shape, s["axis"], s["length"], s["inverse"],
                                                         s["onesided"]))]
+
+
+@upgrade("DFT", before=20)
+def _dft_axis_attribute(node, opset, value_types, source):
+    """Before opset 20, DFT's axis was an attribute with default 1; from 20 it is input 2 with default -2.
+    Write the old default out, so that the DFT rule reads one meaning."""
+    node.attrs.setdefault("axis", 1)
 
 
 def stft_settings(node, types, consts) -> dict:
