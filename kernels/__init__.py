@@ -22,7 +22,7 @@ parts inside one Numba parallel region: it and its scratch-size function
 also receive `threads=` (the step's thread count, fixed when the step is
 bound), so scratch sizes are a function of the thread count. With
 `threads=1` it runs its serial kernels. Each parallel kernel is the
-registered twin of a serial one, chosen by one rule (kernels/parts.py).
+registered twin of a serial one, chosen by one rule (kernels/parallel_split.py).
 
 The registry (BINDINGS, SCRATCH, PARALLEL, `binding`) lives in kernels/registry.py, which the family
 modules import. Importing this package imports every module of its folder, sorted by name (so the

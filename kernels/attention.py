@@ -21,7 +21,7 @@ row stride); one [seq, kv_seq] score matrix at a time lives in the node's scratc
 backward recomputes T and P instead of keeping them (three score matrices of scratch):
     dV += Pᵀ·dY;  dP = dY·Vᵀ;  dT = P ⊙ (dP - Σ_j dP⊙P) (· (1 - tanh²) under softcap)
     dQ = scale·dT·K;  dK += scale·dTᵀ·Q     (kv heads sum over their query heads)
-With threads, the (batch, kv head) units split into parallel parts (kernels/parts.py), each with
+With threads, the (batch, kv head) units split into parallel parts (kernels/parallel_split.py), each with
 its own score matrices in the scratch: a unit's query heads, and its dK and dV blocks, belong to
 one part, so every value is summed in the serial order and a run gives the serial bits.
 RotaryEmbedding and its fused form split their rows into parts likewise (not the caches' gradients,
@@ -38,7 +38,7 @@ from .jit import njit, prange
 from .registry import ODTRAIN_DOMAIN, binding
 from .blas import gemm_blocks
 from .layout import element_strides, flat, float_buffers
-from .parts import on_parts, part_count, split, twin_of
+from .parallel_split import on_parts, part_count, split, twin_of
 
 # ---- rotary embeddings ----------------------------------------------------------------------------------
 
@@ -490,7 +490,7 @@ class _AttentionLayout:
         self.keys = self.past + self.new_keys
 
     def parts(self, threads: int) -> int:
-        """Parallel parts of the (batch, kv head) units at `threads` threads (kernels/parts.py)."""
+        """Parallel parts of the (batch, kv head) units at `threads` threads (kernels/parallel_split.py)."""
         work = self.batch * self.q_heads * self.seq * self.keys * (self.head_size + self.v_head_size)
         return part_count(threads, self.batch * self.kv_heads, work)
 

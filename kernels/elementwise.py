@@ -32,7 +32,7 @@ ulps) that LLVM vectorises, several times faster than libm's in softmax, GELU an
 (bench_ops.ElementwiseOps, UnaryOps). Float32 Sigmoid runs on fast_exp too (within 2.3 ulps of float64
 numpy over [-100, 100]), and so do Swish and its gradient (kernels/nn.py); float64 keeps libm's exp.
 
-With threads, the flat kernels (and _binary_strided) have `_parts` twins (kernels/parts.py) that run them
+With threads, the flat kernels (and _binary_strided) have `_parts` twins (kernels/parallel_split.py) that run them
 on parts of their elements (rows) in one parallel region; every value is as in one thread.
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ from .jit import intrinsic, njit, overload, prange, types
 
 from .registry import ODTRAIN_DOMAIN, binding
 from .layout import broadcast_layout, flat
-from .parts import split, twin_of
+from .parallel_split import split, twin_of
 from .tensor import first_row, next_row, row_start
 
 BINARY = {"Add": 0, "Sub": 1, "Mul": 2, "Div": 3, "ReluGrad": 4, "SigmoidGrad": 5, "TanhGrad": 6,

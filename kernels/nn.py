@@ -22,7 +22,7 @@ from .jit import njit, prange
 
 from .registry import ODTRAIN_DOMAIN, binding
 from .elementwise import fast_sigmoid, fast_sigmoid_pair, same_buffer
-from .parts import split, twin_of
+from .parallel_split import split, twin_of
 from .windows import _text
 
 # Sums may be reassociated (fastmath "reassoc"): they vectorise, and partial sums are no less accurate.

@@ -8,7 +8,7 @@ per-cell bounds checks, and 2x2 tiles of planes get their own loops along the ro
 at bind time per window position (input cells, or with count_include_pad also the declared padding).
 
 Planes are independent: with threads, each kernel's `_parts` twin runs it on parts of the planes in one
-parallel region (kernels/parts.py); every value is computed as in the serial kernel.
+parallel region (kernels/parallel_split.py); every value is computed as in the serial kernel.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import numpy as np
 from .jit import njit, prange
 
 from .registry import ODTRAIN_DOMAIN, binding
-from .parts import split, twin_of
+from .parallel_split import split, twin_of
 from .windows import _as_3d, window_geometry
 
 

@@ -23,7 +23,7 @@ from .jit import njit, prange
 
 from .registry import ODTRAIN_DOMAIN, binding
 from .layout import element_strides, flat
-from .parts import split, twin_of
+from .parallel_split import split, twin_of
 
 COPY_DIMS = 6
 SCATTER = {"none": 0, "add": 1, "mul": 2, "max": 3, "min": 4}

@@ -52,7 +52,7 @@ from .kernel_compile import compile_ahead
 from .graph.optimizers import AdamW, SGDMomentum
 from .kernels.optim import (CODE_MAPS, CODE_TABLES, adamw8_update, adamw_update, add_into, assert_finite, copy_into,
                             dequantize_blocks, quantize_blocks, sgd_momentum_update, sgd_update)
-from .kernels.parts import split
+from .kernels.parallel_split import split
 from .state import ABSMAX
 
 

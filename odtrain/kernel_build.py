@@ -255,7 +255,7 @@ def _main(spec_path: str, out_dir: str) -> None:
 
     from . import executor  # noqa: F401  (imports every kernel module)
     from .kernel_sources import loaded_dispatchers
-    from .kernels.parts import TWINS
+    from .kernels.parallel_split import TWINS
 
     serial_of = {twin.parallel: twin.serial for twin in TWINS.values()}
 
@@ -378,7 +378,7 @@ def recorded_entries(artifact_dir, batch_size: int = 32, thread_counts=None, inp
     from .executor import record_calls
     from .kernel_compile import silenced
     from .kernel_library import LIBRARY_ENV, signature_of
-    from .kernels.parts import every_split
+    from .kernels.parallel_split import every_split
 
     counts = sorted(set(thread_counts or (1, threads.available_cores())))
     shapes = recorded_shapes(batch_size, sequence_length)

@@ -66,7 +66,7 @@ def test_only_the_executor_joins_graph_nodes_to_kernels():
     # code numpy's BLAS and keeps the compiler unloaded, its build reads the table of parallel twins; none
     # sees a node
     others = {("runtime.py", "odtrain.kernels.jit"), ("kernel_library.py", "odtrain.kernels.blas_library"),
-              ("kernel_library.py", "odtrain.kernels.jit"), ("kernel_build.py", "odtrain.kernels.parts")}
+              ("kernel_library.py", "odtrain.kernels.jit"), ("kernel_build.py", "odtrain.kernels.parallel_split")}
     assert {name for name, _ in users - others} <= {"executor.py"}, users
 
 

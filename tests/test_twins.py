@@ -1,4 +1,4 @@
-"""The one table of parallel twins (kernels/parts.py): every `_parts` kernel is registered, every twin's
+"""The one table of parallel twins (kernels/parallel_split.py): every `_parts` kernel is registered, every twin's
 parameters follow from its serial kernel's by the one rule, and the chooser keeps the serial call at one part.
 Nothing compiles: the kernels' Python functions are read, not run.
 """
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import odtrain.kernels as kernels
-from odtrain.kernels.parts import TWINS, on_parts, parameters, part_bounds, split
+from odtrain.kernels.parallel_split import TWINS, on_parts, parameters, part_bounds, split
 
 
 def kernel_modules():
@@ -32,7 +32,7 @@ def test_every_parts_kernel_is_a_registered_twin():
     registered = {twin.parallel for twin in TWINS.values()}
     unregistered = [f"{module}.{name}" for module, name, kernel in defined_kernels()
                     if name.endswith("_parts") and kernel not in registered]
-    assert not unregistered, f"parallel kernels missing from kernels/parts.py's TWINS (twin_of): {unregistered}"
+    assert not unregistered, f"parallel kernels missing from kernels/parallel_split.py's TWINS (twin_of): {unregistered}"
     assert len(TWINS) >= 50
 
 
@@ -82,7 +82,7 @@ def test_recording_a_small_product_records_the_twin_a_larger_batch_runs():
     from odtrain.kernels.blas import gemm_batched_parts
     from odtrain.kernels.linalg import gemm_calls
     from odtrain.kernel_library import signature_of
-    from odtrain.kernels.parts import every_split
+    from odtrain.kernels.parallel_split import every_split
 
     def calls(batch):
         a, b = np.ones((batch, 64), np.float32), np.ones((64, 10), np.float32)

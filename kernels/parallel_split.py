@@ -142,7 +142,7 @@ def on_parts(call: tuple, units: int, parts: int, takes=()) -> tuple:
     kernel, args = call
     twin = TWINS.get(kernel)
     if twin is None:
-        raise KeyError(f"{getattr(kernel, '__name__', kernel)} has no parallel twin (kernels/parts.py, twin_of)")
+        raise KeyError(f"{getattr(kernel, '__name__', kernel)} has no parallel twin (kernels/parallel_split.py, twin_of)")
     return twin.parallel, twin.arguments(args, takes(parts) if callable(takes) else takes, part_bounds(units, parts))
 
 
