@@ -38,7 +38,7 @@ from .jit import njit, prange
 from .registry import ODTRAIN_DOMAIN, binding
 from .blas import gemm_blocks
 from .layout import element_strides, flat, float_buffers
-from .parallel_split import on_parts, part_count, split, twin_of
+from .parallel_split import on_parts, parallel_twin, part_count, split, twin_of
 
 # ---- rotary embeddings ----------------------------------------------------------------------------------
 
@@ -86,13 +86,7 @@ def _rotate_pairs(x, cos, sin, positions, y, batch, heads, seq, xb, xh, xs, cb, 
                 y[xo + d] = x[xo + d]
 
 
-@twin_of(_rotate_pairs, range=("first", "last"))
-@njit(cache=True, error_model="numpy", parallel=True)
-def _rotate_pairs_parts(x, cos, sin, positions, y, batch, heads, seq, xb, xh, xs, cb, ch, cs, row_width, half,
-                        head_size, rot, interleaved, inverse, bounds):
-    for p in prange(bounds.size - 1):
-        _rotate_pairs(x, cos, sin, positions, y, batch, heads, seq, xb, xh, xs, cb, ch, cs, row_width, half,
-                      head_size, rot, interleaved, inverse, bounds[p], bounds[p + 1])
+_rotate_pairs_parts = parallel_twin(_rotate_pairs, range=("first", "last"))
 
 
 @njit(cache=True, error_model="numpy")
@@ -152,11 +146,7 @@ def _rotate_half(x, cos, sin, y, batch, heads, seq, cb, ch, cs, width, split, in
             _turn(yr[keep:], xr[keep:], c[keep:], xr[:split], t[keep:], False)
 
 
-@twin_of(_rotate_half, range=("first", "last"))
-@njit(cache=True, error_model="numpy", parallel=True)
-def _rotate_half_parts(x, cos, sin, y, batch, heads, seq, cb, ch, cs, width, split, inverse, bounds):
-    for p in prange(bounds.size - 1):
-        _rotate_half(x, cos, sin, y, batch, heads, seq, cb, ch, cs, width, split, inverse, bounds[p], bounds[p + 1])
+_rotate_half_parts = parallel_twin(_rotate_half, range=("first", "last"))
 
 
 @njit(cache=True, error_model="numpy")

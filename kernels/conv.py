@@ -56,7 +56,7 @@ from .depthwise import _depthwise_forward, _depthwise_input_grad, _depthwise_wei
 from .conv_taps import _tap_forward, _tap_input_grad, _tap_weight_grad, by_taps, tap_work_sizes, _pieces as _tap_pieces
 from .conv_pointwise import (COLUMNS, FORWARD, INPUT_GRADIENT, MIN_CHANNELS, WEIGHT_GRADIENT, _gather, _scatter,
                              pointwise_calls, pointwise_plan)
-from .parallel_split import on_parts, part_count, split, twin_of
+from .parallel_split import on_parts, parallel_twin, part_count, split, twin_of
 from .windows import _as_3d, _text, _valid_range, window_geometry
 
 # Forward products with at most this many output channels per group and at least this deep a K run as
@@ -425,12 +425,7 @@ def _conv_bias_grad(dy, db, m0, m1):
             total += partial
         db[m] = total
 
-@twin_of(_conv_bias_grad, range=("m0", "m1"))
-@njit(cache=True, error_model="numpy", parallel=True)
-def _conv_bias_grad_parts(dy, db, bounds):
-    """_conv_bias_grad on parts of the channels (bounds), in parallel: each sum as in one thread."""
-    for p in prange(bounds.size - 1):
-        _conv_bias_grad(dy, db, bounds[p], bounds[p + 1])
+_conv_bias_grad_parts = parallel_twin(_conv_bias_grad, range=("m0", "m1"))
 
 
 def _depthwise_frames(geom, padded, out_spatial, channels=0):
