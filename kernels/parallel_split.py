@@ -15,6 +15,12 @@ call itself at one part (exactly as with one thread), else the twin's call:
   its units, depend on them).
 `takes` is the twin's own arguments, or a function of the parts that gives them.
 
+Most twins are one parallel loop over the parts calling `_x` on its units, given by `_x`'s range or by
+cutting its flat arrays: such a twin is written from its record, `_x_parts = parallel_twin(_x, range=...)`
+or `parallel_twin(_x, sliced=(array names))` (twin_source is its text), and compiled as part of `_x`'s
+file and module so that Numba caches it on disk like a twin written out. A twin that does more per part
+(its own work memory, partial sums added in part order) is written out under `@twin_of`.
+
 - `part_count(threads, units, work)`: 1 when there is one thread, one unit, or too little work to pay for a
   parallel region (`worth_parallel`); else min(threads, units).
 - `every_split()`: while the kernel library records a model's calls (odtrain/kernel_build.py), any work is
@@ -27,7 +33,7 @@ bound, not by the threads that happen to run them, and partial sums are added in
 given thread count gives the same bits every time.
 
 TWINS (serial kernel -> Twin) is the one table of kernels and their twins: the kernel library's build
-(odtrain/kernel_build.py) and tests/test_twins.py read it. Imports numpy only.
+(odtrain/kernel_build.py) and tests/test_twins.py read it. Imports numpy (and, to write a twin, kernels/jit.py).
 """
 from __future__ import annotations
 
@@ -89,15 +95,16 @@ def parameters(kernel) -> tuple[str, ...]:
 
 class Twin:
     """A serial kernel, its parallel twin, and how the twin's arguments follow from the serial call's
-    (`sliced`: for a twin written by `parallel_twin`, the arrays each part cuts to its units)."""
+    (`written`: the twin was written from this record by `parallel_twin`; `sliced`: then the arrays each
+    part cuts to its units)."""
 
-    __slots__ = ("serial", "parallel", "range", "replaces", "takes", "sliced")
+    __slots__ = ("serial", "parallel", "range", "replaces", "takes", "sliced", "written")
 
     def __init__(self, serial, parallel, range: tuple[str, ...], replaces: tuple[str, ...], takes: tuple[str, ...],
-                 sliced: tuple[str, ...] = ()):
+                 sliced: tuple[str, ...] = (), written: bool = False):
         self.serial, self.parallel = serial, parallel
         self.range, self.replaces, self.takes = tuple(range), tuple(replaces), tuple(takes)
-        self.sliced = tuple(sliced)
+        self.sliced, self.written = tuple(sliced), written
 
     def parameters(self) -> tuple[str, ...]:
         """The twin's parameter names as the rule derives them from the serial kernel's."""
@@ -184,7 +191,7 @@ def parallel_twin(serial, range: tuple[str, ...] = (), sliced: tuple[str, ...] =
     written.__doc__ = (f"{serial.__name__} on parts of its units (bounds), in parallel: written from its Twin "
                        "record (kernels/parallel_split.py, parallel_twin).")
     parallel = njit(**TWIN_OPTIONS)(written)
-    TWINS[serial] = Twin(serial, parallel, range, (), (), sliced)
+    TWINS[serial] = Twin(serial, parallel, range, (), (), sliced, written=True)
     return parallel
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import odtrain.kernels as kernels
-from odtrain.kernels.parallel_split import TWINS, on_parts, parameters, part_bounds, split
+from odtrain.kernels.parallel_split import TWINS, on_parts, parallel_twin, parameters, part_bounds, split, twin_source
 
 
 def kernel_modules():
@@ -65,6 +65,40 @@ def test_the_chooser_keeps_the_serial_call_at_one_part_and_cuts_fixed_parts():
     assert args[10].shape == (3, 2, 5) and list(args[11]) == [0, 2, 4, 6]
     with pytest.raises(ValueError, match="partial"):
         on_parts(grad, 6, 3)
+
+
+WRITTEN = [twin for twin in TWINS.values() if twin.written]
+
+
+def test_written_twins_are_their_records_loop_in_the_serial_kernels_file():
+    """A twin written from its record (parallel_twin) is one parallel loop calling its serial kernel, compiled as
+    part of the serial kernel's file and module (what Numba's on-disk cache needs), with the twins' options."""
+    assert len(WRITTEN) >= 25
+    for twin in WRITTEN:
+        serial, parallel = twin.serial.py_func, twin.parallel.py_func
+        assert parallel.__name__ == serial.__name__ + "_parts" and parallel.__module__ == serial.__module__
+        assert parallel.__code__.co_filename == serial.__code__.co_filename
+        assert parallel.__globals__ is serial.__globals__
+        assert twin.parallel.options == {"cache": True, "error_model": "numpy", "parallel": True}
+        assert not twin.replaces and not twin.takes
+    from odtrain.kernels.elementwise import _binary_scalar
+    from odtrain.kernels.nn import _batch_norm_infer
+
+    assert twin_source(_binary_scalar, sliced=("a", "out")) == (
+        "def _binary_scalar_parts(code, a, b, out, bounds):\n"
+        "    for p in prange(bounds.size - 1):\n"
+        "        _binary_scalar(code, a[bounds[p]:bounds[p + 1]], b, out[bounds[p]:bounds[p + 1]])\n")
+    assert twin_source(_batch_norm_infer, range=("c0", "c1")).endswith(
+        "_batch_norm_infer(x, scale, bias, mean, var, y, epsilon, stats, low, high, in_place, bounds[p], bounds[p + 1])\n")
+
+
+def test_a_twin_is_written_only_from_a_record_it_can_follow():
+    from odtrain.kernels.elementwise import _binary_scalar, _unary
+
+    with pytest.raises(ValueError, match="cut some of its arrays"):
+        twin_source(_binary_scalar, sliced=("nothing",))
+    with pytest.raises(ValueError, match="under a name of its own"):
+        parallel_twin(_unary, sliced=("x", "out"))  # its module has _unary_parts already
 
 
 def test_a_kernel_without_a_twin_is_refused_by_name():
