@@ -43,12 +43,13 @@ from .registry import BINDINGS, ODTRAIN_DOMAIN, PARALLEL, SCRATCH, binding  # no
 LEAVES = ("registry",)  # imported above; the family modules import it
 
 
-def family_modules() -> list[str]:
+def submodules() -> list[str]:
     """The names of the modules in this package's folder (a source checkout's or an installed wheel's:
-    whatever `__path__` holds) that the package imports, sorted."""
+    whatever `__path__` holds) that the package imports, sorted: the family modules, and the helpers they
+    share (jit, layout, blas, parallel_split, ...), which they import anyway."""
     return sorted(info.name for info in pkgutil.iter_modules(__path__)
                   if not info.name.startswith("_") and info.name not in LEAVES)
 
 
-for _name in family_modules():
+for _name in submodules():
     importlib.import_module(f"{__name__}.{_name}")

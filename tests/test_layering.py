@@ -162,7 +162,7 @@ def test_the_registries_import_every_module_on_disk():
         module = importlib.import_module(package)
         on_disk = sorted(path.stem for path in ROOT.joinpath(*folder).glob("*.py")
                          if not path.stem.startswith("_") and path.stem != "registry")
-        assert module.family_modules() == on_disk, package
+        assert module.submodules() == on_disk, package
         assert all(f"{package}.{name}" in sys.modules for name in on_disk), package
 
 
@@ -203,7 +203,7 @@ def test_a_family_module_is_registered_by_being_in_the_folder(tmp_path):
         ops = load("odtrain.graph.ops", {str(ROOT / "graph" / "ops")!r}, {str(tmp_path / "ops")!r})
         kernels = load("odtrain.kernels", {str(ROOT / "kernels")!r}, {str(tmp_path / "kernels")!r})
         assert ("probe", "ProbeOp") in ops.OPS and ("probe", "ProbeOp") in kernels.BINDINGS
-        assert "probe_family" in ops.family_modules() and ("", "Conv") in ops.OPS and ("", "Conv") in kernels.BINDINGS
+        assert "probe_family" in ops.submodules() and ("", "Conv") in ops.OPS and ("", "Conv") in kernels.BINDINGS
         print("registered")
         """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)

@@ -16,15 +16,16 @@ from .registry import (OPS, GradContext, OpDef, attr_axes, broadcast_shapes, che
 LEAVES = ("registry",)  # imported above; the family modules import it
 
 
-def family_modules() -> list[str]:
-    """The names of the family modules in this package's folder (a source checkout's or an installed
-    wheel's: whatever `__path__` holds), sorted."""
+def submodules() -> list[str]:
+    """The names of the modules in this package's folder (a source checkout's or an installed wheel's:
+    whatever `__path__` holds) that the package imports, sorted: the family modules, and the helpers they
+    share (windows.py), which they import anyway."""
     return sorted(info.name for info in pkgutil.iter_modules(__path__)
                   if not info.name.startswith("_") and info.name not in LEAVES)
 
 
-for _name in family_modules():
+for _name in submodules():
     importlib.import_module(f"{__name__}.{_name}")
 
 __all__ = ["OPS", "OpDef", "op", "grad", "no_grad", "eval_form", "check_supported", "lookup", "is_view", "GradContext",
-           "broadcast_shapes", "same_as_input", "attr_axes", "upgrade", "upgrade_legacy_nodes", "family_modules"]
+           "broadcast_shapes", "same_as_input", "attr_axes", "upgrade", "upgrade_legacy_nodes", "submodules"]
