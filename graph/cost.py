@@ -2,8 +2,9 @@
 
 Used to choose what to recompute under a memory budget (`graph/recompute.py`), where only the
 relative cost of nodes matters. The unit is the time a memory-bound loop takes to read or write
-one element. The facts about an op come from its registration (`graph/ops`, `@op(...)`); the
-constants below (FLOPS_PER_ELEMENT, WINDOW_READ) are this module's, measured:
+one element. The facts about an op come from its registration (`graph/ops`, `@op(...)`); this
+module holds only the two constants that weigh them (FLOPS_PER_ELEMENT, WINDOW_READ, timed as said
+at the end):
 - Every op touches each element of its inputs and outputs once (inputs read for their shape
   only do not count), times its `passes` for ops that go over their data more than once
   (normalizations, softmax) or evaluate a transcendental function per element.
