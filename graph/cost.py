@@ -2,8 +2,9 @@
 
 Used to choose what to recompute under a memory budget (`graph/recompute.py`), where only the
 relative cost of nodes matters. The unit is the time a memory-bound loop takes to read or write
-one element. Every fact about an op comes from its registration (`graph/ops`, `@op(...)`), except
-which gradient ops are products again (GRADIENT_PRODUCTS below, a table of this module):
+one element. The facts about an op come from its registration (`graph/ops`, `@op(...)`); this
+module holds only the two constants that weigh them (FLOPS_PER_ELEMENT, WINDOW_READ, timed as said
+at the end):
 - Every op touches each element of its inputs and outputs once (inputs read for their shape
   only do not count), times its `passes` for ops that go over their data more than once
   (normalizations, softmax) or evaluate a transcendental function per element.
@@ -13,9 +14,9 @@ which gradient ops are products again (GRADIENT_PRODUCTS below, a table of this 
   read: a product gathers each once into its im2col buffer (one unit each), which is what
   dominates a depthwise Conv; an op that computes on every window element (MaxPool,
   AveragePool) takes WINDOW_READ units for each.
-- `product_flops` also counts the gradients that are products again (GRADIENT_PRODUCTS: a Conv's
-  input and weight gradients, MatMul's), as the step profile (`odtrain.profile`) reports them;
-  `node_cost` does not.
+- `product_flops` also counts the gradients that are products again (registered with
+  `gradient_product`: a Conv's input and weight gradients, MatMul's), as the step profile
+  (`odtrain.profile`) reports them; `node_cost` does not.
 - Views (Reshape, Flatten, ...) cost nothing.
 Values without a static type count as one element. The constants come from timing each forward
 node of MobileNetV2, a ResNet-style CNN and a transformer encoder on one x86-64 core (`odtrain
@@ -31,14 +32,6 @@ from .ops import is_view, lookup
 # Operations of a blocked product in the time a memory-bound loop moves one element.
 FLOPS_PER_ELEMENT = 8.0
 WINDOW_READ = 4.0
-
-# Gradients that are products again, as many operations as the forward product they differentiate:
-# op type -> (forward op, positions of its two operands among the gradient's inputs, position of dY).
-GRADIENT_PRODUCTS = {
-    "ConvInputGrad": ("Conv", 2, 1, 0), "ConvWeightGrad": ("Conv", 1, 2, 0),  # (dY, W, X), (dY, X, W)
-    "ConvTransposeInputGrad": ("ConvTranspose", 2, 1, 0), "ConvTransposeWeightGrad": ("ConvTranspose", 1, 2, 0),
-    "MatMulGradA": ("MatMul", 2, 1, 0), "MatMulGradB": ("MatMul", 0, 2, 1),  # (dY, B, A), (A, dY, B)
-}
 
 
 def _size(t: TensorType | None) -> int:
@@ -62,14 +55,15 @@ def _at_static_shapes(count, node: Node, types: dict) -> float:
 
 
 def product_flops(node: Node, types: dict) -> float:
-    """Operations (2 per multiply-add) of a product node, or of a gradient that is one (GRADIENT_PRODUCTS),
-    at its bound shapes; 0 for any other node."""
-    if node.op_type in GRADIENT_PRODUCTS:
-        forward, x, w, dy = GRADIENT_PRODUCTS[node.op_type]
+    """Operations (2 per multiply-add) of a product node, or of a gradient that is one (registered with
+    `gradient_product`), at its bound shapes; 0 for any other node."""
+    opdef = lookup(node)
+    if opdef.gradient_product is not None:
+        forward, x, w, dy = opdef.gradient_product
         if len(node.inputs) <= max(x, w, dy):
             return 0.0
         return product_flops(Node(forward, [node.inputs[x], node.inputs[w]], [node.inputs[dy]], node.attrs), types)
-    return _at_static_shapes(lookup(node).flops, node, types)
+    return _at_static_shapes(opdef.flops, node, types)
 
 
 def node_cost(node: Node, types: dict) -> float:

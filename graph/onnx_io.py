@@ -8,7 +8,8 @@ Two readers give the same plain data (`onnx_wire.ModelData`), from which one bui
 - Any other model (a ModelProto, a forward model from an exporter, a file with external data)
   goes through onnx, and ONNX shape inference runs first so that gradient rules can ask for
   ranks; values whose types stay unknown are typed when shapes are bound.
-The checks, the tensor decoding and the IR building are the same for both.
+The checks, the tensor decoding and the IR building are the same for both; a node of an older opset
+is rewritten by the upgrades its op registers (graph/ops, `upgrade`: DFT's axis, Softmax's).
 A file's external data (`.onnx.data`) is never read whole: `read_graph` maps each external initializer
 copy-on-write from its file (after checking that it sits in the model's folder and inside the file), so
 a frozen weight costs page cache the kernel can drop, not memory of its own.
@@ -31,6 +32,7 @@ from .onnx_wire import (EXTERNAL, LIGHT_BYTES, SCOPE_KEY, AttributeData, Attribu
                         NodeData, TensorData, ValueInfoData, element_type, element_type_name, encode_model,
                         external_initializer_field, initializer_field, is_storage_dtype, map_model,
                         minimum_ir_version, node_scope, numpy_dtype, tensor_data, without_weights)
+from .ops import upgrade_legacy_nodes
 
 if TYPE_CHECKING:
     import onnx
@@ -252,8 +254,7 @@ def _build_graph(model: ModelData, opsets: dict[str, int], source: str, folder: 
         except ModelError as error:
             raise ModelError(f"{source}: node '{n.name or index}' ({n.op_type}): {error}") from None
         nodes.append(Node(n.op_type, list(n.inputs), list(n.outputs), attrs, _node_name(n, index), n.domain, n.scope))
-    _pin_legacy_softmax_axis(nodes, opsets.get(DEFAULT_DOMAIN, 0), value_types, source)
-    _pin_legacy_dft_axis(nodes, opsets.get(DEFAULT_DOMAIN, 0))
+    upgrade_legacy_nodes(nodes, opsets, value_types, source)  # each op's own upgrades (graph/ops, `upgrade`)
     inputs = [i.name for i in g.inputs if i.name not in initializers]
     return Graph(nodes, inputs, [o.name for o in g.outputs], initializers, value_types, opsets, g.name or "graph")
 
@@ -296,36 +297,6 @@ def _attr_value(attr: AttributeData, to_array=TensorData.to_array):
         held = "a sparse tensor" if kind in (AttributeType.SPARSE_TENSOR, AttributeType.SPARSE_TENSORS) else "a type"
         raise ModelError(f"attribute '{attr.name}' holds {held}, which odtrain does not read")
     return value  # a float, an int, a list of them, [] or None
-
-
-def _pin_legacy_dft_axis(nodes, opset: int) -> None:
-    """Before opset 20, DFT's axis was an attribute with default 1; from 20 it is input 2 with default -2.
-    Write the old default out, so that the DFT rule reads one meaning."""
-    if opset >= 20:
-        return
-    for node in nodes:
-        if node.op_type == "DFT" and node.domain in ("", "ai.onnx"):
-            node.attrs.setdefault("axis", 1)
-
-
-def _pin_legacy_softmax_axis(nodes, opset: int, value_types, source: str) -> None:
-    """Before opset 13, Softmax/LogSoftmax flattened the input to 2-D at `axis` (default 1) and
-    normalised over everything after it. Where that is the last axis alone, pin `axis=-1` (the
-    meaning odtrain's kernels implement); otherwise refuse rather than compute something else."""
-    if opset >= 13:
-        return
-    for node in nodes:
-        if node.op_type not in ("Softmax", "LogSoftmax") or node.domain not in ("", "ai.onnx"):
-            continue
-        t = value_types.get(node.inputs[0])
-        axis = int(node.attrs.get("axis", 1))
-        rank = None if t is None or t.shape is None else len(t.shape)
-        if rank is not None and axis % rank == rank - 1:
-            node.attrs["axis"] = -1
-        else:
-            raise ModelError(f"{source}: {node.describe()} (opset {opset}) normalises over the axes from "
-                             f"{axis} on, flattened{'' if rank else ', for an input of unknown rank'}; odtrain "
-                             "implements opset 13's single-axis Softmax: re-export with opset 13 or newer")
 
 
 def model_from_proto(proto: onnx.ModelProto) -> ModelData:

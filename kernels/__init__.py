@@ -22,7 +22,12 @@ parts inside one Numba parallel region: it and its scratch-size function
 also receive `threads=` (the step's thread count, fixed when the step is
 bound), so scratch sizes are a function of the thread count. With
 `threads=1` it runs its serial kernels. Each parallel kernel is the
-registered twin of a serial one, chosen by one rule (kernels/parts.py).
+registered twin of a serial one, chosen by one rule (kernels/parallel_split.py).
+
+The registry (BINDINGS, SCRATCH, PARALLEL, `binding`) lives in kernels/registry.py, which the family
+modules import. Importing this package imports every module of its folder, sorted by name (so the
+registries fill in the same order in every process; private `_` modules and the registry itself
+excepted): a new family module registers its bindings by being there, with no list to edit.
 
 Kernel modules take Numba's names from kernels/jit.py, which loads Numba only when a kernel compiles:
 a process whose steps run in a kernel library (odtrain/kernel_library.py) imports the bindings without
@@ -30,26 +35,21 @@ it. Imports numpy (and Numba, through jit.py), nothing else of odtrain's.
 """
 from __future__ import annotations
 
-BINDINGS: dict[tuple[str, str], object] = {}
-SCRATCH: dict[tuple[str, str], object] = {}
-PARALLEL: set[tuple[str, str]] = set()
-ODTRAIN_DOMAIN = "ai.odtrain"
+import importlib
+import pkgutil
+
+from .registry import BINDINGS, ODTRAIN_DOMAIN, PARALLEL, SCRATCH, binding  # noqa: F401
+
+LEAVES = ("registry",)  # imported above; the family modules import it
 
 
-def binding(op_type: str, domain: str = "", scratch=None, parallel: bool = False):
-    """Register a binding under (domain, op_type), with its scratch-size function if it needs one; a
-    `parallel` binding (and its scratch-size function) takes the step's thread count as `threads=`."""
+def submodules() -> list[str]:
+    """The names of the modules in this package's folder (a source checkout's or an installed wheel's:
+    whatever `__path__` holds) that the package imports, sorted: the family modules, and the helpers they
+    share (jit, layout, blas, parallel_split, ...), which they import anyway."""
+    return sorted(info.name for info in pkgutil.iter_modules(__path__)
+                  if not info.name.startswith("_") and info.name not in LEAVES)
 
-    def register(fn):
-        BINDINGS[(domain, op_type)] = fn
-        if scratch is not None:
-            SCRATCH[(domain, op_type)] = scratch
-        if parallel:
-            PARALLEL.add((domain, op_type))
-        return fn
 
-    return register
-
-from . import (  # noqa: E402,F401
-    attention, conv, dequantized, elementwise, linalg, nn, normalization, optim, pool, quantize, recurrent, reduction, resize, signal,
-    tensor, training)
+for _name in submodules():
+    importlib.import_module(f"{__name__}.{_name}")

@@ -21,7 +21,7 @@ row stride); one [seq, kv_seq] score matrix at a time lives in the node's scratc
 backward recomputes T and P instead of keeping them (three score matrices of scratch):
     dV += Pᵀ·dY;  dP = dY·Vᵀ;  dT = P ⊙ (dP - Σ_j dP⊙P) (· (1 - tanh²) under softcap)
     dQ = scale·dT·K;  dK += scale·dTᵀ·Q     (kv heads sum over their query heads)
-With threads, the (batch, kv head) units split into parallel parts (kernels/parts.py), each with
+With threads, the (batch, kv head) units split into parallel parts (kernels/parallel_split.py), each with
 its own score matrices in the scratch: a unit's query heads, and its dK and dV blocks, belong to
 one part, so every value is summed in the serial order and a run gives the serial bits.
 RotaryEmbedding and its fused form split their rows into parts likewise (not the caches' gradients,
@@ -35,10 +35,10 @@ import numpy as np
 
 from .jit import njit, prange
 
-from . import ODTRAIN_DOMAIN, binding
+from .registry import ODTRAIN_DOMAIN, binding
 from .blas import gemm_blocks
 from .layout import element_strides, flat, float_buffers
-from .parts import on_parts, part_count, split, twin_of
+from .parallel_split import on_parts, parallel_twin, part_count, split, twin_of
 
 # ---- rotary embeddings ----------------------------------------------------------------------------------
 
@@ -86,13 +86,7 @@ def _rotate_pairs(x, cos, sin, positions, y, batch, heads, seq, xb, xh, xs, cb, 
                 y[xo + d] = x[xo + d]
 
 
-@twin_of(_rotate_pairs, range=("first", "last"))
-@njit(cache=True, error_model="numpy", parallel=True)
-def _rotate_pairs_parts(x, cos, sin, positions, y, batch, heads, seq, xb, xh, xs, cb, ch, cs, row_width, half,
-                        head_size, rot, interleaved, inverse, bounds):
-    for p in prange(bounds.size - 1):
-        _rotate_pairs(x, cos, sin, positions, y, batch, heads, seq, xb, xh, xs, cb, ch, cs, row_width, half,
-                      head_size, rot, interleaved, inverse, bounds[p], bounds[p + 1])
+_rotate_pairs_parts = parallel_twin(_rotate_pairs, range=("first", "last"))
 
 
 @njit(cache=True, error_model="numpy")
@@ -152,11 +146,7 @@ def _rotate_half(x, cos, sin, y, batch, heads, seq, cb, ch, cs, width, split, in
             _turn(yr[keep:], xr[keep:], c[keep:], xr[:split], t[keep:], False)
 
 
-@twin_of(_rotate_half, range=("first", "last"))
-@njit(cache=True, error_model="numpy", parallel=True)
-def _rotate_half_parts(x, cos, sin, y, batch, heads, seq, cb, ch, cs, width, split, inverse, bounds):
-    for p in prange(bounds.size - 1):
-        _rotate_half(x, cos, sin, y, batch, heads, seq, cb, ch, cs, width, split, inverse, bounds[p], bounds[p + 1])
+_rotate_half_parts = parallel_twin(_rotate_half, range=("first", "last"))
 
 
 @njit(cache=True, error_model="numpy")
@@ -490,7 +480,7 @@ class _AttentionLayout:
         self.keys = self.past + self.new_keys
 
     def parts(self, threads: int) -> int:
-        """Parallel parts of the (batch, kv head) units at `threads` threads (kernels/parts.py)."""
+        """Parallel parts of the (batch, kv head) units at `threads` threads (kernels/parallel_split.py)."""
         work = self.batch * self.q_heads * self.seq * self.keys * (self.head_size + self.v_head_size)
         return part_count(threads, self.batch * self.kv_heads, work)
 

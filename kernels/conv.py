@@ -31,7 +31,7 @@ Convolution:
   transposed product), and dW's sums (G + 1)·K·M/G floats. Depthwise: one padded plane in
   phases and one framed plane, or one padded image and one output plane
   (dY framed), channels-last.
-- threads (kernels/parts.py): each kernel's `_parts` twin splits the batch
+- threads (kernels/parallel_split.py): each kernel's `_parts` twin splits the batch
   (depthwise in planes: the image-channel pairs) into one part per thread,
   in one parallel region, each part with its own work memory. The parts
   share one thread's product width (COLUMNS / parts each), so together they
@@ -50,13 +50,13 @@ import numpy as np
 
 from .jit import njit, prange
 
-from . import ODTRAIN_DOMAIN, binding
+from .registry import ODTRAIN_DOMAIN, binding
 from .blas import NUMPY_OPENBLAS, gemm_blocks, product
 from .depthwise import _depthwise_forward, _depthwise_input_grad, _depthwise_weight_grad
 from .conv_taps import _tap_forward, _tap_input_grad, _tap_weight_grad, by_taps, tap_work_sizes, _pieces as _tap_pieces
 from .conv_pointwise import (COLUMNS, FORWARD, INPUT_GRADIENT, MIN_CHANNELS, WEIGHT_GRADIENT, _gather, _scatter,
                              pointwise_calls, pointwise_plan)
-from .parts import on_parts, part_count, split, twin_of
+from .parallel_split import on_parts, parallel_twin, part_count, split, twin_of
 from .windows import _as_3d, _text, _valid_range, window_geometry
 
 # Forward products with at most this many output channels per group and at least this deep a K run as
@@ -425,12 +425,7 @@ def _conv_bias_grad(dy, db, m0, m1):
             total += partial
         db[m] = total
 
-@twin_of(_conv_bias_grad, range=("m0", "m1"))
-@njit(cache=True, error_model="numpy", parallel=True)
-def _conv_bias_grad_parts(dy, db, bounds):
-    """_conv_bias_grad on parts of the channels (bounds), in parallel: each sum as in one thread."""
-    for p in prange(bounds.size - 1):
-        _conv_bias_grad(dy, db, bounds[p], bounds[p + 1])
+_conv_bias_grad_parts = parallel_twin(_conv_bias_grad, range=("m0", "m1"))
 
 
 def _depthwise_frames(geom, padded, out_spatial, channels=0):
@@ -478,7 +473,7 @@ def _depthwise_frames(geom, padded, out_spatial, channels=0):
 
 class _ConvLayout:
     """How a convolution runs, from the shapes of X, W and Y and the step's threads: views, geometry, kernel
-    choice, how many parts of the batch run in parallel (kernels/parts.py), work sizes per part."""
+    choice, how many parts of the batch run in parallel (kernels/parallel_split.py), work sizes per part."""
 
     def __init__(self, x_shape, w_shape, y_shape, group=1, auto_pad="NOTSET", dilations=None, kernel_shape=None,
                  pads=None, strides=None, threads=1):

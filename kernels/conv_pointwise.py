@@ -24,7 +24,7 @@ import numpy as np
 from .jit import njit, prange
 
 from .blas import gemm_blocks, product
-from .parts import on_parts, part_bounds, part_count, twin_of
+from .parallel_split import on_parts, part_bounds, part_count, twin_of
 
 COLUMNS = 512  # convolutions gather images into one product until it has this many columns (also kernels/conv.py)
 MIN_CHANNELS = 16  # output channels per part when parts split channels (narrower products lose speed)

@@ -33,7 +33,7 @@ import numpy as np
 from .jit import njit, prange
 
 from .blas import gemm_blocks
-from .parts import twin_of
+from .parallel_split import twin_of
 
 TAP_MIN_CHANNELS = 16  # thinner products (K = C/G per tap) lose to im2col's K = C/G·kh·kw
 # Narrower outputs waste more of every product on unused cells ((kw - 1)·dw / Wp). At 8 wide (3x3, 32 images,

@@ -23,7 +23,7 @@ import numpy as np
 
 from .jit import njit, prange
 
-from .parts import twin_of
+from .parallel_split import twin_of
 from .windows import _valid_range
 
 # Sums may be reassociated (fastmath "reassoc"): they vectorise, and partial sums are no less accurate.
@@ -406,7 +406,7 @@ def _depthwise_weight_grad(dy, x, dw, geom, taps, frame, padded, rows, sums, pad
                 dw[g, m, k] = sums[m, k, g]
 
 
-# ---- the same on parts of the units, in parallel (kernels/parts.py) ---------------------------------
+# ---- the same on parts of the units, in parallel (kernels/parallel_split.py) ---------------------------------
 # work[p] is part p's scratch: its padded planes or image (padded_shape), its output or gradient plane
 # (rows_shape), then its taps or weight-gradient sums (sums_shape): work and sums_shape stand in the twin's
 # arguments where the serial kernel's three pieces of scratch stand.

@@ -26,10 +26,10 @@ import numpy as np
 
 from .jit import njit, prange
 
-from . import ODTRAIN_DOMAIN, binding
+from .registry import ODTRAIN_DOMAIN, binding
 from .blas import gemm_blocks
 from .layout import flat
-from .parts import on_parts, part_count, twin_of
+from .parallel_split import on_parts, part_count, twin_of
 
 INT8, BFLOAT16, INT4 = 0, 1, 2
 PANEL_ELEMENTS = 1 << 16

@@ -32,18 +32,18 @@ ulps) that LLVM vectorises, several times faster than libm's in softmax, GELU an
 (bench_ops.ElementwiseOps, UnaryOps). Float32 Sigmoid runs on fast_exp too (within 2.3 ulps of float64
 numpy over [-100, 100]), and so do Swish and its gradient (kernels/nn.py); float64 keeps libm's exp.
 
-With threads, the flat kernels (and _binary_strided) have `_parts` twins (kernels/parts.py) that run them
+With threads, the flat kernels (and _binary_strided) have `_parts` twins (kernels/parallel_split.py) that run them
 on parts of their elements (rows) in one parallel region; every value is as in one thread.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .jit import intrinsic, njit, overload, prange, types
+from .jit import intrinsic, njit, overload, prange, types  # noqa: F401 (prange: the loops of the written twins)
 
-from . import ODTRAIN_DOMAIN, binding
+from .registry import ODTRAIN_DOMAIN, binding
 from .layout import broadcast_layout, flat
-from .parts import split, twin_of
+from .parallel_split import parallel_twin, split
 from .tensor import first_row, next_row, row_start
 
 BINARY = {"Add": 0, "Sub": 1, "Mul": 2, "Div": 3, "ReluGrad": 4, "SigmoidGrad": 5, "TanhGrad": 6,
@@ -612,90 +612,18 @@ def _float_class(x, out, nan, positive, negative):
 # ---- the same on parts of the flat arrays (or of the rows), in parallel: every value as in one thread -----
 
 
-@twin_of(_unary)
-@njit(cache=True, error_model="numpy", parallel=True)
-def _unary_parts(code, x, out, bounds):
-    for p in prange(bounds.size - 1):
-        _unary(code, x[bounds[p]:bounds[p + 1]], out[bounds[p]:bounds[p + 1]])
-
-
-@twin_of(_special_unary)
-@njit(cache=True, error_model="numpy", parallel=True)
-def _special_unary_parts(code, x, out, bounds):
-    for p in prange(bounds.size - 1):
-        _special_unary(code, x[bounds[p]:bounds[p + 1]], out[bounds[p]:bounds[p + 1]])
-
-
-@twin_of(_rare_unary)
-@njit(cache=True, error_model="numpy", parallel=True)
-def _rare_unary_parts(code, x, out, bounds):
-    for p in prange(bounds.size - 1):
-        _rare_unary(code, x[bounds[p]:bounds[p + 1]], out[bounds[p]:bounds[p + 1]])
-
-
-@twin_of(_gelu)
-@njit(cache=True, error_model="numpy", parallel=True)
-def _gelu_parts(x, out, bounds):
-    for p in prange(bounds.size - 1):
-        _gelu(x[bounds[p]:bounds[p + 1]], out[bounds[p]:bounds[p + 1]])
-
-
-@twin_of(_gelu_inplace)
-@njit(cache=True, error_model="numpy", parallel=True)
-def _gelu_inplace_parts(x, bounds):
-    for p in prange(bounds.size - 1):
-        _gelu_inplace(x[bounds[p]:bounds[p + 1]])
-
-
-@twin_of(_binary)
-@njit(cache=True, error_model="numpy", parallel=True)
-def _binary_parts(code, a, b, out, bounds):
-    for p in prange(bounds.size - 1):
-        _binary(code, a[bounds[p]:bounds[p + 1]], b[bounds[p]:bounds[p + 1]], out[bounds[p]:bounds[p + 1]])
-
-
-@twin_of(_binary_into)
-@njit(cache=True, error_model="numpy", parallel=True)
-def _binary_into_parts(code, out, b, bounds):
-    """_binary_into on parts of the elements (bounds)."""
-    for p in prange(bounds.size - 1):
-        _binary_into(code, out[bounds[p]:bounds[p + 1]], b[bounds[p]:bounds[p + 1]])
-
-
-@twin_of(_special_binary)
-@njit(cache=True, error_model="numpy", parallel=True)
-def _special_binary_parts(code, dy, x, out, bounds):
-    for p in prange(bounds.size - 1):
-        _special_binary(code, dy[bounds[p]:bounds[p + 1]], x[bounds[p]:bounds[p + 1]], out[bounds[p]:bounds[p + 1]])
-
-
-@twin_of(_gelu_grad)
-@njit(cache=True, error_model="numpy", parallel=True)
-def _gelu_grad_parts(dy, x, out, bounds):
-    for p in prange(bounds.size - 1):
-        _gelu_grad(dy[bounds[p]:bounds[p + 1]], x[bounds[p]:bounds[p + 1]], out[bounds[p]:bounds[p + 1]])
-
-
-@twin_of(_gelu_grad_into_dy)
-@njit(cache=True, error_model="numpy", parallel=True)
-def _gelu_grad_into_dy_parts(dy, x, bounds):
-    for p in prange(bounds.size - 1):
-        _gelu_grad_into_dy(dy[bounds[p]:bounds[p + 1]], x[bounds[p]:bounds[p + 1]])
-
-
-@twin_of(_binary_scalar)
-@njit(cache=True, error_model="numpy", parallel=True)
-def _binary_scalar_parts(code, a, b, out, bounds):
-    for p in prange(bounds.size - 1):
-        _binary_scalar(code, a[bounds[p]:bounds[p + 1]], b, out[bounds[p]:bounds[p + 1]])
-
-
-@twin_of(_binary_strided, range=("first", "last"))
-@njit(cache=True, error_model="numpy", parallel=True)
-def _binary_strided_parts(code, a, b, out, dims, sa, sb, in_place, bounds):
-    """_binary_strided on parts of the rows (bounds)."""
-    for p in prange(bounds.size - 1):
-        _binary_strided(code, a, b, out, dims, sa, sb, in_place, bounds[p], bounds[p + 1])
+_unary_parts = parallel_twin(_unary, sliced=("x", "out"))
+_special_unary_parts = parallel_twin(_special_unary, sliced=("x", "out"))
+_rare_unary_parts = parallel_twin(_rare_unary, sliced=("x", "out"))
+_gelu_parts = parallel_twin(_gelu, sliced=("x", "out"))
+_gelu_inplace_parts = parallel_twin(_gelu_inplace, sliced=("x",))
+_binary_parts = parallel_twin(_binary, sliced=("a", "b", "out"))
+_binary_into_parts = parallel_twin(_binary_into, sliced=("out", "b"))
+_special_binary_parts = parallel_twin(_special_binary, sliced=("dy", "x", "out"))
+_gelu_grad_parts = parallel_twin(_gelu_grad, sliced=("dy", "x", "out"))
+_gelu_grad_into_dy_parts = parallel_twin(_gelu_grad_into_dy, sliced=("dy", "x"))
+_binary_scalar_parts = parallel_twin(_binary_scalar, sliced=("a", "out"))
+_binary_strided_parts = parallel_twin(_binary_strided, range=("first", "last"))
 
 
 def same_buffer(x: np.ndarray, y: np.ndarray) -> bool:

@@ -29,11 +29,11 @@ import numpy as np
 
 from .jit import njit
 
-from . import ODTRAIN_DOMAIN, binding
+from .registry import ODTRAIN_DOMAIN, binding
 from .blas import COLUMNS, PRODUCTS, ROWS, gemm_batched_parts, gemm_blocks
 from .elementwise import gather_call
 from .layout import broadcast_layout, element_strides
-from .parts import on_parts, part_count, splitting_everything, twin_of, worth_parallel
+from .parallel_split import on_parts, part_count, splitting_everything, twin_of, worth_parallel
 from .reduction import sum_call
 from .tensor import copy_call
 
@@ -56,7 +56,7 @@ def _zero(out):
 
 
 # Products of fewer multiply-adds run on one thread: BLAS does that many in about the time a parallel region
-# costs to wake its threads after they idle (kernels/parts.py), so an MLP's last layer ran slower in two
+# costs to wake its threads after they idle (kernels/parallel_split.py), so an MLP's last layer ran slower in two
 # parts than on one thread (bench_ops.ProductOps, Gemm).
 MIN_PARALLEL_PRODUCT = 1 << 20
 MIN_ROWS = 16  # rows (or columns) of a product per part: fewer make BLAS's blocks inefficient

@@ -20,9 +20,9 @@ import numpy as np
 
 from .jit import njit, prange
 
-from . import ODTRAIN_DOMAIN, binding
+from .registry import ODTRAIN_DOMAIN, binding
 from .elementwise import fast_sigmoid, fast_sigmoid_pair, same_buffer
-from .parts import split, twin_of
+from .parallel_split import parallel_twin, split, twin_of
 from .windows import _text
 
 # Sums may be reassociated (fastmath "reassoc"): they vectorise, and partial sums are no less accurate.
@@ -191,29 +191,9 @@ def _batch_norm_grad(dy, x, y, scale, mean_in, var_in, dx, dscale, dbias, dmean,
 # ---- the same on parts of the channels, in parallel: each channel is computed as in the serial kernel --
 
 
-@twin_of(_batch_norm_train, range=("c0", "c1"))
-@njit(cache=True, error_model="numpy", parallel=True)
-def _batch_norm_train_parts(x, scale, bias, mean_in, var_in, y, mean_out, var_out, has_running, momentum, epsilon,
-                            stats, low, high, in_place, bounds):
-    for p in prange(bounds.size - 1):
-        _batch_norm_train(x, scale, bias, mean_in, var_in, y, mean_out, var_out, has_running, momentum, epsilon,
-                          stats, low, high, in_place, bounds[p], bounds[p + 1])
-
-
-@twin_of(_batch_norm_infer, range=("c0", "c1"))
-@njit(cache=True, error_model="numpy", parallel=True)
-def _batch_norm_infer_parts(x, scale, bias, mean, var, y, epsilon, stats, low, high, in_place, bounds):
-    for p in prange(bounds.size - 1):
-        _batch_norm_infer(x, scale, bias, mean, var, y, epsilon, stats, low, high, in_place, bounds[p], bounds[p + 1])
-
-
-@twin_of(_batch_norm_grad, range=("c0", "c1"))
-@njit(cache=True, error_model="numpy", parallel=True)
-def _batch_norm_grad_parts(dy, x, y, scale, mean_in, var_in, dx, dscale, dbias, dmean, dvar, wants, training,
-                           epsilon, masked, low, high, block, sums, in_place, bounds):
-    for p in prange(bounds.size - 1):
-        _batch_norm_grad(dy, x, y, scale, mean_in, var_in, dx, dscale, dbias, dmean, dvar, wants, training, epsilon,
-                         masked, low, high, block, sums, in_place, bounds[p], bounds[p + 1])
+_batch_norm_train_parts = parallel_twin(_batch_norm_train, range=("c0", "c1"))
+_batch_norm_infer_parts = parallel_twin(_batch_norm_infer, range=("c0", "c1"))
+_batch_norm_grad_parts = parallel_twin(_batch_norm_grad, range=("c0", "c1"))
 
 
 def _ncs(array: np.ndarray) -> np.ndarray:
@@ -403,12 +383,7 @@ def _activation_grad(code, dy, v, a_in, b_in, out, in_place):
         _activation_grad_loops(code, dy, v, a_in[0], b_in[0], out)
 
 
-@twin_of(_activation)
-@njit(cache=True, error_model="numpy", parallel=True)
-def _activation_parts(code, x, a_in, b_in, out, in_place, bounds):
-    """_activation on parts of the flat arrays (bounds), in parallel."""
-    for p in prange(bounds.size - 1):
-        _activation(code, x[bounds[p]:bounds[p + 1]], a_in, b_in, out[bounds[p]:bounds[p + 1]], in_place)
+_activation_parts = parallel_twin(_activation, sliced=("x", "out"))
 
 
 @twin_of(_activation_grad)

@@ -5,7 +5,7 @@ the normalised axes (layer norm), so every kernel is a loop over independent row
 common case inner = 1 walks contiguous rows that LLVM vectorises. Statistics accumulate in
 float32, two passes (mean, then centred variance), as ONNX Runtime's CPU kernels do.
 
-With threads, each kernel's `_parts` twin (kernels/parts.py) runs it on parts of the outer rows
+With threads, each kernel's `_parts` twin (kernels/parallel_split.py) runs it on parts of the outer rows
 (contiguous slabs of the flat arrays) in one parallel region; every value is computed as in the serial
 kernel, except the scale (and bias) gradients of LayerNorm and RMSNorm, summed per part and then added in
 part order.
@@ -16,10 +16,10 @@ import numpy as np
 
 from .jit import njit, prange
 
-from . import ODTRAIN_DOMAIN, binding
+from .registry import ODTRAIN_DOMAIN, binding
 from .elementwise import fast_exp, same_buffer
 from .layout import flat
-from .parts import split, twin_of
+from .parallel_split import split, twin_of
 
 
 REDUCE = {"reassoc"}  # reductions may reorder their sums: lets LLVM vectorise them (bench_ops.ElementwiseOps, Softmax)

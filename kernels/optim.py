@@ -9,7 +9,7 @@ SGD with momentum (torch.optim.SGD; μ momentum, τ dampening, λ weight decay):
     d ← g + λ·w;  b ← d on the first step, else μ·b + (1-τ)·d
     w ← w - lr·(d + μ·b) with Nesterov, else w ← w - lr·b
 
-Each update is elementwise: its `_parts` twin runs it on parts of the buffers (kernels/parts.py) in one
+Each update is elementwise: its `_parts` twin runs it on parts of the buffers (kernels/parallel_split.py) in one
 parallel region, every value as in the serial loop.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import math
 import numpy as np
 
 from .jit import intrinsic, njit, prange, types
-from .parts import twin_of
+from .parallel_split import twin_of
 
 
 @njit(cache=True, error_model="numpy", inline="always")

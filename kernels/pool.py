@@ -8,7 +8,7 @@ per-cell bounds checks, and 2x2 tiles of planes get their own loops along the ro
 at bind time per window position (input cells, or with count_include_pad also the declared padding).
 
 Planes are independent: with threads, each kernel's `_parts` twin runs it on parts of the planes in one
-parallel region (kernels/parts.py); every value is computed as in the serial kernel.
+parallel region (kernels/parallel_split.py); every value is computed as in the serial kernel.
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import numpy as np
 
 from .jit import njit, prange
 
-from . import ODTRAIN_DOMAIN, binding
-from .parts import split, twin_of
+from .registry import ODTRAIN_DOMAIN, binding
+from .parallel_split import parallel_twin, split, twin_of
 from .windows import _as_3d, window_geometry
 
 
@@ -230,41 +230,11 @@ def _max_pool_parts(x, y, indices, want_indices, column_major, geom, tiled, boun
         _max_pool(x[bounds[p]:bounds[p + 1]], y[bounds[p]:bounds[p + 1]], indices, False, column_major, geom, tiled)
 
 
-@twin_of(_max_pool_grad)
-@njit(cache=True, error_model="numpy", parallel=True)
-def _max_pool_grad_parts(dy, x, dx, geom, tiled, bounds):
-    for p in prange(bounds.size - 1):
-        _max_pool_grad(dy[bounds[p]:bounds[p + 1]], x[bounds[p]:bounds[p + 1]], dx[bounds[p]:bounds[p + 1]], geom,
-                       tiled)
-
-
-@twin_of(_max_pool_2x2)
-@njit(cache=True, error_model="numpy", parallel=True)
-def _max_pool_2x2_parts(x, y, bounds):
-    for p in prange(bounds.size - 1):
-        _max_pool_2x2(x[bounds[p]:bounds[p + 1]], y[bounds[p]:bounds[p + 1]])
-
-
-@twin_of(_max_pool_2x2_grad)
-@njit(cache=True, error_model="numpy", parallel=True)
-def _max_pool_2x2_grad_parts(dy_bits, x, dx_bits, bounds):
-    for p in prange(bounds.size - 1):
-        _max_pool_2x2_grad(dy_bits[bounds[p]:bounds[p + 1]], x[bounds[p]:bounds[p + 1]],
-                           dx_bits[bounds[p]:bounds[p + 1]])
-
-
-@twin_of(_average_pool)
-@njit(cache=True, error_model="numpy", parallel=True)
-def _average_pool_parts(x, y, inverse_count, geom, bounds):
-    for p in prange(bounds.size - 1):
-        _average_pool(x[bounds[p]:bounds[p + 1]], y[bounds[p]:bounds[p + 1]], inverse_count, geom)
-
-
-@twin_of(_average_pool_grad)
-@njit(cache=True, error_model="numpy", parallel=True)
-def _average_pool_grad_parts(dy, dx, inverse_count, geom, bounds):
-    for p in prange(bounds.size - 1):
-        _average_pool_grad(dy[bounds[p]:bounds[p + 1]], dx[bounds[p]:bounds[p + 1]], inverse_count, geom)
+_max_pool_grad_parts = parallel_twin(_max_pool_grad, sliced=("dy", "x", "dx"))
+_max_pool_2x2_parts = parallel_twin(_max_pool_2x2, sliced=("x", "y"))
+_max_pool_2x2_grad_parts = parallel_twin(_max_pool_2x2_grad, sliced=("dy_bits", "x", "dx_bits"))
+_average_pool_parts = parallel_twin(_average_pool, sliced=("x", "y"))
+_average_pool_grad_parts = parallel_twin(_average_pool_grad, sliced=("dy", "dx"))
 
 
 @njit(cache=True, error_model="numpy")

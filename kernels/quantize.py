@@ -25,7 +25,7 @@ import numpy as np
 
 from .jit import njit
 
-from . import ODTRAIN_DOMAIN, binding
+from .registry import ODTRAIN_DOMAIN, binding
 from .conv import Conv, conv_scratch
 from .linalg import gemm_calls, promoted_shapes
 from .tensor import convert_call, converts

@@ -25,7 +25,7 @@ import numpy as np
 
 from .jit import njit
 
-from . import ODTRAIN_DOMAIN, binding
+from .registry import ODTRAIN_DOMAIN, binding
 from .elementwise import fast_sigmoid, fast_tanh
 from .blas import blas_gemm
 from .layout import flat, float_buffers

@@ -9,7 +9,7 @@ import numpy as np
 
 from .jit import njit
 
-from . import ODTRAIN_DOMAIN, binding
+from .registry import ODTRAIN_DOMAIN, binding
 from .elementwise import COPY, _unary, gather_call
 from .layout import coalesce, element_strides, flat
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from .jit import njit
 
-from . import ODTRAIN_DOMAIN, binding
+from .registry import ODTRAIN_DOMAIN, binding
 from .windows import _text
 
 RESIZE_AXES = 4

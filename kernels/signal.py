@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import ODTRAIN_DOMAIN, binding
+from .registry import ODTRAIN_DOMAIN, binding
 from .blas import product
 from .jit import njit
 

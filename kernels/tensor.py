@@ -21,9 +21,9 @@ import numpy as np
 
 from .jit import njit, prange
 
-from . import ODTRAIN_DOMAIN, binding
+from .registry import ODTRAIN_DOMAIN, binding
 from .layout import element_strides, flat
-from .parts import split, twin_of
+from .parallel_split import parallel_twin, split, twin_of
 
 COPY_DIMS = 6
 SCATTER = {"none": 0, "add": 1, "mul": 2, "max": 3, "min": 4}
@@ -118,12 +118,7 @@ def _copy_strided(x, x_start, sx, out, out_start, so, dims, accumulate, first, l
                         i0 += 1
 
 
-@twin_of(_copy_strided, range=("first", "last"))
-@njit(cache=True, error_model="numpy", parallel=True)
-def _copy_strided_parts(x, x_start, sx, out, out_start, so, dims, accumulate, bounds):
-    """_copy_strided on parts of the rows (bounds); only for copies that write each element once."""
-    for p in prange(bounds.size - 1):
-        _copy_strided(x, x_start, sx, out, out_start, so, dims, accumulate, bounds[p], bounds[p + 1])
+_copy_strided_parts = parallel_twin(_copy_strided, range=("first", "last"))
 
 
 @njit(cache=True, error_model="numpy")

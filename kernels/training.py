@@ -15,12 +15,12 @@ import numpy as np
 
 from .jit import njit, prange
 
-from . import ODTRAIN_DOMAIN, binding
+from .registry import ODTRAIN_DOMAIN, binding
 from .blas import gemm_blocks
 from .dequantized import INT4, INT8, PANEL_ELEMENTS, _product_part, _stored
 from .elementwise import fast_exp
 from .layout import flat, float_buffers
-from .parts import on_parts, part_count, split, twin_of
+from .parallel_split import on_parts, part_count, split, twin_of
 
 REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
 REDUCE = {"reassoc"}  # the row sums may reorder: LLVM vectorises them

@@ -2,7 +2,7 @@
 
 `UPDATES` maps an optimizer (its kind, and the type its moments are kept in) to the function that builds
 its one serial call on the flat block: (kernel, arguments) of kernels/optim.py. Everything else is shared:
-the call is split into parts at the step's thread count by the parallel-split rule (kernels/parts.py),
+the call is split into parts at the step's thread count by the parallel-split rule (kernels/parallel_split.py),
 run through the kernel library when it holds it, else through Numba (`executor.invoke`), and a device
 without Numba asks the library for exactly that call before the first step (`require_update_kernels`).
 A new optimizer is one row of the table and one kernel.
@@ -22,7 +22,7 @@ from .graph.errors import KernelsUnavailableError
 from .kernel_library import compiler_installed, missing_kernel
 from .kernels.optim import (CODE_MAPS, CODE_TABLES, adamw8_update, adamw_update, dequantize_blocks, quantize_blocks,
                             sgd_momentum_update, sgd_update)
-from .kernels.parts import split
+from .kernels.parallel_split import split
 from .state import ABSMAX
 
 

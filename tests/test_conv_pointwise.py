@@ -9,7 +9,7 @@ largest magnitude; 2e-6 still fails a wrong channel or image, which moves whole 
 import numpy as np
 import pytest
 
-from odtrain.kernels import BINDINGS, parts
+from odtrain.kernels import BINDINGS, parallel_split
 from odtrain.kernels.conv import _ConvLayout, _conv_transpose_scratch
 from odtrain.kernels.conv_pointwise import FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT, pointwise_plan
 from test_conv_taps import ODTRAIN, TOLERANCE, oracle, run
@@ -26,7 +26,7 @@ CASES = [  # x shape, w shape, group, bias
 @pytest.fixture
 def always_split(monkeypatch):
     """Parts whatever the work, so the small cases run the parallel twins."""
-    monkeypatch.setattr(parts, "MIN_PARALLEL_WORK", 0)
+    monkeypatch.setattr(parallel_split, "MIN_PARALLEL_WORK", 0)
 
 
 @pytest.mark.parametrize("threads", [1, 2])

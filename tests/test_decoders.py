@@ -103,12 +103,12 @@ def test_decoder_matches_pytorch(family, export, optimizer, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("export", ["torchscript17", "dynamo23"])
 def test_decoder_split_into_parallel_parts_matches_pytorch(export, tmp_path, monkeypatch):
-    """At 2 threads with every kernel split into parts (kernels/parts.py, forced on these small shapes): the
+    """At 2 threads with every kernel split into parts (kernels/parallel_split.py, forced on these small shapes): the
     fused and the opset-23 RMSNorm, rotary and attention kernels run their parallel twins along the golden."""
     import odtrain.threads as thread_policy
-    from odtrain.kernels import parts
+    from odtrain.kernels import parallel_split
 
-    monkeypatch.setattr(parts, "MIN_PARALLEL_WORK", 0)
+    monkeypatch.setattr(parallel_split, "MIN_PARALLEL_WORK", 0)
     thread_policy.set_num_threads(2)
     try:
         folder, meta, golden = decoder("llama")

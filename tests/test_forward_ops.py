@@ -189,6 +189,27 @@ def test_inputs_that_configure_ops_bind_as_constants_one_plan_per_value():
         assert_outputs_match(session.run(None, feeds), ReferenceEvaluator(model).run(None, feeds))
 
 
+def test_nodes_of_older_opsets_are_upgraded_by_their_ops_registrations():
+    """The loader applies what each op registers (graph/ops, `upgrade`): DFT's axis attribute of opsets before
+    20 gets its old default written out; opset 11's flattening Softmax over the last axis alone becomes
+    axis -1, over more axes it is refused; a model of the newer opset is read as it is."""
+    from odtrain.graph.onnx_io import load_graph
+
+    def loaded(node, shape, opset):
+        model = _model([node], [("x", TensorProto.FLOAT, shape)])
+        model.opset_import[0].version = opset
+        return load_graph(model).nodes[0].attrs
+
+    assert OPS[("", "DFT")].upgrades and OPS[("", "Softmax")].upgrades and OPS[("", "LogSoftmax")].upgrades
+    assert loaded(helper.make_node("DFT", ["x"], ["y"]), [2, 8, 1], 17)["axis"] == 1
+    assert "axis" not in loaded(helper.make_node("DFT", ["x"], ["y"]), [2, 8, 1], 20)
+    assert loaded(helper.make_node("Softmax", ["x"], ["y"]), [2, 5], 11)["axis"] == -1
+    assert loaded(helper.make_node("LogSoftmax", ["x"], ["y"], axis=2), [2, 3, 5], 11)["axis"] == -1
+    assert loaded(helper.make_node("Softmax", ["x"], ["y"], axis=1), [2, 3, 5], 13)["axis"] == 1
+    with pytest.raises(OdtrainError, match="opset 13's single-axis Softmax"):
+        loaded(helper.make_node("Softmax", ["x"], ["y"]), [2, 3, 5], 11)
+
+
 def test_models_older_than_opset_9_load_when_their_ops_have_not_changed_since():
     """And means at opset 7 what it means at 9: the model loads as it is. Upsample-7 took its scales as an
     attribute, an input from opset 9 on: the model is refused with the way out."""

@@ -115,14 +115,14 @@ def test_an_unfused_dequantize_linear_reads_a_packed_weight_as_onnx_does():
 def test_fused_vocabulary_loss_on_an_int4_head_matches_float64(threads, monkeypatch):
     """LinearCrossEntropy on a tied int4 head (W [V, H] read transposed, blocks along H) in chunks of rows and
     small panels: the mean loss and dHidden against float64 on the dequantized weight."""
-    from odtrain.kernels import parts
+    from odtrain.kernels import parallel_split
     from odtrain.kernels import training as loss_kernels
     from odtrain.kernels.training import _vocabulary_scratch
 
     monkeypatch.setattr(loss_kernels, "CHUNK_MIN_ROWS", 4)
     monkeypatch.setattr(loss_kernels, "CHUNK_BYTES", 0)
     monkeypatch.setattr(loss_kernels, "PANEL_ELEMENTS", 256)
-    monkeypatch.setattr(parts, "MIN_PARALLEL_WORK", 0)
+    monkeypatch.setattr(parallel_split, "MIN_PARALLEL_WORK", 0)
     vocabulary, width, rows = 97, 70, 10
     packed, scale, w64 = int4_weight((vocabulary, width), 1)
     rng = np.random.default_rng(2)

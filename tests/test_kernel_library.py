@@ -72,9 +72,9 @@ def test_a_step_in_parts_gives_the_jits_bits_as_many_parts_as_threads_or_more(ml
     several, unevenly, and every part must run once. Three whole steps against the JIT's at the same parts
     (every kernel that has a parallel twin runs it, even for this small model)."""
     import odtrain.threads as thread_policy
-    from odtrain.kernels import parts
+    from odtrain.kernels import parallel_split
 
-    monkeypatch.setattr(parts, "MIN_PARALLEL_WORK", 0)
+    monkeypatch.setattr(parallel_split, "MIN_PARALLEL_WORK", 0)
     enter = thread_policy.NEIGHBOURS.enter  # counted as ever (leave() uncounts it), its answer set aside
     monkeypatch.setattr(thread_policy.NEIGHBOURS, "enter", lambda count: enter(count) and count)
     with_library, without = mlp_library
@@ -172,9 +172,9 @@ def test_kernels_taking_tuples_give_their_jit_twins_bits_through_a_library(tmp_p
 
 
 def test_the_manifest_names_each_parallel_twins_serial_kernel(mlp_library):
-    """From kernels/parts.py's table: the MLP at two threads runs its products and its update in parts, and larger
-    batches its element-wise ops (recorded split: kernels/parts.py, every_split)."""
-    from odtrain.kernels.parts import TWINS
+    """From kernels/parallel_split.py's table: the MLP at two threads runs its products and its update in parts, and larger
+    batches its element-wise ops (recorded split: kernels/parallel_split.py, every_split)."""
+    from odtrain.kernels.parallel_split import TWINS
 
     with_library, _ = mlp_library
     manifest = json.loads((with_library / kernel_library.FOLDER / kernel_library.MANIFEST_FILE).read_text())

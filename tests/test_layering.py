@@ -23,9 +23,10 @@ def imported_modules(folder: str, package: str):
 
 # kernels/blas.py registers the library behind the products' symbols with Numba's code generator (llvmlite);
 # kernels/blas_library.py finds numpy's OpenBLAS and holds its threads (ctypes, os, threading); kernels/jit.py
-# loads Numba when a kernel compiles (sys, threading)
+# loads Numba when a kernel compiles (sys, threading); kernels/__init__.py imports the modules of its folder
+# (importlib, pkgutil)
 STANDARD_LIBRARY = {"blas.py": {"llvmlite"}, "blas_library.py": {"ctypes", "os", "threading"},
-                    "jit.py": {"sys", "threading"}}
+                    "jit.py": {"sys", "threading"}, "__init__.py": {"importlib", "pkgutil"}}
 
 
 def test_kernels_import_only_numpy_and_numba():
@@ -48,8 +49,9 @@ def test_kernel_modules_load_numba_only_when_a_kernel_compiles():
 
 def test_graph_never_imports_kernels_or_odtrain():
     allowed = {"numpy", "onnx", "__future__", "dataclasses", "typing", "itertools", "enum", "os", "math", "struct",
-               "fnmatch", "sys", "mmap"}  # sys: whether onnx is loaded already (graph/onnx_io.py writes a model without
-    # it if not); mmap: graph/onnx_wire.py lets the kernel drop the mapped model's pages of weights converted
+               "fnmatch", "sys", "mmap", "importlib", "pkgutil"}  # sys: whether onnx is loaded already (graph/onnx_io.py
+    # writes a model without it if not); mmap: graph/onnx_wire.py lets the kernel drop the mapped model's pages of
+    # weights converted; importlib, pkgutil: graph/ops/__init__.py imports the family modules of its folder
     for path, module in imported_modules("graph", "odtrain.graph"):
         if module.startswith("odtrain."):
             assert module.startswith("odtrain.graph"), (path, module)
@@ -64,8 +66,8 @@ def test_only_the_executor_joins_graph_nodes_to_kernels():
     # for the kernels, the kernel library hands its code numpy's BLAS and keeps the compiler unloaded, its
     # build reads the table of parallel twins and records split calls; none sees a node
     others = {("jit/__init__.py", "odtrain.kernels.jit"), ("kernel_library/__init__.py", "odtrain.kernels.blas_library"),
-              ("kernel_library/__init__.py", "odtrain.kernels.jit"), ("library_build/link.py", "odtrain.kernels.parts"),
-              ("library_build/record.py", "odtrain.kernels.parts")}
+              ("kernel_library/__init__.py", "odtrain.kernels.jit"), ("library_build/link.py", "odtrain.kernels.parallel_split"),
+              ("library_build/record.py", "odtrain.kernels.parallel_split")}
     assert {name for name, _ in users - others} <= {"executor.py", "optimizer_update.py"}, users
 
 
@@ -203,9 +205,80 @@ def test_the_cycle_finder_finds_a_cycle():
 
 def test_no_import_cycles():
     graph = module_imports()
-    assert "odtrain.graph.ops" in graph["odtrain.graph.ops.nn"] and "odtrain.executor" in graph["odtrain.api"]
+    assert "odtrain.graph.ops.registry" in graph["odtrain.graph.ops.nn"] and "odtrain.executor" in graph["odtrain.api"]
     cycles = import_cycles(graph)
     assert not cycles, [sorted(cycle) for cycle in cycles]
+
+
+REGISTRIES = {"odtrain.graph.ops": ("graph", "ops"), "odtrain.kernels": ("kernels",)}
+
+
+def test_no_family_module_imports_its_own_package():
+    """The family modules of graph/ops and kernels take the registry from their package's leaf module
+    (`.registry`), never from the package, which imports them: no module points up at its package."""
+    graph = module_imports()
+    upward = sorted(f"{module} imports {package}" for package in REGISTRIES for module, imported in graph.items()
+                    if module.startswith(package + ".") and package in imported)
+    assert not upward, upward
+    assert "odtrain.kernels.registry" in graph["odtrain.kernels.conv"]  # the check sees the leaf's arrow
+
+
+def test_the_registries_import_every_module_on_disk():
+    """Each package imports the modules its folder holds, whatever they are (private `_` modules and the
+    registry itself excepted): a family module registers by being there."""
+    import importlib
+    import sys
+
+    for package, folder in REGISTRIES.items():
+        module = importlib.import_module(package)
+        on_disk = sorted(path.stem for path in ROOT.joinpath(*folder).glob("*.py")
+                         if not path.stem.startswith("_") and path.stem != "registry")
+        assert module.submodules() == on_disk, package
+        assert all(f"{package}.{name}" in sys.modules for name in on_disk), package
+
+
+def test_a_family_module_is_registered_by_being_in_the_folder(tmp_path):
+    """A new module in a folder of the package's path, importing the registry from `.registry`, is imported
+    and registered with no list edited (here a second folder on `__path__`, as a source checkout's mapping
+    adds one): a subprocess loads graph/ops and kernels with a probe family beside each."""
+    import subprocess
+    import sys
+    import textwrap
+
+    (tmp_path / "ops").mkdir()
+    (tmp_path / "ops" / "probe_family.py").write_text(textwrap.dedent("""
+        from .registry import no_grad, op, same_as_input
+
+        op("ProbeOp", domain="probe")(same_as_input())
+        """))
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "probe_family.py").write_text(textwrap.dedent("""
+        from .registry import binding
+
+        @binding("ProbeOp", domain="probe")
+        def ProbeOp(inputs, outputs):
+            return []
+        """))
+    script = textwrap.dedent(f"""
+        import importlib.util, sys
+        import odtrain.graph
+
+        def load(name, folder, extra):
+            spec = importlib.util.spec_from_file_location(name, folder + "/__init__.py",
+                                                          submodule_search_locations=[folder, extra])
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+            return module
+
+        ops = load("odtrain.graph.ops", {str(ROOT / "graph" / "ops")!r}, {str(tmp_path / "ops")!r})
+        kernels = load("odtrain.kernels", {str(ROOT / "kernels")!r}, {str(tmp_path / "kernels")!r})
+        assert ("probe", "ProbeOp") in ops.OPS and ("probe", "ProbeOp") in kernels.BINDINGS
+        assert "probe_family" in ops.submodules() and ("", "Conv") in ops.OPS and ("", "Conv") in kernels.BINDINGS
+        print("registered")
+        """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "registered", done.stderr[-3000:]
 
 
 def test_no_module_reaches_into_the_sessions_or_parameter_store_of_the_api():

@@ -2,14 +2,14 @@
 accumulation) against numpy, on the layouts a decoder's step binds: grouped-query attention's
 repeated key/value heads, head transposes, a mask broadcast over heads, runs repeated along the last
 axis, an operand broadcast on the left of a non-commutative op, an output written over an input.
-Each case runs serially and split into 3 parts of its rows (kernels/parts.py), so a part starts in
+Each case runs serially and split into 3 parts of its rows (kernels/parallel_split.py), so a part starts in
 the middle of an axis; float32 adds, products and copies are exact, so every case is equal to numpy's,
 bit for bit. The ONNX backend node cases (tests/test_forward_ops.py) cover the ops' other attributes.
 """
 import numpy as np
 import pytest
 
-from odtrain.kernels import BINDINGS, ODTRAIN_DOMAIN, parts
+from odtrain.kernels import BINDINGS, ODTRAIN_DOMAIN, parallel_split
 
 rng = np.random.default_rng(11)
 
@@ -68,7 +68,7 @@ def run(op, inputs, out, attrs, threads):
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_layout_kernel_matches_numpy(name, threads, monkeypatch):
-    monkeypatch.setattr(parts, "MIN_PARALLEL_WORK", 0)
+    monkeypatch.setattr(parallel_split, "MIN_PARALLEL_WORK", 0)
     op, inputs, shape, attrs, expected = CASES[name]
     out = np.full(shape, np.nan, np.float32)
     calls = run(op, inputs, out, attrs, threads)

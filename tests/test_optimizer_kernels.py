@@ -11,7 +11,7 @@ import numpy as np
 
 from odtrain.kernels.optim import (CODE_MAPS, CODE_TABLES, adamw8_update, adamw8_update_parts, adamw_update,
                                    adamw_update_parts, dequantize_blocks, dynamic_code_map, quantize_blocks)
-from odtrain.kernels.parts import part_bounds
+from odtrain.kernels.parallel_split import part_bounds
 
 LR, BETA1, BETA2, EPS, DECAY, STEP = 1e-3, 0.9, 0.999, 1e-6, 0.01, 3
 

@@ -228,12 +228,12 @@ def test_fused_vocabulary_loss_in_chunks_and_parts_equals_the_unfused_one(thread
     states' gradient made by the forward from its own logits, the head's by the backward forming them again;
     with the head frozen there is no backward op. A model that also outputs the logits keeps them."""
     import odtrain.threads as thread_policy
-    from odtrain.kernels import parts
+    from odtrain.kernels import parallel_split
     from odtrain.kernels import training as loss_kernels
 
     monkeypatch.setattr(loss_kernels, "CHUNK_MIN_ROWS", 4)
     monkeypatch.setattr(loss_kernels, "CHUNK_BYTES", 0)
-    monkeypatch.setattr(parts, "MIN_PARALLEL_WORK", 0)
+    monkeypatch.setattr(parallel_split, "MIN_PARALLEL_WORK", 0)
     thread_policy.set_num_threads(threads)
     try:
         loss, grads, kernels, ops = _trained_once(tmp_path / "fused", True, monkeypatch, trained=trained)
@@ -279,13 +279,13 @@ def test_fused_vocabulary_loss_reads_a_stored_head_as_the_unfused_product(kind, 
     parts) and gives the loss and the trained layer's gradient of the unfused DequantizedMatMul and loss."""
     import odtrain.threads as thread_policy
     from odtrain.graph import fusion
-    from odtrain.kernels import parts
+    from odtrain.kernels import parallel_split
     from odtrain.kernels import training as loss_kernels
 
     monkeypatch.setattr(loss_kernels, "CHUNK_MIN_ROWS", 4)
     monkeypatch.setattr(loss_kernels, "CHUNK_BYTES", 0)
     monkeypatch.setattr(loss_kernels, "PANEL_ELEMENTS", 8)
-    monkeypatch.setattr(parts, "MIN_PARALLEL_WORK", 0)
+    monkeypatch.setattr(parallel_split, "MIN_PARALLEL_WORK", 0)
     thread_policy.set_num_threads(threads)
     results = {}
     try:
@@ -367,12 +367,12 @@ def test_fused_vocabulary_loss_against_float64_at_large_last_column_logits_ignor
     (`ignore_index=0`: a value that is falsy), the loss scaled by 0.37 after the op (a dLoss other than 1 reaches
     both gradients). In chunks of 4 rows, serial and in parts of the vocabulary and the rows."""
     import odtrain.threads as thread_policy
-    from odtrain.kernels import parts
+    from odtrain.kernels import parallel_split
     from odtrain.kernels import training as loss_kernels
 
     monkeypatch.setattr(loss_kernels, "CHUNK_MIN_ROWS", 4)
     monkeypatch.setattr(loss_kernels, "CHUNK_BYTES", 0)
-    monkeypatch.setattr(parts, "MIN_PARALLEL_WORK", 0)
+    monkeypatch.setattr(parallel_split, "MIN_PARALLEL_WORK", 0)
     rows, width, vocab, scale = 11, 6, 9, 0.37
     model, x, a, w = _fused_loss_model(transposed, 0, scale, rows, width, vocab)
     labels = np.random.default_rng(5).integers(1, vocab, rows).astype(np.int64)

@@ -1,6 +1,6 @@
 """Threads: the one setting, parallel kernels against their serial twins and the oracles, reproducibility.
 
-Parallel kernels split their work only when it pays (kernels/parts.py); these tests force the split on
+Parallel kernels split their work only when it pays (kernels/parallel_split.py); these tests force the split on
 small shapes (MIN_PARALLEL_WORK = 0), so every parallel kernel runs its parts, also on a 1-core machine
 (a step split for 2 threads gives the same bits whatever threads run its parts).
 """
@@ -14,7 +14,7 @@ from onnx import helper
 import odtrain.threads as thread_policy
 from odtrain import ArgumentError, artifacts
 from odtrain.api import CheckpointState, Module, Optimizer
-from odtrain.kernels import conv, linalg, parts
+from odtrain.kernels import conv, linalg, parallel_split
 from oracles import OPSET, gradient_check, make_model, reference_outputs, with_weighted_sum
 from test_attention import decomposed_rms_norm, decomposed_rotary
 from test_vision import GRADIENT_CASES, _artifacts as reference_artifacts
@@ -29,7 +29,7 @@ PARTS_RTOL = 2e-6
 def split_everything(monkeypatch):
     """Every kernel with a parallel twin runs it, whatever the work: the small cases below take the paths
     large models take (products in parts, weight gradients split by output channels)."""
-    monkeypatch.setattr(parts, "MIN_PARALLEL_WORK", 0)
+    monkeypatch.setattr(parallel_split, "MIN_PARALLEL_WORK", 0)
     monkeypatch.setattr(linalg, "MIN_PARALLEL_PRODUCT", 0)
     monkeypatch.setattr(conv, "CHANNEL_SPLIT_SUMS", 0)
 

@@ -1,4 +1,4 @@
-"""The one table of parallel twins (kernels/parts.py): every `_parts` kernel is registered, every twin's
+"""The one table of parallel twins (kernels/parallel_split.py): every `_parts` kernel is registered, every twin's
 parameters follow from its serial kernel's by the one rule, and the chooser keeps the serial call at one part.
 Nothing compiles: the kernels' Python functions are read, not run.
 """
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import odtrain.kernels as kernels
-from odtrain.kernels.parts import TWINS, on_parts, parameters, part_bounds, split
+from odtrain.kernels.parallel_split import TWINS, on_parts, parallel_twin, parameters, part_bounds, split, twin_source
 
 
 def kernel_modules():
@@ -32,7 +32,7 @@ def test_every_parts_kernel_is_a_registered_twin():
     registered = {twin.parallel for twin in TWINS.values()}
     unregistered = [f"{module}.{name}" for module, name, kernel in defined_kernels()
                     if name.endswith("_parts") and kernel not in registered]
-    assert not unregistered, f"parallel kernels missing from kernels/parts.py's TWINS (twin_of): {unregistered}"
+    assert not unregistered, f"parallel kernels missing from kernels/parallel_split.py's TWINS (twin_of): {unregistered}"
     assert len(TWINS) >= 50
 
 
@@ -67,6 +67,40 @@ def test_the_chooser_keeps_the_serial_call_at_one_part_and_cuts_fixed_parts():
         on_parts(grad, 6, 3)
 
 
+WRITTEN = [twin for twin in TWINS.values() if twin.written]
+
+
+def test_written_twins_are_their_records_loop_in_the_serial_kernels_file():
+    """A twin written from its record (parallel_twin) is one parallel loop calling its serial kernel, compiled as
+    part of the serial kernel's file and module (what Numba's on-disk cache needs), with the twins' options."""
+    assert len(WRITTEN) >= 25
+    for twin in WRITTEN:
+        serial, parallel = twin.serial.py_func, twin.parallel.py_func
+        assert parallel.__name__ == serial.__name__ + "_parts" and parallel.__module__ == serial.__module__
+        assert parallel.__code__.co_filename == serial.__code__.co_filename
+        assert parallel.__globals__ is serial.__globals__
+        assert twin.parallel.options == {"cache": True, "error_model": "numpy", "parallel": True}
+        assert not twin.replaces and not twin.takes
+    from odtrain.kernels.elementwise import _binary_scalar
+    from odtrain.kernels.nn import _batch_norm_infer
+
+    assert twin_source(_binary_scalar, sliced=("a", "out")) == (
+        "def _binary_scalar_parts(code, a, b, out, bounds):\n"
+        "    for p in prange(bounds.size - 1):\n"
+        "        _binary_scalar(code, a[bounds[p]:bounds[p + 1]], b, out[bounds[p]:bounds[p + 1]])\n")
+    assert twin_source(_batch_norm_infer, range=("c0", "c1")).endswith(
+        "_batch_norm_infer(x, scale, bias, mean, var, y, epsilon, stats, low, high, in_place, bounds[p], bounds[p + 1])\n")
+
+
+def test_a_twin_is_written_only_from_a_record_it_can_follow():
+    from odtrain.kernels.elementwise import _binary_scalar, _unary
+
+    with pytest.raises(ValueError, match="cut some of its arrays"):
+        twin_source(_binary_scalar, sliced=("nothing",))
+    with pytest.raises(ValueError, match="under a name of its own"):
+        parallel_twin(_unary, sliced=("x", "out"))  # its module has _unary_parts already
+
+
 def test_a_kernel_without_a_twin_is_refused_by_name():
     from odtrain.kernels.optim import add_into
 
@@ -82,7 +116,7 @@ def test_recording_a_small_product_records_the_twin_a_larger_batch_runs():
     from odtrain.kernels.blas import gemm_batched_parts
     from odtrain.kernels.linalg import gemm_calls
     from odtrain.kernel_library import signature_of
-    from odtrain.kernels.parts import every_split
+    from odtrain.kernels.parallel_split import every_split
 
     def calls(batch):
         a, b = np.ones((batch, 64), np.float32), np.ones((64, 10), np.float32)

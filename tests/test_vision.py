@@ -405,9 +405,9 @@ def test_a_folded_gradient_is_the_activation_gradient_then_the_normalization_gra
                                                                                       training_mode, monkeypatch):
     """The folded kernel against the two it replaces, bit for bit: in place or not, serial or in parts, blocks
     of channels smaller than an image."""
-    from odtrain.kernels import BINDINGS, nn, parts
+    from odtrain.kernels import BINDINGS, nn, parallel_split
 
-    monkeypatch.setattr(parts, "MIN_PARALLEL_WORK", 0)
+    monkeypatch.setattr(parallel_split, "MIN_PARALLEL_WORK", 0)
     monkeypatch.setattr(nn, "MASK_BLOCK", 24)  # 2 channels of 12 cells a block, 3 blocks an image
     gradient, normalization = BINDINGS[("ai.odtrain", "ClipGrad")], BINDINGS[("ai.odtrain", "BatchNormalizationGrad")]
     x, dy, y = rand(3, 5, 3, 4), rand(3, 5, 3, 4), rand(3, 5, 3, 4)

@@ -23,7 +23,7 @@ import numpy as np
 
 from ..errors import ModelError, UnsupportedOpError
 from ..ir import ODTRAIN_DOMAIN, TensorType
-from . import grad, op
+from .registry import grad, op
 
 ROTARY_ATTRIBUTES = ("interleaved", "num_heads", "rotary_embedding_dim")
 ATTENTION_ATTRIBUTES = ("scale", "is_causal", "q_num_heads", "kv_num_heads", "softcap", "left_window_size",

@@ -17,7 +17,7 @@ import math
 
 from ..errors import ModelError, UnsupportedOpError
 from ..ir import ODTRAIN_DOMAIN, TensorType
-from . import grad, op, same_as_input
+from .registry import grad, op, same_as_input
 from .windows import _auto_pad, _ints, _require_float32, _spatial_rank, window_output_shape
 
 
@@ -88,8 +88,14 @@ def _conv_grad(ctx):  # dX = col2im(Wᵀ · dY), dW = dY · im2col(X)ᵀ
     _convolution_grad(ctx, CONV_ATTRS, "ConvInputGrad", "ConvWeightGrad")
 
 
-for _name in ("ConvInputGrad", "ConvWeightGrad", "ConvTransposeInputGrad", "ConvTransposeWeightGrad"):
-    op(_name, ODTRAIN_DOMAIN, shape_only=(2,))(same_as_input(2))  # the gradient has its operand's type
+# Each gradient is a product again, of as many operations as its forward product on two of its inputs:
+# name -> (forward op, positions of the two operands, position of dY); (dY, W, X) and (dY, X, W).
+PRODUCT_GRADIENTS = {"ConvInputGrad": ("Conv", 2, 1, 0), "ConvWeightGrad": ("Conv", 1, 2, 0),
+                     "ConvTransposeInputGrad": ("ConvTranspose", 2, 1, 0),
+                     "ConvTransposeWeightGrad": ("ConvTranspose", 1, 2, 0)}
+for _name, _product in PRODUCT_GRADIENTS.items():
+    # the gradient has its operand's type
+    op(_name, ODTRAIN_DOMAIN, shape_only=(2,), gradient_product=_product)(same_as_input(2))
 
 
 @op("ConvBiasGrad", ODTRAIN_DOMAIN)

@@ -23,7 +23,7 @@ import numpy as np
 
 from ..errors import ModelError
 from ..ir import ODTRAIN_DOMAIN, TensorType
-from . import grad, no_grad, op
+from .registry import grad, no_grad, op
 
 FLOAT32 = np.dtype(np.float32)
 STORED_TYPES = ("int8", "int4", "bfloat16")  # the element types the weight is read in

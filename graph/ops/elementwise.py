@@ -28,7 +28,7 @@ import numpy as np
 
 from ..errors import ModelError
 from ..ir import ODTRAIN_DOMAIN, TensorType
-from . import broadcast_shapes, grad, no_grad, op, same_as_input
+from .registry import broadcast_shapes, grad, no_grad, op, same_as_input
 
 
 def _int_div(a, b):

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..errors import ModelError, UnsupportedOpError
 from ..ir import ODTRAIN_DOMAIN, TensorType
-from . import broadcast_shapes, grad, op
+from .registry import broadcast_shapes, grad, op
 
 
 def _gemm_flops(node, types, out) -> float:
@@ -100,13 +100,14 @@ def _matmul_grad(ctx):  # dA = dY · Bᵀ, dB = Aᵀ · dY, each summed over the
 
 
 # MatMulGradA(dY, B, A) -> dA and MatMulGradB(A, dY, B) -> dB: products with a transposed operand, batch
-# axes summed where the input was broadcast; the last input is read for its shape only.
-@op("MatMulGradA", ODTRAIN_DOMAIN, shape_only=(2,))
+# axes summed where the input was broadcast; the last input is read for its shape only. Each does as many
+# operations as the forward MatMul(A, B) (`gradient_product`: the positions of A and B among its inputs, then dY's).
+@op("MatMulGradA", ODTRAIN_DOMAIN, shape_only=(2,), gradient_product=("MatMul", 2, 1, 0))
 def _matmul_grad_a_rule(node, types, consts):
     return [types[2]]
 
 
-@op("MatMulGradB", ODTRAIN_DOMAIN, shape_only=(2,))
+@op("MatMulGradB", ODTRAIN_DOMAIN, shape_only=(2,), gradient_product=("MatMul", 0, 2, 1))
 def _matmul_grad_b_rule(node, types, consts):
     return [types[2]]
 

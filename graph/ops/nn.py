@@ -28,7 +28,7 @@ import numpy as np
 
 from ..errors import ModelError, UnsupportedOpError
 from ..ir import ODTRAIN_DOMAIN, Node, TensorType
-from . import eval_form, grad, op
+from .registry import eval_form, grad, op
 from .windows import _input_shaped, _require_float32
 
 

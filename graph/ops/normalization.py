@@ -28,7 +28,7 @@ import numpy as np
 
 from ..errors import ModelError
 from ..ir import ODTRAIN_DOMAIN, TensorType
-from . import grad, op, same_as_input
+from .registry import grad, op, same_as_input, upgrade
 
 
 def _check_axis(node, rank: int, default: int) -> int:
@@ -50,6 +50,23 @@ op("Softmax", inplace=((0, 0),), passes=3.0)(_softmax_rule)
 op("LogSoftmax", inplace=((0, 0),), passes=3.0)(_softmax_rule)
 op("SoftmaxGrad", ODTRAIN_DOMAIN, inplace=((0, 0),))(same_as_input(0))
 op("LogSoftmaxGrad", ODTRAIN_DOMAIN, inplace=((0, 0),))(same_as_input(0))
+
+
+@upgrade("Softmax", before=13)
+@upgrade("LogSoftmax", before=13)
+def _flattening_softmax(node, opset, value_types, source):
+    """Before opset 13, Softmax/LogSoftmax flattened the input to 2-D at `axis` (default 1) and
+    normalised over everything after it. Where that is the last axis alone, pin `axis=-1` (the
+    meaning odtrain's kernels implement); otherwise refuse rather than compute something else."""
+    t = value_types.get(node.inputs[0])
+    axis = int(node.attrs.get("axis", 1))
+    rank = None if t is None or t.shape is None else len(t.shape)
+    if rank is not None and axis % rank == rank - 1:
+        node.attrs["axis"] = -1
+    else:
+        raise ModelError(f"{source}: {node.describe()} (opset {opset}) normalises over the axes from "
+                         f"{axis} on, flattened{'' if rank else ', for an input of unknown rank'}; odtrain "
+                         "implements opset 13's single-axis Softmax: re-export with opset 13 or newer")
 
 
 @op("LpNormalization", inplace=((0, 0),), passes=2.0)

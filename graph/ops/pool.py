@@ -13,7 +13,7 @@ import numpy as np
 
 from ..errors import ModelError
 from ..ir import ODTRAIN_DOMAIN, TensorType
-from . import grad, op
+from .registry import grad, op
 from .windows import _auto_pad, _input_shaped, _require_float32, _spatial_rank, window_output_shape
 
 

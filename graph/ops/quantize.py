@@ -35,7 +35,7 @@ import numpy as np
 from ..errors import ModelError, UnsupportedOpError
 from ..ir import ODTRAIN_DOMAIN, Graph, Node, TensorType
 from ..onnx_wire import element_type_name, is_storage_dtype
-from . import eval_form, grad, no_grad, op
+from .registry import eval_form, grad, no_grad, op
 from .conv import conv_output_shape
 from .linalg import matmul_shape
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from ..errors import ModelError
 from ..ir import ODTRAIN_DOMAIN, TensorType
-from . import grad, op
+from .registry import grad, op
 
 DEFAULT_ACTIVATIONS = {"GRU": ["sigmoid", "tanh"], "LSTM": ["sigmoid", "tanh", "tanh"]}
 GATES = {"GRU": 3, "LSTM": 4}

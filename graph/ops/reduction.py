@@ -27,7 +27,7 @@ import numpy as np
 
 from ..errors import ModelError, UnsupportedOpError
 from ..ir import ODTRAIN_DOMAIN, TensorType
-from . import attr_axes, grad, no_grad, op
+from .registry import attr_axes, grad, no_grad, op
 
 def _extreme(dtype: np.dtype, largest: bool):
     """The largest (or smallest) value of a dtype: what a maximum (minimum) over no elements is."""

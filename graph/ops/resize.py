@@ -11,7 +11,7 @@ import numpy as np
 
 from ..errors import ModelError, UnsupportedOpError
 from ..ir import ODTRAIN_DOMAIN, TensorType
-from . import grad, op
+from .registry import grad, op
 from .windows import _input_shaped, _require_float32
 
 RESIZE_MODES = ("nearest", "linear", "cubic")

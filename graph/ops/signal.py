@@ -28,9 +28,11 @@ import numpy as np
 from ..errors import ModelError, UnsupportedOpError
 from ..onnx_wire import numpy_dtype
 from ..ir import ODTRAIN_DOMAIN, TensorType
-from . import grad, no_grad, op
+from .registry import grad, no_grad, op, upgrade
 
 FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+# Why the windows and the mel matrix never reach a kernel (their registration's `no_kernel`).
+CONSTANT_OUTPUT = "its inputs are constants: its output folds to a constant when shapes bind"
 
 
 def _scalar(node, consts, index: int, what: str, default=None):
@@ -89,6 +91,13 @@ def _dft_rule(node, types, consts):
     s = dft_settings(node, types, consts)
     return [TensorType(types[0].dtype, dft_output_shape(types[0].shape, s["axis"], s["length"], s["inverse"],
                                                         s["onesided"]))]
+
+
+@upgrade("DFT", before=20)
+def _dft_axis_attribute(node, opset, value_types, source):
+    """Before opset 20, DFT's axis was an attribute with default 1; from 20 it is input 2 with default -2.
+    Write the old default out, so that the DFT rule reads one meaning."""
+    node.attrs.setdefault("axis", 1)
 
 
 def stft_settings(node, types, consts) -> dict:
@@ -176,7 +185,7 @@ def _window_rule(coefficients: tuple):
 
 WINDOWS = {"HannWindow": (0.5, 0.5), "HammingWindow": (25 / 46, 21 / 46), "BlackmanWindow": (0.42, 0.5, 0.08)}
 for _name, _coefficients in WINDOWS.items():
-    op(_name, constant_inputs=(0,))(_window_rule(_coefficients))
+    op(_name, constant_inputs=(0,), no_kernel=CONSTANT_OUTPUT)(_window_rule(_coefficients))
     no_grad(_name, "its output depends only on its size")
 
 
@@ -197,7 +206,7 @@ def mel_weight_matrix(bins: int, dft_length: int, sample_rate: float, low_hz: fl
     return out
 
 
-@op("MelWeightMatrix", constant_inputs=(0, 1, 2, 3, 4))
+@op("MelWeightMatrix", constant_inputs=(0, 1, 2, 3, 4), no_kernel=CONSTANT_OUTPUT)
 def _mel_rule(node, types, consts):
     names = ("num_mel_bins", "dft_length", "sample_rate", "lower_edge_hertz", "upper_edge_hertz")
     bins, length, rate, low, high = (_scalar(node, consts, i, name) for i, name in enumerate(names))

@@ -23,7 +23,12 @@ import numpy as np
 from ..errors import ModelError, UnsupportedOpError
 from ..ir import ODTRAIN_DOMAIN, TensorType
 from ..onnx_wire import element_type, is_storage_dtype, numpy_dtype
-from . import broadcast_shapes, grad, no_grad, op
+from .registry import broadcast_shapes, grad, no_grad, op
+
+# Why an op of this family never reaches a kernel (its registration's `no_kernel`).
+VIEW = "a view: its output shares its input's bytes"
+SHAPE_CONSTANT = "its output follows from the input's shape: a constant once shapes bind"
+FOLDED = "its input must be a constant: it runs when shapes bind, and folds"
 
 
 def _static_size(dims) -> int | None:
@@ -96,7 +101,7 @@ def reshape_target(node, in_shape: tuple, target) -> tuple:
     return tuple(out)
 
 
-@op("Reshape", view=True, constant_inputs=(1,))
+@op("Reshape", view=True, constant_inputs=(1,), no_kernel=VIEW)
 def _reshape_rule(node, types, consts):
     x = types[0]
     if consts[1] is None:
@@ -118,7 +123,7 @@ def _reshape_back(ctx):  # dX = reshape(dY, shape(X))
 grad("Reshape")(_reshape_back)
 
 
-@op("Flatten", view=True)
+@op("Flatten", view=True, no_kernel=VIEW)
 def _flatten_rule(node, types, consts):
     x = types[0]
     if x.shape is None:
@@ -148,7 +153,7 @@ def squeeze_shape(node, shape: tuple, axes) -> tuple:
     return tuple(d for i, d in enumerate(shape) if i not in axes)
 
 
-@op("Squeeze", view=True, constant_inputs=(1,))
+@op("Squeeze", view=True, constant_inputs=(1,), no_kernel=VIEW)
 def _squeeze_rule(node, types, consts):
     x = types[0]
     axes = _attr_or_input(node, consts, "axes", 1, "axes")
@@ -171,7 +176,7 @@ def unsqueeze_shape(node, shape: tuple, axes) -> tuple:
     return tuple(1 if i in axes else next(dims) for i in range(rank))
 
 
-@op("Unsqueeze", view=True, constant_inputs=(1,))
+@op("Unsqueeze", view=True, constant_inputs=(1,), no_kernel=VIEW)
 def _unsqueeze_rule(node, types, consts):
     x = types[0]
     axes = _attr_or_input(node, consts, "axes", 1, "axes")
@@ -583,7 +588,7 @@ def _cast_like_grad(ctx):  # dX = cast(dY, type of X)
     ctx.set_grad(0, ctx.emit("CastLike", [ctx.GO(0), ctx.I(0)]))
 
 
-@op("BitCast", view=True)
+@op("BitCast", view=True, no_kernel="a view: its output is its input's bytes read as another type")
 def _bit_cast_rule(node, types, consts):
     """The input's bytes read as another element type of the same size (a view)."""
     dtype = onnx_dtype(node, node.attrs.get("to"))
@@ -599,7 +604,7 @@ def _bit_cast_rule(node, types, consts):
 no_grad("BitCast", "its output is the input's bits read as another type")
 
 
-@op("EyeLike", shape_only=(0,))
+@op("EyeLike", shape_only=(0,), no_kernel=SHAPE_CONSTANT)
 def _eye_like_rule(node, types, consts):
     """Ones on the k-th diagonal of a matrix shaped as the input: a constant once shapes are bound."""
     x = types[0]
@@ -791,7 +796,7 @@ def _value_input(node, consts, index: int = 0) -> np.ndarray:
     return np.asarray(consts[index])
 
 
-@op("Unique", constant_inputs=(0,))
+@op("Unique", constant_inputs=(0,), no_kernel=FOLDED)
 def _unique_rule(node, types, consts):
     """The distinct values (or slices along `axis`), sorted or in order of first appearance, with the first
     index of each, the index of each input element's value, and the counts."""
@@ -808,7 +813,7 @@ def _unique_rule(node, types, consts):
     return _folded([values, first.astype(np.int64), inverse.astype(np.int64), counts.astype(np.int64)])
 
 
-@op("NonZero", constant_inputs=(0,))
+@op("NonZero", constant_inputs=(0,), no_kernel=FOLDED)
 def _non_zero_rule(node, types, consts):
     """The indices of the nonzero elements, one row per axis."""
     x = _value_input(node, consts)
@@ -833,7 +838,7 @@ def _iou(box: np.ndarray, others: np.ndarray) -> np.ndarray:
     return np.where(union > 0, inter / np.where(union > 0, union, 1), 0)
 
 
-@op("NonMaxSuppression", constant_inputs=(0, 1, 2, 3, 4))
+@op("NonMaxSuppression", constant_inputs=(0, 1, 2, 3, 4), no_kernel=FOLDED)
 def _non_max_suppression_rule(node, types, consts):
     """[batch, class, box] of the boxes kept: per batch and class, by descending score (above score_threshold),
     each box whose IoU with every box kept before it is at most iou_threshold, at most
@@ -892,7 +897,7 @@ def _trilu_grad(ctx):  # dX = trilu(dY): the same elements pass
 # ---- Shape, Size, Constant, ConstantOfShape, Range: constants once shapes are bound -----------------
 
 
-@op("Shape", shape_only=(0,))
+@op("Shape", shape_only=(0,), no_kernel=SHAPE_CONSTANT)
 def _shape_rule(node, types, consts):
     x = types[0]
     rank = None if x.shape is None else len(x.shape)
@@ -903,7 +908,7 @@ def _shape_rule(node, types, consts):
     return [TensorType(np.dtype(np.int64), None if rank is None else (rank,))]
 
 
-@op("Size", shape_only=(0,))
+@op("Size", shape_only=(0,), no_kernel=SHAPE_CONSTANT)
 def _size_rule(node, types, consts):
     x = types[0]
     if x.is_static:
@@ -911,7 +916,7 @@ def _size_rule(node, types, consts):
     return [TensorType(np.dtype(np.int64), ())]
 
 
-@op("Constant")
+@op("Constant", no_kernel="a constant of the model: its value is folded when shapes bind")
 def _constant_rule(node, types, consts):
     value = constant_value(node)
     return [TensorType(value.dtype, value.shape)], [value]

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import ModelError
 from ..ir import ODTRAIN_DOMAIN, TensorType
-from . import grad, op
+from .registry import grad, op
 from .dequantized import FROZEN_WEIGHT, check_stored_weight
 
 
@@ -61,7 +61,7 @@ def _class_loss_grad_rule(node, types, consts):
 APPLY_UPDATE = "ApplyUpdate"
 
 
-@op(APPLY_UPDATE, ODTRAIN_DOMAIN)
+@op(APPLY_UPDATE, ODTRAIN_DOMAIN, no_kernel="the executor runs the optimizer's update kernels for it")
 def _apply_update_rule(node, types, consts):
     """ApplyUpdate(gradient, parameter): the optimizer update of one parameter during the backward
     pass (fused update mode); it reads the gradient, writes the parameter, and outputs nothing."""

@@ -5,7 +5,7 @@
   signature), the runner `odtrain_run` and the launcher (odtrain/library_build/launcher.c);
 - MANIFEST_FILE, JSON: the odtrain, Numba and llvmlite versions, the target triple, CPU and features,
   the digest of the kernel sources (odtrain.jit.cache) and each entry's kernel, signature and symbol
-  (and, for a parallel twin, `twin_of`: the serial kernel it runs in parts, from kernels/parts.py's TWINS).
+  (and, for a parallel twin, `twin_of`: the serial kernel it runs in parts, from kernels/parallel_split.py's TWINS).
 
 A kernel call is (kernel, args): the kernel is named by its module and qualified name (`kernel_name`),
 its arguments by a signature string (`signature_of`) that says what Numba's typeof would: an array's

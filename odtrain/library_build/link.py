@@ -255,7 +255,7 @@ def build_here(spec_path: str, out_dir: str) -> None:
     from numba.core.registry import cpu_target
 
     from ..jit.cache import kernel_dispatchers
-    from ..kernels.parts import TWINS
+    from ..kernels.parallel_split import TWINS
 
     serial_of = {twin.parallel: twin.serial for twin in TWINS.values()}
 
@@ -297,7 +297,7 @@ def build_here(spec_path: str, out_dir: str) -> None:
         linked.link_in(module)
         manifest_entries.append({"kernel": name, "signature": signature, "symbol": symbol,
                                  "errors": raised_messages(kernel)})
-        if kernel in serial_of:  # a parallel twin: the kernel its parts run (kernels/parts.py)
+        if kernel in serial_of:  # a parallel twin: the kernel its parts run (kernels/parallel_split.py)
             manifest_entries[-1]["twin_of"] = kernel_name(serial_of[kernel])
     linked.verify()
     if retarget:

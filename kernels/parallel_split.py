@@ -15,6 +15,12 @@ call itself at one part (exactly as with one thread), else the twin's call:
   its units, depend on them).
 `takes` is the twin's own arguments, or a function of the parts that gives them.
 
+Most twins are one parallel loop over the parts calling `_x` on its units, given by `_x`'s range or by
+cutting its flat arrays: such a twin is written from its record, `_x_parts = parallel_twin(_x, range=...)`
+or `parallel_twin(_x, sliced=(array names))` (twin_source is its text), and compiled as part of `_x`'s
+file and module so that Numba caches it on disk like a twin written out. A twin that does more per part
+(its own work memory, partial sums added in part order) is written out under `@twin_of`.
+
 - `part_count(threads, units, work)`: 1 when there is one thread, one unit, or too little work to pay for a
   parallel region (`worth_parallel`); else min(threads, units).
 - `every_split()`: while the kernel library records a model's calls (odtrain/kernel_build.py), any work is
@@ -27,7 +33,7 @@ bound, not by the threads that happen to run them, and partial sums are added in
 given thread count gives the same bits every time.
 
 TWINS (serial kernel -> Twin) is the one table of kernels and their twins: the kernel library's build
-(odtrain/kernel_build.py) and tests/test_twins.py read it. Imports numpy only.
+(odtrain/kernel_build.py) and tests/test_twins.py read it. Imports numpy (and, to write a twin, kernels/jit.py).
 """
 from __future__ import annotations
 
@@ -88,13 +94,17 @@ def parameters(kernel) -> tuple[str, ...]:
 
 
 class Twin:
-    """A serial kernel, its parallel twin, and how the twin's arguments follow from the serial call's."""
+    """A serial kernel, its parallel twin, and how the twin's arguments follow from the serial call's
+    (`written`: the twin was written from this record by `parallel_twin`; `sliced`: then the arrays each
+    part cuts to its units)."""
 
-    __slots__ = ("serial", "parallel", "range", "replaces", "takes")
+    __slots__ = ("serial", "parallel", "range", "replaces", "takes", "sliced", "written")
 
-    def __init__(self, serial, parallel, range: tuple[str, ...], replaces: tuple[str, ...], takes: tuple[str, ...]):
+    def __init__(self, serial, parallel, range: tuple[str, ...], replaces: tuple[str, ...], takes: tuple[str, ...],
+                 sliced: tuple[str, ...] = (), written: bool = False):
         self.serial, self.parallel = serial, parallel
         self.range, self.replaces, self.takes = tuple(range), tuple(replaces), tuple(takes)
+        self.sliced, self.written = tuple(sliced), written
 
     def parameters(self) -> tuple[str, ...]:
         """The twin's parameter names as the rule derives them from the serial kernel's."""
@@ -134,6 +144,57 @@ def twin_of(serial, range: tuple[str, ...] = (), replaces: tuple[str, ...] = (),
     return register
 
 
+# The options of every parallel twin's kernel.
+TWIN_OPTIONS = {"cache": True, "error_model": "numpy", "parallel": True}
+
+
+def twin_source(serial, range: tuple[str, ...] = (), sliced: tuple[str, ...] = ()) -> str:
+    """The source of the twin that most serial kernels have, which `parallel_twin` compiles: one Numba
+    parallel loop over the parts, each calling `serial` on its units, given either as `serial`'s trailing
+    `range` (its first and last unit) or by cutting the flat arrays named in `sliced` to them."""
+    name, names = serial.__name__, parameters(serial)
+    kept = names[:len(names) - len(range)]
+    if range:
+        if len(range) != 2 or sliced:
+            raise ValueError(f"{name}: a written twin takes one range of units (first, last) or sliced arrays")
+        arguments = kept + ("bounds[p]", "bounds[p + 1]")
+    else:
+        unknown = sorted(set(sliced) - set(kept))
+        if not sliced or unknown:
+            raise ValueError(f"{name}: its twin must cut some of its arrays to the parts ({unknown or 'none'} given)")
+        arguments = tuple(f"{n}[bounds[p]:bounds[p + 1]]" if n in sliced else n for n in kept)
+    return (f"def {name}_parts({', '.join(kept + ('bounds',))}):\n"
+            f"    for p in prange(bounds.size - 1):\n"
+            f"        {name}({', '.join(arguments)})\n")
+
+
+def parallel_twin(serial, range: tuple[str, ...] = (), sliced: tuple[str, ...] = ()):
+    """`serial`'s parallel twin `<serial>_parts`, written from its Twin record (twin_source), registered in
+    TWINS and returned, for the module to bind under that name.
+
+    The function is compiled as part of `serial`'s file and module: its globals are the module's (prange,
+    `serial`) and its code names that file, at `serial`'s first line, so Numba's on-disk cache keeps it
+    beside the module's other kernels and stamps it with that file (a function without a file cannot be
+    cached), and what reads a kernel's source finds `serial`'s."""
+    from .jit import njit
+
+    function = serial.py_func
+    namespace, name = function.__globals__, f"{serial.__name__}_parts"
+    if namespace.get(serial.__name__) is not serial or name in namespace or "prange" not in namespace:
+        raise ValueError(f"{name}: the twin is written in {serial.__name__}'s module (which imports prange from "
+                         ".jit), under a name of its own")
+    lines = "\n" * (function.__code__.co_firstlineno - 1)
+    scratch = {}
+    exec(compile(lines + twin_source(serial, range, sliced), function.__code__.co_filename, "exec"), namespace,
+         scratch)
+    written = scratch[name]
+    written.__doc__ = (f"{serial.__name__} on parts of its units (bounds), in parallel: written from its Twin "
+                       "record (kernels/parallel_split.py, parallel_twin).")
+    parallel = njit(**TWIN_OPTIONS)(written)
+    TWINS[serial] = Twin(serial, parallel, range, (), (), sliced, written=True)
+    return parallel
+
+
 def on_parts(call: tuple, units: int, parts: int, takes=()) -> tuple:
     """`call` (serial kernel, args over all `units`) itself at one part, else its twin's call on `parts`
     fixed parts of the units; `takes`: the twin's own arguments, or a function of the parts giving them."""
@@ -142,7 +203,7 @@ def on_parts(call: tuple, units: int, parts: int, takes=()) -> tuple:
     kernel, args = call
     twin = TWINS.get(kernel)
     if twin is None:
-        raise KeyError(f"{getattr(kernel, '__name__', kernel)} has no parallel twin (kernels/parts.py, twin_of)")
+        raise KeyError(f"{getattr(kernel, '__name__', kernel)} has no parallel twin (kernels/parallel_split.py, twin_of)")
     return twin.parallel, twin.arguments(args, takes(parts) if callable(takes) else takes, part_bounds(units, parts))
 
 
