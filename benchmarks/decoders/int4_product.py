@@ -17,6 +17,7 @@ The default clock is the process's CPU time: steady on a shared machine, blind t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import numpy as np
@@ -29,6 +30,17 @@ def timed(run, repeats, read):
         run()
         seconds.append(read() - start)
     return float(np.median(seconds))
+
+
+@contextlib.contextmanager
+def one_blas_thread():
+    from odtrain.kernels.blas import hold_one_thread, release_thread
+
+    hold_one_thread()
+    try:
+        yield
+    finally:
+        release_thread()
 
 
 def call_all(calls):
@@ -48,7 +60,6 @@ def main():
 
     from odtrain.graph.int4 import dequantize, int4_blocks
     from odtrain.kernels import BINDINGS, ODTRAIN_DOMAIN, SCRATCH
-    from odtrain.kernels.blas import hold_one_thread, release_thread
     from odtrain.threads import set_num_threads
 
     set_num_threads(args.threads)
@@ -69,15 +80,13 @@ def main():
             scratch = np.zeros(nbytes, np.uint8)
             calls = BINDINGS[(ODTRAIN_DOMAIN, "DequantizedMatMul")]([a, packed, scale], [out], threads=args.threads,
                                                                     scratch=scratch, **attrs)
-            hold_one_thread() if args.threads == 1 else None
-            try:
+            product = dense.T if trans_b else dense
+            expected = a @ product
+            with one_blas_thread():  # the kernels' parts are the threads, as in a step
                 call_all(calls)
-                product = dense.T if trans_b else dense
-                expected = a @ product
                 seconds = timed(lambda: call_all(calls), args.repeats, read)
+            with one_blas_thread() if args.threads == 1 else contextlib.nullcontext():
                 dense_seconds = timed(lambda: np.dot(a, product), args.repeats, read)
-            finally:
-                release_thread() if args.threads == 1 else None
             flops = 2 * m * rows * columns
             error = float(np.max(np.abs(out - expected)) / np.max(np.abs(expected)))
             print(f"W [{rows} x {columns}] transB={trans_b} M={m} threads={args.threads}: int4 "
@@ -91,7 +100,6 @@ def head(m, threads, repeats, read, rng, vocabulary=128256, hidden_width=2048):
     """LinearCrossEntropy on a tied int4 head W [vocabulary, hidden] (transB=1), with dHidden."""
     from odtrain.graph.int4 import int4_blocks
     from odtrain.kernels import BINDINGS, ODTRAIN_DOMAIN, SCRATCH
-    from odtrain.kernels.blas import hold_one_thread, release_thread
 
     w = (rng.standard_normal((vocabulary, hidden_width)) * 0.02).astype(np.float32)
     packed, scale = int4_blocks(w, 1, 32)
@@ -106,12 +114,9 @@ def head(m, threads, repeats, read, rng, vocabulary=128256, hidden_width=2048):
     loss, dhidden = np.zeros((), np.float32), np.empty_like(hidden)
     calls = BINDINGS[(ODTRAIN_DOMAIN, "LinearCrossEntropy")]([hidden, packed, labels, scale], [loss, dhidden],
                                                              scratch=scratch, threads=threads, **attrs)
-    hold_one_thread() if threads == 1 else None
-    try:
+    with one_blas_thread():
         call_all(calls)
         seconds = timed(lambda: call_all(calls), repeats, read)
-    finally:
-        release_thread() if threads == 1 else None
     flops = 2 * 2 * m * vocabulary * hidden_width
     print(f"head LinearCrossEntropy W [{vocabulary} x {hidden_width}] M={m} threads={threads}: "
           f"{flops / seconds / 1e9:6.1f} GF/s ({seconds * 1e3:7.1f} ms); scratch {nbytes} B", flush=True)
