@@ -132,6 +132,9 @@ def _product_part(a, w, scale, axis, stored, group, out, m, rows, columns, trans
     if trans_b == 0 and r1 == r0:  # an empty sum
         for i in range(m):
             out[i * columns + c0:i * columns + c1] = 0
+    if trans_b and c1 == c0:
+        for i in range(m):
+            out[i * rows + r0:i * rows + r1] = 0
     if r1 == r0 or c1 == c0:
         return
     tile_rows, tile_columns = _tile(r1 - r0, c1 - c0, group, panel.size)
