@@ -2,15 +2,16 @@
 two a byte, with a float32 scale per block of `group` values along one axis) or bfloat16, dequantized a panel at
 a time (graph/ops/dequantized.py).
 
-DequantizedMatMul: the stored weight W [R, C] is cut into panels of whole rows (`block` rows, at most
-PANEL_ELEMENTS floats) of the columns a part owns; each panel is dequantized into scratch and multiplied by
-BLAS (blas.gemm_blocks), so the float32 weight exists one panel at a time:
-- transB=0, Y [m, C] = A [m, R] · dequant(W): panel k holds rows [r, r + block) and adds
-  A[:, r:r + block] · panel into Y (beta 0 for the first panel, then 1); parts own blocks of columns;
-- transB=1, Y [m, R] = A [m, C] · dequant(W)ᵀ: panel k gives Y[:, r:r + block] = A · panelᵀ outright;
-  parts own blocks of rows.
-Each part's panel is its own slice of the scratch. A panel of 2^16 floats stays in a core's L2 cache
-between its dequantization and its product.
+DequantizedMatMul: the stored weight W [R, C] is cut into panels of rows x columns (_tile: 128 rows or
+more, at most PANEL_ELEMENTS floats) of the part it owns; each panel is dequantized into scratch and multiplied
+by BLAS (blas.gemm_blocks), so the float32 weight exists one panel at a time:
+- transB=0, Y [m, C] = A [m, R] · dequant(W): for each block of columns [c, c'), the panels of rows
+  [r, r + rows) add A[:, r:r + rows] · panel into Y[:, c:c'] (beta 0 for the first, then 1); parts own
+  blocks of columns;
+- transB=1, Y [m, R] = A [m, C] · dequant(W)ᵀ: for each block of rows [r, r + rows), the panels of columns
+  [c, c') add A[:, c:c'] · panelᵀ into Y[:, r:r + rows] (beta 0 for the first); parts own blocks of rows.
+Each part's panel is its own slice of the scratch. A panel of 2^16 floats (256 KiB) stays in a core's L2
+cache between its dequantization and its product.
 
 DequantizedGather: out[j, :] = dequant(W[indices[j], :]): only the gathered rows are read.
 
@@ -102,52 +103,85 @@ def _dequantize_panel(w, scale, axis, stored, group, first, count, c0, c1, colum
                 target[j] = np.float32(source[j]) * scales[j]
 
 
+@njit(cache=True, error_model="numpy", inline="always")
+def _tile(rows, columns, group, size):
+    """(rows, columns) of a panel of at most `size` floats over `rows` x `columns` stored values: 128 rows, or
+    more when the columns are fewer than size / 128; the columns the rest of the panel, in whole blocks of
+    `group` (int4) and whole vectors of 16 floats when the panel cuts the row.
+
+    Panels of many rows keep BLAS near its peak in both orientations: with transB the panel's rows are the
+    product's output columns (a panel of a few wide rows makes a thin product that repacks A for little
+    work), without it they are the product's depth (a shallow product reads and writes its output block for
+    little work). Whole rows of a wide weight (a few rows a panel) were the slow case
+    (benchmarks/decoders/int4_product.py times both against sgemm on the float32 weight)."""
+    tile_rows = min(rows, max(min(128, size), size // max(columns, 1)))
+    tile_columns = min(columns, max(1, size // max(tile_rows, 1)))
+    unit = 16
+    while group > 0 and unit % group != 0:  # the least multiple of 16 made of whole blocks
+        unit += 16
+    if tile_columns < columns and tile_columns >= unit:
+        tile_columns -= tile_columns % unit
+    return tile_rows, tile_columns
+
+
 @njit(cache=True, error_model="numpy")
-def _product_part(a, w, scale, axis, stored, group, out, m, rows, columns, trans_b, block, panel, bits, r0, r1, c0,
-                  c1):
-    """The product over stored rows [r0, r1) and columns [c0, c1), a panel of `block` rows at a time."""
-    width = c1 - c0
+def _product_part(a, w, scale, axis, stored, group, out, m, rows, columns, trans_b, panel, bits, r0, r1, c0, c1):
+    """The product over stored rows [r0, r1) and columns [c0, c1), a panel of rows x columns at a time (_tile):
+    - transB: out[:, rows] = sum over the column tiles of a[:, columns] · panelᵀ (beta 0 for the first);
+    - else: out[:, columns] = sum over the row tiles of a[:, rows] · panel (beta 0 for the first)."""
     if trans_b == 0 and r1 == r0:  # an empty sum
         for i in range(m):
             out[i * columns + c0:i * columns + c1] = 0
-    for first in range(r0, r1, block):
-        count = min(block, r1 - first)
-        _dequantize_panel(w, scale, axis, stored, group, first, count, c0, c1, columns, panel, bits)
-        if trans_b == 0:  # out[:, c0:c1] (+)= a[:, first:first + count] · panel
-            gemm_blocks(0, 0, m, width, count, 1.0, a, first, rows, panel, 0, width, 0.0 if first == r0 else 1.0,
-                        out, c0, columns)
-        else:  # out[:, first:first + count] = a[:, c0:c1] · panelᵀ
-            gemm_blocks(0, 1, m, count, width, 1.0, a, c0, columns, panel, 0, width, 0.0, out, first, rows)
+    if trans_b and c1 == c0:
+        for i in range(m):
+            out[i * rows + r0:i * rows + r1] = 0
+    if r1 == r0 or c1 == c0:
+        return
+    tile_rows, tile_columns = _tile(r1 - r0, c1 - c0, group, panel.size)
+    if trans_b:
+        for first in range(r0, r1, tile_rows):
+            count = min(tile_rows, r1 - first)
+            for lo in range(c0, c1, tile_columns):
+                hi = min(c1, lo + tile_columns)
+                _dequantize_panel(w, scale, axis, stored, group, first, count, lo, hi, columns, panel, bits)
+                gemm_blocks(0, 1, m, count, hi - lo, 1.0, a, lo, columns, panel, 0, hi - lo,
+                            0.0 if lo == c0 else 1.0, out, first, rows)
+    else:
+        for lo in range(c0, c1, tile_columns):
+            hi = min(c1, lo + tile_columns)
+            for first in range(r0, r1, tile_rows):
+                count = min(tile_rows, r1 - first)
+                _dequantize_panel(w, scale, axis, stored, group, first, count, lo, hi, columns, panel, bits)
+                gemm_blocks(0, 0, m, hi - lo, count, 1.0, a, first, rows, panel, 0, hi - lo,
+                            0.0 if first == r0 else 1.0, out, lo, columns)
 
 
 @twin_of(_product_part, range=("r0", "r1", "c0", "c1"), replaces=("panel", "bits"), takes=("panels", "bits"))
 @njit(cache=True, error_model="numpy", parallel=True)
-def _product_parts(a, w, scale, axis, stored, group, out, m, rows, columns, trans_b, block, panels, bits, bounds):
+def _product_parts(a, w, scale, axis, stored, group, out, m, rows, columns, trans_b, panels, bits, bounds):
     """_product_part on parts (bounds: of rows with transB, else of columns), each with its own panel."""
     size = panels.size // (bounds.size - 1)
     for p in prange(bounds.size - 1):
         panel, own = panels[p * size:(p + 1) * size], bits[p * size:(p + 1) * size]
         if trans_b:
-            _product_part(a, w, scale, axis, stored, group, out, m, rows, columns, trans_b, block, panel, own,
+            _product_part(a, w, scale, axis, stored, group, out, m, rows, columns, trans_b, panel, own,
                           bounds[p], bounds[p + 1], 0, columns)
         else:
-            _product_part(a, w, scale, axis, stored, group, out, m, rows, columns, trans_b, block, panel, own, 0,
+            _product_part(a, w, scale, axis, stored, group, out, m, rows, columns, trans_b, panel, own, 0,
                           rows, bounds[p], bounds[p + 1])
 
 
 def _panels(rows: int, columns: int, trans_b: int, m: int, threads: int):
-    """(parts, rows per panel, floats per part's panel): parts of the rows with transB, else of the columns."""
+    """(parts, floats per part's panel): parts of the rows with transB, else of the columns."""
     units = rows if trans_b else columns
     parts = part_count(threads, units // 16, m * rows * columns)
-    width = columns if trans_b else -(-columns // parts)
-    block = max(1, min(rows, PANEL_ELEMENTS // max(width, 1)))
-    return parts, block, block * width
+    return parts, max(1, min(PANEL_ELEMENTS, rows * columns))
 
 
 def _product_scratch(input_specs, output_specs, transB=0, axis=0, threads=1, block_size=0):
     (a_shape, _), (w_shape, _) = input_specs[0], input_specs[1]
     m = int(np.prod(a_shape[:-1], dtype=np.int64))
-    parts, _, size = _panels(int(w_shape[0]), int(w_shape[1]), int(transB), m, threads)
+    parts, size = _panels(int(w_shape[0]), int(w_shape[1]), int(transB), m, threads)
     return 4 * size * parts
 
 
@@ -174,11 +208,11 @@ def DequantizedMatMul(inputs, outputs, transB=0, axis=0, threads=1, scratch=None
     if m == 0:
         return []
     values, stored = _stored(w)
-    parts, block, size = _panels(rows, columns, int(transB), m, threads)
+    parts, size = _panels(rows, columns, int(transB), m, threads)
     panels = scratch.view(np.float32)
     bits = scratch.view(np.uint32)
     args = (flat(a), values, _scale(inputs), int(axis), stored, int(block_size), flat(out), m, rows, columns,
-            int(transB), block)
+            int(transB))
     serial = (_product_part, args + (panels[:size], bits[:size], 0, rows, 0, columns))
     return [on_parts(serial, rows if transB else columns, parts, (panels[:size * parts], bits[:size * parts]))]
 

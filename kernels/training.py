@@ -326,17 +326,8 @@ def _linear_cross_entropy_grad_parts(dloss, hidden, weight, transposed, labels, 
 @njit(cache=True, error_model="numpy", inline="always")
 def _stored_product(a, w, scale, axis, stored, group, out, m, rows, columns, trans_b, panel, bits, r0, r1, c0, c1):
     """kernels/dequantized.py's product over stored rows [r0, r1) and columns [c0, c1) with panels of `panel`'s
-    size: whole rows of the range with transB or when 64 of them fit a panel, else blocks of columns deep
-    enough for BLAS."""
-    if trans_b or (c1 - c0) * min(r1 - r0, 64) <= panel.size:
-        _product_part(a, w, scale, axis, stored, group, out, m, rows, columns, trans_b,
-                      max(1, panel.size // (c1 - c0)), panel, bits, r0, r1, c0, c1)
-        return
-    width = min(panel.size, max(16, panel.size // min(r1 - r0, 1024) // 16 * 16))
-    for lo in range(c0, c1, width):
-        hi = min(c1, lo + width)
-        _product_part(a, w, scale, axis, stored, group, out, m, rows, columns, trans_b,
-                      max(1, panel.size // (hi - lo)), panel, bits, r0, r1, lo, hi)
+    size (its _tile: rows x columns in both orientations)."""
+    _product_part(a, w, scale, axis, stored, group, out, m, rows, columns, trans_b, panel, bits, r0, r1, c0, c1)
 
 
 @njit(cache=True, error_model="numpy", inline="always")
