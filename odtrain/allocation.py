@@ -14,8 +14,9 @@ MemoryBudgetError that says the plan's size, its largest values with the nodes t
 step is first planned at an input shape:
     available + arena - mapped - reserve
 - available: MemAvailable (/proc/meminfo: what the kernel estimates a new workload can take without
-  swapping, reclaimable page cache included), or less when a container's limit leaves less
-  (memory.max - memory.current);
+  swapping, reclaimable page cache included), or less when a cgroup the process is in leaves less
+  (memory.max - memory.current, or v1's limit less its usage; `cgroup_memory`: the process's own cgroup
+  and its ancestors, so a systemd service's MemoryMax or a container's limit counts);
 - arena: the shared arena already held (a new plan replaces it, so its bytes are the plan's to use);
 - mapped: the parameters that are views of the checkpoint file (frozen weights): MemAvailable counts their
   pages as reclaimable cache, yet every step reads all of them, so they must stay resident;
@@ -35,7 +36,9 @@ from .graph.errors import MemoryBudgetError
 from .graph.planner import ALIGNMENT, MemoryPlan
 
 LARGEST_SHOWN = 3
-_CONTAINER_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # cgroup v2, v1
+CGROUP_ROOT = "/sys/fs/cgroup"
+# the files of a memory cgroup that hold its limit and its use: cgroup v2, and v1's memory controller
+_CGROUP_V2, _CGROUP_V1 = ("memory.max", "memory.current"), ("memory.limit_in_bytes", "memory.usage_in_bytes")
 
 
 def format_bytes(nbytes: int) -> str:
@@ -53,14 +56,8 @@ def memory_limit() -> tuple[int, str] | None:
         limits.append((os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory"))
     except (AttributeError, ValueError, OSError):
         pass
-    for path in _CONTAINER_LIMITS:
-        try:
-            with open(path) as f:
-                text = f.read().strip()
-        except OSError:
-            continue
-        if text.isdigit():
-            limits.append((int(text), f"this container's memory limit ({path})"))
+    for limit, _, path in cgroup_memory():
+        limits.append((limit, f"this container's memory limit ({path})"))
     try:
         import resource
 
@@ -83,8 +80,6 @@ def free_memory() -> int | None:
 AUTO = "auto"
 RESERVE_SHARE = 8
 RESERVE_FLOOR = 64 << 20
-_CONTAINER_USAGE = {"/sys/fs/cgroup/memory.max": "/sys/fs/cgroup/memory.current",
-                    "/sys/fs/cgroup/memory/memory.limit_in_bytes": "/sys/fs/cgroup/memory/memory.usage_in_bytes"}
 
 
 def _read_number(path: str) -> int | None:
@@ -94,6 +89,59 @@ def _read_number(path: str) -> int | None:
     except OSError:
         return None
     return int(text) if text.isdigit() else None
+
+
+def cgroup_memory(proc_cgroup: str = "/proc/self/cgroup", root: str = CGROUP_ROOT) -> list[tuple[int, int | None, str]]:
+    """(limit, use or None, the limit's file) of each memory cgroup this process is in: its own and every
+    ancestor's up to its hierarchy's root, since a parent's limit holds for its children (a systemd service's
+    MemoryMax, a container's limit, a slice's). The process's cgroups come from `proc_cgroup`: cgroup v2's
+    `0::/path` (mounted at `root`, or `root/unified` beside v1) and v1's memory controller (`root/memory`). In a
+    container with a cgroup namespace of its own the path is `/`, the container's cgroup. A limit of "max"
+    (none) is left out."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        lines = ["0::/", "0:memory:/"]  # the hierarchies' roots: what a container sees of its own cgroup
+    folders = []
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and not controllers:
+            mounts, files = (root, os.path.join(root, "unified")), _CGROUP_V2
+        elif "memory" in controllers.split(","):
+            mounts, files = (os.path.join(root, "memory"),), _CGROUP_V1
+        else:
+            continue
+        parts = [p for p in path.split("/") if p and p not in (".", "..")]
+        for mount in mounts:
+            folders += [(os.path.join(mount, *parts[:depth]), files) for depth in range(len(parts), -1, -1)]
+    found, seen = [], set()
+    for folder, (limit_file, use_file) in folders:
+        limit_path = os.path.join(folder, limit_file)
+        limit = _read_number(limit_path) if limit_path not in seen else None
+        seen.add(limit_path)
+        if limit is not None:
+            found.append((limit, _working_set(folder, use_file), limit_path))
+    return found
+
+
+def _working_set(folder: str, use_file: str) -> int | None:
+    """A cgroup's use less the page cache no process maps (the kernel reclaims it when the cgroup nears its
+    limit, and MemAvailable counts it available alike): v1's cache less mapped_file, v2's file less file_mapped."""
+    use = _read_number(os.path.join(folder, use_file))
+    if use is None:
+        return None
+    try:
+        with open(os.path.join(folder, "memory.stat")) as f:
+            stat = {k: int(v) for k, v, *_ in (line.split() for line in f) if v.isdigit()}
+    except (OSError, ValueError):
+        return use
+    if "total_cache" in stat:  # v1, its children included
+        unmapped = stat["total_cache"] - stat.get("total_mapped_file", 0)
+    else:  # v2
+        unmapped = stat.get("file", 0) - stat.get("file_mapped", 0)
+    return max(0, use - max(0, unmapped))
 
 
 def available_memory(meminfo: str = "/proc/meminfo") -> tuple[int, str] | None:
@@ -106,9 +154,8 @@ def available_memory(meminfo: str = "/proc/meminfo") -> tuple[int, str] | None:
                     found = (int(line.split()[1]) * 1024, "MemAvailable")
     except (OSError, ValueError, IndexError):
         pass
-    for limit_path, usage_path in _CONTAINER_USAGE.items():
-        limit, usage = _read_number(limit_path), _read_number(usage_path)
-        if limit is not None and usage is not None and (found is None or limit - usage < found[0]):
+    for limit, usage, limit_path in cgroup_memory():
+        if usage is not None and (found is None or limit - usage < found[0]):
             found = (max(0, limit - usage), f"this container's limit less its use ({limit_path})")
     return found
 

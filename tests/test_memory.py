@@ -472,7 +472,7 @@ def test_the_auto_budget_is_what_is_available_less_the_mapped_weights_and_a_rese
 
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       8000000 kB\nMemFree:         100000 kB\nMemAvailable:    3000000 kB\n")
-    monkeypatch.setattr(allocation, "_CONTAINER_USAGE", {})
+    monkeypatch.setattr(allocation, "cgroup_memory", lambda: [])
     assert allocation.available_memory(str(meminfo)) == (3000000 * 1024, "MemAvailable")
     gib, mib = 2 ** 30, 2 ** 20
     # an eighth of what is available stays in reserve; the arena already held is the new plan's to use
@@ -482,6 +482,46 @@ def test_the_auto_budget_is_what_is_available_less_the_mapped_weights_and_a_rese
     with pytest.raises(MemoryBudgetError, match='"auto": 512.00 MiB available \\(test\\), of which the mapped '
                                                 "parameters need 500.00 MiB resident and 64.00 MiB stay in reserve"):
         allocation.auto_budget(500 * mib, 0, (512 * mib, "test"))
+
+
+def cgroup_tree(root, files: dict) -> None:
+    for path, text in files.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text)
+
+
+def test_the_memory_cgroups_are_the_process_own_and_its_ancestors(tmp_path, monkeypatch):
+    """A systemd service's MemoryMax (cgroup v2) or a v1 memory cgroup below the hierarchy's root limits the
+    process as a container's own limit does: each ancestor's limit is read, a limit of "max" is none, and the
+    page cache no process maps is left out of the use (the kernel reclaims it first, as MemAvailable counts it)."""
+    from odtrain import allocation
+
+    mib = 2 ** 20
+    cgroup_tree(tmp_path, {
+        "system.slice/memory.max": "max\n", "system.slice/memory.current": "5000\n",
+        "system.slice/train.service/memory.max": f"{1100 * mib}\n",
+        "system.slice/train.service/memory.current": f"{300 * mib}\n",
+        "system.slice/train.service/memory.stat": f"anon {100 * mib}\nfile {200 * mib}\nfile_mapped {20 * mib}\n",
+        "memory/memory.limit_in_bytes": "9223372036854771712\n", "memory/memory.usage_in_bytes": f"{8000 * mib}\n",
+        "memory/lab/box/memory.limit_in_bytes": f"{2000 * mib}\n",
+        "memory/lab/box/memory.usage_in_bytes": f"{500 * mib}\n",
+        "memory/lab/box/memory.stat": f"cache {50 * mib}\nrss {450 * mib}\ntotal_cache {60 * mib}\n"
+                                      f"total_mapped_file {10 * mib}\n"})
+    proc = tmp_path / "cgroup"
+    proc.write_text("12:memory:/lab/box\n3:cpu,cpuacct:/lab\n0::/system.slice/train.service\n")
+    read = allocation.cgroup_memory
+    found = read(str(proc), str(tmp_path))
+    assert [(limit, use) for limit, use, _ in found] == [
+        (2000 * mib, 450 * mib), (9223372036854771712, 8000 * mib), (1100 * mib, 120 * mib)]
+    assert found[2][2] == str(tmp_path / "system.slice/train.service/memory.max")
+    monkeypatch.setattr(allocation, "cgroup_memory", lambda: found)
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemAvailable:    8000000 kB\n")
+    assert allocation.available_memory(str(meminfo)) == (980 * mib, f"this container's limit less its use ({found[2][2]})")
+    # in a container with its own cgroup namespace the path is "/": the hierarchy's root is its cgroup
+    proc.write_text("0::/\n")
+    cgroup_tree(tmp_path, {"memory.max": f"{512 * mib}\n", "memory.current": f"{100 * mib}\n"})
+    assert [(limit, use) for limit, use, _ in read(str(proc), str(tmp_path))] == [(512 * mib, 100 * mib)]
 
 
 def test_module_with_the_auto_budget_recomputes_when_little_is_available(deep_mlp, monkeypatch):
