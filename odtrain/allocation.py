@@ -119,8 +119,10 @@ def cgroup_memory(proc_cgroup: str = "/proc/self/cgroup", root: str = CGROUP_ROO
     found, seen = [], set()
     for folder, (limit_file, use_file) in folders:
         limit_path = os.path.join(folder, limit_file)
-        limit = _read_number(limit_path) if limit_path not in seen else None
+        if limit_path in seen:  # a hierarchy's root, reached from two cgroups of it
+            continue
         seen.add(limit_path)
+        limit = _read_number(limit_path)
         if limit is not None:
             found.append((limit, _working_set(folder, use_file), limit_path))
     return found

@@ -17,6 +17,7 @@ from .jit.cache import cache_dir, configured_source, kernel_dispatchers
 
 DEFAULT_WARMUP_BATCH = 32
 
+
 def zero_inputs(module, batch_size: int, input_shapes: dict | None = None, sequence_length: int | None = None) -> list:
     """Zero-valued inputs of a Module's current mode, as a step would see them: the first symbolic axis
     is `batch_size`, the other symbolic axes `sequence_length`; `input_shapes` gives whole shapes by input name."""
@@ -99,13 +100,6 @@ def run_steps(directory: str, batch_size: int, input_shapes: dict, sequence_leng
     return steps, {name: list(array.shape) for name, array in zip(module.input_names(), feeds)}
 
 
-def demo_artifacts(directory: str) -> str:
-    """The demo classifier's artifacts, generated in `directory` (returned; odtrain.demo.demo_artifacts)."""
-    from .demo import demo_artifacts as written
-
-    return written(directory)
-
-
 def _kernel_activity() -> dict[str, tuple[int, int]]:
     """Each kernel of this process -> (signatures compiled, signatures loaded from the cache) so far."""
     return {f"{d.py_func.__module__}.{d.py_func.__qualname__}":
@@ -126,6 +120,7 @@ def warmup(artifact_dir=None, batch_size: int = DEFAULT_WARMUP_BATCH, input_shap
     import tempfile
 
     from .artifact_paths import TRAINING_MODEL, ArtifactPaths, refuse_a_model
+    from .demo import demo_artifacts
     from .graph.errors import ArgumentError, ArtifactNotFoundError
 
     if int(batch_size) < 1:

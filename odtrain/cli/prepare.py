@@ -321,10 +321,12 @@ def _check_arguments(check) -> None:
     check.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
-CHECK = Command("check", help="tell whether odtrain can train an ONNX model",
-        description="Check that every op of the model has a kernel and, where a trainable parameter depends on "
-        "it, a gradient rule; list the nodes that do not; count trainable and frozen parameters; then generate "
-        "and bind the artifacts in a temporary folder. Exit code 1 when the model cannot be trained.", arguments=_check_arguments, run=_check)
+CHECK = Command(
+    "check", help="tell whether odtrain can train an ONNX model",
+    description=("Check that every op of the model has a kernel and, where a trainable parameter depends on it, a "
+                 "gradient rule; list the nodes that do not; count trainable and frozen parameters; then generate "
+                 "and bind the artifacts in a temporary folder. Exit code 1 when the model cannot be trained."),
+    arguments=_check_arguments, run=_check)
 
 
 def _prepare_arguments(prepare) -> None:
@@ -369,7 +371,9 @@ def _prepare_arguments(prepare) -> None:
     prepare.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
-PREPARE = Command("prepare", help="generate training artifacts from an ONNX model",
-        description="Write the training, eval and optimizer models and the checkpoint for MODEL.onnx "
-        "(odtrain.artifacts.generate_artifacts). Every floating-point parameter trains unless "
-        "--requires-grad, --freeze or --train-last choose fewer.", arguments=_prepare_arguments, run=_prepare)
+PREPARE = Command(
+    "prepare", help="generate training artifacts from an ONNX model",
+    description=("Write the training, eval and optimizer models and the checkpoint for MODEL.onnx "
+                 "(odtrain.artifacts.generate_artifacts). Every floating-point parameter trains unless "
+                 "--requires-grad, --freeze or --train-last choose fewer."),
+    arguments=_prepare_arguments, run=_prepare)

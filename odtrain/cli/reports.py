@@ -132,9 +132,11 @@ def _inspect_arguments(inspect) -> None:
     inspect.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
-INSPECT = Command("inspect", help="show a checkpoint's parameters, properties, optimizer state and memory plan",
-        description="Show the parameters (name, dtype, shape, trainable), the property bag, the optimizer "
-        "state and, for an artifact folder, the memory plan of a training and an eval step at --batch-size.", arguments=_inspect_arguments, run=_inspect)
+INSPECT = Command(
+    "inspect", help="show a checkpoint's parameters, properties, optimizer state and memory plan",
+    description=("Show the parameters (name, dtype, shape, trainable), the property bag, the optimizer state and, "
+                 "for an artifact folder, the memory plan of a training and an eval step at --batch-size."),
+    arguments=_inspect_arguments, run=_inspect)
 
 
 def _memory_arguments(memory) -> None:
@@ -149,11 +151,13 @@ def _memory_arguments(memory) -> None:
                         'by category (needs matplotlib: pip install matplotlib)')
 
 
-MEMORY = Command("memory", help="predict the memory of a training step at a batch size",
-        description="Bind the training step (and the eval step) at --batch-size without running it and report "
-        "its memory: parameters, gradient buffer, optimizer state, the arena against its lower bound and "
-        "against no reuse, folded constants, recomputed nodes, and the predicted peak. The Python/Numba "
-        "runtime floor is not included.", arguments=_memory_arguments, run=_memory)
+MEMORY = Command(
+    "memory", help="predict the memory of a training step at a batch size",
+    description=("Bind the training step (and the eval step) at --batch-size without running it and report its "
+                 "memory: parameters, gradient buffer, optimizer state, the arena against its lower bound and "
+                 "against no reuse, folded constants, recomputed nodes, and the predicted peak. The Python/Numba "
+                 "runtime floor is not included."),
+    arguments=_memory_arguments, run=_memory)
 
 
 def _profile_arguments(profile) -> None:
@@ -169,9 +173,11 @@ def _profile_arguments(profile) -> None:
     profile.add_argument("--json", action="store_true", help="print every node and op type as JSON (times in ms)")
 
 
-PROFILE = Command("profile", help="show where a training step's time goes",
-        description="Run the training step at --batch-size with a clock around each kernel call and report "
-        "the time per node and per op type, for the forward pass, the backward pass and the optimizer; the "
-        "matrix products' time and GF/s against this machine's float32 GEMM peak (measured here, at 1 thread "
-        "and at the step's and the machine's thread counts). The parameters train during the run; the "
-        "checkpoint file is not written.", arguments=_profile_arguments, run=_profile)
+PROFILE = Command(
+    "profile", help="show where a training step's time goes",
+    description=("Run the training step at --batch-size with a clock around each kernel call and report the time per"
+                 " node and per op type, for the forward pass, the backward pass and the optimizer; the matrix "
+                 "products' time and GF/s against this machine's float32 GEMM peak (measured here, at 1 thread and "
+                 "at the step's and the machine's thread counts). The parameters train during the run; the "
+                 "checkpoint file is not written."),
+    arguments=_profile_arguments, run=_profile)

@@ -71,10 +71,11 @@ def _demo_arguments(demo) -> None:
     demo.add_argument("--json", action="store_true", help="print the results as one JSON object")
 
 
-DEMO = Command("demo", help="train a small classifier on the bundled 8x8 digits, end to end",
-                               description="Generate artifacts for a built-in classifier, train it on the 8x8 "
-                               "handwritten digits shipped with odtrain, print held-out accuracy and peak memory, "
-                               "and write an inference model.", arguments=_demo_arguments, run=_demo)
+DEMO = Command(
+    "demo", help="train a small classifier on the bundled 8x8 digits, end to end",
+    description=("Generate artifacts for a built-in classifier, train it on the 8x8 handwritten digits shipped with "
+                 "odtrain, print held-out accuracy and peak memory, and write an inference model."),
+    arguments=_demo_arguments, run=_demo)
 
 
 def _warmup_arguments(command) -> None:
@@ -86,12 +87,14 @@ def _warmup_arguments(command) -> None:
     command.add_argument("--json", action="store_true", help="print the results as one JSON object")
 
 
-WARMUP = Command("warmup", help="compile (or load) every kernel a set of artifacts needs, before the first step",
-        description="Run a training step, an optimizer step and an eval step of the artifacts on zero-valued "
-        "inputs, so that every kernel they use is compiled into the cache (or checked to load from it): the "
-        "first real step in a later process then compiles nothing. Without ARTIFACT_DIR, the built-in demo "
-        "classifier. The cache folder is ODTRAIN_CACHE_DIR when set (else NUMBA_CACHE_DIR, else Numba's "
-        "choice: next to the kernels, or ~/.cache/numba when the package folder is read-only).", arguments=_warmup_arguments, run=_warmup)
+WARMUP = Command(
+    "warmup", help="compile (or load) every kernel a set of artifacts needs, before the first step",
+    description=("Run a training step, an optimizer step and an eval step of the artifacts on zero-valued inputs, so"
+                 " that every kernel they use is compiled into the cache (or checked to load from it): the first "
+                 "real step in a later process then compiles nothing. Without ARTIFACT_DIR, the built-in demo "
+                 "classifier. The cache folder is ODTRAIN_CACHE_DIR when set (else NUMBA_CACHE_DIR, else Numba's "
+                 "choice: next to the kernels, or ~/.cache/numba when the package folder is read-only)."),
+    arguments=_warmup_arguments, run=_warmup)
 
 
 def _compile_arguments(command) -> None:
@@ -115,14 +118,16 @@ def _compile_arguments(command) -> None:
     add_shape_arguments(command)
 
 
-COMPILE = Command("compile", help="build the kernels a set of artifacts needs into a native library, ahead of time",
-        description="Record every kernel, at every signature, that a training step, an optimizer step and an eval "
-        "step of the artifacts call (at 1 thread and at this machine's cores; at batch 1 and --batch-size, and for "
-        "inputs with a sequence axis at length 1 and --seq-len; every call that can split into parallel parts "
-        "recorded split as well, so that the library serves every batch size and sequence length), compile them "
-        "with Numba and link them into one shared library with its manifest, by default in ARTIFACT_DIR/kernels/. A training process "
-        "that finds it there loads it with ctypes: no kernel compiles, Numba is not imported for the kernels it "
-        "holds.", arguments=_compile_arguments, run=_compile)
+COMPILE = Command(
+    "compile", help="build the kernels a set of artifacts needs into a native library, ahead of time",
+    description=("Record every kernel, at every signature, that a training step, an optimizer step and an eval step "
+                 "of the artifacts call (at 1 thread and at this machine's cores; at batch 1 and --batch-size, and "
+                 "for inputs with a sequence axis at length 1 and --seq-len; every call that can split into parallel"
+                 " parts recorded split as well, so that the library serves every batch size and sequence length), "
+                 "compile them with Numba and link them into one shared library with its manifest, by default in "
+                 "ARTIFACT_DIR/kernels/. A training process that finds it there loads it with ctypes: no kernel "
+                 "compiles, Numba is not imported for the kernels it holds."),
+    arguments=_compile_arguments, run=_compile)
 
 
 def _federated_arguments(command) -> None:
@@ -150,7 +155,9 @@ def _federated_arguments(command) -> None:
     command.add_argument("--json", action="store_true", help="print the results as one JSON object")
 
 
-FEDERATED = Command("federated", help="federated averaging of the demo classifier across simulated devices",
-        description="Share the bundled 8x8 digits among clients non-IID by label, train the demo classifier "
-        "with FedAvg and print the global model's held-out loss and accuracy after every round. Engines: "
-        "inprocess (no Flower), simulation (flwr[simulation]), deployment (a SuperLink and SuperNodes).", arguments=_federated_arguments, run=_federated)
+FEDERATED = Command(
+    "federated", help="federated averaging of the demo classifier across simulated devices",
+    description=("Share the bundled 8x8 digits among clients non-IID by label, train the demo classifier with FedAvg"
+                 " and print the global model's held-out loss and accuracy after every round. Engines: inprocess (no"
+                 " Flower), simulation (flwr[simulation]), deployment (a SuperLink and SuperNodes)."),
+    arguments=_federated_arguments, run=_federated)

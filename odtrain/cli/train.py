@@ -211,10 +211,13 @@ def _train_arguments(train) -> None:
     train.add_argument("--stop-after-steps", type=int, help=argparse.SUPPRESS)
 
 
-TRAIN = Command("train", help="train prepared artifacts on data",
-        description="Train in shuffled batches, validate after each epoch, and save the checkpoint "
-        "(ARTIFACT_DIR/checkpoint, with optimizer state) every --checkpoint-every steps and at each epoch's end. "
-        "Ctrl-C stops after the current step and saves; --resume continues exactly where the run stopped.", arguments=_train_arguments, run=_train)
+TRAIN = Command(
+    "train", help="train prepared artifacts on data",
+    description=("Train in shuffled batches, validate after each epoch, and save the checkpoint "
+                 "(ARTIFACT_DIR/checkpoint, with optimizer state) every --checkpoint-every steps and at each epoch's"
+                 " end. Ctrl-C stops after the current step and saves; --resume continues exactly where the run "
+                 "stopped."),
+    arguments=_train_arguments, run=_train)
 
 
 def _eval_arguments(evaluate) -> None:
@@ -225,9 +228,11 @@ def _eval_arguments(evaluate) -> None:
     evaluate.add_argument("--json", action="store_true", help="print the metrics as JSON")
 
 
-EVAL = Command("eval", help="score trained artifacts on data",
-        description="Run the eval model over the data: the mean loss, and accuracy for classifiers "
-        "(cross-entropy, binary cross-entropy) or MSE and MAE for regression.", arguments=_eval_arguments, run=_eval)
+EVAL = Command(
+    "eval", help="score trained artifacts on data",
+    description=("Run the eval model over the data: the mean loss, and accuracy for classifiers (cross-entropy, "
+                 "binary cross-entropy) or MSE and MAE for regression."),
+    arguments=_eval_arguments, run=_eval)
 
 
 def _export_arguments(export) -> None:
@@ -243,6 +248,8 @@ def _export_arguments(export) -> None:
     export.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
-EXPORT = Command("export", help="write the trained inference model",
-        description="Write an ONNX inference model with the checkpoint's parameters embedded "
-        "(Module.export_model_for_inferencing); any ONNX runtime runs it.", arguments=_export_arguments, run=_export)
+EXPORT = Command(
+    "export", help="write the trained inference model",
+    description=("Write an ONNX inference model with the checkpoint's parameters embedded "
+                 "(Module.export_model_for_inferencing); any ONNX runtime runs it."),
+    arguments=_export_arguments, run=_export)
