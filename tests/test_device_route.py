@@ -262,7 +262,7 @@ def test_a_pure_wheel_installs_for_aarch64(tmp_path):
     """`ODTRAIN_BUILD_LIBRARY=0 pip wheel --no-deps .`: py3-none-any, which pip installs for manylinux2014_aarch64."""
     pytest.importorskip("setuptools", reason="the build backend, used here without pip's isolated environment")
     source = tmp_path / "src"
-    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__",
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__",
                                                                  ".hypothesis", "benchmarks", "data"))
     shutil.copytree(os.path.join(ROOT, "odtrain", "data"), source / "odtrain" / "data",
                     ignore=shutil.ignore_patterns("kernels"))  # a library built there is no part of a checkout

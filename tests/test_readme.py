@@ -168,8 +168,9 @@ LM_RANGE = re.compile(r"held-out loss is ([\d.]+) to ([\d.]+) \(perplexity ([\d.
 def test_the_language_model_walk_through(tmp_path, capsys, monkeypatch):
     """make_text.py, LoRA on the shipped Llama, perplexity before and after four epochs, the export, and
     run_ort.py's perplexity from onnxruntime on it. The trained model's loss and perplexity lie in the range
-    README states, measured on each OpenBLAS kernel family at 1 to 4 threads (benchmarks/README.md has
-    the runs); before training every family and thread count prints the same line."""
+    README states, measured over Numba's CPU targets, OpenBLAS's kernel families and 1 to 4 threads
+    (benchmarks/walkthrough_spread.py; benchmarks/README.md has the runs); before training every one prints
+    the same line."""
     pytest.importorskip("tokenizers", reason="the walk-through's tokenizer needs pip install .[text]")
     monkeypatch.chdir(tmp_path)
     run_script("# make_text.py")
