@@ -38,7 +38,7 @@ from .graph.fusion import with_weights_read_in_place
 from .graph.lora import merge_adapters
 from .graph.onnx_io import load_graph, save_graph
 from .graph.ops import check_supported
-from .graph.optimizers import STATE_BLOCK, STATE_DTYPES, AdamW, check_state_dtype, read_optimizer_graph
+from .graph.optimizers import STATE_BLOCK, STATE_DTYPES, check_state_dtype, read_optimizer_graph
 from .graph.planner import MemoryPlan
 from .graph.qat import quantized_for_inference
 
@@ -694,7 +694,7 @@ class Optimizer:
         if params and params != store.trainable:
             raise ParameterError(f"the optimizer model updates {params}, but the checkpoint's trainable "
                                  f"parameters are {store.trainable}; generate them together")
-        if state_dtype is not None and check_state_dtype(state_dtype, config.kind) and isinstance(config, AdamW):
+        if state_dtype is not None and check_state_dtype(state_dtype, config.kind) and hasattr(config, "state_dtype"):
             config = dataclasses.replace(config, state_dtype=state_dtype)
         self._config = config
         wanted = getattr(config, "state_dtype", "float32")

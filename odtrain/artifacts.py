@@ -40,7 +40,7 @@ from .graph.ops import OPS, check_supported
 from .graph.ops.quantize import dequantized_weights, quantization_inputs
 from .graph.losses import LossType, add_loss, parse_loss
 from .graph.onnx_io import read_graph, save_graph
-from .graph.optimizers import SGD, AdamW, OptimType, SGDMomentum, build_optimizer_graph, parse_optimizer
+from .graph.optimizers import OPTIMIZERS, OptimType, build_optimizer_graph, parse_optimizer
 from .graph.lora import add_adapters
 from .graph.parameters import NO_GRADIENT, ParameterChoice, choose_parameters, default_selection, quantization_parameters
 from .graph.qat import QatConfig, insert_fake_quantization
@@ -48,8 +48,15 @@ from .lora import LoraConfig, target_weights
 from .state import PropertyBag
 
 __all__ = ["generate_artifacts", "build_training_graphs", "GeneratedArtifacts", "LoraConfig", "LossType", "OptimType",
-           "AdamW", "SGD", "SGDMomentum", "QatConfig", "choose_parameters", "ParameterChoice", "default_selection",
-           "missing_support"]
+           *OPTIMIZERS, "QatConfig", "choose_parameters", "ParameterChoice", "default_selection", "missing_support"]
+
+
+def __getattr__(name: str):
+    """odtrain.artifacts.AdamW, SGD, SGDMomentum, ...: the hyper-parameter class of each optimizer record
+    (odtrain.graph.optimizers.OPTIMIZERS), so that a new optimizer is offered here by its record alone."""
+    if name in OPTIMIZERS:
+        return OPTIMIZERS[name].config
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _select_parameters(graph, requires_grad, frozen_params):

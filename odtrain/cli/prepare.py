@@ -9,7 +9,7 @@ from ..artifact_paths import ArtifactPaths
 from ..graph.errors import ArgumentError, OdtrainError, UnsupportedOpError
 from ..allocation import format_bytes
 from ..graph.frozen import FROZEN_DTYPES, frozen_bytes
-from ..graph.optimizers import STATE_DTYPES
+from ..graph.optimizers import OPTIMIZERS, STATE_DTYPES
 from ..graph.wording import count
 from .options import Command, add_shape_arguments, input_shapes, listed, note, print_json, value_text
 
@@ -104,6 +104,34 @@ def _trial_bind(model, choices: dict, batch_size: int = 2):
                        for training in (True, False)), None
         except OdtrainError as error:
             return None, str(error)
+
+
+def _optimizer_commands() -> tuple[str, ...]:
+    """The choices of --optimizer: the optimizer records that name one (graph/optimizers.py)."""
+    return tuple(record.command for record in OPTIMIZERS.values() if record.command)
+
+
+def _names(kinds) -> str:
+    kinds = list(kinds)
+    return kinds[0] if len(kinds) == 1 else f"{', '.join(kinds[:-1])} and {kinds[-1]}"
+
+
+def _chosen_optimizer(args):
+    """The hyper-parameters of the optimizer --optimizer names, with what --weight-decay and
+    --optimizer-state-dtype set; either option given to an optimizer that does not take it is an ArgumentError."""
+    offered = [record for record in OPTIMIZERS.values() if record.command]
+    record = next(record for record in offered if record.command == args.optimizer)
+    takes = record.hyper_parameters()
+    if args.weight_decay and "weight_decay" not in takes:
+        decaying = [r.kind for r in offered if "weight_decay" in r.hyper_parameters()]
+        raise ArgumentError(f"--weight-decay applies to {_names(decaying)} only")
+    if args.optimizer_state_dtype not in record.state_dtypes:
+        keeping = [r.kind for r in offered if args.optimizer_state_dtype in r.state_dtypes]
+        kept = "keeps no moments" if not record.state_names else "keeps its state in float32"
+        raise ArgumentError(f"--optimizer-state-dtype applies to {_names(keeping)}'s moments only; "
+                            f"{record.kind} {kept}")
+    given = {"weight_decay": args.weight_decay, "state_dtype": args.optimizer_state_dtype}
+    return record.config(**{name: value for name, value in given.items() if name in takes})
 
 
 def _print_left_out(left_out: dict, verbose: bool = False) -> None:
@@ -216,12 +244,7 @@ def _prepare(args) -> int:
     if os.path.exists(checkpoint) and not args.force:
         raise ArgumentError(f"'{args.output}' already holds artifacts (a checkpoint); pass --force to replace "
                             "them, or choose another folder with -o")
-    if args.optimizer == "sgd" and args.weight_decay:
-        raise ArgumentError("--weight-decay applies to AdamW only")
-    if args.optimizer == "sgd" and args.optimizer_state_dtype != "float32":
-        raise ArgumentError("--optimizer-state-dtype applies to AdamW's moments only; SGD keeps no moments")
-    optimizer = {"adamw": artifacts.AdamW(weight_decay=args.weight_decay, state_dtype=args.optimizer_state_dtype),
-                 "sgd": artifacts.SGD()}[args.optimizer]
+    optimizer = _chosen_optimizer(args)
     # the model's outputs are what eval scores and export writes; a training step returns the loss alone
     predictions = [o for o in graph.outputs if o in loss_inputs] + [o for o in graph.outputs if o not in loss_inputs]
     qat = choices.get("qat")
@@ -333,7 +356,7 @@ def _prepare_arguments(prepare) -> None:
     prepare.add_argument("model", metavar="MODEL.onnx", help="a forward-only ONNX model")
     prepare.add_argument("-o", "--output", required=True, metavar="ARTIFACT_DIR", help="the folder to write")
     _add_selection_options(prepare)
-    prepare.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="default: adamw")
+    prepare.add_argument("--optimizer", choices=_optimizer_commands(), default="adamw", help="default: adamw")
     prepare.add_argument("--lr", type=float, default=1e-3, help="learning rate that `odtrain train` uses unless "
                          "told otherwise (default: 0.001)")
     prepare.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default: 0)")
