@@ -38,7 +38,7 @@ from .graph.fusion import with_weights_read_in_place
 from .graph.lora import merge_adapters
 from .graph.onnx_io import load_graph, save_graph
 from .graph.ops import check_supported
-from .graph.optimizers import STATE_BLOCK, STATE_DTYPES, AdamW, check_state_dtype, read_optimizer_graph
+from .graph.optimizers import STATE_BLOCK, STATE_DTYPES, check_state_dtype, read_optimizer_graph
 from .graph.planner import MemoryPlan
 from .graph.qat import quantized_for_inference
 
@@ -314,15 +314,7 @@ class _GraphSession:
         undefined = [n for n in self.graph.inputs if n not in store and n not in self.graph.value_types]
         if undefined:
             raise ModelError(f"{what} '{self.uri}': inputs {undefined} have no declared type")
-        self.grad_outputs = {}
-        if with_gradients:
-            for out in self.graph.outputs:
-                param = out[:-len(GRAD_SUFFIX)] if out.endswith(GRAD_SUFFIX) else ""
-                if param in store.trainable:
-                    self.grad_outputs[out] = param
-                elif param in self.graph.inputs:  # a parameter this checkpoint does not train
-                    raise ParameterError(f"{what} '{self.uri}' trains parameter '{param}', which the checkpoint "
-                                         "does not hold as trainable; load the checkpoint generated with this model")
+        self.grad_outputs = _gradient_outputs(self.graph, store, f"{what} '{self.uri}'") if with_gradients else {}
         self.output_names = [o for o in self.graph.outputs if o not in self.grad_outputs]
         self.external = {n: store.data(n) for n in params}
         self.sinks = {g: store.grad(p).reshape(-1) for g, p in self.grad_outputs.items()}
@@ -333,31 +325,8 @@ class _GraphSession:
         return usable(self.num_threads or get_num_threads())
 
     def feeds(self, user_inputs) -> tuple[list[np.ndarray], tuple]:
-        if len(user_inputs) == 1 and isinstance(user_inputs[0], (list, tuple)) and len(self.input_names) > 1:
-            user_inputs = tuple(user_inputs[0])
-        if len(user_inputs) != len(self.input_names):
-            raise InputError(f"the model takes {len(self.input_names)} inputs {self.input_names}, "
-                             f"got {len(user_inputs)}")
-        arrays, bound, signature = [], {}, []
-        for name, value in zip(self.input_names, user_inputs):
-            declared = self.graph.value_types[name]
-            array = np.asarray(value.numpy() if hasattr(value, "numpy") else value)
-            if array.dtype != declared.dtype:
-                raise InputError(f"input '{name}' must be {declared.dtype}, got {array.dtype}; "
-                                 f"convert it with .astype(np.{declared.dtype.name})")
-            if declared.shape is not None:
-                if array.ndim != len(declared.shape):
-                    raise InputError(f"input '{name}' must have shape {_show(declared)}, got {array.shape}")
-                for axis, (want, got) in enumerate(zip(declared.shape, array.shape)):
-                    if isinstance(want, str):
-                        if bound.setdefault(want, got) != got:
-                            raise InputError(f"input '{name}' has {got} on axis {axis} ('{want}'), but another input "
-                                             f"bound '{want}' to {bound[want]}")
-                    elif want != got:
-                        raise InputError(f"input '{name}' must have shape {_show(declared)}, got {array.shape}")
-            arrays.append(array)
-            signature.append((name, array.shape))
-        return arrays, tuple(signature)
+        """(the inputs as arrays, the signature a plan is cached under), each checked against its declared type."""
+        return _checked_feeds(self.graph, self.input_names, user_inputs)
 
     def bound(self, signature, arrays):
         from .executor import ExecutableStep
@@ -394,24 +363,7 @@ class _GraphSession:
     def bound_at(self, batch_size: int, sequence_length: int | None = None):
         """(signature, ExecutableStep) of the plan, bound and cached, that a call with inputs of batch `batch_size`
         (and every other symbolic axis `sequence_length`) runs."""
-        for what, value in (("batch size", batch_size), ("sequence length", sequence_length)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
-                raise ArgumentError(f"the {what} must be a positive integer, got {value!r}")
-        arrays = []
-        for name in self.input_names:
-            declared = self.graph.value_types[name]
-            if declared.shape is None:
-                raise ArgumentError(f"input '{name}' has no declared shape; the memory plan needs one")
-            shape = []
-            for axis, dim in enumerate(declared.shape):
-                if isinstance(dim, str) and axis > 0 and sequence_length is None:
-                    raise ArgumentError(f"input '{name}' has the symbolic dimension '{dim}' on axis {axis}; the batch "
-                                        "size binds axis 0 only: give a sequence length for the others")
-                if isinstance(dim, str):
-                    dim = int(batch_size) if axis == 0 else int(sequence_length)
-                shape.append(dim)
-            arrays.append(np.zeros(shape, dtype=declared.dtype))
-        feeds, signature = self.feeds(arrays)
+        feeds, signature = self.feeds(_placeholder_feeds(self.graph, self.input_names, batch_size, sequence_length))
         return signature, self.bound(signature, feeds)
 
     def bound_step(self, signature, bound) -> BoundStep:
@@ -453,32 +405,103 @@ class _GraphSession:
         return outputs[0] if len(outputs) == 1 else outputs
 
     def _label_error(self, arrays) -> InputError | None:
-        """The error naming the model, the sample, its label and the class count, when an integer input holds a
-        label outside the cross-entropy's classes (what its kernel stopped on); else None. Looked for only after
-        a step failed, so a step pays nothing for it."""
-        from .graph.losses import cross_entropy_classes, cross_entropy_layout
+        """The error naming a label outside the cross-entropy's classes (_label_error), looked for only after a
+        step failed, so a step pays nothing for it."""
+        return _label_error(self.graph, f"{self.what} '{self.uri}'", self.input_names, arrays)
 
-        classes, layout = cross_entropy_classes(self.graph), cross_entropy_layout(self.graph)
-        if classes is None or layout is None:
-            return None
-        ignore_index = layout[1]
-        for name, labels in zip(self.input_names, arrays):
-            if labels.dtype.kind not in "iu" or labels.ndim == 0:
-                continue
-            outside = (labels < 0) | (labels >= classes)
-            if ignore_index is not None:
-                outside &= labels != ignore_index
-            if outside.any():
-                where = tuple(int(i) for i in np.argwhere(outside)[0])
-                position = f"sample {where[0]}" + (f" (position {', '.join(map(str, where[1:]))})"
-                                                   if len(where) > 1 else "")
-                ignored = f", nor the ignored label {ignore_index}" if ignore_index is not None else ""
-                loss = next(n for n in self.graph.nodes if n.op_type == "SoftmaxCrossEntropyLoss")
-                return InputError(f"{self.what} '{self.uri}': {loss.describe()}: input '{name}': {position} has "
-                                  f"label {labels[where]}, "
-                                  f"outside the model's {classes} classes [0, {classes}){ignored}; relabel the "
-                                  "data, or give a model with as many classes as the labels")
+
+def _gradient_outputs(graph: Graph, store: ParameterStore, source: str) -> dict[str, str]:
+    """The training model's gradient outputs: `<param>_grad` -> the trainable parameter it is the gradient of; a
+    gradient of a parameter the checkpoint does not train is a ParameterError."""
+    outputs = {}
+    for out in graph.outputs:
+        param = out[:-len(GRAD_SUFFIX)] if out.endswith(GRAD_SUFFIX) else ""
+        if param in store.trainable:
+            outputs[out] = param
+        elif param in graph.inputs:  # a parameter this checkpoint does not train
+            raise ParameterError(f"{source} trains parameter '{param}', which the checkpoint "
+                                 "does not hold as trainable; load the checkpoint generated with this model")
+    return outputs
+
+
+def _checked_feeds(graph: Graph, input_names: list[str], user_inputs) -> tuple[list[np.ndarray], tuple]:
+    """The user's inputs as arrays, each of its declared dtype and rank with its fixed axes, and every symbolic
+    axis bound to one size across inputs; and their signature ((name, shape), ...)."""
+    if len(user_inputs) == 1 and isinstance(user_inputs[0], (list, tuple)) and len(input_names) > 1:
+        user_inputs = tuple(user_inputs[0])
+    if len(user_inputs) != len(input_names):
+        raise InputError(f"the model takes {len(input_names)} inputs {input_names}, got {len(user_inputs)}")
+    arrays, bound, signature = [], {}, []
+    for name, value in zip(input_names, user_inputs):
+        declared = graph.value_types[name]
+        array = np.asarray(value.numpy() if hasattr(value, "numpy") else value)
+        if array.dtype != declared.dtype:
+            raise InputError(f"input '{name}' must be {declared.dtype}, got {array.dtype}; "
+                             f"convert it with .astype(np.{declared.dtype.name})")
+        if declared.shape is not None:
+            if array.ndim != len(declared.shape):
+                raise InputError(f"input '{name}' must have shape {_show(declared)}, got {array.shape}")
+            for axis, (want, got) in enumerate(zip(declared.shape, array.shape)):
+                if isinstance(want, str):
+                    if bound.setdefault(want, got) != got:
+                        raise InputError(f"input '{name}' has {got} on axis {axis} ('{want}'), but another input "
+                                         f"bound '{want}' to {bound[want]}")
+                elif want != got:
+                    raise InputError(f"input '{name}' must have shape {_show(declared)}, got {array.shape}")
+        arrays.append(array)
+        signature.append((name, array.shape))
+    return arrays, tuple(signature)
+
+
+def _placeholder_feeds(graph: Graph, input_names: list[str], batch_size: int,
+                       sequence_length: int | None) -> list[np.ndarray]:
+    """Zero inputs of batch `batch_size`, every other symbolic axis `sequence_length`: what binds a step ahead."""
+    for what, value in (("batch size", batch_size), ("sequence length", sequence_length)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
+            raise ArgumentError(f"the {what} must be a positive integer, got {value!r}")
+    arrays = []
+    for name in input_names:
+        declared = graph.value_types[name]
+        if declared.shape is None:
+            raise ArgumentError(f"input '{name}' has no declared shape; the memory plan needs one")
+        shape = []
+        for axis, dim in enumerate(declared.shape):
+            if isinstance(dim, str) and axis > 0 and sequence_length is None:
+                raise ArgumentError(f"input '{name}' has the symbolic dimension '{dim}' on axis {axis}; the batch "
+                                    "size binds axis 0 only: give a sequence length for the others")
+            if isinstance(dim, str):
+                dim = int(batch_size) if axis == 0 else int(sequence_length)
+            shape.append(dim)
+        arrays.append(np.zeros(shape, dtype=declared.dtype))
+    return arrays
+
+
+def _label_error(graph: Graph, source: str, input_names: list[str], arrays) -> InputError | None:
+    """The error naming the model, the sample, its label and the class count, when an integer input holds a
+    label outside the cross-entropy's classes (what its kernel stopped on); else None."""
+    from .graph.losses import cross_entropy_classes, cross_entropy_layout
+
+    classes, layout = cross_entropy_classes(graph), cross_entropy_layout(graph)
+    if classes is None or layout is None:
         return None
+    ignore_index = layout[1]
+    for name, labels in zip(input_names, arrays):
+        if labels.dtype.kind not in "iu" or labels.ndim == 0:
+            continue
+        outside = (labels < 0) | (labels >= classes)
+        if ignore_index is not None:
+            outside &= labels != ignore_index
+        if outside.any():
+            where = tuple(int(i) for i in np.argwhere(outside)[0])
+            position = f"sample {where[0]}" + (f" (position {', '.join(map(str, where[1:]))})"
+                                               if len(where) > 1 else "")
+            ignored = f", nor the ignored label {ignore_index}" if ignore_index is not None else ""
+            loss = next(n for n in graph.nodes if n.op_type == "SoftmaxCrossEntropyLoss")
+            return InputError(f"{source}: {loss.describe()}: input '{name}': {position} has "
+                              f"label {labels[where]}, "
+                              f"outside the model's {classes} classes [0, {classes}){ignored}; relabel the "
+                              "data, or give a model with as many classes as the labels")
+    return None
 
 
 def _show(t: TensorType) -> str:
@@ -510,9 +533,7 @@ class Module:
         if str(device).split(":")[0] != "cpu":
             raise ArgumentError(f"device {device!r} is not supported: odtrain runs on the CPU (device='cpu')")
         self._state = state
-        if memory_budget is not None and memory_budget != AUTO and \
-                (not isinstance(memory_budget, (int, np.integer)) or memory_budget <= 0):
-            raise ArgumentError(f'memory_budget must be a positive number of bytes or "auto", got {memory_budget!r}')
+        _check_budget(memory_budget)
         threads = None if num_threads is None else checked_threads(num_threads)
         from .executor import SharedArena
 
@@ -648,31 +669,41 @@ class Module:
         self._state._require_values("exporting an inference model")
         if isinstance(graph_output_names, str):
             graph_output_names = [graph_output_names]
-        graph = self._eval.graph
-        known = graph.all_value_names()
-        unknown = [n for n in graph_output_names if n not in known]
-        if unknown or not graph_output_names:
-            outputs = [o for o in graph.outputs]
-            raise ArgumentError(f"graph_output_names {unknown or '[]'} are not values of the eval model; "
-                                f"its outputs are {outputs} and it computes {len(known)} values in all")
-        inference = graph.prune(list(graph_output_names))
-        store = self._state._store
-        for name in list(inference.inputs):
-            if name in store:  # the live arrays: the steps below make new arrays where they change a value
-                inference.initializers[name] = store.data(name)
-        inference.inputs = [n for n in inference.inputs if n not in store]
-        inference.name = "inference"
-        # float32: every frozen weight restored and the LoRA adapters merged into their weights; int8 or
-        # bfloat16: the weights stored in the other type converted, the adapters kept beside their weights
-        # (an update finer than int8's step would round away in a merge); then QAT's fake quantization as QDQ
-        if frozen_dtype == "float32":
-            restore_frozen(inference)
-            inference = merge_adapters(inference)
-        else:
-            stored = stored_weights(inference)
-            store_frozen(inference, restore_frozen(inference, {w for w, t in stored.items() if t != frozen_dtype}),
-                         frozen_dtype)
+        inference = _inference_graph(self._eval.graph, self._state._store, list(graph_output_names), frozen_dtype)
         save_graph(quantized_for_inference(inference), inference_model_uri)
+
+
+def _check_budget(memory_budget) -> None:
+    if memory_budget is not None and memory_budget != AUTO and \
+            (not isinstance(memory_budget, (int, np.integer)) or memory_budget <= 0):
+        raise ArgumentError(f'memory_budget must be a positive number of bytes or "auto", got {memory_budget!r}')
+
+
+def _inference_graph(graph: Graph, store: ParameterStore, graph_output_names: list[str], frozen_dtype: str) -> Graph:
+    """The eval graph pruned to `graph_output_names`, the parameters' live values embedded, the frozen weights
+    held as `frozen_dtype` (export_model_for_inferencing says how); QAT's fake quantization still in it."""
+    known = graph.all_value_names()
+    unknown = [n for n in graph_output_names if n not in known]
+    if unknown or not graph_output_names:
+        outputs = [o for o in graph.outputs]
+        raise ArgumentError(f"graph_output_names {unknown or '[]'} are not values of the eval model; "
+                            f"its outputs are {outputs} and it computes {len(known)} values in all")
+    inference = graph.prune(list(graph_output_names))
+    for name in list(inference.inputs):
+        if name in store:  # the live arrays: the steps below make new arrays where they change a value
+            inference.initializers[name] = store.data(name)
+    inference.inputs = [n for n in inference.inputs if n not in store]
+    inference.name = "inference"
+    # float32: every frozen weight restored and the LoRA adapters merged into their weights; int8 or
+    # bfloat16: the weights stored in the other type converted, the adapters kept beside their weights
+    # (an update finer than int8's step would round away in a merge); then QAT's fake quantization as QDQ
+    if frozen_dtype == "float32":
+        restore_frozen(inference)
+        return merge_adapters(inference)
+    stored = stored_weights(inference)
+    store_frozen(inference, restore_frozen(inference, {w for w, t in stored.items() if t != frozen_dtype}),
+                 frozen_dtype)
+    return inference
 
 
 class Optimizer:
@@ -694,7 +725,7 @@ class Optimizer:
         if params and params != store.trainable:
             raise ParameterError(f"the optimizer model updates {params}, but the checkpoint's trainable "
                                  f"parameters are {store.trainable}; generate them together")
-        if state_dtype is not None and check_state_dtype(state_dtype, config.kind) and isinstance(config, AdamW):
+        if state_dtype is not None and check_state_dtype(state_dtype, config.kind) and hasattr(config, "state_dtype"):
             config = dataclasses.replace(config, state_dtype=state_dtype)
         self._config = config
         wanted = getattr(config, "state_dtype", "float32")
@@ -731,11 +762,11 @@ class Optimizer:
                 weights, moments, blocks = self._slices_of(name)
                 start, stop, _ = store.slices[name]
                 require_update_kernels(self._config, weights, store.grad_flat[start:stop], moments,
-                                          session.threads(), blocks, session.library, folder)
+                                       session.threads(), blocks, session.library, folder)
         else:
             require_update_kernels(self._config, store.flat[:store.trainable_size], store.grad_flat,
-                                      self._state._optimizer.moments, session.threads(), self._blocks[0],
-                                      session.library, folder)
+                                   self._state._optimizer.moments, session.threads(), self._blocks[0],
+                                   session.library, folder)
 
     def _slices_of(self, name: str) -> tuple:
         """(weights, moments, 8-bit blocks) of one parameter's update: views of the trainable block's."""
@@ -756,7 +787,7 @@ class Optimizer:
 
         def update(gradient):  # inside the training step, which runs at the module's threads
             apply_update(self._config, weights, gradient, moments, state.learning_rate, state.step + 1,
-                            self._module._train.threads(), blocks, self._module._train.library)
+                         self._module._train.threads(), blocks, self._module._train.library)
 
         return update
 
@@ -775,7 +806,7 @@ class Optimizer:
                                  f"'{store.first_nonfinite_gradient()}' is not finite; the parameters are unchanged")
         with deferred_interrupt():
             apply_update(self._config, weights, store.grad_flat, opt.moments, opt.learning_rate, opt.step + 1,
-                            self._module._train.threads(), self._blocks[0], self._module._train.library)
+                         self._module._train.threads(), self._blocks[0], self._module._train.library)
             opt.step += 1
 
     def set_learning_rate(self, learning_rate: float) -> None:

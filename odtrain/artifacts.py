@@ -40,7 +40,7 @@ from .graph.ops import OPS, check_supported
 from .graph.ops.quantize import dequantized_weights, quantization_inputs
 from .graph.losses import LossType, add_loss, parse_loss
 from .graph.onnx_io import read_graph, save_graph
-from .graph.optimizers import SGD, AdamW, OptimType, SGDMomentum, build_optimizer_graph, parse_optimizer
+from .graph.optimizers import OPTIMIZERS, OptimType, build_optimizer_graph, parse_optimizer
 from .graph.lora import add_adapters
 from .graph.parameters import NO_GRADIENT, ParameterChoice, choose_parameters, default_selection, quantization_parameters
 from .graph.qat import QatConfig, insert_fake_quantization
@@ -48,8 +48,15 @@ from .lora import LoraConfig, target_weights
 from .state import PropertyBag
 
 __all__ = ["generate_artifacts", "build_training_graphs", "GeneratedArtifacts", "LoraConfig", "LossType", "OptimType",
-           "AdamW", "SGD", "SGDMomentum", "QatConfig", "choose_parameters", "ParameterChoice", "default_selection",
-           "missing_support"]
+           *OPTIMIZERS, "QatConfig", "choose_parameters", "ParameterChoice", "default_selection", "missing_support"]
+
+
+def __getattr__(name: str):
+    """odtrain.artifacts.AdamW, SGD, SGDMomentum, ...: the hyper-parameter class of each optimizer record
+    (odtrain.graph.optimizers.OPTIMIZERS), so that a new optimizer is offered here by its record alone."""
+    if name in OPTIMIZERS:
+        return OPTIMIZERS[name].config
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _select_parameters(graph, requires_grad, frozen_params):
@@ -138,6 +145,29 @@ def build_training_graphs(model, requires_grad=None, frozen_params=None, loss=No
     custom_loss = hasattr(loss, "build_loss")
     graph, path = read_graph(model, "model")
     check_supported(graph.nodes, f"model '{path}'" if path else "model")
+    graph, trainable, frozen, left_out = _chosen_parameters(graph, requires_grad, frozen_params, lora, qat,
+                                                            frozen_dtype)
+    extra_outputs, eval_outputs, loss_inputs = _named_outputs(graph, additional_output_names, eval_output_names,
+                                                              loss_input_names, custom_loss)
+    forward, loss_name, extra_outputs = _with_loss(graph, loss, custom_loss, loss_inputs, extra_outputs,
+                                                   eval_outputs, class_axis, ignore_index)
+    frozen, used = _checked_parameters(forward, trainable, frozen)
+    params = trainable + frozen
+    for p in params:  # parameters leave the models; their values go to the checkpoint
+        forward.initializers.pop(p, None)
+        forward.value_types.setdefault(p, TensorType(graph.initializers[p].dtype, graph.initializers[p].shape))
+    if requires_grad is None:  # "every parameter": leave out initializers no gradient reaches (Resize scales)
+        _leave_out_unreached(forward, graph, loss_name, trainable, params, left_out)
+    eval_graph = to_eval_graph(forward)
+    trained = forward.prune([loss_name] + extra_outputs) if len(forward.outputs) > 1 + len(extra_outputs) else forward
+    training_graph = build_gradient_graph(trained, loss_name, trainable)
+    return TrainingGraphs(training_graph, eval_graph, trainable, frozen, {p: graph.initializers[p] for p in params},
+                          [p for p in params if p in used], left_out)
+
+
+def _chosen_parameters(graph, requires_grad, frozen_params, lora, qat, frozen_dtype):
+    """(the graph with adapters, fake quantization and frozen weights stored as `frozen_dtype`, trainable,
+    frozen, left out with reasons); the graph read is build_training_graphs' own to change."""
     lora_left_out = {}
     if lora is not None:
         graph, requires_grad, frozen_params, lora_left_out = _with_adapters(graph, lora, requires_grad, frozen_params)
@@ -145,10 +175,14 @@ def build_training_graphs(model, requires_grad=None, frozen_params=None, loss=No
     left_out.update(lora_left_out)
     if qat is not None:
         frozen += insert_fake_quantization(graph, qat, trainable + frozen)
-    frozen += store_frozen(graph, frozen, frozen_dtype)  # the graph read here is ours to change
+    frozen += store_frozen(graph, frozen, frozen_dtype)
     if not trainable:
         raise ArgumentError("no parameter requires a gradient: list parameters in requires_grad")
+    return graph, trainable, frozen, left_out
 
+
+def _named_outputs(graph, additional_output_names, eval_output_names, loss_input_names, custom_loss):
+    """(outputs of both graphs, outputs of the eval graph only, the loss's inputs), each a value of the model."""
     known = graph.all_value_names()
     extra_outputs = list(additional_output_names or [])
     eval_outputs = [n for n in eval_output_names or [] if n not in extra_outputs]
@@ -165,8 +199,14 @@ def build_training_graphs(model, requires_grad=None, frozen_params=None, loss=No
     else:
         raise ArgumentError(f"the model has {len(graph.outputs)} outputs {graph.outputs}: name the one the loss "
                             "scores with loss_input_names=[...]")
+    return extra_outputs, eval_outputs, loss_inputs
 
+
+def _with_loss(graph, loss, custom_loss, loss_inputs, extra_outputs, eval_outputs, class_axis, ignore_index):
+    """(a copy of the graph with the loss added, pruned to the loss and the outputs asked for, the loss's name,
+    the outputs of both graphs with those a loss block adds)."""
     forward = graph.copy()
+    extra_outputs = list(extra_outputs)
     if loss is None:
         loss_name = loss_inputs[0]
         t = forward.value_types.get(loss_name)
@@ -178,8 +218,12 @@ def build_training_graphs(model, requires_grad=None, frozen_params=None, loss=No
     else:
         loss_name = add_loss(forward, parse_loss(loss), loss_inputs, class_axis, ignore_index)
     forward.outputs = [loss_name] + extra_outputs + [n for n in eval_outputs if n not in extra_outputs]
-    forward = forward.prune(forward.outputs)
+    return forward.prune(forward.outputs), loss_name, extra_outputs
 
+
+def _checked_parameters(forward, trainable, frozen) -> tuple[list[str], set]:
+    """(the frozen parameters the loss reads, every value a node reads), once no parameter configures an op
+    and every trainable one is read; a frozen parameter nothing reads is left out with a warning."""
     params = trainable + frozen
     for node in forward.nodes:  # shapes, axes, scales must stay constants of the model
         constant_inputs = OPS[node.key].constant_inputs if node.key in OPS else ()
@@ -197,27 +241,23 @@ def build_training_graphs(model, requires_grad=None, frozen_params=None, loss=No
     if dead:
         shown = ", ".join(f"'{p}'" for p in dead[:5]) + (f" and {len(dead) - 5} more" if len(dead) > 5 else "")
         warnings.warn(f"{len(dead)} frozen_params are used on no path to the loss and stay out of the checkpoint: "
-                      f"{shown}", stacklevel=3)
+                      f"{shown}", stacklevel=4)
         frozen = [p for p in frozen if p in used]
-        params = trainable + frozen
-    for p in params:  # parameters leave the models; their values go to the checkpoint
-        forward.initializers.pop(p, None)
-        forward.value_types.setdefault(p, TensorType(graph.initializers[p].dtype, graph.initializers[p].shape))
-    if requires_grad is None:  # "every parameter": leave out initializers no gradient reaches (Resize scales)
-        constants: list[str] = []
-        build_gradient_graph(forward, loss_name, trainable, without_gradient=constants)
-        for name in constants:
-            trainable.remove(name)
-            params.remove(name)
-            forward.initializers[name] = graph.initializers[name]
-            left_out[name] = NO_GRADIENT
-        if not trainable:
-            raise ArgumentError("no parameter of the model receives a gradient from the loss")
-    eval_graph = to_eval_graph(forward)
-    trained = forward.prune([loss_name] + extra_outputs) if len(forward.outputs) > 1 + len(extra_outputs) else forward
-    training_graph = build_gradient_graph(trained, loss_name, trainable)
-    return TrainingGraphs(training_graph, eval_graph, trainable, frozen, {p: graph.initializers[p] for p in params},
-                          [p for p in params if p in used], left_out)
+    return frozen, used
+
+
+def _leave_out_unreached(forward, graph, loss_name, trainable, params, left_out) -> None:
+    """With every parameter chosen: those no gradient reaches (Resize's scales) become constants again, listed in
+    `left_out`; trainable and params lose them in place."""
+    constants: list[str] = []
+    build_gradient_graph(forward, loss_name, trainable, without_gradient=constants)
+    for name in constants:
+        trainable.remove(name)
+        params.remove(name)
+        forward.initializers[name] = graph.initializers[name]
+        left_out[name] = NO_GRADIENT
+    if not trainable:
+        raise ArgumentError("no parameter of the model receives a gradient from the loss")
 
 
 @dataclass

@@ -5,7 +5,8 @@ its one serial call on the flat block: (kernel, arguments) of kernels/optim.py. 
 the call is split into parts at the step's thread count by the parallel-split rule (kernels/parallel_split.py),
 run through the kernel library when it holds it, else through Numba (`executor.invoke`), and a device
 without Numba asks the library for exactly that call before the first step (`require_update_kernels`).
-A new optimizer is one row of the table and one kernel.
+A new optimizer is its record (graph/optimizers.py: kind, state names, hyper-parameters), its kernel and its
+parallel twin (kernels/optim.py), and its row here; README's "Adding an optimizer" walks through them.
 
 8-bit AdamW moments are codes and absmax values over blocks of the trainable block (odtrain/state.py);
 `int8_moments` and `float_moments` convert them from and to float32.
@@ -66,7 +67,7 @@ def update_calls(config, weights, grads, moments, learning_rate, step, threads, 
 def apply_update(config, weights: np.ndarray, grads: np.ndarray, moments: dict[str, np.ndarray],
                  learning_rate: float, step: int, threads: int = 1, blocks: np.ndarray | None = None,
                  library=None) -> None:
-    """One fused update of the trainable block by the optimizer model's node (AdamW, SGD or SGDMomentum),
+    """One fused update of the trainable block by the optimizer model's node (its UPDATES row),
     on parts of the block in parallel at `threads` threads when the block is large enough; through the
     kernel `library` when it holds the update. 8-bit AdamW moments are quantized in `blocks` (boundaries
     within `weights`, odtrain/state.py)."""

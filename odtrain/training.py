@@ -311,27 +311,9 @@ def _settings(properties, resume: bool, given: dict, checkpoint: str) -> dict:
     return settings
 
 
-def fit(artifacts, train, val=None, *, epochs: int | None = None, batch_size: int | None = None,
-        learning_rate: float | None = None, lr_schedule: str | None = None, warmup_steps: int | None = None,
-        seed: int | None = None, checkpoint_every: int | None = None, resume: bool = False, x=None, y=None,
-        log=print, progress: bool = True, progress_stream=None, stop_after_steps: int | None = None,
-        handle_signals: bool = True, memory_budget: int | None = None) -> FitResult:
-    """Train the artifacts in folder `artifacts` on `train` (a path, Dataset or arrays); see the module docstring.
-
-    Settings left as None come from the interrupted run when resuming, else from the defaults
-    (1 epoch, batch size 32, the checkpoint's `learning_rate` property, constant schedule, seed 0).
-    `log` receives one line per epoch; `stop_after_steps` stops (as Ctrl-C would) after that many steps.
-    `memory_budget` (bytes, or "auto") caps a training step's arena, recomputing activations (see odtrain.api.Module).
-    """
-    session = Session(artifacts, fresh_optimizer=not resume, memory_budget=memory_budget)
-    paths, state, module, optimizer = session.paths, session.state, session.module, session.optimizer
-    properties = state.properties
-    if resume and "global_step" not in properties:
-        raise StateError(f"checkpoint '{paths.checkpoint}' holds no run to resume (it has not been trained by "
-                         "odtrain's training loop); train without resume")
-    given = {"epochs": epochs, "batch_size": batch_size, "learning_rate": learning_rate, "lr_schedule": lr_schedule,
-             "warmup_steps": warmup_steps, "seed": seed}
-    settings = _settings(properties, resume, given, paths.checkpoint)
+def _checked_settings(properties, resume: bool, given: dict, checkpoint: str, checkpoint_every) -> dict:
+    """The run's settings (_settings), once each is in range and a resumed run can reach them."""
+    settings = _settings(properties, resume, given, checkpoint)
     for key in ("epochs", "batch_size"):
         if int(settings[key]) < 1:
             raise ArgumentError(f"{key.replace('_', ' ')} must be at least 1, got {settings[key]}")
@@ -345,7 +327,129 @@ def fit(artifacts, train, val=None, *, epochs: int | None = None, batch_size: in
                             f"epochs; {settings['epochs']} epochs would end it before where it stands: resume with "
                             f"at least {properties['epoch']} epochs (or leave the count out to keep "
                             f"{properties['epochs']})")
-    optimizer.set_learning_rate(settings["learning_rate"])  # validates it
+    return settings
+
+
+class _Run:
+    """One call of fit: the session and its data, the run's settings, where it stands (epoch, step_in_epoch,
+    global_step, the epoch's loss_sum), and the FitResult that save() keeps in step with the checkpoint."""
+
+    def __init__(self, session: Session, settings: dict, train_set, val_set, resume: bool):
+        self.session, self.train_set, self.val_set = session, train_set, val_set
+        properties = session.state.properties
+        self.samples = len(train_set)
+        self.epochs, self.batch_size, self.seed = int(settings["epochs"]), int(settings["batch_size"]), \
+            int(settings["seed"])
+        self.base_lr, self.schedule = float(settings["learning_rate"]), settings["lr_schedule"]
+        self.warmup = int(settings["warmup_steps"])
+        self.batches = (self.samples + self.batch_size - 1) // self.batch_size
+        self.total_steps = self.epochs * self.batches
+        if resume:
+            self.epoch, self.step_in_epoch = int(properties["epoch"]), int(properties["step_in_epoch"])
+            self.global_step, self.loss_sum = int(properties["global_step"]), float(properties["epoch_loss_sum"])
+        else:
+            self.epoch, self.step_in_epoch, self.global_step, self.loss_sum = 0, 0, 0, 0.0
+            session.state.random_seed = self.seed  # Dropout's streams; a resumed run continues them from the checkpoint
+        for key in SETTINGS:
+            properties[key] = settings[key]
+        if train_set.classes:
+            properties["classes"] = json.dumps(train_set.classes)
+        self.result = FitResult(session.paths.checkpoint, self.epoch, self.global_step, self.step_in_epoch,
+                                self.epoch >= self.epochs)
+        self.steps_this_call = 0
+
+    def save(self, finished: bool = False) -> None:
+        position = (self.epoch, self.step_in_epoch, self.global_step, self.loss_sum, int(finished))
+        for key, value in zip(POSITION, position):
+            self.session.state.properties[key] = value
+        self.session.save()
+        self.result.epochs, self.result.global_step = self.epoch, self.global_step
+        self.result.step_in_epoch, self.result.finished = self.step_in_epoch, finished
+
+    def start_lines(self, resume: bool) -> list[str]:
+        """What the run says before its first step: its data, length and learning rate; where it resumes."""
+        schedule_text = self.schedule + (f" after {self.warmup} warm-up steps" if self.warmup else "")
+        validating = f"; validating on {wording.count(len(self.val_set), 'sample')}" if self.val_set is not None else ""
+        lines = [f"training on {wording.count(self.samples, 'sample')} ({wording.count(self.batches, 'batch')} of "
+                 f"{self.batch_size}) for {wording.count(self.epochs, 'epoch')}; learning rate "
+                 f"{self.base_lr:g}, {schedule_text}{validating}"]
+        if resume:
+            lines.append(f"resuming at epoch {self.epoch + 1}, step {self.step_in_epoch} of {self.batches} "
+                         f"(global step {self.global_step})")
+        return lines
+
+    def train_epoch(self, stop: _StopRequests, bar, checkpoint_every, stop_after_steps) -> int | None:
+        """Train on the rest of the epoch's batches, saving every `checkpoint_every` steps: the samples seen, or
+        None when a stop request or `stop_after_steps` ended the run (saved, result.stopped_by says which)."""
+        module, optimizer = self.session.module, self.session.optimizer
+        order = epoch_order(self.seed, self.epoch, self.samples)
+        seen = 0
+        for batch in self.train_set.batches(self.batch_size, order, start=self.step_in_epoch):
+            optimizer.set_learning_rate(self.base_lr * lr_multiplier(self.schedule, self.global_step, self.total_steps,
+                                                                     self.warmup))
+            outputs = module(*batch)
+            loss = float(outputs[0] if isinstance(outputs, list) else outputs)
+            if not math.isfinite(loss):
+                if bar:
+                    bar.close()
+                raise StateError(f"training diverged: the loss is {loss} at epoch {self.epoch + 1}, step "
+                                 f"{self.step_in_epoch + 1}; the checkpoint keeps the last saved state. "
+                                 "Lower the learning rate")
+            optimizer.step()
+            module.lazy_reset_grad()
+            stop.at_once = False  # from now on a stop saves this step first
+            count = len(batch[0])
+            self.step_in_epoch, self.global_step = self.step_in_epoch + 1, self.global_step + 1
+            self.steps_this_call += 1
+            seen, self.loss_sum = seen + count, self.loss_sum + loss * count
+            if bar:
+                bar.update(count, loss=self.loss_sum / min(self.step_in_epoch * self.batch_size, self.samples))
+            stopping = stop.requested or (stop_after_steps is not None and self.steps_this_call >= stop_after_steps)
+            if stopping or (checkpoint_every and self.global_step % checkpoint_every == 0):
+                self.save()
+            if stopping:
+                if bar:
+                    bar.close()
+                self.result.stopped_by = stop.requested or "stop_after_steps"
+                return None
+        if bar:
+            bar.close()
+        return seen
+
+    def epoch_record(self, seen: int, seconds: float) -> dict:
+        """The finished epoch's entry of the history (with the validation metrics, also kept as properties)."""
+        record = {"epoch": self.epoch + 1, "loss": self.loss_sum / self.samples, "seconds": seconds,
+                  "samples_per_second": seen / seconds if seconds > 0 else 0.0}
+        if self.val_set is not None:
+            record.update({f"val_{k}": v for k, v in evaluate(self.session, self.val_set).items() if k != "samples"})
+            for key in ("val_loss", "val_accuracy", "val_mse"):
+                if key in record:
+                    self.session.state.properties[key] = float(record[key])
+        self.result.history.append(record)
+        return record
+
+
+def fit(artifacts, train, val=None, *, epochs: int | None = None, batch_size: int | None = None,
+        learning_rate: float | None = None, lr_schedule: str | None = None, warmup_steps: int | None = None,
+        seed: int | None = None, checkpoint_every: int | None = None, resume: bool = False, x=None, y=None,
+        log=print, progress: bool = True, progress_stream=None, stop_after_steps: int | None = None,
+        handle_signals: bool = True, memory_budget: int | None = None) -> FitResult:
+    """Train the artifacts in folder `artifacts` on `train` (a path, Dataset or arrays); see the module docstring.
+
+    Settings left as None come from the interrupted run when resuming, else from the defaults
+    (1 epoch, batch size 32, the checkpoint's `learning_rate` property, constant schedule, seed 0).
+    `log` receives one line per epoch; `stop_after_steps` stops (as Ctrl-C would) after that many steps.
+    `memory_budget` (bytes, or "auto") caps a training step's arena, recomputing activations (see odtrain.api.Module).
+    """
+    session = Session(artifacts, fresh_optimizer=not resume, memory_budget=memory_budget)
+    properties = session.state.properties
+    if resume and "global_step" not in properties:
+        raise StateError(f"checkpoint '{session.paths.checkpoint}' holds no run to resume (it has not been trained "
+                         "by odtrain's training loop); train without resume")
+    given = {"epochs": epochs, "batch_size": batch_size, "learning_rate": learning_rate, "lr_schedule": lr_schedule,
+             "warmup_steps": warmup_steps, "seed": seed}
+    settings = _checked_settings(properties, resume, given, session.paths.checkpoint, checkpoint_every)
+    session.optimizer.set_learning_rate(settings["learning_rate"])  # validates it
 
     train_set = session.dataset(train, x, y)
     val_set = session.dataset(val, x, y) if val is not None else None
@@ -354,96 +458,31 @@ def fit(artifacts, train, val=None, *, epochs: int | None = None, batch_size: in
         raise ArgumentError(f"the training data holds {samples} samples; the interrupted run trained on "
                             f"{properties['samples']}: resume with the same data")
     settings["samples"] = samples
-    epochs, batch_size, seed = int(settings["epochs"]), int(settings["batch_size"]), int(settings["seed"])
-    base_lr, schedule, warmup = float(settings["learning_rate"]), settings["lr_schedule"], int(settings["warmup_steps"])
-    batches = (samples + batch_size - 1) // batch_size
-    total_steps = epochs * batches
-
-    if resume:
-        epoch, step_in_epoch = int(properties["epoch"]), int(properties["step_in_epoch"])
-        global_step, loss_sum = int(properties["global_step"]), float(properties["epoch_loss_sum"])
-    else:
-        epoch, step_in_epoch, global_step, loss_sum = 0, 0, 0, 0.0
-        state.random_seed = seed  # Dropout's streams; a resumed run continues them from the checkpoint
-    for key in SETTINGS:
-        properties[key] = settings[key]
-    if train_set.classes:
-        properties["classes"] = json.dumps(train_set.classes)
-    result = FitResult(paths.checkpoint, epoch, global_step, step_in_epoch, epoch >= epochs)
-
-    def save(finished: bool = False) -> None:
-        for key, value in zip(POSITION, (epoch, step_in_epoch, global_step, loss_sum, int(finished))):
-            properties[key] = value
-        session.save()
-        result.epochs, result.global_step, result.step_in_epoch = epoch, global_step, step_in_epoch
-        result.finished = finished
-
-    if epoch >= epochs:
-        save(finished=True)
-        return result
-    if log:
-        schedule_text = schedule + (f" after {warmup} warm-up steps" if warmup else "")
-        validating = f"; validating on {wording.count(len(val_set), 'sample')}" if val_set is not None else ""
-        log(f"training on {wording.count(samples, 'sample')} ({wording.count(batches, 'batch')} of {batch_size}) for "
-            f"{wording.count(epochs, 'epoch')}; learning rate "
-            f"{base_lr:g}, {schedule_text}{validating}")
-        if resume:
-            log(f"resuming at epoch {epoch + 1}, step {step_in_epoch} of {batches} (global step {global_step})")
-    steps_this_call = 0
-    says = _write_now if log else None
-    with _StopRequests(handle_signals, says) as stop:
-        while epoch < epochs:
-            module.train()
-            order = epoch_order(seed, epoch, samples)
-            bar = progress_bar(samples, f"epoch {epoch + 1:>{len(str(epochs))}}/{epochs}", progress_stream,
-                               unit="samples", initial=min(step_in_epoch * batch_size, samples),
+    run = _Run(session, settings, train_set, val_set, resume)
+    if run.epoch >= run.epochs:
+        run.save(finished=True)
+        return run.result
+    for line in run.start_lines(resume) if log else ():
+        log(line)
+    with _StopRequests(handle_signals, _write_now if log else None) as stop:
+        while run.epoch < run.epochs:
+            session.module.train()
+            bar = progress_bar(samples, f"epoch {run.epoch + 1:>{len(str(run.epochs))}}/{run.epochs}", progress_stream,
+                               unit="samples", initial=min(run.step_in_epoch * run.batch_size, samples),
                                leave=False) if progress else None
-            started, seen = time.perf_counter(), 0
-            for batch in train_set.batches(batch_size, order, start=step_in_epoch):
-                optimizer.set_learning_rate(base_lr * lr_multiplier(schedule, global_step, total_steps, warmup))
-                outputs = module(*batch)
-                loss = float(outputs[0] if isinstance(outputs, list) else outputs)
-                if not math.isfinite(loss):
-                    if bar:
-                        bar.close()
-                    raise StateError(f"training diverged: the loss is {loss} at epoch {epoch + 1}, step "
-                                     f"{step_in_epoch + 1}; the checkpoint keeps the last saved state. "
-                                     "Lower the learning rate")
-                optimizer.step()
-                module.lazy_reset_grad()
-                stop.at_once = False  # from now on a stop saves this step first
-                count = len(batch[0])
-                step_in_epoch, global_step, steps_this_call = step_in_epoch + 1, global_step + 1, steps_this_call + 1
-                seen, loss_sum = seen + count, loss_sum + loss * count
-                if bar:
-                    bar.update(count, loss=loss_sum / min(step_in_epoch * batch_size, samples))
-                stopping = stop.requested or (stop_after_steps is not None and steps_this_call >= stop_after_steps)
-                if stopping or (checkpoint_every and global_step % checkpoint_every == 0):
-                    save()
-                if stopping:
-                    if bar:
-                        bar.close()
-                    result.stopped_by = stop.requested or "stop_after_steps"
-                    return result
-            if bar:
-                bar.close()
-            seconds = time.perf_counter() - started
-            record = {"epoch": epoch + 1, "loss": loss_sum / samples, "seconds": seconds,
-                      "samples_per_second": seen / seconds if seconds > 0 else 0.0}
-            if val_set is not None:
-                record.update({f"val_{k}": v for k, v in evaluate(session, val_set).items() if k != "samples"})
-                for key in ("val_loss", "val_accuracy", "val_mse"):
-                    if key in record:
-                        properties[key] = float(record[key])
-            result.history.append(record)
+            started = time.perf_counter()
+            seen = run.train_epoch(stop, bar, checkpoint_every, stop_after_steps)
+            if seen is None:
+                return run.result
+            record = run.epoch_record(seen, time.perf_counter() - started)
             if log:
-                log(_epoch_line(record, epochs))
-            epoch, step_in_epoch, loss_sum = epoch + 1, 0, 0.0
-            save(finished=epoch >= epochs)
+                log(_epoch_line(record, run.epochs))
+            run.epoch, run.step_in_epoch, run.loss_sum = run.epoch + 1, 0, 0.0
+            run.save(finished=run.epoch >= run.epochs)
             if stop.requested:
-                result.stopped_by = stop.requested
-                return result
-    return result
+                run.result.stopped_by = stop.requested
+                return run.result
+    return run.result
 
 
 def _epoch_line(record: dict, epochs: int) -> str:

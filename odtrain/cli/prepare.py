@@ -9,7 +9,7 @@ from ..artifact_paths import ArtifactPaths
 from ..graph.errors import ArgumentError, OdtrainError, UnsupportedOpError
 from ..allocation import format_bytes
 from ..graph.frozen import FROZEN_DTYPES, frozen_bytes
-from ..graph.optimizers import STATE_DTYPES
+from ..graph.optimizers import OPTIMIZERS, STATE_DTYPES
 from ..graph.wording import count
 from .options import Command, add_shape_arguments, input_shapes, listed, note, print_json, value_text
 
@@ -106,6 +106,34 @@ def _trial_bind(model, choices: dict, batch_size: int = 2):
             return None, str(error)
 
 
+def _optimizer_commands() -> tuple[str, ...]:
+    """The choices of --optimizer: the optimizer records that name one (graph/optimizers.py)."""
+    return tuple(record.command for record in OPTIMIZERS.values() if record.command)
+
+
+def _names(kinds) -> str:
+    kinds = list(kinds)
+    return kinds[0] if len(kinds) == 1 else f"{', '.join(kinds[:-1])} and {kinds[-1]}"
+
+
+def _chosen_optimizer(args):
+    """The hyper-parameters of the optimizer --optimizer names, with what --weight-decay and
+    --optimizer-state-dtype set; either option given to an optimizer that does not take it is an ArgumentError."""
+    offered = [record for record in OPTIMIZERS.values() if record.command]
+    record = next(record for record in offered if record.command == args.optimizer)
+    takes = record.hyper_parameters()
+    if args.weight_decay and "weight_decay" not in takes:
+        decaying = [r.kind for r in offered if "weight_decay" in r.hyper_parameters()]
+        raise ArgumentError(f"--weight-decay applies to {_names(decaying)} only")
+    if args.optimizer_state_dtype not in record.state_dtypes:
+        keeping = [r.kind for r in offered if args.optimizer_state_dtype in r.state_dtypes]
+        kept = "keeps no moments" if not record.state_names else "keeps its state in float32"
+        raise ArgumentError(f"--optimizer-state-dtype applies to {_names(keeping)}'s moments only; "
+                            f"{record.kind} {kept}")
+    given = {"weight_decay": args.weight_decay, "state_dtype": args.optimizer_state_dtype}
+    return record.config(**{name: value for name, value in given.items() if name in takes})
+
+
 def _print_left_out(left_out: dict, verbose: bool = False) -> None:
     """One line per reason, naming the initializers the default selection left out for it."""
     reasons: dict[str, list[str]] = {}
@@ -115,23 +143,76 @@ def _print_left_out(left_out: dict, verbose: bool = False) -> None:
         print(f"  left out: {listed(names, verbose)}: {why}")
 
 
-def _check(args) -> int:
-    from collections import Counter
-
-    from ..artifacts import missing_support
-    from ..graph.onnx_io import load_graph
+def _list_ops(args) -> int:
+    """`odtrain check --ops`: every registered op, with its gradient rule or why it has none."""
     from ..graph.ops import OPS
 
-    if args.ops:
-        rows = sorted(OPS.values(), key=lambda o: (o.domain, o.op_type))
-        if args.json:
-            print_json([{"op": o.op_type, "domain": o.domain, "gradient": o.gradient is not None,
-                          "no_gradient_reason": o.no_grad_reason} for o in rows])
-            return 0
-        for o in rows:
-            name = f"{o.domain}::{o.op_type}" if o.domain else o.op_type
-            print(f"{name:<36} {'gradient rule' if o.gradient else 'no gradient: ' + (o.no_grad_reason or 'none')}")
+    rows = sorted(OPS.values(), key=lambda o: (o.domain, o.op_type))
+    if args.json:
+        print_json([{"op": o.op_type, "domain": o.domain, "gradient": o.gradient is not None,
+                      "no_gradient_reason": o.no_grad_reason} for o in rows])
         return 0
+    for o in rows:
+        name = f"{o.domain}::{o.op_type}" if o.domain else o.op_type
+        print(f"{name:<36} {'gradient rule' if o.gradient else 'no gradient: ' + (o.no_grad_reason or 'none')}")
+    return 0
+
+
+def _check_report(args, graph, choices, no_kernel, no_gradient, arena, trial_error) -> dict:
+    """What `odtrain check --json` prints (the text report reads it too)."""
+    from collections import Counter
+
+    trainable, frozen = choices["requires_grad"], choices["frozen_params"]
+    sizes = {n: int(graph.initializers[n].size) for n in trainable + frozen}
+    return {
+        "model": args.model, "trainable": not no_kernel and not no_gradient and trial_error is None, "loss": args.loss,
+        "inputs": [value_text(graph, n) for n in graph.inputs], "outputs": [value_text(graph, n) for n in graph.outputs],
+        "ops": dict(Counter(node.op_type for node in graph.nodes)),
+        "no_kernel": [{"node": n.name, "op_type": n.op_type, "domain": n.domain} for n in no_kernel],
+        "no_gradient": [{"node": n.name, "op_type": n.op_type, "reason": r} for n, r in no_gradient],
+        "parameters": {"trainable": sum(sizes[n] for n in trainable), "frozen": sum(sizes[n] for n in frozen),
+                       "trainable_tensors": trainable, "frozen_tensors": frozen},
+        "left_out": choices["left_out"], "loss_layout": choices["loss_text"], "error": trial_error,
+        "arena_bytes_at_batch_2": arena,
+    }
+
+
+def _print_check(args, graph, choices, report, no_kernel, no_gradient) -> None:
+    """The text report of `odtrain check`: the model, its ops, what lacks a kernel or gradient, the parameters."""
+    trainable, frozen = choices["requires_grad"], choices["frozen_params"]
+    print(f"model: {args.model} ({count(len(graph.nodes), 'node')}); inputs {', '.join(report['inputs'])}; "
+          f"outputs {', '.join(report['outputs'])}")
+    ops = ", ".join(f"{op} x{count}" if count > 1 else op for op, count in report["ops"].items())
+    print(f"ops: {ops}")
+    for node in no_kernel:
+        print(f"  no kernel: {node.describe()}")
+    for node, reason in no_gradient:
+        print(f"  no gradient rule: {node.describe()}" + (f" ({reason})" if reason else ""))
+    if not no_kernel:
+        print("  every op has a kernel" + ("" if no_gradient else ", and a gradient rule wherever a trainable "
+                                           "parameter depends on it"))
+    p = report["parameters"]
+    frozen_text = f" in {count(len(frozen), 'tensor')} ({listed(frozen, args.verbose)})" if frozen else ""
+    print(f"parameters: {p['trainable']:,} trainable in {count(len(trainable), 'tensor')} "
+          f"({listed(trainable, args.verbose)}); {p['frozen']:,} frozen{frozen_text}")
+    _print_left_out(choices["left_out"], args.verbose)
+    if choices["loss_text"]:
+        print(f"loss: {args.loss} on '{choices['loss_input_names'][0]}', {choices['loss_text']}")
+    if report["error"]:
+        print(f"  generating and binding the artifacts failed: {report['error']}")
+    elif report["trainable"]:
+        sequence = any(isinstance(d, str) for n in graph.inputs for d in (graph.value_types[n].shape or ())[1:])
+        at = f"batch size 2, sequence length {TRIAL_SEQUENCE_LENGTH}" if sequence else "batch size 2"
+        print(f"odtrain can train this model (loss {args.loss}; a training step at {at} plans "
+              f"{report['arena_bytes_at_batch_2']:,} bytes of arena)")
+
+
+def _check(args) -> int:
+    from ..artifacts import missing_support
+    from ..graph.onnx_io import load_graph
+
+    if args.ops:
+        return _list_ops(args)
     if not args.model:
         raise ArgumentError("name a model to check (odtrain check MODEL.onnx), or list the supported ops with --ops")
     try:
@@ -142,53 +223,16 @@ def _check(args) -> int:
         print(f"odtrain check: error: {error}", file=sys.stderr)
         return 1
     choices = _training_choices(graph, args)
-    trainable, frozen, loss_inputs = choices["requires_grad"], choices["frozen_params"], choices["loss_input_names"]
-    no_kernel, no_gradient = missing_support(graph, trainable, loss_inputs)
+    no_kernel, no_gradient = missing_support(graph, choices["requires_grad"], choices["loss_input_names"])
     arena, trial_error = (None, None)
     if not no_kernel and not no_gradient:
         arena, trial_error = _trial_bind(args.model, choices)
-    sizes = {n: int(graph.initializers[n].size) for n in trainable + frozen}
-    ok = not no_kernel and not no_gradient and trial_error is None
-    report = {
-        "model": args.model, "trainable": ok, "loss": args.loss,
-        "inputs": [value_text(graph, n) for n in graph.inputs], "outputs": [value_text(graph, n) for n in graph.outputs],
-        "ops": dict(Counter(node.op_type for node in graph.nodes)),
-        "no_kernel": [{"node": n.name, "op_type": n.op_type, "domain": n.domain} for n in no_kernel],
-        "no_gradient": [{"node": n.name, "op_type": n.op_type, "reason": r} for n, r in no_gradient],
-        "parameters": {"trainable": sum(sizes[n] for n in trainable), "frozen": sum(sizes[n] for n in frozen),
-                       "trainable_tensors": trainable, "frozen_tensors": frozen},
-        "left_out": choices["left_out"], "loss_layout": choices["loss_text"], "error": trial_error,
-        "arena_bytes_at_batch_2": arena,
-    }
+    report = _check_report(args, graph, choices, no_kernel, no_gradient, arena, trial_error)
     if args.json:
         print_json(report)
     else:
-        print(f"model: {args.model} ({count(len(graph.nodes), 'node')}); inputs {', '.join(report['inputs'])}; "
-              f"outputs {', '.join(report['outputs'])}")
-        ops = ", ".join(f"{op} x{count}" if count > 1 else op for op, count in report["ops"].items())
-        print(f"ops: {ops}")
-        for node in no_kernel:
-            print(f"  no kernel: {node.describe()}")
-        for node, reason in no_gradient:
-            print(f"  no gradient rule: {node.describe()}" + (f" ({reason})" if reason else ""))
-        if not no_kernel:
-            print("  every op has a kernel" + ("" if no_gradient else ", and a gradient rule wherever a trainable "
-                                               "parameter depends on it"))
-        p = report["parameters"]
-        frozen_text = f" in {count(len(frozen), 'tensor')} ({listed(frozen, args.verbose)})" if frozen else ""
-        print(f"parameters: {p['trainable']:,} trainable in {count(len(trainable), 'tensor')} "
-              f"({listed(trainable, args.verbose)}); {p['frozen']:,} frozen{frozen_text}")
-        _print_left_out(choices["left_out"], args.verbose)
-        if choices["loss_text"]:
-            print(f"loss: {args.loss} on '{loss_inputs[0]}', {choices['loss_text']}")
-        if trial_error:
-            print(f"  generating and binding the artifacts failed: {trial_error}")
-        elif ok:
-            sequence = any(isinstance(d, str) for n in graph.inputs for d in (graph.value_types[n].shape or ())[1:])
-            at = f"batch size 2, sequence length {TRIAL_SEQUENCE_LENGTH}" if sequence else "batch size 2"
-            print(f"odtrain can train this model (loss {args.loss}; a training step at {at} plans {arena:,} bytes "
-                  "of arena)")
-    if ok:
+        _print_check(args, graph, choices, report, no_kernel, no_gradient)
+    if report["trainable"]:
         return 0
     problems = [f"{count(len(no_kernel), 'op')} without a kernel"] if no_kernel else []
     problems += [f"{count(len(no_gradient), 'op')} without a gradient rule"] if no_gradient else []
@@ -199,13 +243,9 @@ def _check(args) -> int:
     return 1
 
 
-def _prepare(args) -> int:
-    from .. import artifacts, checkpoint as checkpoint_file
-    from ..graph.onnx_io import load_graph
-
-    graph = load_graph(args.model, "model")
-    choices = _training_choices(graph, args)
-    trainable, frozen, loss_inputs = choices["requires_grad"], choices["frozen_params"], choices["loss_input_names"]
+def _check_output(args) -> str:
+    """The checkpoint path `odtrain prepare` will write, once the options allow writing it: a positive --lr, -o a
+    folder, and --force where the folder holds artifacts already."""
     if args.lr <= 0:
         raise ArgumentError(f"--lr must be > 0, got {args.lr}")
     if os.path.exists(args.output) and not os.path.isdir(args.output):
@@ -216,54 +256,56 @@ def _prepare(args) -> int:
     if os.path.exists(checkpoint) and not args.force:
         raise ArgumentError(f"'{args.output}' already holds artifacts (a checkpoint); pass --force to replace "
                             "them, or choose another folder with -o")
-    if args.optimizer == "sgd" and args.weight_decay:
-        raise ArgumentError("--weight-decay applies to AdamW only")
-    if args.optimizer == "sgd" and args.optimizer_state_dtype != "float32":
-        raise ArgumentError("--optimizer-state-dtype applies to AdamW's moments only; SGD keeps no moments")
-    optimizer = {"adamw": artifacts.AdamW(weight_decay=args.weight_decay, state_dtype=args.optimizer_state_dtype),
-                 "sgd": artifacts.SGD()}[args.optimizer]
-    # the model's outputs are what eval scores and export writes; a training step returns the loss alone
-    predictions = [o for o in graph.outputs if o in loss_inputs] + [o for o in graph.outputs if o not in loss_inputs]
-    qat = choices.get("qat")
-    properties = {"learning_rate": float(args.lr), "loss": args.loss, "optimizer": args.optimizer}
-    del graph  # its mapping of the model file: generate_artifacts maps the file again
-    generated = artifacts.generate_artifacts(args.model, optimizer=optimizer, artifact_directory=args.output,
-                                             eval_output_names=predictions, properties=properties,
-                                             frozen_dtype=args.frozen_dtype, **_artifact_options(choices))
-    trainable, frozen = generated.trainable, generated.frozen
+    return checkpoint
+
+
+def _remove_replaced_library(args) -> None:
+    """Remove the kernel library of the artifacts just replaced (--force): --compile builds it anew."""
     from ..kernel_library import FOLDER
 
     stale = os.path.join(args.output, FOLDER)
-    if os.path.isdir(stale):  # the library of the artifacts just replaced (--force): --compile builds it anew
+    if os.path.isdir(stale):
         import shutil
 
         shutil.rmtree(stale)
         note(args, f"removed {stale}/, the kernel library of the artifacts replaced"
               + ("" if args.compile else f"; `odtrain compile {args.output}` builds theirs"))
+
+
+def _prepared(args, choices, generated, checkpoint) -> dict:
+    """What `odtrain prepare --json` prints: the files, the parameters and their sizes, the loss and optimizer."""
+    from .. import checkpoint as checkpoint_file
+
+    trainable, frozen = generated.trainable, generated.frozen
     paths = ArtifactPaths.find(args.output)
     stored = checkpoint_file.load(checkpoint).parameters  # views of the file: sizes without reading it
     sizes = {n: int(stored[n].size) for n in trainable + frozen}
     by_type = frozen_bytes({n: stored[n] for n in frozen})
     files = (paths.training_model, paths.eval_model, paths.optimizer_model, paths.checkpoint)
-    result = {"artifacts": args.output, "files": [os.path.basename(p) for p in files],
-              "trainable": trainable, "frozen": frozen, "trainable_values": sum(sizes[n] for n in trainable),
-              "frozen_values": sum(sizes[n] for n in frozen), "frozen_bytes_by_type": by_type,
-              "left_out": choices["left_out"], "loss": args.loss,
-              "loss_layout": choices["loss_text"], "optimizer": args.optimizer, "learning_rate": args.lr,
-              "qat": qat is not None}
-    if args.compile:
-        from ..library_build import compile_artifacts
+    return {"artifacts": args.output, "files": [os.path.basename(p) for p in files],
+            "trainable": trainable, "frozen": frozen, "trainable_values": sum(sizes[n] for n in trainable),
+            "frozen_values": sum(sizes[n] for n in frozen), "frozen_bytes_by_type": by_type,
+            "left_out": choices["left_out"], "loss": args.loss,
+            "loss_layout": choices["loss_text"], "optimizer": args.optimizer, "learning_rate": args.lr,
+            "qat": choices.get("qat") is not None}
 
-        manifest = compile_artifacts(args.output, batch_size=args.compile_batch_size,
-                                     out=(lambda line: None) if args.json else print, target=args.compile_target,
-                                     cpu=args.compile_cpu, sequence_length=args.compile_seq_len,
-                                     input_shapes=input_shapes(args.compile_input_shape, "--compile-input-shape"))
-        result["kernels"] = len(manifest["entries"])
-    if args.json:
-        print_json(result)
-        return 0
+
+def _compile(args) -> int:
+    """`prepare --compile`: build the artifacts' kernels into ARTIFACT_DIR/kernels; the number of kernels."""
+    from ..library_build import compile_artifacts
+
+    manifest = compile_artifacts(args.output, batch_size=args.compile_batch_size,
+                                 out=(lambda line: None) if args.json else print, target=args.compile_target,
+                                 cpu=args.compile_cpu, sequence_length=args.compile_seq_len,
+                                 input_shapes=input_shapes(args.compile_input_shape, "--compile-input-shape"))
+    return len(manifest["entries"])
+
+
+def _print_prepared(args, choices, result) -> None:
+    """The text report of `odtrain prepare`: what was written, what trains, what is frozen, the data it feeds on."""
     from ..training import Session
 
+    trainable, frozen, by_type = result["trainable"], result["frozen"], result["frozen_bytes_by_type"]
     inputs = Session(args.output, with_optimizer=False).inputs
     print(f"artifacts written to {args.output}/: {', '.join(result['files'])}")
     lora = choices.get("lora")
@@ -284,11 +326,39 @@ def _prepare(args) -> int:
           f"({listed(frozen, args.verbose)})" if frozen else "frozen: none")
     _print_left_out(choices["left_out"], args.verbose)
     layout = f", {choices['loss_text']}" if choices["loss_text"] else ""
-    print(f"loss: {args.loss} on '{loss_inputs[0]}'{layout}; optimizer: {args.optimizer}, learning rate {args.lr:g}")
+    print(f"loss: {args.loss} on '{choices['loss_input_names'][0]}'{layout}; optimizer: {args.optimizer}, "
+          f"learning rate {args.lr:g}")
+    qat = choices.get("qat")
     if qat is not None:
         print(f"quantization-aware training: {qat.weight_dtype} weights per {'channel' if qat.per_channel else 'tensor'}, "
               f"{qat.activation_dtype} activations per tensor; `odtrain export` writes a QDQ model")
     print(f"training data feeds: {', '.join(s.describe() for s in inputs)}")
+
+
+def _prepare(args) -> int:
+    from .. import artifacts
+    from ..graph.onnx_io import load_graph
+
+    graph = load_graph(args.model, "model")
+    choices = _training_choices(graph, args)
+    checkpoint = _check_output(args)
+    optimizer = _chosen_optimizer(args)
+    # the model's outputs are what eval scores and export writes; a training step returns the loss alone
+    loss_inputs = choices["loss_input_names"]
+    predictions = [o for o in graph.outputs if o in loss_inputs] + [o for o in graph.outputs if o not in loss_inputs]
+    properties = {"learning_rate": float(args.lr), "loss": args.loss, "optimizer": args.optimizer}
+    del graph  # its mapping of the model file: generate_artifacts maps the file again
+    generated = artifacts.generate_artifacts(args.model, optimizer=optimizer, artifact_directory=args.output,
+                                             eval_output_names=predictions, properties=properties,
+                                             frozen_dtype=args.frozen_dtype, **_artifact_options(choices))
+    _remove_replaced_library(args)
+    result = _prepared(args, choices, generated, checkpoint)
+    if args.compile:
+        result["kernels"] = _compile(args)
+    if args.json:
+        print_json(result)
+    else:
+        _print_prepared(args, choices, result)
     return 0
 
 
@@ -333,7 +403,7 @@ def _prepare_arguments(prepare) -> None:
     prepare.add_argument("model", metavar="MODEL.onnx", help="a forward-only ONNX model")
     prepare.add_argument("-o", "--output", required=True, metavar="ARTIFACT_DIR", help="the folder to write")
     _add_selection_options(prepare)
-    prepare.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="default: adamw")
+    prepare.add_argument("--optimizer", choices=_optimizer_commands(), default="adamw", help="default: adamw")
     prepare.add_argument("--lr", type=float, default=1e-3, help="learning rate that `odtrain train` uses unless "
                          "told otherwise (default: 0.001)")
     prepare.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default: 0)")

@@ -6,6 +6,11 @@
 AdamW is ONNX Runtime's (Hugging Face's); SGD and SGDMomentum follow torch.optim.SGD, momentum
 buffer included, which the checkpoint carries like AdamW's moments. The hyper-parameters are fixed
 in the optimizer model; the learning rate is set on the device (Optimizer.set_learning_rate).
+
+Every optimizer record (odtrain.graph.optimizers.OPTIMIZERS) has a block here under its kind: AdamW,
+SGD and SGDMomentum are written out, with ONNX Runtime's signatures (AdamW's bias_correction first
+and clip_grad; SGD turning to SGDMomentum when given momentum); any other record's block is made from
+it on first use (`onnxblock.optim.<kind>(**hyper-parameters)`, `optimizer_block(record)`).
 """
 from __future__ import annotations
 
@@ -13,10 +18,10 @@ import onnx
 
 from ..graph.errors import ArgumentError, StateError
 from ..graph.onnx_io import graph_to_proto
+from ..graph.optimizers import OPTIMIZERS, OptimizerRecord, build_optimizer_graph
 from ..graph.optimizers import SGD as _SGDConfig
 from ..graph.optimizers import AdamW as _AdamWConfig
 from ..graph.optimizers import SGDMomentum as _SGDMomentumConfig
-from ..graph.optimizers import build_optimizer_graph
 from .blocks import Block
 
 
@@ -78,3 +83,25 @@ class SGDMomentum(SGD):
     def __init__(self, momentum: float = 0.9, dampening: float = 0.0, nesterov: bool = False,
                  weight_decay: float = 0.0):
         self.config = _SGDMomentumConfig(momentum, dampening, nesterov, weight_decay)
+
+
+_MADE: dict[OptimizerRecord, type] = {}  # the blocks made from records, so that each name is one class
+
+
+def optimizer_block(record: OptimizerRecord) -> type:
+    """The block of an optimizer record: its keyword arguments are the record's hyper-parameters."""
+    if record not in _MADE:
+        def __init__(self, **hyper_parameters):
+            self.config = record.config(**hyper_parameters)
+
+        _MADE[record] = type(record.kind, (_OptimizerBlock,), {
+            "__init__": __init__, "__module__": __name__,
+            "__doc__": f"{record.kind}: {record.config.__doc__ or 'an odtrain optimizer'}"})
+    return _MADE[record]
+
+
+def __getattr__(name: str):
+    """onnxblock.optim.<kind> for an optimizer record without a block written out above."""
+    if name in OPTIMIZERS:
+        return optimizer_block(OPTIMIZERS[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
