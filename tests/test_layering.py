@@ -65,8 +65,8 @@ def test_only_the_executor_joins_graph_nodes_to_kernels():
     # besides the executor and the optimizer's update (the two that call kernels): the JIT loads the compiler
     # for the kernels, the kernel library hands its code numpy's BLAS and keeps the compiler unloaded, its
     # build reads the table of parallel twins and records split calls; none sees a node
-    others = {("jit/__init__.py", "odtrain.kernels.jit"), ("kernel_library/__init__.py", "odtrain.kernels.blas_library"),
-              ("kernel_library/__init__.py", "odtrain.kernels.jit"), ("library_build/link.py", "odtrain.kernels.parallel_split"),
+    others = {("jit/__init__.py", "odtrain.kernels.jit"), ("kernel_library/loader.py", "odtrain.kernels.blas_library"),
+              ("kernel_library/loader.py", "odtrain.kernels.jit"), ("library_build/link.py", "odtrain.kernels.parallel_split"),
               ("library_build/record.py", "odtrain.kernels.parallel_split")}
     assert {name for name, _ in users - others} <= {"executor.py", "optimizer_update.py"}, users
 
