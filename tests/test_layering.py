@@ -154,7 +154,40 @@ def test_no_module_of_a_package_imports_its_own_package():
     assert "odtrain.kernels.registry" in graph["odtrain.kernels.conv"]  # the check sees the leaf's arrow
 
 
-PACKAGES = {"odtrain": "odtrain", "graph": "odtrain.graph", "kernels": "odtrain.kernels"}
+def package_folders() -> dict[str, str]:
+    """Each top folder of the repository -> the package an install makes of it: pyproject.toml's
+    [tool.setuptools.package-dir] (a package nested in a mapped folder follows its parent there)."""
+    import tomllib
+
+    mapping = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    return {folder: package for package, folder in mapping.items() if "/" not in folder}
+
+
+PACKAGES = package_folders()
+
+
+def test_a_checkout_maps_exactly_the_installs_packages():
+    """Run from a checkout, odtrain.graph and odtrain.kernels are graph/ and kernels/ (odtrain's finder, the same
+    table as the install's), and no other top folder of the repository is part of odtrain: `odtrain.tests` and
+    `odtrain.benchmarks` do not import."""
+    import json
+    import subprocess
+    import sys
+
+    import odtrain
+
+    assert PACKAGES == {"odtrain": "odtrain", **{folder: package for package, folder in odtrain.CHECKOUT_PACKAGES.items()}}
+    code = ("import importlib, json, odtrain, odtrain.graph.ops, odtrain.kernels\n"
+            "print(json.dumps([list(m.__path__) for m in (odtrain, odtrain.graph, odtrain.graph.ops, odtrain.kernels)]))\n"
+            "for name in ('odtrain.tests', 'odtrain.benchmarks', 'odtrain.odtrain'):\n"
+            "    try:\n"
+            "        importlib.import_module(name)\n"
+            "        print('imported', name)\n"
+            "    except ImportError:\n"
+            "        pass\n")
+    shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    paths = [[str(ROOT / folder)] for folder in ("odtrain", "graph", "graph/ops", "kernels")]
+    assert shown.splitlines() == [json.dumps(paths)], shown
 
 
 def module_imports() -> dict[str, set[str]]:
@@ -244,8 +277,8 @@ def test_the_registries_import_every_module_on_disk():
 
 def test_a_family_module_is_registered_by_being_in_the_folder(tmp_path):
     """A new module in a folder of the package's path, importing the registry from `.registry`, is imported
-    and registered with no list edited (here a second folder on `__path__`, as a source checkout's mapping
-    adds one): a subprocess loads graph/ops and kernels with a probe family beside each."""
+    and registered with no list edited (here a second folder on `__path__`, so that the probe stays out of the
+    checkout): a subprocess loads graph/ops and kernels with a probe family beside each."""
     import subprocess
     import sys
     import textwrap
