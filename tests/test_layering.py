@@ -168,8 +168,8 @@ PACKAGES = package_folders()
 
 def test_a_checkout_maps_exactly_the_installs_packages():
     """Run from a checkout, odtrain.graph and odtrain.kernels are graph/ and kernels/ (odtrain's finder, the same
-    table as the install's), and no other top folder of the repository is part of odtrain: `odtrain.tests` and
-    `odtrain.benchmarks` do not import."""
+    table as the install's), and no other top folder of the repository is part of odtrain: tests/ and
+    benchmarks/ do not import as odtrain's subpackages."""
     import json
     import subprocess
     import sys
