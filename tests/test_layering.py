@@ -5,7 +5,10 @@ import pathlib
 ROOT = pathlib.Path(__file__).parent.parent
 
 
-def imported_modules(folder: str, package: str):
+def imported_modules(folder: str, package: str | None = None):
+    """(file, module it imports) for every import of every file under a top folder; relative imports resolved
+    against the package an install makes of the folder (PACKAGES, from pyproject.toml)."""
+    package = package or PACKAGES[folder]
     for path in (ROOT / folder).rglob("*.py"):
         tree = ast.parse(path.read_text(), filename=str(path))
         for node in ast.walk(tree):
@@ -34,7 +37,7 @@ STANDARD_LIBRARY = {"blas.py": {"llvmlite"}, "blas_library.py": {"ctypes", "os",
 
 
 def test_kernels_import_only_numpy_and_numba():
-    for path, module in imported_modules("kernels", "odtrain.kernels"):
+    for path, module in imported_modules("kernels"):
         root = module.split(".")[0]
         allowed = {"numpy", "numba", "math", "__future__"} | STANDARD_LIBRARY.get(path.name, set())
         assert root in allowed or module.startswith("odtrain.kernels") or module == SHARED_LEAF, (path, module)
@@ -56,7 +59,7 @@ def test_graph_never_imports_kernels_or_odtrain():
                "fnmatch", "sys", "mmap", "functools"}  # sys: whether onnx is loaded already (graph/onnx_io.py
     # writes a model without it if not); mmap: graph/onnx_wire.py lets the kernel drop the mapped model's pages of
     # weights converted
-    for path, module in imported_modules("graph", "odtrain.graph"):
+    for path, module in imported_modules("graph"):
         if module == SHARED_LEAF:
             continue
         if module.startswith("odtrain."):
@@ -67,13 +70,13 @@ def test_graph_never_imports_kernels_or_odtrain():
 
 def test_the_shared_leaf_imports_nothing_of_ours():
     """odtrain/op_families.py is allowed below both layers because it stands on the standard library alone."""
-    for path, module in imported_modules("odtrain", "odtrain"):
+    for path, module in imported_modules("odtrain"):
         if path.name == "op_families.py":
             assert module.split(".")[0] in {"__future__", "importlib", "pkgutil"}, (path.name, module)
 
 
 def test_only_the_executor_joins_graph_nodes_to_kernels():
-    users = {(str(path.relative_to(ROOT / "odtrain")), module) for path, module in imported_modules("odtrain", "odtrain")
+    users = {(str(path.relative_to(ROOT / "odtrain")), module) for path, module in imported_modules("odtrain")
              if module.startswith("odtrain.kernels")}
     # besides the executor and the optimizer's update (the two that call kernels): the JIT loads the compiler
     # for the kernels, the kernel library hands its code numpy's BLAS and keeps the compiler unloaded, its
@@ -87,7 +90,7 @@ def test_only_the_executor_joins_graph_nodes_to_kernels():
 def odtrain_imports(folder: str) -> set[tuple[str, str]]:
     """(file under odtrain/, odtrain module it imports) for every file of odtrain/`folder` (a package, or a file)."""
     found = set()
-    for path, module in imported_modules("odtrain", "odtrain"):
+    for path, module in imported_modules("odtrain"):
         name = str(path.relative_to(ROOT / "odtrain"))
         if (name == folder or name.startswith(folder + "/")) and module.startswith("odtrain."):
             found.add((name, module))
@@ -115,7 +118,7 @@ def test_the_build_tool_sits_above_the_api_and_only_the_command_line_reaches_it(
     does); below it, nothing imports the build (the device side never loads the build tool)."""
     assert ("library_build/record.py", "odtrain.trial_steps") in odtrain_imports("library_build")
     assert ("trial_steps.py", "odtrain.api") in odtrain_imports("trial_steps.py")
-    users = {name for path, module in imported_modules("odtrain", "odtrain") if module.startswith("odtrain.library_build")
+    users = {name for path, module in imported_modules("odtrain") if module.startswith("odtrain.library_build")
              for name in [str(path.relative_to(ROOT / "odtrain"))]}
     assert {name for name in users if not name.startswith(("library_build/", "cli/"))} == set(), users
 
