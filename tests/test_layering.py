@@ -30,8 +30,8 @@ SHARED_LEAF = "odtrain.op_families"
 
 # kernels/blas.py registers the library behind the products' symbols with Numba's code generator (llvmlite);
 # kernels/blas_library.py finds numpy's OpenBLAS and holds its threads (ctypes, os, threading); kernels/jit.py
-# loads Numba when a kernel compiles (sys, threading); kernels/__init__.py imports the modules of its folder
-# (importlib, pkgutil)
+# loads Numba when a kernel compiles (sys, threading); kernels/__init__.py binds the shared leaf's submodules to
+# its own folder (functools)
 STANDARD_LIBRARY = {"blas.py": {"llvmlite"}, "blas_library.py": {"ctypes", "os", "threading"},
                     "jit.py": {"sys", "threading"}, "__init__.py": {"functools"}}
 
