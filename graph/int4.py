@@ -8,15 +8,13 @@ with its sign, and its values q = clip(rint(w / s), -8, 7): the largest value be
 dequant(W)[i, j] = q[i, j] · scale[i, j // block] (axis 1) or q[i, j] · scale[i // block, j] (axis 0), which
 is ONNX's DequantizeLinear(q, scale, axis, block_size) without a zero point.
 
-Why symmetric, 32 values a block, float32 scales (measured on normal and Student-t(3) weights of 1024 x 2048,
-relative RMS error of dequant(W) - W): block 32: 0.086 / 0.127, block 64: 0.095 / 0.159, block 128:
-0.103 / 0.199 for this rule, against 0.097 / 0.143 for the scale max|w| / 7 (one level unused) and
-0.081 / 0.101 for an asymmetric rule with a 4-bit zero point per block. Dequantizing a panel runs at the same
-speed either way (the unpacking dominates; the two kernels timed alternately on a 4096 x 2048 weight). The
-asymmetric rule is the more accurate (6% less error on normal weights, 20% on heavy tails) at the cost of a
-zero-point tensor (an eighth of a bit a weight more, a third input in every model and kernel); this rule keeps the
-models' DequantizeLinear at two inputs. Blocks of 64 would save half a bit a weight for 10% more error (25%
-on heavy tails).
+Why symmetric, 32 values a block, float32 scales (the errors of each rule and block size, and the dequantizing
+speed, are in benchmarks/README.md, "Figures moved out of the code"): this rule loses less than the scale
+max|w| / 7, which leaves a level unused; an asymmetric rule with a 4-bit zero point per block is the more
+accurate, most on heavy-tailed weights, at the cost of a zero-point tensor (an eighth of a bit a weight more,
+a third input in every model and kernel), while dequantizing runs at the same speed either way (the
+unpacking dominates): this rule keeps the models' DequantizeLinear at two inputs. Blocks of 64 would save
+half a bit a weight for visibly more error.
 float16 scales would make DequantizeLinear's output float16 (ONNX gives it the scale's type) and need a Cast
 after it. Bits a weight: 4 + 32 / 32 = 5.
 

@@ -18,8 +18,9 @@ from typing import Any
 
 import numpy as np
 
+from ..op_families import ODTRAIN_DOMAIN  # noqa: F401  (the domain of the ops odtrain adds)
+
 DEFAULT_DOMAIN = ""
-ODTRAIN_DOMAIN = "ai.odtrain"
 
 
 @dataclass(frozen=True)

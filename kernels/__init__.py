@@ -31,25 +31,15 @@ excepted): a new family module registers its bindings by being there, with no li
 
 Kernel modules take Numba's names from kernels/jit.py, which loads Numba only when a kernel compiles:
 a process whose steps run in a kernel library (odtrain/kernel_library.py) imports the bindings without
-it. Imports numpy (and Numba, through jit.py), nothing else of odtrain's.
+it. Imports numpy (and Numba, through jit.py), nothing else of odtrain's but the leaf both op layers share
+(odtrain/op_families.py: the domain of odtrain's ops, and the import of every family module).
 """
 from __future__ import annotations
 
-import importlib
-import pkgutil
+from functools import partial
 
+from ..op_families import import_submodules, submodules as _modules_of
 from .registry import BINDINGS, ODTRAIN_DOMAIN, PARALLEL, SCRATCH, binding  # noqa: F401
 
-LEAVES = ("registry",)  # imported above; the family modules import it
-
-
-def submodules() -> list[str]:
-    """The names of the modules in this package's folder (a source checkout's or an installed wheel's:
-    whatever `__path__` holds) that the package imports, sorted: the family modules, and the helpers they
-    share (jit, layout, blas, parallel_split, ...), which they import anyway."""
-    return sorted(info.name for info in pkgutil.iter_modules(__path__)
-                  if not info.name.startswith("_") and info.name not in LEAVES)
-
-
-for _name in submodules():
-    importlib.import_module(f"{__name__}.{_name}")
+submodules = partial(_modules_of, __path__)  # the modules imported below: odtrain/op_families.py's rule
+import_submodules(__name__, __path__)

@@ -21,8 +21,9 @@ step is first planned at an input shape:
 - mapped: the parameters that are views of the checkpoint file (frozen weights): MemAvailable counts their
   pages as reclaimable cache, yet every step reads all of them, so they must stay resident;
 - reserve: an eighth of what is available, at least RESERVE_FLOOR: what the process adds besides the arena
-  (a kernel's first compilation, LLVM's ~60 MB, where the JIT runs; the plans' Python objects; a batch's
-  feeds) and room for the rest of the device, so that the step does not push the machine into reclaim.
+  (a kernel's first compilation where the JIT runs, whose LLVM memory benchmarks/README.md gives under
+  "Figures moved out of the code"; the plans' Python objects; a batch's feeds) and room for the rest of the
+  device, so that the step does not push the machine into reclaim.
 A budget at or below 0 is a MemoryBudgetError naming these figures.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Audio clips as training data: WAV reading, resampling, length fitting and log-mel features, with numpy.
 
 A folder `clips/<label>/*.wav` trains a classifier: one sub-folder per class, the label the class's
-index in sorted order, as for images (odtrain/data.py).
+index in sorted order, as for images (odtrain/data_loading.py).
 
 - Reading: WAV files are parsed here (RIFF chunks): PCM of 8 (unsigned), 16, 24 and 32 bits, IEEE float
   of 32 and 64 bits, WAVE_FORMAT_EXTENSIBLE of these; several channels are averaged to mono. Other
@@ -228,7 +228,7 @@ class AudioSource:
     """A folder of clips (`folder/<label>/*.wav`) and how to turn them into a model's input: the rate and
     length come from the model (its waveform input's length, or `features`' frames); `features` is None
     (waveform input) or LogMel settings. `skipped` lists (path, reason) of the files left out.
-    `odtrain.data.load_audio_folder` reads it into a Dataset."""
+    `odtrain.data_loading.load_audio_folder` reads it into a Dataset."""
 
     folder: str
     features: LogMel | None = None

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .data import Dataset, InputSpec, from_arrays
+from .data_loading import Dataset, InputSpec, from_arrays
 from .graph.errors import ArgumentError, ArtifactNotFoundError, InputError
 
 TOKEN_INPUTS = ("input_ids", "ids", "tokens", "input")

@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from . import data as data_files
+from . import data_loading as data_files
 from .api import DEFAULT_LEARNING_RATE, CheckpointState, Module, Optimizer
 from .artifact_paths import OPTIMIZER_MODEL, ArtifactPaths
 from .graph.errors import ArgumentError, ArtifactNotFoundError, InputError, StateError
@@ -110,7 +110,7 @@ class Session:
         return list(self.module.graph(training=False).outputs[1:])
 
     def dataset(self, source, x=None, y=None) -> data_files.Dataset:
-        """A Dataset for this model from paths, a Dataset, a text.TextSource, a data.ImageFolder, an audio.AudioSource, a dict of
+        """A Dataset for this model from paths, a Dataset, a text.TextSource, a data_loading.ImageFolder, an audio.AudioSource, a dict of
         arrays or arrays in input order."""
         if isinstance(source, data_files.Dataset):
             dataset = source

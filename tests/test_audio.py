@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from odtrain.audio import (AudioSource, LogMel, fit_length, log_mel, read_audio, read_wav, resample)
-from odtrain.data import InputSpec, load_audio_folder
+from odtrain.data_loading import InputSpec, load_audio_folder
 from odtrain.graph.errors import InputError
 
 DATA = pathlib.Path(__file__).parent / "data"

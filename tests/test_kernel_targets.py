@@ -101,10 +101,10 @@ def test_a_library_for_cpu_features_the_device_lacks_is_refused_by_name(aarch64_
     named = "cortex-a76" if here == "aarch64" else "x86-64-v3"
     features = targets.cpu_features(here, named)
     library = {**manifest, "triple": cpu.TARGETS[here], "cpu": named, "features": features}
-    monkeypatch.setattr("odtrain.kernel_library.cpu_flags", lambda arch=None: set(cpu.FLAGS[here].values()))
+    monkeypatch.setattr("odtrain.kernel_library.loader.cpu_flags", lambda arch=None: set(cpu.FLAGS[here].values()))
     assert refusal_of(library) == ""
     lacking = set(cpu.FLAGS[here].values()) - {cpu.FLAGS[here][features.split(",")[-1][1:]]}
-    monkeypatch.setattr("odtrain.kernel_library.cpu_flags", lambda arch=None: lacking)
+    monkeypatch.setattr("odtrain.kernel_library.loader.cpu_flags", lambda arch=None: lacking)
     assert refusal_of(library) == f"built for {named}: CPU features {features.split(',')[-1][1:]}, which this CPU lacks"
     # what a Raspberry Pi 4 says (no crypto extension): a cortex-a72 library loads
     pi4 = {"fp", "asimd", "evtstrm", "crc32", "cpuid"}

@@ -10,7 +10,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from odtrain.audio import AudioSource
-from odtrain.data import InputSpec, load_audio_folder
+from odtrain.data_loading import InputSpec, load_audio_folder
 from odtrain.inference import InferenceSession
 from conftest import odtrain_main
 

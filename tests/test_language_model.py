@@ -12,7 +12,7 @@ import pytest
 from onnx import helper
 
 from conftest import odtrain_main
-from odtrain.data import InputSpec
+from odtrain.data_loading import InputSpec
 from odtrain.graph.errors import ArgumentError, InputError
 from odtrain.text import load_text, windows
 from oracles import make_model

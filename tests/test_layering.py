@@ -5,7 +5,10 @@ import pathlib
 ROOT = pathlib.Path(__file__).parent.parent
 
 
-def imported_modules(folder: str, package: str):
+def imported_modules(folder: str, package: str | None = None):
+    """(file, module it imports) for every import of every file under a top folder; relative imports resolved
+    against the package an install makes of the folder (PACKAGES, from pyproject.toml)."""
+    package = package or PACKAGES[folder]
     for path in (ROOT / folder).rglob("*.py"):
         tree = ast.parse(path.read_text(), filename=str(path))
         for node in ast.walk(tree):
@@ -21,19 +24,23 @@ def imported_modules(folder: str, package: str):
                     yield path, node.module
 
 
+# The one module of odtrain's that both op layers import: a leaf of the standard library holding what they share
+# (the domain of odtrain's ops, the import of every family module of a folder)
+SHARED_LEAF = "odtrain.op_families"
+
 # kernels/blas.py registers the library behind the products' symbols with Numba's code generator (llvmlite);
 # kernels/blas_library.py finds numpy's OpenBLAS and holds its threads (ctypes, os, threading); kernels/jit.py
-# loads Numba when a kernel compiles (sys, threading); kernels/__init__.py imports the modules of its folder
-# (importlib, pkgutil)
+# loads Numba when a kernel compiles (sys, threading); kernels/__init__.py binds the shared leaf's submodules to
+# its own folder (functools)
 STANDARD_LIBRARY = {"blas.py": {"llvmlite"}, "blas_library.py": {"ctypes", "os", "threading"},
-                    "jit.py": {"sys", "threading"}, "__init__.py": {"importlib", "pkgutil"}}
+                    "jit.py": {"sys", "threading"}, "__init__.py": {"functools"}}
 
 
 def test_kernels_import_only_numpy_and_numba():
-    for path, module in imported_modules("kernels", "odtrain.kernels"):
+    for path, module in imported_modules("kernels"):
         root = module.split(".")[0]
         allowed = {"numpy", "numba", "math", "__future__"} | STANDARD_LIBRARY.get(path.name, set())
-        assert root in allowed or module.startswith("odtrain.kernels"), (path, module)
+        assert root in allowed or module.startswith("odtrain.kernels") or module == SHARED_LEAF, (path, module)
 
 
 def test_kernel_modules_load_numba_only_when_a_kernel_compiles():
@@ -49,24 +56,33 @@ def test_kernel_modules_load_numba_only_when_a_kernel_compiles():
 
 def test_graph_never_imports_kernels_or_odtrain():
     allowed = {"numpy", "onnx", "__future__", "dataclasses", "typing", "itertools", "enum", "os", "math", "struct",
-               "fnmatch", "sys", "mmap", "importlib", "pkgutil"}  # sys: whether onnx is loaded already (graph/onnx_io.py
+               "fnmatch", "sys", "mmap", "functools"}  # sys: whether onnx is loaded already (graph/onnx_io.py
     # writes a model without it if not); mmap: graph/onnx_wire.py lets the kernel drop the mapped model's pages of
-    # weights converted; importlib, pkgutil: graph/ops/__init__.py imports the family modules of its folder
-    for path, module in imported_modules("graph", "odtrain.graph"):
+    # weights converted
+    for path, module in imported_modules("graph"):
+        if module == SHARED_LEAF:
+            continue
         if module.startswith("odtrain."):
             assert module.startswith("odtrain.graph"), (path, module)
         else:
             assert module.split(".")[0] in allowed, (path, module)
 
 
+def test_the_shared_leaf_imports_nothing_of_ours():
+    """odtrain/op_families.py is allowed below both layers because it stands on the standard library alone."""
+    for path, module in imported_modules("odtrain"):
+        if path.name == "op_families.py":
+            assert module.split(".")[0] in {"__future__", "importlib", "pkgutil"}, (path.name, module)
+
+
 def test_only_the_executor_joins_graph_nodes_to_kernels():
-    users = {(str(path.relative_to(ROOT / "odtrain")), module) for path, module in imported_modules("odtrain", "odtrain")
+    users = {(str(path.relative_to(ROOT / "odtrain")), module) for path, module in imported_modules("odtrain")
              if module.startswith("odtrain.kernels")}
     # besides the executor and the optimizer's update (the two that call kernels): the JIT loads the compiler
     # for the kernels, the kernel library hands its code numpy's BLAS and keeps the compiler unloaded, its
     # build reads the table of parallel twins and records split calls; none sees a node
-    others = {("jit/__init__.py", "odtrain.kernels.jit"), ("kernel_library/__init__.py", "odtrain.kernels.blas_library"),
-              ("kernel_library/__init__.py", "odtrain.kernels.jit"), ("library_build/link.py", "odtrain.kernels.parallel_split"),
+    others = {("jit/__init__.py", "odtrain.kernels.jit"), ("kernel_library/loader.py", "odtrain.kernels.blas_library"),
+              ("kernel_library/loader.py", "odtrain.kernels.jit"), ("library_build/link.py", "odtrain.kernels.parallel_split"),
               ("library_build/record.py", "odtrain.kernels.parallel_split")}
     assert {name for name, _ in users - others} <= {"executor.py", "optimizer_update.py"}, users
 
@@ -74,7 +90,7 @@ def test_only_the_executor_joins_graph_nodes_to_kernels():
 def odtrain_imports(folder: str) -> set[tuple[str, str]]:
     """(file under odtrain/, odtrain module it imports) for every file of odtrain/`folder` (a package, or a file)."""
     found = set()
-    for path, module in imported_modules("odtrain", "odtrain"):
+    for path, module in imported_modules("odtrain"):
         name = str(path.relative_to(ROOT / "odtrain"))
         if (name == folder or name.startswith(folder + "/")) and module.startswith("odtrain."):
             found.add((name, module))
@@ -102,7 +118,7 @@ def test_the_build_tool_sits_above_the_api_and_only_the_command_line_reaches_it(
     does); below it, nothing imports the build (the device side never loads the build tool)."""
     assert ("library_build/record.py", "odtrain.trial_steps") in odtrain_imports("library_build")
     assert ("trial_steps.py", "odtrain.api") in odtrain_imports("trial_steps.py")
-    users = {name for path, module in imported_modules("odtrain", "odtrain") if module.startswith("odtrain.library_build")
+    users = {name for path, module in imported_modules("odtrain") if module.startswith("odtrain.library_build")
              for name in [str(path.relative_to(ROOT / "odtrain"))]}
     assert {name for name in users if not name.startswith(("library_build/", "cli/"))} == set(), users
 
@@ -141,7 +157,40 @@ def test_no_module_of_a_package_imports_its_own_package():
     assert "odtrain.kernels.registry" in graph["odtrain.kernels.conv"]  # the check sees the leaf's arrow
 
 
-PACKAGES = {"odtrain": "odtrain", "graph": "odtrain.graph", "kernels": "odtrain.kernels"}
+def package_folders() -> dict[str, str]:
+    """Each top folder of the repository -> the package an install makes of it: pyproject.toml's
+    [tool.setuptools.package-dir] (a package nested in a mapped folder follows its parent there)."""
+    import tomllib
+
+    mapping = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    return {folder: package for package, folder in mapping.items() if "/" not in folder}
+
+
+PACKAGES = package_folders()
+
+
+def test_a_checkout_maps_exactly_the_installs_packages():
+    """Run from a checkout, odtrain.graph and odtrain.kernels are graph/ and kernels/ (odtrain's finder, the same
+    table as the install's), and no other top folder of the repository is part of odtrain: tests/ and
+    benchmarks/ do not import as odtrain's subpackages."""
+    import json
+    import subprocess
+    import sys
+
+    import odtrain
+
+    assert PACKAGES == {"odtrain": "odtrain", **{folder: package for package, folder in odtrain.CHECKOUT_PACKAGES.items()}}
+    code = ("import importlib, json, odtrain, odtrain.graph.ops, odtrain.kernels\n"
+            "print(json.dumps([list(m.__path__) for m in (odtrain, odtrain.graph, odtrain.graph.ops, odtrain.kernels)]))\n"
+            "for name in ('odtrain.tests', 'odtrain.benchmarks', 'odtrain.odtrain'):\n"
+            "    try:\n"
+            "        importlib.import_module(name)\n"
+            "        print('imported', name)\n"
+            "    except ImportError:\n"
+            "        pass\n")
+    shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    paths = [[str(ROOT / folder)] for folder in ("odtrain", "graph", "graph/ops", "kernels")]
+    assert shown.splitlines() == [json.dumps(paths)], shown
 
 
 def module_imports() -> dict[str, set[str]]:
@@ -231,8 +280,8 @@ def test_the_registries_import_every_module_on_disk():
 
 def test_a_family_module_is_registered_by_being_in_the_folder(tmp_path):
     """A new module in a folder of the package's path, importing the registry from `.registry`, is imported
-    and registered with no list edited (here a second folder on `__path__`, as a source checkout's mapping
-    adds one): a subprocess loads graph/ops and kernels with a probe family beside each."""
+    and registered with no list edited (here a second folder on `__path__`, so that the probe stays out of the
+    checkout): a subprocess loads graph/ops and kernels with a probe family beside each."""
     import subprocess
     import sys
     import textwrap

@@ -15,7 +15,7 @@ from . import common
 
 
 def _specs(features: bool):
-    from odtrain.data import InputSpec
+    from odtrain.data_loading import InputSpec
 
     shape = ("batch", 1, 40, 101) if features else ("batch", 16000)
     return [InputSpec("audio", np.dtype(np.float32), shape),
@@ -36,7 +36,7 @@ class AudioLoading:
 
     def time_load_folder(self, kind):
         from odtrain.audio import AudioSource
-        from odtrain.data import load_audio_folder
+        from odtrain.data_loading import load_audio_folder
 
         load_audio_folder(AudioSource(self.folder, self.features), self.specs)
 

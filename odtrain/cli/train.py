@@ -22,7 +22,7 @@ def _data(args, paths):
     if audio is not None:
         return audio
     if len(paths) == 1 and os.path.isdir(paths[0]):
-        from ..data import ImageFolder
+        from ..data_loading import ImageFolder
 
         return ImageFolder(paths[0], args.skip_unreadable, report=lambda line: note(args, line))
     if args.skip_unreadable:

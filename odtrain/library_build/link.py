@@ -14,7 +14,8 @@ built on an x86_64 desktop) or a baseline x86-64 level. For each (kernel, signat
      set, and Numba's function passes run for the target CPU (O3, loop vectorisation on, SLP off); the
      linked module then gets the module passes once.
    Both routes give the JIT's bits on x86_64 (the twin tests of the reference MLP and CNN), but the second
-   ran the CNN's steps ~4% slower than Numba's own optimisation: this machine's library keeps the first.
+   ran the CNN's steps slower than Numba's own optimisation (benchmarks/README.md,
+   "Figures moved out of the code"): this machine's library keeps the first.
 The module is emitted as one position-independent object for the target CPU and linked with
 launcher.c (the parallel launcher on OpenMP, the runner, the helpers Numba's code calls)
 by the target's C compiler (`cc`; for aarch64 `aarch64-linux-gnu-gcc` or ODTRAIN_CROSS_CC) with

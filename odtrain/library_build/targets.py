@@ -91,7 +91,8 @@ def _pass_builder(machine):
 
 def optimise_functions(module, machine) -> None:
     """The function passes on each function of one kernel's module, before it is linked (as Numba runs them
-    on each module it adds; the linked module's code measured ~5% faster for it)."""
+    on each module it adds; the linked module's code runs faster for it: benchmarks/README.md,
+    "Figures moved out of the code")."""
     builder = _pass_builder(machine)
     passes = builder.getFunctionPassManager()
     for function in module.functions:
