@@ -52,12 +52,11 @@ from .jit import njit, prange
 
 from .registry import ODTRAIN_DOMAIN, binding
 from .blas import NUMPY_OPENBLAS, gemm_blocks, product
-from .depthwise import _depthwise_forward, _depthwise_input_grad, _depthwise_weight_grad
-from .conv_taps import _tap_forward, _tap_input_grad, _tap_weight_grad, by_taps, tap_work_sizes, _pieces as _tap_pieces
-from .conv_pointwise import (COLUMNS, FORWARD, INPUT_GRADIENT, MIN_CHANNELS, WEIGHT_GRADIENT, _gather, _scatter,
-                             pointwise_calls, pointwise_plan)
+from .depthwise import KERNELS as DEPTHWISE_KERNELS
+from .conv_taps import KERNELS as TAP_KERNELS, by_taps, tap_work_sizes, work_pieces
+from .conv_pointwise import COLUMNS, MIN_CHANNELS, gather_rows, pointwise_calls, pointwise_plan, scatter_rows
 from .parallel_split import on_parts, parallel_twin, part_count, split, twin_of
-from .windows import _as_3d, _text, _valid_range, window_geometry
+from .windows import FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT, as_3d, text, valid_range, window_geometry
 
 # Forward products with at most this many output channels per group and at least this deep a K run as
 # Yᵀ = im2colᵀ · Wᵀ, then a transpose into Y, on the route to scipy's OpenBLAS (kernels/blas.py), which runs
@@ -147,7 +146,7 @@ def _window_columns(image, n0, nb, g, geom, col, adjoint):
             for kh in range(geom[1]):
                 for kw in range(geom[2]):
                     offset = kw * geom[8] - geom[11]
-                    lo, hi = _valid_range(offset, stride_w, width, out_w)
+                    lo, hi = valid_range(offset, stride_w, width, out_w)
                     col_row = col[row]
                     for b in range(nb):
                         for od in range(out_d):
@@ -222,7 +221,7 @@ def _weight_operands(dy, x, col_work, row_work, geom, pointwise, k, n0, nb, g, m
     if nb == 1:
         return col, dy[n0, g][m0:m1]
     grad_rows = row_work[:(m1 - m0) * width].reshape(m1 - m0, width)
-    _gather(dy, n0, nb, g, m0, m1, grad_rows)
+    gather_rows(dy, n0, nb, g, m0, m1, grad_rows)
     return col, grad_rows
 
 
@@ -268,7 +267,7 @@ def _conv_forward(x, w, bias, has_bias, y, col_work, row_work, geom, chunk, poin
                 continue
             wide = row_work[:per_group * width].reshape(per_group, width)
             product(w[g], col, wide)
-            _scatter(wide, n0, nb, g, 0, y, bias, False)  # the bias is added below, to every image
+            scatter_rows(wide, n0, nb, g, 0, y, bias, False)  # the bias is added below, to every image
     if has_bias:
         for n in range(begin, end):
             for g in range(groups):
@@ -308,7 +307,7 @@ def _conv_input_grad(dy, w, dx, col_work, row_work, geom, chunk, pointwise, begi
                 product(w[g].T, dy[n0, g], col)
             else:
                 gathered = row_work[:per_group * width].reshape(per_group, width)
-                _gather(dy, n0, nb, g, 0, per_group, gathered)
+                gather_rows(dy, n0, nb, g, 0, per_group, gathered)
                 product(w[g].T, gathered, col)
             for b in range(nb):
                 dx[n0 + b, g].reshape(-1)[:] = 0
@@ -485,14 +484,14 @@ class _ConvLayout:
         self.geom, _ = window_geometry(x_shape[2:], y_shape[2:], kernel, auto_pad, pads, strides, dilations)
         self.cells = int(np.prod(y_shape[2:], dtype=np.int64))
         self.k = self.in_per_group * int(np.prod(kernel, dtype=np.int64))
-        self.x6 = (batch, group, self.in_per_group) + _as_3d(x_shape[2:])
-        self.y6 = (batch, group, self.out_per_group) + _as_3d(y_shape[2:])
+        self.x6 = (batch, group, self.in_per_group) + as_3d(x_shape[2:])
+        self.y6 = (batch, group, self.out_per_group) + as_3d(y_shape[2:])
         self.y4 = (batch, group, self.out_per_group, self.cells)
         self.w3 = (group, self.out_per_group, self.k)
         self.depthwise = self.in_per_group == 1 and self.k > 1
         geom = self.geom
         # parallel parts: of the images; depthwise in planes, of the (image, channel) pairs
-        planes_layout = self.depthwise and _as_3d(y_shape[2:])[2] >= PLANE_WIDTH
+        planes_layout = self.depthwise and as_3d(y_shape[2:])[2] >= PLANE_WIDTH
         self.units = batch * group if planes_layout else batch
         work = batch * self.cells * self.k * int(w_shape[0])  # multiply-adds
         self.parts = part_count(threads, self.units, work)
@@ -533,7 +532,7 @@ class _ConvLayout:
         self.channel_columns = 0 if self.pointwise and self.channel_chunk == 1 else self.k * width
         self.channel_rows = 0 if self.channel_chunk == 1 else -(-self.out_per_group // self.channel_parts) * width
         if self.depthwise:
-            x3, y3 = _as_3d(x_shape[2:]), _as_3d(y_shape[2:])
+            x3, y3 = as_3d(x_shape[2:]), as_3d(y_shape[2:])
             self.x5 = (batch, group) + x3
             padded = tuple(max(x3[a] + geom[9 + a], (y3[a] - 1) * geom[3 + a] + (geom[a] - 1) * geom[6 + a] + 1)
                            for a in range(3))
@@ -588,7 +587,7 @@ class _ConvLayout:
         """The tap kernels' work memory: [parts, elements per part] in the dtype the convolution runs in, and
         the serial kernel's three pieces (planes, grid, taps) of part 0."""
         memory = scratch.view(dtype)[:self.parts * int(self.tap_sizes.sum())].reshape(self.parts, -1)
-        return memory, _tap_pieces(memory[0], self.tap_sizes)
+        return memory, work_pieces(memory[0], self.tap_sizes)
 
     def depthwise_work(self, scratch, dtype=np.float32):
         """(padded planes or image, flat; one output/gradient plane, flat; taps [M/G, K, G] or dW sums) for
@@ -614,11 +613,12 @@ class _ConvLayout:
         return columns, rows, totals, product
 
 
-def _depthwise_call(layout: _ConvLayout, kernel, arrays: tuple, scratch) -> tuple:
-    """The call of depthwise `kernel` on `arrays` over all units (a weight gradient gets the whole dW sums,
+def _depthwise_call(layout: _ConvLayout, op: int, arrays: tuple, scratch) -> tuple:
+    """The call of the depthwise kernel of `op` (FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT) on `arrays` over all units (a weight gradient gets the whole dW sums,
     the others the taps of one multiplier), or its parallel twin on the layout's parts of the units."""
     padded, rows, taps = layout.depthwise_work(scratch, arrays[0].dtype)
-    if kernel is _depthwise_weight_grad:
+    kernel = DEPTHWISE_KERNELS[op]
+    if op == WEIGHT_GRADIENT:
         pieces, tail = (padded, rows, taps), ()
     else:
         pieces, tail = (padded, rows, taps[0]), (0, layout.units)
@@ -632,7 +632,7 @@ def _forward_calls(layout: _ConvLayout, x, w, bias, y, scratch) -> list:
     wv = w.reshape(layout.w3)
     b = bias if bias is not None else np.zeros((1, 1), x.dtype)
     if layout.depthwise:
-        return [_depthwise_call(layout, _depthwise_forward,
+        return [_depthwise_call(layout, FORWARD,
                                 (x.reshape(layout.x5), wv, b, bias is not None, y.reshape(layout.y6)), scratch)]
     if layout.small_pointwise:
         return pointwise_calls(FORWARD, layout.pointwise_plan(FORWARD),
@@ -640,7 +640,7 @@ def _forward_calls(layout: _ConvLayout, x, w, bias, y, scratch) -> list:
     xv, yv = x.reshape(layout.x6), y.reshape(layout.y4)
     if layout.by_taps:
         work, pieces = layout.tap_work(scratch, x.dtype)
-        call = (_tap_forward, (xv, wv, b, bias is not None, yv) + pieces + (layout.geom, 0, layout.batch))
+        call = (TAP_KERNELS[FORWARD], (xv, wv, b, bias is not None, yv) + pieces + (layout.geom, 0, layout.batch))
         return [on_parts(call, layout.batch, layout.parts, (work, layout.tap_sizes))]
     columns, rows = layout.work(scratch, dtype=x.dtype, forward=True)
     call = (_conv_forward, (xv, wv, b, bias is not None, yv, columns, rows, layout.geom, layout.chunk, layout.pointwise,
@@ -652,7 +652,7 @@ def _input_grad_calls(layout: _ConvLayout, dy, w, dx, scratch) -> list:
     """dx = the input gradient of conv(x, w) from dy: the calls, serial or in parts."""
     wv = w.reshape(layout.w3)
     if layout.depthwise:
-        return [_depthwise_call(layout, _depthwise_input_grad, (dy.reshape(layout.y6), wv, dx.reshape(layout.x5)),
+        return [_depthwise_call(layout, INPUT_GRADIENT, (dy.reshape(layout.y6), wv, dx.reshape(layout.x5)),
                                 scratch)]
     if layout.small_pointwise:
         return pointwise_calls(INPUT_GRADIENT, layout.pointwise_plan(INPUT_GRADIENT),
@@ -660,7 +660,7 @@ def _input_grad_calls(layout: _ConvLayout, dy, w, dx, scratch) -> list:
     dyv, dxv = dy.reshape(layout.y4), dx.reshape(layout.x6)
     if layout.by_taps:
         work, pieces = layout.tap_work(scratch, dy.dtype)
-        call = (_tap_input_grad, (dyv, wv, dxv) + pieces + (layout.geom, 0, layout.batch))
+        call = (TAP_KERNELS[INPUT_GRADIENT], (dyv, wv, dxv) + pieces + (layout.geom, 0, layout.batch))
         return [on_parts(call, layout.batch, layout.parts, (work, layout.tap_sizes))]
     columns, rows = layout.work(scratch)
     call = (_conv_input_grad, (dyv, wv, dxv, columns, rows, layout.geom, layout.chunk, layout.pointwise, 0,
@@ -672,7 +672,7 @@ def _weight_grad_calls(layout: _ConvLayout, dy, x, dw, scratch) -> list:
     """dw = the weight gradient of conv(x, w) from dy: the calls, serial or in parts."""
     dwv = dw.reshape(layout.w3)
     if layout.depthwise:
-        return [_depthwise_call(layout, _depthwise_weight_grad, (dy.reshape(layout.y6), x.reshape(layout.x5), dwv),
+        return [_depthwise_call(layout, WEIGHT_GRADIENT, (dy.reshape(layout.y6), x.reshape(layout.x5), dwv),
                                 scratch)]
     if layout.small_pointwise:
         return pointwise_calls(WEIGHT_GRADIENT, layout.pointwise_plan(WEIGHT_GRADIENT),
@@ -680,7 +680,7 @@ def _weight_grad_calls(layout: _ConvLayout, dy, x, dw, scratch) -> list:
     dyv, xv = dy.reshape(layout.y4), x.reshape(layout.x6)
     if layout.weights_by_taps:
         work, pieces = layout.tap_work(scratch, x.dtype)
-        call = (_tap_weight_grad, (dyv, xv, dwv) + pieces + (layout.geom,))
+        call = (TAP_KERNELS[WEIGHT_GRADIENT], (dyv, xv, dwv) + pieces + (layout.geom,))
         return [on_parts(call, layout.batch, layout.parts, (work, layout.tap_sizes))]
     if layout.channel_parts > 1:  # parts of the output channels, each over all images
         memory = scratch.view(np.float32)
@@ -756,7 +756,7 @@ def _transpose_begin_pads(x_spatial, y_spatial, kernel, auto_pad="NOTSET", dilat
     dilations = list(dilations) if dilations else [1] * rank
     output_padding = list(output_padding) if output_padding else [0] * rank
     pads = list(pads) if pads else [0] * (2 * rank)
-    auto_pad = _text(auto_pad)
+    auto_pad = text(auto_pad)
     begin = []
     for axis in range(rank):
         natural = (strides[axis] * (x_spatial[axis] - 1) + output_padding[axis]

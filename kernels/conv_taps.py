@@ -34,6 +34,7 @@ from .jit import njit, prange
 
 from .blas import gemm_blocks
 from .parallel_split import twin_of
+from .windows import FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT
 
 TAP_MIN_CHANNELS = 16  # thinner products (K = C/G per tap) lose to im2col's K = C/G·kh·kw
 # Narrower outputs waste more of every product on unused cells ((kw - 1)·dw / Wp). At 8 wide (3x3, 32 images,
@@ -73,7 +74,7 @@ def tap_work_sizes(geom, in_per_group: int, out_per_group: int, groups: int):
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _pieces(mine, sizes):
+def work_pieces(mine, sizes):
     """A part's work memory as (padded planes or dX rows, grid, taps or dW sums), of sizes[0:3] elements."""
     start = sizes[0] + sizes[1]
     return mine[:sizes[0]], mine[sizes[0]:start], mine[start:start + sizes[2]]
@@ -150,7 +151,7 @@ def _tap_forward(x, w, bias, has_bias, y, plane, grid, taps, geom, begin, end):
 def _tap_forward_parts(x, w, bias, has_bias, y, work, sizes, geom, bounds):
     """_tap_forward on the images [bounds[p], bounds[p + 1]) of each part p, in parallel, each with work[p]."""
     for part in prange(bounds.size - 1):
-        plane, grid, taps = _pieces(work[part], sizes)
+        plane, grid, taps = work_pieces(work[part], sizes)
         _tap_forward(x, w, bias, has_bias, y, plane, grid, taps, geom, bounds[part], bounds[part + 1])
 
 
@@ -183,7 +184,7 @@ def _tap_input_grad(dy, w, dx, rows, grid, taps, geom, begin, end):
 def _tap_input_grad_parts(dy, w, dx, work, sizes, geom, bounds):
     """_tap_input_grad on the images of each part (bounds), in parallel, each with its own work[p]."""
     for part in prange(bounds.size - 1):
-        rows, grid, taps = _pieces(work[part], sizes)
+        rows, grid, taps = work_pieces(work[part], sizes)
         _tap_input_grad(dy, w, dx, rows, grid, taps, geom, bounds[part], bounds[part + 1])
 
 
@@ -230,7 +231,11 @@ def _tap_weight_grad_parts(dy, x, dw, work, sizes, geom, bounds):
     """dw as _tap_weight_grad, each part (bounds) summing its images into its own sums in work[p], in
     parallel; the parts' sums are then added in part order: the same at every run."""
     for part in prange(bounds.size - 1):
-        plane, grid, sums = _pieces(work[part], sizes)
+        plane, grid, sums = work_pieces(work[part], sizes)
         _tap_weight_sums(dy, x, plane, grid, sums, geom, bounds[part], bounds[part + 1])
     start = sizes[0] + sizes[1]
     _taps_to_weights(work[:, start:start + sizes[2]], dw, geom[1] * geom[2], bounds.size - 1)
+
+
+# The strategy's kernel of each convolution op (kernels/windows.py's op codes), for kernels/conv.py's calls.
+KERNELS = {FORWARD: _tap_forward, INPUT_GRADIENT: _tap_input_grad, WEIGHT_GRADIENT: _tap_weight_grad}

@@ -24,7 +24,7 @@ import numpy as np
 from .jit import njit, prange
 
 from .parallel_split import twin_of
-from .windows import _valid_range
+from .windows import FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT, valid_range
 
 # Sums may be reassociated (fastmath "reassoc"): they vectorise, and partial sums are no less accurate.
 REDUCTION = {"reassoc", "contract"}
@@ -68,7 +68,7 @@ def _frame_copy(plane, frame, strides, pads, pitch, into_frame):
                         line[width - 1] = evens[half]
             else:
                 for r2 in range(s2):
-                    lo, hi = _valid_range(r2 - pads[2], s2, width, pitch[1])
+                    lo, hi = valid_range(r2 - pads[2], s2, width, pitch[1])
                     cells, first = frame[phase + r2, start + lo:start + hi], lo * s2 + r2 - pads[2]
                     for t in range(hi - lo):
                         if into_frame:
@@ -465,3 +465,7 @@ def _depthwise_weight_grad_parts(dy, x, dw, geom, taps, frame, work, sums_shape,
                 for k in range(dw.shape[2]):
                     value = sums[m, k, g] if channels_last else sums[g, m, k]
                     dw[g, m, k] = value if part == 0 else dw[g, m, k] + value
+
+
+# The strategy's kernel of each convolution op (kernels/windows.py's op codes), for kernels/conv.py's calls.
+KERNELS = {FORWARD: _depthwise_forward, INPUT_GRADIENT: _depthwise_input_grad, WEIGHT_GRADIENT: _depthwise_weight_grad}

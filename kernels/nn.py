@@ -21,9 +21,10 @@ import numpy as np
 from .jit import njit, prange
 
 from .registry import ODTRAIN_DOMAIN, binding
-from .elementwise import fast_sigmoid, fast_sigmoid_pair, same_buffer
+from .copies import same_buffer
 from .parallel_split import parallel_twin, split, twin_of
-from .windows import _text
+from .scalar import fast_sigmoid, fast_sigmoid_pair
+from .windows import text
 
 # Sums may be reassociated (fastmath "reassoc"): they vectorise, and partial sums are no less accurate.
 REDUCTION = {"reassoc", "contract"}
@@ -544,14 +545,14 @@ def Pad(inputs, outputs, mode="constant", pads=None, value=0.0):
         for k, axis in enumerate(axes):
             pads[axis], pads[rank + axis] = given[k], given[len(axes) + k]
     fill_value = inputs[2].reshape(1) if len(inputs) > 2 and inputs[2] is not None else _scalar(value)
-    table, x6, y6 = _pad_tables(x.shape, y.shape, pads, _text(mode))
+    table, x6, y6 = _pad_tables(x.shape, y.shape, pads, text(mode))
     return [(_pad, (x.reshape(x6), y.reshape(y6), table, fill_value))]
 
 
 @binding("PadGrad", ODTRAIN_DOMAIN)
 def PadGrad(inputs, outputs, pads, mode="constant"):
     dy, dx = inputs[0], outputs[0]
-    table, x6, y6 = _pad_tables(dx.shape, dy.shape, pads, _text(mode))
+    table, x6, y6 = _pad_tables(dx.shape, dy.shape, pads, text(mode))
     return [(_pad_grad, (dy.reshape(y6), dx.reshape(x6), table))]
 
 

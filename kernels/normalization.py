@@ -17,9 +17,10 @@ import numpy as np
 from .jit import njit, prange
 
 from .registry import ODTRAIN_DOMAIN, binding
-from .elementwise import fast_exp, same_buffer
+from .copies import same_buffer
 from .layout import flat
 from .parallel_split import split, twin_of
+from .scalar import fast_exp
 
 
 REDUCE = {"reassoc"}  # reductions may reorder their sums: lets LLVM vectorise them (bench_ops.ElementwiseOps, Softmax)

@@ -17,10 +17,10 @@ from .jit import njit, prange
 
 from .registry import ODTRAIN_DOMAIN, binding
 from .blas import gemm_blocks
-from .dequantized import INT4, INT8, PANEL_ELEMENTS, _product_part, _stored
-from .elementwise import fast_exp
 from .layout import flat, float_buffers
 from .parallel_split import on_parts, part_count, split, twin_of
+from .scalar import fast_exp
+from .stored_weights import INT4, INT8, PANEL_ELEMENTS, panel_product, stored_values
 
 REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
 REDUCE = {"reassoc"}  # the row sums may reorder: LLVM vectorises them
@@ -327,7 +327,7 @@ def _linear_cross_entropy_grad_parts(dloss, hidden, weight, transposed, labels, 
 def _stored_product(a, w, scale, axis, stored, group, out, m, rows, columns, trans_b, panel, bits, r0, r1, c0, c1):
     """kernels/dequantized.py's product over stored rows [r0, r1) and columns [c0, c1) with panels of `panel`'s
     size (its _tile: rows x columns in both orientations)."""
-    _product_part(a, w, scale, axis, stored, group, out, m, rows, columns, trans_b, panel, bits, r0, r1, c0, c1)
+    panel_product(a, w, scale, axis, stored, group, out, m, rows, columns, trans_b, panel, bits, r0, r1, c0, c1)
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -458,7 +458,7 @@ def LinearCrossEntropy(inputs, outputs, scratch=None, transB=0, ignore_index=Non
     if weight.dtype == np.float32:
         args = (flat(hidden), flat(weight), bool(transB)) + loss_operands + results
         return [split((_linear_cross_entropy, args), classes, rows * width * classes, threads)]
-    values, stored = _stored(weight)
+    values, stored = stored_values(weight)
     scale = flat(inputs[3]) if stored in (INT8, INT4) else np.ones(1, np.float32)
     parts = _vocabulary_parts(rows, width, classes, threads)
     panels = rest[:PANEL_ELEMENTS * parts]
