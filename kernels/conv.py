@@ -278,7 +278,8 @@ def _conv_forward(x, w, bias, has_bias, y, col_work, row_work, geom, chunk, poin
                         target[p] += value
 
 
-@twin_of(_conv_forward, range=("begin", "end"), replaces=("col_work", "row_work"), takes=("work", "columns"))
+@twin_of(_conv_forward, range=("begin", "end"), replaces=("col_work", "row_work"), takes=("work", "columns"),
+         because="each part runs on its own work memory")
 @njit(cache=True, error_model="numpy", parallel=True)
 def _conv_forward_parts(x, w, bias, has_bias, y, work, columns, geom, chunk, pointwise, transposed, bounds):
     """_conv_forward on the images [bounds[p], bounds[p + 1]) of each part p, in parallel, each part with
@@ -314,7 +315,8 @@ def _conv_input_grad(dy, w, dx, col_work, row_work, geom, chunk, pointwise, begi
             _col2im(col, n0, nb, g, geom, dx)
 
 
-@twin_of(_conv_input_grad, range=("begin", "end"), replaces=("col_work", "row_work"), takes=("work", "columns"))
+@twin_of(_conv_input_grad, range=("begin", "end"), replaces=("col_work", "row_work"), takes=("work", "columns"),
+         because="each part runs on its own work memory")
 @njit(cache=True, error_model="numpy", parallel=True)
 def _conv_input_grad_parts(dy, w, dx, work, columns, geom, chunk, pointwise, bounds):
     """_conv_input_grad on the images of each part (bounds), in parallel, each with its own work[p]."""
@@ -356,7 +358,8 @@ def _conv_weight_grad(dy, x, dw, col_work, row_work, sums, chunk_product, geom, 
 
 
 @twin_of(_conv_weight_grad, replaces=("col_work", "row_work", "sums", "chunk_product"),
-         takes=("work", "columns", "rows", "product_size"))
+         takes=("work", "columns", "rows", "product_size"),
+         because="each part sums its images' dW into its own sums, added in part order after")
 @njit(cache=True, error_model="numpy", parallel=True)
 def _conv_weight_grad_parts(dy, x, dw, work, columns, rows, product_size, geom, chunk, pointwise, bounds):
     """dw as _conv_weight_grad, each part (bounds) summing its images into its own sums in work[p] (after its
@@ -400,7 +403,8 @@ def _conv_weight_channels(dy, x, dw, col_work, row_work, sums, geom, chunk, poin
                 dw[g, m, j] = sums[g, j, m]
 
 
-@twin_of(_conv_weight_channels, range=("m0", "m1"), replaces=("col_work", "row_work"), takes=("work", "columns"))
+@twin_of(_conv_weight_channels, range=("m0", "m1"), replaces=("col_work", "row_work"), takes=("work", "columns"),
+         because="each part runs on its own work memory")
 @njit(cache=True, error_model="numpy", parallel=True)
 def _conv_weight_grad_channel_parts(dy, x, dw, work, columns, sums, geom, chunk, pointwise, bounds):
     """dw as _conv_weight_grad, each part (bounds) computing its own output channels over every image, with
@@ -614,8 +618,9 @@ class _ConvLayout:
 
 
 def _depthwise_call(layout: _ConvLayout, op: int, arrays: tuple, scratch) -> tuple:
-    """The call of the depthwise kernel of `op` (FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT) on `arrays` over all units (a weight gradient gets the whole dW sums,
-    the others the taps of one multiplier), or its parallel twin on the layout's parts of the units."""
+    """The call of the depthwise kernel of `op` (FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT) on `arrays` over all
+    units (a weight gradient gets the whole dW sums, the others the taps of one multiplier), or its parallel twin
+    on the layout's parts of the units."""
     padded, rows, taps = layout.depthwise_work(scratch, arrays[0].dtype)
     kernel = DEPTHWISE_KERNELS[op]
     if op == WEIGHT_GRADIENT:

@@ -157,7 +157,8 @@ def _pointwise_weight_grad(dy, x, dw, work, chunk, m0, m1, c0, c1):
             gemm_blocks(0, 1, rows, columns, width, 1.0, gathered_dy, 0, width, gathered_x, 0, width, beta, dw, target, k)
 
 
-@twin_of(_pointwise_forward, range=("m0", "m1"), replaces=("work",), takes=("work",))
+@twin_of(_pointwise_forward, range=("m0", "m1"), replaces=("work",), takes=("work",),
+         because="each part runs on its own work memory")
 @njit(cache=True, error_model="numpy", parallel=True)
 def _pointwise_forward_parts(x, w, bias, has_bias, y, work, chunk, bounds):
     """_pointwise_forward on the output channels [bounds[p], bounds[p + 1]) of each part p, in parallel."""
@@ -165,7 +166,8 @@ def _pointwise_forward_parts(x, w, bias, has_bias, y, work, chunk, bounds):
         _pointwise_forward(x, w, bias, has_bias, y, work[part], chunk, bounds[part], bounds[part + 1])
 
 
-@twin_of(_pointwise_input_grad, range=("c0", "c1"), replaces=("work",), takes=("work",))
+@twin_of(_pointwise_input_grad, range=("c0", "c1"), replaces=("work",), takes=("work",),
+         because="each part runs on its own work memory")
 @njit(cache=True, error_model="numpy", parallel=True)
 def _pointwise_input_grad_parts(dy, w, dx, work, chunk, bounds):
     """_pointwise_input_grad on the input channels [bounds[p], bounds[p + 1]) of each part p, in parallel."""
@@ -173,7 +175,8 @@ def _pointwise_input_grad_parts(dy, w, dx, work, chunk, bounds):
         _pointwise_input_grad(dy, w, dx, work[part], chunk, bounds[part], bounds[part + 1])
 
 
-@twin_of(_pointwise_weight_grad, range=("m0", "m1", "c0", "c1"), replaces=("work",), takes=("work", "split_inputs"))
+@twin_of(_pointwise_weight_grad, range=("m0", "m1", "c0", "c1"), replaces=("work",), takes=("work", "split_inputs"),
+         because="each part runs on its own work memory, over parts of channels or images as the plan says")
 @njit(cache=True, error_model="numpy", parallel=True)
 def _pointwise_weight_grad_parts(dy, x, dw, work, split_inputs, chunk, bounds):
     """_pointwise_weight_grad on a block of dW per part p, in parallel: its rows [bounds[p], bounds[p + 1]),

@@ -146,7 +146,8 @@ def _tap_forward(x, w, bias, has_bias, y, plane, grid, taps, geom, begin, end):
                         row[ow] = source[ow] + value
 
 
-@twin_of(_tap_forward, range=("begin", "end"), replaces=("plane", "grid", "taps"), takes=("work", "sizes"))
+@twin_of(_tap_forward, range=("begin", "end"), replaces=("plane", "grid", "taps"), takes=("work", "sizes"),
+         because="each part runs on its own work memory")
 @njit(cache=True, error_model="numpy", parallel=True)
 def _tap_forward_parts(x, w, bias, has_bias, y, work, sizes, geom, bounds):
     """_tap_forward on the images [bounds[p], bounds[p + 1]) of each part p, in parallel, each with work[p]."""
@@ -179,7 +180,8 @@ def _tap_input_grad(dy, w, dx, rows, grid, taps, geom, begin, end):
                         target[j] = source[j]
 
 
-@twin_of(_tap_input_grad, range=("begin", "end"), replaces=("rows", "grid", "taps"), takes=("work", "sizes"))
+@twin_of(_tap_input_grad, range=("begin", "end"), replaces=("rows", "grid", "taps"), takes=("work", "sizes"),
+         because="each part runs on its own work memory")
 @njit(cache=True, error_model="numpy", parallel=True)
 def _tap_input_grad_parts(dy, w, dx, work, sizes, geom, bounds):
     """_tap_input_grad on the images of each part (bounds), in parallel, each with its own work[p]."""
@@ -225,7 +227,8 @@ def _tap_weight_grad(dy, x, dw, plane, grid, sums, geom):
     _taps_to_weights(sums.reshape(1, -1), dw, geom[1] * geom[2], 1)
 
 
-@twin_of(_tap_weight_grad, replaces=("plane", "grid", "sums"), takes=("work", "sizes"))
+@twin_of(_tap_weight_grad, replaces=("plane", "grid", "sums"), takes=("work", "sizes"),
+         because="each part sums its images' dW into its own sums, added in part order after")
 @njit(cache=True, error_model="numpy", parallel=True)
 def _tap_weight_grad_parts(dy, x, dw, work, sizes, geom, bounds):
     """dw as _tap_weight_grad, each part (bounds) summing its images into its own sums in work[p], in

@@ -424,7 +424,7 @@ def _part_work(work, part, padded_shape, rows_shape, sums_shape):
 
 
 @twin_of(_depthwise_forward, range=("begin", "end"), replaces=("padded", "rows", "weights"),
-         takes=("work", "sums_shape"))
+         takes=("work", "sums_shape"), because="each part runs on its own work memory")
 @njit(cache=True, error_model="numpy", parallel=True)
 def _depthwise_forward_parts(x, w, bias, has_bias, y, geom, taps, frame, work, sums_shape, padded_shape, rows_shape,
                              channels_last, bounds):
@@ -436,7 +436,7 @@ def _depthwise_forward_parts(x, w, bias, has_bias, y, geom, taps, frame, work, s
 
 
 @twin_of(_depthwise_input_grad, range=("begin", "end"), replaces=("padded", "rows", "weights"),
-         takes=("work", "sums_shape"))
+         takes=("work", "sums_shape"), because="each part runs on its own work memory")
 @njit(cache=True, error_model="numpy", parallel=True)
 def _depthwise_input_grad_parts(dy, w, dx, geom, taps, frame, work, sums_shape, padded_shape, rows_shape,
                                 channels_last, bounds):
@@ -447,7 +447,8 @@ def _depthwise_input_grad_parts(dy, w, dx, geom, taps, frame, work, sums_shape, 
                               channels_last, bounds[part], bounds[part + 1])
 
 
-@twin_of(_depthwise_weight_grad, replaces=("padded", "rows", "sums"), takes=("work", "sums_shape"))
+@twin_of(_depthwise_weight_grad, replaces=("padded", "rows", "sums"), takes=("work", "sums_shape"),
+         because="each part sums its units' dW into its own sums, added in part order after")
 @njit(cache=True, error_model="numpy", parallel=True, fastmath=REDUCTION)
 def _depthwise_weight_grad_parts(dy, x, dw, geom, taps, frame, work, sums_shape, padded_shape, rows_shape,
                                  channels_last, bounds):

@@ -32,7 +32,8 @@ from .layout import flat
 from .parallel_split import on_parts, part_count, twin_of
 from .stored_weights import PANEL_ELEMENTS, dequantize_panel, panel_product, stored_values
 
-@twin_of(panel_product, range=("r0", "r1", "c0", "c1"), replaces=("panel", "bits"), takes=("panels", "bits"))
+@twin_of(panel_product, range=("r0", "r1", "c0", "c1"), replaces=("panel", "bits"), takes=("panels", "bits"),
+         because="each part dequantizes into its own panel, over rows with transB, else columns")
 @njit(cache=True, error_model="numpy", parallel=True)
 def _product_parts(a, w, scale, axis, stored, group, out, m, rows, columns, trans_b, panels, bits, bounds):
     """panel_product on parts (bounds: of rows with transB, else of columns), each with its own panel."""

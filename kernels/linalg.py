@@ -45,7 +45,8 @@ def _gemm_batched(a, b, out, m, n, k, trans_a, trans_b, lda, ldb, ldc, a_offsets
                     out, out_offsets[i], ldc)
 
 
-twin_of(_gemm_batched, takes=("split",))(gemm_batched_parts)  # in parts of the products, rows or columns
+twin_of(_gemm_batched, takes=("split",),
+        because="it cuts whole products, rows or columns, as its `split` argument says")(gemm_batched_parts)
 
 
 @njit(cache=True, error_model="numpy")

@@ -387,13 +387,7 @@ def _activation_grad(code, dy, v, a_in, b_in, out, in_place):
 _activation_parts = parallel_twin(_activation, sliced=("x", "out"))
 
 
-@twin_of(_activation_grad)
-@njit(cache=True, error_model="numpy", parallel=True)
-def _activation_grad_parts(code, dy, v, a_in, b_in, out, in_place, bounds):
-    """_activation_grad on parts of the flat arrays (bounds), in parallel."""
-    for p in prange(bounds.size - 1):
-        lo, hi = bounds[p], bounds[p + 1]
-        _activation_grad(code, dy[lo:hi], v[lo:hi], a_in, b_in, out[lo:hi], in_place)
+_activation_grad_parts = parallel_twin(_activation_grad, sliced=("dy", "v", "out"))
 
 
 def _scalar(value: float) -> np.ndarray:

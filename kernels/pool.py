@@ -222,7 +222,7 @@ def _average_pool_grad(dy, dx, inverse_count, geom):
 # ---- the same on parts of the planes, in parallel: part p runs planes [bounds[p], bounds[p + 1]) ------
 
 
-@twin_of(_max_pool)
+@twin_of(_max_pool, because="its parts run without indices (their values would count planes from the part's first)")
 @njit(cache=True, error_model="numpy", parallel=True)
 def _max_pool_parts(x, y, indices, want_indices, column_major, geom, tiled, bounds):
     """Without indices only (their values count planes from the first)."""

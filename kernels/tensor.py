@@ -250,7 +250,7 @@ def _check_indices(indices, axis_len):
         _axis_index(indices[j], axis_len)
 
 
-@twin_of(_gather, range=("j0", "j1"))
+@twin_of(_gather, range=("j0", "j1"), because="every index is checked once, before the parts run")
 @njit(cache=True, error_model="numpy", parallel=True)
 def _gather_parts(x, indices, out, outer, axis_len, inner, bounds):
     """_gather on parts of the indices (bounds), in parallel."""
@@ -259,7 +259,7 @@ def _gather_parts(x, indices, out, outer, axis_len, inner, bounds):
         _gather(x, indices, out, outer, axis_len, inner, bounds[p], bounds[p + 1])
 
 
-@twin_of(_scatter_add, range=("c0", "c1"))
+@twin_of(_scatter_add, range=("c0", "c1"), because="every index is checked once, before the parts run")
 @njit(cache=True, error_model="numpy", parallel=True)
 def _scatter_add_parts(dy, indices, dx, outer, axis_len, inner, bounds):
     """_scatter_add on parts of the columns (bounds), in parallel: each element adds up as in one thread."""

@@ -254,7 +254,8 @@ def _linear_cross_entropy(hidden, weight, transposed, labels, ignore_index, mean
     loss[0] = total * g if mean else total
 
 
-@twin_of(_chunk_logits, range=("lo", "hi"))
+@twin_of(_chunk_logits, range=("lo", "hi"),
+         because="an inline loop of _linear_cross_entropy_parts' own parallel region, not a kernel a call names")
 @njit(cache=True, error_model="numpy", inline="always")
 def _logits_in_parts(hidden, weight, transposed, logits, first, rows, classes, width, bounds):
     """_chunk_logits with the vocabulary split into parts (bounds), in parallel."""
@@ -262,7 +263,8 @@ def _logits_in_parts(hidden, weight, transposed, logits, first, rows, classes, w
         _chunk_logits(hidden, weight, transposed, logits, first, rows, classes, width, bounds[p], bounds[p + 1])
 
 
-@twin_of(_linear_cross_entropy)
+@twin_of(_linear_cross_entropy,
+         because="each chunk splits the vocabulary, then the rows, then hidden's width, by turns")
 @njit(cache=True, error_model="numpy", parallel=True)
 def _linear_cross_entropy_parts(hidden, weight, transposed, labels, ignore_index, mean, logits, values, loss, dhidden,
                                 want_hidden, width, classes, chunk, bounds):
@@ -300,7 +302,7 @@ def _linear_cross_entropy_grad(dloss, hidden, weight, transposed, labels, ignore
                          0.0 if first == 0 else 1.0)
 
 
-@twin_of(_linear_cross_entropy_grad)
+@twin_of(_linear_cross_entropy_grad, because="each chunk splits the vocabulary products and the rows by turns")
 @njit(cache=True, error_model="numpy", parallel=True)
 def _linear_cross_entropy_grad_parts(dloss, hidden, weight, transposed, labels, ignore_index, mean, logits, values,
                                      dweight, width, classes, chunk, bounds):
@@ -376,7 +378,8 @@ def _stored_linear_cross_entropy(hidden, w, scale, axis, stored, group, transpos
     loss[0] = total * g if mean else total
 
 
-@twin_of(_stored_linear_cross_entropy, replaces=("panel", "bits"), takes=("panels", "bits"))
+@twin_of(_stored_linear_cross_entropy, replaces=("panel", "bits"), takes=("panels", "bits"),
+         because="each part dequantizes into its own panel, and each chunk splits by turns")
 @njit(cache=True, error_model="numpy", parallel=True)
 def _stored_linear_cross_entropy_parts(hidden, w, scale, axis, stored, group, transposed, labels, ignore_index, mean,
                                        logits, values, loss, dhidden, want_hidden, width, classes, chunk, panels,
