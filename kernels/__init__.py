@@ -30,7 +30,7 @@ registries fill in the same order in every process; private `_` modules and the 
 excepted): a new family module registers its bindings by being there, with no list to edit.
 
 Kernel modules take Numba's names from kernels/jit.py, which loads Numba only when a kernel compiles:
-a process whose steps run in a kernel library (odtrain/kernel_library.py) imports the bindings without
+a process whose steps run in a kernel library (odtrain/kernel_library/) imports the bindings without
 it. Imports numpy (and Numba, through jit.py), nothing else of odtrain's.
 """
 from __future__ import annotations

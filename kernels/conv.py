@@ -10,8 +10,8 @@ Convolution:
   product (their columns side by side), so BLAS sees a wide matrix. With few
   output channels and a deep K (TRANSPOSED_CHANNELS, on scipy's BLAS) the forward
   product runs as Y_gᵀ = col(X_g)ᵀ · W_gᵀ into work memory, then is transposed into Y.
-  (Cutting products into blocks of cells for OpenBLAS's small-matrix kernels
-  was slower here, by 0-15%: this CPU's OpenBLAS has none for these shapes.)
+  (Products are cut into blocks of cells only where OpenBLAS has small-matrix
+  kernels for them: kernels/blas.py's SMALL_PRODUCT_CELLS.)
   Pointwise convolutions (1x1, stride 1, no padding) skip im2col (over
   planes of fewer than COLUMNS cells they run in conv_pointwise.py); for
   stride 1 with the output as wide as the input, each im2col row is one
@@ -66,12 +66,12 @@ from .windows import FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT, as_3d, text, vali
 TRANSPOSED_CHANNELS = 0 if NUMPY_OPENBLAS else 32
 TRANSPOSED_DEPTH = 64
 # A weight gradient splits its output channels only when each part's dW sums would hold more than this many
-# elements: smaller sums cost little memory and little to add, and splitting the batch then runs faster (a
-# pointwise layer over large planes ran twice as fast by images; one over 3x3 planes with large sums, twice
-# as fast by channels: a layer that now runs in conv_pointwise.py; bench_ops.ConvOps, ConvWeightGrad).
+# elements: smaller sums cost little memory and little to add, and splitting the batch then runs faster
+# (bench_ops.ConvOps, ConvWeightGrad; the runs: benchmarks/README.md, "Figures behind kernel choices").
 CHANNEL_SPLIT_SUMS = 1 << 14
 # depthwise convolutions with outputs at least this wide work in planes, others channels-last: on
-# MobileNetV2's layers each order wins on its side of this width (bench_ops.ConvOps, depthwise)
+# MobileNetV2's layers each order wins on its side of this width (bench_ops.ConvOps, depthwise; the runs:
+# benchmarks/README.md, "Figures behind kernel choices")
 PLANE_WIDTH = 24
 
 

@@ -37,9 +37,10 @@ from .parallel_split import twin_of
 from .windows import FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT
 
 TAP_MIN_CHANNELS = 16  # thinner products (K = C/G per tap) lose to im2col's K = C/G·kh·kw
-# Narrower outputs waste more of every product on unused cells ((kw - 1)·dw / Wp). At 8 wide (3x3, 32 images,
-# 32 or 64 -> 64 channels) taps still run the forward and input gradient 20-25% faster than im2col, but the
-# weight gradient 8% slower: its per-tap products [M/G, C/G] over Q = 78 cells are too short for OpenBLAS.
+# Narrower outputs waste more of every product on unused cells ((kw - 1)·dw / Wp). At 8 wide taps still run the
+# forward and input gradient faster than im2col, but not the weight gradient: its per-tap products [M/G, C/G]
+# over Q cells are too short for OpenBLAS (bench_ops.ConvOps; the runs: benchmarks/README.md, "Figures behind
+# kernel choices").
 TAP_MIN_WIDTH = 8
 TAP_MIN_WEIGHT_WIDTH = 16
 

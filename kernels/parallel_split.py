@@ -44,10 +44,10 @@ import numpy as np
 
 # Below this many multiply-adds (or elements) a parallel region costs more than it saves: with odtrain's waiting
 # (a short spin, then sleep, odtrain/threads.py) a region within a step costs about a small elementwise loop,
-# and from this size on a float32 add runs faster in 2 parts than on one thread; MobileNetV2's batch norms over
-# small planes fall just above it, and its 2-thread step was faster than with a threshold 8 times higher
-# (`benchmarks/threads.py regions`, bench_ops.ElementwiseOps). The cost: more kernels run their parallel twins,
-# compiled too on a cold cache (`odtrain warmup` compiles them ahead).
+# and from this size on a float32 add runs faster in 2 parts than on one thread (`benchmarks/threads.py
+# regions`, bench_ops.ElementwiseOps; the runs: benchmarks/README.md, "Figures behind kernel choices"). The
+# cost: more kernels run their parallel twins, compiled too on a cold cache (`odtrain warmup` compiles them
+# ahead).
 MIN_PARALLEL_WORK = 1 << 15
 _every_split = False  # while every_split(): any amount of work is split
 
