@@ -33,7 +33,7 @@ import numpy as np
 from .jit import njit, prange
 
 from .blas import gemm_blocks
-from .parallel_split import twin_of
+from .parallel_split import on_parts, twin_of
 from .windows import FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT
 
 TAP_MIN_CHANNELS = 16  # thinner products (K = C/G per tap) lose to im2col's K = C/G·kh·kw
@@ -241,5 +241,42 @@ def _tap_weight_grad_parts(dy, x, dw, work, sizes, geom, bounds):
     _taps_to_weights(work[:, start:start + sizes[2]], dw, geom[1] * geom[2], bounds.size - 1)
 
 
-# The strategy's kernel of each convolution op (kernels/windows.py's op codes), for kernels/conv.py's calls.
+# ---- the plan: whether a convolution runs on taps, its work memory and its calls ----------------------------
+
+
 KERNELS = {FORWARD: _tap_forward, INPUT_GRADIENT: _tap_input_grad, WEIGHT_GRADIENT: _tap_weight_grad}
+
+
+class TapPlan:
+    """Whether a convolution's forward and input gradient, and its weight gradient, run on the tap kernels
+    (`by_taps`), each part's work memory (`tap_work_sizes`: planes, grid, taps or dW sums), and the calls, the
+    batch split into the `parts` kernels/conv.py chose for it."""
+
+    def __init__(self, geom, x_spatial, in_per_group: int, out_per_group: int, groups: int, batch: int, parts: int,
+                 depthwise: bool):
+        self.geom, self.batch, self.parts = geom, batch, parts
+        self.forward = by_taps(geom, x_spatial, in_per_group, depthwise)
+        self.weights = by_taps(geom, x_spatial, in_per_group, depthwise, weight_gradient=True)
+        self.sizes = np.array(tap_work_sizes(geom, in_per_group, out_per_group, groups), np.int64)
+
+    def runs(self, op: int) -> bool:
+        """Whether `op` (FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT) runs on taps."""
+        return self.weights if op == WEIGHT_GRADIENT else self.forward
+
+    def scratch_bytes(self, itemsize: int = 4) -> int:
+        return itemsize * self.parts * int(self.sizes.sum())
+
+    def calls(self, op: int, arrays: tuple, scratch) -> list:
+        """The call of `op`'s tap kernel on `arrays` (X as [N, G, C/G, D, H, W], W as [G, M/G, K], Y as
+        [N, G, M/G, P]) over the batch, or its parallel twin on the plan's parts, each with its own work memory
+        (in the dtype the convolution runs in)."""
+        memory = scratch.view(arrays[0].dtype)[:self.parts * int(self.sizes.sum())].reshape(self.parts, -1)
+        pieces = work_pieces(memory[0], self.sizes)
+        tail = (self.geom,) if op == WEIGHT_GRADIENT else (self.geom, 0, self.batch)
+        return [on_parts((KERNELS[op], arrays + pieces + tail), self.batch, self.parts, (memory, self.sizes))]
+
+
+def plan(geom, x_spatial, in_per_group: int, out_per_group: int, groups: int, batch: int, parts: int,
+         depthwise: bool) -> TapPlan:
+    """The tap plan of a convolution with this geometry over images of x_spatial (3 axes)."""
+    return TapPlan(geom, x_spatial, in_per_group, out_per_group, groups, batch, parts, depthwise)

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .jit import njit, prange
+from .jit import njit, prange  # noqa: F401 (prange: the loops of the generated twins)
 
 from .registry import ODTRAIN_DOMAIN, binding
 from .copies import same_buffer
-from .parallel_split import parallel_twin, split, twin_of
+from .parallel_split import parallel_twin, split
 from .scalar import fast_sigmoid, fast_sigmoid_pair
 from .windows import text
 
