@@ -52,8 +52,8 @@ from .jit import njit, prange
 
 from .registry import ODTRAIN_DOMAIN, binding
 from .blas import NUMPY_OPENBLAS, gemm_blocks, product
-from .depthwise import plan as depthwise_plan
-from .conv_taps import plan as tap_plan
+from .depthwise import DepthwisePlan
+from .conv_taps import TapPlan
 from .conv_pointwise import COLUMNS, MIN_CHANNELS, gather_rows, pointwise_calls, pointwise_plan, scatter_rows
 from .parallel_split import on_parts, parallel_twin, part_count, split, twin_of
 from .windows import FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT, as_3d, text, valid_range, window_geometry
@@ -475,7 +475,7 @@ class _ConvLayout:
         # gradient splits its output channels instead: each part all images, no sums to add. Its work memory
         # per part: one thread's columns, and its channels' gathered rows.
         # stride-1 2-D convolutions with enough channels: one product per kernel tap, no im2col (conv_taps.py)
-        self.taps = tap_plan(geom, self.x6[3:], self.in_per_group, self.out_per_group, group, batch, self.parts,
+        self.taps = TapPlan(geom, self.x6[3:], self.in_per_group, self.out_per_group, group, batch, self.parts,
                              self.depthwise)
         self.by_taps, self.weights_by_taps = self.taps.runs(FORWARD), self.taps.runs(WEIGHT_GRADIENT)
         self.channel_parts = 1
@@ -488,7 +488,7 @@ class _ConvLayout:
         self.channel_rows = 0 if self.channel_chunk == 1 else -(-self.out_per_group // self.channel_parts) * width
         self.depthwise_plan = None
         if self.depthwise:  # its own layout, parts and work memory (kernels/depthwise.py)
-            self.depthwise_plan = depthwise_plan(geom, x_shape, y_shape, int(w_shape[0]), threads)
+            self.depthwise_plan = DepthwisePlan(geom, x_shape, y_shape, int(w_shape[0]), threads)
             self.parts = self.depthwise_plan.parts
 
     def scratch_bytes(self, weight_gradient: bool, itemsize: int = 4, forward: bool = False) -> int:
