@@ -20,11 +20,13 @@ Convolution:
   (weight; BLAS's faster order for these shapes).
 - stride-1 2-D convolutions with at least 16 input channels per group and outputs at least 8 wide (16
   for the weight gradient): one product per kernel tap over shifted views of the padded image, no im2col
-  (conv_taps.py).
+  (conv_taps.py, whose TapPlan says which ops run there and makes their calls).
 - depthwise (C/G = 1): a direct loop, over whole planes for wide outputs (the
   padded plane split into stride phases, flattened, nine taps a pass),
   channels-last for narrow ones (three taps a multiply-add over the channels);
-  the kernels are in depthwise.py.
+  depthwise.py's DepthwisePlan lays it out, sizes its work memory and makes its calls.
+`_ConvLayout` chooses the strategy of each op: depthwise, pointwise over small planes
+(conv_pointwise.py), taps, or im2col here.
 - work memory is the node's arena scratch (declared by `conv_scratch`,
   placed by the planner for that one step): im2col columns K·chunk·P, rows
   gathered from several images M/G·chunk·P (in a forward, also its
