@@ -274,9 +274,3 @@ class TapPlan:
         pieces = work_pieces(memory[0], self.sizes)
         tail = (self.geom,) if op == WEIGHT_GRADIENT else (self.geom, 0, self.batch)
         return [on_parts((KERNELS[op], arrays + pieces + tail), self.batch, self.parts, (memory, self.sizes))]
-
-
-def plan(geom, x_spatial, in_per_group: int, out_per_group: int, groups: int, batch: int, parts: int,
-         depthwise: bool) -> TapPlan:
-    """The tap plan of a convolution with this geometry over images of x_spatial (3 axes)."""
-    return TapPlan(geom, x_spatial, in_per_group, out_per_group, groups, batch, parts, depthwise)

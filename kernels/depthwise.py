@@ -1,6 +1,6 @@
 """Kernels: depthwise convolution (one input channel per group), the path Conv and ConvTranspose
-take when C/G = 1 (kernels/conv.py chooses it; `plan` here lays it out, sizes its scratch and makes its
-calls).
+take when C/G = 1 (kernels/conv.py chooses it; `DepthwisePlan` here lays it out, sizes its scratch
+and makes its calls).
 
 Views: x [N, G, D, H, W], w [G, M/G, K], y [N, G, M/G, oD, oH, oW]. Two ways, chosen by output width:
 - planes (wide outputs): each input plane is copied into a frame split into stride phases along every
@@ -577,8 +577,3 @@ class DepthwisePlan:
         per_part = scratch.view(np.float32) if scratch is not None else np.zeros(0, np.float32)
         per_part = per_part.reshape(self.parts, -1) if per_part.size else np.zeros((self.parts, 0), np.float32)
         return [on_parts(call, self.units, self.parts, (per_part, self.sums_shape))]
-
-
-def plan(geom, x_shape, y_shape, out_channels: int, threads: int) -> DepthwisePlan:
-    """The plan of a depthwise convolution of X (x_shape) into Y (y_shape) with this geometry."""
-    return DepthwisePlan(geom, x_shape, y_shape, out_channels, threads)
