@@ -24,13 +24,20 @@ bound), so scratch sizes are a function of the thread count. With
 `threads=1` it runs its serial kernels. Each parallel kernel is the
 registered twin of a serial one, chosen by one rule (kernels/parallel_split.py).
 
+The modules are one floor of families over a base. A family registers bindings (elementwise, conv,
+tensor, ...); the base is what families share: jit.py (Numba's names), registry.py, layout.py, blas.py,
+parallel_split.py, windows.py, scalar.py (fast_exp, ...), copies.py (copy, gather and sum calls),
+number_formats.py, stored_weights.py and the convolution strategies conv_taps.py, conv_pointwise.py and
+depthwise.py. A family imports only the base (tests/test_layering.py), and a family that runs another
+op (quantize.py's integer products) takes that op's binding from the registry.
+
 The registry (BINDINGS, SCRATCH, PARALLEL, `binding`) lives in kernels/registry.py, which the family
 modules import. Importing this package imports every module of its folder, sorted by name (so the
 registries fill in the same order in every process; private `_` modules and the registry itself
 excepted): a new family module registers its bindings by being there, with no list to edit.
 
 Kernel modules take Numba's names from kernels/jit.py, which loads Numba only when a kernel compiles:
-a process whose steps run in a kernel library (odtrain/kernel_library.py) imports the bindings without
+a process whose steps run in a kernel library (odtrain/kernel_library/) imports the bindings without
 it. Imports numpy (and Numba, through jit.py), nothing else of odtrain's but the leaf both op layers share
 (odtrain/op_families.py: the domain of odtrain's ops, and the import of every family module).
 """

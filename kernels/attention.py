@@ -355,7 +355,8 @@ def _attention(q, k, v, mask, mask_kind, mask_strides, mask_width, nonpad, past,
                         y_offs[b * q_heads + h], y_ld)
 
 
-@twin_of(_attention, range=("first", "last"))
+@twin_of(_attention, range=("first", "last"),
+         because="each part runs on its own score matrices (raw and probs cut by part, not by unit)")
 @njit(cache=True, error_model="numpy", parallel=True)
 def _attention_parts(q, k, v, mask, mask_kind, mask_strides, mask_width, nonpad, past, y, qk_out, qk_mode, q_offs,
                      k_offs, v_offs, y_offs, q_ld, k_ld, v_ld, y_ld, batch, q_heads, kv_heads, seq, keys, head_size,
@@ -425,7 +426,7 @@ def _attention_grad(dy, q, k, v, mask, mask_kind, mask_strides, mask_width, nonp
                           no_scores, 0, batch * kv_heads)
 
 
-@twin_of(_attention_grad)
+@twin_of(_attention_grad, because="each part runs on its own score and score-gradient matrices")
 @njit(cache=True, error_model="numpy", parallel=True)
 def _attention_grad_parts(dy, q, k, v, mask, mask_kind, mask_strides, mask_width, nonpad, dq, dk, dv, q_offs, k_offs,
                           v_offs, y_offs, q_ld, k_ld, v_ld, y_ld, batch, q_heads, kv_heads, seq, keys, head_size,

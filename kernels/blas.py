@@ -181,8 +181,9 @@ BLAS_CORE = product_threads().core
 # operand of the row-major product is not transposed against a transposed second one. On the thin products
 # of convolutions they run faster than the packed path, blocks included (bench_ops.ConvOps), so
 # `gemm_blocks`, which the products of convolutions, matrix products and attention go through, cuts wider
-# float32 products into blocks of columns under that size. Other kernel families have no such kernels
-# (cutting there lost 0-15%). Compiled kernels keep the value of the process that compiled them.
+# float32 products into blocks of columns under that size. Other kernel families have no such kernels, and
+# cutting there loses (the runs: benchmarks/README.md, "Figures behind kernel choices"). Compiled kernels keep
+# the value of the process that compiled them.
 SMALL_PRODUCT_CELLS = 100 ** 3 if BLAS_CORE.lower() in ("skylakex", "cooperlake", "sapphirerapids") else 0
 SMALL_PRODUCT_MIN_COLUMNS = 32  # narrower blocks gain nothing over the packed path (bench_ops.ConvOps)
 # Against a transposed second operand (c = a · bᵀ, OpenBLAS's "TN" in its column-major terms) the small

@@ -3,7 +3,7 @@
 numpy's wheels bundle OpenBLAS with 64-bit integers (`scipy_openblas64_`, or an older `openblas64_` build);
 its CBLAS products and thread controls are found in the libraries numpy's core extension links. Used by
 kernels/blas.py (which hands the products to Numba's code) and by the kernel library's loader
-(odtrain/kernel_library.py, which hands them to the library's code).
+(odtrain/kernel_library/, which hands them to the library's code).
 
 `hold_one_thread()` / `release_thread()` keep it at one thread while steps run (their parts are the
 threads), giving the program its own count back afterwards.

@@ -10,8 +10,8 @@ Convolution:
   product (their columns side by side), so BLAS sees a wide matrix. With few
   output channels and a deep K (TRANSPOSED_CHANNELS, on scipy's BLAS) the forward
   product runs as Y_gᵀ = col(X_g)ᵀ · W_gᵀ into work memory, then is transposed into Y.
-  (Cutting products into blocks of cells for OpenBLAS's small-matrix kernels
-  was slower here, by 0-15%: this CPU's OpenBLAS has none for these shapes.)
+  (Products are cut into blocks of cells only where OpenBLAS has small-matrix
+  kernels for them: kernels/blas.py's SMALL_PRODUCT_CELLS.)
   Pointwise convolutions (1x1, stride 1, no padding) skip im2col (over
   planes of fewer than COLUMNS cells they run in conv_pointwise.py); for
   stride 1 with the output as wide as the input, each im2col row is one
@@ -20,11 +20,13 @@ Convolution:
   (weight; BLAS's faster order for these shapes).
 - stride-1 2-D convolutions with at least 16 input channels per group and outputs at least 8 wide (16
   for the weight gradient): one product per kernel tap over shifted views of the padded image, no im2col
-  (conv_taps.py).
+  (conv_taps.py, whose TapPlan says which ops run there and makes their calls).
 - depthwise (C/G = 1): a direct loop, over whole planes for wide outputs (the
   padded plane split into stride phases, flattened, nine taps a pass),
   channels-last for narrow ones (three taps a multiply-add over the channels);
-  the kernels are in depthwise.py.
+  depthwise.py's DepthwisePlan lays it out, sizes its work memory and makes its calls.
+`_ConvLayout` chooses the strategy of each op: depthwise, pointwise over small planes
+(conv_pointwise.py), taps, or im2col here.
 - work memory is the node's arena scratch (declared by `conv_scratch`,
   placed by the planner for that one step): im2col columns K·chunk·P, rows
   gathered from several images M/G·chunk·P (in a forward, also its
@@ -52,12 +54,11 @@ from .jit import njit, prange
 
 from .registry import ODTRAIN_DOMAIN, binding
 from .blas import NUMPY_OPENBLAS, gemm_blocks, product
-from .depthwise import _depthwise_forward, _depthwise_input_grad, _depthwise_weight_grad
-from .conv_taps import _tap_forward, _tap_input_grad, _tap_weight_grad, by_taps, tap_work_sizes, _pieces as _tap_pieces
-from .conv_pointwise import (COLUMNS, FORWARD, INPUT_GRADIENT, MIN_CHANNELS, WEIGHT_GRADIENT, _gather, _scatter,
-                             pointwise_calls, pointwise_plan)
+from .depthwise import DepthwisePlan
+from .conv_taps import TapPlan
+from .conv_pointwise import COLUMNS, MIN_CHANNELS, gather_rows, pointwise_calls, pointwise_plan, scatter_rows
 from .parallel_split import on_parts, parallel_twin, part_count, split, twin_of
-from .windows import _as_3d, _text, _valid_range, window_geometry
+from .windows import FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT, as_3d, text, valid_range, window_geometry
 
 # Forward products with at most this many output channels per group and at least this deep a K run as
 # Yᵀ = im2colᵀ · Wᵀ, then a transpose into Y, on the route to scipy's OpenBLAS (kernels/blas.py), which runs
@@ -67,13 +68,9 @@ from .windows import _as_3d, _text, _valid_range, window_geometry
 TRANSPOSED_CHANNELS = 0 if NUMPY_OPENBLAS else 32
 TRANSPOSED_DEPTH = 64
 # A weight gradient splits its output channels only when each part's dW sums would hold more than this many
-# elements: smaller sums cost little memory and little to add, and splitting the batch then runs faster (a
-# pointwise layer over large planes ran twice as fast by images; one over 3x3 planes with large sums, twice
-# as fast by channels: a layer that now runs in conv_pointwise.py; bench_ops.ConvOps, ConvWeightGrad).
+# elements: smaller sums cost little memory and little to add, and splitting the batch then runs faster
+# (bench_ops.ConvOps, ConvWeightGrad; the runs: benchmarks/README.md, "Figures behind kernel choices").
 CHANNEL_SPLIT_SUMS = 1 << 14
-# depthwise convolutions with outputs at least this wide work in planes, others channels-last: on
-# MobileNetV2's layers each order wins on its side of this width (bench_ops.ConvOps, depthwise)
-PLANE_WIDTH = 24
 
 
 # ---- convolution: im2col + BLAS ------------------------------------------------------------------
@@ -147,7 +144,7 @@ def _window_columns(image, n0, nb, g, geom, col, adjoint):
             for kh in range(geom[1]):
                 for kw in range(geom[2]):
                     offset = kw * geom[8] - geom[11]
-                    lo, hi = _valid_range(offset, stride_w, width, out_w)
+                    lo, hi = valid_range(offset, stride_w, width, out_w)
                     col_row = col[row]
                     for b in range(nb):
                         for od in range(out_d):
@@ -222,7 +219,7 @@ def _weight_operands(dy, x, col_work, row_work, geom, pointwise, k, n0, nb, g, m
     if nb == 1:
         return col, dy[n0, g][m0:m1]
     grad_rows = row_work[:(m1 - m0) * width].reshape(m1 - m0, width)
-    _gather(dy, n0, nb, g, m0, m1, grad_rows)
+    gather_rows(dy, n0, nb, g, m0, m1, grad_rows)
     return col, grad_rows
 
 
@@ -268,7 +265,7 @@ def _conv_forward(x, w, bias, has_bias, y, col_work, row_work, geom, chunk, poin
                 continue
             wide = row_work[:per_group * width].reshape(per_group, width)
             product(w[g], col, wide)
-            _scatter(wide, n0, nb, g, 0, y, bias, False)  # the bias is added below, to every image
+            scatter_rows(wide, n0, nb, g, 0, y, bias, False)  # the bias is added below, to every image
     if has_bias:
         for n in range(begin, end):
             for g in range(groups):
@@ -279,7 +276,8 @@ def _conv_forward(x, w, bias, has_bias, y, col_work, row_work, geom, chunk, poin
                         target[p] += value
 
 
-@twin_of(_conv_forward, range=("begin", "end"), replaces=("col_work", "row_work"), takes=("work", "columns"))
+@twin_of(_conv_forward, range=("begin", "end"), replaces=("col_work", "row_work"), takes=("work", "columns"),
+         because="each part runs on its own work memory")
 @njit(cache=True, error_model="numpy", parallel=True)
 def _conv_forward_parts(x, w, bias, has_bias, y, work, columns, geom, chunk, pointwise, transposed, bounds):
     """_conv_forward on the images [bounds[p], bounds[p + 1]) of each part p, in parallel, each part with
@@ -308,14 +306,15 @@ def _conv_input_grad(dy, w, dx, col_work, row_work, geom, chunk, pointwise, begi
                 product(w[g].T, dy[n0, g], col)
             else:
                 gathered = row_work[:per_group * width].reshape(per_group, width)
-                _gather(dy, n0, nb, g, 0, per_group, gathered)
+                gather_rows(dy, n0, nb, g, 0, per_group, gathered)
                 product(w[g].T, gathered, col)
             for b in range(nb):
                 dx[n0 + b, g].reshape(-1)[:] = 0
             _col2im(col, n0, nb, g, geom, dx)
 
 
-@twin_of(_conv_input_grad, range=("begin", "end"), replaces=("col_work", "row_work"), takes=("work", "columns"))
+@twin_of(_conv_input_grad, range=("begin", "end"), replaces=("col_work", "row_work"), takes=("work", "columns"),
+         because="each part runs on its own work memory")
 @njit(cache=True, error_model="numpy", parallel=True)
 def _conv_input_grad_parts(dy, w, dx, work, columns, geom, chunk, pointwise, bounds):
     """_conv_input_grad on the images of each part (bounds), in parallel, each with its own work[p]."""
@@ -357,7 +356,8 @@ def _conv_weight_grad(dy, x, dw, col_work, row_work, sums, chunk_product, geom, 
 
 
 @twin_of(_conv_weight_grad, replaces=("col_work", "row_work", "sums", "chunk_product"),
-         takes=("work", "columns", "rows", "product_size"))
+         takes=("work", "columns", "rows", "product_size"),
+         because="each part sums its images' dW into its own sums, added in part order after")
 @njit(cache=True, error_model="numpy", parallel=True)
 def _conv_weight_grad_parts(dy, x, dw, work, columns, rows, product_size, geom, chunk, pointwise, bounds):
     """dw as _conv_weight_grad, each part (bounds) summing its images into its own sums in work[p] (after its
@@ -401,7 +401,8 @@ def _conv_weight_channels(dy, x, dw, col_work, row_work, sums, geom, chunk, poin
                 dw[g, m, j] = sums[g, j, m]
 
 
-@twin_of(_conv_weight_channels, range=("m0", "m1"), replaces=("col_work", "row_work"), takes=("work", "columns"))
+@twin_of(_conv_weight_channels, range=("m0", "m1"), replaces=("col_work", "row_work"), takes=("work", "columns"),
+         because="each part runs on its own work memory")
 @njit(cache=True, error_model="numpy", parallel=True)
 def _conv_weight_grad_channel_parts(dy, x, dw, work, columns, sums, geom, chunk, pointwise, bounds):
     """dw as _conv_weight_grad, each part (bounds) computing its own output channels over every image, with
@@ -428,49 +429,6 @@ def _conv_bias_grad(dy, db, m0, m1):
 _conv_bias_grad_parts = parallel_twin(_conv_bias_grad, range=("m0", "m1"))
 
 
-def _depthwise_frames(geom, padded, out_spatial, channels=0):
-    """(taps int64 [6, K], frame int64) of the depthwise planes layout (kernels/depthwise.py, _to_frame), or
-    channels-last (`channels` > 0) with offsets in elements of the padded image [..., channels] (taps[1])
-    and of dY framed (taps[2], for unit strides, where the phases are the planes themselves).
-
-    The padded input plane is split into S0·S1·S2 stride phases of Q = ceil(padded / S) cells a side; tap k
-    at padded cell o·S + k·d reads phase (k·d) % S at q = o + (k·d) // S, so over the output cells
-    flattened at the phases' pitch every tap reads one contiguous run. The input gradient gathers: phase r
-    of dX at q is Σ over the taps of phase r of w · dY[q - (k·d) // S], from dY framed with R = max (k·d) // S
-    zeros in front (extents T = Q + R; every Q is at least the output's extent).
-    taps: 0 the tap's phase, 1 its forward offset (pitch Q), 2 its backward offset (pitch T), 3 the taps in
-    order, 4 the taps ordered by phase, 5 zeros (dY's single frame). frame: Q[3], T[3], R[3], the forward
-    and backward lengths, then each phase's first index into taps[4] (S0·S1·S2 + 1 values); channels-last,
-    then the offset of each output cell of a row in the padded image (its last oW values)."""
-    kernel, strides, dilations = geom[0:3], geom[3:6], geom[6:9]
-    phases_of = [int(s) for s in strides]
-    q = [-(-int(padded[a]) // phases_of[a]) for a in range(3)]
-    cells = np.stack(np.meshgrid(*[np.arange(int(k)) for k in kernel], indexing="ij"), -1).reshape(-1, 3)
-    cells = cells * dilations
-    phase_of, shift = cells % strides, cells // strides
-    phase = (phase_of[:, 0] * strides[1] + phase_of[:, 1]) * strides[2] + phase_of[:, 2]
-    reach = shift.max(axis=0)
-    t = [q[a] + int(reach[a]) for a in range(3)]
-    forward = (shift[:, 0] * q[1] + shift[:, 1]) * q[2] + shift[:, 2]
-    back = reach - shift
-    backward = (back[:, 0] * t[1] + back[:, 1]) * t[2] + back[:, 2]
-    order = np.arange(cells.shape[0])
-    by_phase = np.argsort(phase, kind="stable")
-    pixels = []
-    if channels:
-        forward = ((cells[:, 0] * int(padded[1]) + cells[:, 1]) * int(padded[2]) + cells[:, 2]) * channels
-        backward = backward * channels
-        pixels = list(np.arange(int(out_spatial[2])) * int(strides[2]) * channels)
-    taps = np.stack([phase, forward, backward, order, by_phase, np.zeros_like(order)]).astype(np.int64)
-    o = [int(v) for v in out_spatial]
-    forward_length = (o[0] - 1) * q[1] * q[2] + (o[1] - 1) * q[2] + o[2]
-    backward_length = (q[0] - 1) * t[1] * t[2] + (q[1] - 1) * t[2] + q[2]
-    starts = np.searchsorted(phase[by_phase], np.arange(int(np.prod(strides)) + 1))
-    frame = np.array(q + t + [int(r) for r in reach] + [forward_length, backward_length] + list(starts) + pixels,
-                     np.int64)
-    return taps, frame
-
-
 class _ConvLayout:
     """How a convolution runs, from the shapes of X, W and Y and the step's threads: views, geometry, kernel
     choice, how many parts of the batch run in parallel (kernels/parallel_split.py), work sizes per part."""
@@ -485,17 +443,15 @@ class _ConvLayout:
         self.geom, _ = window_geometry(x_shape[2:], y_shape[2:], kernel, auto_pad, pads, strides, dilations)
         self.cells = int(np.prod(y_shape[2:], dtype=np.int64))
         self.k = self.in_per_group * int(np.prod(kernel, dtype=np.int64))
-        self.x6 = (batch, group, self.in_per_group) + _as_3d(x_shape[2:])
-        self.y6 = (batch, group, self.out_per_group) + _as_3d(y_shape[2:])
+        self.x6 = (batch, group, self.in_per_group) + as_3d(x_shape[2:])
+        self.y6 = (batch, group, self.out_per_group) + as_3d(y_shape[2:])
         self.y4 = (batch, group, self.out_per_group, self.cells)
         self.w3 = (group, self.out_per_group, self.k)
         self.depthwise = self.in_per_group == 1 and self.k > 1
         geom = self.geom
-        # parallel parts: of the images; depthwise in planes, of the (image, channel) pairs
-        planes_layout = self.depthwise and _as_3d(y_shape[2:])[2] >= PLANE_WIDTH
-        self.units = batch * group if planes_layout else batch
+        # parallel parts: of the images (depthwise: as its plan says, kernels/depthwise.py)
         work = batch * self.cells * self.k * int(w_shape[0])  # multiply-adds
-        self.parts = part_count(threads, self.units, work)
+        self.parts = part_count(threads, batch, work)
         per_part = -(-batch // self.parts)  # images of the largest part
         self.pointwise = bool((geom[0:6] == 1).all() and (geom[9:12] == 0).all()
                               and tuple(x_shape[2:]) == tuple(y_shape[2:]))
@@ -521,9 +477,9 @@ class _ConvLayout:
         # gradient splits its output channels instead: each part all images, no sums to add. Its work memory
         # per part: one thread's columns, and its channels' gathered rows.
         # stride-1 2-D convolutions with enough channels: one product per kernel tap, no im2col (conv_taps.py)
-        self.by_taps = by_taps(geom, self.x6[3:], self.in_per_group, self.depthwise)
-        self.weights_by_taps = by_taps(geom, self.x6[3:], self.in_per_group, self.depthwise, weight_gradient=True)
-        self.tap_sizes = np.array(tap_work_sizes(geom, self.in_per_group, self.out_per_group, group), np.int64)
+        self.taps = TapPlan(geom, self.x6[3:], self.in_per_group, self.out_per_group, group, batch, self.parts,
+                             self.depthwise)
+        self.by_taps, self.weights_by_taps = self.taps.runs(FORWARD), self.taps.runs(WEIGHT_GRADIENT)
         self.channel_parts = 1
         if (self.parts > 1 and not self.depthwise and not self.weights_by_taps
                 and self.partial > max(self.columns + self.rows, CHANNEL_SPLIT_SUMS)):
@@ -532,27 +488,10 @@ class _ConvLayout:
         width = self.channel_chunk * self.cells
         self.channel_columns = 0 if self.pointwise and self.channel_chunk == 1 else self.k * width
         self.channel_rows = 0 if self.channel_chunk == 1 else -(-self.out_per_group // self.channel_parts) * width
-        if self.depthwise:
-            x3, y3 = _as_3d(x_shape[2:]), _as_3d(y_shape[2:])
-            self.x5 = (batch, group) + x3
-            padded = tuple(max(x3[a] + geom[9 + a], (y3[a] - 1) * geom[3 + a] + (geom[a] - 1) * geom[6 + a] + 1)
-                           for a in range(3))
-            self.channels_last = not planes_layout
-            self.taps, self.frame = _depthwise_frames(geom, padded, y3, group if self.channels_last else 0)
-            if self.channels_last:  # the padded image, one output plane (or dY framed), the taps or dW sums: [..., G]
-                self.padded_shape = padded + (group,)
-                unit_strides = bool((geom[3:6] == 1).all())
-                self.rows_shape = tuple(int(t) for t in self.frame[3:6]) + (group,) if unit_strides else y3 + (group,)
-                self.sums_shape = (self.out_per_group, self.k, group)
-            else:  # the planes of one image channel in stride phases, and one framed plane of dY or Y
-                frame_size = int(np.prod(self.frame[3:6]))
-                self.padded_shape = (int(np.prod(geom[3:6])), frame_size, 1, 1)
-                self.rows_shape = (1, frame_size, 1, 1)
-                # serial: taps stand-in [1, 1, 1] (dW sums go straight to dW); parts: dW sums [G, M/G, K]
-                self.sums_shape = (group, self.out_per_group, self.k) if self.parts > 1 else (1, 1, 1)
-            self.columns = int(np.prod(self.padded_shape))
-            self.rows = int(np.prod(self.rows_shape))
-            self.partial = int(np.prod(self.sums_shape))
+        self.depthwise_plan = None
+        if self.depthwise:  # its own layout, parts and work memory (kernels/depthwise.py)
+            self.depthwise_plan = DepthwisePlan(geom, x_shape, y_shape, int(w_shape[0]), threads)
+            self.parts = self.depthwise_plan.parts
 
     def scratch_bytes(self, weight_gradient: bool, itemsize: int = 4, forward: bool = False) -> int:
         """Bytes of work memory for all parts (the dW sums only for a weight gradient or depthwise; the
@@ -561,13 +500,15 @@ class _ConvLayout:
         if self.small_pointwise:
             plan = self.pointwise_plan(WEIGHT_GRADIENT if weight_gradient else FORWARD if forward else INPUT_GRADIENT)
             return itemsize * plan.parts * plan.per_part
-        if self.weights_by_taps if weight_gradient else self.by_taps:
-            return itemsize * self.parts * int(self.tap_sizes.sum())
+        if self.depthwise:
+            return self.depthwise_plan.scratch_bytes(itemsize)
+        if self.taps.runs(WEIGHT_GRADIENT if weight_gradient else FORWARD):
+            return self.taps.scratch_bytes(itemsize)
         if weight_gradient and self.channel_parts > 1:
             sums = self.groups * self.k * self.out_per_group
             return itemsize * (self.channel_parts * (self.channel_columns + self.channel_rows) + sums)
-        extra = self.partial if weight_gradient or self.depthwise else 0
-        rows = self.forward_rows if forward and not self.depthwise else self.rows
+        extra = self.partial if weight_gradient else 0
+        rows = self.forward_rows if forward else self.rows
         return itemsize * self.parts * (self.columns + rows + extra)
 
     def pointwise_plan(self, op: int):
@@ -583,20 +524,6 @@ class _ConvLayout:
         """The scratch as float32 [parts, elements per part]."""
         memory = scratch.view(np.float32) if scratch is not None else np.zeros(0, np.float32)
         return memory.reshape(self.parts, -1) if memory.size else np.zeros((self.parts, 0), np.float32)
-
-    def tap_work(self, scratch, dtype=np.float32):
-        """The tap kernels' work memory: [parts, elements per part] in the dtype the convolution runs in, and
-        the serial kernel's three pieces (planes, grid, taps) of part 0."""
-        memory = scratch.view(dtype)[:self.parts * int(self.tap_sizes.sum())].reshape(self.parts, -1)
-        return memory, _tap_pieces(memory[0], self.tap_sizes)
-
-    def depthwise_work(self, scratch, dtype=np.float32):
-        """(padded planes or image, flat; one output/gradient plane, flat; taps [M/G, K, G] or dW sums) for
-        the serial depthwise kernels, as views of the node's scratch in the dtype the convolution runs in."""
-        memory = scratch.view(dtype)
-        start = self.columns + self.rows
-        taps = memory[start:start + self.partial].reshape(self.sums_shape)
-        return memory[:self.columns], memory[self.columns:start], taps
 
     def work(self, scratch, sums: bool = False, dtype=np.float32, forward: bool = False):
         """(columns, rows[, dW sums [G, K, M/G], product [K, M/G]]) as views of the node's scratch (float32,
@@ -614,34 +541,19 @@ class _ConvLayout:
         return columns, rows, totals, product
 
 
-def _depthwise_call(layout: _ConvLayout, kernel, arrays: tuple, scratch) -> tuple:
-    """The call of depthwise `kernel` on `arrays` over all units (a weight gradient gets the whole dW sums,
-    the others the taps of one multiplier), or its parallel twin on the layout's parts of the units."""
-    padded, rows, taps = layout.depthwise_work(scratch, arrays[0].dtype)
-    if kernel is _depthwise_weight_grad:
-        pieces, tail = (padded, rows, taps), ()
-    else:
-        pieces, tail = (padded, rows, taps[0]), (0, layout.units)
-    call = (kernel, arrays + (layout.geom, layout.taps, layout.frame) + pieces
-            + (layout.padded_shape, layout.rows_shape, layout.channels_last) + tail)
-    return on_parts(call, layout.units, layout.parts, (layout.per_part(scratch), layout.sums_shape))
-
-
 def _forward_calls(layout: _ConvLayout, x, w, bias, y, scratch) -> list:
     """y = conv(x, w) (+ bias [G, M/G] when given): the calls, serial or in parts."""
     wv = w.reshape(layout.w3)
     b = bias if bias is not None else np.zeros((1, 1), x.dtype)
     if layout.depthwise:
-        return [_depthwise_call(layout, _depthwise_forward,
-                                (x.reshape(layout.x5), wv, b, bias is not None, y.reshape(layout.y6)), scratch)]
+        plan = layout.depthwise_plan
+        return plan.calls(FORWARD, (x.reshape(plan.x5), wv, b, bias is not None, y.reshape(layout.y6)), scratch)
     if layout.small_pointwise:
         return pointwise_calls(FORWARD, layout.pointwise_plan(FORWARD),
                                (layout.planes(x), wv, b, bias is not None, layout.planes(y)), scratch, x.dtype)
     xv, yv = x.reshape(layout.x6), y.reshape(layout.y4)
-    if layout.by_taps:
-        work, pieces = layout.tap_work(scratch, x.dtype)
-        call = (_tap_forward, (xv, wv, b, bias is not None, yv) + pieces + (layout.geom, 0, layout.batch))
-        return [on_parts(call, layout.batch, layout.parts, (work, layout.tap_sizes))]
+    if layout.taps.runs(FORWARD):
+        return layout.taps.calls(FORWARD, (xv, wv, b, bias is not None, yv), scratch)
     columns, rows = layout.work(scratch, dtype=x.dtype, forward=True)
     call = (_conv_forward, (xv, wv, b, bias is not None, yv, columns, rows, layout.geom, layout.chunk, layout.pointwise,
                             layout.transposed, 0, layout.batch))
@@ -652,16 +564,14 @@ def _input_grad_calls(layout: _ConvLayout, dy, w, dx, scratch) -> list:
     """dx = the input gradient of conv(x, w) from dy: the calls, serial or in parts."""
     wv = w.reshape(layout.w3)
     if layout.depthwise:
-        return [_depthwise_call(layout, _depthwise_input_grad, (dy.reshape(layout.y6), wv, dx.reshape(layout.x5)),
-                                scratch)]
+        plan = layout.depthwise_plan
+        return plan.calls(INPUT_GRADIENT, (dy.reshape(layout.y6), wv, dx.reshape(plan.x5)), scratch)
     if layout.small_pointwise:
         return pointwise_calls(INPUT_GRADIENT, layout.pointwise_plan(INPUT_GRADIENT),
                                (layout.planes(dy), wv, layout.planes(dx)), scratch, dy.dtype)
     dyv, dxv = dy.reshape(layout.y4), dx.reshape(layout.x6)
-    if layout.by_taps:
-        work, pieces = layout.tap_work(scratch, dy.dtype)
-        call = (_tap_input_grad, (dyv, wv, dxv) + pieces + (layout.geom, 0, layout.batch))
-        return [on_parts(call, layout.batch, layout.parts, (work, layout.tap_sizes))]
+    if layout.taps.runs(INPUT_GRADIENT):
+        return layout.taps.calls(INPUT_GRADIENT, (dyv, wv, dxv), scratch)
     columns, rows = layout.work(scratch)
     call = (_conv_input_grad, (dyv, wv, dxv, columns, rows, layout.geom, layout.chunk, layout.pointwise, 0,
                                layout.batch))
@@ -672,16 +582,14 @@ def _weight_grad_calls(layout: _ConvLayout, dy, x, dw, scratch) -> list:
     """dw = the weight gradient of conv(x, w) from dy: the calls, serial or in parts."""
     dwv = dw.reshape(layout.w3)
     if layout.depthwise:
-        return [_depthwise_call(layout, _depthwise_weight_grad, (dy.reshape(layout.y6), x.reshape(layout.x5), dwv),
-                                scratch)]
+        plan = layout.depthwise_plan
+        return plan.calls(WEIGHT_GRADIENT, (dy.reshape(layout.y6), x.reshape(plan.x5), dwv), scratch)
     if layout.small_pointwise:
         return pointwise_calls(WEIGHT_GRADIENT, layout.pointwise_plan(WEIGHT_GRADIENT),
                                (layout.planes(dy), layout.planes(x), dwv), scratch, x.dtype)
     dyv, xv = dy.reshape(layout.y4), x.reshape(layout.x6)
-    if layout.weights_by_taps:
-        work, pieces = layout.tap_work(scratch, x.dtype)
-        call = (_tap_weight_grad, (dyv, xv, dwv) + pieces + (layout.geom,))
-        return [on_parts(call, layout.batch, layout.parts, (work, layout.tap_sizes))]
+    if layout.taps.runs(WEIGHT_GRADIENT):
+        return layout.taps.calls(WEIGHT_GRADIENT, (dyv, xv, dwv), scratch)
     if layout.channel_parts > 1:  # parts of the output channels, each over all images
         memory = scratch.view(np.float32)
         columns, per_part = layout.channel_columns, layout.channel_columns + layout.channel_rows
@@ -756,7 +664,7 @@ def _transpose_begin_pads(x_spatial, y_spatial, kernel, auto_pad="NOTSET", dilat
     dilations = list(dilations) if dilations else [1] * rank
     output_padding = list(output_padding) if output_padding else [0] * rank
     pads = list(pads) if pads else [0] * (2 * rank)
-    auto_pad = _text(auto_pad)
+    auto_pad = text(auto_pad)
     begin = []
     for axis in range(rank):
         natural = (strides[axis] * (x_spatial[axis] - 1) + output_padding[axis]

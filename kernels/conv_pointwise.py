@@ -25,10 +25,10 @@ from .jit import njit, prange
 
 from .blas import gemm_blocks, product
 from .parallel_split import on_parts, part_bounds, part_count, twin_of
+from .windows import FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT
 
 COLUMNS = 512  # convolutions gather images into one product until it has this many columns (also kernels/conv.py)
 MIN_CHANNELS = 16  # output channels per part when parts split channels (narrower products lose speed)
-FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT = 0, 1, 2
 
 
 class PointwisePlan:
@@ -61,7 +61,7 @@ def pointwise_plan(op: int, batch: int, in_per_group: int, out_per_group: int, g
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _gather(a, n0, nb, g, c0, c1, out):
+def gather_rows(a, n0, nb, g, c0, c1, out):
     """out[c - c0, b·P + p] = a[n0 + b, g, c, p] for the channels c in [c0, c1): rows of nb images side by
     side (a is [N, G, channels, P]; also kernels/conv.py's gathered dY rows)."""
     cells = a.shape[3]
@@ -74,8 +74,8 @@ def _gather(a, n0, nb, g, c0, c1, out):
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _scatter(rows, n0, nb, g, c0, a, bias, has_bias):
-    """a[n0 + b, g, c0 + r, p] = rows[r, b·P + p] (+ bias[g, c0 + r]): _gather's adjoint, each cell written
+def scatter_rows(rows, n0, nb, g, c0, a, bias, has_bias):
+    """a[n0 + b, g, c0 + r, p] = rows[r, b·P + p] (+ bias[g, c0 + r]): gather_rows' adjoint, each cell written
     once."""
     cells = a.shape[3]
     for r in range(rows.shape[0]):
@@ -107,10 +107,10 @@ def _pointwise_forward(x, w, bias, has_bias, y, work, chunk, m0, m1):
                         y[n0, g, m] += bias[g, m]
                 continue
             columns = work[:k * width].reshape(k, width)
-            _gather(x, n0, nb, g, 0, k, columns)
+            gather_rows(x, n0, nb, g, 0, k, columns)
             rows = work[k * width:(k + m1 - m0) * width].reshape(m1 - m0, width)
             product(w[g][m0:m1], columns, rows)
-            _scatter(rows, n0, nb, g, m0, y, bias, has_bias)
+            scatter_rows(rows, n0, nb, g, m0, y, bias, has_bias)
 
 
 @njit(cache=True, error_model="numpy")
@@ -127,10 +127,10 @@ def _pointwise_input_grad(dy, w, dx, work, chunk, c0, c1):
                 product(weights, dy[n0, g], dx[n0, g][c0:c1])
                 continue
             gathered = work[:per_group * width].reshape(per_group, width)
-            _gather(dy, n0, nb, g, 0, per_group, gathered)
+            gather_rows(dy, n0, nb, g, 0, per_group, gathered)
             rows = work[per_group * width:(per_group + c1 - c0) * width].reshape(c1 - c0, width)
             product(weights, gathered, rows)
-            _scatter(rows, n0, nb, g, c0, dx, w[:, :1, 0], False)
+            scatter_rows(rows, n0, nb, g, c0, dx, w[:, :1, 0], False)
 
 
 @njit(cache=True, error_model="numpy")
@@ -151,13 +151,14 @@ def _pointwise_weight_grad(dy, x, dw, work, chunk, m0, m1, c0, c1):
                             beta, dw, target, k)
                 continue
             gathered_dy = work[:rows * width].reshape(rows, width)
-            _gather(dy, n0, nb, g, m0, m1, gathered_dy)
+            gather_rows(dy, n0, nb, g, m0, m1, gathered_dy)
             gathered_x = work[rows * width:(rows + columns) * width].reshape(columns, width)
-            _gather(x, n0, nb, g, c0, c1, gathered_x)
+            gather_rows(x, n0, nb, g, c0, c1, gathered_x)
             gemm_blocks(0, 1, rows, columns, width, 1.0, gathered_dy, 0, width, gathered_x, 0, width, beta, dw, target, k)
 
 
-@twin_of(_pointwise_forward, range=("m0", "m1"), replaces=("work",), takes=("work",))
+@twin_of(_pointwise_forward, range=("m0", "m1"), replaces=("work",), takes=("work",),
+         because="each part runs on its own work memory")
 @njit(cache=True, error_model="numpy", parallel=True)
 def _pointwise_forward_parts(x, w, bias, has_bias, y, work, chunk, bounds):
     """_pointwise_forward on the output channels [bounds[p], bounds[p + 1]) of each part p, in parallel."""
@@ -165,7 +166,8 @@ def _pointwise_forward_parts(x, w, bias, has_bias, y, work, chunk, bounds):
         _pointwise_forward(x, w, bias, has_bias, y, work[part], chunk, bounds[part], bounds[part + 1])
 
 
-@twin_of(_pointwise_input_grad, range=("c0", "c1"), replaces=("work",), takes=("work",))
+@twin_of(_pointwise_input_grad, range=("c0", "c1"), replaces=("work",), takes=("work",),
+         because="each part runs on its own work memory")
 @njit(cache=True, error_model="numpy", parallel=True)
 def _pointwise_input_grad_parts(dy, w, dx, work, chunk, bounds):
     """_pointwise_input_grad on the input channels [bounds[p], bounds[p + 1]) of each part p, in parallel."""
@@ -173,7 +175,8 @@ def _pointwise_input_grad_parts(dy, w, dx, work, chunk, bounds):
         _pointwise_input_grad(dy, w, dx, work[part], chunk, bounds[part], bounds[part + 1])
 
 
-@twin_of(_pointwise_weight_grad, range=("m0", "m1", "c0", "c1"), replaces=("work",), takes=("work", "split_inputs"))
+@twin_of(_pointwise_weight_grad, range=("m0", "m1", "c0", "c1"), replaces=("work",), takes=("work", "split_inputs"),
+         because="each part runs on its own work memory, over parts of channels or images as the plan says")
 @njit(cache=True, error_model="numpy", parallel=True)
 def _pointwise_weight_grad_parts(dy, x, dw, work, split_inputs, chunk, bounds):
     """_pointwise_weight_grad on a block of dW per part p, in parallel: its rows [bounds[p], bounds[p + 1]),

@@ -33,12 +33,14 @@ import numpy as np
 from .jit import njit, prange
 
 from .blas import gemm_blocks
-from .parallel_split import twin_of
+from .parallel_split import on_parts, twin_of
+from .windows import FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT
 
 TAP_MIN_CHANNELS = 16  # thinner products (K = C/G per tap) lose to im2col's K = C/G·kh·kw
-# Narrower outputs waste more of every product on unused cells ((kw - 1)·dw / Wp). At 8 wide (3x3, 32 images,
-# 32 or 64 -> 64 channels) taps still run the forward and input gradient 20-25% faster than im2col, but the
-# weight gradient 8% slower: its per-tap products [M/G, C/G] over Q = 78 cells are too short for OpenBLAS.
+# Narrower outputs waste more of every product on unused cells ((kw - 1)·dw / Wp). At 8 wide taps still run the
+# forward and input gradient faster than im2col, but not the weight gradient: its per-tap products [M/G, C/G]
+# over Q cells are too short for OpenBLAS (bench_ops.ConvOps; the runs: benchmarks/README.md, "Figures behind
+# kernel choices").
 TAP_MIN_WIDTH = 8
 TAP_MIN_WEIGHT_WIDTH = 16
 
@@ -73,7 +75,7 @@ def tap_work_sizes(geom, in_per_group: int, out_per_group: int, groups: int):
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _pieces(mine, sizes):
+def work_pieces(mine, sizes):
     """A part's work memory as (padded planes or dX rows, grid, taps or dW sums), of sizes[0:3] elements."""
     start = sizes[0] + sizes[1]
     return mine[:sizes[0]], mine[sizes[0]:start], mine[start:start + sizes[2]]
@@ -145,12 +147,13 @@ def _tap_forward(x, w, bias, has_bias, y, plane, grid, taps, geom, begin, end):
                         row[ow] = source[ow] + value
 
 
-@twin_of(_tap_forward, range=("begin", "end"), replaces=("plane", "grid", "taps"), takes=("work", "sizes"))
+@twin_of(_tap_forward, range=("begin", "end"), replaces=("plane", "grid", "taps"), takes=("work", "sizes"),
+         because="each part runs on its own work memory")
 @njit(cache=True, error_model="numpy", parallel=True)
 def _tap_forward_parts(x, w, bias, has_bias, y, work, sizes, geom, bounds):
     """_tap_forward on the images [bounds[p], bounds[p + 1]) of each part p, in parallel, each with work[p]."""
     for part in prange(bounds.size - 1):
-        plane, grid, taps = _pieces(work[part], sizes)
+        plane, grid, taps = work_pieces(work[part], sizes)
         _tap_forward(x, w, bias, has_bias, y, plane, grid, taps, geom, bounds[part], bounds[part + 1])
 
 
@@ -178,12 +181,13 @@ def _tap_input_grad(dy, w, dx, rows, grid, taps, geom, begin, end):
                         target[j] = source[j]
 
 
-@twin_of(_tap_input_grad, range=("begin", "end"), replaces=("rows", "grid", "taps"), takes=("work", "sizes"))
+@twin_of(_tap_input_grad, range=("begin", "end"), replaces=("rows", "grid", "taps"), takes=("work", "sizes"),
+         because="each part runs on its own work memory")
 @njit(cache=True, error_model="numpy", parallel=True)
 def _tap_input_grad_parts(dy, w, dx, work, sizes, geom, bounds):
     """_tap_input_grad on the images of each part (bounds), in parallel, each with its own work[p]."""
     for part in prange(bounds.size - 1):
-        rows, grid, taps = _pieces(work[part], sizes)
+        rows, grid, taps = work_pieces(work[part], sizes)
         _tap_input_grad(dy, w, dx, rows, grid, taps, geom, bounds[part], bounds[part + 1])
 
 
@@ -224,13 +228,49 @@ def _tap_weight_grad(dy, x, dw, plane, grid, sums, geom):
     _taps_to_weights(sums.reshape(1, -1), dw, geom[1] * geom[2], 1)
 
 
-@twin_of(_tap_weight_grad, replaces=("plane", "grid", "sums"), takes=("work", "sizes"))
+@twin_of(_tap_weight_grad, replaces=("plane", "grid", "sums"), takes=("work", "sizes"),
+         because="each part sums its images' dW into its own sums, added in part order after")
 @njit(cache=True, error_model="numpy", parallel=True)
 def _tap_weight_grad_parts(dy, x, dw, work, sizes, geom, bounds):
     """dw as _tap_weight_grad, each part (bounds) summing its images into its own sums in work[p], in
     parallel; the parts' sums are then added in part order: the same at every run."""
     for part in prange(bounds.size - 1):
-        plane, grid, sums = _pieces(work[part], sizes)
+        plane, grid, sums = work_pieces(work[part], sizes)
         _tap_weight_sums(dy, x, plane, grid, sums, geom, bounds[part], bounds[part + 1])
     start = sizes[0] + sizes[1]
     _taps_to_weights(work[:, start:start + sizes[2]], dw, geom[1] * geom[2], bounds.size - 1)
+
+
+# ---- the plan: whether a convolution runs on taps, its work memory and its calls ----------------------------
+
+
+KERNELS = {FORWARD: _tap_forward, INPUT_GRADIENT: _tap_input_grad, WEIGHT_GRADIENT: _tap_weight_grad}
+
+
+class TapPlan:
+    """Whether a convolution's forward and input gradient, and its weight gradient, run on the tap kernels
+    (`by_taps`), each part's work memory (`tap_work_sizes`: planes, grid, taps or dW sums), and the calls, the
+    batch split into the `parts` kernels/conv.py chose for it."""
+
+    def __init__(self, geom, x_spatial, in_per_group: int, out_per_group: int, groups: int, batch: int, parts: int,
+                 depthwise: bool):
+        self.geom, self.batch, self.parts = geom, batch, parts
+        self.forward = by_taps(geom, x_spatial, in_per_group, depthwise)
+        self.weights = by_taps(geom, x_spatial, in_per_group, depthwise, weight_gradient=True)
+        self.sizes = np.array(tap_work_sizes(geom, in_per_group, out_per_group, groups), np.int64)
+
+    def runs(self, op: int) -> bool:
+        """Whether `op` (FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT) runs on taps."""
+        return self.weights if op == WEIGHT_GRADIENT else self.forward
+
+    def scratch_bytes(self, itemsize: int = 4) -> int:
+        return itemsize * self.parts * int(self.sizes.sum())
+
+    def calls(self, op: int, arrays: tuple, scratch) -> list:
+        """The call of `op`'s tap kernel on `arrays` (X as [N, G, C/G, D, H, W], W as [G, M/G, K], Y as
+        [N, G, M/G, P]) over the batch, or its parallel twin on the plan's parts, each with its own work memory
+        (in the dtype the convolution runs in)."""
+        memory = scratch.view(arrays[0].dtype)[:self.parts * int(self.sizes.sum())].reshape(self.parts, -1)
+        pieces = work_pieces(memory[0], self.sizes)
+        tail = (self.geom,) if op == WEIGHT_GRADIENT else (self.geom, 0, self.batch)
+        return [on_parts((KERNELS[op], arrays + pieces + tail), self.batch, self.parts, (memory, self.sizes))]

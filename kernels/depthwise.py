@@ -1,9 +1,10 @@
 """Kernels: depthwise convolution (one input channel per group), the path Conv and ConvTranspose
-take when C/G = 1 (their bindings and `_ConvLayout` in conv.py choose it and size its scratch).
+take when C/G = 1 (kernels/conv.py chooses it; `DepthwisePlan` here lays it out, sizes its scratch
+and makes its calls).
 
 Views: x [N, G, D, H, W], w [G, M/G, K], y [N, G, M/G, oD, oH, oW]. Two ways, chosen by output width:
 - planes (wide outputs): each input plane is copied into a frame split into stride phases along every
-  axis, phase (c % S) at c // S, with a zero border (`_to_frame`; conv.py's `_depthwise_frames` states
+  axis, phase (c % S) at c // S, with a zero border (`_to_frame`; `_frames` states
   the geometry). Flattened at the frame's pitch, every tap of every output cell reads one contiguous
   run, so a whole plane is one vectorised pass of nine taps (`_multiply_add`; the cells between rows
   are computed and dropped). The weight gradient sums nine dot products in one pass over dY framed at
@@ -23,11 +24,15 @@ import numpy as np
 
 from .jit import njit, prange
 
-from .parallel_split import twin_of
-from .windows import _valid_range
+from .parallel_split import on_parts, part_count, twin_of
+from .windows import FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT, as_3d, valid_range
 
 # Sums may be reassociated (fastmath "reassoc"): they vectorise, and partial sums are no less accurate.
 REDUCTION = {"reassoc", "contract"}
+# outputs at least this wide work in planes, others channels-last: on MobileNetV2's layers each order wins on
+# its side of this width (bench_ops.ConvOps, depthwise; the runs: benchmarks/README.md, "Figures behind kernel
+# choices")
+PLANE_WIDTH = 24
 
 
 @njit(cache=True, error_model="numpy")
@@ -68,7 +73,7 @@ def _frame_copy(plane, frame, strides, pads, pitch, into_frame):
                         line[width - 1] = evens[half]
             else:
                 for r2 in range(s2):
-                    lo, hi = _valid_range(r2 - pads[2], s2, width, pitch[1])
+                    lo, hi = valid_range(r2 - pads[2], s2, width, pitch[1])
                     cells, first = frame[phase + r2, start + lo:start + hi], lo * s2 + r2 - pads[2]
                     for t in range(hi - lo):
                         if into_frame:
@@ -424,7 +429,7 @@ def _part_work(work, part, padded_shape, rows_shape, sums_shape):
 
 
 @twin_of(_depthwise_forward, range=("begin", "end"), replaces=("padded", "rows", "weights"),
-         takes=("work", "sums_shape"))
+         takes=("work", "sums_shape"), because="each part runs on its own work memory")
 @njit(cache=True, error_model="numpy", parallel=True)
 def _depthwise_forward_parts(x, w, bias, has_bias, y, geom, taps, frame, work, sums_shape, padded_shape, rows_shape,
                              channels_last, bounds):
@@ -436,7 +441,7 @@ def _depthwise_forward_parts(x, w, bias, has_bias, y, geom, taps, frame, work, s
 
 
 @twin_of(_depthwise_input_grad, range=("begin", "end"), replaces=("padded", "rows", "weights"),
-         takes=("work", "sums_shape"))
+         takes=("work", "sums_shape"), because="each part runs on its own work memory")
 @njit(cache=True, error_model="numpy", parallel=True)
 def _depthwise_input_grad_parts(dy, w, dx, geom, taps, frame, work, sums_shape, padded_shape, rows_shape,
                                 channels_last, bounds):
@@ -447,7 +452,8 @@ def _depthwise_input_grad_parts(dy, w, dx, geom, taps, frame, work, sums_shape, 
                               channels_last, bounds[part], bounds[part + 1])
 
 
-@twin_of(_depthwise_weight_grad, replaces=("padded", "rows", "sums"), takes=("work", "sums_shape"))
+@twin_of(_depthwise_weight_grad, replaces=("padded", "rows", "sums"), takes=("work", "sums_shape"),
+         because="each part sums its units' dW into its own sums, added in part order after")
 @njit(cache=True, error_model="numpy", parallel=True, fastmath=REDUCTION)
 def _depthwise_weight_grad_parts(dy, x, dw, geom, taps, frame, work, sums_shape, padded_shape, rows_shape,
                                  channels_last, bounds):
@@ -465,3 +471,109 @@ def _depthwise_weight_grad_parts(dy, x, dw, geom, taps, frame, work, sums_shape,
                 for k in range(dw.shape[2]):
                     value = sums[m, k, g] if channels_last else sums[g, m, k]
                     dw[g, m, k] = value if part == 0 else dw[g, m, k] + value
+
+
+# ---- the plan: layout, work memory and calls of one depthwise convolution -------------------------------------
+
+
+KERNELS = {FORWARD: _depthwise_forward, INPUT_GRADIENT: _depthwise_input_grad, WEIGHT_GRADIENT: _depthwise_weight_grad}
+
+
+def _frames(geom, padded, out_spatial, channels=0):
+    """(taps int64 [6, K], frame int64) of the depthwise planes layout (_to_frame), or
+    channels-last (`channels` > 0) with offsets in elements of the padded image [..., channels] (taps[1])
+    and of dY framed (taps[2], for unit strides, where the phases are the planes themselves).
+
+    The padded input plane is split into S0·S1·S2 stride phases of Q = ceil(padded / S) cells a side; tap k
+    at padded cell o·S + k·d reads phase (k·d) % S at q = o + (k·d) // S, so over the output cells
+    flattened at the phases' pitch every tap reads one contiguous run. The input gradient gathers: phase r
+    of dX at q is Σ over the taps of phase r of w · dY[q - (k·d) // S], from dY framed with R = max (k·d) // S
+    zeros in front (extents T = Q + R; every Q is at least the output's extent).
+    taps: 0 the tap's phase, 1 its forward offset (pitch Q), 2 its backward offset (pitch T), 3 the taps in
+    order, 4 the taps ordered by phase, 5 zeros (dY's single frame). frame: Q[3], T[3], R[3], the forward
+    and backward lengths, then each phase's first index into taps[4] (S0·S1·S2 + 1 values); channels-last,
+    then the offset of each output cell of a row in the padded image (its last oW values)."""
+    kernel, strides, dilations = geom[0:3], geom[3:6], geom[6:9]
+    phases_of = [int(s) for s in strides]
+    q = [-(-int(padded[a]) // phases_of[a]) for a in range(3)]
+    cells = np.stack(np.meshgrid(*[np.arange(int(k)) for k in kernel], indexing="ij"), -1).reshape(-1, 3)
+    cells = cells * dilations
+    phase_of, shift = cells % strides, cells // strides
+    phase = (phase_of[:, 0] * strides[1] + phase_of[:, 1]) * strides[2] + phase_of[:, 2]
+    reach = shift.max(axis=0)
+    t = [q[a] + int(reach[a]) for a in range(3)]
+    forward = (shift[:, 0] * q[1] + shift[:, 1]) * q[2] + shift[:, 2]
+    back = reach - shift
+    backward = (back[:, 0] * t[1] + back[:, 1]) * t[2] + back[:, 2]
+    order = np.arange(cells.shape[0])
+    by_phase = np.argsort(phase, kind="stable")
+    pixels = []
+    if channels:
+        forward = ((cells[:, 0] * int(padded[1]) + cells[:, 1]) * int(padded[2]) + cells[:, 2]) * channels
+        backward = backward * channels
+        pixels = list(np.arange(int(out_spatial[2])) * int(strides[2]) * channels)
+    taps = np.stack([phase, forward, backward, order, by_phase, np.zeros_like(order)]).astype(np.int64)
+    o = [int(v) for v in out_spatial]
+    forward_length = (o[0] - 1) * q[1] * q[2] + (o[1] - 1) * q[2] + o[2]
+    backward_length = (q[0] - 1) * t[1] * t[2] + (q[1] - 1) * t[2] + q[2]
+    starts = np.searchsorted(phase[by_phase], np.arange(int(np.prod(strides)) + 1))
+    frame = np.array(q + t + [int(r) for r in reach] + [forward_length, backward_length] + list(starts) + pixels,
+                     np.int64)
+    return taps, frame
+
+
+class DepthwisePlan:
+    """How one depthwise convolution runs, from its geometry (kernels/windows.py), the shapes of X and Y, its
+    output channels and the step's threads: the layout (planes or channels-last), the units its parts split
+    ((image, channel) pairs in planes, images channels-last), and each part's work memory: the padded planes
+    or image (padded_shape), an output or gradient plane (rows_shape), the taps or dW sums (sums_shape)."""
+
+    def __init__(self, geom, x_shape, y_shape, out_channels: int, threads: int):
+        batch, group = int(x_shape[0]), int(x_shape[1])
+        x3, y3 = as_3d(x_shape[2:]), as_3d(y_shape[2:])
+        per_group, k = out_channels // group, int(np.prod(geom[0:3]))
+        planes_layout = y3[2] >= PLANE_WIDTH
+        self.units = batch * group if planes_layout else batch
+        work = batch * int(np.prod(y_shape[2:], dtype=np.int64)) * k * out_channels  # multiply-adds
+        self.parts = part_count(threads, self.units, work)
+        self.geom, self.x5 = geom, (batch, group) + x3
+        padded = tuple(max(x3[a] + geom[9 + a], (y3[a] - 1) * geom[3 + a] + (geom[a] - 1) * geom[6 + a] + 1)
+                       for a in range(3))
+        self.channels_last = not planes_layout
+        self.taps, self.frame = _frames(geom, padded, y3, group if self.channels_last else 0)
+        if self.channels_last:  # the padded image, one output plane (or dY framed), the taps or dW sums: [..., G]
+            self.padded_shape = padded + (group,)
+            unit_strides = bool((geom[3:6] == 1).all())
+            self.rows_shape = tuple(int(t) for t in self.frame[3:6]) + (group,) if unit_strides else y3 + (group,)
+            self.sums_shape = (per_group, k, group)
+        else:  # the planes of one image channel in stride phases, and one framed plane of dY or Y
+            frame_size = int(np.prod(self.frame[3:6]))
+            self.padded_shape = (int(np.prod(geom[3:6])), frame_size, 1, 1)
+            self.rows_shape = (1, frame_size, 1, 1)
+            # serial: taps stand-in [1, 1, 1] (dW sums go straight to dW); parts: dW sums [G, M/G, K]
+            self.sums_shape = (group, per_group, k) if self.parts > 1 else (1, 1, 1)
+        self.padded_size = int(np.prod(self.padded_shape))
+        self.rows_size = int(np.prod(self.rows_shape))
+        self.sums_size = int(np.prod(self.sums_shape))
+
+    def scratch_bytes(self, itemsize: int = 4) -> int:
+        """Bytes of work memory for all parts, in elements of `itemsize` bytes."""
+        return itemsize * self.parts * (self.padded_size + self.rows_size + self.sums_size)
+
+    def calls(self, op: int, arrays: tuple, scratch) -> list:
+        """The call of `op`'s kernel (FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT) on `arrays` (X as x5, W as
+        [G, M/G, K], Y as [N, G, M/G, oD, oH, oW]) over all units (a weight gradient gets the whole dW sums, the
+        others the taps of one multiplier), or its parallel twin on the plan's parts of the units."""
+        memory = scratch.view(arrays[0].dtype)
+        start = self.padded_size + self.rows_size
+        padded, rows = memory[:self.padded_size], memory[self.padded_size:start]
+        taps = memory[start:start + self.sums_size].reshape(self.sums_shape)
+        if op == WEIGHT_GRADIENT:
+            pieces, tail = (padded, rows, taps), ()
+        else:
+            pieces, tail = (padded, rows, taps[0]), (0, self.units)
+        call = (KERNELS[op], arrays + (self.geom, self.taps, self.frame) + pieces
+                + (self.padded_shape, self.rows_shape, self.channels_last) + tail)
+        per_part = scratch.view(np.float32) if scratch is not None else np.zeros(0, np.float32)
+        per_part = per_part.reshape(self.parts, -1) if per_part.size else np.zeros((self.parts, 0), np.float32)
+        return [on_parts(call, self.units, self.parts, (per_part, self.sums_shape))]

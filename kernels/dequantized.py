@@ -28,146 +28,23 @@ import numpy as np
 from .jit import njit, prange
 
 from .registry import ODTRAIN_DOMAIN, binding
-from .blas import gemm_blocks
 from .layout import flat
 from .parallel_split import on_parts, part_count, twin_of
+from .stored_weights import PANEL_ELEMENTS, dequantize_panel, panel_product, stored_values
 
-INT8, BFLOAT16, INT4 = 0, 1, 2
-PANEL_ELEMENTS = 1 << 16
-
-
-@njit(cache=True, error_model="numpy", inline="always")
-def _int4_run(w, start, target):
-    """target[k] = the signed 4-bit value of element start + k of the packed bytes w, as float32."""
-    n = target.size
-    k = 0
-    if start % 2 == 1 and n > 0:  # the run starts in a byte's high nibble
-        target[0] = np.float32(((np.int32(w[start >> 1]) >> 4) ^ 8) - 8)
-        k = 1
-    pairs = (n - k) // 2
-    source = w[(start + k) >> 1:((start + k) >> 1) + pairs]
-    out = target[k:k + 2 * pairs]
-    for p in range(pairs):
-        b = np.int32(source[p])
-        out[2 * p] = np.float32(((b & 15) ^ 8) - 8)
-        out[2 * p + 1] = np.float32(((b >> 4) ^ 8) - 8)
-    if k + 2 * pairs < n:  # the run ends in a byte's low nibble
-        target[n - 1] = np.float32(((np.int32(w[(start + n - 1) >> 1]) & 15) ^ 8) - 8)
-
-
-@njit(cache=True, error_model="numpy", inline="always")
-def _dequantize_int4_row(w, scale, axis, group, row, c0, c1, columns, target):
-    """target[j - c0] = dequant(w[row, j]) for columns [c0, c1) of a 4-bit weight in blocks of `group` values
-    along `axis`."""
-    _int4_run(w, row * columns + c0, target)
-    if axis == 1:  # scale [rows, blocks]: one value for each run of `group` columns
-        blocks = (columns + group - 1) // group
-        j = c0
-        while j < c1:
-            end = min(c1, (j // group + 1) * group)
-            s = scale[row * blocks + j // group]
-            run = target[j - c0:end - c0]
-            for t in range(end - j):
-                run[t] *= s
-            j = end
-    else:  # scale [⌈rows / group⌉, columns]: the row's block's scales, one a column
-        scales = scale[(row // group) * columns + c0:(row // group) * columns + c1]
-        for j in range(c1 - c0):
-            target[j] *= scales[j]
-
-
-@njit(cache=True, error_model="numpy", inline="always")
-def _dequantize_panel(w, scale, axis, stored, group, first, count, c0, c1, columns, panel, bits):
-    """panel[i, j - c0] = dequant(w[first + i, j]) for rows [first, first + count), columns [c0, c1). Rows are
-    read and written as slices indexed from 0, which LLVM vectorises (an indexed loop stays scalar)."""
-    width = c1 - c0
-    per_index = scale.size > 1
-    for i in range(count):
-        if stored == INT4:
-            _dequantize_int4_row(w, scale, axis, group, first + i, c0, c1, columns, panel[i * width:(i + 1) * width])
-            continue
-        source = w[(first + i) * columns + c0:(first + i) * columns + c1]
-        if stored == BFLOAT16:
-            target_bits = bits[i * width:(i + 1) * width]
-            for j in range(width):
-                target_bits[j] = np.uint32(source[j]) << np.uint32(16)
-            continue
-        target = panel[i * width:(i + 1) * width]
-        if axis == 0 or not per_index:
-            s = scale[first + i] if per_index else scale[0]
-            for j in range(width):
-                target[j] = np.float32(source[j]) * s
-        else:
-            scales = scale[c0:c1]
-            for j in range(width):
-                target[j] = np.float32(source[j]) * scales[j]
-
-
-@njit(cache=True, error_model="numpy", inline="always")
-def _tile(rows, columns, group, size):
-    """(rows, columns) of a panel of at most `size` floats over `rows` x `columns` stored values: 128 rows, or
-    more when the columns are fewer than size / 128; the columns the rest of the panel, in whole blocks of
-    `group` (int4) and whole vectors of 16 floats when the panel cuts the row.
-
-    Panels of many rows keep BLAS near its peak in both orientations: with transB the panel's rows are the
-    product's output columns (a panel of a few wide rows makes a thin product that repacks A for little
-    work), without it they are the product's depth (a shallow product reads and writes its output block for
-    little work). Whole rows of a wide weight (a few rows a panel) were the slow case
-    (benchmarks/decoders/int4_product.py times both against sgemm on the float32 weight)."""
-    tile_rows = min(rows, max(min(128, size), size // max(columns, 1)))
-    tile_columns = min(columns, max(1, size // max(tile_rows, 1)))
-    unit = 16
-    while group > 0 and unit % group != 0:  # the least multiple of 16 made of whole blocks
-        unit += 16
-    if tile_columns < columns and tile_columns >= unit:
-        tile_columns -= tile_columns % unit
-    return tile_rows, tile_columns
-
-
-@njit(cache=True, error_model="numpy")
-def _product_part(a, w, scale, axis, stored, group, out, m, rows, columns, trans_b, panel, bits, r0, r1, c0, c1):
-    """The product over stored rows [r0, r1) and columns [c0, c1), a panel of rows x columns at a time (_tile):
-    - transB: out[:, rows] = sum over the column tiles of a[:, columns] · panelᵀ (beta 0 for the first);
-    - else: out[:, columns] = sum over the row tiles of a[:, rows] · panel (beta 0 for the first)."""
-    if trans_b == 0 and r1 == r0:  # an empty sum
-        for i in range(m):
-            out[i * columns + c0:i * columns + c1] = 0
-    if trans_b and c1 == c0:
-        for i in range(m):
-            out[i * rows + r0:i * rows + r1] = 0
-    if r1 == r0 or c1 == c0:
-        return
-    tile_rows, tile_columns = _tile(r1 - r0, c1 - c0, group, panel.size)
-    if trans_b:
-        for first in range(r0, r1, tile_rows):
-            count = min(tile_rows, r1 - first)
-            for lo in range(c0, c1, tile_columns):
-                hi = min(c1, lo + tile_columns)
-                _dequantize_panel(w, scale, axis, stored, group, first, count, lo, hi, columns, panel, bits)
-                gemm_blocks(0, 1, m, count, hi - lo, 1.0, a, lo, columns, panel, 0, hi - lo,
-                            0.0 if lo == c0 else 1.0, out, first, rows)
-    else:
-        for lo in range(c0, c1, tile_columns):
-            hi = min(c1, lo + tile_columns)
-            for first in range(r0, r1, tile_rows):
-                count = min(tile_rows, r1 - first)
-                _dequantize_panel(w, scale, axis, stored, group, first, count, lo, hi, columns, panel, bits)
-                gemm_blocks(0, 0, m, hi - lo, count, 1.0, a, first, rows, panel, 0, hi - lo,
-                            0.0 if first == r0 else 1.0, out, lo, columns)
-
-
-@twin_of(_product_part, range=("r0", "r1", "c0", "c1"), replaces=("panel", "bits"), takes=("panels", "bits"))
+@twin_of(panel_product, range=("r0", "r1", "c0", "c1"), replaces=("panel", "bits"), takes=("panels", "bits"),
+         because="each part dequantizes into its own panel, over rows with transB, else columns")
 @njit(cache=True, error_model="numpy", parallel=True)
 def _product_parts(a, w, scale, axis, stored, group, out, m, rows, columns, trans_b, panels, bits, bounds):
-    """_product_part on parts (bounds: of rows with transB, else of columns), each with its own panel."""
+    """panel_product on parts (bounds: of rows with transB, else of columns), each with its own panel."""
     size = panels.size // (bounds.size - 1)
     for p in prange(bounds.size - 1):
         panel, own = panels[p * size:(p + 1) * size], bits[p * size:(p + 1) * size]
         if trans_b:
-            _product_part(a, w, scale, axis, stored, group, out, m, rows, columns, trans_b, panel, own,
+            panel_product(a, w, scale, axis, stored, group, out, m, rows, columns, trans_b, panel, own,
                           bounds[p], bounds[p + 1], 0, columns)
         else:
-            _product_part(a, w, scale, axis, stored, group, out, m, rows, columns, trans_b, panel, own, 0,
+            panel_product(a, w, scale, axis, stored, group, out, m, rows, columns, trans_b, panel, own, 0,
                           rows, bounds[p], bounds[p + 1])
 
 
@@ -185,17 +62,6 @@ def _product_scratch(input_specs, output_specs, transB=0, axis=0, threads=1, blo
     return 4 * size * parts
 
 
-def _stored(w):
-    """(the weight's elements as numbers Numba reads, the stored type); a 4-bit weight (graph/int4.py's
-    PackedInt4) gives its packed bytes."""
-    packed = getattr(w, "packed", None)
-    if packed is not None:
-        return packed, INT4
-    if w.dtype == np.int8:
-        return flat(w), INT8
-    return flat(w).view(np.uint16), BFLOAT16
-
-
 def _scale(inputs) -> np.ndarray:
     return flat(inputs[2]) if len(inputs) > 2 and inputs[2] is not None else np.ones(1, np.float32)
 
@@ -207,13 +73,13 @@ def DequantizedMatMul(inputs, outputs, transB=0, axis=0, threads=1, scratch=None
     m = int(out.size // (rows if transB else columns)) if out.size else 0
     if m == 0:
         return []
-    values, stored = _stored(w)
+    values, stored = stored_values(w)
     parts, size = _panels(rows, columns, int(transB), m, threads)
     panels = scratch.view(np.float32)
     bits = scratch.view(np.uint32)
     args = (flat(a), values, _scale(inputs), int(axis), stored, int(block_size), flat(out), m, rows, columns,
             int(transB))
-    serial = (_product_part, args + (panels[:size], bits[:size], 0, rows, 0, columns))
+    serial = (panel_product, args + (panels[:size], bits[:size], 0, rows, 0, columns))
     return [on_parts(serial, rows if transB else columns, parts, (panels[:size * parts], bits[:size * parts]))]
 
 
@@ -226,14 +92,14 @@ def _gather_rows(w, scale, axis, stored, group, indices, out, rows, columns, bit
             k += rows
         if k < 0 or k >= rows:
             raise ValueError("an index is outside the gathered axis")
-        _dequantize_panel(w, scale, axis, stored, group, k, 1, 0, columns, columns,
+        dequantize_panel(w, scale, axis, stored, group, k, 1, 0, columns, columns,
                           out[j * columns:(j + 1) * columns], bits[j * columns:(j + 1) * columns])
 
 
 @binding("DequantizedGather", ODTRAIN_DOMAIN)
 def DequantizedGather(inputs, outputs, axis=0, block_size=0):
     w, indices, out = inputs[0], inputs[1], outputs[0]
-    values, stored = _stored(w)
+    values, stored = stored_values(w)
     rows, columns = (int(d) for d in w.shape)
     target = flat(out)
     return [(_gather_rows, (values, _scale(inputs), int(axis), stored, int(block_size), flat(indices), target, rows,

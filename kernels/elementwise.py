@@ -25,12 +25,9 @@ has in-place twins: a loop that reads and writes one buffer through two names fa
 run-time overlap check and runs scalar, which costs most there (cheap ops are memory-bound
 either way).
 
-Numba has no vector math library here (no SVML), so `np.exp` and `math.erf` run one scalar
-libm call per element. `fast_exp`, `fast_erf` and `fast_tanh` are float32 polynomial
-approximations (Cephes' expf; Eigen's erf and tanh rational forms, within a few float32
-ulps) that LLVM vectorises, several times faster than libm's in softmax, GELU and the recurrent gates
-(bench_ops.ElementwiseOps, UnaryOps). Float32 Sigmoid runs on fast_exp too (within 2.3 ulps of float64
-numpy over [-100, 100]), and so do Swish and its gradient (kernels/nn.py); float64 keeps libm's exp.
+Erf, GELU, float32 Sigmoid and their gradients run on the float32 approximations of kernels/scalar.py
+(`fast_exp`, `fast_erf`, `fast_tanh`: vectorised where libm's are one call per element), and so do Swish and
+its gradient (kernels/nn.py); float64 keeps libm's exp.
 
 With threads, the flat kernels (and _binary_strided) have `_parts` twins (kernels/parallel_split.py) that run them
 on parts of their elements (rows) in one parallel region; every value is as in one thread.
@@ -39,12 +36,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from .jit import intrinsic, njit, overload, prange, types  # noqa: F401 (prange: the loops of the written twins)
+from .jit import njit, overload, prange, types  # noqa: F401 (prange: the loops of the written twins)
 
 from .registry import ODTRAIN_DOMAIN, binding
+from .copies import first_row, gather_call, next_row, row_start, same_buffer
 from .layout import broadcast_layout, flat
 from .parallel_split import parallel_twin, split
-from .tensor import first_row, next_row, row_start
+from .scalar import fast_erf, fast_exp, fast_sigmoid, fast_tanh
 
 BINARY = {"Add": 0, "Sub": 1, "Mul": 2, "Div": 3, "ReluGrad": 4, "SigmoidGrad": 5, "TanhGrad": 6,
           "Pow": 7, "Max": 8, "Min": 9, "ErfGrad": 10, "AtanGrad": 11, "Mod": 14, "PRelu": 21}
@@ -58,91 +56,6 @@ COMMUTATIVE = (0, 2, 8, 9)  # add, mul, max, min
 # (SigmoidGrad before it had its loop; bench_ops.SiluOps)
 OWN_LOOPS = (0, 1, 2, 3, 4, 5)
 COMPARE = {"Equal": 0, "Less": 1, "Greater": 2, "LessOrEqual": 3, "GreaterOrEqual": 4, "And": 5, "Or": 6, "Xor": 7}
-
-
-@intrinsic
-def _float32_from_bits(typingctx, bits):
-    """The float32 whose IEEE bits are the int32 `bits` (a register move)."""
-    sig = types.float32(types.int32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], context.get_value_type(types.float32))
-
-    return sig, codegen
-
-
-@njit(cache=True, inline="always", error_model="numpy")
-def fast_exp(x):
-    """exp(x) in float32 (Cephes expf: 2^n · e^r, |r| ≤ ln2/2); 0 below -87.3 (e.g. -inf), +inf above 88.7."""
-    x = np.float32(x)
-    small = x < np.float32(-87.3)
-    big = x > np.float32(88.7)
-    x = min(max(x, np.float32(-87.3)), np.float32(88.7))
-    n = np.floor(x * np.float32(1.44269504088896341) + np.float32(0.5))
-    r = x - n * np.float32(0.693359375) - n * np.float32(-2.12194440e-4)
-    p = np.float32(1.9875691500e-4)
-    p = p * r + np.float32(1.3981999507e-3)
-    p = p * r + np.float32(8.3334519073e-3)
-    p = p * r + np.float32(4.1665795894e-2)
-    p = p * r + np.float32(1.6666665459e-1)
-    p = p * r + np.float32(5.0000001201e-1)
-    p = p * r * r + r + np.float32(1.0)
-    value = p * _float32_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))
-    value = np.float32(0.0) if small else value
-    return np.float32(np.inf) if big else value
-
-
-@njit(cache=True, inline="always", error_model="numpy")
-def fast_erf(x):
-    """erf(x) in float32 (Eigen's rational approximation on [-4, 4]; ±1 beyond)."""
-    v = min(max(np.float32(x), np.float32(-4.0)), np.float32(4.0))
-    v2 = v * v
-    p = v2 * np.float32(-2.72614225801306e-10) + np.float32(2.77068142495902e-08)
-    p = p * v2 + np.float32(-2.10102402082508e-06)
-    p = p * v2 + np.float32(-5.69250639462346e-05)
-    p = p * v2 + np.float32(-7.34990630326855e-04)
-    p = p * v2 + np.float32(-2.95459980854025e-03)
-    p = p * v2 + np.float32(-1.60960333262415e-02)
-    q = v2 * np.float32(-1.45660718464996e-05) + np.float32(-2.13374055278905e-04)
-    q = q * v2 + np.float32(-1.68282697438203e-03)
-    q = q * v2 + np.float32(-7.37332916720468e-03)
-    q = q * v2 + np.float32(-1.42647390514189e-02)
-    return v * p / q
-
-
-@njit(cache=True, inline="always", error_model="numpy")
-def fast_tanh(x):
-    """tanh(x) in float32 (Eigen's rational approximation on [-7.9, 7.9]; x itself near 0, ±1 beyond)."""
-    x = np.float32(x)
-    v = min(max(x, np.float32(-7.90531110763549805)), np.float32(7.90531110763549805))
-    v2 = v * v
-    p = v2 * np.float32(-2.76076847742355e-16) + np.float32(2.00018790482477e-13)
-    p = p * v2 + np.float32(-8.60467152213735e-11)
-    p = p * v2 + np.float32(5.12229709037114e-08)
-    p = p * v2 + np.float32(1.48572235717979e-05)
-    p = p * v2 + np.float32(6.37261928875436e-04)
-    p = p * v2 + np.float32(4.89352455891786e-03)
-    q = v2 * np.float32(1.19825839466702e-06) + np.float32(1.18534705686654e-04)
-    q = q * v2 + np.float32(2.26843463243900e-03)
-    q = q * v2 + np.float32(4.89352518554385e-03)
-    value = v * p / q
-    return x if abs(x) < np.float32(0.0004) else value
-
-
-@njit(cache=True, inline="always", error_model="numpy")
-def fast_sigmoid(x):
-    """1 / (1 + exp(-x)) without overflow: e = exp(-|x|), then 1/(1+e) or e/(1+e)."""
-    e = fast_exp(-abs(np.float32(x)))
-    return (np.float32(1.0) if x >= 0 else e) / (np.float32(1.0) + e)
-
-
-@njit(cache=True, inline="always", error_model="numpy")
-def fast_sigmoid_pair(x):
-    """(sigmoid(x), 1 - sigmoid(x)), each from e = exp(-|x|) as 1/(1+e) or e/(1+e): 1 - sigmoid(x) is never
-    formed by cancellation, so both keep float32's relative accuracy."""
-    e = fast_exp(-abs(np.float32(x)))
-    r = np.float32(1.0) / (np.float32(1.0) + e)
-    return (r, e * r) if x >= 0 else (e * r, r)
 
 
 @njit(cache=True, inline="always", error_model="numpy")
@@ -530,26 +443,6 @@ def _binary_strided(code, a, b, out, dims, sa, sb, in_place, first, last):
 
 
 @njit(cache=True, error_model="numpy")
-def _gather_strided(x, out, dims, sx, scale):
-    """out (flat, C order over dims) = x[strided] · scale: transpose, expand."""
-    k = 0
-    inner = dims[3]
-    for i0 in range(dims[0]):
-        for i1 in range(dims[1]):
-            for i2 in range(dims[2]):
-                ix = i0 * sx[0] + i1 * sx[1] + i2 * sx[2]
-                target = out[k:k + inner]
-                if sx[3] == 1:  # a contiguous run (a bias row, an expand's rows): slices, so it vectorises
-                    source = x[ix:ix + inner]
-                    for i3 in range(inner):
-                        target[i3] = source[i3] * scale
-                else:
-                    for i3 in range(inner):
-                        target[i3] = x[ix + i3 * sx[3]] * scale
-                k += inner
-
-
-@njit(cache=True, error_model="numpy")
 def _compare_strided(code, a, b, out, dims, sa, sb):
     """out (bool, flat over dims) = a <op> b over a broadcast 4-D layout."""
     k = 0
@@ -626,11 +519,6 @@ _binary_scalar_parts = parallel_twin(_binary_scalar, sliced=("a", "out"))
 _binary_strided_parts = parallel_twin(_binary_strided, range=("first", "last"))
 
 
-def same_buffer(x: np.ndarray, y: np.ndarray) -> bool:
-    """Whether two arena views are one buffer (the planner put an output over its input)."""
-    return x.size == y.size and x.size > 0 and x.ctypes.data == y.ctypes.data
-
-
 def unary_call(code: int, x: np.ndarray, out: np.ndarray, threads: int = 1):
     """out = UNARY's map number `code` of x."""
     return split((_unary, (code, flat(x), flat(out))), out.size, out.size, threads)
@@ -665,10 +553,6 @@ def binary_calls(code: int, a: np.ndarray, b: np.ndarray, out: np.ndarray, threa
 def compare_calls(code: int, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> list:
     dims, _, sa, sb = broadcast_layout(out.shape, a.shape, b.shape)
     return [(_compare_strided, (code, flat(a), flat(b), flat(out), dims, sa, sb))]
-
-
-def gather_call(x: np.ndarray, out: np.ndarray, dims, strides, scale: float = 1.0):
-    return (_gather_strided, (flat(x), flat(out), dims, strides, out.dtype.type(scale)))
 
 
 def _make_binary(code):

@@ -2,14 +2,14 @@
 
 The kernel modules take `njit`, `prange`, `intrinsic`, `overload`, `types` and `carray` from here. Until
 `load()` runs they are placeholders, so that a process whose kernels all run in the kernel library
-(odtrain/kernel_library.py) imports the kernel modules, and their bindings, without Numba:
+(odtrain/kernel_library/) imports the kernel modules, and their bindings, without Numba:
 - `@njit(...)` gives a `Deferred` kernel: its `py_func` names it; called, it loads the compiler and runs
   as Numba's dispatcher, except in a process whose kernel library runs the steps (`without_compiler()`):
   there the helpers that bindings call while a step is bound (sizes, layouts) run as Python until the
-  compiler loads (a kernel the library lacks is run only after odtrain.runtime.load()); a dispatcher's
+  compiler loads (a kernel the library lacks is run only after odtrain.jit.load()); a dispatcher's
   attribute asked of it loads the compiler;
 - `@intrinsic`, `prange`, `types` and `carray` give placeholders; `@overload(f)` is remembered.
-`load()` (odtrain.runtime.load before the first JIT step, the library's build) imports Numba, replaces
+`load()` (called by odtrain.jit.load before the first JIT step, and by the library's build) imports Numba, replaces
 the placeholders of names (prange, types, carray, intrinsics) in the kernel modules' globals and in the
 namespaces of kernels generated from source by Numba's objects, registers the overloads and runs the
 hooks given to `on_load` (kernels/blas.py registers its BLAS symbols there). Deferred kernels stay what
@@ -166,7 +166,7 @@ def on_load(hook) -> None:
 def without_compiler() -> None:
     """From now on, until the compiler loads, a deferred kernel called from Python runs as Python (its
     arithmetic as the kernel's for the integer helpers that bindings call while a step is bound) instead of
-    loading the compiler: a process whose kernel library runs the steps (odtrain/kernel_library.py)."""
+    loading the compiler: a process whose kernel library runs the steps (odtrain/kernel_library/)."""
     global _without_compiler
     _without_compiler = True
 

@@ -63,3 +63,15 @@ def float_buffers(scratch: np.ndarray, *sizes: int) -> list:
         buffers.append(memory[start:start + size])
         start += size
     return buffers
+
+
+def promoted_shapes(a_shape: tuple, b_shape: tuple, y_shape: tuple):
+    """MatMul's operands as matrices (1-D promoted) and the output shape that goes with them."""
+    a2 = (1,) + tuple(a_shape) if len(a_shape) == 1 else tuple(a_shape)
+    b2 = tuple(b_shape) + (1,) if len(b_shape) == 1 else tuple(b_shape)
+    y2 = tuple(y_shape)
+    if len(a_shape) == 1:
+        y2 = y2[:len(y2) - (0 if len(b_shape) == 1 else 1)] + (1,) + y2[len(y2) - (0 if len(b_shape) == 1 else 1):]
+    if len(b_shape) == 1:
+        y2 = y2 + (1,)
+    return a2, b2, y2

@@ -31,11 +31,10 @@ from .jit import njit
 
 from .registry import ODTRAIN_DOMAIN, binding
 from .blas import COLUMNS, PRODUCTS, ROWS, gemm_batched_parts, gemm_blocks
-from .elementwise import gather_call
-from .layout import broadcast_layout, element_strides
+from .copies import copy_call, gather_call, sum_call
+from .layout import broadcast_layout, element_strides, promoted_shapes
 from .parallel_split import on_parts, part_count, splitting_everything, twin_of, worth_parallel
-from .reduction import sum_call
-from .tensor import copy_call
+from .windows import text
 
 
 @njit(cache=True, error_model="numpy")
@@ -46,7 +45,8 @@ def _gemm_batched(a, b, out, m, n, k, trans_a, trans_b, lda, ldb, ldc, a_offsets
                     out, out_offsets[i], ldc)
 
 
-twin_of(_gemm_batched, takes=("split",))(gemm_batched_parts)  # in parts of the products, rows or columns
+twin_of(_gemm_batched, takes=("split",),
+        because="it cuts whole products, rows or columns, as its `split` argument says")(gemm_batched_parts)
 
 
 @njit(cache=True, error_model="numpy")
@@ -163,18 +163,6 @@ def Gemm(inputs, outputs, alpha=1.0, beta=1.0, transA=0, transB=0, threads=1):
         return gemm_calls(a, b, out, transA, transB, alpha, threads=threads)
     # out ← beta · C (broadcast), then out += alpha · A' · B' inside BLAS
     return [bias_call(c, out, beta)] + gemm_calls(a, b, out, transA, transB, alpha, accumulate=True, threads=threads)
-
-
-def promoted_shapes(a_shape: tuple, b_shape: tuple, y_shape: tuple):
-    """MatMul's operands as matrices (1-D promoted) and the output shape that goes with them."""
-    a2 = (1,) + tuple(a_shape) if len(a_shape) == 1 else tuple(a_shape)
-    b2 = tuple(b_shape) + (1,) if len(b_shape) == 1 else tuple(b_shape)
-    y2 = tuple(y_shape)
-    if len(a_shape) == 1:
-        y2 = y2[:len(y2) - (0 if len(b_shape) == 1 else 1)] + (1,) + y2[len(y2) - (0 if len(b_shape) == 1 else 1):]
-    if len(b_shape) == 1:
-        y2 = y2 + (1,)
-    return a2, b2, y2
 
 
 @binding("MatMul", parallel=True)
@@ -341,17 +329,13 @@ def _aligned(nbytes: int) -> int:
 
 def _einsum_scratch(input_specs, output_specs, equation=""):
     dtype = np.dtype(output_specs[0][1])
-    return _EinsumPlan(_text(equation), [shape for shape, _ in input_specs], dtype.itemsize).scratch_bytes
-
-
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+    return _EinsumPlan(text(equation), [shape for shape, _ in input_specs], dtype.itemsize).scratch_bytes
 
 
 @binding("Einsum", scratch=_einsum_scratch)
 def Einsum(inputs, outputs, equation="", scratch=None):
     out = outputs[0]
-    plan = _EinsumPlan(_text(equation), [x.shape for x in inputs], out.dtype.itemsize)
+    plan = _EinsumPlan(text(equation), [x.shape for x in inputs], out.dtype.itemsize)
     take = _pieces(scratch, out.dtype)
     if len(inputs) == 1:
         x, order = inputs[0], plan.axes[0]

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from .jit import njit, prange
+from .jit import njit, prange  # noqa: F401 (prange: the loops of the generated twins)
 
 from .registry import ODTRAIN_DOMAIN, binding
-from .elementwise import fast_sigmoid, fast_sigmoid_pair, same_buffer
-from .parallel_split import parallel_twin, split, twin_of
-from .windows import _text
+from .copies import same_buffer
+from .parallel_split import parallel_twin, split
+from .scalar import fast_sigmoid, fast_sigmoid_pair
+from .windows import text
 
 # Sums may be reassociated (fastmath "reassoc"): they vectorise, and partial sums are no less accurate.
 REDUCTION = {"reassoc", "contract"}
@@ -386,13 +387,7 @@ def _activation_grad(code, dy, v, a_in, b_in, out, in_place):
 _activation_parts = parallel_twin(_activation, sliced=("x", "out"))
 
 
-@twin_of(_activation_grad)
-@njit(cache=True, error_model="numpy", parallel=True)
-def _activation_grad_parts(code, dy, v, a_in, b_in, out, in_place, bounds):
-    """_activation_grad on parts of the flat arrays (bounds), in parallel."""
-    for p in prange(bounds.size - 1):
-        lo, hi = bounds[p], bounds[p + 1]
-        _activation_grad(code, dy[lo:hi], v[lo:hi], a_in, b_in, out[lo:hi], in_place)
+_activation_grad_parts = parallel_twin(_activation_grad, sliced=("dy", "v", "out"))
 
 
 def _scalar(value: float) -> np.ndarray:
@@ -544,14 +539,14 @@ def Pad(inputs, outputs, mode="constant", pads=None, value=0.0):
         for k, axis in enumerate(axes):
             pads[axis], pads[rank + axis] = given[k], given[len(axes) + k]
     fill_value = inputs[2].reshape(1) if len(inputs) > 2 and inputs[2] is not None else _scalar(value)
-    table, x6, y6 = _pad_tables(x.shape, y.shape, pads, _text(mode))
+    table, x6, y6 = _pad_tables(x.shape, y.shape, pads, text(mode))
     return [(_pad, (x.reshape(x6), y.reshape(y6), table, fill_value))]
 
 
 @binding("PadGrad", ODTRAIN_DOMAIN)
 def PadGrad(inputs, outputs, pads, mode="constant"):
     dy, dx = inputs[0], outputs[0]
-    table, x6, y6 = _pad_tables(dx.shape, dy.shape, pads, _text(mode))
+    table, x6, y6 = _pad_tables(dx.shape, dy.shape, pads, text(mode))
     return [(_pad_grad, (dy.reshape(y6), dx.reshape(x6), table))]
 
 

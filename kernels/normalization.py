@@ -17,9 +17,10 @@ import numpy as np
 from .jit import njit, prange
 
 from .registry import ODTRAIN_DOMAIN, binding
-from .elementwise import fast_exp, same_buffer
+from .copies import same_buffer
 from .layout import flat
-from .parallel_split import split, twin_of
+from .parallel_split import parallel_twin, split, twin_of
+from .scalar import fast_exp
 
 
 REDUCE = {"reassoc"}  # reductions may reorder their sums: lets LLVM vectorise them (bench_ops.ElementwiseOps, Softmax)
@@ -130,52 +131,13 @@ def _log_softmax_grad(dy, y, dx, outer, n, inner):
 # flat elements [bounds[p]·n·inner, bounds[p + 1]·n·inner)
 
 
-@twin_of(_softmax)
-@njit(cache=True, error_model="numpy", fastmath=REDUCE, parallel=True)
-def _softmax_parts(x, out, outer, n, inner, bounds):
-    for p in prange(bounds.size - 1):
-        a, b = bounds[p] * n * inner, bounds[p + 1] * n * inner
-        _softmax(x[a:b], out[a:b], bounds[p + 1] - bounds[p], n, inner)
-
-
-@twin_of(_softmax_inplace)
-@njit(cache=True, error_model="numpy", fastmath=REDUCE, parallel=True)
-def _softmax_inplace_parts(x, outer, n, inner, bounds):
-    for p in prange(bounds.size - 1):
-        a, b = bounds[p] * n * inner, bounds[p + 1] * n * inner
-        _softmax_inplace(x[a:b], bounds[p + 1] - bounds[p], n, inner)
-
-
-@twin_of(_log_softmax)
-@njit(cache=True, error_model="numpy", fastmath=REDUCE, parallel=True)
-def _log_softmax_parts(x, out, outer, n, inner, bounds):
-    for p in prange(bounds.size - 1):
-        a, b = bounds[p] * n * inner, bounds[p + 1] * n * inner
-        _log_softmax(x[a:b], out[a:b], bounds[p + 1] - bounds[p], n, inner)
-
-
-@twin_of(_softmax_grad)
-@njit(cache=True, error_model="numpy", fastmath=REDUCE, parallel=True)
-def _softmax_grad_parts(dy, y, dx, outer, n, inner, bounds):
-    for p in prange(bounds.size - 1):
-        a, b = bounds[p] * n * inner, bounds[p + 1] * n * inner
-        _softmax_grad(dy[a:b], y[a:b], dx[a:b], bounds[p + 1] - bounds[p], n, inner)
-
-
-@twin_of(_softmax_grad_inplace)
-@njit(cache=True, error_model="numpy", fastmath=REDUCE, parallel=True)
-def _softmax_grad_inplace_parts(dy, y, outer, n, inner, bounds):
-    for p in prange(bounds.size - 1):
-        a, b = bounds[p] * n * inner, bounds[p + 1] * n * inner
-        _softmax_grad_inplace(dy[a:b], y[a:b], bounds[p + 1] - bounds[p], n, inner)
-
-
-@twin_of(_log_softmax_grad)
-@njit(cache=True, error_model="numpy", fastmath=REDUCE, parallel=True)
-def _log_softmax_grad_parts(dy, y, dx, outer, n, inner, bounds):
-    for p in prange(bounds.size - 1):
-        a, b = bounds[p] * n * inner, bounds[p + 1] * n * inner
-        _log_softmax_grad(dy[a:b], y[a:b], dx[a:b], bounds[p + 1] - bounds[p], n, inner)
+ROWS = {"unit": ("n", "inner"), "count": "outer"}  # a part's rows: n·inner elements each, `outer` of them
+_softmax_parts = parallel_twin(_softmax, sliced=("x", "out"), **ROWS)
+_softmax_inplace_parts = parallel_twin(_softmax_inplace, sliced=("x",), **ROWS)
+_log_softmax_parts = parallel_twin(_log_softmax, sliced=("x", "out"), **ROWS)
+_softmax_grad_parts = parallel_twin(_softmax_grad, sliced=("dy", "y", "dx"), **ROWS)
+_softmax_grad_inplace_parts = parallel_twin(_softmax_grad_inplace, sliced=("dy", "y"), **ROWS)
+_log_softmax_grad_parts = parallel_twin(_log_softmax_grad, sliced=("dy", "y", "dx"), **ROWS)
 
 
 def _rows_call(kernel, arrays: tuple, shape, axis, threads: int) -> list:
@@ -342,7 +304,7 @@ def _layer_norm_grad(dy, x, scale, param_index, dx, dscale, dbias, rows, inner, 
         _layer_norm_grad_rows(dy, x, scale, param_index, False, dx, dscale, dbias, rows, inner, eps)
 
 
-@twin_of(_layer_norm)
+@twin_of(_layer_norm, because="its statistics are cut to the part only when it writes them")
 @njit(cache=True, error_model="numpy", fastmath=REDUCE, parallel=True)
 def _layer_norm_parts(x, scale, scale_index, bias, bias_index, has_bias, y, mean_out, inv_out, want_stats, rows,
                       inner, epsilon, bounds):
@@ -354,7 +316,8 @@ def _layer_norm_parts(x, scale, scale_index, bias, bias_index, has_bias, y, mean
                     mean_out[stats_lo:stats_hi], inv_out[stats_lo:stats_hi], want_stats, hi - lo, inner, epsilon)
 
 
-@twin_of(_layer_norm_grad, takes=("partial",))
+@twin_of(_layer_norm_grad, takes=("partial",),
+         because="each part sums dscale and dbias into its own partial, added in part order after")
 @njit(cache=True, error_model="numpy", fastmath=REDUCE, parallel=True)
 def _layer_norm_grad_parts(dy, x, scale, param_index, dx, dscale, dbias, rows, inner, epsilon, partial, bounds):
     """_layer_norm_grad on parts of the rows (bounds), in parallel, each part summing its dscale and dbias
@@ -470,16 +433,11 @@ def _rms_norm_grad(dy, x, scale, scale_index, dx, dscale, rows, inner, epsilon):
                 dr[j] = inv * (gr[j] * scale[scale_index[j]] - xr[j] * factor)
 
 
-@twin_of(_rms_norm)
-@njit(cache=True, error_model="numpy", fastmath=REDUCE, parallel=True)
-def _rms_norm_parts(x, scale, scale_index, y, rows, inner, epsilon, bounds):
-    """_rms_norm on parts of the rows (bounds), in parallel."""
-    for p in prange(bounds.size - 1):
-        lo, hi = bounds[p] * inner, bounds[p + 1] * inner
-        _rms_norm(x[lo:hi], scale, scale_index, y[lo:hi], bounds[p + 1] - bounds[p], inner, epsilon)
+_rms_norm_parts = parallel_twin(_rms_norm, sliced=("x", "y"), unit=("inner",), count="rows")
 
 
-@twin_of(_rms_norm_grad, takes=("partial",))
+@twin_of(_rms_norm_grad, takes=("partial",),
+         because="each part sums dscale into its own partial, added in part order after")
 @njit(cache=True, error_model="numpy", fastmath=REDUCE, parallel=True)
 def _rms_norm_grad_parts(dy, x, scale, scale_index, dx, dscale, rows, inner, epsilon, partial, bounds):
     """_rms_norm_grad on parts of the rows (bounds), in parallel, each part summing its dscale into partial[p];

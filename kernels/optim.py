@@ -19,7 +19,7 @@ import math
 import numpy as np
 
 from .jit import intrinsic, njit, prange, types
-from .parallel_split import twin_of
+from .parallel_split import parallel_twin, twin_of
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -84,28 +84,9 @@ def sgd_momentum_update(w, g, b, lr, momentum, dampening, weight_decay, nesterov
         w[i] -= rate * d
 
 
-@twin_of(adamw_update)
-@njit(cache=True, error_model="numpy", parallel=True)
-def adamw_update_parts(w, g, m, v, lr, beta1, beta2, eps, weight_decay, step, bias_correction, bounds):
-    for p in prange(bounds.size - 1):
-        a, b = bounds[p], bounds[p + 1]
-        adamw_update(w[a:b], g[a:b], m[a:b], v[a:b], lr, beta1, beta2, eps, weight_decay, step, bias_correction)
-
-
-@twin_of(sgd_update)
-@njit(cache=True, error_model="numpy", parallel=True)
-def sgd_update_parts(w, g, lr, bounds):
-    for p in prange(bounds.size - 1):
-        a, b = bounds[p], bounds[p + 1]
-        sgd_update(w[a:b], g[a:b], lr)
-
-
-@twin_of(sgd_momentum_update)
-@njit(cache=True, error_model="numpy", parallel=True)
-def sgd_momentum_update_parts(w, g, b, lr, momentum, dampening, weight_decay, nesterov, first_step, bounds):
-    for p in prange(bounds.size - 1):
-        lo, hi = bounds[p], bounds[p + 1]
-        sgd_momentum_update(w[lo:hi], g[lo:hi], b[lo:hi], lr, momentum, dampening, weight_decay, nesterov, first_step)
+adamw_update_parts = parallel_twin(adamw_update, sliced=("w", "g", "m", "v"))
+sgd_update_parts = parallel_twin(sgd_update, sliced=("w", "g"))
+sgd_momentum_update_parts = parallel_twin(sgd_momentum_update, sliced=("w", "g", "b"))
 
 
 @njit(cache=True, error_model="numpy")
@@ -240,7 +221,7 @@ def adamw8_update(w, g, m_codes, v_codes, m_absmax, v_absmax, code_maps, code_ta
         m_absmax[j], v_absmax[j] = m_top, v_top
 
 
-@twin_of(adamw8_update)
+@twin_of(adamw8_update, because="a part's block starts overlap its neighbour's by one (starts[a:b + 1])")
 @njit(cache=True, error_model="numpy", parallel=True)
 def adamw8_update_parts(w, g, m_codes, v_codes, m_absmax, v_absmax, code_maps, code_tables, starts, lr, beta1,
                         beta2, eps, weight_decay, step, bias_correction, bounds):

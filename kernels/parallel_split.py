@@ -18,12 +18,15 @@ call itself at one part (exactly as with one thread), else the twin's call:
 Most twins are one parallel loop over the parts calling `_x` on its units, given by `_x`'s range or by
 cutting its flat arrays: such a twin is written from its record, `_x_parts = parallel_twin(_x, range=...)`
 or `parallel_twin(_x, sliced=(array names))` (twin_source is its text), and compiled as part of `_x`'s
-file and module so that Numba caches it on disk like a twin written out. A twin that does more per part
-(its own work memory, partial sums added in part order) is written out under `@twin_of`.
+file and module so that Numba caches it on disk like a twin written out. Where a unit is several elements
+of the cut arrays (a row of `n·inner` values), `unit=("n", "inner")` scales the cut and `count="outer"`
+gives `_x` the part's number of units. A twin that does more per part (its own work memory, partial sums
+added in part order, a check before the parts) is written out under `@twin_of(..., because=...)`, the
+reason it cannot be written from a record.
 
 - `part_count(threads, units, work)`: 1 when there is one thread, one unit, or too little work to pay for a
   parallel region (`worth_parallel`); else min(threads, units).
-- `every_split()`: while the kernel library records a model's calls (odtrain/kernel_build.py), any work is
+- `every_split()`: while the kernel library records a model's calls (odtrain/library_build/record.py), any work is
   worth a parallel region, so that each call whose units could split at some input size is recorded as
   its twin's call too: the library then holds the kernels a larger batch or sequence splits into.
 - `part_bounds(units, parts)`: balanced boundaries; part p runs units [bounds[p], bounds[p + 1]).
@@ -33,7 +36,7 @@ bound, not by the threads that happen to run them, and partial sums are added in
 given thread count gives the same bits every time.
 
 TWINS (serial kernel -> Twin) is the one table of kernels and their twins: the kernel library's build
-(odtrain/kernel_build.py) and tests/test_twins.py read it. Imports numpy (and, to write a twin, kernels/jit.py).
+(odtrain/library_build/) and tests/test_twins.py read it. Imports numpy (and, to write a twin, kernels/jit.py).
 """
 from __future__ import annotations
 
@@ -41,10 +44,10 @@ import numpy as np
 
 # Below this many multiply-adds (or elements) a parallel region costs more than it saves: with odtrain's waiting
 # (a short spin, then sleep, odtrain/threads.py) a region within a step costs about a small elementwise loop,
-# and from this size on a float32 add runs faster in 2 parts than on one thread; MobileNetV2's batch norms over
-# small planes fall just above it, and its 2-thread step was faster than with a threshold 8 times higher
-# (`benchmarks/threads.py regions`, bench_ops.ElementwiseOps). The cost: more kernels run their parallel twins,
-# compiled too on a cold cache (`odtrain warmup` compiles them ahead).
+# and from this size on a float32 add runs faster in 2 parts than on one thread (`benchmarks/threads.py
+# regions`, bench_ops.ElementwiseOps; the runs: benchmarks/README.md, "Figures behind kernel choices"). The
+# cost: more kernels run their parallel twins, compiled too on a cold cache (`odtrain warmup` compiles them
+# ahead).
 MIN_PARALLEL_WORK = 1 << 15
 _every_split = False  # while every_split(): any amount of work is split
 
@@ -96,15 +99,18 @@ def parameters(kernel) -> tuple[str, ...]:
 class Twin:
     """A serial kernel, its parallel twin, and how the twin's arguments follow from the serial call's
     (`written`: the twin was written from this record by `parallel_twin`; `sliced`: then the arrays each
-    part cuts to its units)."""
+    part cuts to its units, `unit` the arguments whose product is a unit's elements, `count` the argument that
+    takes the part's number of units; `because`: why a twin written out could not be written from a record)."""
 
-    __slots__ = ("serial", "parallel", "range", "replaces", "takes", "sliced", "written")
+    __slots__ = ("serial", "parallel", "range", "replaces", "takes", "sliced", "unit", "count", "written", "because")
 
     def __init__(self, serial, parallel, range: tuple[str, ...], replaces: tuple[str, ...], takes: tuple[str, ...],
-                 sliced: tuple[str, ...] = (), written: bool = False):
+                 sliced: tuple[str, ...] = (), written: bool = False, unit: tuple[str, ...] = (), count: str = "",
+                 because: str = ""):
         self.serial, self.parallel = serial, parallel
         self.range, self.replaces, self.takes = tuple(range), tuple(replaces), tuple(takes)
-        self.sliced, self.written = tuple(sliced), written
+        self.sliced, self.written, self.unit, self.count = tuple(sliced), written, tuple(unit), count
+        self.because = because
 
     def parameters(self) -> tuple[str, ...]:
         """The twin's parameter names as the rule derives them from the serial kernel's."""
@@ -134,11 +140,13 @@ class Twin:
 TWINS: dict = {}  # serial kernel -> Twin
 
 
-def twin_of(serial, range: tuple[str, ...] = (), replaces: tuple[str, ...] = (), takes: tuple[str, ...] = ()):
-    """Register the decorated kernel as `serial`'s parallel twin (the one rule above)."""
+def twin_of(serial, range: tuple[str, ...] = (), replaces: tuple[str, ...] = (), takes: tuple[str, ...] = (),
+            because: str = ""):
+    """Register the decorated kernel, written out, as `serial`'s parallel twin (the one rule above); `because`:
+    in a line, what it does that parallel_twin cannot write (tests/test_twins.py asks for it)."""
 
     def register(parallel):
-        TWINS[serial] = Twin(serial, parallel, range, replaces, takes)
+        TWINS[serial] = Twin(serial, parallel, range, replaces, takes, because=because)
         return parallel
 
     return register
@@ -148,27 +156,36 @@ def twin_of(serial, range: tuple[str, ...] = (), replaces: tuple[str, ...] = (),
 TWIN_OPTIONS = {"cache": True, "error_model": "numpy", "parallel": True}
 
 
-def twin_source(serial, range: tuple[str, ...] = (), sliced: tuple[str, ...] = ()) -> str:
+def twin_source(serial, range: tuple[str, ...] = (), sliced: tuple[str, ...] = (), unit: tuple[str, ...] = (),
+                count: str = "") -> str:
     """The source of the twin that most serial kernels have, which `parallel_twin` compiles: one Numba
     parallel loop over the parts, each calling `serial` on its units, given either as `serial`'s trailing
-    `range` (its first and last unit) or by cutting the flat arrays named in `sliced` to them."""
+    `range` (its first and last unit) or by cutting the flat arrays named in `sliced` to them: a unit is one
+    element of them, or the product of the arguments named in `unit` (a row of n·inner values), and the
+    argument named `count` then receives the part's number of units."""
     name, names = serial.__name__, parameters(serial)
     kept = names[:len(names) - len(range)]
     if range:
-        if len(range) != 2 or sliced:
+        if len(range) != 2 or sliced or unit or count:
             raise ValueError(f"{name}: a written twin takes one range of units (first, last) or sliced arrays")
         arguments = kept + ("bounds[p]", "bounds[p + 1]")
     else:
         unknown = sorted(set(sliced) - set(kept))
         if not sliced or unknown:
             raise ValueError(f"{name}: its twin must cut some of its arrays to the parts ({unknown or 'none'} given)")
-        arguments = tuple(f"{n}[bounds[p]:bounds[p + 1]]" if n in sliced else n for n in kept)
+        if bool(unit) != bool(count) or not set(unit) | {count} <= set(kept) | {""} or count in sliced:
+            raise ValueError(f"{name}: a unit of several elements ({unit}) goes with the argument counting the "
+                             f"units ({count or 'none'}), both among its parameters")
+        scale = "".join(f" * {n}" for n in unit)
+        arguments = tuple(f"{n}[bounds[p]{scale}:bounds[p + 1]{scale}]" if n in sliced
+                          else "bounds[p + 1] - bounds[p]" if n == count else n for n in kept)
     return (f"def {name}_parts({', '.join(kept + ('bounds',))}):\n"
             f"    for p in prange(bounds.size - 1):\n"
             f"        {name}({', '.join(arguments)})\n")
 
 
-def parallel_twin(serial, range: tuple[str, ...] = (), sliced: tuple[str, ...] = ()):
+def parallel_twin(serial, range: tuple[str, ...] = (), sliced: tuple[str, ...] = (), unit: tuple[str, ...] = (),
+                  count: str = ""):
     """`serial`'s parallel twin `<serial>_parts`, written from its Twin record (twin_source), registered in
     TWINS and returned, for the module to bind under that name.
 
@@ -185,13 +202,13 @@ def parallel_twin(serial, range: tuple[str, ...] = (), sliced: tuple[str, ...] =
                          ".jit), under a name of its own")
     lines = "\n" * (function.__code__.co_firstlineno - 1)
     scratch = {}
-    exec(compile(lines + twin_source(serial, range, sliced), function.__code__.co_filename, "exec"), namespace,
-         scratch)
+    exec(compile(lines + twin_source(serial, range, sliced, unit, count), function.__code__.co_filename, "exec"),
+         namespace, scratch)
     written = scratch[name]
     written.__doc__ = (f"{serial.__name__} on parts of its units (bounds), in parallel: written from its Twin "
                        "record (kernels/parallel_split.py, parallel_twin).")
     parallel = njit(**TWIN_OPTIONS)(written)
-    TWINS[serial] = Twin(serial, parallel, range, (), (), sliced, written=True)
+    TWINS[serial] = Twin(serial, parallel, range, (), (), sliced, written=True, unit=unit, count=count)
     return parallel
 
 

@@ -18,7 +18,7 @@ from .jit import njit, prange
 
 from .registry import ODTRAIN_DOMAIN, binding
 from .parallel_split import parallel_twin, split, twin_of
-from .windows import _as_3d, window_geometry
+from .windows import as_3d, window_geometry
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -222,7 +222,7 @@ def _average_pool_grad(dy, dx, inverse_count, geom):
 # ---- the same on parts of the planes, in parallel: part p runs planes [bounds[p], bounds[p + 1]) ------
 
 
-@twin_of(_max_pool)
+@twin_of(_max_pool, because="its parts run without indices (their values would count planes from the part's first)")
 @njit(cache=True, error_model="numpy", parallel=True)
 def _max_pool_parts(x, y, indices, want_indices, column_major, geom, tiled, bounds):
     """Without indices only (their values count planes from the first)."""
@@ -300,7 +300,7 @@ def _calls(kernel, args, threads: int, x_view, y_view, geom, serial: bool = Fals
 
 def _pool_views(x_shape, y_shape):
     planes = int(x_shape[0]) * int(x_shape[1])
-    return (planes,) + _as_3d(x_shape[2:]), (planes,) + _as_3d(y_shape[2:])
+    return (planes,) + as_3d(x_shape[2:]), (planes,) + as_3d(y_shape[2:])
 
 
 def _pool_geometry(x_shape, y_shape, kernel_shape=None, auto_pad="NOTSET", pads=None, strides=None,
@@ -310,7 +310,7 @@ def _pool_geometry(x_shape, y_shape, kernel_shape=None, auto_pad="NOTSET", pads=
 
 def _inverse_counts(x_shape, geom, end_pads, count_include_pad) -> np.ndarray:
     """1 / (cells counted in each window): input cells, or with count_include_pad also the declared padding."""
-    x3 = _as_3d(x_shape[2:])
+    x3 = as_3d(x_shape[2:])
     per_axis = []
     for axis in range(3):
         k, s, d, begin, out = geom[axis], geom[3 + axis], geom[6 + axis], geom[9 + axis], geom[12 + axis]

@@ -15,9 +15,10 @@ all in float32, as onnxruntime computes them (rint rounds half to even).
 
 Integer products are float64 products of the operands with their zero points subtracted: every
 product of 8-bit values, and every sum of them below 2^53, is exact in float64, so the int32
-accumulator comes out exactly, at float64 BLAS speed (linalg.gemm_calls, and conv.Conv with
-float64 work memory). Their centred operands, product and multipliers live in the node's
-arena scratch.
+accumulator comes out exactly, at float64 BLAS speed: the products are the registered MatMul and Conv
+bindings (kernels/linalg.py, kernels/conv.py, taken from the registry when a node is bound, so that this
+family imports no other), run on float64 operands with float64 work memory. Their centred operands,
+product and multipliers live in the node's arena scratch.
 """
 from __future__ import annotations
 
@@ -25,10 +26,9 @@ import numpy as np
 
 from .jit import njit
 
-from .registry import ODTRAIN_DOMAIN, binding
-from .conv import Conv, conv_scratch
-from .linalg import gemm_calls, promoted_shapes
-from .tensor import convert_call, converts
+from .registry import BINDINGS, ODTRAIN_DOMAIN, SCRATCH, binding
+from .layout import promoted_shapes
+from .number_formats import convert_call, converts
 
 QUANTIZE, DEQUANTIZE, REQUANTIZE, FAKE, FAKE_GRAD = 0, 1, 2, 3, 4
 ALIGNMENT = 64
@@ -317,7 +317,7 @@ def _matmul_integer(inputs, outputs, scratch, requantize: bool):
     b64 = _centred(carve, calls, b.reshape(b2), b_zero, len(b2) - 1)  # B's: one per column
     y64 = carve.take(y2, np.float64)
     if scratch is not None:
-        calls += gemm_calls(a64, b64, y64)
+        calls += BINDINGS[("", "MatMul")]([a64, b64], [y64])  # the float64 operands are matrices already
         if not requantize:
             calls.append((_convert, (y64.reshape(-1), y.reshape(-1))))
     if requantize:
@@ -343,9 +343,9 @@ def _conv_integer(inputs, outputs, scratch, attrs, requantize: bool):
         calls.append((_convert, (bias.reshape(-1), b64)))
     y64 = carve.take(y.shape, np.float64)
     specs = [(x.shape, np.float64), (w.shape, np.float64)]
-    work = carve.take((conv_scratch("Conv")(specs, [(y.shape, np.float64)], **attrs),), np.uint8)
+    work = carve.take((SCRATCH[("", "Conv")](specs, [(y.shape, np.float64)], **attrs),), np.uint8)
     if scratch is not None:
-        calls += Conv([x64, w64, b64], [y64], scratch=work, **attrs)
+        calls += BINDINGS[("", "Conv")]([x64, w64, b64], [y64], scratch=work, **attrs)
         if not requantize:
             calls.append((_convert, (y64.reshape(-1), y.reshape(-1))))
     if requantize:

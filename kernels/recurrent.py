@@ -26,9 +26,9 @@ import numpy as np
 from .jit import njit
 
 from .registry import ODTRAIN_DOMAIN, binding
-from .elementwise import fast_sigmoid, fast_tanh
 from .blas import blas_gemm
 from .layout import flat, float_buffers
+from .scalar import fast_sigmoid, fast_tanh
 
 ONE = np.float32(1.0)
 

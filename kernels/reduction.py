@@ -10,58 +10,12 @@ import numpy as np
 from .jit import njit
 
 from .registry import ODTRAIN_DOMAIN, binding
-from .elementwise import COPY, _unary, gather_call
+from .copies import gather_call, sum_call
 from .layout import coalesce, element_strides, flat
-
-
-@njit(cache=True, error_model="numpy", fastmath={"reassoc"})
-def _sum_strided(x, out, dims, sx, so, scale):
-    """out[strided] = scale · Σ x[strided] over the axes where out's stride is 0 (a 4-D layout).
-
-    The innermost axis is a run: added into a run of out (a summed outer axis: a bias gradient, the
-    repeated heads of grouped-query attention) or summed into one value (a summed last axis). Unit-stride
-    runs go through slices, whose indices LLVM knows are in range, so they vectorise."""
-    for i in range(out.size):
-        out[i] = 0
-    n = dims[3]
-    for i0 in range(dims[0]):
-        for i1 in range(dims[1]):
-            for i2 in range(dims[2]):
-                ix = i0 * sx[0] + i1 * sx[1] + i2 * sx[2]
-                io = i0 * so[0] + i1 * so[1] + i2 * so[2]
-                if so[3] == 0:
-                    total = x[ix] * 0
-                    if sx[3] == 1:
-                        source = x[ix:ix + n]
-                        for k in range(n):
-                            total += source[k]
-                    else:
-                        for k in range(n):
-                            total += x[ix + k * sx[3]]
-                    out[io] += total
-                elif sx[3] == 1 and so[3] == 1:
-                    target, source = out[io:io + n], x[ix:ix + n]
-                    for k in range(n):
-                        target[k] += source[k]
-                else:
-                    for k in range(n):
-                        out[io + k * so[3]] += x[ix + k * sx[3]]
-    if scale != 1.0:
-        for i in range(out.size):
-            out[i] *= scale
 
 
 def _keepdims_shape(shape: tuple, axes: tuple) -> tuple:
     return tuple(1 if a in axes else d for a, d in enumerate(shape))
-
-
-def sum_call(x: np.ndarray, out: np.ndarray, kept_shape: tuple, scale: float):
-    """Sum x over the axes where `kept_shape` (out's shape with reduced axes as 1) is 1."""
-    if x.size == out.size:
-        return [(_unary, (COPY, flat(x), flat(out)))] if scale == 1.0 else \
-            [gather_call(x, out, *coalesce(x.shape, element_strides(x.shape, x.shape)), scale)]
-    dims, sx, so = coalesce(x.shape, element_strides(x.shape, x.shape), element_strides(kept_shape, x.shape))
-    return [(_sum_strided, (flat(x), flat(out), dims, sx, so, out.dtype.type(scale)))]
 
 
 def _axes(x, axes, noop_with_empty_axes, axes_input=None):

@@ -18,7 +18,7 @@ import numpy as np
 from .jit import njit
 
 from .registry import ODTRAIN_DOMAIN, binding
-from .windows import _text
+from .windows import text
 
 RESIZE_AXES = 4
 
@@ -111,7 +111,7 @@ class _ResizePlan:
                  exclude_outside=0, extrapolation_value=0.0, antialias=0, axes=None,
                  keep_aspect_ratio_policy="stretch"):
         rank = len(x_shape)
-        mode, transform = _text(mode), _text(coordinate_transformation_mode)
+        mode, transform = text(mode), text(coordinate_transformation_mode)
         axes = [int(a) % rank for a in axes] if axes is not None and len(axes) else list(range(rank))
         scale = [1.0] * rank
         if scales is not None and scales.size:
@@ -120,7 +120,7 @@ class _ResizePlan:
         else:
             wanted = [int(s) for s in sizes.reshape(-1)]
             ratios = {axis: wanted[k] / x_shape[axis] for k, axis in enumerate(axes)}
-            policy = _text(keep_aspect_ratio_policy)
+            policy = text(keep_aspect_ratio_policy)
             common = min(ratios.values()) if policy == "not_larger" else max(ratios.values())
             for axis in axes:
                 scale[axis] = ratios[axis] if policy == "stretch" else common
@@ -129,7 +129,7 @@ class _ResizePlan:
             values = [float(v) for v in roi.reshape(-1)]
             for k, axis in enumerate(axes):
                 roi_full[axis], roi_full[rank + axis] = values[k], values[len(axes) + k]
-        settings = (mode, transform, _text(nearest_mode), float(cubic_coeff_a), bool(exclude_outside), bool(antialias))
+        settings = (mode, transform, text(nearest_mode), float(cubic_coeff_a), bool(exclude_outside), bool(antialias))
         # merged axes: (in size, out size, table or None for an unchanged run)
         merged = []
         for axis in range(rank):
@@ -295,7 +295,7 @@ def _resize_scratch(gradient: bool):
 
     def size(specs_in, specs_out, **attrs):
         x_shape, y_shape = (specs_out[0][0], specs_in[0][0]) if gradient else (specs_in[0][0], specs_out[0][0])
-        if len(x_shape) < 2 or _text(attrs.get("mode", "nearest")) == "nearest":
+        if len(x_shape) < 2 or text(attrs.get("mode", "nearest")) == "nearest":
             return 0
         return 4 * int(x_shape[-2]) * int(y_shape[-1])
 
@@ -462,7 +462,7 @@ def GridSample(inputs, outputs, mode="linear", padding_mode="zeros", align_corne
     y = outputs[0]
     volumetric, x5, grid3, y3 = _grid_views(x.shape, grid, y.shape)
     x5v, y3v = x.reshape(x5), y.reshape(y3)
-    return [(_grid_sample, (x5v, grid3, y3v, y3v, x5v, GRID_MODES[_text(mode)], GRID_PADDINGS[_text(padding_mode)],
+    return [(_grid_sample, (x5v, grid3, y3v, y3v, x5v, GRID_MODES[text(mode)], GRID_PADDINGS[text(padding_mode)],
                             bool(align_corners), volumetric, False) + _tap_buffers())]
 
 
@@ -472,8 +472,8 @@ def GridSampleGrad(inputs, outputs, mode="linear", padding_mode="zeros", align_c
     dx = outputs[0]
     volumetric, x5, grid3, y3 = _grid_views(x.shape, grid, dy.shape)
     dx5, dy3 = dx.reshape(x5), dy.reshape(y3)
-    return [(_grid_sample, (x.reshape(x5), grid3, dy3, dy3, dx5, GRID_MODES[_text(mode)],
-                            GRID_PADDINGS[_text(padding_mode)], bool(align_corners), volumetric, True)
+    return [(_grid_sample, (x.reshape(x5), grid3, dy3, dy3, dx5, GRID_MODES[text(mode)],
+                            GRID_PADDINGS[text(padding_mode)], bool(align_corners), volumetric, True)
              + _tap_buffers())]
 
 

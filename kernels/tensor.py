@@ -4,16 +4,11 @@ Scatter*, TensorScatter, Compress, OneHot, CenterCropPad, ReverseSequence, Cast,
 (Reshape, Flatten, Squeeze, Unsqueeze, BitCast and Identity are arena views; Shape, Constant, Range and
 ConstantOfShape usually fold to constants before a step.)
 
-Most ops here are one strided copy, `_copy_strided`, over a coalesced index space of 6 axes
-with a start offset and element strides for the source and the destination, so a slice, a
-concatenation slot, a broadcast or a tile is a stride pattern computed once when the graph is
-bound. The outer five axes are rows, walked by an odometer (`first_row`, `next_row`: no division
-per row); the last axis is a run, copied through slices when both strides are 1 (or repeating one
-value when the source's is 0), which LLVM vectorises, where an element-by-element copy does not
-(bench_ops.DecoderLayoutOps, a head Transpose). Gathers check every index against the
+Most ops here are one strided copy (kernels/copies.py's `copy_call`): a slice, a concatenation slot, a
+broadcast or a tile is a stride pattern computed once when the graph is bound. Gathers check every index against the
 axis length and raise ValueError (an InputError for the caller) instead of reading out of bounds.
-With threads, a copy that writes each element once splits its rows into parallel parts, Gather its
-indices and its gradient (a scatter-add) its columns: every value as in one thread.
+With threads, a copy that writes each element once splits its rows into parallel parts (kernels/copies.py),
+Gather its indices and its gradient (a scatter-add) its columns: every value as in one thread.
 """
 from __future__ import annotations
 
@@ -22,136 +17,21 @@ import numpy as np
 from .jit import njit, prange
 
 from .registry import ODTRAIN_DOMAIN, binding
+from .copies import COPY_DIMS, copy_call
+from .number_formats import convert_call, converts
 from .layout import element_strides, flat
-from .parallel_split import parallel_twin, split, twin_of
+from .parallel_split import split, twin_of
 
-COPY_DIMS = 6
 SCATTER = {"none": 0, "add": 1, "mul": 2, "max": 3, "min": 4}
 
 
 # ---- strided copies ---------------------------------------------------------------------------
 
 
-@njit(cache=True, inline="always", error_model="numpy")
-def _copy_run(x, ix, sx, out, io, so, n, accumulate):
-    """out[io + k·so] (+)= x[ix + k·sx] for k < n. Unit and zero strides go through slices, whose indices
-    LLVM knows are in range (no wraparound select per element), so those runs vectorise."""
-    if so == 1 and sx == 1:
-        target, source = out[io:io + n], x[ix:ix + n]
-        if accumulate:
-            for k in range(n):
-                target[k] += source[k]
-        else:
-            for k in range(n):
-                target[k] = source[k]
-    elif so == 1 and sx == 0 and not accumulate:  # a value repeated along the run (Expand of a last axis)
-        target, value = out[io:io + n], x[ix]
-        for k in range(n):
-            target[k] = value
-    elif accumulate:
-        for k in range(n):
-            out[io + k * so] += x[ix + k * sx]
-    else:
-        for k in range(n):
-            out[io + k * so] = x[ix + k * sx]
-
-
-@njit(cache=True, inline="always")
-def first_row(row, dims):
-    """The index (i0, ..., i4) of row number `row` (C order) over the outer five axes of a 6-axis layout."""
-    i4 = row % dims[4]
-    row //= dims[4]
-    i3 = row % dims[3]
-    row //= dims[3]
-    i2 = row % dims[2]
-    row //= dims[2]
-    return row // dims[1], row % dims[1], i2, i3, i4
-
-
-@njit(cache=True, inline="always")
-def next_row(i0, i1, i2, i3, i4, dims):
-    """The index of the row after (i0, ..., i4): an odometer, no division per row."""
-    i4 += 1
-    if i4 == dims[4]:
-        i4 = 0
-        i3 += 1
-        if i3 == dims[3]:
-            i3 = 0
-            i2 += 1
-            if i2 == dims[2]:
-                i2 = 0
-                i1 += 1
-                if i1 == dims[1]:
-                    i1 = 0
-                    i0 += 1
-    return i0, i1, i2, i3, i4
-
-
-@njit(cache=True, inline="always")
-def row_start(start, strides, i0, i1, i2, i3, i4):
-    """The element offset of row (i0, ..., i4) through `strides`."""
-    return start + i0 * strides[0] + i1 * strides[1] + i2 * strides[2] + i3 * strides[3] + i4 * strides[4]
-
-
-@njit(cache=True, error_model="numpy")
-def _copy_strided(x, x_start, sx, out, out_start, so, dims, accumulate, first, last):
-    """out[out_start + Σ i·so] (+)= x[x_start + Σ i·sx] for every index i < dims (6 axes) whose outer five
-    axes, read as one row number in C order, lie in [first, last): each row is one run of dims[5]."""
-    if last <= first:
-        return
-    i0, i1, i2, i3, i4 = first_row(first, dims)
-    for _ in range(first, last):
-        ix, io = row_start(x_start, sx, i0, i1, i2, i3, i4), row_start(out_start, so, i0, i1, i2, i3, i4)
-        _copy_run(x, ix, sx[5], out, io, so[5], dims[5], accumulate)
-        i4 += 1  # next_row written out: through its returned tuple, short rows (a head transpose's) ran slower
-        if i4 == dims[4]:
-            i4 = 0
-            i3 += 1
-            if i3 == dims[3]:
-                i3 = 0
-                i2 += 1
-                if i2 == dims[2]:
-                    i2 = 0
-                    i1 += 1
-                    if i1 == dims[1]:
-                        i1 = 0
-                        i0 += 1
-
-
-_copy_strided_parts = parallel_twin(_copy_strided, range=("first", "last"))
-
-
 @njit(cache=True, error_model="numpy")
 def _fill(out, value):
     for i in range(out.size):
         out[i] = value
-
-
-def layout6(dims, x_strides, out_strides):
-    """Drop size-1 axes, merge axes both operands walk contiguously, pad at the front to 6 axes."""
-    merged: list = []
-    for d, a, b in zip(dims, x_strides, out_strides):
-        if d == 1:
-            continue
-        if merged and merged[-1][1] == a * d and merged[-1][2] == b * d:
-            merged[-1] = (merged[-1][0] * d, a, b)
-        else:
-            merged.append((d, a, b))
-    if len(merged) > COPY_DIMS:
-        raise ValueError(f"a strided copy over {len(merged)} axes {tuple(dims)} exceeds {COPY_DIMS}")
-    pad = [(1, 0, 0)] * (COPY_DIMS - len(merged))
-    rows = pad + merged
-    return (np.array([r[0] for r in rows], np.int64), np.array([r[1] for r in rows], np.int64),
-            np.array([r[2] for r in rows], np.int64))
-
-
-def copy_call(x, x_start, x_strides, out, out_start, out_strides, dims, accumulate=False, threads=1):
-    """The strided copy's call; with threads, split into parts of its rows unless it accumulates (rows of an
-    accumulation may add into the same elements)."""
-    d, sx, so = layout6(dims, x_strides, out_strides)
-    rows = int(np.prod(d[:5]))
-    call = (_copy_strided, (flat(x), int(x_start), sx, flat(out), int(out_start), so, d, bool(accumulate), 0, rows))
-    return call if accumulate else split(call, rows, int(np.prod(d)), threads)
 
 
 def fill_call(out, value=0):
@@ -370,7 +250,7 @@ def _check_indices(indices, axis_len):
         _axis_index(indices[j], axis_len)
 
 
-@twin_of(_gather, range=("j0", "j1"))
+@twin_of(_gather, range=("j0", "j1"), because="every index is checked once, before the parts run")
 @njit(cache=True, error_model="numpy", parallel=True)
 def _gather_parts(x, indices, out, outer, axis_len, inner, bounds):
     """_gather on parts of the indices (bounds), in parallel."""
@@ -379,7 +259,7 @@ def _gather_parts(x, indices, out, outer, axis_len, inner, bounds):
         _gather(x, indices, out, outer, axis_len, inner, bounds[p], bounds[p + 1])
 
 
-@twin_of(_scatter_add, range=("c0", "c1"))
+@twin_of(_scatter_add, range=("c0", "c1"), because="every index is checked once, before the parts run")
 @njit(cache=True, error_model="numpy", parallel=True)
 def _scatter_add_parts(dy, indices, dx, outer, axis_len, inner, bounds):
     """_scatter_add on parts of the columns (bounds), in parallel: each element adds up as in one thread."""
@@ -693,141 +573,6 @@ def _cast(x, out):
 def _to_bool(x, out):
     for i in range(out.size):
         out[i] = x[i] != 0
-
-
-# Element types Numba cannot compute with, held as their bit patterns: dtype name -> (exponent bits, mantissa
-# bits, exponent bias, specials). Specials: "ieee" (all-ones exponent: infinities and NaNs), "fn" (only the
-# all-ones code is NaN), "fnuz" (the negative-zero code is the one NaN), "finite" (neither).
-MINIFLOATS = {"float16": (5, 10, 15, "ieee"), "bfloat16": (8, 7, 127, "ieee"), "float8_e4m3fn": (4, 3, 7, "fn"),
-              "float8_e4m3fnuz": (4, 3, 8, "fnuz"), "float8_e5m2": (5, 2, 15, "ieee"),
-              "float8_e5m2fnuz": (5, 2, 16, "fnuz"), "float4_e2m1fn": (2, 1, 1, "finite")}
-# Integers of fewer than 8 bits, one a byte: dtype name -> (bits, signed).
-SMALL_INTEGERS = {"int4": (4, True), "uint4": (4, False), "int2": (2, True), "uint2": (2, False)}
-READ_NATIVE, READ_TABLE, READ_SIGNED, READ_UNSIGNED = range(4)
-WRITE_NATIVE, WRITE_MINIFLOAT, WRITE_SMALL_INTEGER = range(3)
-
-
-def minifloat_values(name: str) -> np.ndarray:
-    """The value of every code of a MINIFLOATS format, in float64 (NaN for its NaN codes)."""
-    exponent_bits, mantissa_bits, bias, specials = MINIFLOATS[name]
-    codes = np.arange(1 << (1 + exponent_bits + mantissa_bits), dtype=np.int64)
-    sign_bit = 1 << (exponent_bits + mantissa_bits)
-    exponent = (codes >> mantissa_bits) & ((1 << exponent_bits) - 1)
-    mantissa = (codes & ((1 << mantissa_bits) - 1)).astype(np.float64)
-    normal = exponent > 0
-    values = np.ldexp(np.where(normal, mantissa + (1 << mantissa_bits), mantissa),
-                      np.where(normal, exponent, 1) - bias - mantissa_bits)
-    values = np.where(codes & sign_bit, -values, values)
-    top = exponent == (1 << exponent_bits) - 1
-    if specials == "ieee":
-        values = np.where(top, np.where(mantissa == 0, np.copysign(np.inf, values), np.nan), values)
-    elif specials == "fn":
-        values[(codes & (sign_bit - 1)) == sign_bit - 1] = np.nan
-    elif specials == "fnuz":
-        values[sign_bit] = np.nan
-    return values
-
-
-def _encoding(name: str, saturate: bool):
-    """The arguments of _convert's minifloat writer: the ascending finite magnitudes (the codes 0, 1, ...),
-    the sign bit, the codes of overflow and NaN, whether it saturates and has a negative zero."""
-    exponent_bits, mantissa_bits, _, specials = MINIFLOATS[name]
-    values = minifloat_values(name)
-    sign_bit = 1 << (exponent_bits + mantissa_bits)
-    positive = values[:sign_bit]
-    finite = int(np.argmax(~np.isfinite(positive))) if not np.isfinite(positive).all() else sign_bit
-    if specials == "ieee":  # overflow to infinity; only the float8 types saturate
-        overflow, nan = finite, finite | (1 << (mantissa_bits - 1))
-        saturate = saturate and exponent_bits + mantissa_bits < 8
-    elif specials == "fn":
-        overflow = nan = sign_bit - 1
-    elif specials == "fnuz":
-        overflow = nan = sign_bit
-    else:  # no infinity, no NaN: always saturates, NaN becomes negative zero (as ml_dtypes does)
-        overflow, nan, saturate = finite - 1, sign_bit, True
-    return (np.ascontiguousarray(positive[:finite]), sign_bit, overflow, nan, bool(saturate), specials != "fnuz")
-
-
-@njit(cache=True, error_model="numpy")
-def _convert(x, out, read, table, bits, write, magnitudes, sign_bit, overflow, nan, saturate, negative_zero):
-    """out = x converted through float64: x read natively, through a table of its codes' values, or as a small
-    signed/unsigned integer of `bits` bits; out written natively, as the code of the nearest of the
-    ascending `magnitudes` (ties to the even code; beyond the largest: the largest if saturating, else
-    `overflow`; NaN: `nan`; a sign bit unless the result is a zero without `negative_zero`), or as a
-    small integer (truncated, wrapped to `bits` bits)."""
-    count = magnitudes.size
-    mask = (1 << bits) - 1
-    for i in range(out.size):
-        if read == READ_NATIVE:
-            v = np.float64(x[i])
-        elif read == READ_TABLE:
-            v = table[np.int64(x[i])]
-        else:
-            c = np.int64(x[i]) & mask
-            v = np.float64(c - (1 << bits) if read == READ_SIGNED and c >> (bits - 1) else c)
-        if write == WRITE_NATIVE:
-            out[i] = v
-        elif write == WRITE_SMALL_INTEGER:
-            c = (np.int64(v) if np.isfinite(v) else 0) & mask
-            out[i] = c - (1 << bits) if sign_bit and c >> (bits - 1) else c
-        elif v != v:
-            out[i] = nan
-        else:
-            a = abs(v)
-            if a == np.inf:
-                code = count - 1 if saturate else overflow
-            else:
-                low, high = 0, count - 1  # the largest k with magnitudes[k] <= a
-                while low < high:
-                    middle = (low + high + 1) // 2
-                    if magnitudes[middle] <= a:
-                        low = middle
-                    else:
-                        high = middle - 1
-                above = magnitudes[low + 1] if low + 1 < count else 2 * magnitudes[count - 1] - magnitudes[count - 2]
-                below = magnitudes[low]
-                code = low
-                if a - below > above - a or (a - below == above - a and low % 2 == 1):
-                    code = low + 1
-                if code == count:
-                    code = count - 1 if saturate else overflow
-            negative = v < 0 or (v == 0 and np.copysign(1.0, v) < 0)
-            if negative and (code != 0 or negative_zero) and not (code == nan and sign_bit == nan):
-                code |= sign_bit  # a negative overflow keeps its sign, even as NaN, unless NaN is the sign bit
-            out[i] = code
-
-
-def _minifloat_table(name: str) -> np.ndarray:
-    return minifloat_values(name)
-
-
-def converts(dtype) -> bool:
-    """Whether a dtype is one _convert reads or writes through its bits (float16 and the types numpy lacks)."""
-    return dtype.name in MINIFLOATS or dtype.name in SMALL_INTEGERS
-
-
-def _bits_view(a: np.ndarray) -> np.ndarray:
-    """A storage-type array as its unsigned codes (numpy views)."""
-    return flat(a).view(np.uint16 if a.dtype.itemsize == 2 else np.uint8)
-
-
-def convert_call(x: np.ndarray, out: np.ndarray, saturate: int):
-    none = np.zeros(2, np.float64)
-    read, table, bits, source = READ_NATIVE, none, 8, flat(x)
-    if x.dtype.name in MINIFLOATS:
-        read, table, source = READ_TABLE, _minifloat_table(x.dtype.name), _bits_view(x)
-    elif x.dtype.name in SMALL_INTEGERS:
-        bits, signed = SMALL_INTEGERS[x.dtype.name]
-        read, source = READ_SIGNED if signed else READ_UNSIGNED, _bits_view(x)
-    target, encoding = flat(out), (none, 0, 0, 0, False, True)
-    write = WRITE_NATIVE
-    if out.dtype.name in MINIFLOATS:
-        write, target, encoding = WRITE_MINIFLOAT, _bits_view(out), _encoding(out.dtype.name, bool(saturate))
-    elif out.dtype.name in SMALL_INTEGERS:
-        bits, signed = SMALL_INTEGERS[out.dtype.name]
-        write, target = WRITE_SMALL_INTEGER, flat(out).view(np.int8)
-        encoding = (none, int(signed), 0, 0, False, True)
-    return (_convert, (source, target, read, table, bits, write) + encoding)
 
 
 @binding("Cast")

@@ -17,10 +17,10 @@ from .jit import njit, prange
 
 from .registry import ODTRAIN_DOMAIN, binding
 from .blas import gemm_blocks
-from .dequantized import INT4, INT8, PANEL_ELEMENTS, _product_part, _stored
-from .elementwise import fast_exp
 from .layout import flat, float_buffers
 from .parallel_split import on_parts, part_count, split, twin_of
+from .scalar import fast_exp
+from .stored_weights import INT4, INT8, PANEL_ELEMENTS, panel_product, stored_values
 
 REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
 REDUCE = {"reassoc"}  # the row sums may reorder: LLVM vectorises them
@@ -254,7 +254,8 @@ def _linear_cross_entropy(hidden, weight, transposed, labels, ignore_index, mean
     loss[0] = total * g if mean else total
 
 
-@twin_of(_chunk_logits, range=("lo", "hi"))
+@twin_of(_chunk_logits, range=("lo", "hi"),
+         because="an inline loop of _linear_cross_entropy_parts' own parallel region, not a kernel a call names")
 @njit(cache=True, error_model="numpy", inline="always")
 def _logits_in_parts(hidden, weight, transposed, logits, first, rows, classes, width, bounds):
     """_chunk_logits with the vocabulary split into parts (bounds), in parallel."""
@@ -262,7 +263,8 @@ def _logits_in_parts(hidden, weight, transposed, logits, first, rows, classes, w
         _chunk_logits(hidden, weight, transposed, logits, first, rows, classes, width, bounds[p], bounds[p + 1])
 
 
-@twin_of(_linear_cross_entropy)
+@twin_of(_linear_cross_entropy,
+         because="each chunk splits the vocabulary, then the rows, then hidden's width, by turns")
 @njit(cache=True, error_model="numpy", parallel=True)
 def _linear_cross_entropy_parts(hidden, weight, transposed, labels, ignore_index, mean, logits, values, loss, dhidden,
                                 want_hidden, width, classes, chunk, bounds):
@@ -300,7 +302,7 @@ def _linear_cross_entropy_grad(dloss, hidden, weight, transposed, labels, ignore
                          0.0 if first == 0 else 1.0)
 
 
-@twin_of(_linear_cross_entropy_grad)
+@twin_of(_linear_cross_entropy_grad, because="each chunk splits the vocabulary products and the rows by turns")
 @njit(cache=True, error_model="numpy", parallel=True)
 def _linear_cross_entropy_grad_parts(dloss, hidden, weight, transposed, labels, ignore_index, mean, logits, values,
                                      dweight, width, classes, chunk, bounds):
@@ -327,7 +329,7 @@ def _linear_cross_entropy_grad_parts(dloss, hidden, weight, transposed, labels, 
 def _stored_product(a, w, scale, axis, stored, group, out, m, rows, columns, trans_b, panel, bits, r0, r1, c0, c1):
     """kernels/dequantized.py's product over stored rows [r0, r1) and columns [c0, c1) with panels of `panel`'s
     size (its _tile: rows x columns in both orientations)."""
-    _product_part(a, w, scale, axis, stored, group, out, m, rows, columns, trans_b, panel, bits, r0, r1, c0, c1)
+    panel_product(a, w, scale, axis, stored, group, out, m, rows, columns, trans_b, panel, bits, r0, r1, c0, c1)
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -376,7 +378,8 @@ def _stored_linear_cross_entropy(hidden, w, scale, axis, stored, group, transpos
     loss[0] = total * g if mean else total
 
 
-@twin_of(_stored_linear_cross_entropy, replaces=("panel", "bits"), takes=("panels", "bits"))
+@twin_of(_stored_linear_cross_entropy, replaces=("panel", "bits"), takes=("panels", "bits"),
+         because="each part dequantizes into its own panel, and each chunk splits by turns")
 @njit(cache=True, error_model="numpy", parallel=True)
 def _stored_linear_cross_entropy_parts(hidden, w, scale, axis, stored, group, transposed, labels, ignore_index, mean,
                                        logits, values, loss, dhidden, want_hidden, width, classes, chunk, panels,
@@ -458,7 +461,7 @@ def LinearCrossEntropy(inputs, outputs, scratch=None, transB=0, ignore_index=Non
     if weight.dtype == np.float32:
         args = (flat(hidden), flat(weight), bool(transB)) + loss_operands + results
         return [split((_linear_cross_entropy, args), classes, rows * width * classes, threads)]
-    values, stored = _stored(weight)
+    values, stored = stored_values(weight)
     scale = flat(inputs[3]) if stored in (INT8, INT4) else np.ones(1, np.float32)
     parts = _vocabulary_parts(rows, width, classes, threads)
     panels = rest[:PANEL_ELEMENTS * parts]

@@ -5,9 +5,11 @@ compiled kernel serves every rank. `geom` holds, as int64: kernel (3), strides (
 begin pads (3), output dims (3).
 
 Loops index with range variables into slices (never `i + offset`), so Numba's negative-index
-wraparound does not block vectorisation; `_valid_range` gives the bounds of such a slice.
+wraparound does not block vectorisation; `valid_range` gives the bounds of such a slice.
 
-`_text` reads a string attribute (ONNX gives bytes), for every image family.
+`text` reads a string attribute (ONNX gives bytes), for every image family. FORWARD, INPUT_GRADIENT and
+WEIGHT_GRADIENT name the three ops of a convolution strategy (kernels/conv_taps.py, conv_pointwise.py,
+depthwise.py), each strategy's KERNELS keyed by them.
 """
 from __future__ import annotations
 
@@ -15,8 +17,11 @@ import numpy as np
 
 from .jit import njit
 
+FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT = 0, 1, 2
 
-def _text(value) -> str:
+
+def text(value) -> str:
+    """A string attribute as str (ONNX gives bytes)."""
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
@@ -26,7 +31,7 @@ def window_geometry(x_spatial, out_spatial, kernel, auto_pad, pads, strides, dil
     strides = list(strides) if strides else [1] * rank
     dilations = list(dilations) if dilations else [1] * rank
     pads = list(pads) if pads else [0] * (2 * rank)
-    auto_pad = _text(auto_pad)
+    auto_pad = text(auto_pad)
     begin, end = [], []
     for axis in range(rank):
         if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
@@ -48,14 +53,14 @@ def window_geometry(x_spatial, out_spatial, kernel, auto_pad, pads, strides, dil
     return np.array(geom, dtype=np.int64), [0] * fill + end
 
 
-def _as_3d(shape) -> tuple:
+def as_3d(shape) -> tuple:
     """Spatial dims padded to 3 in front."""
     spatial = tuple(shape)
     return (1,) * (3 - len(spatial)) + spatial
 
 
 @njit(cache=True, inline="always")
-def _valid_range(offset, stride, size, count):
+def valid_range(offset, stride, size, count):
     """Output positions o in [lo, hi) with 0 <= o·stride + offset < size."""
     lo = -(offset // stride)
     hi = (size - 1 - offset) // stride + 1

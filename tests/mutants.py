@@ -71,10 +71,10 @@ MUTANTS = [
     Mutant("format-version", "a newer checkpoint format version is not refused as newer", "odtrain/checkpoint.py",
            "    if version.isdigit() and int(version) > FORMAT_VERSION:\n", "    if False:\n"),
     Mutant("dequantized-row-scale", "a stored int8 weight's per-row scale read from its panel's first row",
-           "kernels/dequantized.py", "s = scale[first + i] if per_index else scale[0]",
+           "kernels/stored_weights.py", "s = scale[first + i] if per_index else scale[0]",
            "s = scale[first] if per_index else scale[0]"),
     Mutant("dequantized-panel-sum", "a product over stored rows keeps only its last panel",
-           "kernels/dequantized.py", "0.0 if first == r0 else 1.0", "0.0"),
+           "kernels/stored_weights.py", "0.0 if first == r0 else 1.0", "0.0"),
     # what a user's run would hit: each of these once survived the suite
     Mutant("prepared-call-strides", "a kernel library's prepared call reused for a view of other strides",
            "odtrain/kernel_library/abi.py", 'interface["shape"], interface["strides"]))', 'interface["shape"]))'),

@@ -384,3 +384,85 @@ def test_the_private_name_check_sees_a_reach():
     defined, reached = private_names()
     assert "odtrain/api.py" in defined["_optimizer"] and "odtrain/api.py" in defined["_store"]
     assert ("odtrain/threads.py", "_is_initialized") in {(m, n) for m, n, _ in reached}
+
+
+def private_imports(root=ROOT, folders=("odtrain", "graph", "kernels", "benchmarks")) -> list[str]:
+    """Each `from module import _name` whose module is another of ours, as 'importer imports _name from module'
+    (a module's private names are its own business: a shared thing is public in the module that holds it)."""
+    graph_paths = {}
+    for folder, package in PACKAGES.items():
+        for path in (root / folder).rglob("*.py"):
+            parts = package.split(".") + list(path.relative_to(root / folder).with_suffix("").parts)
+            graph_paths[path] = parts[:-1] if parts[-1] == "__init__" else parts
+    found = []
+    for folder in folders:
+        for path in sorted((root / folder).rglob("*.py")):
+            name = graph_paths.get(path)
+            package = (name if path.name == "__init__.py" else name[:-1]) if name else []
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                if not isinstance(node, ast.ImportFrom):
+                    continue
+                source = (".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
+                          if node.level else node.module or "")
+                if not source.startswith("odtrain") or (name and source == ".".join(name)):
+                    continue
+                found += [f"{path.relative_to(root)}:{node.lineno} imports {alias.name} from {source}"
+                          for alias in node.names if alias.name.startswith("_") and not alias.name.startswith("__")]
+    return found
+
+
+# Private imports still to make public, outside kernels/ (each shared check or record is public where it lives
+# once its module's owner moves it): graph/ops/windows.py's checks shared by the image families, and
+# odtrain/onnxblock/blocks.py's building state. An entry that goes must leave this list too.
+PRIVATE_IMPORTS_TO_MAKE_PUBLIC = {
+    ("odtrain/onnxblock/__init__.py", "_BUILDING"), ("odtrain/onnxblock/__init__.py", "_build_into"),
+    ("odtrain/onnxblock/__init__.py", "_output_names"),
+    ("graph/ops/conv.py", "_auto_pad"), ("graph/ops/conv.py", "_ints"), ("graph/ops/conv.py", "_require_float32"),
+    ("graph/ops/conv.py", "_spatial_rank"), ("graph/ops/nn.py", "_input_shaped"), ("graph/ops/nn.py", "_require_float32"),
+    ("graph/ops/pool.py", "_auto_pad"), ("graph/ops/pool.py", "_input_shaped"), ("graph/ops/pool.py", "_require_float32"),
+    ("graph/ops/pool.py", "_spatial_rank"), ("graph/ops/resize.py", "_input_shaped"),
+    ("graph/ops/resize.py", "_require_float32"),
+}
+
+
+def test_no_module_imports_another_modules_private_names():
+    """`from .x import _y` reaches into x as `x._y` does: the shared thing is made public where it lives
+    (kernels/scalar.py's fast_exp, kernels/copies.py's sum_call, ...)."""
+    reached = private_imports()
+    pairs = {(found.split(":")[0], found.split(" imports ")[1].split(" ")[0]) for found in reached}
+    known = {found for found in reached for module, name in PRIVATE_IMPORTS_TO_MAKE_PUBLIC
+             if found.startswith(f"{module}:") and f" imports {name} from " in found}
+    assert not [found for found in reached if found not in known], [found for found in reached if found not in known]
+    assert PRIVATE_IMPORTS_TO_MAKE_PUBLIC <= pairs, sorted(PRIVATE_IMPORTS_TO_MAKE_PUBLIC - pairs)
+
+
+def test_the_private_import_check_sees_one(tmp_path):
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "family.py").write_text("from .elementwise import _unary, unary_call\n"
+                                                     "from ._own import _helper\n")
+    assert private_imports(tmp_path, ("kernels",)) == [
+        "kernels/family.py:1 imports _unary from odtrain.kernels.elementwise",
+        "kernels/family.py:2 imports _helper from odtrain.kernels._own"]
+
+
+def kernel_families() -> set[str]:
+    """The modules of kernels/ that register bindings (they import `binding` from the registry): the families;
+    the others are the base they share."""
+    return {path.stem for path in (ROOT / "kernels").glob("*.py") if path.name != "__init__.py"
+            and any(isinstance(node, ast.ImportFrom) and node.module == "registry" and node.level == 1
+                    and "binding" in {alias.name for alias in node.names}
+                    for node in ast.parse(path.read_text()).body)}
+
+
+def test_no_kernel_family_imports_another():
+    """kernels/ is one floor of families over a base (jit, registry, layout, blas, parallel_split, windows, scalar,
+    copies, ...): a family imports the base only, so a reader of one family reads no other. A family that
+    runs another op's kernels (quantize.py's integer products on Conv and MatMul) takes its binding from the
+    registry when a node is bound."""
+    families = kernel_families()
+    assert {"elementwise", "conv", "quantize", "tensor"} <= families and not {"jit", "copies", "scalar"} & families
+    graph = module_imports()
+    crossing = sorted((family, other.rpartition(".")[2]) for family in families
+                      for other in graph[f"odtrain.kernels.{family}"]
+                      if other.rpartition(".")[2] in families - {family})
+    assert not crossing, crossing

@@ -129,3 +129,27 @@ def test_recording_a_small_product_records_the_twin_a_larger_batch_runs():
     with every_split():
         [(recorded, recorded_args)] = calls(32)
     assert recorded is gemm_batched_parts and signature_of(recorded_args) == signature_of(large_args)
+
+
+def test_every_twin_written_out_says_why_parallel_twin_cannot_write_it():
+    """parallel_twin writes every twin that is one loop over cut arrays or a range of units; a twin written out
+    does more (its own work memory, partial sums, a check before the parts) and says what, in a line."""
+    unexplained = [twin.parallel.__name__ for twin in TWINS.values() if not twin.written and not twin.because]
+    assert not unexplained, unexplained
+    assert all("\n" not in twin.because and len(twin.because) <= 110 for twin in TWINS.values())
+
+
+def test_a_unit_of_several_elements_scales_the_cut_and_counts_the_parts_units():
+    """The softmax family's twins: a part's rows are n·inner elements each, and `outer` gets their number."""
+    from odtrain.kernels.normalization import _softmax
+
+    assert twin_source(_softmax, sliced=("x", "out"), unit=("n", "inner"), count="outer") == (
+        "def _softmax_parts(x, out, outer, n, inner, bounds):\n"
+        "    for p in prange(bounds.size - 1):\n"
+        "        _softmax(x[bounds[p] * n * inner:bounds[p + 1] * n * inner], "
+        "out[bounds[p] * n * inner:bounds[p + 1] * n * inner], bounds[p + 1] - bounds[p], n, inner)\n")
+    with pytest.raises(ValueError, match="counting the units"):
+        twin_source(_softmax, sliced=("x", "out"), unit=("n", "inner"))
+    with pytest.raises(ValueError, match="counting the units"):
+        twin_source(_softmax, sliced=("x", "out"), unit=("rows",), count="outer")
+    assert TWINS[_softmax].written and TWINS[_softmax].count == "outer"
