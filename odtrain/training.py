@@ -47,6 +47,10 @@ from .graph.errors import ArgumentError, ArtifactNotFoundError, InputError, Stat
 from .graph.losses import cross_entropy_classes, cross_entropy_layout
 from .graph import wording
 from .progress import progress_bar
+from .curves import plot_history, require_matplotlib
+from .data_checks import refuse_non_finite
+from .replay import DEFAULT_SHARE, ReplayMix, new_samples, replay_count
+from .validation import BestKeeper, describe_sets, epoch_metrics, epoch_text, validation_sets
 from .audio import AudioSource
 from .text import TextSource
 
@@ -124,6 +128,7 @@ class Session:
         else:
             dataset = data_files.from_arrays(source, self.inputs)
         self._check_labels(dataset)
+        refuse_non_finite(dataset)  # a NaN in the data is the data's fault, not the learning rate's
         return dataset
 
     def _check_labels(self, dataset: data_files.Dataset) -> None:
@@ -247,8 +252,9 @@ class FitResult:
     global_step: int
     step_in_epoch: int
     finished: bool
-    stopped_by: str | None = None  # SIGINT, SIGTERM or stop_after_steps when the run stopped early
+    stopped_by: str | None = None  # SIGINT, SIGTERM, stop_after_steps or early_stop when the run stopped early
     history: list[dict] = field(default_factory=list)  # one entry per epoch finished in this call
+    best: dict | None = None  # with keep_best or early_stop: the best epoch, its metric and value, its checkpoint
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -315,13 +321,21 @@ def fit(artifacts, train, val=None, *, epochs: int | None = None, batch_size: in
         learning_rate: float | None = None, lr_schedule: str | None = None, warmup_steps: int | None = None,
         seed: int | None = None, checkpoint_every: int | None = None, resume: bool = False, x=None, y=None,
         log=print, progress: bool = True, progress_stream=None, stop_after_steps: int | None = None,
-        handle_signals: bool = True, memory_budget: int | None = None) -> FitResult:
+        handle_signals: bool = True, memory_budget: int | None = None, keep_best: bool = False,
+        best_metric: str = "loss", early_stop: int | None = None, plot=None, replay=None,
+        replay_share: float = DEFAULT_SHARE) -> FitResult:
     """Train the artifacts in folder `artifacts` on `train` (a path, Dataset or arrays); see the module docstring.
 
     Settings left as None come from the interrupted run when resuming, else from the defaults
     (1 epoch, batch size 32, the checkpoint's `learning_rate` property, constant schedule, seed 0).
     `log` receives one line per epoch; `stop_after_steps` stops (as Ctrl-C would) after that many steps.
     `memory_budget` (bytes, or "auto") caps a training step's arena, recomputing activations (see odtrain.api.Module).
+
+    `val` may name several sets (a list, or a dict {name: source}): each is scored every epoch (odtrain.validation).
+    `keep_best` keeps the checkpoint of the epoch best by the first set's `best_metric` ("loss", lower is better,
+    or "accuracy") in `<artifacts>/checkpoint.best`; `early_stop=N` ends the run after N epochs without improvement.
+    `plot` (a path such as "curves.png") draws the loss and accuracy per epoch when the run ends (odtrain.curves).
+    `replay` (base data) mixes `replay_share` of base samples into every batch (odtrain.replay).
     """
     session = Session(artifacts, fresh_optimizer=not resume, memory_budget=memory_budget)
     paths, state, module, optimizer = session.paths, session.state, session.module, session.optimizer
@@ -347,8 +361,12 @@ def fit(artifacts, train, val=None, *, epochs: int | None = None, batch_size: in
                             f"{properties['epochs']})")
     optimizer.set_learning_rate(settings["learning_rate"])  # validates it
 
+    if plot is not None:
+        require_matplotlib(plot)
     train_set = session.dataset(train, x, y)
-    val_set = session.dataset(val, x, y) if val is not None else None
+    val_sets = validation_sets(session, val, x, y)
+    val_set = val_sets[0][1] if val_sets else None
+    best = BestKeeper(properties, best_metric, keep_best, early_stop, resume, bool(val_sets), paths.directory)
     samples = len(train_set)
     if resume and int(properties.get("samples", samples)) != samples:
         raise ArgumentError(f"the training data holds {samples} samples; the interrupted run trained on "
@@ -358,6 +376,8 @@ def fit(artifacts, train, val=None, *, epochs: int | None = None, batch_size: in
     base_lr, schedule, warmup = float(settings["learning_rate"]), settings["lr_schedule"], int(settings["warmup_steps"])
     batches = (samples + batch_size - 1) // batch_size
     total_steps = epochs * batches
+    if replay is not None:
+        train_set = ReplayMix(train_set, session.dataset(replay, x, y), replay_share, seed)
 
     if resume:
         epoch, step_in_epoch = int(properties["epoch"]), int(properties["step_in_epoch"])
@@ -383,10 +403,16 @@ def fit(artifacts, train, val=None, *, epochs: int | None = None, batch_size: in
         return result
     if log:
         schedule_text = schedule + (f" after {warmup} warm-up steps" if warmup else "")
-        validating = f"; validating on {wording.count(len(val_set), 'sample')}" if val_set is not None else ""
-        log(f"training on {wording.count(samples, 'sample')} ({wording.count(batches, 'batch')} of {batch_size}) for "
+        validating = f"; {describe_sets(val_sets)}" if val_sets else ""
+        batching = f"{wording.count(batches, 'batch')} of {batch_size}" if batch_size <= samples else \
+            f"1 batch of all of them: the batch size {batch_size} is larger than the data"
+        log(f"training on {wording.count(samples, 'sample')} ({batching}) for "
             f"{wording.count(epochs, 'epoch')}; learning rate "
             f"{base_lr:g}, {schedule_text}{validating}")
+        if replay is not None:
+            log(f"replaying {train_set.base.source} ({wording.count(len(train_set.base), 'sample')}): "
+                f"{replay_count(min(batch_size, samples), replay_share)} base samples in each batch of "
+                f"{min(batch_size, samples)} new ones ({replay_share:.0%} of the batch)")
         if resume:
             log(f"resuming at epoch {epoch + 1}, step {step_in_epoch} of {batches} (global step {global_step})")
     steps_this_call = 0
@@ -399,6 +425,7 @@ def fit(artifacts, train, val=None, *, epochs: int | None = None, batch_size: in
                                unit="samples", initial=min(step_in_epoch * batch_size, samples),
                                leave=False) if progress else None
             started, seen = time.perf_counter(), 0
+            timed_from, timed_seen = started, 0  # samples/s leaves out the call's first step (planning, compiling)
             for batch in train_set.batches(batch_size, order, start=step_in_epoch):
                 optimizer.set_learning_rate(base_lr * lr_multiplier(schedule, global_step, total_steps, warmup))
                 outputs = module(*batch)
@@ -412,9 +439,11 @@ def fit(artifacts, train, val=None, *, epochs: int | None = None, batch_size: in
                 optimizer.step()
                 module.lazy_reset_grad()
                 stop.at_once = False  # from now on a stop saves this step first
-                count = len(batch[0])
+                count = new_samples(train_set, batch)
                 step_in_epoch, global_step, steps_this_call = step_in_epoch + 1, global_step + 1, steps_this_call + 1
                 seen, loss_sum = seen + count, loss_sum + loss * count
+                if steps_this_call == 1 and step_in_epoch < batches:
+                    timed_from, timed_seen = time.perf_counter(), seen
                 if bar:
                     bar.update(count, loss=loss_sum / min(step_in_epoch * batch_size, samples))
                 stopping = stop.requested or (stop_after_steps is not None and steps_this_call >= stop_after_steps)
@@ -427,32 +456,46 @@ def fit(artifacts, train, val=None, *, epochs: int | None = None, batch_size: in
                     return result
             if bar:
                 bar.close()
-            seconds = time.perf_counter() - started
+            ended = time.perf_counter()
+            seconds, timed = ended - started, ended - timed_from
             record = {"epoch": epoch + 1, "loss": loss_sum / samples, "seconds": seconds,
-                      "samples_per_second": seen / seconds if seconds > 0 else 0.0}
-            if val_set is not None:
-                record.update({f"val_{k}": v for k, v in evaluate(session, val_set).items() if k != "samples"})
-                for key in ("val_loss", "val_accuracy", "val_mse"):
-                    if key in record:
-                        properties[key] = float(record[key])
+                      "samples_per_second": (seen - timed_seen) / timed if timed > 0 else 0.0}
+            if steps_this_call == step_in_epoch == 1 and timed_seen == 0:
+                record["includes_setup"] = True  # a one-step first epoch: its speed includes planning and compiling
+            record.update(epoch_metrics(val_sets, lambda dataset: evaluate(session, dataset)))
+            for key in ("val_loss", "val_accuracy", "val_mse"):
+                if key in record:
+                    properties[key] = float(record[key])
+            improved = best.judge(record)
             result.history.append(record)
             if log:
                 log(_epoch_line(record, epochs))
             epoch, step_in_epoch, loss_sum = epoch + 1, 0, 0.0
-            save(finished=epoch >= epochs)
+            save(finished=epoch >= epochs or best.should_stop)
+            if improved and keep_best:
+                best.save_best(state, include_optimizer_state=True)
+            if best.active:
+                result.best = best.summary()
+            if best.should_stop:
+                if log:
+                    log(f"stopping early: {wording.count(best.waited, 'epoch')} without a better val "
+                        f"{best_metric} than epoch {best.best_epoch}'s {best.best_value:.4g}")
+                result.stopped_by = "early_stop"
+                break
             if stop.requested:
                 result.stopped_by = stop.requested
                 return result
+    if plot is not None:
+        plot_history(result.history, plot)
     return result
 
 
 def _epoch_line(record: dict, epochs: int) -> str:
     width = len(str(epochs))
     parts = [f"epoch {record['epoch']:>{width}}/{epochs}: loss {record['loss']:.4f}"]
-    if "val_loss" in record:
-        parts.append(f"val loss {record['val_loss']:.4f}")
-    if "val_accuracy" in record:
-        parts.append(f"val accuracy {record['val_accuracy']:.1%}")
-    if "val_mse" in record:
-        parts.append(f"val MSE {record['val_mse']:.4g}")
-    return ", ".join(parts) + f" ({record['samples_per_second']:,.0f} samples/s)"
+    validated = epoch_text(record)
+    if validated:
+        parts.append(validated)
+    setup = ", including the first step's planning and compiling" if record.get("includes_setup") else ""
+    best = "; best so far" if record.get("best_epoch") == record["epoch"] else ""
+    return ", ".join(parts) + f" ({record['samples_per_second']:,.0f} samples/s{setup}){best}"
