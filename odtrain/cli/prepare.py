@@ -61,6 +61,14 @@ def _training_choices(graph, args) -> dict:
     choice = choose_parameters(graph, loss_inputs, args.requires_grad, args.freeze, args.train_last,
                                lambda names: listed(names, args.verbose))
     class_axis, ignore_index, loss_text = _loss_layout(graph, loss_inputs, args)
+    if getattr(args, "train_biases", False):
+        from ..personalise import with_biases
+
+        chosen = bool(args.requires_grad or args.freeze or args.train_last is not None)
+        choice.trainable, choice.frozen = with_biases(graph, choice.trainable, choice.frozen, chosen)
+        if not choice.trainable:
+            raise ArgumentError("--train-biases found no bias (Conv, Gemm or normalization input 2, or a vector added "
+                                "to a MatMul) in the model; choose parameters with --train-last or --requires-grad")
     choices = {"requires_grad": choice.trainable, "frozen_params": choice.frozen, "loss": _loss_type(args.loss),
                "loss_input_names": loss_inputs, "class_axis": class_axis, "ignore_index": ignore_index,
                "left_out": choice.left_out, "loss_text": loss_text}
@@ -227,7 +235,10 @@ def _prepare(args) -> int:
     qat = choices.get("qat")
     properties = {"learning_rate": float(args.lr), "loss": args.loss, "optimizer": args.optimizer}
     del graph  # its mapping of the model file: generate_artifacts maps the file again
-    generated = artifacts.generate_artifacts(args.model, optimizer=optimizer, artifact_directory=args.output,
+    model = args.model
+    if args.freeze_batchnorm:
+        model = _frozen_batch_norm_model(args)
+    generated = artifacts.generate_artifacts(model, optimizer=optimizer, artifact_directory=args.output,
                                              eval_output_names=predictions, properties=properties,
                                              frozen_dtype=args.frozen_dtype, **_artifact_options(choices))
     trainable, frozen = generated.trainable, generated.frozen
@@ -292,6 +303,21 @@ def _prepare(args) -> int:
     return 0
 
 
+def _frozen_batch_norm_model(args):
+    """The model with its BatchNormalization layers using (and keeping) their running statistics in training."""
+    import onnx
+
+    from ..personalise import freeze_batch_norm
+
+    model = onnx.load(args.model)
+    rewritten, already = freeze_batch_norm(model)
+    if rewritten + already == 0:
+        raise ArgumentError(f"--freeze-batchnorm: '{args.model}' has no BatchNormalization layer")
+    note(args, f"BatchNormalization: {count(rewritten + already, 'layer')} normalize with their running statistics "
+         f"in training and keep them fixed ({rewritten} of them exported in training mode)")
+    return model
+
+
 def _add_selection_options(command) -> None:
     command.add_argument("--loss", choices=("ce", "mse", "bce", "l1"), default="ce",
                          help="cross-entropy (default), mean squared error, binary cross-entropy on logits, or L1")
@@ -310,6 +336,9 @@ def _add_selection_options(command) -> None:
                        "pattern; the others train")
     which.add_argument("--train-last", type=int, metavar="N", help="train only the last N layers with parameters "
                        "(parameters grouped by the node that uses them, in graph order)")
+    command.add_argument("--train-biases", action="store_true", help="train the biases of every layer (Conv, Gemm, "
+                         "normalization shifts, vectors added to a MatMul; TinyTL's bias-only update), besides what "
+                         "--train-last, --requires-grad or --freeze choose; alone, only the biases train")
     command.add_argument("-v", "--verbose", action="store_true", help="list every parameter name (a long list "
                          "shows its first and last few)")
 
@@ -333,6 +362,9 @@ def _prepare_arguments(prepare) -> None:
     prepare.add_argument("model", metavar="MODEL.onnx", help="a forward-only ONNX model")
     prepare.add_argument("-o", "--output", required=True, metavar="ARTIFACT_DIR", help="the folder to write")
     _add_selection_options(prepare)
+    prepare.add_argument("--freeze-batchnorm", action="store_true", help="BatchNormalization layers normalize with "
+                         "their running mean and variance in training too, as in inference, and keep them fixed "
+                         "(for small batches of personal data; their scale and bias still train)")
     prepare.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="default: adamw")
     prepare.add_argument("--lr", type=float, default=1e-3, help="learning rate that `odtrain train` uses unless "
                          "told otherwise (default: 0.001)")
