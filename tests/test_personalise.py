@@ -176,11 +176,24 @@ def test_replay_holds_back_forgetting_and_counts_new_samples(workspace):
     fit(without, workspace / "base-train.npz", epochs=5, **QUIET)
     fit(with_replay, workspace / "base-train.npz", epochs=5, **QUIET)
     fit(without, workspace / "new-train.npz", epochs=3, **QUIET)
-    result = fit(with_replay, workspace / "new-train.npz", epochs=3, replay=workspace / "base-train.npz",
-                 replay_share=0.5, **QUIET)
+    original, steps = Module.__call__, []
+
+    def recorded(self, *args, **kwargs):
+        loss = original(self, *args, **kwargs)
+        if self.training:
+            steps.append((float(loss), int((args[-1] >= 5).sum())))  # the step's loss, its new samples (5-9)
+        return loss
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Module, "__call__", recorded)
+        result = fit(with_replay, workspace / "new-train.npz", epochs=3, replay=workspace / "base-train.npz",
+                     replay_share=0.5, **QUIET)
     assert evaluate(with_replay, base)["accuracy"] > evaluate(without, base)["accuracy"] + 0.3
     assert CheckpointState.load_checkpoint(os.path.join(with_replay, "checkpoint")).properties["samples"] == 200
-    assert result.global_step == 3 * 7
+    assert result.global_step == 3 * 7 and len(steps) == 21
+    last_epoch = steps[14:]
+    assert sum(n for _, n in last_epoch) == 200  # an epoch is one pass over the new data
+    assert result.history[-1]["loss"] == pytest.approx(sum(loss * n for loss, n in last_epoch) / 200, rel=1e-9)
 
 
 def test_replay_share_outside_zero_to_one_is_refused(workspace, capsys):
