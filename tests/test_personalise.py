@@ -325,3 +325,33 @@ def test_the_first_epoch_s_speed_leaves_out_the_first_step(workspace, monkeypatc
     result = fit(folder, workspace / "new-train.npz", epochs=1, **QUIET)
     assert result.history[0]["samples_per_second"] > 200 / 0.5  # 200 samples: under 400/s if the second counted
     assert result.history[0]["seconds"] > 1.0
+
+
+def test_check_of_a_two_output_model_names_every_untrainable_op_before_asking_for_the_loss_input(workspace, capsys):
+    from odtrain.graph.ops import OPS
+
+    no_kernel = next(op for op in ("Hardmax", "Det", "NonZero") if ("", op) not in OPS)
+    no_gradient = next(op for op in ("Sign", "Floor", "Ceil", "Round")
+                       if ("", op) in OPS and OPS[("", op)].gradient is None)
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Gemm", ["input", "w1"], ["h"], transB=1, name="fc1"),
+             helper.make_node(no_gradient, ["h"], ["rounded"], name="rounding"),
+             helper.make_node("Gemm", ["rounded", "w2"], ["scores"], transB=1, name="fc2"),
+             helper.make_node(no_kernel, ["scores"], ["picked"], name="picking")]
+    weights = [numpy_helper.from_array(rng.normal(size=s).astype(np.float32), n) for n, s in (("w1", (8, 64)),
+                                                                                                ("w2", (10, 8)))]
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", 10]) for n in ("scores", "picked")]
+    graph = helper.make_graph(nodes, "two", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", 64])],
+                              outputs, weights)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(workspace / "two.onnx"))
+    code, out, err = odtrain_main(capsys, "check", workspace / "two.onnx")
+    assert code == 1, err
+    assert f"no kernel: {no_kernel} node 'picking'" in out and f"{no_gradient} node 'rounding'" in out, out
+    assert "--loss-input" in err
+    _model = workspace / "two-clean.onnx"  # every op supported: the only question left is the loss input
+    nodes[1] = helper.make_node("Relu", ["h"], ["rounded"], name="rounding")
+    nodes[3] = helper.make_node("Relu", ["scores"], ["picked"], name="picking")
+    graph = helper.make_graph(nodes, "two", graph.input, outputs, weights)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(_model))
+    code, out, err = odtrain_main(capsys, "check", _model)
+    assert code == 2 and "--loss-input" in err and "no kernel" not in out

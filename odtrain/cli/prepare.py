@@ -149,6 +149,8 @@ def _check(args) -> int:
             print_json({"model": args.model, "trainable": False, "error": str(error)})
         print(f"odtrain check: error: {error}", file=sys.stderr)
         return 1
+    if not args.loss_input and len(graph.outputs) > 1:  # name the ops nothing trains before asking for the loss input
+        return _check_every_output(graph, args)
     choices = _training_choices(graph, args)
     trainable, frozen, loss_inputs = choices["requires_grad"], choices["frozen_params"], choices["loss_input_names"]
     no_kernel, no_gradient = missing_support(graph, trainable, loss_inputs)
@@ -204,6 +206,36 @@ def _check(args) -> int:
     advice = " (freeze the parameters before them, e.g. --train-last N)" if no_gradient and not no_kernel else ""
     print(f"odtrain check: error: '{args.model}' cannot be trained: {' and '.join(problems)}{advice}; "
           "details above", file=sys.stderr)
+    return 1
+
+
+def _check_every_output(graph, args) -> int:
+    """For a model with several outputs and no --loss-input: name every op without a kernel, and every op without a
+    gradient rule between a trainable parameter and any output, then stop (exit 1 when there are such ops, else the
+    request for --loss-input, exit 2). README promises every op is named before any work."""
+    from ..artifacts import choose_parameters, missing_support
+
+    outputs = list(graph.outputs)
+    trainable = choose_parameters(graph, outputs, args.requires_grad, args.freeze, args.train_last,
+                                  lambda names: listed(names, args.verbose)).trainable
+    no_kernel, no_gradient = missing_support(graph, trainable, outputs)
+    asked = (f"the model has {len(outputs)} outputs {outputs}: name the one the loss scores with --loss-input NAME")
+    if not no_kernel and not no_gradient:
+        raise ArgumentError(asked)
+    if args.json:
+        print_json({"model": args.model, "trainable": False, "error": asked,
+                    "no_kernel": [{"node": n.name, "op_type": n.op_type, "domain": n.domain} for n in no_kernel],
+                    "no_gradient": [{"node": n.name, "op_type": n.op_type, "reason": r} for n, r in no_gradient]})
+    else:
+        print(f"model: {args.model} ({count(len(graph.nodes), 'node')}); outputs {', '.join(outputs)}")
+        for node in no_kernel:
+            print(f"  no kernel: {node.describe()}")
+        for node, reason in no_gradient:
+            print(f"  no gradient rule (towards some output): {node.describe()}" + (f" ({reason})" if reason else ""))
+    problems = [f"{count(len(no_kernel), 'op')} without a kernel"] if no_kernel else []
+    problems += [f"{count(len(no_gradient), 'op')} without a gradient rule"] if no_gradient else []
+    print(f"odtrain check: error: '{args.model}' cannot be trained as it is: {' and '.join(problems)}; details "
+          f"above. Besides, {asked}", file=sys.stderr)
     return 1
 
 
