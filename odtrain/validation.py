@@ -4,8 +4,8 @@
     fit("artifacts", "new.npz", val=["new-val.npz", "base-val.npz"], keep_best=True, early_stop=5)
 
 - `validation_sets` turns fit's `val` into named Datasets. One source (a
-  path, a folder, a Dataset, arrays, or a list of `.npy` paths, one per
-  model input) is one set; a list of several sources, or a dict
+  path, a folder, a Dataset, a dict of arrays, a list of arrays or of `.npy`
+  paths, one per model input) is one set; a list of several sources, or a dict
   {name: source}, is several. A file's set is named by its file name (the
   whole path when two share a name). The first set is the one the best
   epoch and the early stop are judged on.
@@ -27,6 +27,8 @@ from __future__ import annotations
 import math
 import os
 
+import numpy as np
+
 from .artifact_paths import CHECKPOINT
 from .graph.errors import ArgumentError
 
@@ -37,8 +39,11 @@ BEST_PROPERTIES = ("best_epoch", "best_value", "epochs_without_improvement")
 
 
 def _is_single_source(val) -> bool:
-    """Whether `val` is one data source: anything but a list or tuple, or a list of .npy paths (one per input)."""
+    """Whether `val` is one data source: anything but a list or tuple; or a list of .npy paths (one per input),
+    or of arrays (one per input, in input order)."""
     if not isinstance(val, (list, tuple)):
+        return True
+    if any(isinstance(v, np.ndarray) for v in val):
         return True
     return bool(val) and all(isinstance(v, (str, os.PathLike)) and os.fspath(v).endswith(".npy") for v in val)
 

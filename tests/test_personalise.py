@@ -355,3 +355,32 @@ def test_check_of_a_two_output_model_names_every_untrainable_op_before_asking_fo
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(_model))
     code, out, err = odtrain_main(capsys, "check", _model)
     assert code == 2 and "--loss-input" in err and "no kernel" not in out
+
+
+def test_a_resumed_run_judges_against_the_best_before_the_stop(workspace):
+    """Stopped mid-run and resumed, a run keeps the best epoch and checkpoint an uninterrupted run keeps."""
+    whole, parts = fresh(workspace, "best-whole"), fresh(workspace, "best-parts")
+    settings = dict(val=workspace / "base-val.npz", epochs=4, keep_best=True, early_stop=2, **QUIET)
+    uninterrupted = fit(whole, workspace / "new-train.npz", **settings)
+    stopped = fit(parts, workspace / "new-train.npz", stop_after_steps=17, **settings)  # in epoch 3 of 7-step epochs
+    assert stopped.stopped_by == "stop_after_steps"
+    resumed = fit(parts, workspace / "new-train.npz", resume=True, **settings)
+    assert resumed.best == {**uninterrupted.best, "checkpoint": os.path.join(parts, "checkpoint.best")}
+    assert resumed.epochs == uninterrupted.epochs and resumed.stopped_by == uninterrupted.stopped_by
+    kept, reference = parameters(os.path.join(parts, "checkpoint.best")), parameters(os.path.join(whole, "checkpoint.best"))
+    for name in reference:
+        np.testing.assert_array_equal(kept[name], reference[name], err_msg=name)
+
+
+def test_eval_of_a_best_checkpoint_not_written_says_what_writes_it(workspace, capsys):
+    folder = fresh(workspace, "no-best")
+    code, out, err = odtrain_main(capsys, "eval", folder, "--data", workspace / "new-val.npz", "--checkpoint",
+                                  os.path.join(folder, "checkpoint.best"))
+    assert code == 2 and "--keep-best" in err and "checkpoint.best" in err, err
+
+
+def test_a_list_of_arrays_is_one_validation_set(workspace):
+    data = np.load(workspace / "new-val.npz")
+    result = fit(fresh(workspace, "arrays"), workspace / "new-train.npz", val=[data["input"], data["labels"]],
+                 epochs=1, **QUIET)
+    assert "val_loss" in result.history[0] and "validation" not in result.history[0]

@@ -108,6 +108,13 @@ def _validation_data(args):
     return [_data(args, [p]) for p in args.val]
 
 
+def _refuse_a_missing_checkpoint(path) -> None:
+    """--checkpoint names a file that must exist; the best one exists once a run with --keep-best has judged."""
+    if path is not None and not os.path.isfile(path):
+        raise ArgumentError(f"checkpoint '{path}' does not exist; `odtrain train --keep-best --val PATH` writes the "
+                            "best epoch's as ARTIFACT_DIR/checkpoint.best")
+
+
 def _print_best(result) -> None:
     """The best epoch and where its checkpoint is, when the run judged one (--keep-best, --early-stop)."""
     best = result.best
@@ -122,6 +129,7 @@ def _eval(args) -> int:
 
     from ..training import evaluate
 
+    _refuse_a_missing_checkpoint(args.checkpoint)
     metrics = evaluate(args.artifacts, _data(args, args.data), batch_size=args.batch_size, x=args.x, y=args.y,
                        checkpoint=args.checkpoint)
     finite = math.isfinite(metrics["loss"])
@@ -148,6 +156,7 @@ def _export(args) -> int:
     from ..graph.onnx_io import load_graph
     from ..training import Session
 
+    _refuse_a_missing_checkpoint(args.checkpoint)
     session = Session(args.artifacts, args.checkpoint, with_optimizer=False)
     if args.adapters_only:
         return _export_adapters(session, args)
