@@ -20,6 +20,16 @@ The loop:
   `global_step`, the epoch's loss sum so far), so `resume=True` continues
   with the same batches, optimizer state and learning rates: the final
   parameters equal those of an uninterrupted run.
+- Validation (odtrain/validation.py): each set of `val` is scored after
+  every epoch; with `keep_best` the epoch best by the first set's metric is
+  saved to `checkpoint.best`, and `early_stop` ends the run after that many
+  epochs without improvement. `replay` mixes base samples into every batch
+  (odtrain/replay.py); `plot` draws the curves (odtrain/curves.py).
+- A NaN or infinity in any data set is refused before the first step,
+  naming the file and sample (odtrain/data_checks.py): met in a step, it
+  would read as divergence.
+- An epoch's samples/s leaves out the call's first step (planning the step,
+  compiling kernels), unless the epoch has no other.
 - SIGINT (Ctrl-C) and SIGTERM stop the loop after the step in progress: the
   checkpoint is saved and the result says where it stopped. A second Ctrl-C
   stops at once, leaving the last saved checkpoint; so does a first one
@@ -426,6 +436,7 @@ def fit(artifacts, train, val=None, *, epochs: int | None = None, batch_size: in
                                leave=False) if progress else None
             started, seen = time.perf_counter(), 0
             timed_from, timed_seen = started, 0  # samples/s leaves out the call's first step (planning, compiling)
+            first_of_call = steps_this_call == 0
             for batch in train_set.batches(batch_size, order, start=step_in_epoch):
                 optimizer.set_learning_rate(base_lr * lr_multiplier(schedule, global_step, total_steps, warmup))
                 outputs = module(*batch)
@@ -460,8 +471,8 @@ def fit(artifacts, train, val=None, *, epochs: int | None = None, batch_size: in
             seconds, timed = ended - started, ended - timed_from
             record = {"epoch": epoch + 1, "loss": loss_sum / samples, "seconds": seconds,
                       "samples_per_second": (seen - timed_seen) / timed if timed > 0 else 0.0}
-            if steps_this_call == step_in_epoch == 1 and timed_seen == 0:
-                record["includes_setup"] = True  # a one-step first epoch: its speed includes planning and compiling
+            if first_of_call and timed_seen == 0:
+                record["includes_setup"] = True  # the call's first step was its only one: its speed includes it
             record.update(epoch_metrics(val_sets, lambda dataset: evaluate(session, dataset)))
             for key in ("val_loss", "val_accuracy", "val_mse"):
                 if key in record:
