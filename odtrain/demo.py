@@ -149,11 +149,12 @@ def check_kernels_before_training(module, directory: str, test_x, batch_size: in
             InferenceSession(path).run([OUTPUT], {"input": test_x[:1]})
     except KernelsUnavailableError as error:
         text = str(error)
-        cut = text.find(" with `odtrain compile")  # the artifact folder's command names a path of this device
-        reason = text[:cut] if cut > 0 else text
+        # the step's own advice compiles this device's artifact folder on a desktop, which has no such folder
+        cut = min((text.find(m) for m in (": rebuild the library", ": build the library") if m in text),
+                  default=len(text))
         raise KernelsUnavailableError(
-            f"{reason}: checked before training. Build the demo's kernels on a machine with odtrain's dependencies "
-            f"(a desktop): `odtrain compile -o DIR --target {host_arch()}`; copy DIR here and run "
+            f"{text[:cut]} (the demo checks its kernels before training). On a machine with odtrain's dependencies "
+            f"(a desktop), `odtrain compile -o DIR --target {host_arch()}` builds the demo's; copy DIR here and run "
             f"`{LIBRARY_ENV}=DIR odtrain demo`") from None
 
 
