@@ -376,7 +376,8 @@ def fit(artifacts, train, val=None, *, epochs: int | None = None, batch_size: in
     train_set = session.dataset(train, x, y)
     val_sets = validation_sets(session, val, x, y)
     val_set = val_sets[0][1] if val_sets else None
-    best = BestKeeper(properties, best_metric, keep_best, early_stop, resume, bool(val_sets), paths.directory)
+    best = BestKeeper(properties, best_metric, keep_best, early_stop, resume, bool(val_sets), paths.directory,
+                      session.loss_kind)
     samples = len(train_set)
     if resume and int(properties.get("samples", samples)) != samples:
         raise ArgumentError(f"the training data holds {samples} samples; the interrupted run trained on "

@@ -121,9 +121,13 @@ class BestKeeper:
     `properties` is the checkpoint's property bag: the best so far is read from it (a resumed run) and kept in it."""
 
     def __init__(self, properties, metric: str = "loss", keep_best: bool = False, early_stop: int | None = None,
-                 resume: bool = False, has_validation: bool = True, directory: str = "."):
+                 resume: bool = False, has_validation: bool = True, directory: str = ".",
+                 loss_kind: str | None = None):
         if metric not in BEST_METRICS:
             raise ArgumentError(f"best_metric must be one of {', '.join(BEST_METRICS)}, got {metric!r}")
+        if metric == "accuracy" and loss_kind not in ("ce", "bce"):
+            raise ArgumentError(f"--best-metric accuracy (best_metric='accuracy') needs a classifier's loss (ce or "
+                                f"bce); this model's is {loss_kind or 'its own output'}: judge by loss")
         if early_stop is not None and early_stop < 1:
             raise ArgumentError(f"early stop must be at least 1 epoch without improvement, got {early_stop}")
         if (keep_best or early_stop is not None) and not has_validation:

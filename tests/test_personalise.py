@@ -384,3 +384,16 @@ def test_a_list_of_arrays_is_one_validation_set(workspace):
     result = fit(fresh(workspace, "arrays"), workspace / "new-train.npz", val=[data["input"], data["labels"]],
                  epochs=1, **QUIET)
     assert "val_loss" in result.history[0] and "validation" not in result.history[0]
+
+
+def test_best_by_accuracy_is_refused_before_training_for_a_regression(workspace, capsys):
+    folder = str(workspace / "regression")
+    code, out, err = odtrain_main(capsys, "prepare", workspace / "mlp.onnx", "-o", folder, "--loss", "mse", "--force")
+    assert code == 0, err
+    rng = np.random.default_rng(0)
+    np.savez(workspace / "targets.npz", input=rng.random((40, 64), np.float32), target=rng.random((40, 10), np.float32))
+    before = open(os.path.join(folder, "checkpoint"), "rb").read()
+    code, out, err = odtrain_main(capsys, "train", folder, "--data", workspace / "targets.npz", "--val",
+                                  workspace / "targets.npz", "--keep-best", "--best-metric", "accuracy")
+    assert code == 2 and "judge by loss" in err and "mse" in err, err
+    assert open(os.path.join(folder, "checkpoint"), "rb").read() == before
