@@ -111,3 +111,4 @@ def test_without_numba_a_library_lacking_a_demo_kernel_stops_before_the_first_ep
     assert "`odtrain compile -o DIR --target" in last and f"{kernel_library.LIBRARY_ENV}=DIR odtrain demo" in last
     assert f"odtrain compile {tmp_path / 'demo'}" not in last
     assert "held-out accuracy" not in result.stdout
+    assert f"kernels: the library {kernel_library.LIBRARY_ENV} names ({named})" in result.stdout  # not "holds no"
