@@ -89,6 +89,7 @@ def run(directory: str = "odtrain-demo", epochs: int = 15, batch_size: int = 32,
     module = Module(paths.training_model, state, paths.eval_model)
     optimizer = Optimizer(paths.optimizer_model, module)
     optimizer.set_learning_rate(learning_rate)
+    check_kernels_before_training(module, directory, test_x, batch_size)
     rng = np.random.default_rng(seed)
     batches = (len(train_y) + batch_size - 1) // batch_size
     for epoch in range(1, epochs + 1):
@@ -123,6 +124,38 @@ def run(directory: str = "odtrain-demo", epochs: int = 15, batch_size: int = 32,
     out(f"peak memory (RSS): {peak_mib:.0f} MiB; total time {result['seconds']:.1f} s")
     out(f"inference model: {inference_path} (its predictions agree with training's on {agree:.0%} of the digits)")
     return result
+
+
+def check_kernels_before_training(module, directory: str, test_x, batch_size: int) -> None:
+    """Where Numba is not installed (a device), every kernel the demo calls must be in the kernel library: bind
+    the training step, the held-out evaluation and the exported model's inference now, so that a library that
+    lacks one stops the demo before its first epoch, with the command that builds the demo's library where
+    odtrain's dependencies are (a desktop) and how to use it here."""
+    import tempfile
+
+    from .graph.errors import KernelsUnavailableError
+    from .inference import InferenceSession
+    from .kernel_library import LIBRARY_ENV, compiler_installed
+    from .kernel_library.cpu import host_arch
+
+    if compiler_installed():
+        return  # what a library lacks compiles through Numba
+    try:
+        module.bind_at(batch_size, training=True)
+        module.bind_at(len(test_x), training=False)
+        with tempfile.TemporaryDirectory(prefix="odtrain-demo-check-", dir=directory) as scratch:
+            path = os.path.join(scratch, "inference.onnx")
+            module.export_model_for_inferencing(path, [OUTPUT])
+            InferenceSession(path).run([OUTPUT], {"input": test_x[:1]})
+    except KernelsUnavailableError as error:
+        text = str(error)
+        # the step's own advice compiles this device's artifact folder on a desktop, which has no such folder
+        cut = min((text.find(m) for m in (": rebuild the library", ": build the library") if m in text),
+                  default=len(text))
+        raise KernelsUnavailableError(
+            f"{text[:cut]} (the demo checks its kernels before training). On a machine with odtrain's dependencies "
+            f"(a desktop), `odtrain compile -o DIR --target {host_arch()}` builds the demo's; copy DIR here and run "
+            f"`{LIBRARY_ENV}=DIR odtrain demo`") from None
 
 
 def onnx_installed() -> bool:
@@ -184,7 +217,10 @@ def place_library(directory: str) -> str:
     if not os.path.isfile(os.path.join(LIBRARY, MANIFEST_FILE)):
         from .kernel_library import LIBRARY_ENV, compiler_installed
 
-        if not compiler_installed() and not os.environ.get(LIBRARY_ENV):
+        named = os.environ.get(LIBRARY_ENV, "").strip()
+        if named and named.lower() != "off":
+            return _named_library(directory, named)
+        if not compiler_installed():
             return (f"kernels: the package holds no library of them (a pure wheel) and Numba is not installed: build "
                     f"one where odtrain's dependencies are, `odtrain compile -o DIR --target ARCH`, then run "
                     f"`{LIBRARY_ENV}=DIR odtrain demo` here")
@@ -197,6 +233,20 @@ def place_library(directory: str) -> str:
         shutil.copyfile(os.path.join(LIBRARY, name), partial)
         os.replace(partial, os.path.join(target, name))  # a process that maps the old file keeps it whole
     return f"kernels: the package's library of them, built ahead, copied to {target}/"
+
+
+def _named_library(directory: str, named: str) -> str:
+    """The kernels line where the package holds no library and ODTRAIN_KERNEL_LIBRARY names one: the library it
+    names runs them, or why it cannot."""
+    from .kernel_library import LIBRARY_ENV, compiler_installed, find
+
+    library = find(directory)
+    if library is not None:
+        return f"kernels: the library {LIBRARY_ENV} names ({getattr(library, 'folder', named)}), built ahead"
+    fallback = ("they compile through Numba on first use, once" if compiler_installed() else
+                "Numba is not installed to compile them: build the demo's library on a machine with odtrain's "
+                "dependencies with `odtrain compile -o DIR`, and point " + LIBRARY_ENV + " at it")
+    return f"kernels: {LIBRARY_ENV}={named} gives no usable library (see the line above, if any); {fallback}"
 
 
 if __name__ == "__main__":

@@ -33,6 +33,17 @@ from .graph.wording import count
 MIB = 1024 * 1024
 RUNTIME_FLOOR = ("not included: the Python/Numba runtime floor (interpreter, numpy, Numba and its compiled "
                  "kernels), which every odtrain process pays")
+# where a kernel library runs the steps, the process never loads Numba: its floor is the library's
+LIBRARY_RUNTIME_FLOOR = ("not included: the runtime floor (interpreter, numpy and the kernel library {folder}), which "
+                         "every odtrain process pays")
+
+
+def runtime_floor(library) -> str:
+    """The line naming the runtime floor a report leaves out: the kernel library's where one runs the steps
+    (a device), else Numba's."""
+    if library is None:
+        return RUNTIME_FLOOR
+    return LIBRARY_RUNTIME_FLOOR.format(folder=getattr(library, "folder", ""))
 
 
 # values a byte of the frozen types numpy has no dtype for (graph/frozen.py); others: 1 / itemsize
@@ -76,6 +87,7 @@ class MemoryReport:
     optimizer_states: tuple = ()
     shared_arena_bytes: int | None = None  # the buffer the plans share, when read off a Module
     frozen_bytes_by_type: dict = field(default_factory=dict)  # element type name -> frozen parameter bytes
+    runtime: str = RUNTIME_FLOOR  # the line naming the runtime floor left out (runtime_floor)
 
     @property
     def frozen_parameter_bytes(self) -> int:
@@ -156,7 +168,7 @@ class MemoryReport:
         lines.append(row("training adds", self.training_bytes,
                          "to the loaded checkpoint (gradients, optimizer state, arena, folded constants)"))
         lines.append(row("predicted peak", self.peak_bytes, "with the parameters"))
-        lines.append(RUNTIME_FLOOR)
+        lines.append(self.runtime)
         return "\n".join(lines)
 
 
@@ -171,7 +183,8 @@ def report(module) -> MemoryReport:
         optimizer_kind=buffers.optimizer_kind,
         optimizer_states=tuple(buffers.optimizer_state_bytes),
         shared_arena_bytes=module.arena_bytes,
-        frozen_bytes_by_type=buffers.frozen_bytes_by_type)
+        frozen_bytes_by_type=buffers.frozen_bytes_by_type,
+        runtime=runtime_floor(module.kernel_library))
     for step in module.bound_steps():
         result.plans.append(PlanMemory(step.mode, step.inputs, step.arena_bytes, step.lower_bound, step.constant_bytes,
                                        step.recomputed_nodes, step.plan.no_reuse_bytes, step.plan, step.loss_step))
@@ -282,5 +295,6 @@ def plot_timeline(report: MemoryReport, path, title: str) -> None:
     bottom.set_xlabel(f"position in the training step's execution order (0: inputs written; {plan.steps} ops)")
     with_eval = " (with the eval step's arena)" if any(p.mode == "eval" for p in report.plans) else ""
     figure.suptitle(f"{title}\npredicted peak {format_bytes(report.peak_bytes)}{with_eval}; "
-                    "the Python/Numba runtime floor is not included", fontsize=11)
+                    + ("the Python/Numba runtime floor" if report.runtime == RUNTIME_FLOOR else "the runtime floor")
+                    + " is not included", fontsize=11)
     figure.savefig(os.fspath(path), dpi=110)

@@ -172,6 +172,7 @@ class StepProfile:
     peaks: dict[int, float] = field(default_factory=dict)  # threads -> float32 GEMM GF/s
     clock: str = "wall"  # what the seconds are (CLOCKS)
     sequence_length: int | None = None  # the inputs' other symbolic axes (a language model's sequence)
+    runner: str = "Numba"  # what ran the parallel parts: Numba's threads, or the kernel library's (a device)
 
     @property
     def profiled_seconds(self) -> float:
@@ -227,7 +228,8 @@ class StepProfile:
         product_gflops = self.product_flops / self.product_seconds / 1e9 if self.product_seconds else None
         return {"artifacts": self.artifacts, "batch_size": self.batch_size, "sequence_length": self.sequence_length,
                 "steps": self.steps,
-                "threads": self.threads, "numba_threads": self.numba_threads, "clock": self.clock,
+                "threads": self.threads, "numba_threads": self.numba_threads, "threads_of": self.runner,
+                "clock": self.clock,
                 "step_ms": 1e3 * self.step_seconds,
                 "profiled_ms": 1e3 * self.profiled_seconds,
                 "phases_ms": {k: 1e3 * v for k, v in self.phases.items()},
@@ -244,7 +246,9 @@ class StepProfile:
         share = (lambda seconds: f"{100 * seconds / total:.1f}")
         rate = (lambda gf: f"{gf:.1f}" if gf else "")
         of_peak = (lambda gf: f"{100 * self._of_peak(gf):.0f}%" if self._of_peak(gf) else "")
-        threads = f"{count(self.threads, 'thread')}, {count(self.numba_threads, 'Numba thread')}"
+        threads = f"{count(self.threads, 'thread')}, " + (
+            count(self.numba_threads, "Numba thread") if self.runner == "Numba" else
+            f"{count(self.numba_threads, 'thread')} of the kernel library")
         clock = "wall time" if self.clock == "wall" else "CPU time of every thread"
         shape = f"batch size {self.batch_size}" + (f", sequence length {self.sequence_length}"
                                                    if self.sequence_length else "")
@@ -368,4 +372,5 @@ def profile_artifacts(directory, batch_size: int, steps: int = 10, threads: int 
         nodes.append(NodeTime("(optimizer step)", session.state.buffer_bytes().optimizer_kind, "optimizer", 1,
                               statistics.median(optimizer_times[warmup:])))
     return StepProfile(directory, int(batch_size), int(steps), step_threads, min(ran_on[warmup:]),
-                       statistics.median(untimed[warmup:]), nodes, peaks, clock, sequence_length)
+                       statistics.median(untimed[warmup:]), nodes, peaks, clock, sequence_length,
+                       "Numba" if bound.library is None else "the kernel library")

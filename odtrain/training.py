@@ -20,6 +20,16 @@ The loop:
   `global_step`, the epoch's loss sum so far), so `resume=True` continues
   with the same batches, optimizer state and learning rates: the final
   parameters equal those of an uninterrupted run.
+- Validation (odtrain/validation.py): each set of `val` is scored after
+  every epoch; with `keep_best` the epoch best by the first set's metric is
+  saved to `checkpoint.best`, and `early_stop` ends the run after that many
+  epochs without improvement. `replay` mixes base samples into every batch
+  (odtrain/replay.py); `plot` draws the curves (odtrain/curves.py).
+- A NaN or infinity in any data set is refused before the first step,
+  naming the file and sample (odtrain/data_checks.py): met in a step, it
+  would read as divergence.
+- An epoch's samples/s leaves out the call's first step (planning the step,
+  compiling kernels), unless the epoch has no other.
 - SIGINT (Ctrl-C) and SIGTERM stop the loop after the step in progress: the
   checkpoint is saved and the result says where it stopped. A second Ctrl-C
   stops at once, leaving the last saved checkpoint; so does a first one
@@ -47,6 +57,10 @@ from .graph.errors import ArgumentError, ArtifactNotFoundError, InputError, Stat
 from .graph.losses import cross_entropy_classes, cross_entropy_layout
 from .graph import wording
 from .progress import progress_bar
+from .curves import plot_history, require_matplotlib
+from .data_checks import refuse_non_finite
+from .replay import DEFAULT_SHARE, ReplayMix, new_samples, replay_count
+from .validation import BestKeeper, describe_sets, epoch_metrics, epoch_text, validation_sets
 from .audio import AudioSource
 from .text import TextSource
 
@@ -124,6 +138,7 @@ class Session:
         else:
             dataset = data_files.from_arrays(source, self.inputs)
         self._check_labels(dataset)
+        refuse_non_finite(dataset)  # a NaN in the data is the data's fault, not the learning rate's
         return dataset
 
     def _check_labels(self, dataset: data_files.Dataset) -> None:
@@ -247,8 +262,9 @@ class FitResult:
     global_step: int
     step_in_epoch: int
     finished: bool
-    stopped_by: str | None = None  # SIGINT, SIGTERM or stop_after_steps when the run stopped early
+    stopped_by: str | None = None  # SIGINT, SIGTERM, stop_after_steps or early_stop when the run stopped early
     history: list[dict] = field(default_factory=list)  # one entry per epoch finished in this call
+    best: dict | None = None  # with keep_best or early_stop: the best epoch, its metric and value, its checkpoint
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -334,8 +350,8 @@ class _Run:
     """One call of fit: the session and its data, the run's settings, where it stands (epoch, step_in_epoch,
     global_step, the epoch's loss_sum), and the FitResult that save() keeps in step with the checkpoint."""
 
-    def __init__(self, session: Session, settings: dict, train_set, val_set, resume: bool):
-        self.session, self.train_set, self.val_set = session, train_set, val_set
+    def __init__(self, session: Session, settings: dict, train_set, val_sets, resume: bool, best: BestKeeper):
+        self.session, self.train_set, self.val_sets, self.best = session, train_set, val_sets, best
         properties = session.state.properties
         self.samples = len(train_set)
         self.epochs, self.batch_size, self.seed = int(settings["epochs"]), int(settings["batch_size"]), \
@@ -369,21 +385,32 @@ class _Run:
     def start_lines(self, resume: bool) -> list[str]:
         """What the run says before its first step: its data, length and learning rate; where it resumes."""
         schedule_text = self.schedule + (f" after {self.warmup} warm-up steps" if self.warmup else "")
-        validating = f"; validating on {wording.count(len(self.val_set), 'sample')}" if self.val_set is not None else ""
-        lines = [f"training on {wording.count(self.samples, 'sample')} ({wording.count(self.batches, 'batch')} of "
-                 f"{self.batch_size}) for {wording.count(self.epochs, 'epoch')}; learning rate "
-                 f"{self.base_lr:g}, {schedule_text}{validating}"]
+        validating = f"; {describe_sets(self.val_sets)}" if self.val_sets else ""
+        batching = (f"{wording.count(self.batches, 'batch')} of {self.batch_size}" if self.batch_size <= self.samples
+                    else f"1 batch of all of them: the batch size {self.batch_size} is larger than the data")
+        lines = [f"training on {wording.count(self.samples, 'sample')} ({batching}) for "
+                 f"{wording.count(self.epochs, 'epoch')}; learning rate {self.base_lr:g}, {schedule_text}{validating}"]
+        if isinstance(self.train_set, ReplayMix):
+            batch = min(self.batch_size, self.samples)
+            share = self.train_set.share
+            lines.append(f"replaying {self.train_set.base.source} ({wording.count(len(self.train_set.base), 'sample')})"
+                         f": {replay_count(batch, share)} base samples in each batch of {batch} new ones "
+                         f"({share:.0%} of the batch)")
         if resume:
             lines.append(f"resuming at epoch {self.epoch + 1}, step {self.step_in_epoch} of {self.batches} "
                          f"(global step {self.global_step})")
         return lines
 
     def train_epoch(self, stop: _StopRequests, bar, checkpoint_every, stop_after_steps) -> int | None:
-        """Train on the rest of the epoch's batches, saving every `checkpoint_every` steps: the samples seen, or
-        None when a stop request or `stop_after_steps` ended the run (saved, result.stopped_by says which)."""
+        """Train on the rest of the epoch's batches, saving every `checkpoint_every` steps: the new samples seen, or
+        None when a stop request or `stop_after_steps` ended the run (saved, result.stopped_by says which).
+        Sets `timed_from` and `timed_seen`, where the epoch's speed is counted from: after the call's first step
+        (planning the step, compiling kernels) unless the epoch has no other."""
         module, optimizer = self.session.module, self.session.optimizer
         order = epoch_order(self.seed, self.epoch, self.samples)
         seen = 0
+        self.timed_from, self.timed_seen = time.perf_counter(), 0
+        self.first_of_call = self.steps_this_call == 0
         for batch in self.train_set.batches(self.batch_size, order, start=self.step_in_epoch):
             optimizer.set_learning_rate(self.base_lr * lr_multiplier(self.schedule, self.global_step, self.total_steps,
                                                                      self.warmup))
@@ -398,10 +425,12 @@ class _Run:
             optimizer.step()
             module.lazy_reset_grad()
             stop.at_once = False  # from now on a stop saves this step first
-            count = len(batch[0])
+            count = new_samples(self.train_set, batch)
             self.step_in_epoch, self.global_step = self.step_in_epoch + 1, self.global_step + 1
             self.steps_this_call += 1
             seen, self.loss_sum = seen + count, self.loss_sum + loss * count
+            if self.steps_this_call == 1 and self.step_in_epoch < self.batches:
+                self.timed_from, self.timed_seen = time.perf_counter(), seen
             if bar:
                 bar.update(count, loss=self.loss_sum / min(self.step_in_epoch * self.batch_size, self.samples))
             stopping = stop.requested or (stop_after_steps is not None and self.steps_this_call >= stop_after_steps)
@@ -416,30 +445,61 @@ class _Run:
             bar.close()
         return seen
 
-    def epoch_record(self, seen: int, seconds: float) -> dict:
-        """The finished epoch's entry of the history (with the validation metrics, also kept as properties)."""
-        record = {"epoch": self.epoch + 1, "loss": self.loss_sum / self.samples, "seconds": seconds,
-                  "samples_per_second": seen / seconds if seconds > 0 else 0.0}
-        if self.val_set is not None:
-            record.update({f"val_{k}": v for k, v in evaluate(self.session, self.val_set).items() if k != "samples"})
-            for key in ("val_loss", "val_accuracy", "val_mse"):
-                if key in record:
-                    self.session.state.properties[key] = float(record[key])
+    def epoch_record(self, seen: int, started: float) -> tuple[dict, bool]:
+        """The finished epoch's entry of the history (with the validation metrics, also kept as properties), and
+        whether it is the best so far."""
+        ended = time.perf_counter()
+        timed = ended - self.timed_from
+        record = {"epoch": self.epoch + 1, "loss": self.loss_sum / self.samples, "seconds": ended - started,
+                  "samples_per_second": (seen - self.timed_seen) / timed if timed > 0 else 0.0}
+        if self.first_of_call and self.timed_seen == 0:
+            record["includes_setup"] = True  # the call's first step was its only one: its speed includes it
+        record.update(epoch_metrics(self.val_sets, lambda dataset: evaluate(self.session, dataset)))
+        for key in ("val_loss", "val_accuracy", "val_mse"):
+            if key in record:
+                self.session.state.properties[key] = float(record[key])
+        improved = self.best.judge(record)
         self.result.history.append(record)
-        return record
+        return record, improved
+
+    def end_epoch(self, improved: bool, keep_best: bool, log) -> bool:
+        """Save the finished epoch (and the best checkpoint where it improved); True when the early stop ends the
+        run here."""
+        self.epoch, self.step_in_epoch, self.loss_sum = self.epoch + 1, 0, 0.0
+        best = self.best
+        self.save(finished=self.epoch >= self.epochs or best.should_stop)
+        if improved and keep_best:
+            best.save_best(self.session.state, include_optimizer_state=True)
+        if best.active:
+            self.result.best = best.summary()
+        if not best.should_stop:
+            return False
+        if log:
+            log(f"stopping early: {wording.count(best.waited, 'epoch')} without a better val {best.metric} than "
+                f"epoch {best.best_epoch}'s {best.best_value:.4g}")
+        self.result.stopped_by = "early_stop"
+        return True
 
 
 def fit(artifacts, train, val=None, *, epochs: int | None = None, batch_size: int | None = None,
         learning_rate: float | None = None, lr_schedule: str | None = None, warmup_steps: int | None = None,
         seed: int | None = None, checkpoint_every: int | None = None, resume: bool = False, x=None, y=None,
         log=print, progress: bool = True, progress_stream=None, stop_after_steps: int | None = None,
-        handle_signals: bool = True, memory_budget: int | None = None) -> FitResult:
+        handle_signals: bool = True, memory_budget: int | None = None, keep_best: bool = False,
+        best_metric: str = "loss", early_stop: int | None = None, plot=None, replay=None,
+        replay_share: float = DEFAULT_SHARE) -> FitResult:
     """Train the artifacts in folder `artifacts` on `train` (a path, Dataset or arrays); see the module docstring.
 
     Settings left as None come from the interrupted run when resuming, else from the defaults
     (1 epoch, batch size 32, the checkpoint's `learning_rate` property, constant schedule, seed 0).
     `log` receives one line per epoch; `stop_after_steps` stops (as Ctrl-C would) after that many steps.
     `memory_budget` (bytes, or "auto") caps a training step's arena, recomputing activations (see odtrain.api.Module).
+
+    `val` may name several sets (a list, or a dict {name: source}): each is scored every epoch (odtrain.validation).
+    `keep_best` keeps the checkpoint of the epoch best by the first set's `best_metric` ("loss", lower is better,
+    or "accuracy") in `<artifacts>/checkpoint.best`; `early_stop=N` ends the run after N epochs without improvement.
+    `plot` (a path such as "curves.png") draws the loss and accuracy per epoch when the run ends (odtrain.curves).
+    `replay` (base data) mixes `replay_share` of base samples into every batch (odtrain.replay).
     """
     session = Session(artifacts, fresh_optimizer=not resume, memory_budget=memory_budget)
     properties = session.state.properties
@@ -451,14 +511,20 @@ def fit(artifacts, train, val=None, *, epochs: int | None = None, batch_size: in
     settings = _checked_settings(properties, resume, given, session.paths.checkpoint, checkpoint_every)
     session.optimizer.set_learning_rate(settings["learning_rate"])  # validates it
 
+    if plot is not None:
+        require_matplotlib(plot)
     train_set = session.dataset(train, x, y)
-    val_set = session.dataset(val, x, y) if val is not None else None
+    val_sets = validation_sets(session, val, x, y)
+    best = BestKeeper(properties, best_metric, keep_best, early_stop, resume, bool(val_sets), session.paths.directory,
+                      session.loss_kind)
     samples = len(train_set)
     if resume and int(properties.get("samples", samples)) != samples:
         raise ArgumentError(f"the training data holds {samples} samples; the interrupted run trained on "
                             f"{properties['samples']}: resume with the same data")
     settings["samples"] = samples
-    run = _Run(session, settings, train_set, val_set, resume)
+    if replay is not None:
+        train_set = ReplayMix(train_set, session.dataset(replay, x, y), replay_share, settings["seed"])
+    run = _Run(session, settings, train_set, val_sets, resume, best)
     if run.epoch >= run.epochs:
         run.save(finished=True)
         return run.result
@@ -474,24 +540,25 @@ def fit(artifacts, train, val=None, *, epochs: int | None = None, batch_size: in
             seen = run.train_epoch(stop, bar, checkpoint_every, stop_after_steps)
             if seen is None:
                 return run.result
-            record = run.epoch_record(seen, time.perf_counter() - started)
+            record, improved = run.epoch_record(seen, started)
             if log:
                 log(_epoch_line(record, run.epochs))
-            run.epoch, run.step_in_epoch, run.loss_sum = run.epoch + 1, 0, 0.0
-            run.save(finished=run.epoch >= run.epochs)
+            if run.end_epoch(improved, keep_best, log):
+                break
             if stop.requested:
                 run.result.stopped_by = stop.requested
                 return run.result
+    if plot is not None:
+        plot_history(run.result.history, plot)
     return run.result
 
 
 def _epoch_line(record: dict, epochs: int) -> str:
     width = len(str(epochs))
     parts = [f"epoch {record['epoch']:>{width}}/{epochs}: loss {record['loss']:.4f}"]
-    if "val_loss" in record:
-        parts.append(f"val loss {record['val_loss']:.4f}")
-    if "val_accuracy" in record:
-        parts.append(f"val accuracy {record['val_accuracy']:.1%}")
-    if "val_mse" in record:
-        parts.append(f"val MSE {record['val_mse']:.4g}")
-    return ", ".join(parts) + f" ({record['samples_per_second']:,.0f} samples/s)"
+    validated = epoch_text(record)
+    if validated:
+        parts.append(validated)
+    setup = ", including the first step's planning and compiling" if record.get("includes_setup") else ""
+    best = "; best so far" if record.get("best_epoch") == record["epoch"] else ""
+    return ", ".join(parts) + f" ({record['samples_per_second']:,.0f} samples/s{setup}){best}"

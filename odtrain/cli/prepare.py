@@ -61,6 +61,14 @@ def _training_choices(graph, args) -> dict:
     choice = choose_parameters(graph, loss_inputs, args.requires_grad, args.freeze, args.train_last,
                                lambda names: listed(names, args.verbose))
     class_axis, ignore_index, loss_text = _loss_layout(graph, loss_inputs, args)
+    if getattr(args, "train_biases", False):
+        from ..personalise import with_biases
+
+        chosen = bool(args.requires_grad or args.freeze or args.train_last is not None)
+        choice.trainable, choice.frozen = with_biases(graph, choice.trainable, choice.frozen, chosen)
+        if not choice.trainable:
+            raise ArgumentError("--train-biases found no bias (Conv, Gemm or normalization input 2, or a vector added "
+                                "to a MatMul) in the model; choose parameters with --train-last or --requires-grad")
     choices = {"requires_grad": choice.trainable, "frozen_params": choice.frozen, "loss": _loss_type(args.loss),
                "loss_input_names": loss_inputs, "class_axis": class_axis, "ignore_index": ignore_index,
                "left_out": choice.left_out, "loss_text": loss_text}
@@ -222,6 +230,8 @@ def _check(args) -> int:
             print_json({"model": args.model, "trainable": False, "error": str(error)})
         print(f"odtrain check: error: {error}", file=sys.stderr)
         return 1
+    if not args.loss_input and len(graph.outputs) > 1:  # name the ops nothing trains before asking for the loss input
+        return _check_every_output(graph, args)
     choices = _training_choices(graph, args)
     no_kernel, no_gradient = missing_support(graph, choices["requires_grad"], choices["loss_input_names"])
     arena, trial_error = (None, None)
@@ -240,6 +250,36 @@ def _check(args) -> int:
     advice = " (freeze the parameters before them, e.g. --train-last N)" if no_gradient and not no_kernel else ""
     print(f"odtrain check: error: '{args.model}' cannot be trained: {' and '.join(problems)}{advice}; "
           "details above", file=sys.stderr)
+    return 1
+
+
+def _check_every_output(graph, args) -> int:
+    """For a model with several outputs and no --loss-input: name every op without a kernel, and every op without a
+    gradient rule between a trainable parameter and any output, then stop (exit 1 when there are such ops, else the
+    request for --loss-input, exit 2). README promises every op is named before any work."""
+    from ..artifacts import choose_parameters, missing_support
+
+    outputs = list(graph.outputs)
+    trainable = choose_parameters(graph, outputs, args.requires_grad, args.freeze, args.train_last,
+                                  lambda names: listed(names, args.verbose)).trainable
+    no_kernel, no_gradient = missing_support(graph, trainable, outputs)
+    asked = (f"the model has {len(outputs)} outputs {outputs}: name the one the loss scores with --loss-input NAME")
+    if not no_kernel and not no_gradient:
+        raise ArgumentError(asked)
+    if args.json:
+        print_json({"model": args.model, "trainable": False, "error": asked,
+                    "no_kernel": [{"node": n.name, "op_type": n.op_type, "domain": n.domain} for n in no_kernel],
+                    "no_gradient": [{"node": n.name, "op_type": n.op_type, "reason": r} for n, r in no_gradient]})
+    else:
+        print(f"model: {args.model} ({count(len(graph.nodes), 'node')}); outputs {', '.join(outputs)}")
+        for node in no_kernel:
+            print(f"  no kernel: {node.describe()}")
+        for node, reason in no_gradient:
+            print(f"  no gradient rule (towards some output): {node.describe()}" + (f" ({reason})" if reason else ""))
+    problems = [f"{count(len(no_kernel), 'op')} without a kernel"] if no_kernel else []
+    problems += [f"{count(len(no_gradient), 'op')} without a gradient rule"] if no_gradient else []
+    print(f"odtrain check: error: '{args.model}' cannot be trained as it is: {' and '.join(problems)}; details "
+          f"above. Besides, {asked}", file=sys.stderr)
     return 1
 
 
@@ -348,7 +388,8 @@ def _prepare(args) -> int:
     predictions = [o for o in graph.outputs if o in loss_inputs] + [o for o in graph.outputs if o not in loss_inputs]
     properties = {"learning_rate": float(args.lr), "loss": args.loss, "optimizer": args.optimizer}
     del graph  # its mapping of the model file: generate_artifacts maps the file again
-    generated = artifacts.generate_artifacts(args.model, optimizer=optimizer, artifact_directory=args.output,
+    model = _frozen_batch_norm_model(args) if args.freeze_batchnorm else args.model
+    generated = artifacts.generate_artifacts(model, optimizer=optimizer, artifact_directory=args.output,
                                              eval_output_names=predictions, properties=properties,
                                              frozen_dtype=args.frozen_dtype, **_artifact_options(choices))
     _remove_replaced_library(args)
@@ -360,6 +401,21 @@ def _prepare(args) -> int:
     else:
         _print_prepared(args, choices, result)
     return 0
+
+
+def _frozen_batch_norm_model(args):
+    """The model with its BatchNormalization layers using (and keeping) their running statistics in training."""
+    import onnx
+
+    from ..personalise import freeze_batch_norm
+
+    model = onnx.load(args.model)
+    rewritten, already = freeze_batch_norm(model)
+    if rewritten + already == 0:
+        raise ArgumentError(f"--freeze-batchnorm: '{args.model}' has no BatchNormalization layer")
+    note(args, f"BatchNormalization: {count(rewritten + already, 'layer')} normalize with their running statistics "
+         f"in training and keep them fixed ({rewritten} of them exported in training mode)")
+    return model
 
 
 def _add_selection_options(command) -> None:
@@ -380,6 +436,9 @@ def _add_selection_options(command) -> None:
                        "pattern; the others train")
     which.add_argument("--train-last", type=int, metavar="N", help="train only the last N layers with parameters "
                        "(parameters grouped by the node that uses them, in graph order)")
+    command.add_argument("--train-biases", action="store_true", help="train the biases of every layer (Conv, Gemm, "
+                         "normalization shifts, vectors added to a MatMul; TinyTL's bias-only update), besides what "
+                         "--train-last, --requires-grad or --freeze choose; alone, only the biases train")
     command.add_argument("-v", "--verbose", action="store_true", help="list every parameter name (a long list "
                          "shows its first and last few)")
 
@@ -403,6 +462,9 @@ def _prepare_arguments(prepare) -> None:
     prepare.add_argument("model", metavar="MODEL.onnx", help="a forward-only ONNX model")
     prepare.add_argument("-o", "--output", required=True, metavar="ARTIFACT_DIR", help="the folder to write")
     _add_selection_options(prepare)
+    prepare.add_argument("--freeze-batchnorm", action="store_true", help="BatchNormalization layers normalize with "
+                         "their running mean and variance in training too, as in inference, and keep them fixed "
+                         "(for small batches of personal data; their scale and bias still train)")
     prepare.add_argument("--optimizer", choices=_optimizer_commands(), default="adamw", help="default: adamw")
     prepare.add_argument("--lr", type=float, default=1e-3, help="learning rate that `odtrain train` uses unless "
                          "told otherwise (default: 0.001)")

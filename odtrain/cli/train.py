@@ -73,8 +73,10 @@ def _train(args) -> int:
     if not args.resume and properties.get("finished") == 0:
         note(args, f"'{paths.checkpoint}' holds an unfinished run (epoch {properties['epoch'] + 1}, step "
               f"{properties['step_in_epoch']}); this run starts anew from its parameters (--resume continues it)")
-    result = fit(args.artifacts, _data(args, args.data), val=_data(args, args.val), epochs=args.epochs,
-                 batch_size=args.batch_size,
+    result = fit(args.artifacts, _data(args, args.data), val=_validation_data(args), epochs=args.epochs,
+                 batch_size=args.batch_size, keep_best=args.keep_best, best_metric=args.best_metric,
+                 early_stop=args.early_stop, plot=args.plot,
+                 replay=_data(args, [args.replay]) if args.replay else None, replay_share=args.replay_share,
                  learning_rate=args.lr, lr_schedule=args.lr_schedule, warmup_steps=args.warmup, seed=args.seed,
                  checkpoint_every=args.checkpoint_every, resume=args.resume, x=args.x, y=args.y,
                  log=None if args.json else print, progress=not args.json, stop_after_steps=args.stop_after_steps,
@@ -84,22 +86,60 @@ def _train(args) -> int:
     elif result.finished and not result.history:
         print(f"the run already finished its {count(result.epochs, 'epoch')}; nothing to do (give a larger --epochs "
               "with --resume to train further)")
-    elif not result.stopped_by:
+    elif result.stopped_by in (None, "early_stop"):
         print(f"checkpoint: {result.checkpoint} ({count(result.epochs, 'epoch')}, {count(result.global_step, 'step')})")
-    if result.stopped_by:
+        _print_best(result)
+        if args.plot:
+            print(f"curves: {args.plot} (loss and accuracy per epoch)")
+    if result.stopped_by and result.stopped_by != "early_stop":
         print(f"odtrain train: stopped by {result.stopped_by} at epoch {result.epochs + 1}, step "
               f"{result.step_in_epoch}; saved {result.checkpoint}; add --resume to continue", file=sys.stderr)
         return 143 if result.stopped_by == "SIGTERM" else 130
     return 0
 
 
+def _validation_data(args):
+    """--val once or more: each path its own set, scored and reported by its name every epoch; .npy files
+    together are one set (one file per model input)."""
+    if args.val is None:
+        return None
+    if all(str(p).endswith(".npy") for p in args.val):
+        return _data(args, args.val)
+    return [_data(args, [p]) for p in args.val]
+
+
+def _refuse_a_missing_checkpoint(path) -> None:
+    """--checkpoint names a file that must exist; the best one exists once a run with --keep-best has judged."""
+    if path is not None and not os.path.isfile(path):
+        raise ArgumentError(f"checkpoint '{path}' does not exist; `odtrain train --keep-best --val PATH` writes the "
+                            "best epoch's as ARTIFACT_DIR/checkpoint.best")
+
+
+def _print_best(result) -> None:
+    """The best epoch and where its checkpoint is, when the run judged one (--keep-best, --early-stop)."""
+    best = result.best
+    if not best or best["epoch"] is None:
+        return
+    kept = f"; kept in {best['checkpoint']}" if best["checkpoint"] else ""
+    print(f"best: epoch {best['epoch']}, {best['metric'].replace('_', ' ')} {best['value']:.4g}{kept}")
+
+
 def _eval(args) -> int:
+    import math
+
     from ..training import evaluate
 
-    metrics = evaluate(args.artifacts, _data(args, args.data), batch_size=args.batch_size, x=args.x, y=args.y)
+    _refuse_a_missing_checkpoint(args.checkpoint)
+    metrics = evaluate(args.artifacts, _data(args, args.data), batch_size=args.batch_size, x=args.x, y=args.y,
+                       checkpoint=args.checkpoint)
+    finite = math.isfinite(metrics["loss"])
+    if not finite:  # a NaN or infinite loss is a failure, whatever the accuracy says
+        print(f"odtrain eval: error: the loss on {', '.join(map(str, args.data))} is {metrics['loss']}, not a score: the "
+              "data hold no NaN or infinity, so the model's parameters or its computation give them (a diverged "
+              "run? train again from an earlier checkpoint with a lower learning rate)", file=sys.stderr)
     if args.json:
         print_json(metrics)
-        return 0
+        return 0 if finite else 2
     parts = [f"loss {metrics['loss']:.4f}"]
     if "perplexity" in metrics:
         parts.append(f"perplexity {metrics['perplexity']:.4g}")
@@ -109,14 +149,15 @@ def _eval(args) -> int:
         parts += [f"MSE {metrics['mse']:.4g}", f"MAE {metrics['mae']:.4g}"]
     labelled = f" ({count(metrics['labels'], 'label')} counted)" if metrics.get("labels", metrics["samples"]) != metrics["samples"] else ""
     print(f"{', '.join(parts)} on {count(metrics['samples'], 'sample')}{labelled}")
-    return 0
+    return 0 if finite else 2
 
 
 def _export(args) -> int:
     from ..graph.onnx_io import load_graph
     from ..training import Session
 
-    session = Session(args.artifacts, with_optimizer=False)
+    _refuse_a_missing_checkpoint(args.checkpoint)
+    session = Session(args.artifacts, args.checkpoint, with_optimizer=False)
     if args.adapters_only:
         return _export_adapters(session, args)
     outputs = args.outputs or session.prediction_outputs
@@ -188,7 +229,9 @@ def _add_data_options(command, what: str) -> None:
 def _train_arguments(train) -> None:
     train.add_argument("artifacts", metavar="ARTIFACT_DIR", help="a folder written by `odtrain prepare`")
     _add_data_options(train, "training data")
-    train.add_argument("--val", action="append", metavar="PATH", help="validation data, in the same forms as --data")
+    train.add_argument("--val", action="append", metavar="PATH", help="validation data, in the same forms as --data; "
+                       "give it more than once (e.g. the new data's held-out part and the base data's) to score each "
+                       "set every epoch, by its file name; the first is the one --keep-best and --early-stop judge")
     train.add_argument("--epochs", type=int, help="number of epochs (default: 1, or the resumed run's)")
     train.add_argument("--batch-size", type=int, help="samples per step (default: 32)")
     train.add_argument("--lr", type=float, help="learning rate (default: the checkpoint's, from `odtrain prepare` "
@@ -206,6 +249,22 @@ def _train_arguments(train) -> None:
                        "pass; fails before training, naming the smallest budget that works, if none fits; "
                        "'auto': what the machine has available (MemAvailable) less the mapped frozen weights "
                        "and a reserve of an eighth")
+    best = train.add_argument_group("the best epoch and the curves")
+    best.add_argument("--keep-best", action="store_true", help="also keep the checkpoint of the epoch with the best "
+                      "validation metric (of the first --val) as ARTIFACT_DIR/checkpoint.best, beside "
+                      "ARTIFACT_DIR/checkpoint (the last epoch's)")
+    best.add_argument("--best-metric", choices=("loss", "accuracy"), default="loss", help="the validation metric "
+                      "--keep-best and --early-stop judge by (default: loss, lower is better)")
+    best.add_argument("--early-stop", type=int, metavar="N", help="stop after N epochs in a row without a better "
+                      "validation metric (needs --val)")
+    best.add_argument("--plot", metavar="CURVES.png", help="draw the training and validation loss (and accuracy) per "
+                      "epoch to this file when the run ends (pip install matplotlib)")
+    replay = train.add_argument_group("rehearsal (against forgetting the base data)")
+    replay.add_argument("--replay", metavar="PATH", help="base data (the forms of --data) mixed into every batch, "
+                        "so that training on new data does not erase what the model knew")
+    replay.add_argument("--replay-share", type=float, default=0.25, metavar="F", help="with --replay: the share of "
+                        "each batch drawn from the base data (default 0.25: a batch of 32 new samples gains 11 base "
+                        "ones)")
     add_threads_option(train)
     train.add_argument("--json", action="store_true", help="print the result as JSON instead of progress")
     train.add_argument("--stop-after-steps", type=int, help=argparse.SUPPRESS)
@@ -224,6 +283,8 @@ def _eval_arguments(evaluate) -> None:
     evaluate.add_argument("artifacts", metavar="ARTIFACT_DIR", help="a folder written by `odtrain prepare`")
     _add_data_options(evaluate, "test data")
     evaluate.add_argument("--batch-size", type=int, default=256, help="samples per step (default: 256)")
+    evaluate.add_argument("--checkpoint", metavar="PATH", help="score this checkpoint instead of "
+                          "ARTIFACT_DIR/checkpoint, e.g. ARTIFACT_DIR/checkpoint.best (train --keep-best)")
     add_threads_option(evaluate)
     evaluate.add_argument("--json", action="store_true", help="print the metrics as JSON")
 
@@ -238,6 +299,8 @@ EVAL = Command(
 def _export_arguments(export) -> None:
     export.add_argument("artifacts", metavar="ARTIFACT_DIR", help="a folder written by `odtrain prepare`")
     export.add_argument("-o", "--output", required=True, metavar="MODEL.onnx", help="the file to write")
+    export.add_argument("--checkpoint", metavar="PATH", help="export this checkpoint's parameters instead of "
+                        "ARTIFACT_DIR/checkpoint's, e.g. ARTIFACT_DIR/checkpoint.best (train --keep-best)")
     export.add_argument("--outputs", nargs="+", metavar="NAME", help="values to output (default: the model's outputs)")
     export.add_argument("--frozen-dtype", choices=FROZEN_DTYPES, help="write frozen weights stored as int8, int4 "
                         "or bfloat16 (prepare --frozen-dtype) in this type: int8 read by DequantizeLinear (a QDQ "
