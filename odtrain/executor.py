@@ -35,6 +35,7 @@ from functools import partial
 import numpy as np
 
 from .graph.errors import InputError, KernelsUnavailableError, ModelError, NonFiniteError, UnsupportedOpError
+from .graph.control_flow import is_control_flow
 from .graph.ir import ODTRAIN_DOMAIN, Graph, Node, TensorType
 from .graph.ops import is_view, lookup
 from .graph.ops.training import APPLY_UPDATE
@@ -179,6 +180,10 @@ class ExecutableStep:
             return [(copy_into, (storage[node.outputs[0]].reshape(-1), storage[node.inputs[0]].reshape(-1)))]
         if is_view(opdef, [types.get(i) for i in node.inputs], [types[o] for o in node.outputs if o]):
             return []  # the output already shares the input's bytes
+        if is_control_flow(node):  # If, Loop, Scan: bodies planned once, run by odtrain/loops.py
+            from .loops import bind_control_flow
+
+            return bind_control_flow(self, node, storage)
         bind = BINDINGS.get(node.key)
         if bind is None:
             raise UnsupportedOpError(f"{node.describe()}: no kernel is registered for this op type")

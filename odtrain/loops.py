@@ -1,0 +1,200 @@
+"""Running If, Loop and Scan: each body planned once, its iterations a loop over a prebuilt call list.
+
+A control-flow node becomes one call of the outer step (`bind_control_flow`, called by the executor
+as it binds the node). Binding it plans each body as a step of its own (an `ExecutableStep` with an
+arena of its own, planned once per outer plan):
+- the values a body captures are its parameters: the outer step's arrays, read in place, never
+  copied (folded outer constants bind as the body's constants, so shapes and axes fold inside too);
+- a body's inputs are its feeds: carried values, the iteration number and condition, a scan slice.
+An iteration copies what changes into the body's feed slots, runs the body's calls (Numba
+dispatchers, or the kernel library's call lists) and copies its outputs out: no planning, no lookups.
+Carried values live between iterations in the node's own output arrays (or a buffer of the node's
+when the output is omitted), so a body's in-place reuse of its own slots never clobbers them.
+
+Invariants: the outer plan holds a body's captured values alive until the node runs (they are the
+node's inputs, graph/control_flow.py); a body writes only its own arena; an omitted carried output
+still carries.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .graph.control_flow import outer_bindings
+from .graph.errors import ModelError
+from .graph.ir import Graph, Node, TensorType
+from .graph.ops.control import bind_loop_body, scan_layout
+
+
+class _Body:
+    """One body bound for running: its step, the views of its feeds and its outputs."""
+
+    def __init__(self, outer, node: Node, body: Graph, storage: dict, feed_types: dict, bound: dict | None = None):
+        from .executor import ExecutableStep
+
+        captured = {}
+        constants = dict(bound or {})
+        for inner, outer_name in outer_bindings(node):
+            if outer_name in outer.step_plan.folded:
+                constants[inner] = np.asarray(outer.step_plan.folded[outer_name])
+            else:
+                captured[inner] = storage[outer_name]
+        self.step = ExecutableStep(body, feed_types=feed_types, external=captured, bound_feeds=constants,
+                                   threads=outer.threads, library=outer.library, artifact_folder=outer.artifact_folder)
+        self.feeds = {name: view for name, view in zip(self.step.feeds, self.step.feed_views)}
+        self.outputs = [self.step.storage[name] for name in body.outputs]
+        program = self.step.program
+        calls = self.step._jit_calls
+        if program is not None:
+            threads = outer.threads
+            self.run = lambda: _run_program(self.step, program, threads)
+        else:
+            self.run = lambda: _run_calls(calls)
+
+    def feed(self, name: str):
+        """The body's slot for input `name`, or None when the input is bound as a constant or unread."""
+        return self.feeds.get(name)
+
+
+def _run_calls(calls) -> None:
+    for kernel, args in calls:
+        kernel(*args)
+
+
+def _run_program(step, program, threads: int) -> None:
+    failed = program.run(threads)
+    if failed is not None:
+        step._stopped(failed)
+
+
+def _copy(destination, source) -> None:
+    if destination is not None and destination is not source:
+        np.copyto(destination, source, casting="no")
+
+
+def bind_control_flow(outer, node: Node, storage: dict) -> list:
+    """The calls that run `node` (If, Loop or Scan) in the step `outer` (an ExecutableStep) whose values
+    live in `storage`."""
+    try:
+        run = {"If": _bind_if, "Loop": _bind_loop, "Scan": _bind_scan}[node.op_type](outer, node, storage)
+    except ModelError as error:
+        raise ModelError(f"{node.describe()}: {error}") from None
+    return [(run, ())]
+
+
+def _type(array) -> TensorType:
+    return TensorType(array.dtype, tuple(array.shape))
+
+
+def _bind_if(outer, node: Node, storage: dict):
+    condition = storage[node.inputs[0]]
+    branches = [_Body(outer, node, node.attrs[key], storage, {}) for key in ("else_branch", "then_branch")]
+    targets = [storage[o] if o else None for o in node.outputs]
+
+    def run_if():
+        branch = branches[bool(condition.reshape(-1)[0])]
+        branch.run()
+        for target, value in zip(targets, branch.outputs):
+            _copy(target, value)
+
+    return run_if
+
+
+def _holders(node: Node, storage: dict, first: int, count: int, types: list) -> list:
+    """The arrays carried values live in between iterations: the node's outputs, or buffers of its own
+    where an output is omitted."""
+    held = []
+    for k in range(count):
+        name = node.outputs[first + k] if first + k < len(node.outputs) else ""
+        held.append(storage[name] if name else np.empty(types[k].shape, types[k].dtype))
+    return held
+
+
+def _bind_scan(outer, node: Node, storage: dict):
+    body = node.attrs["body"]
+    types = [_type(storage[name]) if name else None for name in node.inputs]
+    states = len(body.inputs) - int(node.attrs.get("num_scan_inputs", 0))
+    ranks = [len(outer.types[o].shape) - 1 if o else 0 for o in node.outputs[states:]]
+    layout = scan_layout(node, types, ranks + [0] * (len(body.outputs) - states - len(ranks)))
+    states, length = layout.states, layout.length
+    feed_types = {name: types[k] for k, name in enumerate(body.inputs[:states])}
+    sources = []
+    for k in range(layout.scans):
+        whole = np.moveaxis(storage[node.inputs[states + k]], layout.input_axes[k], 0)
+        feed_types[body.inputs[states + k]] = _type(whole[0]) if length else TensorType(whole.dtype, whole.shape[1:])
+        sources.append((whole, layout.input_directions[k]))
+    step = _Body(outer, node, body, storage, feed_types)
+    held = _holders(node, storage, 0, states, types[:states])
+    initial = [storage[node.inputs[k]] for k in range(states)]
+    state_feeds = [step.feed(name) for name in body.inputs[:states]]
+    scan_feeds = [step.feed(name) for name in body.inputs[states:]]
+    state_outputs, scan_outputs = step.outputs[:states], step.outputs[states:]
+    targets = []
+    for k in range(layout.outputs):
+        name = node.outputs[states + k] if states + k < len(node.outputs) else ""
+        targets.append((np.moveaxis(storage[name], layout.output_axes[k], 0), layout.output_directions[k])
+                       if name else None)
+
+    def run_scan():
+        for hold, value in zip(held, initial):
+            _copy(hold, value)
+        for t in range(length):
+            for feed, hold in zip(state_feeds, held):
+                _copy(feed, hold)
+            for feed, (whole, direction) in zip(scan_feeds, sources):
+                _copy(feed, whole[length - 1 - t if direction else t, ...])
+            step.run()
+            for target, value in zip(targets, scan_outputs):
+                if target is not None:
+                    whole, direction = target
+                    np.copyto(whole[length - 1 - t if direction else t, ...], value, casting="no")
+            for hold, value in zip(held, state_outputs):
+                _copy(hold, value)
+
+    return run_scan
+
+
+def _bind_loop(outer, node: Node, storage: dict):
+    body = node.attrs["body"]
+    types = [_type(storage[name]) if name else None for name in node.inputs]
+    consts = [np.asarray(outer.step_plan.folded[name]) if name in outer.step_plan.folded else None
+              for name in node.inputs]
+    binding = bind_loop_body(node, types, consts)
+    carried = len(body.inputs) - 2
+    feed_types = {body.inputs[0]: TensorType(np.dtype(np.int64), ()), body.inputs[1]: TensorType(np.dtype(np.bool_), ())}
+    feed_types.update((body.inputs[2 + k], types[2 + k]) for k in range(carried))
+    if binding.per_iteration:
+        steps = [_Body(outer, node, body, storage, {k: v for k, v in feed_types.items() if k != body.inputs[0]},
+                       {body.inputs[0]: np.array(t, np.int64)}) for t in range(binding.trip)]
+    else:
+        steps = [_Body(outer, node, body, storage, feed_types)]
+    held = _holders(node, storage, 0, carried, types[2:])
+    initial = [storage[node.inputs[2 + k]] for k in range(carried)]
+    targets = [storage[o] if o else None for o in node.outputs[carried:]]
+    trip = binding.trip
+    condition = storage[node.inputs[1]] if len(node.inputs) > 1 and node.inputs[1] else None
+    wired = [(s, s.feed(body.inputs[0]), s.feed(body.inputs[1]), [s.feed(n) for n in body.inputs[2:]],
+              s.outputs[0], s.outputs[1:1 + carried], s.outputs[1 + carried:]) for s in steps]
+
+    def run_loop():
+        for hold, value in zip(held, initial):
+            _copy(hold, value)
+        going = True if condition is None else bool(condition.reshape(-1)[0])
+        t = 0
+        while going and (trip is None or t < trip):
+            step, counter, flag, carried_feeds, condition_out, carried_out, scans = wired[t if len(wired) > 1 else 0]
+            if counter is not None:
+                counter[...] = t
+            if flag is not None:
+                flag[...] = going
+            for feed, hold in zip(carried_feeds, held):
+                _copy(feed, hold)
+            step.run()
+            going = bool(condition_out.reshape(-1)[0])
+            for target, value in zip(targets, scans):
+                if target is not None:
+                    np.copyto(target[t, ...], value, casting="no")
+            for hold, value in zip(held, carried_out):
+                _copy(hold, value)
+            t += 1
+
+    return run_loop
