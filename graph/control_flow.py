@@ -33,8 +33,11 @@ def is_control_flow(node: Node) -> bool:
 
 
 def subgraphs(node: Node) -> list[Graph]:
-    """The Graph attributes of a node (none for other ops)."""
-    return [value for value in node.attrs.values() if isinstance(value, Graph)]
+    """The Graph attributes of a node (none for other ops): If's then_branch before its else_branch, other
+    keys in sorted order, whatever order a file listed them in."""
+    keys = SUBGRAPH_ATTRIBUTES.get(node.op_type, ())
+    ordered = [k for k in keys if k in node.attrs] + sorted(k for k in node.attrs if k not in keys)
+    return [node.attrs[k] for k in ordered if isinstance(node.attrs[k], Graph)]
 
 
 def free_names(body: Graph) -> list[str]:

@@ -189,7 +189,8 @@ def _bind_loop(outer, node: Node, storage: dict):
             for feed, hold in zip(carried_feeds, held):
                 _copy(feed, hold)
             step.run()
-            going = bool(condition_out.reshape(-1)[0])
+            if condition is not None:  # without a condition input, the body's is ignored (ONNX's for loop)
+                going = bool(condition_out.reshape(-1)[0])
             for target, value in zip(targets, scans):
                 if target is not None:
                     np.copyto(target[t, ...], value, casting="no")

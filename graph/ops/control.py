@@ -240,8 +240,8 @@ def bind_loop_body(node: Node, types, consts) -> LoopBinding:
             bodies, per_iteration = [bind_body(node, body, types, consts, inputs_at(t)) for t in range(trip)], True
         except ModelError:
             raise error from None
-    fixed = has_trip and (not has_condition or start is not None) and all(
-        _repeats_condition(body, *b) for b in bodies)
+    # Without a condition input the body's condition is ignored (ONNX's for loop)
+    fixed = has_trip and (not has_condition or start is not None and all(_repeats_condition(body, *b) for b in bodies))
     iterations = (0 if start is False else trip) if fixed else None
     binding = LoopBinding(trip, fixed, iterations, per_iteration, bodies)
     scans = len(body.outputs) - 1 - carried

@@ -1,0 +1,237 @@
+"""If, Loop and Scan: loading, typing, running and exporting models that hold bodies.
+
+Forward results are checked against onnx.reference's evaluator; bodies read weights and values of
+the outer graph, scan over several inputs along other axes and in reverse, and nest.
+"""
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+from odtrain import OdtrainError
+from odtrain.graph.control_flow import captured_names, fold_constant_ifs, onnx_inputs
+from odtrain.graph.onnx_io import graph_to_proto, load_graph, save_graph
+from odtrain.inference import InferenceSession
+
+F = TensorProto.FLOAT
+RNG = np.random.default_rng(7)
+
+
+def tensor(name, shape=None, elem=F):
+    return helper.make_tensor_value_info(name, elem, shape)
+
+
+def model(nodes, inputs, outputs, initializers=(), opset=17):
+    graph = helper.make_graph(nodes, "cf", inputs, outputs, list(initializers))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def weight(name, shape):
+    return numpy_helper.from_array(RNG.standard_normal(shape).astype(np.float32) * 0.5, name)
+
+
+def if_model():
+    """y = cond ? tanh(x @ W) : x * w2 + x, the branches reading x, W and w2 from outside."""
+    then_branch = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["xw"]),
+                                     helper.make_node("Tanh", ["xw"], ["t_out"])], "then", [], [tensor("t_out")])
+    else_branch = helper.make_graph([helper.make_node("Mul", ["x", "w2"], ["xm"]),
+                                     helper.make_node("Add", ["xm", "x"], ["e_out"])], "else", [], [tensor("e_out")])
+    nodes = [helper.make_node("If", ["cond"], ["y"], then_branch=then_branch, else_branch=else_branch, name="choose")]
+    return model(nodes, [tensor("cond", [], TensorProto.BOOL), tensor("x", [3, 4])], [tensor("y", [3, 4])],
+                 [weight("W", (4, 4)), weight("w2", (4,))])
+
+
+def scan_model(opset=16):
+    """Two carried values, two scan inputs (one along axis 1, one in reverse), two scan outputs (one
+    stacked along axis 1, one in reverse), the body reading the weight W from outside."""
+    body = helper.make_graph(
+        [helper.make_node("MatMul", ["h_in", "W"], ["hw"]),
+         helper.make_node("Add", ["hw", "a_t"], ["pre"]),
+         helper.make_node("Tanh", ["pre"], ["h_out"]),
+         helper.make_node("Mul", ["b_t", "h_out"], ["y1"]),
+         helper.make_node("Add", ["c_in", "y1"], ["c_out"]),
+         helper.make_node("Sigmoid", ["c_out"], ["y2"])],
+        "body", [tensor("h_in", [2, 3]), tensor("c_in", [2, 3]), tensor("a_t", [2, 3]), tensor("b_t", [2, 3])],
+        [tensor("h_out", [2, 3]), tensor("c_out", [2, 3]), tensor("y1", [2, 3]), tensor("y2", [2, 3])])
+    node = helper.make_node("Scan", ["h0", "c0", "a", "b"], ["h", "c", "ys1", "ys2"], body=body, num_scan_inputs=2,
+                            scan_input_axes=[1, 0], scan_input_directions=[0, 1], scan_output_axes=[1, 0],
+                            scan_output_directions=[0, 1], name="scan")
+    return model([node], [tensor("h0", [2, 3]), tensor("c0", [2, 3]), tensor("a", [2, 5, 3]), tensor("b", [5, 2, 3])],
+                 [tensor("h"), tensor("c"), tensor("ys1"), tensor("ys2")], [weight("W", (3, 3))], opset)
+
+
+def loop_model():
+    """A loop of trip count 4 (an initializer) with a condition that stays true: h = tanh(h @ W + i),
+    the iteration number cast to float; the scan output stacks each h."""
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+         helper.make_node("Cast", ["i"], ["fi"], to=F),
+         helper.make_node("MatMul", ["h_in", "W"], ["hw"]),
+         helper.make_node("Add", ["hw", "fi"], ["pre"]),
+         helper.make_node("Tanh", ["pre"], ["h_out"]),
+         helper.make_node("Identity", ["h_out"], ["scan_h"])],
+        "body", [tensor("i", [], TensorProto.INT64), tensor("cond_in", [], TensorProto.BOOL), tensor("h_in", [2, 3])],
+        [tensor("cond_out", [], TensorProto.BOOL), tensor("h_out", [2, 3]), tensor("scan_h", [2, 3])])
+    node = helper.make_node("Loop", ["trip", "", "h0"], ["h", "hs"], body=body, name="loop")
+    return model([node], [tensor("h0", [2, 3])], [tensor("h"), tensor("hs")],
+                 [weight("W", (3, 3)), numpy_helper.from_array(np.array(4, np.int64), "trip")])
+
+
+def while_model():
+    """A loop whose condition depends on the data: double x until its sum passes 100 (at most 50 times)."""
+    body = helper.make_graph(
+        [helper.make_node("Add", ["x_in", "x_in"], ["x_out"]),
+         helper.make_node("ReduceSum", ["x_out"], ["total"], keepdims=0),
+         helper.make_node("Less", ["total", "limit"], ["cond_out"])],
+        "body", [tensor("i", [], TensorProto.INT64), tensor("cond_in", [], TensorProto.BOOL), tensor("x_in", [3])],
+        [tensor("cond_out", [], TensorProto.BOOL), tensor("x_out", [3])])
+    node = helper.make_node("Loop", ["trip", "go", "x"], ["y"], body=body, name="doubling")
+    return model([node], [tensor("x", [3])], [tensor("y")],
+                 [numpy_helper.from_array(np.array(100.0, np.float32), "limit"),
+                  numpy_helper.from_array(np.array(True), "go"),
+                  numpy_helper.from_array(np.array(50, np.int64), "trip")])
+
+
+def nested_model():
+    """A Scan whose body holds an If on the sign of the slice's sum; the branches read the outer W."""
+    then_branch = helper.make_graph([helper.make_node("MatMul", ["s_in", "W"], ["t"])], "then", [], [tensor("t")])
+    else_branch = helper.make_graph([helper.make_node("Sub", ["s_in", "x_t"], ["e"])], "else", [], [tensor("e")])
+    body = helper.make_graph(
+        [helper.make_node("ReduceSum", ["x_t"], ["total"], keepdims=0),
+         helper.make_node("Greater", ["total", "zero"], ["positive"]),
+         helper.make_node("If", ["positive"], ["chosen"], then_branch=then_branch, else_branch=else_branch),
+         helper.make_node("Add", ["chosen", "x_t"], ["s_out"])],
+        "body", [tensor("s_in", [3]), tensor("x_t", [3])], [tensor("s_out", [3]), tensor("chosen", [3])])
+    node = helper.make_node("Scan", ["s0", "x"], ["s", "ys"], body=body, num_scan_inputs=1, name="outer")
+    return model([node], [tensor("s0", [3]), tensor("x", [6, 3])], [tensor("s"), tensor("ys")],
+                 [weight("W", (3, 3)), numpy_helper.from_array(np.array(0.0, np.float32), "zero")])
+
+
+def random_feeds(proto, **given):
+    feeds = dict(given)
+    for value in proto.graph.input:
+        if value.name in feeds:
+            continue
+        shape = [d.dim_value for d in value.type.tensor_type.shape.dim]
+        feeds[value.name] = RNG.standard_normal(shape).astype(np.float32)
+    return feeds
+
+
+def onnxruntime_run(proto, feeds):
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
+def oracle(proto, feeds):
+    """onnx.reference's outputs; onnxruntime's for what the reference does not implement (Scan's reverse
+    directions, Loop's scan outputs without a condition input)."""
+    try:
+        return ReferenceEvaluator(proto).run(None, feeds)
+    except (RuntimeError, ValueError):
+        return onnxruntime_run(proto, feeds)
+
+
+def assert_matches_reference(proto, feeds, rtol=1e-5):
+    expected = oracle(proto, feeds)
+    got = InferenceSession(proto).run(None, feeds)
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        assert g.shape == e.shape and g.dtype == e.dtype
+        np.testing.assert_allclose(g, e, rtol=rtol, atol=1e-6)
+    return got
+
+
+@pytest.mark.parametrize("cond", [True, False])
+def test_if_runs_the_branch_its_condition_picks(cond):
+    proto = if_model()
+    assert_matches_reference(proto, random_feeds(proto, cond=np.array(cond)))
+
+
+def test_a_body_reads_outer_values_through_captured_inputs_that_export_drops():
+    graph = load_graph(if_model())
+    node = graph.nodes[0]
+    assert captured_names(node) == ["x", "W", "w2"]
+    assert node.inputs == ["cond", "x", "W", "w2"] and onnx_inputs(node) == ["cond"]
+    assert list(graph_to_proto(graph).graph.node[0].input) == ["cond"]
+
+
+@pytest.mark.parametrize("opset", [9, 11, 16])
+def test_scan_with_axes_and_directions_matches_the_reference(opset):
+    proto = scan_model(opset)
+    assert_matches_reference(proto, random_feeds(proto))
+
+
+def test_loop_with_a_trip_count_matches_the_reference():
+    proto = loop_model()
+    assert_matches_reference(proto, random_feeds(proto))
+
+
+def test_loop_whose_condition_depends_on_the_data_stops_when_it_turns_false():
+    proto = while_model()
+    for x in ([1.0, 2.0, 3.0], [40.0, 30.0, 35.0], [-1.0, -2.0, -3.0]):
+        got = assert_matches_reference(proto, {"x": np.array(x, np.float32)})
+    assert got[0][0] == -1.0 * 2 ** 50  # the trip count stops a condition that never turns false
+
+
+def test_nested_control_flow_reads_values_two_scopes_out():
+    proto = nested_model()
+    graph = load_graph(proto)
+    assert "W" in graph.nodes[0].inputs  # the inner If's capture is the Scan's too
+    x = RNG.standard_normal((6, 3)).astype(np.float32)
+    x[::2] = np.abs(x[::2])  # both branches taken
+    x[1::2] = -np.abs(x[1::2])
+    assert_matches_reference(proto, random_feeds(proto, x=x))
+
+
+@pytest.mark.parametrize("make", [if_model, scan_model, loop_model, nested_model])
+def test_saved_models_keep_their_bodies_and_onnxruntime_runs_the_export(make, tmp_path):
+    """A graph saved with onnx (save_graph) and read back without it (the wire reader) runs the same;
+    the exported ModelProto is standard ONNX that onnxruntime runs."""
+    proto = make()
+    feeds = random_feeds(proto, **({"cond": np.array(True)} if make is if_model else {}))
+    expected = oracle(proto, feeds)
+    path = tmp_path / "saved.onnx"
+    save_graph(load_graph(proto), path)
+    for g, e in zip(InferenceSession(str(path)).run(None, feeds), expected):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+    exported = graph_to_proto(load_graph(proto))
+    for g, e in zip(onnxruntime_run(exported, feeds), expected):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+
+
+def test_a_constant_condition_folds_the_if_into_the_branch_it_takes():
+    proto = if_model()
+    proto.graph.initializer.append(numpy_helper.from_array(np.array(False), "cond"))
+    del proto.graph.input[0]
+    graph = fold_constant_ifs(load_graph(proto))
+    assert [n.op_type for n in graph.nodes] == ["Mul", "Add"] and graph.nodes[-1].outputs == ["y"]
+    feeds = random_feeds(proto)
+    expected = ReferenceEvaluator(proto).run(None, feeds)
+    np.testing.assert_allclose(InferenceSession(graph_to_proto(graph)).run(None, feeds)[0], expected[0], rtol=1e-6)
+
+
+def test_branches_of_different_shapes_on_a_fed_condition_are_refused_by_name():
+    then_branch = helper.make_graph([helper.make_node("Identity", ["x"], ["t"])], "then", [], [tensor("t")])
+    else_branch = helper.make_graph([helper.make_node("Concat", ["x", "x"], ["e"], axis=0)], "else", [],
+                                    [tensor("e")])
+    proto = model([helper.make_node("If", ["cond"], ["y"], then_branch=then_branch, else_branch=else_branch,
+                                    name="uneven")], [tensor("cond", [], TensorProto.BOOL), tensor("x", [2])],
+                  [tensor("y")])
+    with pytest.raises(OdtrainError, match="If node 'uneven'.*same type"):
+        InferenceSession(proto).run(None, {"cond": np.array(True), "x": np.ones(2, np.float32)})
+
+
+def test_a_sequence_op_in_a_body_is_refused_by_name():
+    body = helper.make_graph([helper.make_node("Identity", ["c"], ["c_out"]),
+                              helper.make_node("SequenceInsert", ["s_in", "x"], ["s_out"])], "body",
+                             [tensor("i", [], TensorProto.INT64), tensor("c", [], TensorProto.BOOL),
+                              helper.make_tensor_sequence_value_info("s_in", F, None)],
+                             [tensor("c_out", [], TensorProto.BOOL), helper.make_tensor_sequence_value_info("s_out", F, None)])
+    proto = model([helper.make_node("SequenceEmpty", [], ["s0"]),
+                   helper.make_node("Loop", ["trip", "", "s0"], ["s"], body=body, name="collect")],
+                  [tensor("x", [2])], [helper.make_tensor_sequence_value_info("s", F, None)],
+                  [numpy_helper.from_array(np.array(3, np.int64), "trip")])
+    with pytest.raises(OdtrainError, match="Sequence"):
+        InferenceSession(proto).run(None, {"x": np.ones(2, np.float32)})
