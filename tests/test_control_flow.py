@@ -235,3 +235,150 @@ def test_a_sequence_op_in_a_body_is_refused_by_name():
                   [numpy_helper.from_array(np.array(3, np.int64), "trip")])
     with pytest.raises(OdtrainError, match="Sequence"):
         InferenceSession(proto).run(None, {"x": np.ones(2, np.float32)})
+
+
+# ---- Gradients: float64 central differences of the same model --------------------------------------
+# onnx.reference has no reverse Scan directions, so the float64 oracle falls back to onnxruntime there.
+GRADIENT_ORACLES = {"If": "test_if_gradients_match_finite_differences_on_both_branches",
+                    "Scan": "test_scan_gradients_match_finite_differences",
+                    "Loop": "test_loop_gradients_match_finite_differences"}
+
+
+def widened(proto):
+    """A float64 copy of `proto`: float initializers, constants, casts and the declared types of every
+    graph and body."""
+    import onnx
+
+    proto = onnx.ModelProto.FromString(proto.SerializeToString())
+
+    def widen(graph):
+        for tensor in graph.initializer:
+            array = numpy_helper.to_array(tensor)
+            if array.dtype == np.float32:
+                tensor.CopyFrom(numpy_helper.from_array(array.astype(np.float64), tensor.name))
+        for info in list(graph.input) + list(graph.output) + list(graph.value_info):
+            if info.type.tensor_type.elem_type == F:
+                info.type.tensor_type.elem_type = TensorProto.DOUBLE
+        for n in graph.node:
+            for a in n.attribute:
+                if n.op_type == "Cast" and a.name == "to" and a.i == F:
+                    a.i = TensorProto.DOUBLE
+                if a.type == onnx.AttributeProto.TENSOR and a.t.data_type == F:
+                    a.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(a.t).astype(np.float64), a.t.name))
+                if a.type == onnx.AttributeProto.GRAPH:
+                    widen(a.g)
+
+    widen(proto.graph)
+    return proto
+
+
+def with_loss(proto, weights: list):
+    """`proto` whose first output is loss = Σ_k sum(output_k · weights_k) over its outputs."""
+    import onnx
+
+    proto = onnx.ModelProto.FromString(proto.SerializeToString())
+    graph = proto.graph
+    parts = []
+    for k, (out, w) in enumerate(zip([o.name for o in graph.output], weights)):
+        graph.initializer.append(numpy_helper.from_array(w, f"loss_weight{k}"))
+        graph.node.extend([helper.make_node("Mul", [out, f"loss_weight{k}"], [f"weighted{k}"]),
+                           helper.make_node("ReduceSum", [f"weighted{k}"], [f"part{k}"], keepdims=0)])
+        parts.append(f"part{k}")
+    graph.node.append(helper.make_node("Sum", parts, ["loss"]))
+    del graph.output[:]
+    graph.output.append(tensor("loss", []))
+    return proto
+
+
+def check_gradients(proto, params: list[str], feeds: dict, tmp_path, step=1e-6, rtol=2e-3):
+    """odtrain's gradients (generate_artifacts, Module, float32 kernels) of a weighted sum of every output
+    of `proto` with respect to the initializers `params` against float64 central differences."""
+    from odtrain import artifacts
+    from odtrain.api import CheckpointState, Module
+
+    rng = np.random.default_rng(11)
+    weights = [rng.standard_normal(np.shape(o)).astype(np.float32) for o in oracle(proto, feeds)]
+    lossy = with_loss(proto, weights)
+    artifacts.generate_artifacts(lossy, requires_grad=params, loss=None, optimizer=artifacts.OptimType.SGD,
+                                 artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx")
+    loss32 = module(*[feeds[i.name] for i in proto.graph.input])
+    model64 = widened(lossy)
+    feeds64 = {k: v.astype(np.float64) if v.dtype == np.float32 else v for k, v in feeds.items()}
+    values = {t.name: numpy_helper.to_array(t) for t in model64.graph.initializer if t.name in params}
+
+    def loss64(changed):
+        for t in model64.graph.initializer:
+            if t.name in changed:
+                t.CopyFrom(numpy_helper.from_array(changed[t.name], t.name))
+        return float(oracle(model64, feeds64)[0])
+
+    np.testing.assert_allclose(float(np.asarray(loss32).reshape(-1)[0]), loss64(values), rtol=1e-4, atol=1e-5)
+    for name in params:
+        numeric = np.zeros_like(values[name])
+        for index in np.ndindex(numeric.shape):
+            for sign in (1, -1):
+                shifted = values[name].copy()
+                shifted[index] += sign * step
+                numeric[index] += sign * loss64({name: shifted}) / (2 * step)
+        loss64(values)
+        scale = max(np.abs(numeric).max(), 1e-3)
+        np.testing.assert_allclose(state.parameters[name].grad, numeric, rtol=rtol, atol=2e-3 * scale,
+                                   err_msg=f"gradient of '{name}'")
+
+
+def as_initializers(proto, names, feeds):
+    """`proto` with the inputs `names` made initializers of the values in `feeds` (trainable parameters)."""
+    import onnx
+
+    proto = onnx.ModelProto.FromString(proto.SerializeToString())
+    for value in list(proto.graph.input):
+        if value.name in names:
+            proto.graph.initializer.append(numpy_helper.from_array(feeds[value.name], value.name))
+            proto.graph.input.remove(value)
+    return proto
+
+
+@pytest.mark.parametrize("cond", [True, False])
+def test_if_gradients_match_finite_differences_on_both_branches(cond, tmp_path):
+    proto = as_initializers(if_model(), ["x"], {"x": RNG.standard_normal((3, 4)).astype(np.float32)})
+    check_gradients(proto, ["x", "W", "w2"], {"cond": np.array(cond)}, tmp_path)
+
+
+def test_scan_gradients_match_finite_differences(tmp_path):
+    """Two states, two scan inputs (axis 1 forward, axis 0 reverse), two scan outputs (axis 1, reverse),
+    the outer weight W: gradients of every one of them."""
+    proto = scan_model()
+    values = random_feeds(proto)
+    proto = as_initializers(proto, list(values), values)
+    check_gradients(proto, ["W", "h0", "c0", "a", "b"], {}, tmp_path)
+
+
+def test_loop_gradients_match_finite_differences(tmp_path):
+    proto = loop_model()
+    values = random_feeds(proto)
+    proto = as_initializers(proto, ["h0"], values)
+    check_gradients(proto, ["W", "h0"], {}, tmp_path)
+
+
+def test_nested_control_flow_gradients_match_finite_differences(tmp_path):
+    proto = nested_model()
+    x = RNG.standard_normal((6, 3)).astype(np.float32)
+    x[::2], x[1::2] = np.abs(x[::2]) + 0.1, -np.abs(x[1::2]) - 0.1  # both branches, away from the switch
+    proto = as_initializers(proto, ["x", "s0"], {"x": x, "s0": RNG.standard_normal(3).astype(np.float32)})
+    check_gradients(proto, ["W", "x", "s0"], {}, tmp_path)
+
+
+def test_a_loop_whose_condition_depends_on_the_data_is_refused_a_gradient_by_name(tmp_path):
+    from odtrain import artifacts
+
+    proto = while_model()
+    proto.graph.initializer.append(numpy_helper.from_array(np.ones(3, np.float32), "scale"))
+    body = proto.graph.node[0].attribute[0].g
+    body.node[0].input[1] = "scale"  # x_out = x_in + scale: the loop reads a weight
+    lossy = with_loss(proto, [np.ones(3, np.float32)])
+    lossy = as_initializers(lossy, ["x"], {"x": np.ones(3, np.float32)})
+    with pytest.raises(OdtrainError, match="Loop node 'doubling'.*condition depends on the data"):
+        artifacts.generate_artifacts(lossy, requires_grad=["scale"], loss=None, optimizer=artifacts.OptimType.SGD,
+                                     artifact_directory=tmp_path)
