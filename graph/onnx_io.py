@@ -27,7 +27,7 @@ import numpy as np
 
 from .errors import ArtifactNotFoundError, ModelError, UnsupportedOpError
 from .int4 import PackedInt4, at_blocked_opset
-from .control_flow import onnx_inputs, with_captures
+from .control_flow import onnx_inputs, walk, with_captures
 from .ir import DEFAULT_DOMAIN, ODTRAIN_DOMAIN, Graph, Node, TensorType
 from .onnx_wire import (EXTERNAL, LIGHT_BYTES, SCOPE_KEY, AttributeData, AttributeType, GraphData, ModelData,
                         NodeData, TensorData, ValueInfoData, element_type, element_type_name, encode_model,
@@ -449,7 +449,7 @@ def graph_to_proto(graph: Graph, extra_inputs: list[str] = (), producer: str = "
     initializers = [_initializer_proto(k, v) for k, v in graph.initializers.items()]
     g = helper.make_graph(nodes, graph.name, inputs, outputs, initializers)
     opsets = dict(graph.opsets)
-    if any(n.domain == ODTRAIN_DOMAIN for n in graph.nodes):
+    if any(n.domain == ODTRAIN_DOMAIN for n in walk(graph)):  # bodies' gradient ops too
         opsets[ODTRAIN_DOMAIN] = ODTRAIN_OPSET
     opset_imports = [helper.make_opsetid(d, v) for d, v in opsets.items()]
     ir_version = helper.find_min_ir_version_for(opset_imports, ignore_unknown=True)
@@ -506,7 +506,7 @@ def graph_data(graph: Graph, extra_inputs: list[str] = ()) -> ModelData:
     value_info = [_value_info_of(n, t) for n, t in graph.value_types.items() if n not in named and t is not None]
     initializers = [tensor_data(k, v) for k, v in graph.initializers.items()]
     opsets = dict(graph.opsets)
-    if any(n.domain == ODTRAIN_DOMAIN for n in graph.nodes):
+    if any(n.domain == ODTRAIN_DOMAIN for n in walk(graph)):  # bodies' gradient ops too
         opsets[ODTRAIN_DOMAIN] = ODTRAIN_OPSET
     return ModelData(minimum_ir_version(opsets.items()), list(opsets.items()),
                      GraphData(graph.name, nodes, initializers, inputs, outputs, value_info))

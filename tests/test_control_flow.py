@@ -382,3 +382,105 @@ def test_a_loop_whose_condition_depends_on_the_data_is_refused_a_gradient_by_nam
     with pytest.raises(OdtrainError, match="Loop node 'doubling'.*condition depends on the data"):
         artifacts.generate_artifacts(lossy, requires_grad=["scale"], loss=None, optimizer=artifacts.OptimType.SGD,
                                      artifact_directory=tmp_path)
+
+
+# ---- Training end to end: a GRU cell written as a Scan ------------------------------------------------
+# The oracle is the same model with ONNX's GRU op (its own kernels and gradient rule, checked against
+# PyTorch elsewhere): the parameters are shared by name and shape, so equal gradients give equal losses
+# step after step under SGD and AdamW, whose updates act element by element.
+T, BATCH, INPUT, HIDDEN = 6, 2, 3, 4
+
+
+def gru_parameters(rng):
+    scale = 0.5
+    return {"Wt": rng.standard_normal((INPUT, 3 * HIDDEN)).astype(np.float32) * scale,
+            "Rt": rng.standard_normal((HIDDEN, 3 * HIDDEN)).astype(np.float32) * scale,
+            "Wb": rng.standard_normal(3 * HIDDEN).astype(np.float32) * scale,
+            "Rb": rng.standard_normal(3 * HIDDEN).astype(np.float32) * scale,
+            "V": rng.standard_normal((HIDDEN, 2)).astype(np.float32) * scale}
+
+
+def gru_as_scan(params):
+    """h' = n + z·(h − n), z = σ(xWz + hRz), r = σ(xWr + hRr), n = tanh(xWh + r·(hRh + Rbh)) (PyTorch's
+    GRU cell, ONNX's linear_before_reset=1), written as a Scan body over X's first axis."""
+    body = helper.make_graph(
+        [helper.make_node("MatMul", ["x_t", "Wt"], ["xw"]), helper.make_node("Add", ["xw", "Wb"], ["gx"]),
+         helper.make_node("MatMul", ["h", "Rt"], ["hr"]), helper.make_node("Add", ["hr", "Rb"], ["gh"]),
+         helper.make_node("Split", ["gx", "thirds"], ["xz", "xr", "xn"], axis=1),
+         helper.make_node("Split", ["gh", "thirds"], ["hz", "hrr", "hn"], axis=1),
+         helper.make_node("Add", ["xz", "hz"], ["z_pre"]), helper.make_node("Sigmoid", ["z_pre"], ["z"]),
+         helper.make_node("Add", ["xr", "hrr"], ["r_pre"]), helper.make_node("Sigmoid", ["r_pre"], ["r"]),
+         helper.make_node("Mul", ["r", "hn"], ["rhn"]), helper.make_node("Add", ["xn", "rhn"], ["n_pre"]),
+         helper.make_node("Tanh", ["n_pre"], ["n"]), helper.make_node("Sub", ["h", "n"], ["h_minus_n"]),
+         helper.make_node("Mul", ["z", "h_minus_n"], ["zd"]), helper.make_node("Add", ["n", "zd"], ["h_next"]),
+         helper.make_node("Identity", ["h_next"], ["y_t"])],
+        "gru_cell", [tensor("h", [BATCH, HIDDEN]), tensor("x_t", [BATCH, INPUT])],
+        [tensor("h_next", [BATCH, HIDDEN]), tensor("y_t", [BATCH, HIDDEN])])
+    nodes = [helper.make_node("Scan", ["h0", "X"], ["hT", "Y"], body=body, num_scan_inputs=1, name="gru_scan"),
+             helper.make_node("MatMul", ["hT", "V"], ["logits"])]
+    return model(nodes, [tensor("X", [T, BATCH, INPUT])], [tensor("logits", [BATCH, 2])],
+                 [numpy_helper.from_array(v, k) for k, v in params.items()] +
+                 [numpy_helper.from_array(np.zeros((BATCH, HIDDEN), np.float32), "h0"),
+                  numpy_helper.from_array(np.array([HIDDEN] * 3, np.int64), "thirds")])
+
+
+def gru_as_op(params):
+    """The same model with ONNX's GRU op, its weights laid out from the same parameters."""
+    nodes = [helper.make_node("Transpose", ["Wt"], ["W2"]), helper.make_node("Unsqueeze", ["W2", "zero"], ["W"]),
+             helper.make_node("Transpose", ["Rt"], ["R2"]), helper.make_node("Unsqueeze", ["R2", "zero"], ["R"]),
+             helper.make_node("Concat", ["Wb", "Rb"], ["B1"], axis=0), helper.make_node("Unsqueeze", ["B1", "zero"], ["B"]),
+             helper.make_node("GRU", ["X", "W", "R", "B", "", "h0"], ["", "hT3"], hidden_size=HIDDEN,
+                              linear_before_reset=1),
+             helper.make_node("Squeeze", ["hT3", "zero"], ["hT"]), helper.make_node("MatMul", ["hT", "V"], ["logits"])]
+    return model(nodes, [tensor("X", [T, BATCH, INPUT])], [tensor("logits", [BATCH, 2])],
+                 [numpy_helper.from_array(v, k) for k, v in params.items()] +
+                 [numpy_helper.from_array(np.zeros((1, BATCH, HIDDEN), np.float32), "h0"),
+                  numpy_helper.from_array(np.array([0], np.int64), "zero")])
+
+
+def train(proto, folder, optimizer, batches):
+    from odtrain import artifacts
+    from odtrain.api import CheckpointState, Module, Optimizer
+
+    artifacts.generate_artifacts(proto, requires_grad=["Wt", "Rt", "Wb", "Rb", "V"], loss=artifacts.LossType.MSELoss,
+                                 optimizer=optimizer, artifact_directory=folder)
+    state = CheckpointState.load_checkpoint(folder / "checkpoint")
+    module = Module(folder / "training_model.onnx", state, folder / "eval_model.onnx")
+    step = Optimizer(folder / "optimizer_model.onnx", module)
+    losses = []
+    for x, target in batches:
+        module.train()
+        losses.append(float(module(x, target)))
+        step.step()
+        module.lazy_reset_grad()
+    return losses, module
+
+
+@pytest.mark.parametrize("optimizer", ["SGD", "AdamW"])
+def test_a_gru_cell_written_as_a_scan_trains_as_the_gru_op_does(optimizer, tmp_path):
+    from odtrain import artifacts
+
+    rng = np.random.default_rng(5)
+    params = gru_parameters(rng)
+    batches = [(rng.standard_normal((T, BATCH, INPUT)).astype(np.float32),
+                rng.standard_normal((BATCH, 2)).astype(np.float32))] * 5  # one batch: the loss must fall
+    kind = getattr(artifacts.OptimType, optimizer)
+    scan_proto = gru_as_scan(params)
+    first = ReferenceEvaluator(scan_proto).run(None, {"X": batches[0][0]})[0]
+    np.testing.assert_allclose(first, ReferenceEvaluator(gru_as_op(params)).run(None, {"X": batches[0][0]})[0],
+                               rtol=1e-5, atol=1e-6)  # the two models are one function
+    scanned, module = train(scan_proto, tmp_path / "scan", kind, batches)
+    reference, _ = train(gru_as_op(params), tmp_path / "op", kind, batches)
+    np.testing.assert_allclose(scanned[0], float(np.mean((first - batches[0][1]) ** 2)), rtol=1e-5)
+    np.testing.assert_allclose(scanned, reference, rtol=1e-4)
+    assert scanned[-1] < scanned[0]
+    # the trained model exports with its Scan, and onnxruntime runs it
+    import onnx
+
+    module.export_model_for_inferencing(str(tmp_path / "inference.onnx"), ["logits"])
+    exported = onnx.load(str(tmp_path / "inference.onnx"))
+    assert [n.op_type for n in exported.graph.node if n.op_type == "Scan"] == ["Scan"]
+    x = batches[0][0]
+    module.eval()
+    expected = InferenceSession(str(tmp_path / "inference.onnx")).run(None, {"X": x})[0]
+    np.testing.assert_allclose(onnxruntime_run(exported, {"X": x})[0], expected, rtol=1e-5, atol=1e-6)
