@@ -8,6 +8,7 @@ arena of its own, planned once per outer plan):
 - a body's inputs are its feeds: carried values, the iteration number and condition, a scan slice.
 An iteration copies what changes into the body's feed slots, runs the body's calls (Numba
 dispatchers, or the kernel library's call lists) and copies its outputs out: no planning, no lookups.
+A long loop on the JIT's kernels runs as one compiled function instead (odtrain/loop_compiler.py).
 Carried values live between iterations in the node's own output arrays (or a buffer of the node's
 when the output is omitted), so a body's in-place reuse of its own slots never clobbers them.
 
@@ -23,6 +24,12 @@ from .graph.control_flow import outer_bindings
 from .graph.errors import ModelError
 from .graph.ir import Graph, Node, TensorType
 from .graph.ops.control import bind_loop_body, scan_layout
+from .loop_compiler import LoopSpec, compile_loop, flat, rows
+
+# Loops of this many iterations or more run as one compiled function (odtrain/loop_compiler.py); a
+# shorter one keeps the Python loop over its call list, as compiling one costs seconds (5-12 s for the
+# Mamba step of benchmarks/loops.py on a loaded 2-core machine) and saves a few microseconds a call.
+COMPILE_FROM = 256
 
 
 class _Body:
@@ -44,6 +51,7 @@ class _Body:
         self.outputs = [self.step.storage[name] for name in body.outputs]
         program = self.step.program
         calls = self.step._jit_calls
+        self.calls = calls  # None with a kernel library
         if program is not None:
             threads = outer.threads
             self.run = lambda: _run_program(self.step, program, threads)
@@ -134,9 +142,21 @@ def _bind_scan(outer, node: Node, storage: dict):
         targets.append((np.moveaxis(storage[name], layout.output_axes[k], 0), layout.output_directions[k])
                        if name else None)
 
+    compiled = None
+    if step.calls is not None and length >= COMPILE_FROM:  # the JIT's kernels: the loop as one compiled function
+        compiled = compile_loop(LoopSpec(
+            step.calls, carried=[(flat(h), flat(f), flat(o)) for h, f, o in zip(held, state_feeds, state_outputs)],
+            streams_in=[(flat(f), rows(w) if axis == 0 else None, bool(d))
+                        for f, (w, d), axis in zip(scan_feeds, sources, layout.input_axes)],
+            streams_out=[(rows(t[0]) if axis == 0 else None, flat(o), bool(t[1]))  # omitted outputs: not written
+                         for t, o, axis in zip(targets, scan_outputs, layout.output_axes) if t is not None]), length)
+
     def run_scan():
         for hold, value in zip(held, initial):
             _copy(hold, value)
+        if compiled is not None:
+            compiled()
+            return
         for t in range(length):
             for feed, hold in zip(state_feeds, held):
                 _copy(feed, hold)
@@ -175,10 +195,23 @@ def _bind_loop(outer, node: Node, storage: dict):
     wired = [(s, s.feed(body.inputs[0]), s.feed(body.inputs[1]), [s.feed(n) for n in body.inputs[2:]],
               s.outputs[0], s.outputs[1:1 + carried], s.outputs[1 + carried:]) for s in steps]
 
+    compiled = None
+    if len(steps) == 1 and steps[0].calls is not None and trip is not None and trip >= COMPILE_FROM and \
+            all(s is not None for s in wired[0][1:3]):
+        _, counter, flag, carried_feeds, condition_out, carried_out, scans = wired[0]
+        compiled = compile_loop(LoopSpec(
+            steps[0].calls, carried=[(flat(h), flat(f), flat(o)) for h, f, o in zip(held, carried_feeds, carried_out)],
+            streams_out=[(rows(w), flat(o), False) for w, o in zip(targets, scans) if w is not None],
+            counter=flat(counter), flag=flat(flag),
+            condition_out=flat(condition_out) if condition is not None else None), trip)
+
     def run_loop():
         for hold, value in zip(held, initial):
             _copy(hold, value)
         going = True if condition is None else bool(condition.reshape(-1)[0])
+        if compiled is not None:
+            compiled(going)
+            return
         t = 0
         while going and (trip is None or t < trip):
             step, counter, flag, carried_feeds, condition_out, carried_out, scans = wired[t if len(wired) > 1 else 0]

@@ -484,3 +484,20 @@ def test_a_gru_cell_written_as_a_scan_trains_as_the_gru_op_does(optimizer, tmp_p
     module.eval()
     expected = InferenceSession(str(tmp_path / "inference.onnx")).run(None, {"X": x})[0]
     np.testing.assert_allclose(onnxruntime_run(exported, {"X": x})[0], expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("make,compiles", [(lambda: gru_as_scan(gru_parameters(np.random.default_rng(2))), True),
+                                           (loop_model, True), (scan_model, False)], ids=["gru", "loop", "axis 1"])
+def test_a_loop_compiled_into_one_function_gives_what_the_python_loop_gives(make, compiles, monkeypatch):
+    """Long loops run as one generated Numba function (odtrain/loop_compiler.py): here every loop is, but
+    a scan along another axis than 0 (not contiguous slices), which keeps the Python loop."""
+    import odtrain.loop_compiler
+    from odtrain import loops
+
+    made = []
+    original = odtrain.loop_compiler.compile_loop
+    monkeypatch.setattr(loops, "COMPILE_FROM", 0)
+    monkeypatch.setattr(loops, "compile_loop", lambda spec, trip: made.append(original(spec, trip)) or made[-1])
+    proto = make()
+    assert_matches_reference(proto, random_feeds(proto))
+    assert made and all((run is not None) == compiles for run in made)
