@@ -95,8 +95,14 @@ def _type(array) -> TensorType:
 
 def _bind_if(outer, node: Node, storage: dict):
     condition = storage[node.inputs[0]]
-    branches = [_Body(outer, node, node.attrs[key], storage, {}) for key in ("else_branch", "then_branch")]
     targets = [storage[o] if o else None for o in node.outputs]
+    known = outer.step_plan.folded.get(node.inputs[0])
+    if known is not None:  # a condition known when shapes bind: only its branch is planned (the other may not fit)
+        taken = _Body(outer, node, node.attrs["then_branch" if bool(np.asarray(known).reshape(-1)[0]) else "else_branch"],
+                      storage, {})
+        branches = [taken, taken]
+    else:
+        branches = [_Body(outer, node, node.attrs[key], storage, {}) for key in ("else_branch", "then_branch")]
 
     def run_if():
         branch = branches[bool(condition.reshape(-1)[0])]
