@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .control_flow import walk
 from .errors import ModelError, UnsupportedOpError
 from .fusion import fuse_for_training
 from .gradient_fusion import fold_activation_gradients
@@ -86,7 +87,7 @@ def missing_support(graph: Graph, trainable, loss_inputs) -> tuple[list[Node], l
     """(nodes without a kernel, (node, why) for each node without a gradient rule that a trainable parameter
     needs): the reverse walk of build_gradient_graph on the graph as given, recording instead of stopping,
     and walking on past a missing rule so that one report names every one."""
-    no_kernel = [node for node in graph.nodes if node.key not in OPS]
+    no_kernel = [node for node in walk(graph) if node.key not in OPS]  # inside If, Loop and Scan bodies too
     reaches_param = _depends_on(graph, set(trainable))
     flowing, no_gradient = set(loss_inputs), []
     for node in reversed(graph.nodes):

@@ -235,6 +235,22 @@ class ExecutableStep:
         except ValueError as error:  # a kernel's check on the data (e.g. a label out of range)
             raise InputError(f"{self.graph.name}: {error}; check the inputs' values") from None
 
+    @property
+    def jit_calls(self) -> list | None:
+        """The step's calls as the JIT runs them ((dispatcher, args)), or None when a kernel library runs them."""
+        return self._jit_calls
+
+    def run_calls(self) -> None:
+        """Run the calls once, the feeds already in their slots, inside a running step (an iteration of a
+        loop's body: odtrain/loops.py); a library call that stops on its data raises as in `run`."""
+        if self.program is None:
+            for kernel, args in self._jit_calls:
+                kernel(*args)
+        else:
+            failed = self.program.run(self.threads)
+            if failed is not None:
+                self._stopped(failed)
+
     def _stopped(self, index: int):
         """The error of library call `index`, which stopped on its data (as the JIT kernel raises it)."""
         kernel, args = self.calls[index]

@@ -1,8 +1,9 @@
 """Running If, Loop and Scan: each body planned once, its iterations a loop over a prebuilt call list.
 
 A control-flow node becomes one call of the outer step (`bind_control_flow`, called by the executor
-as it binds the node). Binding it plans each body as a step of its own (an `ExecutableStep` with an
-arena of its own, planned once per outer plan):
+as it binds the node). Binding it plans each body as a step of its own (a step of the outer step's
+class, `ExecutableStep`, with an arena of its own, planned once per outer plan; taken from the outer
+step, so that this module does not import the executor that imports it):
 - the values a body captures are its parameters: the outer step's arrays, read in place, never
   copied (folded outer constants bind as the body's constants, so shapes and axes fold inside too);
 - a body's inputs are its feeds: carried values, the iteration number and condition, a scan slice.
@@ -36,8 +37,6 @@ class _Body:
     """One body bound for running: its step, the views of its feeds and its outputs."""
 
     def __init__(self, outer, node: Node, body: Graph, storage: dict, feed_types: dict, bound: dict | None = None):
-        from .executor import ExecutableStep
-
         captured = {}
         constants = dict(bound or {})
         for inner, outer_name in outer_bindings(node):
@@ -45,33 +44,16 @@ class _Body:
                 constants[inner] = np.asarray(outer.step_plan.folded[outer_name])
             else:
                 captured[inner] = storage[outer_name]
-        self.step = ExecutableStep(body, feed_types=feed_types, external=captured, bound_feeds=constants,
+        self.step = type(outer)(body, feed_types=feed_types, external=captured, bound_feeds=constants,
                                    threads=outer.threads, library=outer.library, artifact_folder=outer.artifact_folder)
         self.feeds = {name: view for name, view in zip(self.step.feeds, self.step.feed_views)}
         self.outputs = [self.step.storage[name] for name in body.outputs]
-        program = self.step.program
-        calls = self.step._jit_calls
-        self.calls = calls  # None with a kernel library
-        if program is not None:
-            threads = outer.threads
-            self.run = lambda: _run_program(self.step, program, threads)
-        else:
-            self.run = lambda: _run_calls(calls)
+        self.calls = self.step.jit_calls  # None with a kernel library
+        self.run = self.step.run_calls
 
     def feed(self, name: str):
         """The body's slot for input `name`, or None when the input is bound as a constant or unread."""
         return self.feeds.get(name)
-
-
-def _run_calls(calls) -> None:
-    for kernel, args in calls:
-        kernel(*args)
-
-
-def _run_program(step, program, threads: int) -> None:
-    failed = program.run(threads)
-    if failed is not None:
-        step._stopped(failed)
 
 
 def _copy(destination, source) -> None:

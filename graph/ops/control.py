@@ -374,7 +374,7 @@ def _if_grad(ctx):
 
     node = ctx.node
     captured = outer_bindings(node)
-    outer_types = ctx._builder.graph.value_types
+    outer_types = ctx.value_types
     wanted = [j for j in range(len(captured)) if ctx.needs(1 + j)]
     branches = {}
     for key in ("then_branch", "else_branch"):
@@ -387,9 +387,9 @@ def _if_grad(ctx):
                    for j in wanted]
         outputs = [emit("Identity", [name], {}) for name in outputs]  # a branch's outputs are its own values
         branches[key] = _finish_body(work, builder, [], outputs, {})
-    results = [ctx._builder.names.fresh(f"{captured[j][1]}_grad_{node.name}") for j in wanted]
-    backward = with_captures(Node("If", [node.inputs[0]], results, branches, ctx._builder.names.fresh(f"{node.name}_grad")))
-    ctx._builder.nodes.append(backward)
+    results = [ctx.fresh(f"{captured[j][1]}_grad_{node.name}") for j in wanted]
+    backward = with_captures(Node("If", [node.inputs[0]], results, branches, ctx.fresh(f"{node.name}_grad")))
+    ctx.add_node(backward)
     for j, name in zip(wanted, results):
         ctx.set_grad(1 + j, name)
 
@@ -434,13 +434,12 @@ def _reverse_scan(ctx, body: Graph, *, hint: str, state_names: list[str], state_
     from ..control_flow import with_captures
 
     node = ctx.node
-    outer_types = ctx._builder.graph.value_types
+    outer_types = ctx.value_types
     captured = outer_bindings(node)
     wanted_captured = [j for j in range(len(captured)) if ctx.needs(first_captured + j)]
-    names = ctx._builder.names
-    state_grads_in = [names.fresh(f"{hint}/d_{n}") for n in state_names]
-    accumulators_in = [names.fresh(f"{hint}/acc_{captured[j][0]}") for j in wanted_captured]
-    dy_in = [names.fresh(f"{hint}/d_{out}") for out, _, _, _ in scan_seeds]
+    state_grads_in = [ctx.fresh(f"{hint}/d_{n}") for n in state_names]
+    accumulators_in = [ctx.fresh(f"{hint}/acc_{captured[j][0]}") for j in wanted_captured]
+    dy_in = [ctx.fresh(f"{hint}/d_{out}") for out, _, _, _ in scan_seeds]
     seeds = {}
     for name, gradient in zip(_carried_outputs(node, body), state_grads_in):
         seeds.setdefault(name, gradient)
@@ -478,11 +477,11 @@ def _reverse_scan(ctx, body: Graph, *, hint: str, state_names: list[str], state_
              "scan_input_axes": [a for _, a, _ in streams], "scan_input_directions": [d for _, _, d in streams],
              "scan_output_axes": [scanned[i][2] for i in gradients_of_scanned],
              "scan_output_directions": [1 - scanned[i][3] for i in gradients_of_scanned]}
-    results = [names.fresh(f"{hint}/initial_{n}") for n in state_names]
-    results += [names.fresh(f"{captured[j][1]}_grad_{node.name}") for j in wanted_captured]
-    results += [names.fresh(f"{hint}/d_{scanned[i][1]}") for i in gradients_of_scanned]
-    backward = with_captures(Node("Scan", initial + [s for s, _, _ in streams], results, attrs, names.fresh(hint)))
-    ctx._builder.nodes.append(backward)
+    results = [ctx.fresh(f"{hint}/initial_{n}") for n in state_names]
+    results += [ctx.fresh(f"{captured[j][1]}_grad_{node.name}") for j in wanted_captured]
+    results += [ctx.fresh(f"{hint}/d_{scanned[i][1]}") for i in gradients_of_scanned]
+    backward = with_captures(Node("Scan", initial + [s for s, _, _ in streams], results, attrs, ctx.fresh(hint)))
+    ctx.add_node(backward)
     states = len(state_names)
     by_captured = dict(zip(wanted_captured, results[states:states + len(wanted_captured)]))
     return results[:states], by_captured, results[states + len(wanted_captured):]
