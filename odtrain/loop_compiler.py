@@ -33,7 +33,8 @@ class LoopSpec:
     - `streams_out`: (whole, out, reverse): whole[t] ← out;
     - `counter`/`flag`: one-element feeds given the iteration number and the condition, or None;
     - `condition_out`: the body's one-element condition, read after each iteration, or None (the loop
-      runs `trip` times)."""
+      runs `trip` times);
+    - `fused`: a function giving the body as one loop nest (odtrain/body_fusion.py) instead of its calls."""
 
     calls: list
     carried: list = field(default_factory=list)
@@ -42,6 +43,7 @@ class LoopSpec:
     counter: np.ndarray | None = None
     flag: np.ndarray | None = None
     condition_out: np.ndarray | None = None
+    fused: object = None  # fused(source) -> the iteration's lines instead of the calls, or None (body_fusion.py)
 
 
 def flat(array: np.ndarray) -> np.ndarray | None:
@@ -111,15 +113,15 @@ def compile_loop(spec: LoopSpec, trip: int | None):
             any(entry[2] is None for entry in spec.carried):
         return None  # a view that is not contiguous
     source = _Source()
-    lines = []
-    for kernel, args in spec.calls:
+    lines = spec.fused(source) if spec.fused is not None else None
+    for kernel, args in spec.calls if lines is None else []:
         dispatcher = _dispatcher(kernel)
         if dispatcher is None:
             return None
         texts = [source.argument(a) for a in args]
         if any(t is None for t in texts):
             return None
-        lines.append(f"{source.kernel(dispatcher)}({', '.join(texts)})")
+        lines = (lines or []) + [f"{source.kernel(dispatcher)}({', '.join(texts)})"]
     carried = [(source.array(h), source.array(f), source.array(o)) for h, f, o in spec.carried]
     streams_in = [(source.array(f), source.array(w), r) for f, w, r in spec.streams_in]
     streams_out = [(source.array(w), source.array(o), r) for w, o, r in spec.streams_out]
@@ -130,7 +132,7 @@ def compile_loop(spec: LoopSpec, trip: int | None):
         body.append(f"{source.array(spec.flag)}[0] = going")
     body += [f"{f}[:] = {h}" for h, f, _ in carried]
     body += [f"{f}[:] = {w}[{'trip - 1 - t' if r else 't'}]" for f, w, r in streams_in]
-    body += lines
+    body += lines or []
     body += [f"{w}[{'trip - 1 - t' if r else 't'}] = {o}" for w, o, r in streams_out]
     body += [f"{h}[:] = {o}" for h, _, o in carried]
     if spec.condition_out is not None:

@@ -9,7 +9,8 @@ step, so that this module does not import the executor that imports it):
 - a body's inputs are its feeds: carried values, the iteration number and condition, a scan slice.
 An iteration copies what changes into the body's feed slots, runs the body's calls (Numba
 dispatchers, or the kernel library's call lists) and copies its outputs out: no planning, no lookups.
-A long loop on the JIT's kernels runs as one compiled function instead (odtrain/loop_compiler.py).
+A long loop on the JIT's kernels runs as one compiled function instead (odtrain/loop_compiler.py), its
+body one loop nest where it is element-wise (odtrain/body_fusion.py).
 Carried values live between iterations in the node's own output arrays (or a buffer of the node's
 when the output is omitted), so a body's in-place reuse of its own slots never clobbers them.
 
@@ -25,6 +26,7 @@ from .graph.control_flow import outer_bindings
 from .graph.errors import ModelError
 from .graph.ir import Graph, Node, TensorType
 from .graph.ops.control import bind_loop_body, scan_layout
+from .body_fusion import fused_body
 from .loop_compiler import LoopSpec, compile_loop, flat, rows
 
 # Loops of this many iterations or more run as one compiled function (odtrain/loop_compiler.py); a
@@ -137,7 +139,8 @@ def _bind_scan(outer, node: Node, storage: dict):
             streams_in=[(flat(f), rows(w) if axis == 0 else None, bool(d))
                         for f, (w, d), axis in zip(scan_feeds, sources, layout.input_axes)],
             streams_out=[(rows(t[0]) if axis == 0 else None, flat(o), bool(t[1]))  # omitted outputs: not written
-                         for t, o, axis in zip(targets, scan_outputs, layout.output_axes) if t is not None]), length)
+                         for t, o, axis in zip(targets, scan_outputs, layout.output_axes) if t is not None],
+            fused=lambda source: fused_body(step.step, source, body.outputs)), length)
 
     def run_scan():
         for hold, value in zip(held, initial):
@@ -191,7 +194,8 @@ def _bind_loop(outer, node: Node, storage: dict):
             steps[0].calls, carried=[(flat(h), flat(f), flat(o)) for h, f, o in zip(held, carried_feeds, carried_out)],
             streams_out=[(rows(w), flat(o), False) for w, o in zip(targets, scans) if w is not None],
             counter=flat(counter), flag=flat(flag),
-            condition_out=flat(condition_out) if condition is not None else None), trip)
+            condition_out=flat(condition_out) if condition is not None else None,
+            fused=lambda source: fused_body(steps[0].step, source, body.outputs)), trip)
 
     def run_loop():
         for hold, value in zip(held, initial):

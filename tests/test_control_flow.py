@@ -501,3 +501,31 @@ def test_a_loop_compiled_into_one_function_gives_what_the_python_loop_gives(make
     proto = make()
     assert_matches_reference(proto, random_feeds(proto))
     assert made and all((run is not None) == compiles for run in made)
+
+
+def selective_scan(form: str, steps=40, width=8, state=4):
+    """benchmarks/loops.py's Mamba-style selective scan, small."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "loops.py"
+    spec = importlib.util.spec_from_file_location("selective_scan_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.selective_scan_model(steps, width, state, form)
+
+
+@pytest.mark.parametrize("form", ["scan", "loop"])
+def test_an_element_wise_body_runs_as_one_fused_loop_nest(form, monkeypatch):
+    """The selective scan's step (element-wise over [width, state], a sum over state, the Loop's rows
+    gathered by the iteration number) fuses (odtrain/body_fusion.py) and gives onnxruntime's outputs."""
+    from odtrain import body_fusion, loops
+
+    fused = []
+    monkeypatch.setattr(loops, "COMPILE_FROM", 0)
+    monkeypatch.setattr(loops, "fused_body", lambda *a: fused.append(body_fusion.fused_body(*a)) or fused[-1])
+    proto = selective_scan(form)
+    x = RNG.standard_normal((40, 8)).astype(np.float32)
+    got = InferenceSession(proto).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, onnxruntime_run(proto, {"x": x})[0], rtol=1e-4, atol=1e-5)
+    assert fused and all(lines is not None for lines in fused)
