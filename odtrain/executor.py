@@ -187,7 +187,8 @@ class ExecutableStep:
         bind = BINDINGS.get(node.key)
         if bind is None:
             raise UnsupportedOpError(f"{node.describe()}: no kernel is registered for this op type")
-        inputs = [storage[i] if i else None for i in node.inputs]
+        inputs = [(storage[i] if i in storage or k not in opdef.shape_only else _shape_only(types[i])) if i else None
+                  for k, i in enumerate(node.inputs)]
         outputs = [storage[o] if o else None for o in node.outputs]
         extra = {"scratch": storage[self.step_plan.scratch[index]]} if index in self.step_plan.scratch else {}
         if node.key in PARALLEL:
@@ -275,6 +276,12 @@ class ExecutableStep:
 
     def output(self, name: str) -> np.ndarray:
         return self.storage[name].copy()
+
+
+def _shape_only(t: TensorType) -> np.ndarray:
+    """An array of type `t` holding no memory (every stride 0), for an input read for its shape only whose
+    value nothing computes (a gradient in a loop body reading a forward value that only its shape reaches)."""
+    return np.lib.stride_tricks.as_strided(np.zeros(1, t.dtype), t.shape, (0,) * len(t.shape), writeable=False)
 
 
 class Program:

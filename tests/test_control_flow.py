@@ -529,3 +529,12 @@ def test_an_element_wise_body_runs_as_one_fused_loop_nest(form, monkeypatch):
     got = InferenceSession(proto).run(None, {"x": x})[0]
     np.testing.assert_allclose(got, onnxruntime_run(proto, {"x": x})[0], rtol=1e-4, atol=1e-5)
     assert fused and all(lines is not None for lines in fused)
+
+
+@pytest.mark.parametrize("form", ["scan", "loop"])
+def test_selective_scan_gradients_match_finite_differences(form, tmp_path):
+    """The Mamba-style step (input-dependent Δ, B, C; A = −exp(A_log)) as a Scan and as a Loop that
+    gathers row i: gradients of every weight, the projections before and after the recurrence included."""
+    proto = selective_scan(form, steps=5, width=3, state=2)
+    x = RNG.standard_normal((5, 3)).astype(np.float32)
+    check_gradients(proto, ["W_dt", "b_dt", "W_B", "W_C", "W_out", "A_log"], {"x": x}, tmp_path)

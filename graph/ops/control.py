@@ -290,6 +290,12 @@ def _loop_rule(node, types, consts):
 #   the iteration numbers. A Loop whose condition depends on the data is refused (UnsupportedOpError).
 
 
+def _inner_constant(ctx):
+    """The constant value of an outer value a body of `ctx.node` reads by its inner name, or None."""
+    outer = dict(outer_bindings(ctx.node))
+    return lambda inner: ctx.known_constant(outer[inner]) if inner in outer else None
+
+
 def _zeros_like(emit, name: str, dtype) -> str:
     """Emit zeros of `name`'s shape and `dtype` through `emit(op_type, inputs, attrs)`; their name."""
     shape = emit("Shape", [name], {})
@@ -301,14 +307,25 @@ def _dtype_of(types: dict, name: str):
     return None if t is None else np.dtype(t.dtype)
 
 
-def differentiate(body: Graph, seeds: dict[str, str], wanted: list[str], outer_types: dict, hint: str):
+SMALL_CONSTANT = 1024  # outer constants of at most this many elements are copied into gradient bodies
+
+
+def differentiate(body: Graph, seeds: dict[str, str], wanted: list[str], outer_types: dict, hint: str,
+                  outer_constant=None):
     """A copy of `body` with gradient nodes appended, and {name: its gradient's name, or ''} for each of
     `wanted` (body inputs or values it captures): the reverse walk of graph/autodiff.py from `seeds`
-    (body output -> the name of its gradient, a new input or an outer value)."""
+    (body output -> the name of its gradient, a new input or an outer value). Small outer constants the
+    body reads (`outer_constant(name)`: axes, shapes) become its own, so that gradient rules that need
+    their values (ReduceSum's axes) see them."""
     from ..autodiff import BackwardBuilder, _depends_on, _rank_lookup, _wanted_inputs
+    from ..control_flow import free_names
     from .registry import GradContext, lookup
 
     work = body.copy()
+    for name in free_names(body) if outer_constant is not None else []:
+        value = outer_constant(name)
+        if value is not None and np.asarray(value).size <= SMALL_CONSTANT and name not in wanted:
+            work.initializers[name] = np.asarray(value)
     work.value_types = {**outer_types, **body.value_types}
     builder = BackwardBuilder(work)
     builder.names.taken |= set(outer_types) | set(seeds.values())
@@ -381,7 +398,7 @@ def _if_grad(ctx):
         branch = node.attrs[key]
         seeds = {out: ctx.GO(i) for i, out in enumerate(branch.outputs) if ctx.GO(i)}
         work, builder, grads = differentiate(branch, seeds, [captured[j][0] for j in wanted], outer_types,
-                                             f"{node.name}_{key}_grad")
+                                             f"{node.name}_{key}_grad", _inner_constant(ctx))
         emit = _body_emitter(builder, "zeros")
         outputs = [grads[captured[j][0]] or _zeros_like(emit, captured[j][0], _dtype_of(outer_types, captured[j][1]))
                    for j in wanted]
@@ -446,7 +463,7 @@ def _reverse_scan(ctx, body: Graph, *, hint: str, state_names: list[str], state_
     for (out, _, _, _), gradient in zip(scan_seeds, dy_in):
         seeds[out] = gradient
     wanted = list(state_names) + [scanned[i][0] for i in gradients_of_scanned] + [captured[j][0] for j in wanted_captured]
-    work, builder, grads = differentiate(body, seeds, wanted, outer_types, hint)
+    work, builder, grads = differentiate(body, seeds, wanted, outer_types, hint, _inner_constant(ctx))
     for name, value in constants.items():
         work.initializers[name] = value
         work.inputs = [i for i in work.inputs if i != name]

@@ -284,6 +284,10 @@ class GradContext:
         """What is known of every forward value's type (the graph being differentiated)."""
         return self._builder.graph.value_types
 
+    def known_constant(self, name: str):
+        """The value of `name` when it is a constant of the graph (an initializer, a Constant node), else None."""
+        return self._builder.constant_value(name)
+
     def fresh(self, hint: str) -> str:
         """A value or node name that clashes with none of the graph's."""
         return self._builder.names.fresh(hint)
