@@ -219,6 +219,7 @@ class ExecutableStep:
             np.copyto(view, value, casting="no")
         if _recording is not None:
             _recording.extend(self.calls)
+            _recording.extend(nested_calls(self.calls))  # the calls of If, Loop and Scan bodies (odtrain/loops.py)
             return
         try:
             with self.step_threads() as threads:
@@ -276,6 +277,17 @@ class ExecutableStep:
 
     def output(self, name: str) -> np.ndarray:
         return self.storage[name].copy()
+
+
+def nested_calls(calls) -> list:
+    """The calls of the bodies that `calls` run (a control-flow node's call carries its bodies' calls as
+    `body_calls`), their own bodies' included."""
+    found = []
+    for kernel, _ in calls:
+        inner = getattr(kernel, "body_calls", ())
+        found.extend(inner)
+        found.extend(nested_calls(inner))
+    return found
 
 
 def _shape_only(t: TensorType) -> np.ndarray:

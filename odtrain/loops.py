@@ -66,10 +66,13 @@ def _copy(destination, source) -> None:
 def bind_control_flow(outer, node: Node, storage: dict) -> list:
     """The calls that run `node` (If, Loop or Scan) in the step `outer` (an ExecutableStep) whose values
     live in `storage`."""
+    bodies: list[_Body] = []
     try:
-        run = {"If": _bind_if, "Loop": _bind_loop, "Scan": _bind_scan}[node.op_type](outer, node, storage)
+        run = {"If": _bind_if, "Loop": _bind_loop, "Scan": _bind_scan}[node.op_type](outer, node, storage, bodies)
     except ModelError as error:
         raise ModelError(f"{node.describe()}: {error}") from None
+    # what a kernel library must hold to run the bodies (recorded with the step's calls: executor.nested_calls)
+    run.body_calls = [call for body in bodies for call in body.step.calls]
     return [(run, ())]
 
 
@@ -77,7 +80,7 @@ def _type(array) -> TensorType:
     return TensorType(array.dtype, tuple(array.shape))
 
 
-def _bind_if(outer, node: Node, storage: dict):
+def _bind_if(outer, node: Node, storage: dict, bodies: list):
     condition = storage[node.inputs[0]]
     targets = [storage[o] if o else None for o in node.outputs]
     known = outer.step_plan.folded.get(node.inputs[0])
@@ -87,6 +90,7 @@ def _bind_if(outer, node: Node, storage: dict):
         branches = [taken, taken]
     else:
         branches = [_Body(outer, node, node.attrs[key], storage, {}) for key in ("else_branch", "then_branch")]
+    bodies.extend(dict.fromkeys(branches))
 
     def run_if():
         branch = branches[bool(condition.reshape(-1)[0])]
@@ -107,7 +111,7 @@ def _holders(node: Node, storage: dict, first: int, count: int, types: list) -> 
     return held
 
 
-def _bind_scan(outer, node: Node, storage: dict):
+def _bind_scan(outer, node: Node, storage: dict, bodies: list):
     body = node.attrs["body"]
     types = [_type(storage[name]) if name else None for name in node.inputs]
     states = len(body.inputs) - int(node.attrs.get("num_scan_inputs", 0))
@@ -121,6 +125,7 @@ def _bind_scan(outer, node: Node, storage: dict):
         feed_types[body.inputs[states + k]] = _type(whole[0]) if length else TensorType(whole.dtype, whole.shape[1:])
         sources.append((whole, layout.input_directions[k]))
     step = _Body(outer, node, body, storage, feed_types)
+    bodies.append(step)
     held = _holders(node, storage, 0, states, types[:states])
     initial = [storage[node.inputs[k]] for k in range(states)]
     state_feeds = [step.feed(name) for name in body.inputs[:states]]
@@ -164,7 +169,7 @@ def _bind_scan(outer, node: Node, storage: dict):
     return run_scan
 
 
-def _bind_loop(outer, node: Node, storage: dict):
+def _bind_loop(outer, node: Node, storage: dict, bodies: list):
     body = node.attrs["body"]
     types = [_type(storage[name]) if name else None for name in node.inputs]
     consts = [np.asarray(outer.step_plan.folded[name]) if name in outer.step_plan.folded else None
@@ -178,6 +183,7 @@ def _bind_loop(outer, node: Node, storage: dict):
                        {body.inputs[0]: np.array(t, np.int64)}) for t in range(binding.trip)]
     else:
         steps = [_Body(outer, node, body, storage, feed_types)]
+    bodies.extend(steps)
     held = _holders(node, storage, 0, carried, types[2:])
     initial = [storage[node.inputs[2 + k]] for k in range(carried)]
     targets = [storage[o] if o else None for o in node.outputs[carried:]]

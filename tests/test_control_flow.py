@@ -538,3 +538,18 @@ def test_selective_scan_gradients_match_finite_differences(form, tmp_path):
     proto = selective_scan(form, steps=5, width=3, state=2)
     x = RNG.standard_normal((5, 3)).astype(np.float32)
     check_gradients(proto, ["W_dt", "b_dt", "W_B", "W_C", "W_out", "A_log"], {"x": x}, tmp_path)
+
+
+def test_recording_a_step_records_the_kernels_of_its_bodies():
+    """A kernel library is built from the calls steps record (odtrain compile): a loop's body kernels are
+    among them, nested bodies' too, so a library can hold what a device runs inside loops."""
+    from odtrain.executor import record_calls
+    from odtrain.kernel_library import kernel_name
+
+    proto = nested_model()
+    session = InferenceSession(proto)
+    with record_calls() as calls:
+        session.run(None, random_feeds(proto))
+    names = {kernel_name(kernel) for kernel, _ in calls}
+    assert "odtrain.kernels.linalg:_gemm_batched" in names, names  # the inner If's MatMul
+    assert any(name and "sum" in name.lower() for name in names), names  # the Scan body's ReduceSum
