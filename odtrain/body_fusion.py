@@ -114,11 +114,13 @@ def fused_body(step, source, outputs: list[str]) -> list[str] | None:
     def term(name: str) -> str | None:
         if name in virtual:
             return virtual[name]
-        if name in gathered:  # data[index % rows, ...]: a negative index counts from the end, as Gather's
+        if name in gathered:  # data[row, ...], the row picked once an iteration, before the nest
             data, index = gathered[name]
-            rest = term_target(data[0], space, source, prefix=f"{source.array(index.reshape(1))}[0] % {data.shape[0]}",
-                               whole=data)
-            return rest
+            key = (id(index), data.shape[0])
+            if key not in rows:  # index % rows: a negative index counts from the end, as Gather's
+                rows[key] = f"row{len(rows)}"
+                before.append(f"{rows[key]} = {source.array(index.reshape(1))}[0] % {data.shape[0]}")
+            return term_target(data[0], space, source, prefix=rows[key], whole=data)
         array = storage[name]
         if array.ndim == 0:
             return f"{source.array(array.reshape(1))}[0]"
@@ -146,6 +148,7 @@ def fused_body(step, source, outputs: list[str]) -> list[str] | None:
         return written[name]
 
     before, inner = [], []
+    rows: dict[tuple, str] = {}
     for entry in computed:
         if entry[0] == "value":
             _, out, expression, inputs = entry
