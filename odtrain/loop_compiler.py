@@ -25,6 +25,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
+# Generated functions by (their text, the kernels they call): a body bound again (an arena that grew,
+# a plan evicted and rebound) reuses the function and the machine code Numba compiled for its types.
+_COMPILED: dict = {}
+
+
 @dataclass
 class LoopSpec:
     """What one loop does around its body's `calls` ((kernel, args) pairs), each array a flat view:
@@ -140,9 +145,12 @@ def compile_loop(spec: LoopSpec, trip: int | None):
     body.append("t += 1")
     text = [f"def loop(trip, going, {', '.join(source.params)}):", "    t = 0",
             "    while going and (trip < 0 or t < trip):"] + [f"        {line}" for line in body]
-    namespace = dict(source.globals)
-    exec(compile("\n".join(text), "<odtrain compiled loop>", "exec"), namespace)  # noqa: S102 (our own text)
-    compiled = numba.njit(error_model="numpy")(namespace["loop"])
+    key = ("\n".join(text), tuple(id(k) for name, k in sorted(source.globals.items()) if name != "np"))
+    compiled = _COMPILED.get(key)
+    if compiled is None:  # the same text over the same kernels: the function compiled for an earlier binding
+        namespace = dict(source.globals)
+        exec(compile(key[0], "<odtrain compiled loop>", "exec"), namespace)  # noqa: S102 (our own text)
+        compiled = _COMPILED[key] = numba.njit(error_model="numpy")(namespace["loop"])
     values = source.values
     limit = -1 if trip is None else int(trip)
 
