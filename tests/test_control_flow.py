@@ -30,7 +30,7 @@ def weight(name, shape):
     return numpy_helper.from_array(RNG.standard_normal(shape).astype(np.float32) * 0.5, name)
 
 
-def if_model():
+def if_model(opset=17):
     """y = cond ? tanh(x @ W) : x * w2 + x, the branches reading x, W and w2 from outside."""
     then_branch = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["xw"]),
                                      helper.make_node("Tanh", ["xw"], ["t_out"])], "then", [], [tensor("t_out")])
@@ -38,7 +38,7 @@ def if_model():
                                      helper.make_node("Add", ["xm", "x"], ["e_out"])], "else", [], [tensor("e_out")])
     nodes = [helper.make_node("If", ["cond"], ["y"], then_branch=then_branch, else_branch=else_branch, name="choose")]
     return model(nodes, [tensor("cond", [], TensorProto.BOOL), tensor("x", [3, 4])], [tensor("y", [3, 4])],
-                 [weight("W", (4, 4)), weight("w2", (4,))])
+                 [weight("W", (4, 4)), weight("w2", (4,))], opset)
 
 
 def scan_model(opset=16):
@@ -60,7 +60,7 @@ def scan_model(opset=16):
                  [tensor("h"), tensor("c"), tensor("ys1"), tensor("ys2")], [weight("W", (3, 3))], opset)
 
 
-def loop_model():
+def loop_model(opset=17):
     """A loop of trip count 4 (an initializer) with a condition that stays true: h = tanh(h @ W + i),
     the iteration number cast to float; the scan output stacks each h."""
     body = helper.make_graph(
@@ -74,7 +74,7 @@ def loop_model():
         [tensor("cond_out", [], TensorProto.BOOL), tensor("h_out", [2, 3]), tensor("scan_h", [2, 3])])
     node = helper.make_node("Loop", ["trip", "", "h0"], ["h", "hs"], body=body, name="loop")
     return model([node], [tensor("h0", [2, 3])], [tensor("h"), tensor("hs")],
-                 [weight("W", (3, 3)), numpy_helper.from_array(np.array(4, np.int64), "trip")])
+                 [weight("W", (3, 3)), numpy_helper.from_array(np.array(4, np.int64), "trip")], opset)
 
 
 def while_model():
@@ -143,9 +143,10 @@ def assert_matches_reference(proto, feeds, rtol=1e-5):
     return got
 
 
+@pytest.mark.parametrize("opset", [9, 11, 13, 16, 19])
 @pytest.mark.parametrize("cond", [True, False])
-def test_if_runs_the_branch_its_condition_picks(cond):
-    proto = if_model()
+def test_if_runs_the_branch_its_condition_picks(cond, opset):
+    proto = if_model(opset)
     assert_matches_reference(proto, random_feeds(proto, cond=np.array(cond)))
 
 
@@ -163,8 +164,9 @@ def test_scan_with_axes_and_directions_matches_the_reference(opset):
     assert_matches_reference(proto, random_feeds(proto))
 
 
-def test_loop_with_a_trip_count_matches_the_reference():
-    proto = loop_model()
+@pytest.mark.parametrize("opset", [9, 11, 13, 16, 19])
+def test_loop_with_a_trip_count_matches_the_reference(opset):
+    proto = loop_model(opset)
     assert_matches_reference(proto, random_feeds(proto))
 
 
