@@ -1,6 +1,6 @@
 """A Mamba-style selective scan's forward, as a Scan and as a Loop: odtrain beside onnxruntime.
 
-    python benchmarks/loops.py [--steps 1600] [--model 256] [--state 16] [--runs 7] [--threads 2]
+    python benchmarks/loops.py [--steps 1600] [--model 256] [--state 16] [--runs 7] [--threads 2] [--train]
 
 The model (microsoft/onnxruntime#27796's size by default: batch 1, d_model 256, d_state 16, 1,600 steps),
 the projections before and after the scan included:
@@ -12,7 +12,8 @@ written once with a Scan over (x, Δ, B, C) and once with a Loop that gathers ro
 runtime runs each model `--runs` times, alternated in one process (odtrain Scan, onnxruntime Scan,
 odtrain Loop, onnxruntime Loop, ...), both at `--threads` threads; the medians are printed in ms,
 with a hand-written Numba loop of the same recurrence (the scan alone, projections by numpy) as
-the floor. Numbers from a shared machine move by ±25%: say how loaded it was.
+the floor. With `--train`, odtrain's training step (MSE loss, AdamW; generate_artifacts, Module) and
+eval step of each form instead. Numbers from a shared machine move by ±25%: say how loaded it was.
 """
 from __future__ import annotations
 
@@ -108,8 +109,12 @@ def main(argv=None) -> None:
     parser.add_argument("--state", type=int, default=16)
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--train", action="store_true", help="time odtrain's training and eval steps instead")
     args = parser.parse_args(argv)
     os.environ.setdefault("ODTRAIN_NUM_THREADS", str(args.threads))
+    if args.train:
+        train_steps(args)
+        return
     import onnxruntime
 
     from odtrain.inference import InferenceSession
@@ -153,6 +158,39 @@ def main(argv=None) -> None:
           f"{args.threads} threads, median of {args.runs} alternated runs (ms)")
     for name, values in times.items():
         print(f"  {name:22s} {statistics.median(values):9.1f}   (min {min(values):.1f}, max {max(values):.1f})")
+
+
+def train_steps(args) -> None:
+    """The median training step (forward, loss, backward) and eval step of each form, in ms."""
+    import pathlib
+    import tempfile
+
+    from odtrain import artifacts
+    from odtrain.api import CheckpointState, Module
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((args.steps, args.model)).astype(np.float32)
+    target = rng.standard_normal((args.steps, args.model)).astype(np.float32)
+    print(f"selective scan training: d_model {args.model}, d_state {args.state}, {args.steps} steps, "
+          f"{args.threads} threads, median of {args.runs} (ms; the first step, which compiles, left out)")
+    for form in ("scan", "loop"):
+        folder = pathlib.Path(tempfile.mkdtemp())
+        artifacts.generate_artifacts(selective_scan_model(args.steps, args.model, args.state, form),
+                                     requires_grad=["W_dt", "b_dt", "W_B", "W_C", "W_out", "A_log"],
+                                     loss=artifacts.LossType.MSELoss, optimizer=artifacts.OptimType.AdamW,
+                                     artifact_directory=folder)
+        module = Module(folder / "training_model.onnx", CheckpointState.load_checkpoint(folder / "checkpoint"),
+                        folder / "eval_model.onnx")
+        times = {"train": [], "eval": []}
+        for run in range(args.runs + 1):
+            for mode in ("train", "eval"):
+                module.train(mode == "train")
+                start = time.perf_counter()
+                module(x, target)
+                if run:
+                    times[mode].append((time.perf_counter() - start) * 1e3)
+        print(f"  {form}: training step {statistics.median(times['train']):.0f}, "
+              f"eval step {statistics.median(times['eval']):.0f}")
 
 
 if __name__ == "__main__":
