@@ -178,3 +178,95 @@ def rename_free(body: Graph, renamed: dict[str, str]) -> Graph:
         n.inputs = [mapping.get(i, i) for i in n.inputs]
     copy.outputs = [mapping.get(o, o) for o in copy.outputs]
     return copy
+
+
+def loops_as_scans(graph: Graph) -> Graph:
+    """A copy of `graph` in which each Loop that is a scan in disguise becomes a Scan: a trip count that is
+    a constant, no condition or one that stays true (passed on, or a constant true), and outer values read
+    only by `Gather(value, i, axis=0)` of the iteration number `i`, with as many rows as the trip count. Each
+    such value becomes a scan input whose slices are the rows the Gather took; `i`, if the body reads it
+    otherwise, a scan input over Range(0, trip). Its gradient is then the reverse Scan's, whose rows are
+    scan outputs, instead of a dense tensor summed every iteration (benchmarks/loops.py --train)."""
+    if not any(is_control_flow(n) and n.op_type == "Loop" for n in graph.nodes):
+        return graph
+    changed = graph.copy()
+    names = NameScope(changed)
+    nodes = []
+    for node in changed.nodes:
+        nodes.extend(_as_scan(node, changed, names) or [node])
+    changed.nodes = nodes
+    return changed
+
+
+def _as_scan(node: Node, graph: Graph, names: NameScope) -> list[Node] | None:
+    from .ops.tensor import constant_value
+
+    if node.op_type != "Loop" or not node.inputs or not node.inputs[0]:
+        return None
+    body = node.attrs["body"]
+    trip = graph.initializers.get(node.inputs[0])
+    producers = graph.producers()
+    if trip is None and node.inputs[0] in producers and producers[node.inputs[0]].op_type == "Constant":
+        trip = constant_value(producers[node.inputs[0]])
+    count = onnx_input_count(node)
+    if trip is None or np.asarray(trip).size != 1 or count < 2:
+        return None
+    trip = int(np.asarray(trip).reshape(-1)[0])
+    if node.inputs[1]:
+        start = graph.initializers.get(node.inputs[1])
+        if start is None or not bool(np.asarray(start).reshape(-1)[0]) or not _passes_condition_on(body):
+            return None
+    counter, condition = body.inputs[0], body.inputs[1]
+    gathers, other_reads = {}, False
+    free = set(free_names(body))
+    for inner in body.nodes:
+        if inner.op_type == "Gather" and len(inner.inputs) == 2 and inner.inputs[1] == counter and \
+                int(inner.attrs.get("axis", 0)) == 0 and inner.inputs[0] in free:
+            t = graph.value_types.get(inner.inputs[0])
+            if t is None or t.shape is None or not t.shape or t.shape[0] != trip:
+                return None
+            gathers[inner.outputs[0]] = inner.inputs[0]
+        elif counter in inner.inputs:
+            other_reads = True
+        if any(i in set(gathers.values()) for i in inner.inputs) and inner.op_type != "Gather":
+            return None  # a gathered value read otherwise too
+    if not gathers:
+        return None
+    carried = count - 2
+    kept_outputs = body.outputs[1:]
+    needed = set(kept_outputs)
+    kept: list[Node] = []
+    for inner in reversed(body.nodes):
+        if inner.op_type == "Gather" and inner.outputs[0] in gathers:
+            continue
+        if any(o in needed for o in inner.outputs):
+            kept.append(inner)
+            needed.update(i for i in inner.inputs if i)
+    kept.reverse()
+    if condition in needed:
+        return None  # the body computes with its condition
+    scan_body = Graph(kept, body.inputs[2:] + list(gathers) + ([counter] if other_reads else []), kept_outputs,
+                      dict(body.initializers), dict(body.value_types), dict(body.opsets), body.name)
+    for row, whole in gathers.items():
+        t = graph.value_types[whole]
+        scan_body.value_types[row] = type(t)(t.dtype, tuple(t.shape[1:]))
+    made = []
+    streams = list(gathers.values())
+    if other_reads:
+        start, step = names.fresh(f"{node.name}/start"), names.fresh(f"{node.name}/step")
+        graph.initializers[start], graph.initializers[step] = np.array(0, np.int64), np.array(1, np.int64)
+        steps = names.fresh(f"{node.name}/iterations")
+        made.append(Node("Range", [start, node.inputs[0], step], [steps], {}, names.fresh(f"{node.name}/range")))
+        streams.append(steps)
+    made.append(with_captures(Node("Scan", node.inputs[2:count] + streams, list(node.outputs),
+                                   {"body": scan_body, "num_scan_inputs": len(streams)}, node.name, node.domain,
+                                   node.scope)))
+    return made
+
+
+def _passes_condition_on(body: Graph) -> bool:
+    """Whether a Loop body's condition output is its condition input, through Identity nodes."""
+    name, producers = body.outputs[0], body.producers()
+    while name in producers and producers[name].op_type == "Identity":
+        name = producers[name].inputs[0]
+    return name == body.inputs[1]

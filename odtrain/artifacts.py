@@ -39,7 +39,7 @@ from .graph.ir import Graph, TensorType
 from .graph.ops import OPS, check_supported
 from .graph.ops.quantize import dequantized_weights, quantization_inputs
 from .graph.losses import LossType, add_loss, parse_loss
-from .graph.control_flow import fold_constant_ifs, walk
+from .graph.control_flow import fold_constant_ifs, loops_as_scans, walk
 from .graph.onnx_io import read_graph, save_graph
 from .graph.optimizers import SGD, AdamW, OptimType, SGDMomentum, build_optimizer_graph, parse_optimizer
 from .graph.lora import add_adapters
@@ -138,7 +138,8 @@ def build_training_graphs(model, requires_grad=None, frozen_params=None, loss=No
     check_frozen_dtype(frozen_dtype)
     custom_loss = hasattr(loss, "build_loss")
     graph, path = read_graph(model, "model")
-    graph = fold_constant_ifs(graph)  # an If on a constant condition becomes the branch it takes
+    graph = loops_as_scans(fold_constant_ifs(graph))  # an If on a constant condition becomes its branch; a
+    # Loop that reads rows x[i] over a constant trip count, a Scan over them (graph/control_flow.py)
     check_supported(list(walk(graph)), f"model '{path}'" if path else "model")
     lora_left_out = {}
     if lora is not None:

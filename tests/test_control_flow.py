@@ -555,3 +555,26 @@ def test_recording_a_step_records_the_kernels_of_its_bodies():
     names = {kernel_name(kernel) for kernel, _ in calls}
     assert "odtrain.kernels.linalg:_gemm_batched" in names, names  # the inner If's MatMul
     assert any(name and "sum" in name.lower() for name in names), names  # the Scan body's ReduceSum
+
+
+def test_a_loop_over_rows_becomes_a_scan_when_artifacts_are_prepared(tmp_path):
+    """The selective scan's Loop reads x[i], Δ[i], B[i], C[i] over a constant trip count: it becomes a Scan
+    over those rows, which computes the same, and its gradient stacks rows instead of summing a dense
+    tensor each iteration."""
+    from odtrain import artifacts
+    from odtrain.graph.control_flow import loops_as_scans
+
+    proto = selective_scan("loop", steps=6, width=3, state=2)
+    graph = load_graph(proto)
+    converted = loops_as_scans(graph)
+    assert [n.op_type for n in graph.nodes if n.op_type in ("Loop", "Scan")] == ["Loop"]
+    assert [n.op_type for n in converted.nodes if n.op_type in ("Loop", "Scan")] == ["Scan"]
+    x = RNG.standard_normal((6, 3)).astype(np.float32)
+    np.testing.assert_allclose(InferenceSession(graph_to_proto(converted)).run(None, {"x": x})[0],
+                               onnxruntime_run(proto, {"x": x})[0], rtol=1e-5, atol=1e-6)
+    artifacts.generate_artifacts(proto, requires_grad=["W_dt"], loss=artifacts.LossType.MSELoss,
+                                 artifact_directory=tmp_path)
+    import onnx
+
+    trained = {n.op_type for n in onnx.load(str(tmp_path / "training_model.onnx")).graph.node}
+    assert "Scan" in trained and "Loop" not in trained
