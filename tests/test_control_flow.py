@@ -578,3 +578,64 @@ def test_a_loop_over_rows_becomes_a_scan_when_artifacts_are_prepared(tmp_path):
 
     trained = {n.op_type for n in onnx.load(str(tmp_path / "training_model.onnx")).graph.node}
     assert "Scan" in trained and "Loop" not in trained
+
+
+DEVICE_STEPS = """
+import importlib.abc, os, sys
+class NotInstalled(importlib.abc.MetaPathFinder):  # the device: the compiler's modules are not installed
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("numba", "llvmlite", "scipy", "onnx") and "--device" in sys.argv:
+            raise ModuleNotFoundError(f"No module named '{name}'", name=name)
+sys.meta_path.insert(0, NotInstalled())
+import numpy as np
+from odtrain.api import CheckpointState, Module, Optimizer
+folder = sys.argv[1]
+state = CheckpointState.load_checkpoint(os.path.join(folder, "checkpoint"))
+module = Module(os.path.join(folder, "training_model.onnx"), state, os.path.join(folder, "eval_model.onnx"))
+optimizer = Optimizer(os.path.join(folder, "optimizer_model.onnx"), module)
+rng = np.random.default_rng(0)
+x, y = rng.standard_normal((%d, %d, %d)).astype(np.float32), rng.standard_normal((%d, 2)).astype(np.float32)
+losses = []
+for _ in range(3):
+    losses.append(float(module(x, y)))
+    optimizer.step()
+    module.lazy_reset_grad()
+module.eval()
+losses.append(float(module(x, y)))
+print(module.kernel_library is not None, "numba" in sys.modules, [loss.hex() for loss in losses])
+""" % (T, BATCH, INPUT, BATCH)
+
+
+def test_a_scan_model_trains_on_the_device_route_with_the_jits_bits(tmp_path):
+    """`odtrain compile` records the Scan body's kernels with the step's, so a device with numpy and odtrain
+    only (numba, llvmlite, scipy and onnx not importable) trains the GRU-as-Scan model with the library,
+    its losses those of the JIT's kernels bit for bit."""
+    import os
+    import subprocess
+    import sys
+
+    from odtrain import artifacts
+    from odtrain.library_build import compile_artifacts
+
+    artifacts.generate_artifacts(gru_as_scan(gru_parameters(np.random.default_rng(5))),
+                                 requires_grad=["Wt", "Rt", "Wb", "Rb", "V"], loss=artifacts.LossType.MSELoss,
+                                 optimizer=artifacts.OptimType.SGD, artifact_directory=tmp_path)
+    compile_artifacts(tmp_path, thread_counts=(1,), input_shapes={"X": [T, BATCH, INPUT], "target": [BATCH, 2]},
+                      out=lambda *a: None)
+    script = tmp_path / "steps.py"
+    script.write_text(DEVICE_STEPS)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "ODTRAIN_NUM_THREADS": "1", "PYTHONPATH": root}  # this checkout's odtrain
+
+    def run(*flags):
+        done = subprocess.run([sys.executable, str(script), str(tmp_path), *flags], capture_output=True, text=True,
+                              env=env, cwd=root, timeout=600)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip().splitlines()[-1]
+
+    device = run("--device")
+    assert device.startswith("True False"), device  # the library ran, numba never loaded
+    os.rename(tmp_path / "kernels", tmp_path / "kernels.off")
+    jit = run()
+    assert jit.startswith("False True"), jit
+    assert device.split(" ", 2)[2] == jit.split(" ", 2)[2]
