@@ -639,3 +639,33 @@ def test_a_scan_model_trains_on_the_device_route_with_the_jits_bits(tmp_path):
     jit = run()
     assert jit.startswith("False True"), jit
     assert device.split(" ", 2)[2] == jit.split(" ", 2)[2]
+
+
+def test_a_frozen_loop_whose_condition_depends_on_the_data_trains_the_head_after_it(tmp_path):
+    """No gradient has to cross a frozen encoder: a while loop (its gradient refused) under a trainable
+    head trains, the loop's weight left as it was."""
+    from odtrain import artifacts
+    from odtrain.api import CheckpointState, Module, Optimizer
+
+    proto = while_model()
+    proto.graph.initializer.append(numpy_helper.from_array(np.full(3, 0.5, np.float32), "scale"))
+    proto.graph.initializer.append(weight("head", (3, 2)))
+    proto.graph.node[0].attribute[0].g.node[0].input[1] = "scale"  # x_out = x_in + scale: a frozen weight
+    proto.graph.node.extend([helper.make_node("Unsqueeze", ["y", "row_axis"], ["y_row"]),
+                             helper.make_node("MatMul", ["y_row", "head"], ["logits"])])
+    proto.graph.initializer.append(numpy_helper.from_array(np.array([0], np.int64), "row_axis"))
+    del proto.graph.output[:]
+    proto.graph.output.append(tensor("logits", [1, 2]))
+    artifacts.generate_artifacts(proto, requires_grad=["head"], frozen_params=["scale"], loss=artifacts.LossType.MSELoss,
+                                 optimizer=artifacts.OptimType.SGD, artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx")
+    optimizer = Optimizer(tmp_path / "optimizer_model.onnx", module)
+    x, target = np.array([0.1, 0.2, 0.3], np.float32), np.array([[1.0, -1.0]], np.float32)
+    losses = []
+    for _ in range(5):
+        losses.append(float(module(x, target)))
+        optimizer.step()
+        module.lazy_reset_grad()
+    assert losses[-1] < losses[0]
+    np.testing.assert_array_equal(state.parameters["scale"].data, np.full(3, 0.5, np.float32))
