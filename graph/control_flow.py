@@ -270,3 +270,14 @@ def _passes_condition_on(body: Graph) -> bool:
     while name in producers and producers[name].op_type == "Identity":
         name = producers[name].inputs[0]
     return name == body.inputs[1]
+
+
+def map_bodies(node: Node, change) -> Node:
+    """`node` with each body replaced by `change(body)` (a new node; `node` is left as it is), its captured
+    inputs those the new bodies read."""
+    if not subgraphs(node):
+        return node
+    count = onnx_input_count(node)
+    attrs = {k: change(v) if isinstance(v, Graph) else v for k, v in node.attrs.items()}
+    return with_captures(Node(node.op_type, node.inputs[:count], list(node.outputs), attrs, node.name, node.domain,
+                              node.scope))

@@ -669,3 +669,29 @@ def test_a_frozen_loop_whose_condition_depends_on_the_data_trains_the_head_after
         module.lazy_reset_grad()
     assert losses[-1] < losses[0]
     np.testing.assert_array_equal(state.parameters["scale"].data, np.full(3, 0.5, np.float32))
+
+
+def test_the_eval_model_runs_the_nodes_of_bodies_in_their_eval_form(tmp_path):
+    """A Dropout in training mode inside a Scan body drops in the training model and passes its input in
+    the eval model, as at the top level."""
+    import onnx
+
+    from odtrain import artifacts
+
+    body = helper.make_graph([helper.make_node("Dropout", ["x_t", "ratio", "training"], ["dropped"]),
+                              helper.make_node("Mul", ["dropped", "w"], ["s_out"]),
+                              helper.make_node("Identity", ["s_out"], ["y_t"])], "body",
+                             [tensor("s_in", [4]), tensor("x_t", [4])], [tensor("s_out", [4]), tensor("y_t", [4])])
+    proto = model([helper.make_node("Scan", ["s0", "x"], ["s", "ys"], body=body, num_scan_inputs=1, name="scan")],
+                  [tensor("x", [3, 4])], [tensor("ys", [3, 4])],
+                  [weight("w", (4,)), numpy_helper.from_array(np.zeros(4, np.float32), "s0"),
+                   numpy_helper.from_array(np.array(0.5, np.float32), "ratio"),
+                   numpy_helper.from_array(np.array(True), "training")])
+    artifacts.generate_artifacts(proto, requires_grad=["w"], loss=artifacts.LossType.MSELoss,
+                                 artifact_directory=tmp_path)
+    evaluated = onnx.load(str(tmp_path / "eval_model.onnx"))
+    inner = [n.op_type for n in evaluated.graph.node[0].attribute[0].g.node]
+    assert "Dropout" not in inner and "Identity" in inner
+    trained = onnx.load(str(tmp_path / "training_model.onnx"))
+    scan = next(n for n in trained.graph.node if n.op_type == "Scan")
+    assert "Dropout" in [n.op_type for n in scan.attribute[0].g.node]
