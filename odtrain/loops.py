@@ -50,6 +50,7 @@ class _Body:
                                    threads=outer.threads, library=outer.library, artifact_folder=outer.artifact_folder)
         self.feeds = {name: view for name, view in zip(self.step.feeds, self.step.feed_views)}
         self.outputs = [self.step.storage[name] for name in body.outputs]
+        outer.random_streams.extend(self.step.random_streams)  # a body's Dropout draws anew each step
         self.calls = self.step.jit_calls  # None with a kernel library
         self.run = self.step.run_calls
 
