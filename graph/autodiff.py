@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .control_flow import walk
 from .errors import ModelError, UnsupportedOpError
 from .fusion import fuse_for_training
 from .gradient_fusion import fold_activation_gradients
@@ -65,7 +66,7 @@ class BackwardBuilder:
         return None
 
 
-def _depends_on(graph: Graph, sources: set[str]) -> set[str]:
+def depends_on(graph: Graph, sources: set[str]) -> set[str]:
     reached = set(sources)
     for node in graph.nodes:
         if any(i in reached for i in node.inputs if i):
@@ -73,7 +74,7 @@ def _depends_on(graph: Graph, sources: set[str]) -> set[str]:
     return reached
 
 
-def _wanted_inputs(graph: Graph, node: Node, reaches_param: set[str]) -> list[bool]:
+def wanted_inputs(graph: Graph, node: Node, reaches_param: set[str]) -> list[bool]:
     """For each input of `node`: whether its gradient leads back to a trainable parameter (a floating-point
     value that depends on one, and not an input that configures the op)."""
     constant_inputs = OPS[node.key].constant_inputs if node.key in OPS else frozenset()
@@ -86,13 +87,13 @@ def missing_support(graph: Graph, trainable, loss_inputs) -> tuple[list[Node], l
     """(nodes without a kernel, (node, why) for each node without a gradient rule that a trainable parameter
     needs): the reverse walk of build_gradient_graph on the graph as given, recording instead of stopping,
     and walking on past a missing rule so that one report names every one."""
-    no_kernel = [node for node in graph.nodes if node.key not in OPS]
-    reaches_param = _depends_on(graph, set(trainable))
+    no_kernel = [node for node in walk(graph) if node.key not in OPS]  # inside If, Loop and Scan bodies too
+    reaches_param = depends_on(graph, set(trainable))
     flowing, no_gradient = set(loss_inputs), []
     for node in reversed(graph.nodes):
         if not any(o in flowing for o in node.outputs):
             continue
-        wanted = [i for i, w in zip(node.inputs, _wanted_inputs(graph, node, reaches_param)) if w]
+        wanted = [i for i, w in zip(node.inputs, wanted_inputs(graph, node, reaches_param)) if w]
         opdef = OPS.get(node.key)
         if opdef is not None and opdef.gradient is None and wanted:
             no_gradient.append((node, opdef.no_grad_reason))
@@ -100,7 +101,7 @@ def missing_support(graph: Graph, trainable, loss_inputs) -> tuple[list[Node], l
     return no_kernel, no_gradient
 
 
-def _rank_lookup(graph: Graph):
+def rank_lookup(graph: Graph):
     def rank_of(name):
         t = graph.value_types.get(name)
         return None if t is None or t.shape is None else len(t.shape)
@@ -118,7 +119,7 @@ def build_gradient_graph(graph: Graph, loss: str, trainable: list[str], without_
     fuse_normalization_activations(training)  # BatchNormalization → Relu/Clip (graph/ops/nn.py)
     fuse_quantize_pairs(training)  # QuantizeLinear → DequantizeLinear: FakeQuantize (graph/ops/quantize.py)
     builder = BackwardBuilder(training)
-    reaches_param = _depends_on(training, set(trainable))
+    reaches_param = depends_on(training, set(trainable))
     if loss not in reaches_param:
         raise ModelError(f"the loss '{loss}' does not depend on any trainable parameter {trainable}")
     for name in trainable:
@@ -141,7 +142,7 @@ def build_gradient_graph(graph: Graph, loss: str, trainable: list[str], without_
     for node in reversed(training.nodes):
         if not any(o in contributions for o in node.outputs):
             continue
-        wanted = _wanted_inputs(training, node, reaches_param)
+        wanted = wanted_inputs(training, node, reaches_param)
         if not any(wanted):
             continue
         opdef = lookup(node)
@@ -152,7 +153,7 @@ def build_gradient_graph(graph: Graph, loss: str, trainable: list[str], without_
                 f"{node.describe()}: no gradient rule for {node.op_type}{reason}, and a trainable parameter "
                 f"depends on it. Freeze the parameters before it, or use ops with gradient rules: {with_rules}")
         output_grads = [total(o) for o in node.outputs]
-        ctx = GradContext(node, output_grads, wanted, builder, _rank_lookup(training))
+        ctx = GradContext(node, output_grads, wanted, builder, rank_lookup(training))
         opdef.gradient(ctx)
         for index, grad_name in ctx.input_grads.items():
             contributions.setdefault(node.inputs[index], []).append(grad_name)

@@ -27,6 +27,7 @@ import numpy as np
 
 from .errors import ArtifactNotFoundError, ModelError, UnsupportedOpError
 from .int4 import PackedInt4, at_blocked_opset
+from .control_flow import onnx_inputs, walk, with_captures
 from .ir import DEFAULT_DOMAIN, ODTRAIN_DOMAIN, Graph, Node, TensorType
 from .onnx_wire import (EXTERNAL, LIGHT_BYTES, SCOPE_KEY, AttributeData, AttributeType, GraphData, ModelData,
                         NodeData, TensorData, ValueInfoData, element_type, element_type_name, encode_model,
@@ -233,13 +234,20 @@ def _build_graph(model: ModelData, opsets: dict[str, int], source: str, folder: 
         external = folder is not None and tensor.data_location == EXTERNAL
         return _mapped(tensor, folder) if external else tensor.to_array()
 
-    g = model.graph
+    graph = _build_scope(model.graph, opsets, source, to_array)
+    graph.inputs = [name for name in graph.inputs if name not in graph.initializers]
+    return graph
+
+
+def _build_scope(g: GraphData, opsets: dict[str, int], source: str, to_array, scope: str = "") -> Graph:
+    """The IR of a graph or of a subgraph (a body of If, Loop or Scan: built the same way, its nodes' own
+    bodies first, and each control-flow node given its captured inputs: graph/control_flow.py)."""
     initializers = {}
     for tensor in g.initializers:
         try:
             initializers[tensor.name] = to_array(tensor)
         except ModelError as error:
-            raise ModelError(f"{source}: initializer '{tensor.name}' cannot be read: {error}") from None
+            raise ModelError(f"{source}: {scope}initializer '{tensor.name}' cannot be read: {error}") from None
     value_types: dict[str, TensorType] = {}
     for info in g.inputs + g.outputs + g.value_info:
         t = _value_type(info, source)
@@ -249,14 +257,21 @@ def _build_graph(model: ModelData, opsets: dict[str, int], source: str, folder: 
         value_types[name] = TensorType(array.dtype, tuple(array.shape))
     nodes = []
     for index, n in enumerate(g.nodes):
+        name = _node_name(n, index)
+
+        def subgraph(data: GraphData, key: str) -> Graph:
+            return _build_scope(data, opsets, source, to_array, f"{scope}{n.op_type} node '{name}', {key}: ")
+
         try:
-            attrs = {a.name: _attr_value(a, to_array) for a in n.attributes}
+            attrs = {a.name: _attr_value(a, to_array, subgraph) for a in n.attributes}
         except ModelError as error:
-            raise ModelError(f"{source}: node '{n.name or index}' ({n.op_type}): {error}") from None
-        nodes.append(Node(n.op_type, list(n.inputs), list(n.outputs), attrs, _node_name(n, index), n.domain, n.scope))
+            if str(error).startswith(source):
+                raise
+            raise ModelError(f"{source}: {scope}node '{n.name or index}' ({n.op_type}): {error}") from None
+        nodes.append(with_captures(Node(n.op_type, list(n.inputs), list(n.outputs), attrs, name, n.domain, n.scope)))
     upgrade_legacy_nodes(nodes, opsets, value_types, source)  # each op's own upgrades (graph/ops, `upgrade`)
-    inputs = [i.name for i in g.inputs if i.name not in initializers]
-    return Graph(nodes, inputs, [o.name for o in g.outputs], initializers, value_types, opsets, g.name or "graph")
+    return Graph(nodes, [i.name for i in g.inputs], [o.name for o in g.outputs], initializers, value_types,
+                 opsets, g.name or "graph")
 
 
 def _value_type(info: ValueInfoData, source: str) -> TensorType | None:
@@ -273,9 +288,9 @@ def _value_type(info: ValueInfoData, source: str) -> TensorType | None:
                                    for axis, dim in enumerate(info.shape)))
 
 
-def _attr_value(attr: AttributeData, to_array=TensorData.to_array):
-    """A plain value for the IR: str for text, numpy arrays for tensors (read by `to_array`); kinds odtrain
-    cannot run are refused."""
+def _attr_value(attr: AttributeData, to_array=TensorData.to_array, subgraph=None):
+    """A plain value for the IR: str for text, numpy arrays for tensors (read by `to_array`), Graphs for
+    subgraphs (built by `subgraph(data, attribute name)`); kinds odtrain cannot run are refused."""
     kind, value = attr.type, attr.value
     try:
         if kind == AttributeType.STRING:
@@ -290,8 +305,10 @@ def _attr_value(attr: AttributeData, to_array=TensorData.to_array):
         raise ModelError(f"attribute '{attr.name}' holds text that is not UTF-8") from None
     except ModelError as error:
         raise ModelError(f"attribute '{attr.name}': {error}") from None
+    if kind == AttributeType.GRAPH and subgraph is not None:
+        return subgraph(value, attr.name)
     if kind == AttributeType.GRAPH or (kind == AttributeType.GRAPHS and value):
-        raise ModelError(f"attribute '{attr.name}' holds a subgraph; control flow (If, Loop, Scan) is not supported")
+        raise ModelError(f"attribute '{attr.name}' holds a list of subgraphs, which no op odtrain runs takes")
     if kind in (AttributeType.SPARSE_TENSOR, AttributeType.TYPE_PROTO) or (
             kind in (AttributeType.SPARSE_TENSORS, AttributeType.TYPE_PROTOS) and value):
         held = "a sparse tensor" if kind in (AttributeType.SPARSE_TENSOR, AttributeType.SPARSE_TENSORS) else "a type"
@@ -301,12 +318,15 @@ def _attr_value(attr: AttributeData, to_array=TensorData.to_array):
 
 def model_from_proto(proto: onnx.ModelProto) -> ModelData:
     """The plain data `onnx_wire` reads from a file, taken from a ModelProto's fields."""
-    g = proto.graph
-    graph = GraphData(g.name, [_node_data(n) for n in g.node], [_tensor_data(t) for t in g.initializer],
-                      [_value_info_data(v) for v in g.input], [_value_info_data(v) for v in g.output],
-                      [_value_info_data(v) for v in g.value_info])
-    return ModelData(proto.ir_version, [(o.domain, o.version) for o in proto.opset_import], graph,
+    return ModelData(proto.ir_version, [(o.domain, o.version) for o in proto.opset_import], _graph_data(proto.graph),
                      {p.key: p.value for p in proto.metadata_props})
+
+
+def _graph_data(g) -> GraphData:
+    """A GraphProto (a model's graph, or a subgraph) as GraphData."""
+    return GraphData(g.name, [_node_data(n) for n in g.node], [_tensor_data(t) for t in g.initializer],
+                     [_value_info_data(v) for v in g.input], [_value_info_data(v) for v in g.output],
+                     [_value_info_data(v) for v in g.value_info])
 
 
 def _node_data(node) -> NodeData:
@@ -331,6 +351,10 @@ def _attribute_data(attr) -> AttributeData:
     value = None if kind == AttributeType.UNDEFINED else getattr(attr, _ATTRIBUTE_FIELDS[kind])
     if kind == AttributeType.TENSOR:
         value = _tensor_data(value)
+    elif kind == AttributeType.GRAPH:
+        value = _graph_data(value)
+    elif kind == AttributeType.GRAPHS:
+        value = [_graph_data(g) for g in value]
     elif kind == AttributeType.TENSORS:
         value = [_tensor_data(t) for t in value]
     elif kind in _LIST_KINDS:
@@ -373,6 +397,8 @@ def _attribute(node, key: str, value):
 
     if isinstance(value, np.ndarray):
         return helper.make_attribute(key, numpy_helper.from_array(value))
+    if isinstance(value, Graph):
+        return helper.make_attribute(key, _subgraph_proto(value))
     if isinstance(value, (list, tuple)) and not value:
         kind = AttributeProto.INTS
         if node.domain in ("", "ai.onnx") and defs.has(node.op_type):
@@ -391,21 +417,39 @@ def _initializer_proto(name: str, value) -> onnx.TensorProto:
     return numpy_helper.from_array(np.asarray(value), name=name)
 
 
-def graph_to_proto(graph: Graph, extra_inputs: list[str] = (), producer: str = "odtrain") -> onnx.ModelProto:
-    """Build a ModelProto; `extra_inputs` (e.g. parameters held in a checkpoint) become graph inputs."""
-    from onnx import helper, numpy_helper
+def _node_protos(graph: Graph) -> list:
+    """The NodeProtos of a graph's nodes: ONNX inputs only (captured ones dropped), subgraphs as GraphProtos."""
+    from onnx import helper
 
     nodes = []
     for node in graph.nodes:
-        made = helper.make_node(node.op_type, node.inputs, node.outputs, name=node.name, domain=node.domain)
+        made = helper.make_node(node.op_type, onnx_inputs(node), node.outputs, name=node.name, domain=node.domain)
         made.attribute.extend(_attribute(node, key, value) for key, value in sorted(node.attrs.items()))
         nodes.append(made)
+    return nodes
+
+
+def _subgraph_proto(body: Graph):
+    """A body's GraphProto: its inputs and outputs typed as far as they are known."""
+    from onnx import helper
+
+    inputs = [_value_info(n, body.value_types.get(n)) for n in body.inputs]
+    outputs = [_value_info(n, body.value_types.get(n)) for n in body.outputs]
+    return helper.make_graph(_node_protos(body), body.name, inputs, outputs,
+                             [_initializer_proto(k, v) for k, v in body.initializers.items()])
+
+
+def graph_to_proto(graph: Graph, extra_inputs: list[str] = (), producer: str = "odtrain") -> onnx.ModelProto:
+    """Build a ModelProto; `extra_inputs` (e.g. parameters held in a checkpoint) become graph inputs."""
+    from onnx import helper
+
+    nodes = _node_protos(graph)
     inputs = [_value_info(n, graph.value_types.get(n)) for n in list(graph.inputs) + list(extra_inputs)]
     outputs = [_value_info(n, graph.value_types.get(n)) for n in graph.outputs]
     initializers = [_initializer_proto(k, v) for k, v in graph.initializers.items()]
     g = helper.make_graph(nodes, graph.name, inputs, outputs, initializers)
     opsets = dict(graph.opsets)
-    if any(n.domain == ODTRAIN_DOMAIN for n in graph.nodes):
+    if any(n.domain == ODTRAIN_DOMAIN for n in walk(graph)):  # bodies' gradient ops too
         opsets[ODTRAIN_DOMAIN] = ODTRAIN_OPSET
     opset_imports = [helper.make_opsetid(d, v) for d, v in opsets.items()]
     ir_version = helper.find_min_ir_version_for(opset_imports, ignore_unknown=True)
@@ -416,6 +460,8 @@ def _attribute_of(key: str, value) -> AttributeData:
     """An attribute's AttributeData, its type from its Python value (an empty list: ints)."""
     if isinstance(value, np.ndarray):
         return AttributeData(key, AttributeType.TENSOR, tensor_data("", value))
+    if isinstance(value, Graph):
+        return AttributeData(key, AttributeType.GRAPH, _body_data(value))
     if isinstance(value, (bool, int, np.integer)):
         return AttributeData(key, AttributeType.INT, int(value))
     if isinstance(value, (float, np.floating)):
@@ -436,18 +482,31 @@ def _value_info_of(name: str, t: TensorType | None) -> ValueInfoData:
     return ValueInfoData(name, element_type(t.dtype), None if t.shape is None else tuple(t.shape))
 
 
+def _nodes_data(graph: Graph) -> list[NodeData]:
+    return [NodeData(n.op_type, onnx_inputs(n), list(n.outputs), n.name, n.domain,
+                     [_attribute_of(k, v) for k, v in sorted(n.attrs.items())]) for n in graph.nodes]
+
+
+def _body_data(body: Graph) -> GraphData:
+    """A subgraph's GraphData, with every value type it knows."""
+    named = set(body.inputs) | set(body.outputs) | set(body.initializers)
+    return GraphData(body.name, _nodes_data(body), [tensor_data(k, v) for k, v in body.initializers.items()],
+                     [_value_info_of(n, body.value_types.get(n)) for n in body.inputs],
+                     [_value_info_of(n, body.value_types.get(n)) for n in body.outputs],
+                     [_value_info_of(n, t) for n, t in body.value_types.items() if n not in named and t is not None])
+
+
 def graph_data(graph: Graph, extra_inputs: list[str] = ()) -> ModelData:
     """The ModelData of `graph` (what graph_to_proto builds, without onnx), with every known value type as
     value_info, so that loading it runs no inference."""
-    nodes = [NodeData(n.op_type, list(n.inputs), list(n.outputs), n.name, n.domain,
-                      [_attribute_of(k, v) for k, v in sorted(n.attrs.items())]) for n in graph.nodes]
+    nodes = _nodes_data(graph)
     inputs = [_value_info_of(n, graph.value_types.get(n)) for n in list(graph.inputs) + list(extra_inputs)]
     outputs = [_value_info_of(n, graph.value_types.get(n)) for n in graph.outputs]
     named = set(graph.inputs) | set(extra_inputs) | set(graph.outputs) | set(graph.initializers)
     value_info = [_value_info_of(n, t) for n, t in graph.value_types.items() if n not in named and t is not None]
     initializers = [tensor_data(k, v) for k, v in graph.initializers.items()]
     opsets = dict(graph.opsets)
-    if any(n.domain == ODTRAIN_DOMAIN for n in graph.nodes):
+    if any(n.domain == ODTRAIN_DOMAIN for n in walk(graph)):  # bodies' gradient ops too
         opsets[ODTRAIN_DOMAIN] = ODTRAIN_OPSET
     return ModelData(minimum_ir_version(opsets.items()), list(opsets.items()),
                      GraphData(graph.name, nodes, initializers, inputs, outputs, value_info))

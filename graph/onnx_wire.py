@@ -180,8 +180,9 @@ class ValueInfoData:
 
 @dataclass
 class AttributeData:
-    """An AttributeProto: its value by `type`: float, int, bytes, TensorData, lists of them; the encoded
-    messages of the kinds odtrain does not read (graphs, sparse tensors, types); None when undefined."""
+    """An AttributeProto: its value by `type`: float, int, bytes, TensorData, GraphData (a subgraph), lists
+    of them; the encoded messages of the kinds odtrain does not read (sparse tensors, types); None when
+    undefined."""
 
     name: str
     type: AttributeType
@@ -483,7 +484,7 @@ _VALUE_FIELDS = {AttributeType.FLOAT: 2, AttributeType.INT: 3, AttributeType.STR
                  AttributeType.GRAPH: 6, AttributeType.FLOATS: 7, AttributeType.INTS: 8, AttributeType.STRINGS: 9,
                  AttributeType.TENSORS: 10, AttributeType.GRAPHS: 11, AttributeType.TYPE_PROTO: 14,
                  AttributeType.TYPE_PROTOS: 15, AttributeType.SPARSE_TENSOR: 22, AttributeType.SPARSE_TENSORS: 23}
-_UNREAD_MESSAGES = {AttributeType.GRAPH, AttributeType.TYPE_PROTO, AttributeType.SPARSE_TENSOR}
+_UNREAD_MESSAGES = {AttributeType.TYPE_PROTO, AttributeType.SPARSE_TENSOR}
 _TENSOR_FIELDS = {5, 10}  # an attribute's t and tensors
 _MESSAGE_FIELDS = {6, 11, 14, 15, 22, 23}  # its g, graphs, tp, type_protos, sparse_tensor, sparse_tensors
 
@@ -518,6 +519,10 @@ def _attribute(data: bytes, span) -> AttributeData:
         value = _bytes(data, scalar[-1]) if scalar else b""
     elif kind == AttributeType.TENSOR:
         value = _tensor(data, scalar)
+    elif kind == AttributeType.GRAPH:  # a body of If, Loop or Scan
+        value = _graph(data, scalar)
+    elif kind == AttributeType.GRAPHS:
+        value = [_graph(data, [s]) for s in scalar]
     elif kind in _UNREAD_MESSAGES:
         value = b"".join(_bytes(data, s) for s in scalar)
     elif kind == AttributeType.FLOATS:
@@ -726,6 +731,8 @@ def _encode_attribute(attribute: AttributeData) -> bytes:
         out += _length(4, value)
     elif kind == AttributeType.TENSOR:
         out += _length(5, _encode_tensor(value))
+    elif kind == AttributeType.GRAPH:
+        out += _length(6, _encode_graph(value))
     elif kind == AttributeType.FLOATS:
         out += _length(7, struct.pack(f"<{len(value)}f", *value))
     elif kind == AttributeType.INTS:
@@ -753,14 +760,16 @@ def _encode_node(node: NodeData) -> bytes:
     return out + (_length(7, node.domain) if node.domain else b"")
 
 
-def encode_model(model: ModelData, producer: str = "odtrain") -> bytes:
-    """The ModelProto bytes of `model` (tensors as raw_data; attributes of the kinds AttributeData reads)."""
-    graph = model.graph
+def _encode_graph(graph: GraphData) -> bytes:
     body = b"".join(_length(1, _encode_node(n)) for n in graph.nodes) + _length(2, graph.name)
     body += b"".join(_length(5, _encode_tensor(t)) for t in graph.initializers)
     body += b"".join(_length(11, _encode_value_info(v)) for v in graph.inputs)
     body += b"".join(_length(12, _encode_value_info(v)) for v in graph.outputs)
-    body += b"".join(_length(13, _encode_value_info(v)) for v in graph.value_info)
-    out = _number(1, model.ir_version) + _length(2, producer) + _length(7, body)
+    return body + b"".join(_length(13, _encode_value_info(v)) for v in graph.value_info)
+
+
+def encode_model(model: ModelData, producer: str = "odtrain") -> bytes:
+    """The ModelProto bytes of `model` (tensors as raw_data; attributes of the kinds AttributeData reads)."""
+    out = _number(1, model.ir_version) + _length(2, producer) + _length(7, _encode_graph(model.graph))
     out += b"".join(_length(8, _length(1, domain) + _number(2, version)) for domain, version in model.opset_import)
     return out + b"".join(_length(14, _length(1, k) + _length(2, v)) for k, v in model.metadata.items())

@@ -39,6 +39,7 @@ from .graph.ir import Graph, TensorType
 from .graph.ops import OPS, check_supported
 from .graph.ops.quantize import dequantized_weights, quantization_inputs
 from .graph.losses import LossType, add_loss, parse_loss
+from .graph.control_flow import fold_constant_ifs, loops_as_scans, map_bodies, walk
 from .graph.onnx_io import read_graph, save_graph
 from .graph.optimizers import OPTIMIZERS, OptimType, build_optimizer_graph, parse_optimizer
 from .graph.lora import add_adapters
@@ -90,12 +91,21 @@ def _select_parameters(graph, requires_grad, frozen_params):
 def to_eval_graph(graph):
     """The graph as the eval and inference models run it: each op in its eval form, unused outputs cut."""
     evaluated = graph.copy()
-    nodes = []
-    for node in evaluated.nodes:
-        opdef = OPS.get(node.key)
-        nodes.append(opdef.eval_form(node) if opdef is not None and opdef.eval_form else node)
-    evaluated.nodes = nodes
+    evaluated.nodes = [_eval_node(node) for node in evaluated.nodes]
     return evaluated.prune(evaluated.outputs)
+
+
+def _eval_node(node):
+    """A node in its eval form, the nodes of its If, Loop or Scan bodies too."""
+    opdef = OPS.get(node.key)
+    node = opdef.eval_form(node) if opdef is not None and opdef.eval_form else node
+    return map_bodies(node, _eval_body)
+
+
+def _eval_body(body):
+    evaluated = body.copy()
+    evaluated.nodes = [_eval_node(node) for node in evaluated.nodes]
+    return evaluated
 
 
 @dataclass
@@ -144,7 +154,9 @@ def build_training_graphs(model, requires_grad=None, frozen_params=None, loss=No
     check_frozen_dtype(frozen_dtype)
     custom_loss = hasattr(loss, "build_loss")
     graph, path = read_graph(model, "model")
-    check_supported(graph.nodes, f"model '{path}'" if path else "model")
+    graph = loops_as_scans(fold_constant_ifs(graph))  # an If on a constant condition becomes its branch; a
+    # Loop that reads rows x[i] over a constant trip count, a Scan over them (graph/control_flow.py)
+    check_supported(list(walk(graph)), f"model '{path}'" if path else "model")
     graph, trainable, frozen, left_out = _chosen_parameters(graph, requires_grad, frozen_params, lora, qat,
                                                             frozen_dtype)
     extra_outputs, eval_outputs, loss_inputs = _named_outputs(graph, additional_output_names, eval_output_names,

@@ -35,6 +35,7 @@ from functools import partial
 import numpy as np
 
 from .graph.errors import InputError, KernelsUnavailableError, ModelError, NonFiniteError, UnsupportedOpError
+from .graph.control_flow import is_control_flow
 from .graph.ir import ODTRAIN_DOMAIN, Graph, Node, TensorType
 from .graph.ops import is_view, lookup
 from .graph.ops.training import APPLY_UPDATE
@@ -179,10 +180,15 @@ class ExecutableStep:
             return [(copy_into, (storage[node.outputs[0]].reshape(-1), storage[node.inputs[0]].reshape(-1)))]
         if is_view(opdef, [types.get(i) for i in node.inputs], [types[o] for o in node.outputs if o]):
             return []  # the output already shares the input's bytes
+        if is_control_flow(node):  # If, Loop, Scan: bodies planned once, run by odtrain/loops.py
+            from .loops import bind_control_flow
+
+            return bind_control_flow(self, node, storage)
         bind = BINDINGS.get(node.key)
         if bind is None:
             raise UnsupportedOpError(f"{node.describe()}: no kernel is registered for this op type")
-        inputs = [storage[i] if i else None for i in node.inputs]
+        inputs = [(storage[i] if i in storage or k not in opdef.shape_only else _shape_only(types[i])) if i else None
+                  for k, i in enumerate(node.inputs)]
         outputs = [storage[o] if o else None for o in node.outputs]
         extra = {"scratch": storage[self.step_plan.scratch[index]]} if index in self.step_plan.scratch else {}
         if node.key in PARALLEL:
@@ -213,6 +219,7 @@ class ExecutableStep:
             np.copyto(view, value, casting="no")
         if _recording is not None:
             _recording.extend(self.calls)
+            _recording.extend(nested_calls(self.calls))  # the calls of If, Loop and Scan bodies (odtrain/loops.py)
             return
         try:
             with self.step_threads() as threads:
@@ -229,6 +236,22 @@ class ExecutableStep:
             raise
         except ValueError as error:  # a kernel's check on the data (e.g. a label out of range)
             raise InputError(f"{self.graph.name}: {error}; check the inputs' values") from None
+
+    @property
+    def jit_calls(self) -> list | None:
+        """The step's calls as the JIT runs them ((dispatcher, args)), or None when a kernel library runs them."""
+        return self._jit_calls
+
+    def run_calls(self) -> None:
+        """Run the calls once, the feeds already in their slots, inside a running step (an iteration of a
+        loop's body: odtrain/loops.py); a library call that stops on its data raises as in `run`."""
+        if self.program is None:
+            for kernel, args in self._jit_calls:
+                kernel(*args)
+        else:
+            failed = self.program.run(self.threads)
+            if failed is not None:
+                self._stopped(failed)
 
     def _stopped(self, index: int):
         """The error of library call `index`, which stopped on its data (as the JIT kernel raises it)."""
@@ -254,6 +277,23 @@ class ExecutableStep:
 
     def output(self, name: str) -> np.ndarray:
         return self.storage[name].copy()
+
+
+def nested_calls(calls) -> list:
+    """The calls of the bodies that `calls` run (a control-flow node's call carries its bodies' calls as
+    `body_calls`), their own bodies' included."""
+    found = []
+    for kernel, _ in calls:
+        inner = getattr(kernel, "body_calls", ())
+        found.extend(inner)
+        found.extend(nested_calls(inner))
+    return found
+
+
+def _shape_only(t: TensorType) -> np.ndarray:
+    """An array of type `t` holding no memory (every stride 0), for an input read for its shape only whose
+    value nothing computes (a gradient in a loop body reading a forward value that only its shape reaches)."""
+    return np.lib.stride_tricks.as_strided(np.zeros(1, t.dtype), t.shape, (0,) * len(t.shape), writeable=False)
 
 
 class Program:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .graph.control_flow import walk
 from .graph.errors import InputError
 from .graph.ir import TensorType
 from .graph.onnx_io import load_graph
@@ -46,7 +47,7 @@ class NodeArg:
 class InferenceSession:
     def __init__(self, model, providers=None):
         self._graph = load_graph(model, "model")
-        check_supported(self._graph.nodes, "model")
+        check_supported(list(walk(self._graph)), "model")  # the nodes of If, Loop and Scan bodies too
         self._configuring = frozenset(configuring_inputs(self._graph))
         self._plans: OrderedDict = OrderedDict()
         folder = os.path.dirname(os.path.abspath(model)) if isinstance(model, (str, os.PathLike)) else None

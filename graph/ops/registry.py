@@ -279,6 +279,23 @@ class GradContext:
     def needs(self, i: int) -> bool:
         return i < len(self._wanted) and self._wanted[i]
 
+    @property
+    def value_types(self) -> dict:
+        """What is known of every forward value's type (the graph being differentiated)."""
+        return self._builder.graph.value_types
+
+    def known_constant(self, name: str):
+        """The value of `name` when it is a constant of the graph (an initializer, a Constant node), else None."""
+        return self._builder.constant_value(name)
+
+    def fresh(self, hint: str) -> str:
+        """A value or node name that clashes with none of the graph's."""
+        return self._builder.names.fresh(hint)
+
+    def add_node(self, node: Node) -> None:
+        """Add a node built whole (a control-flow node with its bodies) to the backward graph."""
+        self._builder.nodes.append(node)
+
     def attr(self, name: str, default: Any = None) -> Any:
         return self.node.attrs.get(name, default)
 

@@ -1,0 +1,238 @@
+"""An element-wise loop body as one nest of loops: the text odtrain/loop_compiler.py compiles in place
+of the body's kernel calls.
+
+A Mamba step is a dozen element-wise ops over [d_model, d_state] and one sum: run as kernels, each
+op is a pass over memory through a strided broadcasting kernel. Fused, one pass computes every value
+of a point of the iteration space in registers and writes only what leaves the body:
+
+    reduced[:] = 0
+    for i0 in range(256):
+        for i1 in range(16):
+            v0 = dt[i0] * A[i0, i1]             # inputs read where they broadcast (index 0 on a 1-axis)
+            v1 = np.exp(v0)
+            ...
+            h_out[i0, i1] = v5                  # a body output
+            y[i0] += v6                         # ReduceSum over axis 1
+
+A body fuses when every node it runs is element-wise (FUSED_UNARY, FUSED_BINARY) on one float type, a
+view of an array (Unsqueeze, Reshape...), a Gather of one row of an array (a Loop's x[i]), or a
+ReduceSum over the whole iteration space whose result only leaves the body; the iteration space is the broadcast of the element-wise values' shapes. Anything
+else returns None, and the body keeps its kernel calls.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .graph.ops import is_view, lookup
+
+# op type -> expression over its inputs' scalars ({0}, {1}) and the body dtype's constants ({one}, {zero})
+FUSED_UNARY = {"Exp": "np.exp({0})", "Tanh": "np.tanh({0})", "Neg": "(-{0})", "Log": "np.log({0})",
+               "Sqrt": "np.sqrt({0})", "Abs": "np.abs({0})", "Sigmoid": "({one} / ({one} + np.exp(-{0})))",
+               "Relu": "max({0}, {zero})", "Softplus": "np.log1p(np.exp({0}))", "Identity": "{0}"}
+FUSED_BINARY = {"Add": "({0} + {1})", "Sub": "({0} - {1})", "Mul": "({0} * {1})", "Div": "({0} / {1})"}
+
+
+def _broadcast(a: tuple, b: tuple) -> tuple | None:
+    rank = max(len(a), len(b))
+    a, b = (1,) * (rank - len(a)) + tuple(a), (1,) * (rank - len(b)) + tuple(b)
+    out = []
+    for x, y in zip(a, b):
+        if x != y and 1 not in (x, y):
+            return None
+        out.append(max(x, y))
+    return tuple(out)
+
+
+def fused_body(step, source, outputs: list[str]) -> list[str] | None:
+    """The lines of one iteration of `step` (an ExecutableStep of a body) as a loop nest, its arrays
+    registered with `source` (loop_compiler's parameters), or None when the body does not fuse.
+    `outputs` are the body's outputs: each element-wise one is written to its slot."""
+    nest = _Nest(step)
+    for node in step.order:
+        if not nest.take(node):
+            return None
+    if not nest.computed or nest.dtype is None:
+        return None
+    return nest.lines(source, outputs)
+
+
+class _Nest:
+    """A body's nodes as the statements of one loop nest: `take` walks them in order (False: the body does not
+    fuse), `lines` writes the nest."""
+
+    def __init__(self, step):
+        self.types, self.storage, self.folded = step.types, step.storage, step.step_plan.folded
+        self.virtual: dict[str, str] = {}  # value -> the local holding it at the current point
+        self.computed: list[tuple] = []  # ("value", name, expression, inputs) | ("sum", name, input, axes, keepdims)
+        self.space: tuple = ()
+        self.dtype = None
+        self.reduced: set[str] = set()
+        self.gathered: dict[str, tuple] = {}  # a row of an array picked by a one-element index: (array, index)
+
+    def take(self, node) -> bool:
+        if node.domain not in ("", "ai.onnx"):
+            return False
+        if any(i in self.reduced for i in node.inputs):
+            return False  # a sum read inside the body needs the whole nest first
+        types, storage = self.types, self.storage
+        kind = node.op_type
+        inputs = [i for i in node.inputs if i]
+        if is_view(lookup(node), [types.get(i) for i in node.inputs], [types[o] for o in node.outputs if o]):
+            return self._view(node, kind, inputs)
+        if kind in FUSED_UNARY or kind in FUSED_BINARY:
+            return self._element_wise(node, kind, inputs)
+        if kind == "Gather" and int(node.attrs.get("axis", 0)) == 0 and len(inputs) == 2 and \
+                not any(i in self.virtual or i in self.gathered for i in inputs) and storage[inputs[1]].size == 1 and \
+                storage[inputs[1]].ndim == 0 and storage[inputs[1]].dtype.kind == "i" and storage[inputs[0]].ndim:
+            self.gathered[node.outputs[0]] = (storage[inputs[0]], storage[inputs[1]])  # a Loop's x[i]
+            return True
+        if kind == "ReduceSum" and inputs and inputs[0] in self.virtual:
+            return self._sum(node, inputs)
+        return False
+
+    def _view(self, node, kind, inputs) -> bool:
+        if inputs[0] in self.gathered:  # a view of a picked row: pick the row of the array viewed alike
+            data, index = self.gathered[inputs[0]]
+            if not data.flags.c_contiguous:
+                return False
+            shape = (data.shape[0],) + tuple(self.types[node.outputs[0]].shape)
+            self.gathered[node.outputs[0]] = (data.reshape(shape), index)
+            return True
+        if inputs[0] in self.virtual:
+            if kind != "Identity":
+                return False
+            self.virtual[node.outputs[0]] = self.virtual[inputs[0]]
+        return True  # a view of an array: its storage is already the view
+
+    def _element_wise(self, node, kind, inputs) -> bool:
+        if len(inputs) != (1 if kind in FUSED_UNARY else 2):
+            return False
+        out = node.outputs[0]
+        t = self.types[out]
+        if self.dtype is None:
+            self.dtype = np.dtype(t.dtype)
+        dtype = self.dtype
+        if np.dtype(t.dtype) != dtype or dtype.kind != "f" or any(np.dtype(self.types[i].dtype) != dtype
+                                                                  for i in inputs):
+            return False
+        for shape in [t.shape] + [self.types[i].shape for i in inputs]:
+            self.space = _broadcast(self.space, shape)
+            if self.space is None:
+                return False
+        self.virtual[out] = f"v{len(self.virtual)}"
+        self.computed.append(("value", out, (FUSED_UNARY.get(kind) or FUSED_BINARY[kind]), inputs))
+        return True
+
+    def _sum(self, node, inputs) -> bool:
+        axes = node.attrs.get("axes")
+        if axes is None and len(inputs) > 1:
+            axes = self.folded.get(inputs[1])
+            if axes is None:
+                return False
+        if axes is None or node.attrs.get("noop_with_empty_axes", 0):
+            return False
+        self.computed.append(("sum", node.outputs[0], inputs[0], [int(a) for a in np.asarray(axes).reshape(-1)],
+                              int(node.attrs.get("keepdims", 1))))
+        self.reduced.add(node.outputs[0])
+        return True
+
+    def _term(self, name: str, source) -> str | None:
+        """How the nest reads `name` at the point (i0, i1, ...): a local, a picked row, or an array indexed
+        where it broadcasts."""
+        if name in self.virtual:
+            return self.virtual[name]
+        space, rank = self.space, len(self.space)
+        if name in self.gathered:  # data[row, ...], the row picked once an iteration, before the nest
+            data, index = self.gathered[name]
+            key = (id(index), data.shape[0])
+            if key not in self.rows:  # index % rows: a negative index counts from the end, as Gather's
+                self.rows[key] = f"row{len(self.rows)}"
+                self.before.append(f"{self.rows[key]} = {source.array(index.reshape(1))}[0] % {data.shape[0]}")
+            return term_target(data[0], space, source, prefix=self.rows[key], whole=data)
+        array = self.storage[name]
+        if array.ndim == 0:
+            return f"{source.array(array.reshape(1))}[0]"
+        if array.ndim > rank:
+            return None
+        index = []
+        for k, dim in enumerate(array.shape):
+            axis = rank - array.ndim + k
+            if dim == space[axis]:
+                index.append(f"i{axis}")
+            elif dim == 1:
+                index.append("0")
+            else:
+                return None
+        return f"{source.array(array)}[{', '.join(index)}]"
+
+    def _private(self, name: str) -> np.ndarray:
+        # What the nest writes goes to buffers of its own, copied to the slots after it: the planner may have
+        # placed a slot written here over an input the nest still reads (a value that dies before it).
+        if name not in self.written:
+            self.written[name] = np.empty(self.storage[name].shape, self.storage[name].dtype)
+        return self.written[name]
+
+    def lines(self, source, outputs: list[str]) -> list[str] | None:
+        rank, dtype = len(self.space), self.dtype
+        one, zero = source.array(np.ones((), dtype)[()]), source.array(np.zeros((), dtype)[()])
+        self.before, self.rows, self.written = [], {}, {}
+        inner = []
+        for entry in self.computed:
+            if entry[0] == "value":
+                _, out, expression, inputs = entry
+                terms = [self._term(i, source) for i in inputs]
+                if any(t is None for t in terms):
+                    return None
+                inner.append(f"{self.virtual[out]} = {expression.format(*terms, one=one, zero=zero)}")
+                continue
+            _, out, source_value, axes, keepdims = entry
+            if tuple(self.types[source_value].shape) != self.space:
+                return None
+            axes = sorted(a % rank for a in axes) if rank else []
+            target = self._private(out)
+            kept = [f"i{k}" if k not in axes else "0" for k in range(rank)] if keepdims else \
+                [f"i{k}" for k in range(rank) if k not in axes]
+            name = source.array(target if target.ndim else target.reshape(1))
+            self.before.append(f"{name}[:] = {zero}" if target.ndim else f"{name}[0] = {zero}")
+            inner.append(f"{name}[{', '.join(kept) or '0'}] += {self.virtual[source_value]}")
+        for out in outputs:
+            if out in self.virtual and out not in self.reduced:
+                target = term_target(self._private(out), self.space, source)
+                if target is None:
+                    return None
+                inner.append(f"{target} = {self.virtual[out]}")
+        lines = list(self.before)
+        for axis in range(rank):
+            lines.append("    " * axis + f"for i{axis} in range({self.space[axis]}):")
+        lines += ["    " * rank + line for line in inner]
+        for name, buffer in self.written.items():
+            slot = self.storage[name]
+            if not slot.flags.c_contiguous:
+                return None
+            lines.append(f"{source.array(slot.reshape(-1))}[:] = {source.array(buffer.reshape(-1))}")
+        return lines
+
+
+def term_target(array: np.ndarray, space: tuple, source, prefix: str | None = None, whole=None) -> str | None:
+    """Where a body output of the nest is written at the current point (its slot, indexed where it
+    broadcasts), or None when its shape does not fit the space. With `prefix`, `array` is a row of `whole`
+    that the index expression `prefix` picks."""
+    rank = len(space)
+    if prefix is not None and array.ndim == 0:
+        return f"{source.array(whole)}[{prefix}]"
+    if array.ndim == 0:
+        return f"{source.array(array.reshape(1))}[0]"
+    if array.ndim > rank:
+        return None
+    index = []
+    for k, dim in enumerate(array.shape):
+        axis = rank - array.ndim + k
+        if dim == space[axis]:
+            index.append(f"i{axis}")
+        elif dim == 1:
+            index.append("0")
+        else:
+            return None
+    if prefix is not None:
+        return f"{source.array(whole)}[{', '.join([prefix] + index)}]"
+    return f"{source.array(array)}[{', '.join(index)}]"
