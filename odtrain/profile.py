@@ -221,6 +221,12 @@ class StepProfile:
             return None
         return "measured" if self.peak == self.peaks.get(self.threads) else f"node {self.fastest_product.name}"
 
+    @property
+    def step_gflops_per_second(self) -> float | None:
+        """The whole step's rate: its products' operations (the training FLOPs) over the untimed step's time, so
+        that everything between the products counts against it."""
+        return self.product_flops / self.step_seconds / 1e9 if self.product_flops and self.step_seconds else None
+
     def _of_peak(self, gflops: float | None) -> float | None:
         return gflops / self.peak if gflops and self.peak else None
 
@@ -228,6 +234,8 @@ class StepProfile:
         product_gflops = self.product_flops / self.product_seconds / 1e9 if self.product_seconds else None
         return {"artifacts": self.artifacts, "batch_size": self.batch_size, "sequence_length": self.sequence_length,
                 "steps": self.steps,
+                "step": {"gflops_per_second": self.step_gflops_per_second,
+                         "of_peak": self._of_peak(self.step_gflops_per_second)},
                 "threads": self.threads, "numba_threads": self.numba_threads, "threads_of": self.runner,
                 "clock": self.clock,
                 "step_ms": 1e3 * self.step_seconds,
@@ -252,7 +260,8 @@ class StepProfile:
         clock = "wall time" if self.clock == "wall" else "CPU time of every thread"
         shape = f"batch size {self.batch_size}" + (f", sequence length {self.sequence_length}"
                                                    if self.sequence_length else "")
-        lines = [f"profile of {self.artifacts}: training step at {shape}, {threads}, "
+        lines = [self._step_line()] if self.step_gflops_per_second and self.peak else []
+        lines += [f"profile of {self.artifacts}: training step at {shape}, {threads}, "
                  f"medians of {count(self.steps, 'step')}, {clock}",
                  f"step {ms(self.step_seconds)} ms (untimed loop); profiled {ms(self.profiled_seconds)} ms: "
                  + ", ".join(f"{phase} {ms(s)} ms ({share(s)}%)" for phase, s in self.phases.items())]
@@ -277,6 +286,14 @@ class StepProfile:
                             rate(n.gflops_per_second), of_peak(n.gflops_per_second)) for n in slowest]
         lines += ["", f"the {len(slowest)} slowest of {count(len(self.nodes), 'node')}:"] + _table(rows, 3)
         return "\n".join(lines)
+
+
+    def _step_line(self) -> str:
+        """The first line: the whole step against the float32 GEMM peak, the goal one command away."""
+        rate = self.step_gflops_per_second
+        return (f"whole step: {100 * self._of_peak(rate):.0f}% of the float32 GEMM peak ({rate:.1f} of {self.peak:.1f} "
+                f"GF/s at {count(self.threads, 'thread')}): {self.product_flops / 1e9:.3f} GFLOP of products in "
+                f"{1e3 * self.step_seconds:.2f} ms")
 
 
 def _table(rows: list[tuple], text_columns: int) -> list[str]:

@@ -122,6 +122,16 @@ def test_the_peak_is_measured_once_per_process():
     assert first > 0 and gemm_peak(1) == first
 
 
+def test_the_first_line_is_the_whole_step_against_the_gemm_peak(profiled):
+    """Training FLOPs over the untimed step's time over the peak: what is left between the products counts."""
+    rate = profiled.product_flops / profiled.step_seconds / 1e9
+    first = profiled.render().splitlines()[0]
+    assert first.startswith(f"whole step: {100 * rate / profiled.peak:.0f}% of the float32 GEMM peak ({rate:.1f} of "
+                            f"{profiled.peak:.1f} GF/s"), first
+    step = profiled.to_dict()["step"]
+    assert step["gflops_per_second"] == pytest.approx(rate) and step["of_peak"] == pytest.approx(rate / profiled.peak)
+
+
 def test_no_share_exceeds_a_peak_that_a_busy_machine_slowed(profiled):
     """Measured while other work ran, the peak may fall below a product's rate: the shares are then of that
     product's rate, and the report says so."""
