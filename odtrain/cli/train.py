@@ -10,21 +10,23 @@ from ..artifact_paths import ArtifactPaths
 from ..graph.errors import ArgumentError
 from ..graph.frozen import FROZEN_DTYPES
 from ..graph.wording import count
+from .image_options import add_image_options, image_folder, refuse_without_photos
 from .options import Command, add_threads_option, budget_size, note, print_json, value_text
 
 
-def _data(args, paths):
-    """The data a command reads: its paths, or windows of a text file with --tokenizer and --seq-len."""
+def _data(args, paths, record_to=None):
+    """The data a command reads: its paths, or windows of a text file with --tokenizer and --seq-len; a folder of
+    photos records its preprocessing and classes in `record_to` (an artifact folder) once read."""
     if paths is None:
         return None
     texts = [p for p in paths if str(p).endswith(".txt")]
     audio = _audio_source(args, paths)
     if audio is not None:
+        refuse_without_photos(args)
         return audio
     if len(paths) == 1 and os.path.isdir(paths[0]):
-        from ..data import ImageFolder
-
-        return ImageFolder(paths[0], args.skip_unreadable, report=lambda line: note(args, line))
+        return image_folder(args, paths[0], record_to)
+    refuse_without_photos(args)
     if args.skip_unreadable:
         raise ArgumentError("--skip-unreadable leaves out unreadable images of a folder (or clips): give --data "
                             "FOLDER, with one sub-folder of images or .wav clips per class")
@@ -73,7 +75,7 @@ def _train(args) -> int:
     if not args.resume and properties.get("finished") == 0:
         note(args, f"'{paths.checkpoint}' holds an unfinished run (epoch {properties['epoch'] + 1}, step "
               f"{properties['step_in_epoch']}); this run starts anew from its parameters (--resume continues it)")
-    result = fit(args.artifacts, _data(args, args.data), val=_data(args, args.val), epochs=args.epochs,
+    result = fit(args.artifacts, _data(args, args.data, record_to=args.artifacts), val=_data(args, args.val), epochs=args.epochs,
                  batch_size=args.batch_size,
                  learning_rate=args.lr, lr_schedule=args.lr_schedule, warmup_steps=args.warmup, seed=args.seed,
                  checkpoint_every=args.checkpoint_every, resume=args.resume, x=args.x, y=args.y,
@@ -174,6 +176,7 @@ def _add_data_options(command, what: str) -> None:
     command.add_argument("--skip-unreadable", action="store_true", help="with a folder of images or clips: leave "
                          "out the files that cannot be read (corrupt, empty, truncated, too short, another "
                          "encoding) and say how many (default: stop at the first)")
+    add_image_options(command)
     audio = command.add_argument_group("audio clips (--data clips/, one sub-folder of .wav files per class)")
     audio.add_argument("--audio-features", choices=("log-mel",), help="compute features for a model whose input is "
                        "log-mel [batch, n_mels, frames] (default: feed the waveform [batch, samples])")
