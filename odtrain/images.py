@@ -6,7 +6,7 @@ evaluation transform, `Resize(size)` + `CenterCrop(size)` + `ToTensor()` + `Norm
 - scale, keeping the aspect ratio, so that the photo just covers the target height x width (for a
   square target: its shorter side becomes the size), with Pillow's bilinear filter, which widens its
   support when it shrinks (antialiasing, as torchvision's `antialias=True`);
-- crop the centre height x width (a half-pixel split puts the extra pixel at the bottom and right);
+- crop the centre height x width (its offsets rounded as torchvision's CenterCrop rounds them);
 - divide by 255 (pixels in [0, 1]), then subtract `mean[c]` and divide by `std[c]` per channel;
 - lay the sample out as the input declares it: NCHW ([N, C, H, W]), NHWC ([N, H, W, C]), [N, H, W] or
   flattened [N, H*W*C] (channels first, as a flattened NCHW tensor).
@@ -127,6 +127,15 @@ def layout_of(spec) -> Layout:
                      "[N, H, W, C], [N, H, W] or a flattened square [N, H*W*C] with 1 or 3 channels")
 
 
+def covering_size(width: int, height: int, target_width: int, target_height: int) -> tuple[int, int]:
+    """(width, height) of an image scaled, aspect kept, to just cover the target: the side that binds becomes the
+    target's, the other is truncated as torchvision's Resize truncates the longer side (in integers, so it never
+    falls below its target by a rounding of the scale)."""
+    if target_height * width >= target_width * height:  # the height binds
+        return width * target_height // height, target_height
+    return target_width, height * target_width // width
+
+
 @dataclass(frozen=True)
 class Preprocessing:
     """What turns a photo into a sample of one image input (see the module docstring)."""
@@ -176,13 +185,11 @@ class Preprocessing:
         from PIL import Image
 
         image = image.convert("L" if self.channels == 1 else "RGB")
-        scale = max(self.height / image.height, self.width / image.width)
-        # rounding keeps the covered side at least the target: scale * side rounds to no less than the target
-        size = (max(self.width, round(image.width * scale)), max(self.height, round(image.height * scale)))
+        size = covering_size(image.width, image.height, self.width, self.height)
         if size != image.size:
             image = image.resize(size, Image.BILINEAR)
-        left, top = (size[0] - self.width) // 2, (size[1] - self.height) // 2
         if size != (self.width, self.height):
+            left, top = (int(round((size[0] - self.width) / 2)), int(round((size[1] - self.height) / 2)))
             image = image.crop((left, top, left + self.width, top + self.height))
         array = np.asarray(image, dtype=np.float32).reshape(self.height, self.width, self.channels) / np.float32(255)
         return (array - np.asarray(self.mean, np.float32)) / np.asarray(self.std, np.float32)
