@@ -27,8 +27,8 @@ def draw(kind: str, rng: np.random.Generator):
     from PIL import Image, ImageDraw
 
     width, height = (int(v) for v in rng.integers(64, 161, size=2))
-    background = tuple(int(v) for v in rng.integers(170, 256, size=3))
-    colour = tuple(int(v) for v in rng.integers(0, 120, size=3))
+    background = tuple(int(v) for v in rng.integers(200, 256) + rng.integers(-8, 9, size=3))
+    colour = tuple(int(v) for v in rng.integers(0, 60) + rng.integers(-8, 9, size=3))
     image = Image.new("RGB", (width, height), background)
     pen = ImageDraw.Draw(image)
     radius = float(rng.uniform(0.25, 0.42)) * min(width, height)
@@ -38,7 +38,7 @@ def draw(kind: str, rng: np.random.Generator):
         pen.ellipse((centre_x - radius, centre_y - radius, centre_x + radius, centre_y + radius), fill=colour)
     else:
         corners = 4 if kind == "square" else 3
-        turn = float(rng.uniform(0, 2 * math.pi))
+        turn = float(rng.uniform(-0.25, 0.25)) - math.pi / 2  # upright, give or take 15 degrees
         pen.polygon([(centre_x + radius * math.cos(turn + 2 * math.pi * k / corners),
                       centre_y + radius * math.sin(turn + 2 * math.pi * k / corners)) for k in range(corners)],
                     fill=colour)
