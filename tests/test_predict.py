@@ -185,3 +185,37 @@ def test_a_file_that_is_not_an_npz_archive_is_called_that(here, capsys):
     assert "pickl" not in err
     code, out, err = odtrain_main(capsys, "eval", "trained", "--data", "array.npz")
     assert code == 2 and "data file 'array.npz' is a single .npy array, not an .npz archive" in err
+
+
+def float_wav(path, samples: np.ndarray, rate: int = 16000) -> None:
+    """A mono IEEE-float WAV (format 3), which numpy's reader in odtrain/audio.py takes, NaN included."""
+    import struct
+
+    data = samples.astype("<f4").tobytes()
+    fmt = struct.pack("<HHIIHH", 3, 1, rate, rate * 4, 4, 32)
+    body = b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(data)) + data
+    path.write_bytes(b"RIFF" + struct.pack("<I", len(body)) + body)
+
+
+def test_predict_reads_clips_and_names_a_clip_holding_nan(here, capsys):
+    weights = [numpy_helper.from_array(np.random.default_rng(2).normal(0, 0.1, (1600, 3)).astype(np.float32), "w"),
+               numpy_helper.from_array(np.zeros(3, np.float32), "b")]
+    graph = helper.make_graph([helper.make_node("Gemm", ["audio", "w", "b"], ["logits"])], "kws",
+                              [helper.make_tensor_value_info("audio", TensorProto.FLOAT, ["batch", 1600])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 3])], weights)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), here / "kws.onnx")
+    code, out, err = odtrain_main(capsys, "prepare", "kws.onnx", "-o", "kws")
+    assert code == 0, err
+    clips = here / "clips"
+    clips.mkdir(exist_ok=True)
+    tone = np.sin(np.arange(1600) / 5).astype(np.float32) * 0.5
+    float_wav(clips / "tone.wav", tone)
+    code, out, err = odtrain_main(capsys, "predict", "kws", "clips/tone.wav", "--json")
+    assert code == 0, err
+    result, = json.loads(out)
+    assert result["input"] == "clips/tone.wav" and len(result["top"]) == 3
+    assert abs(sum(item["probability"] for item in result["top"]) - 1) < 1e-9
+    tone[700] = np.nan
+    float_wav(clips / "broken.wav", tone)
+    code, out, err = odtrain_main(capsys, "predict", "kws", "clips")
+    assert code == 2 and "audio file 'clips/broken.wav' holds samples that are not finite numbers" in err
