@@ -219,3 +219,18 @@ def test_predict_reads_clips_and_names_a_clip_holding_nan(here, capsys):
     float_wav(clips / "broken.wav", tone)
     code, out, err = odtrain_main(capsys, "predict", "kws", "clips")
     assert code == 2 and "audio file 'clips/broken.wav' holds samples that are not finite numbers" in err
+
+
+def test_a_second_run_keeps_the_recorded_settings_and_says_when_it_changes_them(here, capsys):
+    folder = fresh(here, "second")
+    code, out, err = odtrain_main(capsys, "train", folder, "--data", "photos/train", "--image-size", "12", "--json")
+    assert code == 0 and "note" not in err, err
+    code, out, err = odtrain_main(capsys, "train", folder, "--data", "photos/train", "--json")
+    assert code == 0 and "note" not in err, err  # the recorded size, without the option
+    assert json.loads((here / folder / "preprocessing.json").read_text())["height"] == 12
+    code, out, err = odtrain_main(capsys, "train", folder, "--data", "photos/train", "--normalize", "0.5,0.5",
+                                  "--json")
+    assert code == 0 and ("odtrain train: note: this run changes normalisation 0.5,0.5 (was none) from "
+                          "preprocessing.json") in err, err
+    stored = json.loads((here / folder / "preprocessing.json").read_text())
+    assert (stored["height"], stored["normalize"], stored["mean"]) == (12, "0.5,0.5", [0.5] * 3)
