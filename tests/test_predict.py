@@ -234,3 +234,42 @@ def test_a_second_run_keeps_the_recorded_settings_and_says_when_it_changes_them(
                           "preprocessing.json") in err, err
     stored = json.loads((here / folder / "preprocessing.json").read_text())
     assert (stored["height"], stored["normalize"], stored["mean"]) == (12, "0.5,0.5", [0.5] * 3)
+
+
+def test_predict_on_text_gives_onnxruntimes_next_tokens_after_each_window(here, capsys):
+    """A language model's classes are tokens on the last axis: predict scores the next token after each window's
+    last position, as onnxruntime's softmax of the exported model's logits there."""
+    tokenizers = pytest.importorskip("tokenizers")
+    ort = pytest.importorskip("onnxruntime")
+    from odtrain.text import load_tokenizer, token_ids, windows
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    model = os.path.join(root, "tests", "data", "decoders", "llama", "torchscript17.onnx")
+    text = "".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(8))
+    (here / "corpus.txt").write_text(text, encoding="utf-8")
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    tokenizer.train([str(here / "corpus.txt")], tokenizers.trainers.BpeTrainer(
+        vocab_size=256, show_progress=False, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer.save(str(here / "tokenizer.json"))
+    code, out, err = odtrain_main(capsys, "prepare", model, "-o", "lm", "--lora-rank", "2", "--lora-targets",
+                                  "*q_proj.weight")
+    assert code == 0, err
+    code, out, err = odtrain_main(capsys, "predict", "lm", "corpus.txt", "--tokenizer", "tokenizer.json",
+                                  "--seq-len", "16", "--top", "3", "--json")
+    assert code == 0, err
+    results = json.loads(out)
+    code, _, err = odtrain_main(capsys, "export", "lm", "-o", "lm.onnx")
+    assert code == 0, err
+    ids, _ = windows(token_ids(str(here / "corpus.txt"), load_tokenizer(str(here / "tokenizer.json"))), 16)
+    session = ort.InferenceSession("lm.onnx", providers=["CPUExecutionProvider"])
+    logits = session.run(None, {"input_ids": ids, "attention_mask": np.ones_like(ids)})[0][:, -1].astype(np.float64)
+    expected = np.exp(logits - logits.max(axis=1, keepdims=True))
+    expected /= expected.sum(axis=1, keepdims=True)
+    assert [r["input"] for r in results] == [f"corpus.txt window {i}" for i in range(len(ids))]
+    for result, row in zip(results, expected):
+        tokens = [item["class"] for item in result["top"]]
+        np.testing.assert_allclose([item["probability"] for item in result["top"]], row[tokens], rtol=1e-4)
+        assert row[tokens[-1]] >= np.sort(row)[-3] - 1e-6  # the three most probable (ties aside)
+        assert result["top"][0]["name"] == repr(load_tokenizer(str(here / "tokenizer.json")).decode([tokens[0]]))
