@@ -171,7 +171,8 @@ def refuse_nonfinite(dataset: Dataset) -> None:
     bad = int((~np.isfinite(array.reshape(array.shape[0], -1))).any(axis=1).sum())
     where = f" ('{dataset.files[sample]}')" if dataset.files else ""
     inside = f" at position {', '.join(map(str, position))}" if position else ""
-    raise InputError(f"{dataset.source}: sample {sample}{where} of input '{name}' holds {value}{inside} "
+    shown = "NaN" if np.isnan(value) else ("infinity" if value > 0 else "-infinity")
+    raise InputError(f"{dataset.source}: sample {sample}{where} of input '{name}' holds {shown}{inside} "
                      f"({bad:,} of {len(dataset):,} samples hold NaN or infinite values); fix or drop those samples")
 
 

@@ -39,7 +39,8 @@ PREPROCESSING_FILE = "preprocessing.json"
 FORMAT = "odtrain image preprocessing"
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-RESIZE_POLICY = "scale (bilinear, antialiased) so the image covers height x width, keeping its aspect ratio; crop the centre"
+RESIZE_POLICY = ("scale (bilinear, antialiased) so the image covers height x width, keeping its aspect ratio; "
+                 "crop the centre")
 NORMALIZE_HELP = ("imagenet (mean 0.485/0.456/0.406, std 0.229/0.224/0.225), none (pixels in [0, 1]), or MEAN,STD on "
                   "the [0, 1] scale, each one number or one per channel joined by '/' (0.5,0.5 or "
                   "0.485/0.456/0.406,0.229/0.224/0.225)")
@@ -57,7 +58,8 @@ def parse_size(text) -> tuple[int, int]:
     try:
         height, width = (int(str(p).strip()) for p in parts)
     except ValueError:
-        raise ArgumentError(f"--image-size {text!r}: expected N (a square) or HEIGHTxWIDTH, e.g. 224 or 96x128") from None
+        raise ArgumentError(f"--image-size {text!r}: expected N (a square) or HEIGHTxWIDTH, e.g. 224 or "
+                            "96x128") from None
     if height < 1 or width < 1:
         raise ArgumentError(f"--image-size {text!r}: height and width must be at least 1")
     return height, width

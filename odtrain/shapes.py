@@ -4,9 +4,9 @@ Writes FOLDER/train/<class>/NN.png and FOLDER/val/<class>/NN.png for the classes
 triangle: one filled shape a photo, dark grey on a light ground (each of a random shade, slightly tinted),
 upright within 15 degrees, at a random place and size, with pixel noise, in photos of random width and
 height (64 to 160 pixels, so a run exercises scaling and centre cropping). Shades and poses vary little:
-an untrained MobileNetV2 learns the shapes from 48 photos, not just the training photos themselves. The same seed writes the same files, byte for byte, on every
-machine: the drawing is Pillow's integer rasteriser and the randomness numpy's PCG64 seeded by
-(seed, split, class, index).
+an untrained MobileNetV2 learns the shapes from 48 photos, not just the training photos themselves.
+The same seed writes the same files, byte for byte, on every machine: the drawing is Pillow's integer
+rasteriser and the randomness numpy's PCG64 seeded by (seed, split, class, index).
 
 Needs Pillow (pip install Pillow).
 """

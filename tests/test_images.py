@@ -117,7 +117,8 @@ def test_a_folder_of_photos_at_a_symbolic_size_records_its_preprocessing_and_cla
     stored = json.loads((tmp_path / "preprocessing.json").read_text())
     assert (stored["height"], stored["width"], stored["layout"], stored["mean"], stored["classes"]) == \
         (20, 24, "NCHW", [0.5] * 3, ["circle", "square"])
-    assert images.recorded(tmp_path) == {"image_size": (20, 24), "normalize": "0.5,0.5", "classes": ["circle", "square"]}
+    assert images.recorded(tmp_path) == {"image_size": (20, 24), "normalize": "0.5,0.5",
+                                         "classes": ["circle", "square"]}
     with pytest.raises(ArgumentError, match="--image-size"):
         load_image_folder(str(tmp_path / "photos"), inputs)
 

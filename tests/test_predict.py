@@ -167,7 +167,7 @@ def test_nan_in_the_data_is_refused_at_load_naming_file_and_sample_and_the_check
     images[4, 1, 2, 3] = np.nan
     images[5, 0, 0, 0] = np.inf
     np.savez(here / "nan.npz", input=images, labels=np.zeros(6, np.int64))
-    message = ("data file 'nan.npz': sample 4 of input 'input' holds nan at position 1, 2, 3 (2 of 6 samples hold "
+    message = ("data file 'nan.npz': sample 4 of input 'input' holds NaN at position 1, 2, 3 (2 of 6 samples hold "
                "NaN or infinite values); fix or drop those samples")
     for argv in (("train", folder, "--data", "nan.npz"), ("eval", folder, "--data", "nan.npz"),
                  ("predict", folder, "nan.npz")):

@@ -246,7 +246,8 @@ def test_the_image_walk_through(tmp_path, capsys, monkeypatch):
     held_out = IMAGE_EVAL.search(evaluated).group(3)
     loss, accuracy, samples = IMAGE_EVAL.search(evaluated).groups()
     # README's own line lies in the range it states (ends printed to 0.1% and 4 decimals: half a unit either side)
-    assert low_accuracy - 0.05 <= float(accuracy) <= high_accuracy + 0.05 and low_loss - 5e-5 <= float(loss) <= high_loss + 5e-5
+    assert low_accuracy - 0.05 <= float(accuracy) <= high_accuracy + 0.05
+    assert low_loss - 5e-5 <= float(loss) <= high_loss + 5e-5
     # this CPU's run: within two photos of the range, and better than chance, as README says
     two_photos = 100 * 2 / int(held_out)
     loss, accuracy, samples = IMAGE_EVAL.search(outputs["eval photos-mnv2"]).groups()
@@ -256,5 +257,6 @@ def test_the_image_walk_through(tmp_path, capsys, monkeypatch):
     shown = [predictions(line) for line in predicted]
     assert [path for path, _ in got] == [path for path, _ in shown]
     for (path, ours), (_, theirs) in zip(got, shown):
-        assert sorted(name for name, _ in ours) == sorted(name for name, _ in theirs) == ["circle", "square", "triangle"]
+        assert sorted(name for name, _ in ours) == sorted(name for name, _ in theirs) == ["circle", "square",
+                                                                                          "triangle"]
         assert ours[0][0] == theirs[0][0], (path, ours, theirs)

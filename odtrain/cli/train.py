@@ -75,8 +75,8 @@ def _train(args) -> int:
     if not args.resume and properties.get("finished") == 0:
         note(args, f"'{paths.checkpoint}' holds an unfinished run (epoch {properties['epoch'] + 1}, step "
               f"{properties['step_in_epoch']}); this run starts anew from its parameters (--resume continues it)")
-    result = fit(args.artifacts, _data(args, args.data, record_to=args.artifacts), val=_data(args, args.val), epochs=args.epochs,
-                 batch_size=args.batch_size,
+    result = fit(args.artifacts, _data(args, args.data, record_to=args.artifacts), val=_data(args, args.val),
+                 epochs=args.epochs, batch_size=args.batch_size,
                  learning_rate=args.lr, lr_schedule=args.lr_schedule, warmup_steps=args.warmup, seed=args.seed,
                  checkpoint_every=args.checkpoint_every, resume=args.resume, x=args.x, y=args.y,
                  log=None if args.json else print, progress=not args.json, stop_after_steps=args.stop_after_steps,
