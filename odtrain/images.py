@@ -257,3 +257,25 @@ def recorded(folder) -> dict | None:
         raise InputError(f"'{path}' cannot be read ({error}); delete it and give --image-size and --normalize "
                          "again (odtrain train writes it anew)") from None
     return {"image_size": size, "normalize": normalize, "classes": classes}
+
+
+def record_beside(folder, model_path) -> tuple[str, str] | None:
+    """Copy the preprocessing recorded in artifact folder `folder` beside an exported model, as
+    `<model without .onnx>.preprocessing.json`, for whoever deploys that model; (its path, a one-line summary),
+    or None when the folder records none."""
+    source = os.path.join(os.fspath(folder), PREPROCESSING_FILE)
+    stored = recorded(folder)  # refuses a damaged record by name
+    if stored is None:
+        return None
+    model_path = os.fspath(model_path)
+    stem = model_path[:-len(".onnx")] if model_path.endswith(".onnx") else model_path
+    target = f"{stem}.preprocessing.json"
+    with open(source, encoding="utf-8") as file:
+        text = file.read()
+    with open(target, "w", encoding="utf-8") as file:
+        file.write(text)
+    height, width = stored["image_size"]
+    classes = stored["classes"]
+    summary = (f"{height}x{width}, normalize {stored['normalize']}"
+               + (f", classes {', '.join(classes)}" if classes else ""))
+    return target, summary

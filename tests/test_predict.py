@@ -125,6 +125,9 @@ def onnxruntime_probabilities(model: str, paths: list[str]) -> np.ndarray:
 def test_predict_gives_onnxruntimes_probabilities_of_the_exported_model_with_the_class_names(here, capsys):
     code, out, err = odtrain_main(capsys, "export", "trained", "-o", "trained.onnx")
     assert code == 0, err
+    assert out.splitlines()[1] == ("its inputs' preprocessing written to trained.preprocessing.json: 16x16, "
+                                   "normalize imagenet, classes circle, square, triangle")
+    assert (here / "trained.preprocessing.json").read_text() == (here / "trained" / "preprocessing.json").read_text()
     code, out, err = odtrain_main(capsys, "predict", "trained", "photos/val", "--json", "--top", "3")
     assert code == 0, err
     results = json.loads(out)

@@ -10,6 +10,7 @@ from ..artifact_paths import ArtifactPaths
 from ..graph.errors import ArgumentError
 from ..graph.frozen import FROZEN_DTYPES
 from ..graph.wording import count
+from ..images import record_beside
 from .image_options import add_image_options, image_folder, refuse_without_photos
 from .options import Command, add_threads_option, budget_size, note, print_json, value_text
 
@@ -129,11 +130,16 @@ def _export(args) -> int:
     graph = load_graph(args.output, "inference model")
     result = {"model": args.output, "inputs": [value_text(graph, n) for n in graph.inputs],
               "outputs": [value_text(graph, n) for n in graph.outputs]}
+    beside = record_beside(args.artifacts, args.output)  # what an app must do to a photo before the model
+    if beside is not None:
+        result["preprocessing"] = beside[0]
     if args.json:
         print_json(result)
     else:
         print(f"inference model written to {args.output}: {', '.join(result['inputs'])} -> "
               f"{', '.join(result['outputs'])}")
+        if beside is not None:
+            print(f"its inputs' preprocessing written to {beside[0]}: {beside[1]}")
     return 0
 
 
