@@ -12,8 +12,9 @@ Which array feeds which input:
 - `.npy` files: one per input, in the model's input order.
 - a folder of audio clips (odtrain/audio.py): one sub-folder per class, as for images.
 - a folder: one sub-folder per class, named by the class; images are read
-  with Pillow, converted to grayscale or RGB and resized to the model's input
-  (NCHW, NHWC, [N, H, W] or flattened [N, H*W*C]), scaled to [0, 1]; the
+  with Pillow and preprocessed as odtrain/images.py says (scaled to cover the
+  input's height and width, or `image_size` where those are symbolic, centre
+  cropped, in [0, 1] then normalised per channel, in the input's layout); the
   label is the class's index in sorted order. Files that are not images,
   folders nested in a class folder and files beside the class folders are
   skipped and counted in one line (`ImageFolder(report=...)`, else a
@@ -24,7 +25,10 @@ Which array feeds which input:
 Arrays are converted to the declared dtype when no information is lost
 (float64 -> float32, int32 -> int64, integral floats -> int64 labels) and
 reshaped when a sample has the right number of elements (8x8 images for a
-64-wide input). Nothing is unpickled.
+64-wide input). Nothing is unpickled. Floating-point data holding a NaN or an
+infinity is refused when it is loaded (`refuse_nonfinite`), naming the file,
+the input and the first such sample: a step would only say that the loss
+diverged.
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .audio import AUDIO_EXTENSIONS, AudioSource, is_audio_folder
+from .images import Preprocessing, record
 from .graph.errors import ArgumentError, ArtifactNotFoundError, InputError
 from .graph.wording import count
 
@@ -65,6 +70,8 @@ class Dataset:
     arrays: list[np.ndarray]
     source: str = "arrays"
     classes: list[str] | None = field(default=None)
+    files: list[str] | None = None  # the file each sample was read from (a folder of images or clips)
+    preprocessing: Preprocessing | None = None  # how photos became samples (a folder of images)
 
     def __len__(self) -> int:
         return int(self.arrays[0].shape[0]) if self.arrays else 0
@@ -115,7 +122,7 @@ def load(paths, inputs: list[InputSpec], x=None, y=None) -> Dataset:
                         "(a sub-folder per class) or one .npy file per model input")
 
 
-def from_arrays(arrays, inputs: list[InputSpec], source: str = "arrays", classes=None) -> Dataset:
+def from_arrays(arrays, inputs: list[InputSpec], source: str = "arrays", classes=None, files=None) -> Dataset:
     """A Dataset from a dict {input name: array} or a sequence of arrays in the inputs' order."""
     if isinstance(arrays, Dataset):
         return arrays
@@ -135,7 +142,47 @@ def from_arrays(arrays, inputs: list[InputSpec], source: str = "arrays", classes
         raise InputError(f"{source}: the arrays hold different numbers of samples: {lengths}")
     if converted and converted[0].shape[0] == 0:
         raise InputError(f"{source}: the data holds no samples")
-    return Dataset(list(inputs), converted, source, classes)
+    dataset = Dataset(list(inputs), converted, source, classes, files)
+    refuse_nonfinite(dataset)
+    return dataset
+
+
+# rows checked at a time: np.isfinite's boolean copy of a large token or image array stays small
+_FINITE_CHUNK_BYTES = 64 << 20
+
+
+def first_nonfinite(dataset: Dataset) -> tuple[str, int, tuple, float] | None:
+    """(input name, sample index, position inside the sample, value) of the first NaN or infinity in the
+    dataset's floating-point arrays, or None when every value is finite. Reads each array in chunks of rows."""
+    for spec, array in zip(dataset.inputs, dataset.arrays):
+        if array.dtype.kind != "f" or not array.size:
+            continue
+        rows = max(1, _FINITE_CHUNK_BYTES // max(1, array[0].nbytes if array.ndim > 1 else array.itemsize))
+        for begin in range(0, len(array), rows):
+            finite = np.isfinite(array[begin:begin + rows])
+            if not finite.all():
+                first = tuple(int(i) for i in np.argwhere(~finite)[0])  # within the chunk
+                where = (begin + first[0],) + first[1:]
+                return spec.name, where[0], where[1:], float(array[where])
+    return None
+
+
+def refuse_nonfinite(dataset: Dataset) -> None:
+    """Refuse data holding a NaN or an infinity, naming its source (and the sample's file), the input, the first
+    such sample and how many there are; training on it would only report a diverged loss."""
+    found = first_nonfinite(dataset)
+    if found is None:
+        return
+    name, sample, position, value = found
+    array = dataset.arrays[[s.name for s in dataset.inputs].index(name)]
+    rows = max(1, _FINITE_CHUNK_BYTES // max(1, array[0].nbytes if array.ndim > 1 else array.itemsize))
+    bad = sum(int((~np.isfinite(array[b:b + rows].reshape(len(array[b:b + rows]), -1))).any(axis=1).sum())
+              for b in range(sample, len(array), rows))
+    where = f" ('{dataset.files[sample]}')" if dataset.files else ""
+    inside = f" at position {', '.join(map(str, position))}" if position else ""
+    shown = "NaN" if np.isnan(value) else ("infinity" if value > 0 else "-infinity")
+    raise InputError(f"{dataset.source}: sample {sample}{where} of input '{name}' holds {shown}{inside} "
+                     f"({bad:,} of {len(dataset):,} samples hold NaN or infinite values); fix or drop those samples")
 
 
 def _read_npy(path: str) -> np.ndarray:
@@ -148,7 +195,24 @@ def _read_npy(path: str) -> np.ndarray:
         raise InputError(f"data file '{path}' is not a readable .npy file ({error})") from None
 
 
+def _refuse_other_than_npz(path: str) -> None:
+    """Refuse a file that is not a zip archive by what it is: numpy would try to unpickle anything else and say
+    so, which blames pickling for a file of the wrong kind."""
+    with open(path, "rb") as file:
+        head = file.read(6)
+    if head[:4] in (b"PK\x03\x04", b"PK\x05\x06"):  # a zip's first entry, or the end record of an empty zip
+        return
+    if head == b"\x93NUMPY":
+        raise InputError(f"data file '{path}' is a single .npy array, not an .npz archive (a zip of .npy arrays): "
+                         "rename it to .npy and give one .npy file per model input, or save the arrays with "
+                         "numpy.savez")
+    what = "the file is empty" if not head else f"the file starts {head!r}"
+    raise InputError(f"data file '{path}' is not an .npz archive (a zip of .npy arrays; {what}): save the "
+                     "arrays with numpy.savez(path, input=..., labels=...)")
+
+
 def _load_npz(path: str, inputs: list[InputSpec], x: list[str], y: str | None) -> Dataset:
+    _refuse_other_than_npz(path)
     try:
         with np.load(path, allow_pickle=False) as archive:
             stored = {name: archive[name] for name in archive.files}
@@ -216,14 +280,24 @@ def _conform(array: np.ndarray, spec: InputSpec, source: str) -> np.ndarray:
 class ImageFolder:
     """A folder of images, one sub-folder per class, read with these choices: `skip_unreadable` leaves out
     images that cannot be decoded (counted) instead of stopping; `report` receives the line that says what
-    was skipped and why (default: a warning)."""
+    was skipped and why (default: a warning); `image_size` (N, "HxW" or (H, W)) for an input whose height and
+    width are symbolic, `normalize` ("imagenet", "none" or "MEAN,STD"; odtrain/images.py); `record_to`, an
+    artifact folder where the preprocessing and the class names are written (preprocessing.json) once the
+    images are read."""
 
     folder: str
     skip_unreadable: bool = False
     report: object = None
+    image_size: object = None
+    normalize: str | None = None
+    record_to: str | None = None
 
     def dataset(self, inputs: list[InputSpec]) -> Dataset:
-        return load_image_folder(self.folder, inputs, self.skip_unreadable, self.report)
+        dataset = load_image_folder(self.folder, inputs, self.skip_unreadable, self.report, self.image_size,
+                                    self.normalize)
+        if self.record_to is not None:
+            record(self.record_to, dataset.preprocessing, dataset.classes)
+        return dataset
 
 
 def _skipped_line(folder: str, skipped: dict[str, list[str]], read: int) -> str:
@@ -238,8 +312,10 @@ def _skipped_line(folder: str, skipped: dict[str, list[str]], read: int) -> str:
             f"{count(total, 'entry', 'entries')}: " + ", ".join(parts))
 
 
-def load_image_folder(folder: str, inputs: list[InputSpec], skip_unreadable: bool = False, report=None) -> Dataset:
-    """Images in one sub-folder per class, resized to the model's data input; labels are class indices.
+def load_image_folder(folder: str, inputs: list[InputSpec], skip_unreadable: bool = False, report=None,
+                      image_size=None, normalize: str | None = None) -> Dataset:
+    """Images in one sub-folder per class, preprocessed for the model's data input (odtrain/images.py: its size,
+    else `image_size`; `normalize`); labels are class indices.
     What is not read (other files, nested folders, with `skip_unreadable` images that cannot be decoded)
     is counted and reported in one line (see ImageFolder)."""
     data_inputs = [s for s in inputs if not s.is_label]
@@ -248,11 +324,11 @@ def load_image_folder(folder: str, inputs: list[InputSpec], skip_unreadable: boo
         raise ArgumentError(f"a folder of images trains a classifier with one image input and integer labels; "
                             f"this model takes {', '.join(s.describe() for s in inputs)}")
     try:
-        from PIL import Image
+        import PIL  # noqa: F401  (its absence is named before any file is read)
     except ImportError:
         raise ArgumentError(f"reading the images in '{folder}' needs Pillow: pip install Pillow") from None
     spec = data_inputs[0]
-    height, width, channels, layout = _image_layout(spec)
+    preprocessing = Preprocessing.resolve(spec, image_size, normalize)
     entries = sorted(e for e in os.listdir(folder) if not e.startswith("."))
     classes = [e for e in entries if os.path.isdir(os.path.join(folder, e))]
     if not classes:
@@ -260,7 +336,7 @@ def load_image_folder(folder: str, inputs: list[InputSpec], skip_unreadable: boo
                          "sub-folder named by the class")
     skipped: dict[str, list[str]] = {"not an image": [], "nested folder": [], "unreadable": [],
                                      "outside the classes": [e for e in entries if e not in classes]}
-    images, labels = [], []
+    images, labels, files = [], [], []
     for index, name in enumerate(classes):
         directory = os.path.join(folder, name)
         for file in sorted(os.listdir(directory)):
@@ -274,18 +350,15 @@ def load_image_folder(folder: str, inputs: list[InputSpec], skip_unreadable: boo
                 skipped["not an image"].append(os.path.join(name, file))
                 continue
             try:
-                with Image.open(path) as image:
-                    pixels = image.convert("L" if channels == 1 else "RGB").resize((width, height), Image.BILINEAR)
-                    array = np.asarray(pixels, dtype=np.float32) / np.float32(255)
+                images.append(preprocessing.read(path))
             except Exception as error:  # PIL.UnidentifiedImageError, OSError
                 if not skip_unreadable:
                     raise InputError(f"image '{path}' cannot be read ({error}); --skip-unreadable (skip_unreadable="
                                      "True) leaves such images out and counts them") from None
                 skipped["unreadable"].append(os.path.join(name, file))
                 continue
-            array = array.reshape(height, width, channels)
-            images.append(array.transpose(2, 0, 1) if layout in ("NCHW", "flat") else array)
             labels.append(index)
+            files.append(path)
     if any(skipped.values()):
         line = _skipped_line(folder, skipped, len(images))
         if report is not None:
@@ -295,10 +368,10 @@ def load_image_folder(folder: str, inputs: list[InputSpec], skip_unreadable: boo
     if not images:
         raise InputError(f"image folder '{folder}' holds no images ({', '.join(IMAGE_EXTENSIONS)}) in its "
                          f"class sub-folders {classes}")
-    stacked = np.stack(images)
-    return from_arrays({spec.name: stacked.reshape((len(images),) + _sample_shape(spec, stacked.shape[1:])),
-                        label_inputs[0].name: np.asarray(labels, dtype=np.int64)},
-                       inputs, source=f"image folder '{folder}'", classes=classes)
+    dataset = from_arrays({spec.name: np.stack(images), label_inputs[0].name: np.asarray(labels, dtype=np.int64)},
+                          inputs, source=f"image folder '{folder}'", classes=classes, files=files)
+    dataset.preprocessing = preprocessing
+    return dataset
 
 
 def load_audio_folder(source: AudioSource, inputs: list[InputSpec]) -> Dataset:
@@ -315,7 +388,7 @@ def load_audio_folder(source: AudioSource, inputs: list[InputSpec]) -> Dataset:
     if not classes:
         raise InputError(f"audio folder '{folder}' has no sub-folders; put the clips of each class in a "
                          "sub-folder named by the class")
-    rows, targets, total = [], [], 0
+    rows, targets, files, total = [], [], [], 0
     for index, name in enumerate(classes):
         directory = os.path.join(folder, name)
         for file in sorted(os.listdir(directory)):
@@ -331,6 +404,7 @@ def load_audio_folder(source: AudioSource, inputs: list[InputSpec]) -> Dataset:
                 source.skipped.append((path, str(error)))
                 continue
             targets.append(index)
+            files.append(path)
     if source.skipped and source.report is not None:
         source.report(f"skipped {len(source.skipped)} of {total} clips that cannot be read; the first: "
                       f"{source.skipped[0][1]}")
@@ -338,32 +412,4 @@ def load_audio_folder(source: AudioSource, inputs: list[InputSpec]) -> Dataset:
         raise InputError(f"audio folder '{folder}' holds no readable clips ({', '.join(AUDIO_EXTENSIONS)}) in its "
                          f"class sub-folders {classes}")
     return from_arrays({spec.name: np.stack(rows), labels[0].name: np.asarray(targets, dtype=np.int64)}, inputs,
-                       source=f"audio folder '{folder}'", classes=classes)
-
-
-def _sample_shape(spec: InputSpec, fallback: tuple) -> tuple:
-    if spec.shape is not None and all(isinstance(d, int) for d in spec.shape[1:]):
-        return tuple(spec.shape[1:])
-    return tuple(fallback)
-
-
-def _image_layout(spec: InputSpec) -> tuple[int, int, int, str]:
-    """(height, width, channels, layout) of an image input: NCHW, NHWC, [N, H, W] or flattened."""
-    shape = spec.shape
-    dims = None if shape is None else shape[1:]
-    if dims is None or not all(isinstance(d, int) for d in dims):
-        raise InputError(f"input {spec.describe()} has no fixed image size; images can only be resized to "
-                         "an input whose dimensions after the batch are numbers")
-    if len(dims) == 3 and dims[0] in (1, 3):
-        return dims[1], dims[2], dims[0], "NCHW"
-    if len(dims) == 3 and dims[2] in (1, 3):
-        return dims[0], dims[1], dims[2], "NHWC"
-    if len(dims) == 2:
-        return dims[0], dims[1], 1, "NHW"
-    if len(dims) == 1:
-        for channels in (1, 3):
-            side = int(round(np.sqrt(dims[0] / channels)))
-            if side * side * channels == dims[0]:
-                return side, side, channels, "flat"
-    raise InputError(f"input {spec.describe()} is not an image shape odtrain can fill: use [N, C, H, W], "
-                     "[N, H, W, C], [N, H, W] or a flattened square [N, H*W*C] with 1 or 3 channels")
+                       source=f"audio folder '{folder}'", classes=classes, files=files)

@@ -25,9 +25,9 @@ The loop:
   saved to `checkpoint.best`, and `early_stop` ends the run after that many
   epochs without improvement. `replay` mixes base samples into every batch
   (odtrain/replay.py); `plot` draws the curves (odtrain/curves.py).
-- A NaN or infinity in any data set is refused before the first step,
-  naming the file and sample (odtrain/data_checks.py): met in a step, it
-  would read as divergence.
+- A NaN or infinity in any data set is refused as it is loaded, before the
+  first step, naming the file and sample (odtrain/data_loading.py): met in a
+  step, it would read as divergence.
 - An epoch's samples/s leaves out the call's first step (planning the step,
   compiling kernels), unless the epoch has no other.
 - SIGINT (Ctrl-C) and SIGTERM stop the loop after the step in progress: the
@@ -58,7 +58,6 @@ from .graph.losses import cross_entropy_classes, cross_entropy_layout
 from .graph import wording
 from .progress import progress_bar
 from .curves import plot_history, require_matplotlib
-from .data_checks import refuse_non_finite
 from .replay import DEFAULT_SHARE, ReplayMix, new_samples, replay_count
 from .validation import BestKeeper, describe_sets, epoch_metrics, epoch_text, validation_sets
 from .audio import AudioSource
@@ -138,7 +137,6 @@ class Session:
         else:
             dataset = data_files.from_arrays(source, self.inputs)
         self._check_labels(dataset)
-        refuse_non_finite(dataset)  # a NaN in the data is the data's fault, not the learning rate's
         return dataset
 
     def _check_labels(self, dataset: data_files.Dataset) -> None:

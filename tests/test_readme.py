@@ -1,7 +1,7 @@
 """The README's walk-throughs run as written and print what it shows: the demo, the command line on the
 digits (make_example.py, check, prepare, train, eval, export, inspect, memory), quantization-aware
-training, the language model (make_text.py, LoRA, perplexity, the export onnxruntime runs), the keyword
-spotter and federated learning.
+training, the image classifier (python -m odtrain.shapes, --image-size, predict), the language model
+(make_text.py, LoRA, perplexity, the export onnxruntime runs), the keyword spotter and federated learning.
 
 A shown transcript is matched line by line against what the command prints: "..." stands for any run of
 lines, and only what changes from run to run is masked (samples per second, the time, the peak memory,
@@ -12,6 +12,7 @@ import contextlib
 import os
 import io
 import json
+import math
 import pathlib
 import re
 import shlex
@@ -235,3 +236,58 @@ def test_the_personalisation_walk_through_gains_the_new_classes_and_keeps_the_ba
     stated = re.search(r"base classes fall ([\d.]+) points, from ([\d.]+)% to ([\d.]+)%", " ".join(README.split()))
     assert float(stated.group(1)) == pytest.approx(float(stated.group(2)) - float(stated.group(3)), abs=0.05)
     assert float(stated.group(1)) <= 3.0
+
+
+PREDICTED = re.compile(r"^(\S+): (.+)$")
+
+
+def predictions(line: str) -> tuple[str, list[tuple[str, float]]]:
+    """(input, [(class name, percent), ...]) of a line `odtrain predict` prints."""
+    found = PREDICTED.match(line)
+    assert found, line
+    shown = [item.rsplit(" ", 1) for item in found.group(2).split(", ")]
+    return found.group(1), [(name, float(percent.rstrip("%"))) for name, percent in shown]
+
+
+IMAGE_RANGE = re.compile(r"held-out accuracy is ([\d.]+)% to ([\d.]+)% \(loss ([\d.]+) to ([\d.]+)\)")
+
+
+def test_the_image_walk_through(tmp_path, capsys, monkeypatch):
+    """python -m odtrain.shapes draws the photos README shows it writing; MobileNetV2, whose image size is
+    symbolic, trains on them at --image-size 96 with ImageNet normalisation; eval and predict preprocess as
+    training recorded. The held-out figures lie in the range README states; predict names the classes README
+    shows, most probable first, each input's first the one README gives."""
+    pytest.importorskip("PIL", reason="the walk-through's photos need Pillow")
+    from odtrain import shapes
+
+    monkeypatch.chdir(tmp_path)
+    block = block_with("$ python -m odtrain.shapes shapes")
+    lines = block.splitlines()
+    assert lines[0].startswith("$ python -m odtrain.shapes ")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert shapes.main(shlex.split(lines[0])[4:]) == 0  # the words after "$ python -m odtrain.shapes"
+    assert printed.getvalue().splitlines() == [lines[1]]
+    evaluated = next(lines[i + 1] for i, line in enumerate(lines) if line.startswith("$ odtrain eval"))
+    start = next(i for i, line in enumerate(lines) if line.startswith("$ odtrain predict"))
+    predicted = lines[start + 1:]
+    runs = block.replace(evaluated, "...").replace("\n".join(predicted), "...")
+    outputs = run_shown(runs, capsys)
+    low_accuracy, high_accuracy, low_loss, high_loss = map(float, IMAGE_RANGE.search(" ".join(README.split())).groups())
+    held_out = EVAL_LINE.search(evaluated).group(3)
+    loss, accuracy, samples = EVAL_LINE.search(evaluated).groups()
+    # README's own line lies in the range it states (ends printed to 0.1% and 4 decimals: half a unit either side)
+    assert low_accuracy - 0.05 <= float(accuracy) <= high_accuracy + 0.05
+    assert low_loss - 5e-5 <= float(loss) <= high_loss + 5e-5
+    # this CPU's run: within two photos of the range, and better than chance, as README says
+    two_photos = 100 * 2 / int(held_out)
+    loss, accuracy, samples = EVAL_LINE.search(outputs["eval photos-mnv2"]).groups()
+    assert low_accuracy - two_photos - 0.05 <= float(accuracy) <= high_accuracy + two_photos + 0.05, accuracy
+    assert float(loss) < math.log(3) and samples == held_out, (loss, samples)
+    got = [predictions(line) for line in outputs["predict photos-mnv2"].splitlines()]
+    shown = [predictions(line) for line in predicted]
+    assert [path for path, _ in got] == [path for path, _ in shown]
+    for (path, ours), (_, theirs) in zip(got, shown):
+        assert sorted(name for name, _ in ours) == sorted(name for name, _ in theirs) == ["circle", "square",
+                                                                                          "triangle"]
+        assert ours[0][0] == theirs[0][0], (path, ours, theirs)

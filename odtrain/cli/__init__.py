@@ -2,8 +2,8 @@
 
 Each command is a `Command` record (odtrain/cli/options.py) in the module that runs it, and COMMANDS
 below lists them in the order `odtrain --help` shows: the workflow (check whether odtrain can train a
-model, prepare the artifacts, train, eval, export the inference model), the reports (inspect, memory,
-profile), then the tools (demo, warmup, compile, federated).
+model, prepare the artifacts, train, eval, predict, export the inference model), the reports (inspect,
+memory, profile), then the tools (demo, warmup, compile, federated).
 
 Exit code 0 on success; on a user error, one line on stderr and exit code 2; 1 when `check` finds
 the model untrainable; 130 (SIGINT) or 143 (SIGTERM) when training stopped after saving; 141, silently,
@@ -16,11 +16,11 @@ import sys
 
 from ..graph.errors import OdtrainError
 from ..graph.wording import count
-from . import prepare, reports, tools, train
+from . import predict, prepare, reports, tools, train
 from .options import Parser, note
 
-COMMANDS = (prepare.CHECK, prepare.PREPARE, train.TRAIN, train.EVAL, train.EXPORT, reports.INSPECT, reports.MEMORY,
-            reports.PROFILE, tools.DEMO, tools.WARMUP, tools.COMPILE, tools.FEDERATED)
+COMMANDS = (prepare.CHECK, prepare.PREPARE, train.TRAIN, train.EVAL, predict.PREDICT, train.EXPORT, reports.INSPECT,
+            reports.MEMORY, reports.PROFILE, tools.DEMO, tools.WARMUP, tools.COMPILE, tools.FEDERATED)
 
 
 def build_parser() -> Parser:

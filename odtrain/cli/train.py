@@ -10,21 +10,24 @@ from ..artifact_paths import ArtifactPaths
 from ..graph.errors import ArgumentError
 from ..graph.frozen import FROZEN_DTYPES
 from ..graph.wording import count
+from ..images import record_beside
+from .image_options import add_image_options, image_folder, refuse_without_photos
 from .options import Command, add_threads_option, budget_size, note, print_json, value_text
 
 
-def _data(args, paths):
-    """The data a command reads: its paths, or windows of a text file with --tokenizer and --seq-len."""
+def _data(args, paths, record_to=None):
+    """The data a command reads: its paths, or windows of a text file with --tokenizer and --seq-len; a folder of
+    photos records its preprocessing and classes in `record_to` (an artifact folder) once read."""
     if paths is None:
         return None
     texts = [p for p in paths if str(p).endswith(".txt")]
     audio = _audio_source(args, paths)
     if audio is not None:
+        refuse_without_photos(args)
         return audio
     if len(paths) == 1 and os.path.isdir(paths[0]):
-        from ..data_loading import ImageFolder
-
-        return ImageFolder(paths[0], args.skip_unreadable, report=lambda line: note(args, line))
+        return image_folder(args, paths[0], record_to)
+    refuse_without_photos(args)
     if args.skip_unreadable:
         raise ArgumentError("--skip-unreadable leaves out unreadable images of a folder (or clips): give --data "
                             "FOLDER, with one sub-folder of images or .wav clips per class")
@@ -73,8 +76,8 @@ def _train(args) -> int:
     if not args.resume and properties.get("finished") == 0:
         note(args, f"'{paths.checkpoint}' holds an unfinished run (epoch {properties['epoch'] + 1}, step "
               f"{properties['step_in_epoch']}); this run starts anew from its parameters (--resume continues it)")
-    result = fit(args.artifacts, _data(args, args.data), val=_validation_data(args), epochs=args.epochs,
-                 batch_size=args.batch_size, keep_best=args.keep_best, best_metric=args.best_metric,
+    result = fit(args.artifacts, _data(args, args.data, record_to=args.artifacts), val=_validation_data(args),
+                 epochs=args.epochs, batch_size=args.batch_size, keep_best=args.keep_best, best_metric=args.best_metric,
                  early_stop=args.early_stop, plot=args.plot,
                  replay=_data(args, [args.replay]) if args.replay else None, replay_share=args.replay_share,
                  learning_rate=args.lr, lr_schedule=args.lr_schedule, warmup_steps=args.warmup, seed=args.seed,
@@ -168,11 +171,16 @@ def _export(args) -> int:
     graph = load_graph(args.output, "inference model")
     result = {"model": args.output, "inputs": [value_text(graph, n) for n in graph.inputs],
               "outputs": [value_text(graph, n) for n in graph.outputs]}
+    beside = record_beside(args.artifacts, args.output)  # what an app must do to a photo before the model
+    if beside is not None:
+        result["preprocessing"] = beside[0]
     if args.json:
         print_json(result)
     else:
         print(f"inference model written to {args.output}: {', '.join(result['inputs'])} -> "
               f"{', '.join(result['outputs'])}")
+        if beside is not None:
+            print(f"its inputs' preprocessing written to {beside[0]}: {beside[1]}")
     return 0
 
 
@@ -215,6 +223,7 @@ def _add_data_options(command, what: str) -> None:
     command.add_argument("--skip-unreadable", action="store_true", help="with a folder of images or clips: leave "
                          "out the files that cannot be read (corrupt, empty, truncated, too short, another "
                          "encoding) and say how many (default: stop at the first)")
+    add_image_options(command)
     audio = command.add_argument_group("audio clips (--data clips/, one sub-folder of .wav files per class)")
     audio.add_argument("--audio-features", choices=("log-mel",), help="compute features for a model whose input is "
                        "log-mel [batch, n_mels, frames] (default: feed the waveform [batch, samples])")
