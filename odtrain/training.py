@@ -43,6 +43,7 @@ import numpy as np
 from . import data as data_files
 from .api import DEFAULT_LEARNING_RATE, CheckpointState, Module, Optimizer
 from .artifact_paths import OPTIMIZER_MODEL, ArtifactPaths
+from .allocation import AUTO
 from .graph.errors import ArgumentError, ArtifactNotFoundError, InputError, StateError
 from .graph.losses import cross_entropy_classes, cross_entropy_layout
 from .graph import wording
@@ -64,7 +65,7 @@ class Session:
     """Loaded artifacts: the CheckpointState, a Module, and an Optimizer when one is wanted."""
 
     def __init__(self, directory, checkpoint=None, with_optimizer: bool = True, fresh_optimizer: bool = False,
-                 memory_budget: int | None = None):
+                 memory_budget: int | str | None = AUTO):
         self.paths = ArtifactPaths.find(directory, checkpoint)
         self.state = CheckpointState.load_checkpoint(self.paths.checkpoint)
         self.module = Module(self.paths.training_model, self.state, self.paths.eval_model, memory_budget=memory_budget)
@@ -315,13 +316,14 @@ def fit(artifacts, train, val=None, *, epochs: int | None = None, batch_size: in
         learning_rate: float | None = None, lr_schedule: str | None = None, warmup_steps: int | None = None,
         seed: int | None = None, checkpoint_every: int | None = None, resume: bool = False, x=None, y=None,
         log=print, progress: bool = True, progress_stream=None, stop_after_steps: int | None = None,
-        handle_signals: bool = True, memory_budget: int | None = None) -> FitResult:
+        handle_signals: bool = True, memory_budget: int | str | None = AUTO) -> FitResult:
     """Train the artifacts in folder `artifacts` on `train` (a path, Dataset or arrays); see the module docstring.
 
     Settings left as None come from the interrupted run when resuming, else from the defaults
     (1 epoch, batch size 32, the checkpoint's `learning_rate` property, constant schedule, seed 0).
     `log` receives one line per epoch; `stop_after_steps` stops (as Ctrl-C would) after that many steps.
-    `memory_budget` (bytes, or "auto") caps a training step's arena, recomputing activations (see odtrain.api.Module).
+    `memory_budget` (bytes; "auto", the default; None: no budget) caps a training step's arena, recomputing
+    activations (see odtrain.api.Module).
     """
     session = Session(artifacts, fresh_optimizer=not resume, memory_budget=memory_budget)
     paths, state, module, optimizer = session.paths, session.state, session.module, session.optimizer
