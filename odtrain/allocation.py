@@ -15,8 +15,9 @@ step is first planned at an input shape:
     available + arena - mapped - reserve
 - available: MemAvailable (/proc/meminfo: what the kernel estimates a new workload can take without
   swapping, reclaimable page cache included), or less when a cgroup the process is in leaves less
-  (memory.max - memory.current, or v1's limit less its usage; `cgroup_memory`: the process's own cgroup
-  and its ancestors, so a systemd service's MemoryMax or a container's limit counts);
+  (memory.max - memory.current, or v1's limit less its usage, its unmapped page cache left out of the use
+  but not its shared memory; `cgroup_memory`: the process's own cgroup and its ancestors, so a systemd
+  service's MemoryMax or a container's limit counts);
 - arena: the shared arena already held (a new plan replaces it, so its bytes are the plan's to use);
 - mapped: the parameters that are views of the checkpoint file (frozen weights): MemAvailable counts their
   pages as reclaimable cache, yet every step reads all of them, so they must stay resident;
@@ -130,7 +131,9 @@ def cgroup_memory(proc_cgroup: str = "/proc/self/cgroup", root: str = CGROUP_ROO
 
 def _working_set(folder: str, use_file: str) -> int | None:
     """A cgroup's use less the page cache no process maps (the kernel reclaims it when the cgroup nears its
-    limit, and MemAvailable counts it available alike): v1's cache less mapped_file, v2's file less file_mapped."""
+    limit, and MemAvailable counts it available alike): v1's cache less mapped_file, v2's file less file_mapped,
+    each less shared memory (tmpfs, /dev/shm, shmem): the cache counts its pages, yet without swap the kernel
+    cannot drop them. Mapped shared memory is subtracted twice, which errs toward less room."""
     use = _read_number(os.path.join(folder, use_file))
     if use is None:
         return None
@@ -140,9 +143,9 @@ def _working_set(folder: str, use_file: str) -> int | None:
     except (OSError, ValueError):
         return use
     if "total_cache" in stat:  # v1, its children included
-        unmapped = stat["total_cache"] - stat.get("total_mapped_file", 0)
+        unmapped = stat["total_cache"] - stat.get("total_mapped_file", 0) - stat.get("total_shmem", 0)
     else:  # v2
-        unmapped = stat.get("file", 0) - stat.get("file_mapped", 0)
+        unmapped = stat.get("file", 0) - stat.get("file_mapped", 0) - stat.get("shmem", 0)
     return max(0, use - max(0, unmapped))
 
 
