@@ -596,3 +596,71 @@ def test_a_language_model_compiles_at_a_sequence_length_and_trains_without_numba
         runs[library] = result.stdout.splitlines()
     assert runs["on"][0] == runs["off"][0]
     assert runs["on"][1] == "[]" and runs["off"][1] != "[]"
+
+
+# ---- what a library records and how it is checked, without building one ---------------------------------
+
+def test_a_library_records_batch_1_and_sequence_length_1_besides_the_sizes_asked():
+    """A size-1 axis changes a call's types (a strided view of one row is contiguous): the transformer's batch-1
+    step calls kernels no larger batch does, so a library records size 1 of every symbolic axis as well."""
+    from odtrain.library_build.record import recorded_shapes
+
+    assert recorded_shapes(32, None) == [(1, None), (32, None)]
+    assert recorded_shapes(4, 64) == [(1, 1), (1, 64), (4, 1), (4, 64)]
+    assert recorded_shapes(1, None) == [(1, None)]
+
+
+def test_the_artifacts_digest_covers_the_models_not_the_checkpoint(tmp_path):
+    """A library records the digest of the artifacts it was built for; training rewrites the checkpoint, so
+    the digest must leave it out, or the folder's own library is refused after the first save."""
+    for name in kernel_library.MODEL_FILES:
+        (tmp_path / name).write_bytes(name.encode())
+    (tmp_path / "checkpoint").write_bytes(b"before training")
+    before = kernel_library.artifacts_digest(tmp_path)
+    (tmp_path / "checkpoint").write_bytes(b"after a save")
+    assert kernel_library.artifacts_digest(tmp_path) == before
+    (tmp_path / "training_model.onnx").write_bytes(b"another model")
+    assert kernel_library.artifacts_digest(tmp_path) != before
+
+
+def test_cpu_features_a_library_disables_are_not_required():
+    """A manifest's features string lists '+f' for what the code may use and '-f' for what it must not: only
+    the former are required of the CPU (a host with every AVX-512 flag would never notice otherwise)."""
+    from odtrain.kernel_library.cpu import missing_features
+
+    without_avx512 = {"sse4_1", "sse4_2", "avx", "avx2", "fma"}
+    assert missing_features("x86_64", "+avx2,+fma,-avx512f,-avx512bw,-avx512vl", without_avx512) == []
+    assert missing_features("x86_64", "+avx2,+avx512f,-avx512bw", without_avx512) == ["avx512f"]
+    assert missing_features("aarch64", "+neon,-sve", {"asimd"}) == []
+
+
+def test_the_compile_advice_names_the_target_of_a_device_that_needs_one(monkeypatch):
+    """On a Raspberry Pi (aarch64, a named default CPU) the advice says `--target aarch64`: the command runs on
+    the desktop, which would otherwise build for itself; on x86_64 the desktop's own target is the default."""
+    monkeypatch.setattr(kernel_library, "host_arch", lambda: "aarch64")
+    assert "`odtrain compile art --target aarch64` " in kernel_library.compile_command("art")
+    monkeypatch.setattr(kernel_library, "host_arch", lambda: "x86_64")
+    assert "`odtrain compile art` " in kernel_library.compile_command("art")
+
+
+def test_the_optimizer_precheck_asks_for_the_update_the_steps_run_at_their_thread_count(monkeypatch):
+    """Where Numba is not installed, the pre-check asks the library for the update apply_update calls: its
+    parallel twin at 2 threads on a large block. A library holding only the serial update is refused before
+    any gradient is computed, naming the twin; at 1 thread it serves."""
+    from odtrain import optimizer_update
+    from odtrain.graph.errors import KernelsUnavailableError
+    from odtrain.graph.optimizers import SGD
+
+    class SerialOnly:
+        folder = "kernels"
+
+        def address(self, kernel, args):
+            return None if kernel_name(kernel).endswith("_parts") else 1
+
+    monkeypatch.setattr(optimizer_update, "compiler_installed", lambda: False)
+    size = 1 << 20
+    weights, grads = np.zeros(size, np.float32), np.zeros(size, np.float32)
+    config = SGD()
+    optimizer_update.require_update_kernels(config, weights, grads, {}, 1, None, SerialOnly(), "art")
+    with pytest.raises(KernelsUnavailableError, match=r"the optimizer's update: kernel \S+:sgd_update_parts\("):
+        optimizer_update.require_update_kernels(config, weights, grads, {}, 2, None, SerialOnly(), "art")

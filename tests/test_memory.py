@@ -555,6 +555,37 @@ def test_shared_memory_in_a_cgroup_is_not_counted_as_reclaimable_cache(tmp_path,
     assert [use for _, use, _ in read(str(tmp_path / "cgroup"), str(tmp_path))] == [100 * mib]
 
 
+def test_a_cgroup_v2_limit_under_unified_on_a_hybrid_host_is_read(tmp_path):
+    """A hybrid host mounts cgroup v2 at /sys/fs/cgroup/unified beside v1's controllers: a systemd service's
+    MemoryMax there limits the process as a v1 memory limit does."""
+    from odtrain import allocation
+
+    mib = 2 ** 20
+    cgroup_tree(tmp_path, {"unified/system.slice/train.service/memory.max": f"{700 * mib}\n",
+                           "unified/system.slice/train.service/memory.current": f"{200 * mib}\n",
+                           "memory/memory.limit_in_bytes": "9223372036854771712\n",
+                           "memory/memory.usage_in_bytes": f"{900 * mib}\n"})
+    (tmp_path / "cgroup").write_text("5:memory:/\n0::/system.slice/train.service\n")
+    found = allocation.cgroup_memory(str(tmp_path / "cgroup"), str(tmp_path))
+    assert (700 * mib, 200 * mib, str(tmp_path / "unified/system.slice/train.service/memory.max")) in found
+
+
+def test_the_auto_budget_at_a_second_shape_counts_the_arena_already_held_as_its_own(deep_mlp, monkeypatch):
+    """A Module plans its step again at a new input shape; the new plan replaces the shared arena, so the bytes
+    that arena holds are the new plan's to use, not memory in use: the budget does not shrink by them."""
+    from odtrain import allocation
+
+    directory, x, y = deep_mlp
+    available = 1 << 30
+    monkeypatch.setattr(allocation, "available_memory", lambda: (available, "test"))
+    module = Module(directory / "training_model.onnx", CheckpointState.load_checkpoint(directory / "checkpoint"))
+    module(x[0], y[0])
+    first, held = module.memory_budget_bytes, module._arena.nbytes
+    assert first == available - available // allocation.RESERVE_SHARE and held > 0
+    module(x[0][:7], y[0][:7])
+    assert module.memory_budget_bytes == first + held
+
+
 def test_memory_budget_auto_is_the_default(deep_mlp):
     """Module, fit and odtrain train plan under memory_budget="auto" unless told otherwise; None (or
     --memory-budget none) plans without a budget, as a number gives its own."""
