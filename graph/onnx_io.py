@@ -9,7 +9,8 @@ Two readers give the same plain data (`onnx_wire.ModelData`), from which one bui
   goes through onnx, and ONNX shape inference runs first so that gradient rules can ask for
   ranks; values whose types stay unknown are typed when shapes are bound.
 The checks, the tensor decoding and the IR building are the same for both; a node of an older opset
-is rewritten by the upgrades its op registers (graph/ops, `upgrade`: DFT's axis, Softmax's).
+is rewritten by the upgrades its op registers (graph/ops, `upgrade`: DFT's axis, Softmax's); a node of a
+standard op with an attribute its op does not define is refused by name (graph/onnx_attributes.py).
 A file's external data (`.onnx.data`) is never read whole: `read_graph` maps each external initializer
 copy-on-write from its file (after checking that it sits in the model's folder and inside the file), so
 a frozen weight costs page cache the kernel can drop, not memory of its own.
@@ -27,6 +28,7 @@ import numpy as np
 
 from .errors import ArtifactNotFoundError, ModelError, UnsupportedOpError
 from .int4 import PackedInt4, at_blocked_opset
+from .onnx_attributes import ATTRIBUTES, unknown_attributes
 from .ir import DEFAULT_DOMAIN, ODTRAIN_DOMAIN, Graph, Node, TensorType
 from .onnx_wire import (EXTERNAL, LIGHT_BYTES, SCOPE_KEY, AttributeData, AttributeType, GraphData, ModelData,
                         NodeData, TensorData, ValueInfoData, element_type, element_type_name, encode_model,
@@ -253,6 +255,12 @@ def _build_graph(model: ModelData, opsets: dict[str, int], source: str, folder: 
             attrs = {a.name: _attr_value(a, to_array) for a in n.attributes}
         except ModelError as error:
             raise ModelError(f"{source}: node '{n.name or index}' ({n.op_type}): {error}") from None
+        unknown = unknown_attributes(n.op_type, attrs) if n.domain in (DEFAULT_DOMAIN, "ai.onnx") else []
+        if unknown:
+            raise ModelError(f"{source}: node '{_node_name(n, index)}' ({n.op_type}) has attribute"
+                             f"{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown))}, which {n.op_type} does "
+                             f"not define (its attributes: {', '.join(ATTRIBUTES[n.op_type]) or 'none'}); the file "
+                             "is damaged, or its writer has a bug: export the model again")
         nodes.append(Node(n.op_type, list(n.inputs), list(n.outputs), attrs, _node_name(n, index), n.domain, n.scope))
     upgrade_legacy_nodes(nodes, opsets, value_types, source)  # each op's own upgrades (graph/ops, `upgrade`)
     inputs = [i.name for i in g.inputs if i.name not in initializers]
