@@ -664,3 +664,58 @@ def test_the_optimizer_precheck_asks_for_the_update_the_steps_run_at_their_threa
     optimizer_update.require_update_kernels(config, weights, grads, {}, 1, None, SerialOnly(), "art")
     with pytest.raises(KernelsUnavailableError, match=r"the optimizer's update: kernel \S+:sgd_update_parts\("):
         optimizer_update.require_update_kernels(config, weights, grads, {}, 2, None, SerialOnly(), "art")
+
+
+def stand_in_library(folder, symbols=3) -> dict:
+    """A library folder whose shared object has the runner's symbols and `symbols` kernel wrappers (built with the C
+    compiler, no Numba), and its manifest (returned), which this odtrain loads."""
+    from odtrain import __version__
+    from odtrain.jit.cache import sources_digest
+    from odtrain.kernel_library.cpu import TARGETS, host_arch
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    folder.mkdir(parents=True)
+    (folder / "stand_in.c").write_text(
+        "#include <stdint.h>\nint64_t odtrain_run(int64_t n, void *f, void *b, int64_t t) { return -1; }\n"
+        "int32_t odtrain_regions_forked(void) { return 0; }\nvoid odtrain_set_gemm(void *a, void *b) {}\n"
+        + "".join(f"int32_t odtrainkernel_{i}(void **a) {{ return 0; }}\n" for i in range(symbols)))
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(folder / kernel_library.LIBRARY_FILE),
+                    str(folder / "stand_in.c")], check=True)
+    manifest = {"odtrain": __version__, "kernel_sources": sources_digest(),
+                "numba": kernel_library.installed_version("numba"), "triple": TARGETS[host_arch()], "cpu": "generic",
+                "features": "", "entries": [{"kernel": f"odtrain.kernels.training:kernel_{i}",
+                                             "signature": "float32[1C]", "symbol": f"odtrainkernel_{i}"}
+                                            for i in range(symbols)]}
+    (folder / kernel_library.MANIFEST_FILE).write_text(json.dumps(manifest))
+    return manifest
+
+
+def test_a_manifest_that_does_not_describe_its_shared_object_is_refused_by_name(tmp_path, capsys):
+    """A symbol the shared object lacks, an entry without its symbol, entries that are not records, a shared object
+    that is missing: each refused by name (find then falls back to the JIT), never ctypes' AttributeError or a
+    KeyError."""
+    folder = tmp_path / "artifacts" / kernel_library.FOLDER
+    manifest = stand_in_library(folder)
+    assert len(KernelLibrary(str(folder)).entries) == 3
+    path = folder / kernel_library.MANIFEST_FILE
+    damaged = {"symbol renamed": ({**manifest, "entries": [*manifest["entries"][:2], {**manifest["entries"][2],
+                                                                                       "symbol": "odtrainkernel_10"}]},
+                                  "entry 2 has a symbol libodtrain_kernels.so lacks"),
+               "symbol missing": ({**manifest, "entries": [{k: v for k, v in manifest["entries"][1].items()
+                                                            if k != "symbol"}]}, "entry 0 has no 'symbol'"),
+               "entries not records": ({**manifest, "entries": ["odtrainkernel_0"]}, "damaged manifest"),
+               "not an object": ([manifest], "damaged manifest")}
+    for case, (content, reason) in damaged.items():
+        path.write_text(json.dumps(content))
+        with pytest.raises(kernel_library.LibraryRefused, match=reason):
+            KernelLibrary(str(folder))
+        kernel_library._loaded.pop(str(folder), None)
+        assert kernel_library.find(tmp_path / "artifacts") is None, case
+        assert reason in capsys.readouterr().err, case
+    other = tmp_path / "other" / kernel_library.FOLDER  # never loaded: the loader keeps what it opened by path
+    stand_in_library(other)
+    (other / kernel_library.LIBRARY_FILE).rename(other / "moved.so")
+    with pytest.raises(kernel_library.LibraryRefused, match="libodtrain_kernels.so cannot be loaded"):
+        KernelLibrary(str(other))
