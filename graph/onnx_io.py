@@ -263,8 +263,26 @@ def _build_graph(model: ModelData, opsets: dict[str, int], source: str, folder: 
                              "is damaged, or its writer has a bug: export the model again")
         nodes.append(Node(n.op_type, list(n.inputs), list(n.outputs), attrs, _node_name(n, index), n.domain, n.scope))
     upgrade_legacy_nodes(nodes, opsets, value_types, source)  # each op's own upgrades (graph/ops, `upgrade`)
+    _check_names(nodes, [i.name for i in g.inputs], initializers, [o.name for o in g.outputs], source)
     inputs = [i.name for i in g.inputs if i.name not in initializers]
     return Graph(nodes, inputs, [o.name for o in g.outputs], initializers, value_types, opsets, g.name or "graph")
+
+
+def _check_names(nodes, inputs, initializers, outputs, source: str) -> None:
+    """Every value a node reads and every output of the graph is an input, an initializer or a node's output: a
+    damaged name (a flipped byte) would otherwise surface as a missing key when a step is planned."""
+    known = set(inputs) | set(initializers) | {o for n in nodes for o in n.outputs if o}
+    for node in nodes:
+        unknown = [name for name in node.inputs if name and name not in known]
+        if unknown:
+            raise ModelError(f"{source}: {node.describe()} reads {', '.join(map(repr, unknown))}, which no node "
+                             "computes and the graph neither takes nor holds: the file is damaged, or its writer "
+                             "has a bug; export the model again")
+    unknown = [name for name in outputs if name not in known]
+    if unknown:
+        raise ModelError(f"{source}: the graph outputs {', '.join(map(repr, unknown))}, which no node computes and "
+                         "the graph neither takes nor holds: the file is damaged, or its writer has a bug; export "
+                         "the model again")
 
 
 def _value_type(info: ValueInfoData, source: str) -> TensorType | None:

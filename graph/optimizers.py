@@ -136,6 +136,13 @@ def read_optimizer_graph(graph: Graph, source: str) -> tuple[AdamW | SGD | SGDMo
     node = graph.nodes[0]
     attrs = dict(node.attrs)
     parameters = list(attrs.pop("parameters", []))
+    needed = {"SGD": (), "SGDMomentum": ("momentum", "dampening", "nesterov", "weight_decay"),
+              "AdamW": ("beta1", "beta2", "epsilon", "weight_decay", "bias_correction")}[node.op_type]
+    unreadable = [k for k in needed if isinstance(attrs.get(k), bool) or not isinstance(attrs.get(k), (int, float))]
+    if unreadable or not all(isinstance(p, str) for p in parameters):
+        what = f"the numbers {unreadable}" if unreadable else "its parameter names"
+        raise ModelError(f"'{source}': its {node.op_type} node lacks {what} (it has {sorted(node.attrs)}): the "
+                         "file is damaged; generate the artifacts again (odtrain prepare)")
     if node.op_type == "SGD":
         return SGD(), parameters
     if node.op_type == "SGDMomentum":

@@ -719,3 +719,33 @@ def test_a_manifest_that_does_not_describe_its_shared_object_is_refused_by_name(
     (other / kernel_library.LIBRARY_FILE).rename(other / "moved.so")
     with pytest.raises(kernel_library.LibraryRefused, match="libodtrain_kernels.so cannot be loaded"):
         KernelLibrary(str(other))
+
+
+def test_an_update_whose_parallel_twin_the_library_lacks_runs_serially_there(monkeypatch):
+    """A thread count raised after the Optimizer's pre-check (which passed at one thread) meets a library holding
+    the serial update only: the step runs the serial update through the library, with the same numbers, instead
+    of failing after the gradients were computed."""
+    from odtrain import optimizer_update
+    from odtrain.graph.optimizers import SGD
+
+    class SerialOnly:
+        folder = "kernels"
+        ran = []
+
+        def address(self, kernel, args):
+            return None if kernel_name(kernel).endswith("_parts") else 1
+
+        def call(self, kernel, args, threads=1):
+            if self.address(kernel, args) is None:
+                return False
+            self.ran.append(kernel_name(kernel))
+            kernel.py_func(*args) if hasattr(kernel, "py_func") else kernel(*args)
+            return True
+
+    monkeypatch.setattr(optimizer_update, "compiler_installed", lambda: False)
+    size = 1 << 20
+    weights, grads = np.ones(size, np.float32), np.full(size, 2.0, np.float32)
+    library = SerialOnly()
+    optimizer_update.apply_update(SGD(), weights, grads, {}, 0.25, 1, threads=2, library=library)
+    assert library.ran and all(name.endswith(":sgd_update") for name in library.ran)
+    np.testing.assert_array_equal(weights, np.full(size, 0.5, np.float32))

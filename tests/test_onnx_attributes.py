@@ -71,3 +71,32 @@ def test_an_odtrain_op_given_an_attribute_its_kernel_does_not_take_is_refused_by
              "dx": TensorType(np.dtype(np.float32), (1, 1, 5, 5))}
     with pytest.raises(ModelError, match=r"ConvInputGrad node 'stem_grad'.*: unsupported attributes \['dilatiols'\]"):
         scratch_bytes(node, types)
+
+
+def test_a_value_no_node_computes_is_refused_when_the_model_is_read():
+    """A damaged name (a flipped byte in a node's input or in a graph output) leaves a value nothing computes:
+    refused by name when the model is read, not a missing key when a step is planned."""
+    model = conv_model()
+    model.graph.node[0].input[1] = "v"  # the weight's name, damaged
+    with pytest.raises(ModelError, match=r"Conv node 'stem' reads 'v', which no node computes and the graph neither "
+                                         r"takes nor holds: the file is damaged"):
+        graph_from_model(model_from_proto(model), "m.onnx")
+    model = conv_model()
+    model.graph.output[0].name = "z"
+    with pytest.raises(ModelError, match=r"the graph outputs 'z', which no node computes"):
+        graph_from_model(model_from_proto(model), "m.onnx")
+
+
+def test_an_optimizer_model_lacking_a_hyper_parameter_is_refused_by_name():
+    from odtrain.graph.ir import Graph
+    from odtrain.graph.optimizers import read_optimizer_graph
+
+    attrs = {"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8, "weight_decay": 0.0, "bias_correction": 1,
+             "parameters": ["w"]}
+    node = Node("AdamW", ["w"], ["updated_flag"], attrs, "AdamW_update", "ai.odtrain")
+    assert read_optimizer_graph(Graph([node], ["w"], ["updated_flag"]), "opt.onnx")[1] == ["w"]
+    damaged = Node("AdamW", ["w"], ["updated_flag"], {**{k: v for k, v in attrs.items() if k != "beta2"}, "betb2": 0.999},
+                   "AdamW_update", "ai.odtrain")
+    with pytest.raises(ModelError, match=r"'opt.onnx': its AdamW node lacks the numbers \['beta2'\] .*the file is "
+                                         "damaged"):
+        read_optimizer_graph(Graph([damaged], ["w"], ["updated_flag"]), "opt.onnx")
