@@ -178,8 +178,9 @@ def auto_budget(mapped: int, arena: int, available: tuple[int, str] | None = Non
     if budget <= 0:
         raise MemoryBudgetError(f'memory_budget="auto": {format_bytes(free)} available ({source}), of which the '
                                 f"mapped parameters need {format_bytes(mapped)} resident and {format_bytes(reserve)} "
-                                "stay in reserve: nothing is left for a training step's arena; free memory, or "
-                                "store the frozen weights in fewer bytes (prepare --frozen-dtype int8 or int4)")
+                                "stay in reserve: nothing is left for a training step's arena; free memory, "
+                                "store the frozen weights in fewer bytes (prepare --frozen-dtype int8 or int4), or "
+                                "plan without a budget at your own risk (memory_budget=None, --memory-budget none)")
     return budget
 
 
