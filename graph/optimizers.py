@@ -138,11 +138,15 @@ def read_optimizer_graph(graph: Graph, source: str) -> tuple[AdamW | SGD | SGDMo
     parameters = list(attrs.pop("parameters", []))
     needed = {"SGD": (), "SGDMomentum": ("momentum", "dampening", "nesterov", "weight_decay"),
               "AdamW": ("beta1", "beta2", "epsilon", "weight_decay", "bias_correction")}[node.op_type]
-    unreadable = [k for k in needed if isinstance(attrs.get(k), bool) or not isinstance(attrs.get(k), (int, float))]
+    missing = [k for k in needed if k not in attrs]
+    if missing:
+        raise ModelError(f"'{source}': its {node.op_type} node has no attribute '{missing[0]}'; generate the "
+                         "optimizer model again with odtrain.artifacts.generate_artifacts")
+    unreadable = [k for k in needed if isinstance(attrs[k], bool) or not isinstance(attrs[k], (int, float))]
     if unreadable or not all(isinstance(p, str) for p in parameters):
-        what = f"the numbers {unreadable}" if unreadable else "its parameter names"
-        raise ModelError(f"'{source}': its {node.op_type} node lacks {what} (it has {sorted(node.attrs)}): the "
-                         "file is damaged; generate the artifacts again (odtrain prepare)")
+        what = f"attribute '{unreadable[0]}' is not a number" if unreadable else "parameter names are not text"
+        raise ModelError(f"'{source}': its {node.op_type} node's {what}: the file is damaged; generate the "
+                         "optimizer model again with odtrain.artifacts.generate_artifacts")
     if node.op_type == "SGD":
         return SGD(), parameters
     if node.op_type == "SGDMomentum":
