@@ -379,7 +379,10 @@ def write_atomically(path: str, blob, keep: bool = False) -> None:
         os.close(dir_fd)
 
 
-def save(path, contents: CheckpointContents) -> None:
+def save(path, contents: CheckpointContents, keep_previous: bool = True) -> None:
+    """Write `contents` to `path`; the checkpoint it replaces stays as `path + PREVIOUS_SUFFIX` (keep_previous),
+    or, with keep_previous=False (the first checkpoint of new artifacts), any such file is removed: it would
+    belong to other artifacts."""
     path = os.fspath(path)
     tensors: dict[str, np.ndarray] = {}
     metadata = {"format": FORMAT, "format_version": str(FORMAT_VERSION),
@@ -403,7 +406,9 @@ def save(path, contents: CheckpointContents) -> None:
             for name, array in per_param.items():
                 tensors[f"{OPTIMIZER_PREFIX}{name}/{state_name}"] = array
     metadata["sha256"] = _digest(tensors, metadata)
-    write_atomically(path, _safetensors_writer(tensors, metadata), keep=True)
+    write_atomically(path, _safetensors_writer(tensors, metadata), keep=keep_previous)
+    if not keep_previous and os.path.lexists(path + PREVIOUS_SUFFIX):
+        os.unlink(path + PREVIOUS_SUFFIX)
 
 
 def _safetensors_writer(tensors: dict[str, np.ndarray], metadata: dict[str, str]):

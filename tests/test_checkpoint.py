@@ -369,6 +369,18 @@ def test_a_damaged_checkpoint_names_the_kept_previous_one_and_training_resumes_f
                                   CheckpointState.load_checkpoint(whole / "checkpoint").parameters["fc1.weight"].data)
 
 
+def test_new_artifacts_over_old_ones_keep_no_previous_checkpoint(mlp_reference, tmp_path):
+    """generate_artifacts writes a first checkpoint: a checkpoint.previous of the artifacts it replaces would be
+    another model's, so it is removed rather than offered for a resume."""
+    from conftest import reference_artifacts
+
+    folder = reference_artifacts("mlp", tmp_path / "art")
+    CheckpointState.save_checkpoint(CheckpointState.load_checkpoint(folder / "checkpoint"), folder / "checkpoint")
+    assert (folder / "checkpoint.previous").is_file()
+    reference_artifacts("mlp", folder, optimizer="SGD")
+    assert not (folder / "checkpoint.previous").exists()
+
+
 def test_without_a_previous_save_the_refusal_says_how_to_start_again(mlp_artifacts, tmp_path):
     path, blob = _saved(mlp_artifacts, tmp_path)
     path.write_bytes(blob[:-1])
