@@ -24,7 +24,9 @@ step is first planned at an input shape:
 - reserve: an eighth of what is available, at least RESERVE_FLOOR: what the process adds besides the arena
   (a kernel's first compilation, LLVM's ~60 MB, where the JIT runs; the plans' Python objects; a batch's
   feeds) and room for the rest of the device, so that the step does not push the machine into reclaim.
-A budget at or below 0 is a MemoryBudgetError naming these figures.
+A budget at or below 0 is a MemoryBudgetError naming these figures. When no plan fits the budget, the
+step is refused in those terms (`auto_shortfall`), or, when even the smallest plan is more than the process
+can ever hold, as a plan without a budget is (`allocate`: the machine's limit and the largest values).
 """
 from __future__ import annotations
 
@@ -182,6 +184,21 @@ def auto_budget(mapped: int, arena: int, available: tuple[int, str] | None = Non
                                 "store the frozen weights in fewer bytes (prepare --frozen-dtype int8 or int4), or "
                                 "plan without a budget at your own risk (memory_budget=None, --memory-budget none)")
     return budget
+
+
+def auto_shortfall(smallest: int, budget: int) -> None:
+    """When no plan fits the auto budget (`budget`), the smallest arena odtrain can plan being `smallest` bytes:
+    None (plan without a budget) when even that is more than the process can ever hold, so that `allocate`
+    refuses the plan naming the machine's limit and its largest values; else a MemoryBudgetError that says
+    what is available and what to do (a budget the user gave is told to rise instead)."""
+    limit = memory_limit()
+    if limit is not None and smallest > limit[0]:
+        return None
+    raise MemoryBudgetError(f'memory_budget="auto": {format_bytes(budget)} ({budget:,} bytes) of what is available '
+                            "is left for a training step's arena, and the smallest arena odtrain can plan, "
+                            f"recomputing activations, is {format_bytes(smallest)} ({smallest:,} bytes): free memory, "
+                            "use a smaller batch, or plan without a budget at your own risk (memory_budget=None, "
+                            "--memory-budget none)", smallest_bytes=smallest)
 
 
 def aligned_buffer(nbytes: int) -> np.ndarray:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import checkpoint as checkpoint_file, kernel_library
-from .allocation import AUTO, auto_budget
+from .allocation import AUTO, auto_budget, auto_shortfall
 from .graph.autodiff import GRAD_SUFFIX
 from .graph.errors import (ArgumentError, CheckpointError, InputError, ModelError, NonFiniteError, ParameterError,
                            StateError)
@@ -374,10 +374,20 @@ class _GraphSession:
             if budget == AUTO:  # taken now: what is available when the step is planned
                 budget = self.budget_bytes = auto_budget(self.state._store.mapped_bytes(),
                                                          self.arena.nbytes if self.arena is not None else 0)
-            plan = ExecutableStep(self.step_graph, feed_types=types, external=self.external, gradient_sinks=sinks,
-                                  accumulate=accumulate and not self.fused, check_finite=guarded, memory_budget=budget,
-                                  fused_updates=self.fused, arena=self.arena, threads=threads, library=self.library,
-                                  artifact_folder=self.folder)
+            def planned(budget):
+                return ExecutableStep(self.step_graph, feed_types=types, external=self.external, gradient_sinks=sinks,
+                                      accumulate=accumulate and not self.fused, check_finite=guarded,
+                                      memory_budget=budget, fused_updates=self.fused, arena=self.arena, threads=threads,
+                                      library=self.library, artifact_folder=self.folder)
+
+            from .graph.errors import MemoryBudgetError
+
+            try:
+                plan = planned(budget)
+            except MemoryBudgetError as error:
+                if self.memory_budget != AUTO or error.smallest_bytes is None:
+                    raise
+                plan = planned(auto_shortfall(error.smallest_bytes, budget))
             self.plans[signature] = plan
             if len(self.plans) > PLAN_CACHE_SIZE:
                 self.plans.popitem(last=False)

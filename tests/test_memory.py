@@ -586,6 +586,23 @@ def test_the_auto_budget_at_a_second_shape_counts_the_arena_already_held_as_its_
     assert module.memory_budget_bytes == first + held
 
 
+def test_an_auto_budget_no_plan_meets_says_what_is_available_not_to_raise_it(deep_mlp, monkeypatch):
+    """With too little available for even the smallest plan, "auto" says so and what to do (free memory, a smaller
+    batch, no budget), not the advice for a budget the user gave ("raise the budget to at least ...")."""
+    from odtrain import allocation
+
+    directory, x, y = deep_mlp
+    monkeypatch.setattr(allocation, "available_memory", lambda: (allocation.RESERVE_FLOOR + 4096, "test"))
+    module = Module(directory / "training_model.onnx", CheckpointState.load_checkpoint(directory / "checkpoint"))
+    with pytest.raises(MemoryBudgetError) as refused:
+        module(x[0], y[0])
+    message = str(refused.value)
+    assert message.startswith('memory_budget="auto": 4.00 KiB (4,096 bytes) of what is available is left for a '
+                              "training step's arena, and the smallest arena odtrain can plan, recomputing "
+                              "activations, is ") and "free memory, use a smaller batch" in message, message
+    assert "raise the budget" not in message and refused.value.smallest_bytes > 4096
+
+
 def test_memory_budget_auto_is_the_default(deep_mlp):
     """Module, fit and odtrain train plan under memory_budget="auto" unless told otherwise; None (or
     --memory-budget none) plans without a budget, as a number gives its own."""
