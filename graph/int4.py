@@ -29,6 +29,7 @@ bytes and temporaries of at most ROW_ELEMENTS values.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -132,9 +133,12 @@ def int4_blocks(weight: np.ndarray, axis: int, block: int = DEFAULT_BLOCK) -> tu
     rows, columns = weight.shape
     scale = np.empty(blocked_shape(weight.shape, axis, block), np.float32)
     packed = np.empty((weight.size + 1) // 2, np.uint8)
+    # A run is whole blocks of rows (axis 0) and, with an odd column count, an even count of rows, so that
+    # every run starts on a block and on a byte: a multiple of the least common multiple of the two.
+    unit = block if axis == 0 else 1
+    unit = unit * 2 // math.gcd(unit, 2) if columns % 2 else unit
     step = max(1, ROW_ELEMENTS // max(columns, 1))
-    step = max(block, step // block * block) if axis == 0 else step
-    step += step % 2 if columns % 2 else 0  # an even count of values a run: each run starts on a byte
+    step = max(unit, step // unit * unit)
     for first in range(0, rows, step):
         last = min(rows, first + step)
         values, scales = _quantize_rows(np.asarray(weight[first:last], np.float32), axis, block)

@@ -9,7 +9,8 @@ Two readers give the same plain data (`onnx_wire.ModelData`), from which one bui
   goes through onnx, and ONNX shape inference runs first so that gradient rules can ask for
   ranks; values whose types stay unknown are typed when shapes are bound.
 The checks, the tensor decoding and the IR building are the same for both; a node of an older opset
-is rewritten by the upgrades its op registers (graph/ops, `upgrade`: DFT's axis, Softmax's).
+is rewritten by the upgrades its op registers (graph/ops, `upgrade`: DFT's axis, Softmax's); a node of a
+standard op with an attribute its op does not define is refused by name (graph/onnx_attributes.py).
 A file's external data (`.onnx.data`) is never read whole: `read_graph` maps each external initializer
 copy-on-write from its file (after checking that it sits in the model's folder and inside the file), so
 a frozen weight costs page cache the kernel can drop, not memory of its own.
@@ -28,6 +29,7 @@ import numpy as np
 from .errors import ArtifactNotFoundError, ModelError, UnsupportedOpError
 from .int4 import PackedInt4, at_blocked_opset
 from .control_flow import onnx_inputs, walk, with_captures
+from .onnx_attributes import ATTRIBUTES, unknown_attributes
 from .ir import DEFAULT_DOMAIN, ODTRAIN_DOMAIN, Graph, Node, TensorType
 from .onnx_wire import (EXTERNAL, LIGHT_BYTES, SCOPE_KEY, AttributeData, AttributeType, GraphData, ModelData,
                         NodeData, TensorData, ValueInfoData, element_type, element_type_name, encode_model,
@@ -235,6 +237,8 @@ def _build_graph(model: ModelData, opsets: dict[str, int], source: str, folder: 
         return _mapped(tensor, folder) if external else tensor.to_array()
 
     graph = _build_scope(model.graph, opsets, source, to_array)
+    # the top level only: a body reads values of the scope around it by name
+    _check_names(graph.nodes, graph.inputs, graph.initializers, graph.outputs, source)
     graph.inputs = [name for name in graph.inputs if name not in graph.initializers]
     return graph
 
@@ -268,10 +272,33 @@ def _build_scope(g: GraphData, opsets: dict[str, int], source: str, to_array, sc
             if str(error).startswith(source):
                 raise
             raise ModelError(f"{source}: {scope}node '{n.name or index}' ({n.op_type}): {error}") from None
+        unknown = unknown_attributes(n.op_type, attrs) if n.domain in (DEFAULT_DOMAIN, "ai.onnx") else []
+        if unknown:
+            raise ModelError(f"{source}: {scope}node '{name}' ({n.op_type}) has attribute"
+                             f"{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown))}, which {n.op_type} does "
+                             f"not define (its attributes: {', '.join(ATTRIBUTES[n.op_type]) or 'none'}); the file "
+                             "is damaged, or its writer has a bug: export the model again")
         nodes.append(with_captures(Node(n.op_type, list(n.inputs), list(n.outputs), attrs, name, n.domain, n.scope)))
     upgrade_legacy_nodes(nodes, opsets, value_types, source)  # each op's own upgrades (graph/ops, `upgrade`)
     return Graph(nodes, [i.name for i in g.inputs], [o.name for o in g.outputs], initializers, value_types,
                  opsets, g.name or "graph")
+
+
+def _check_names(nodes, inputs, initializers, outputs, source: str) -> None:
+    """Every value a node reads and every output of the graph is an input, an initializer or a node's output: a
+    damaged name (a flipped byte) would otherwise surface as a missing key when a step is planned."""
+    known = set(inputs) | set(initializers) | {o for n in nodes for o in n.outputs if o}
+    for node in nodes:
+        unknown = [name for name in node.inputs if name and name not in known]
+        if unknown:
+            raise ModelError(f"{source}: {node.describe()} reads {', '.join(map(repr, unknown))}, which no node "
+                             "computes and the graph neither takes nor holds: the file is damaged, or its writer "
+                             "has a bug; export the model again")
+    unknown = [name for name in outputs if name not in known]
+    if unknown:
+        raise ModelError(f"{source}: the graph outputs {', '.join(map(repr, unknown))}, which no node computes and "
+                         "the graph neither takes nor holds: the file is damaged, or its writer has a bug; export "
+                         "the model again")
 
 
 def _value_type(info: ValueInfoData, source: str) -> TensorType | None:

@@ -251,7 +251,16 @@ def read_optimizer_graph(graph: Graph, source: str) -> tuple[object, list[str]]:
     node = graph.nodes[0]
     attrs = dict(node.attrs)
     parameters = list(attrs.pop("parameters", []))
-    return OPTIMIZERS[node.op_type].from_attributes(attrs, source), parameters
+    record = OPTIMIZERS[node.op_type]
+    numbers = [k for k, v in record.to_attributes(record.config()).items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool)]  # as the defaults are written
+    unreadable = [k for k in numbers if k in attrs and (isinstance(attrs[k], bool)
+                                                         or not isinstance(attrs[k], (int, float)))]
+    if unreadable or not all(isinstance(p, str) for p in parameters):
+        what = f"attribute '{unreadable[0]}' is not a number" if unreadable else "parameter names are not text"
+        raise ModelError(f"'{source}': its {node.op_type} node's {what}: the file is damaged; generate the "
+                         "optimizer model again with odtrain.artifacts.generate_artifacts")
+    return record.from_attributes(attrs, source), parameters
 
 
 __all__ = ["OptimType", "STATE_BLOCK", "STATE_DTYPES", "OPTIMIZERS", "OptimizerRecord", "optimizer", "record_of",

@@ -15,8 +15,9 @@ step is first planned at an input shape:
     available + arena - mapped - reserve
 - available: MemAvailable (/proc/meminfo: what the kernel estimates a new workload can take without
   swapping, reclaimable page cache included), or less when a cgroup the process is in leaves less
-  (memory.max - memory.current, or v1's limit less its usage; `cgroup_memory`: the process's own cgroup
-  and its ancestors, so a systemd service's MemoryMax or a container's limit counts);
+  (memory.max - memory.current, or v1's limit less its usage, its unmapped page cache left out of the use
+  but not its shared memory; `cgroup_memory`: the process's own cgroup and its ancestors, so a systemd
+  service's MemoryMax or a container's limit counts);
 - arena: the shared arena already held (a new plan replaces it, so its bytes are the plan's to use);
 - mapped: the parameters that are views of the checkpoint file (frozen weights): MemAvailable counts their
   pages as reclaimable cache, yet every step reads all of them, so they must stay resident;
@@ -24,7 +25,9 @@ step is first planned at an input shape:
   (a kernel's first compilation where the JIT runs, whose LLVM memory benchmarks/README.md gives under
   "Figures moved out of the code"; the plans' Python objects; a batch's feeds) and room for the rest of the
   device, so that the step does not push the machine into reclaim.
-A budget at or below 0 is a MemoryBudgetError naming these figures.
+A budget at or below 0 is a MemoryBudgetError naming these figures. When no plan fits the budget, the
+step is refused in those terms (`auto_shortfall`), or, when even the smallest plan is more than the process
+can ever hold, as a plan without a budget is (`allocate`: the machine's limit and the largest values).
 """
 from __future__ import annotations
 
@@ -131,7 +134,9 @@ def cgroup_memory(proc_cgroup: str = "/proc/self/cgroup", root: str = CGROUP_ROO
 
 def _working_set(folder: str, use_file: str) -> int | None:
     """A cgroup's use less the page cache no process maps (the kernel reclaims it when the cgroup nears its
-    limit, and MemAvailable counts it available alike): v1's cache less mapped_file, v2's file less file_mapped."""
+    limit, and MemAvailable counts it available alike): v1's cache less mapped_file, v2's file less file_mapped,
+    each less shared memory (tmpfs, /dev/shm, shmem): the cache counts its pages, yet without swap the kernel
+    cannot drop them. Mapped shared memory is subtracted twice, which errs toward less room."""
     use = _read_number(os.path.join(folder, use_file))
     if use is None:
         return None
@@ -141,9 +146,9 @@ def _working_set(folder: str, use_file: str) -> int | None:
     except (OSError, ValueError):
         return use
     if "total_cache" in stat:  # v1, its children included
-        unmapped = stat["total_cache"] - stat.get("total_mapped_file", 0)
+        unmapped = stat["total_cache"] - stat.get("total_mapped_file", 0) - stat.get("total_shmem", 0)
     else:  # v2
-        unmapped = stat.get("file", 0) - stat.get("file_mapped", 0)
+        unmapped = stat.get("file", 0) - stat.get("file_mapped", 0) - stat.get("shmem", 0)
     return max(0, use - max(0, unmapped))
 
 
@@ -176,9 +181,25 @@ def auto_budget(mapped: int, arena: int, available: tuple[int, str] | None = Non
     if budget <= 0:
         raise MemoryBudgetError(f'memory_budget="auto": {format_bytes(free)} available ({source}), of which the '
                                 f"mapped parameters need {format_bytes(mapped)} resident and {format_bytes(reserve)} "
-                                "stay in reserve: nothing is left for a training step's arena; free memory, or "
-                                "store the frozen weights in fewer bytes (prepare --frozen-dtype int8 or int4)")
+                                "stay in reserve: nothing is left for a training step's arena; free memory, "
+                                "store the frozen weights in fewer bytes (prepare --frozen-dtype int8 or int4), or "
+                                "plan without a budget at your own risk (memory_budget=None, --memory-budget none)")
     return budget
+
+
+def auto_shortfall(smallest: int, budget: int) -> None:
+    """When no plan fits the auto budget (`budget`), the smallest arena odtrain can plan being `smallest` bytes:
+    None (plan without a budget) when even that is more than the process can ever hold, so that `allocate`
+    refuses the plan naming the machine's limit and its largest values; else a MemoryBudgetError that says
+    what is available and what to do (a budget the user gave is told to rise instead)."""
+    limit = memory_limit()
+    if limit is not None and smallest > limit[0]:
+        return None
+    raise MemoryBudgetError(f'memory_budget="auto": {format_bytes(budget)} ({budget:,} bytes) of what is available '
+                            "is left for a training step's arena, and the smallest arena odtrain can plan, "
+                            f"recomputing activations, is {format_bytes(smallest)} ({smallest:,} bytes): free memory, "
+                            "use a smaller batch, or plan without a budget at your own risk (memory_budget=None, "
+                            "--memory-budget none)", smallest_bytes=smallest)
 
 
 def aligned_buffer(nbytes: int) -> np.ndarray:

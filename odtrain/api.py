@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import checkpoint as checkpoint_file, kernel_library
-from .allocation import AUTO, auto_budget
+from .allocation import AUTO, auto_budget, auto_shortfall
 from .graph.autodiff import GRAD_SUFFIX
 from .graph.errors import (ArgumentError, CheckpointError, InputError, ModelError, NonFiniteError, ParameterError,
                            StateError)
@@ -343,10 +343,20 @@ class _GraphSession:
             if budget == AUTO:  # taken now: what is available when the step is planned
                 budget = self.budget_bytes = auto_budget(self.state._store.mapped_bytes(),
                                                          self.arena.nbytes if self.arena is not None else 0)
-            plan = ExecutableStep(self.step_graph, feed_types=types, external=self.external, gradient_sinks=sinks,
-                                  accumulate=accumulate and not self.fused, check_finite=guarded, memory_budget=budget,
-                                  fused_updates=self.fused, arena=self.arena, threads=threads, library=self.library,
-                                  artifact_folder=self.folder)
+            def planned(budget):
+                return ExecutableStep(self.step_graph, feed_types=types, external=self.external, gradient_sinks=sinks,
+                                      accumulate=accumulate and not self.fused, check_finite=guarded,
+                                      memory_budget=budget, fused_updates=self.fused, arena=self.arena, threads=threads,
+                                      library=self.library, artifact_folder=self.folder)
+
+            from .graph.errors import MemoryBudgetError
+
+            try:
+                plan = planned(budget)
+            except MemoryBudgetError as error:
+                if self.memory_budget != AUTO or error.smallest_bytes is None:
+                    raise
+                plan = planned(auto_shortfall(error.smallest_bytes, budget))
             self.plans[signature] = plan
             if len(self.plans) > PLAN_CACHE_SIZE:
                 self.plans.popitem(last=False)
@@ -514,16 +524,18 @@ class Module:
     training: bool
 
     def __init__(self, train_model_uri, state: CheckpointState, eval_model_uri=None, device: str = "cpu", *,
-                 check_finite: bool = False, memory_budget: int | None = None, num_threads: int | None = None):
+                 check_finite: bool = False, memory_budget: int | str | None = AUTO, num_threads: int | None = None):
         """`check_finite=True` stops a step with NonFiniteError at a NaN or infinity in an input, the loss
         (before the backward pass) or a gradient, naming the step and the parameter.
 
         `memory_budget` (bytes) caps the arena of a training step: the planner recomputes activations
         in the backward pass instead of storing them until the plan fits; if no plan fits, the first
-        call raises MemoryBudgetError with the smallest budget that works. `memory_budget="auto"` takes
-        the budget from the memory the machine has available when a step is first planned at an input
-        shape, less the mapped frozen weights and a reserve (odtrain.allocation.auto_budget); the budget
-        taken is `Module.memory_budget_bytes`.
+        call raises MemoryBudgetError with the smallest budget that works. `memory_budget="auto"` (the
+        default) takes the budget from the memory the machine has available when a step is first planned at
+        an input shape, less the mapped frozen weights and a reserve (odtrain.allocation.auto_budget); the
+        budget taken is `Module.memory_budget_bytes`. On a machine with room it recomputes nothing more than
+        no budget does; on a small board it keeps the step from pushing the mapped weights out of memory.
+        `memory_budget=None` plans without a budget.
 
         `num_threads` is the number of threads this module's steps use (kernels and BLAS together);
         by default odtrain.threads.get_num_threads(): ODTRAIN_NUM_THREADS, else every core the process
@@ -559,8 +571,8 @@ class Module:
 
     @property
     def memory_budget_bytes(self) -> int | None:
-        """The arena budget of the training steps: memory_budget's bytes; for "auto", the budget taken when the
-        last training step was planned (None before that); None without a budget."""
+        """The arena budget of the training steps: memory_budget's bytes; for "auto" (the default), the budget
+        taken when the last training step was planned (None before that); None without a budget."""
         return self._train.budget_bytes
 
     @property

@@ -327,7 +327,8 @@ def generate_artifacts(model, requires_grad=None, frozen_params=None, loss=None,
     if optimizer is not None:
         save_graph(build_optimizer_graph(optimizer, trainable), paths.optimizer_model)
     checkpoint_file.save(paths.checkpoint, checkpoint_file.CheckpointContents(values, trainable,
-                                                                              PropertyBag(properties).to_dict()))
+                                                                              PropertyBag(properties).to_dict()),
+                         keep_previous=False)  # new artifacts: a checkpoint.previous left there is another model's
     if nominal_checkpoint:
         checkpoint_file.save(paths.nominal_checkpoint,
                              checkpoint_file.CheckpointContents(values, trainable, nominal=True))

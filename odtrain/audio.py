@@ -37,6 +37,10 @@ MIN_FRACTION = 0.1  # a clip holding less than this share of the model's length 
 LOG_OFFSET = 1e-6
 _PCM, _FLOAT, _EXTENSIBLE = 1, 3, 0xFFFE
 _STREAMED = (0xFFFFFFFF, 0x7FFFF000)  # data sizes of WAVs written to a pipe (sox, espeak-ng): read to the end
+# The sample rates a clip may declare. Resampling holds a filter of about 16 input periods of the slower of
+# the two rates, and the output grows by their ratio: a damaged rate field (1 Hz, 4 GHz) would make either
+# gigabytes from a file of kilobytes. Recorders and codecs stay within these.
+MIN_RATE, MAX_RATE = 1_000, 768_000
 _FORMAT_NAMES = {2: "Microsoft ADPCM", 6: "A-law", 7: "μ-law", 17: "IMA ADPCM", 85: "MP3"}
 
 
@@ -85,8 +89,9 @@ def _decode(path: str, fmt: bytes, body: bytes) -> tuple[np.ndarray, int]:
                          f"{f'{bits}-bit ' + ('PCM' if tag == _PCM else 'float') if tag in known else ''} samples; "
                          "odtrain reads 8/16/24/32-bit PCM and 32/64-bit float WAV (convert it, e.g. "
                          "`sox in.wav -b 16 out.wav`, or install soundfile: pip install soundfile)")
-    if channels < 1 or rate < 1:
-        raise InputError(f"audio file '{path}' declares {channels} channels at {rate} Hz: it is damaged")
+    if channels < 1 or not MIN_RATE <= rate <= MAX_RATE:
+        raise InputError(f"audio file '{path}' declares {channels} channels at {rate} Hz: it is damaged (odtrain "
+                         f"reads {MIN_RATE:,} to {MAX_RATE:,} Hz)")
     frame = width * channels
     count = len(body) // frame
     raw = np.frombuffer(body[:count * frame], dtype=np.uint8)

@@ -28,7 +28,9 @@ or newer-version file is refused with the reason; saving writes a temporary
 file `.<name>.<random>.tmp` in the same folder, flushes and fsyncs it, gives it
 the mode a new file gets (0666 less the umask, as the ONNX files), renames
 it over the target and fsyncs the folder, so a crash leaves either the old or
-the new file. A save first removes the temporary files that earlier saves of
+the new file. Just before the rename, the file it replaces becomes `<name>.previous` (a hard link,
+renamed into place): a checkpoint damaged after it was written (a copy, a card) has the save before
+it to resume from, which the refusal names. A save first removes the temporary files that earlier saves of
 the same file left when they were killed: a writer holds an exclusive `flock`
 on its temporary file, so a file nobody holds is stale (the kernel drops a
 dead process's locks); without `fcntl` (Windows) nothing is removed.
@@ -40,6 +42,8 @@ import json
 import mmap
 import os
 import re
+import secrets
+import shutil
 import struct
 import tempfile
 from dataclasses import dataclass, field
@@ -60,6 +64,7 @@ FORMAT_VERSION = 2
 CHECKSUM_COVERS_METADATA = {"1": False, "2": True}  # every version this odtrain reads
 PARAM_PREFIX = "param/"
 OPTIMIZER_PREFIX = "optimizer/"
+PREVIOUS_SUFFIX = ".previous"  # each save keeps the checkpoint it replaces beside it, under this suffix
 READ_BLOCK = 1 << 20  # bytes read at a time when the checksum streams the file
 DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "|i1",
           "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "|u1", "BOOL": "|b1"}  # safetensors' names
@@ -178,8 +183,20 @@ def _digest(tensors: dict, metadata: dict[str, str] | None) -> str:
 def _refuse(path: str, reason: str):
     raise CheckpointError(f"checkpoint '{path}' is {reason}; it cannot be loaded. odtrain replaces a checkpoint "
                           "only with a whole one, so this file was cut short or changed after it was written (a "
-                          "copy, a download, a full disk): copy it again from where it came from, or start from "
-                          "the artifacts' initial checkpoint (odtrain prepare writes it again)")
+                          f"copy, a download, a full disk): {recovery(path)}")
+
+
+def recovery(path: str) -> str:
+    """What to do about a damaged checkpoint at `path`: resume from the save before it, kept beside it, when
+    there is one; else copy it again or start anew."""
+    previous = path + PREVIOUS_SUFFIX
+    if os.path.isfile(previous):
+        return (f"the save before it is kept as '{previous}': copy that over it (cp '{previous}' '{path}') and "
+                "train again with --resume (odtrain.training.fit(..., resume=True)) to continue from there, or load "
+                f"it directly (CheckpointState.load_checkpoint('{previous}'))")
+    return ("copy it again from where it came from, or start from the artifacts' initial checkpoint (odtrain prepare "
+            "writes it again, and every save after that keeps the one before it as "
+            f"'{os.path.basename(previous)}')")
 
 
 def _read_header(file, size: int, path: str) -> tuple[dict, int]:
@@ -249,7 +266,7 @@ def _open(path: str) -> tuple[MappedFile, dict[str, str]]:
         covered = metadata if CHECKSUM_COVERS_METADATA[metadata["format_version"]] else None
         if metadata.get("sha256") != _digest(tensors, covered):
             raise CheckpointError(f"checkpoint '{path}' is damaged: its tensors or metadata do not match the "
-                                  "checksum it was saved with; it cannot be loaded")
+                                  f"checksum it was saved with; it cannot be loaded: {recovery(path)}")
     except BaseException:
         file.close()
         raise
@@ -310,10 +327,35 @@ def _umask() -> int:
     return mask
 
 
-def write_atomically(path: str, blob) -> None:
+def keep_previous(path: str) -> None:
+    """Make `path + PREVIOUS_SUFFIX` the file now at `path` (nothing when there is none), replaced atomically: a
+    hard link (no bytes copied; the file's mode and a mapping of it stay), or a copy where the file system has
+    no hard links (FAT)."""
+    if not os.path.isfile(path):
+        return
+    previous = path + PREVIOUS_SUFFIX
+    remove_stale_temporaries(previous)
+    folder, name = os.path.split(os.path.abspath(previous))
+    tmp = os.path.join(folder, f".{name}.{secrets.token_hex(4)}.tmp")  # remove_stale_temporaries' pattern
+    try:
+        try:
+            os.link(path, tmp)
+        except OSError:
+            shutil.copyfile(path, tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+        os.replace(tmp, previous)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_atomically(path: str, blob, keep: bool = False) -> None:
     """Write `blob` (bytes, or a function writing to a binary file) to `path` so that a crash at any moment
     leaves the old file or the new one, whole; first remove the temporary files that killed earlier saves of
-    `path` left behind."""
+    `path` left behind. `keep`: the file it replaces becomes `path + PREVIOUS_SUFFIX` (keep_previous) just
+    before, so that a crash leaves that one whole too."""
     folder = os.path.dirname(os.path.abspath(path))
     remove_stale_temporaries(path)
     fd, tmp = _locked_temporary(folder, os.path.basename(path))
@@ -323,6 +365,8 @@ def write_atomically(path: str, blob) -> None:
             f.flush()
             os.fsync(f.fileno())
             os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would keep the file from other readers
+            if keep:
+                keep_previous(path)
             os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -335,7 +379,10 @@ def write_atomically(path: str, blob) -> None:
         os.close(dir_fd)
 
 
-def save(path, contents: CheckpointContents) -> None:
+def save(path, contents: CheckpointContents, keep_previous: bool = True) -> None:
+    """Write `contents` to `path`; the checkpoint it replaces stays as `path + PREVIOUS_SUFFIX` (keep_previous),
+    or, with keep_previous=False (the first checkpoint of new artifacts), any such file is removed: it would
+    belong to other artifacts."""
     path = os.fspath(path)
     tensors: dict[str, np.ndarray] = {}
     metadata = {"format": FORMAT, "format_version": str(FORMAT_VERSION),
@@ -359,7 +406,9 @@ def save(path, contents: CheckpointContents) -> None:
             for name, array in per_param.items():
                 tensors[f"{OPTIMIZER_PREFIX}{name}/{state_name}"] = array
     metadata["sha256"] = _digest(tensors, metadata)
-    write_atomically(path, _safetensors_writer(tensors, metadata))
+    write_atomically(path, _safetensors_writer(tensors, metadata), keep=keep_previous)
+    if not keep_previous and os.path.lexists(path + PREVIOUS_SUFFIX):
+        os.unlink(path + PREVIOUS_SUFFIX)
 
 
 def _safetensors_writer(tensors: dict[str, np.ndarray], metadata: dict[str, str]):

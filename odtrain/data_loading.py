@@ -185,6 +185,20 @@ def refuse_nonfinite(dataset: Dataset) -> None:
                      f"({bad:,} of {len(dataset):,} samples hold NaN or infinite values); fix or drop those samples")
 
 
+def _check_member_size(archive, name: str) -> None:
+    """InputError when array `name` of an open .npz declares more bytes than its member holds: numpy allocates
+    the declared array before reading it, so a damaged shape would ask for memory the file never justifies."""
+    member = archive.zip.getinfo(name + ".npy" if name + ".npy" in archive.zip.namelist() else name)
+    with archive.zip.open(member) as file:
+        version = np.lib.format.read_magic(file)
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, _, dtype = read_header(file)
+        header = file.tell()
+    count = int(np.prod(shape, dtype=object))  # Python integers: a damaged shape does not wrap around
+    if dtype.hasobject or count * dtype.itemsize > member.file_size - header:
+        raise InputError(f"array '{name}' declares {shape} {dtype}, more than its {member.file_size:,} bytes hold")
+
+
 def _read_npy(path: str) -> np.ndarray:
     try:
         return np.load(path, allow_pickle=False)
@@ -215,11 +229,17 @@ def _load_npz(path: str, inputs: list[InputSpec], x: list[str], y: str | None) -
     _refuse_other_than_npz(path)
     try:
         with np.load(path, allow_pickle=False) as archive:
+            for name in archive.files:
+                _check_member_size(archive, name)
             stored = {name: archive[name] for name in archive.files}
+    except InputError as error:
+        raise InputError(f"data file '{path}' is damaged: {error}") from None
     except ValueError as error:
-        raise InputError(f"data file '{path}' cannot be read without unpickling ({error}); save plain "
-                         "numeric arrays") from None
-    except Exception as error:  # zipfile.BadZipFile, OSError, EOFError
+        if "pickle" in str(error):
+            raise InputError(f"data file '{path}' cannot be read without unpickling ({error}); save plain "
+                             "numeric arrays") from None
+        raise InputError(f"data file '{path}' is not a readable .npz archive ({error})") from None
+    except Exception as error:  # zipfile.BadZipFile, OSError, EOFError, a damaged header's SyntaxError
         raise InputError(f"data file '{path}' is not a readable .npz archive ({error})") from None
     data_inputs = [s for s in inputs if not s.is_label]
     label_inputs = [s for s in inputs if s.is_label]

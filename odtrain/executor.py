@@ -61,7 +61,10 @@ def scratch_bytes(node: Node, types: dict[str, TensorType], threads: int = 1) ->
     specs_in = [(types[i].shape, types[i].dtype) if i else None for i in node.inputs]
     specs_out = [(types[o].shape, types[o].dtype) if o else None for o in node.outputs]
     extra = {"threads": threads} if node.key in PARALLEL else {}
-    return int(size_of(specs_in, specs_out, **node.attrs, **extra))
+    try:
+        return int(size_of(specs_in, specs_out, **node.attrs, **extra))
+    except TypeError as error:  # an attribute the binding does not take (odtrain's own ops; the loader checks ONNX's)
+        raise ModelError(f"{node.describe()}: unsupported attributes {sorted(node.attrs)}: {error}") from None
 
 
 def stream_key(node: Node) -> bytes:

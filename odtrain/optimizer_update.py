@@ -72,6 +72,12 @@ def apply_update(config, weights: np.ndarray, grads: np.ndarray, moments: dict[s
     kernel `library` when it holds the update. 8-bit AdamW moments are quantized in `blocks` (boundaries
     within `weights`, odtrain/state.py)."""
     call, parts = update_calls(config, weights, grads, moments, learning_rate, step, threads, blocks)
+    if parts is not call and library is not None and library.address(*parts) is None and \
+            library.address(*call) is not None and not compiler_installed():
+        # The library holds the serial update only (built for one thread, the thread count raised after the
+        # Optimizer's pre-check): run that, the same numbers element by element, rather than stop after the
+        # gradients were computed.
+        parts = call
     with thread_policy.running(threads) if parts is not call else contextlib.nullcontext(1) as running:
         invoke(*parts, threads=running, library=library)
 

@@ -53,6 +53,7 @@ import numpy as np
 from . import data_loading as data_files
 from .api import DEFAULT_LEARNING_RATE, CheckpointState, Module, Optimizer
 from .artifact_paths import OPTIMIZER_MODEL, ArtifactPaths
+from .allocation import AUTO
 from .graph.errors import ArgumentError, ArtifactNotFoundError, InputError, StateError
 from .graph.losses import cross_entropy_classes, cross_entropy_layout
 from .graph import wording
@@ -77,7 +78,7 @@ class Session:
     """Loaded artifacts: the CheckpointState, a Module, and an Optimizer when one is wanted."""
 
     def __init__(self, directory, checkpoint=None, with_optimizer: bool = True, fresh_optimizer: bool = False,
-                 memory_budget: int | None = None):
+                 memory_budget: int | str | None = AUTO):
         self.paths = ArtifactPaths.find(directory, checkpoint)
         self.state = CheckpointState.load_checkpoint(self.paths.checkpoint)
         self.module = Module(self.paths.training_model, self.state, self.paths.eval_model, memory_budget=memory_budget)
@@ -483,7 +484,7 @@ def fit(artifacts, train, val=None, *, epochs: int | None = None, batch_size: in
         learning_rate: float | None = None, lr_schedule: str | None = None, warmup_steps: int | None = None,
         seed: int | None = None, checkpoint_every: int | None = None, resume: bool = False, x=None, y=None,
         log=print, progress: bool = True, progress_stream=None, stop_after_steps: int | None = None,
-        handle_signals: bool = True, memory_budget: int | None = None, keep_best: bool = False,
+        handle_signals: bool = True, memory_budget: int | str | None = AUTO, keep_best: bool = False,
         best_metric: str = "loss", early_stop: int | None = None, plot=None, replay=None,
         replay_share: float = DEFAULT_SHARE) -> FitResult:
     """Train the artifacts in folder `artifacts` on `train` (a path, Dataset or arrays); see the module docstring.
@@ -491,7 +492,8 @@ def fit(artifacts, train, val=None, *, epochs: int | None = None, batch_size: in
     Settings left as None come from the interrupted run when resuming, else from the defaults
     (1 epoch, batch size 32, the checkpoint's `learning_rate` property, constant schedule, seed 0).
     `log` receives one line per epoch; `stop_after_steps` stops (as Ctrl-C would) after that many steps.
-    `memory_budget` (bytes, or "auto") caps a training step's arena, recomputing activations (see odtrain.api.Module).
+    `memory_budget` (bytes; "auto", the default; None: no budget) caps a training step's arena, recomputing
+    activations (see odtrain.api.Module).
 
     `val` may name several sets (a list, or a dict {name: source}): each is scored every epoch (odtrain.validation).
     `keep_best` keeps the checkpoint of the epoch best by the first set's `best_metric` ("loss", lower is better,

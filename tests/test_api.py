@@ -278,3 +278,18 @@ def test_optimizer_hyper_parameters_are_set_at_generation(mlp_reference, tmp_pat
     expected = w0 - step_size * m / (np.sqrt(v) + 1e-8)
     expected -= 1e-3 * 0.01 * expected
     np.testing.assert_allclose(state.parameters["fc2.bias"].data, expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("label", [10, 11, -1])
+def test_a_label_at_or_past_the_class_count_is_named_with_its_sample(mlp_artifacts, mlp_reference, label):
+    """The MLP has 10 classes, [0, 10): a label of 10 (one past the last, the edge) is named with its sample
+    and the class count as a label further out is, not left to the kernel's generic message."""
+    _, meta, golden = mlp_reference
+    assert meta["classes"] == 10
+    state = CheckpointState.load_checkpoint(mlp_artifacts / "checkpoint")
+    module = Module(mlp_artifacts / "training_model.onnx", state)
+    labels = golden["y"][0].copy()
+    labels[3] = label
+    with pytest.raises(InputError, match=rf"input 'labels': sample 3 has label {label}, outside the model's 10 "
+                                         r"classes \[0, 10\); relabel the data"):
+        module(golden["x"][0], labels)

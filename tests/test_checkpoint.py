@@ -239,9 +239,9 @@ def test_a_save_removes_the_stale_temporaries_of_that_checkpoint_only(mlp_artifa
     with open(tmp_path / ".ckpt.held0000.tmp", "rb") as held:  # a save in progress elsewhere holds its lock
         fcntl.flock(held.fileno(), fcntl.LOCK_EX)
         CheckpointState.save_checkpoint(CheckpointState.load_checkpoint(path), path)
-        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept + [".ckpt.held0000.tmp", "ckpt"])
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept + [".ckpt.held0000.tmp", "ckpt", "ckpt.previous"])
     CheckpointState.save_checkpoint(CheckpointState.load_checkpoint(path), path)  # its writer is gone now
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept + ["ckpt"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept + ["ckpt", "ckpt.previous"])
 
 
 def test_no_pickle_anywhere():
@@ -320,4 +320,70 @@ def test_tensors_that_do_not_tile_the_data_are_refused(mlp_artifacts, tmp_path, 
     assert changed != blob
     path.write_bytes(changed)
     with pytest.raises(CheckpointError, match=reason):
+        CheckpointState.load_checkpoint(path)
+
+
+def test_each_save_keeps_the_one_before_it_as_previous(mlp_artifacts, mlp_reference, tmp_path):
+    """The file a save replaces becomes `<name>.previous` (a hard link to its bytes, replaced atomically)."""
+    path, first = _saved(mlp_artifacts, tmp_path)
+    assert not (tmp_path / "ckpt.previous").exists()  # nothing was replaced
+    state, _, _ = trained_state(mlp_artifacts, mlp_reference, steps=1)
+    CheckpointState.save_checkpoint(state, path)
+    second = path.read_bytes()
+    assert (tmp_path / "ckpt.previous").read_bytes() == first != second
+    CheckpointState.save_checkpoint(state, path)
+    assert (tmp_path / "ckpt.previous").read_bytes() == second
+    assert os.stat(tmp_path / "ckpt.previous").st_mode == os.stat(path).st_mode
+
+
+def test_a_damaged_checkpoint_names_the_kept_previous_one_and_training_resumes_from_it(mlp_artifacts, mlp_reference,
+                                                                                       tmp_path):
+    """A run saves every 2 steps and stops after 5; its checkpoint is then cut short (a copy to a card): the
+    refusal names checkpoint.previous and how to resume from it; following it, the resumed run ends exactly
+    where the uninterrupted run ends."""
+    import shutil
+
+    from odtrain.training import fit
+
+    _, _, golden = mlp_reference
+    np.savez(tmp_path / "train.npz", input=golden["x"][:2].reshape(-1, 784), labels=golden["y"][:2].reshape(-1))
+    settings = dict(epochs=2, batch_size=16, seed=3, log=None, progress=False, handle_signals=False)
+    whole, pieces = tmp_path / "whole", tmp_path / "pieces"
+    for folder in (whole, pieces):
+        shutil.copytree(mlp_artifacts, folder)
+    fit(whole, tmp_path / "train.npz", **settings)
+    stopped = fit(pieces, tmp_path / "train.npz", checkpoint_every=2, stop_after_steps=5, **settings)
+    assert stopped.stopped_by and stopped.global_step == 5
+    checkpoint, previous = pieces / "checkpoint", pieces / "checkpoint.previous"
+    assert CheckpointState.load_checkpoint(previous).properties["global_step"] == 4
+    checkpoint.write_bytes(checkpoint.read_bytes()[:-1000])
+    with pytest.raises(CheckpointError) as refused:
+        CheckpointState.load_checkpoint(checkpoint)
+    message = str(refused.value)
+    assert f"the save before it is kept as '{previous}': copy that over it (cp '{previous}' '{checkpoint}') and " \
+           "train again with --resume" in message and "odtrain prepare writes it again" not in message, message
+    shutil.copyfile(previous, checkpoint)
+    resumed = fit(pieces, tmp_path / "train.npz", resume=True, **settings)
+    assert resumed.finished and resumed.global_step == 16  # 2 epochs of 128 samples in batches of 16
+    np.testing.assert_array_equal(CheckpointState.load_checkpoint(checkpoint).parameters["fc1.weight"].data,
+                                  CheckpointState.load_checkpoint(whole / "checkpoint").parameters["fc1.weight"].data)
+
+
+def test_new_artifacts_over_old_ones_keep_no_previous_checkpoint(mlp_reference, tmp_path):
+    """generate_artifacts writes a first checkpoint: a checkpoint.previous of the artifacts it replaces would be
+    another model's, so it is removed rather than offered for a resume."""
+    from conftest import reference_artifacts
+
+    folder = reference_artifacts("mlp", tmp_path / "art")
+    CheckpointState.save_checkpoint(CheckpointState.load_checkpoint(folder / "checkpoint"), folder / "checkpoint")
+    assert (folder / "checkpoint.previous").is_file()
+    reference_artifacts("mlp", folder, optimizer="SGD")
+    assert not (folder / "checkpoint.previous").exists()
+
+
+def test_without_a_previous_save_the_refusal_says_how_to_start_again(mlp_artifacts, tmp_path):
+    path, blob = _saved(mlp_artifacts, tmp_path)
+    path.write_bytes(blob[:-1])
+    with pytest.raises(CheckpointError, match="odtrain prepare writes it again, and every save after that keeps the "
+                                              "one before it as 'ckpt.previous'"):
         CheckpointState.load_checkpoint(path)

@@ -83,13 +83,17 @@ def test_sigkill_during_saves_never_corrupts_the_checkpoint(mlp_artifacts, tmp_p
         counter = loaded.properties["counter"]
         np.testing.assert_array_equal(loaded.parameters["fc2.bias"].data, np.full(10, counter, np.float32))
         np.testing.assert_array_equal(loaded.parameters["fc1.weight"].data, state.parameters["fc1.weight"].data)
+        if (tmp_path / "checkpoint.previous").exists():  # the save before, kept whole as well
+            kept = CheckpointState.load_checkpoint(tmp_path / "checkpoint.previous")
+            assert kept.properties["counter"] <= counter
         last = kill + 1
-        leftovers = [p.name for p in tmp_path.iterdir() if p.name != "checkpoint"]
-        # A killed save may leave its temporary file; the next save removes it, so they never pile up.
+        leftovers = [p.name for p in tmp_path.iterdir() if p.name not in ("checkpoint", "checkpoint.previous")]
+        # A killed save may leave its temporary file (and the link that was to become checkpoint.previous); the
+        # next save removes them, so they never pile up.
         assert all(name.startswith(".checkpoint.") and name.endswith(".tmp") for name in leftovers), leftovers
-        assert len(leftovers) <= 1, leftovers
+        assert len(leftovers) <= 2, leftovers
     CheckpointState.save_checkpoint(CheckpointState.load_checkpoint(target), target)
-    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "checkpoint.previous"]
 
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -60,6 +60,76 @@ def test_int4_quantization_matches_the_rule_and_onnxs_packing(shape):
     assert w.size > 2 * int4.ROW_ELEMENTS or shape != (3000, 701)  # that one quantizes in several runs of rows
 
 
+def whole_array_int4(w: np.ndarray, axis: int, block: int):
+    """(int8 values, float32 scales) by the rule on the whole weight in one numpy expression: the oracle for
+    shapes too large for reference_int4's loops."""
+    moved = np.moveaxis(w, axis, 1)
+    rows, width = moved.shape
+    blocks = -(-width // block)
+    padded = np.zeros((rows, blocks * block), np.float32)
+    padded[:, :width] = moved
+    grouped = padded.reshape(rows, blocks, block)
+    largest = np.take_along_axis(grouped, np.abs(grouped).argmax(axis=2)[..., None], axis=2)[..., 0]
+    scales = np.where(largest != 0, largest / np.float32(-8), np.float32(1)).astype(np.float32)
+    values = np.clip(np.rint(grouped / scales[..., None]), -8, 7).astype(np.int8).reshape(rows, -1)[:, :width]
+    return np.moveaxis(values, 1, axis), np.moveaxis(scales, 1, axis)
+
+
+@pytest.mark.parametrize("shape, block", [((2100, 1001), 3), ((1500, 1399), 5), ((2100, 1001), 32)])
+def test_int4_runs_of_rows_start_on_a_block_with_an_odd_block_and_an_odd_width(shape, block):
+    """Past ROW_ELEMENTS values int4_blocks quantizes a run of rows at a time; with blocks along axis 0 every run
+    must start on a block and, with an odd column count, on a byte: an odd block and an odd width need both
+    (block 3 on (2100, 1001) once started a run at row 1048, inside a block, and its scales diverged)."""
+    from odtrain.graph import int4
+
+    assert shape[0] * shape[1] > int4.ROW_ELEMENTS and shape[1] % 2
+    w = np.random.default_rng(5).standard_normal(shape).astype(np.float32)
+    for axis in (0, 1):
+        packed, scale = int4_blocks(w, axis, block)
+        values, expected_scale = whole_array_int4(w, axis, block)
+        np.testing.assert_array_equal(scale, expected_scale)
+        np.testing.assert_array_equal(packed.values(), values)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (5, 7), (33, 71)])
+def test_int4_tensor_of_an_odd_size_keeps_its_last_value(shape):
+    """An odd count of 4-bit values packs the last one alone in the low nibble of its byte (ONNX's packing): it
+    survives packing (a nominal checkpoint's is the next test)."""
+    w = np.random.default_rng(2).standard_normal(shape).astype(np.float32)
+    w.reshape(-1)[-1] = -3 * np.abs(w).max()  # the last value is its block's largest: it quantizes to -8
+    for axis in (0, 1):
+        packed, scale = int4_blocks(w, axis, BLOCK)
+        values, _ = reference_int4(w, axis, BLOCK)
+        assert packed.nbytes == (w.size + 1) // 2 and values.reshape(-1)[-1] == -8
+        np.testing.assert_array_equal(packed.values(), values)
+        assert packed.packed.tobytes() == onnx.numpy_helper.from_array(values.astype(packed.dtype)).raw_data
+        np.testing.assert_array_equal(PackedInt4.from_values(values).values(), values)
+
+
+def test_a_nominal_checkpoint_holds_an_odd_sized_int4_weight(tmp_path):
+    """A nominal checkpoint (shapes only) records a 4-bit weight of an odd size and loads it as ⌈size / 2⌉ zero
+    bytes, as the stored one."""
+    from odtrain import checkpoint as checkpoint_file
+    from odtrain.checkpoint import CheckpointContents
+
+    packed, _ = int4_blocks(np.ones((5, 7), np.float32), 1, BLOCK)
+    contents = CheckpointContents({"W": packed, "P": np.zeros((3,), np.float32)}, ["P"], nominal=True)
+    checkpoint_file.save(tmp_path / "nominal", contents)
+    loaded = checkpoint_file.load(tmp_path / "nominal").parameters["W"]
+    assert isinstance(loaded, PackedInt4) and loaded.shape == (5, 7) and loaded.nbytes == 18
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int4_transposed_product_over_zero_columns_is_zero(threads):
+    """A · dequant(W)ᵀ with W [rows, 0] (an empty sum) writes zeros over the whole output, not what the arena
+    held before (and A · dequant(W) with W [0, columns] likewise)."""
+    for trans_b, (rows, columns) in ((1, (40, 0)), (0, (0, 40))):
+        packed, scale = int4_blocks(np.zeros((rows, columns), np.float32), 1, BLOCK)
+        a = np.ones((3, 0), np.float32)
+        out = run_product(a, packed, scale, (3, 40), threads, transB=trans_b, axis=1, block_size=BLOCK)
+        np.testing.assert_array_equal(out, np.zeros((3, 40), np.float32))
+
+
 def int4_weight(shape, axis, seed=0):
     """(PackedInt4, scale, float64 dequantized values) of a random weight, blocks along `axis`."""
     w = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)

@@ -596,3 +596,156 @@ def test_a_language_model_compiles_at_a_sequence_length_and_trains_without_numba
         runs[library] = result.stdout.splitlines()
     assert runs["on"][0] == runs["off"][0]
     assert runs["on"][1] == "[]" and runs["off"][1] != "[]"
+
+
+# ---- what a library records and how it is checked, without building one ---------------------------------
+
+def test_a_library_records_batch_1_and_sequence_length_1_besides_the_sizes_asked():
+    """A size-1 axis changes a call's types (a strided view of one row is contiguous): the transformer's batch-1
+    step calls kernels no larger batch does, so a library records size 1 of every symbolic axis as well."""
+    from odtrain.library_build.record import recorded_shapes
+
+    assert recorded_shapes(32, None) == [(1, None), (32, None)]
+    assert recorded_shapes(4, 64) == [(1, 1), (1, 64), (4, 1), (4, 64)]
+    assert recorded_shapes(1, None) == [(1, None)]
+
+
+def test_the_artifacts_digest_covers_the_models_not_the_checkpoint(tmp_path):
+    """A library records the digest of the artifacts it was built for; training rewrites the checkpoint, so
+    the digest must leave it out, or the folder's own library is refused after the first save."""
+    for name in kernel_library.MODEL_FILES:
+        (tmp_path / name).write_bytes(name.encode())
+    (tmp_path / "checkpoint").write_bytes(b"before training")
+    before = kernel_library.artifacts_digest(tmp_path)
+    (tmp_path / "checkpoint").write_bytes(b"after a save")
+    assert kernel_library.artifacts_digest(tmp_path) == before
+    (tmp_path / "training_model.onnx").write_bytes(b"another model")
+    assert kernel_library.artifacts_digest(tmp_path) != before
+
+
+def test_cpu_features_a_library_disables_are_not_required():
+    """A manifest's features string lists '+f' for what the code may use and '-f' for what it must not: only
+    the former are required of the CPU (a host with every AVX-512 flag would never notice otherwise)."""
+    from odtrain.kernel_library.cpu import missing_features
+
+    without_avx512 = {"sse4_1", "sse4_2", "avx", "avx2", "fma"}
+    assert missing_features("x86_64", "+avx2,+fma,-avx512f,-avx512bw,-avx512vl", without_avx512) == []
+    assert missing_features("x86_64", "+avx2,+avx512f,-avx512bw", without_avx512) == ["avx512f"]
+    assert missing_features("aarch64", "+neon,-sve", {"asimd"}) == []
+
+
+def test_the_compile_advice_names_the_target_of_a_device_that_needs_one(monkeypatch):
+    """On a Raspberry Pi (aarch64, a named default CPU) the advice says `--target aarch64`: the command runs on
+    the desktop, which would otherwise build for itself; on x86_64 the desktop's own target is the default."""
+    monkeypatch.setattr(kernel_library, "host_arch", lambda: "aarch64")
+    assert "`odtrain compile art --target aarch64` " in kernel_library.compile_command("art")
+    monkeypatch.setattr(kernel_library, "host_arch", lambda: "x86_64")
+    assert "`odtrain compile art` " in kernel_library.compile_command("art")
+
+
+def test_the_optimizer_precheck_asks_for_the_update_the_steps_run_at_their_thread_count(monkeypatch):
+    """Where Numba is not installed, the pre-check asks the library for the update apply_update calls: its
+    parallel twin at 2 threads on a large block. A library holding only the serial update is refused before
+    any gradient is computed, naming the twin; at 1 thread it serves."""
+    from odtrain import optimizer_update
+    from odtrain.graph.errors import KernelsUnavailableError
+    from odtrain.graph.optimizers import SGD
+
+    class SerialOnly:
+        folder = "kernels"
+
+        def address(self, kernel, args):
+            return None if kernel_name(kernel).endswith("_parts") else 1
+
+    monkeypatch.setattr(optimizer_update, "compiler_installed", lambda: False)
+    size = 1 << 20
+    weights, grads = np.zeros(size, np.float32), np.zeros(size, np.float32)
+    config = SGD()
+    optimizer_update.require_update_kernels(config, weights, grads, {}, 1, None, SerialOnly(), "art")
+    with pytest.raises(KernelsUnavailableError, match=r"the optimizer's update: kernel \S+:sgd_update_parts\("):
+        optimizer_update.require_update_kernels(config, weights, grads, {}, 2, None, SerialOnly(), "art")
+
+
+def stand_in_library(folder, symbols=3) -> dict:
+    """A library folder whose shared object has the runner's symbols and `symbols` kernel wrappers (built with the C
+    compiler, no Numba), and its manifest (returned), which this odtrain loads."""
+    from odtrain import __version__
+    from odtrain.jit.cache import sources_digest
+    from odtrain.kernel_library.cpu import TARGETS, host_arch
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    folder.mkdir(parents=True)
+    (folder / "stand_in.c").write_text(
+        "#include <stdint.h>\nint64_t odtrain_run(int64_t n, void *f, void *b, int64_t t) { return -1; }\n"
+        "int32_t odtrain_regions_forked(void) { return 0; }\nvoid odtrain_set_gemm(void *a, void *b) {}\n"
+        + "".join(f"int32_t odtrainkernel_{i}(void **a) {{ return 0; }}\n" for i in range(symbols)))
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(folder / kernel_library.LIBRARY_FILE),
+                    str(folder / "stand_in.c")], check=True)
+    manifest = {"odtrain": __version__, "kernel_sources": sources_digest(),
+                "numba": kernel_library.installed_version("numba"), "triple": TARGETS[host_arch()], "cpu": "generic",
+                "features": "", "entries": [{"kernel": f"odtrain.kernels.training:kernel_{i}",
+                                             "signature": "float32[1C]", "symbol": f"odtrainkernel_{i}"}
+                                            for i in range(symbols)]}
+    (folder / kernel_library.MANIFEST_FILE).write_text(json.dumps(manifest))
+    return manifest
+
+
+def test_a_manifest_that_does_not_describe_its_shared_object_is_refused_by_name(tmp_path, capsys):
+    """A symbol the shared object lacks, an entry without its symbol, entries that are not records, a shared object
+    that is missing: each refused by name (find then falls back to the JIT), never ctypes' AttributeError or a
+    KeyError."""
+    folder = tmp_path / "artifacts" / kernel_library.FOLDER
+    manifest = stand_in_library(folder)
+    assert len(KernelLibrary(str(folder)).entries) == 3
+    path = folder / kernel_library.MANIFEST_FILE
+    damaged = {"symbol renamed": ({**manifest, "entries": [*manifest["entries"][:2], {**manifest["entries"][2],
+                                                                                       "symbol": "odtrainkernel_10"}]},
+                                  "entry 2 has a symbol libodtrain_kernels.so lacks"),
+               "symbol missing": ({**manifest, "entries": [{k: v for k, v in manifest["entries"][1].items()
+                                                            if k != "symbol"}]}, "entry 0 has no 'symbol'"),
+               "entries not records": ({**manifest, "entries": ["odtrainkernel_0"]}, "damaged manifest"),
+               "not an object": ([manifest], "damaged manifest")}
+    for case, (content, reason) in damaged.items():
+        path.write_text(json.dumps(content))
+        with pytest.raises(kernel_library.LibraryRefused, match=reason):
+            KernelLibrary(str(folder))
+        kernel_library._loaded.pop(str(folder), None)
+        assert kernel_library.find(tmp_path / "artifacts") is None, case
+        assert reason in capsys.readouterr().err, case
+    other = tmp_path / "other" / kernel_library.FOLDER  # never loaded: the loader keeps what it opened by path
+    stand_in_library(other)
+    (other / kernel_library.LIBRARY_FILE).rename(other / "moved.so")
+    with pytest.raises(kernel_library.LibraryRefused, match="libodtrain_kernels.so cannot be loaded"):
+        KernelLibrary(str(other))
+
+
+def test_an_update_whose_parallel_twin_the_library_lacks_runs_serially_there(monkeypatch):
+    """A thread count raised after the Optimizer's pre-check (which passed at one thread) meets a library holding
+    the serial update only: the step runs the serial update through the library, with the same numbers, instead
+    of failing after the gradients were computed."""
+    from odtrain import optimizer_update
+    from odtrain.graph.optimizers import SGD
+
+    class SerialOnly:
+        folder = "kernels"
+        ran = []
+
+        def address(self, kernel, args):
+            return None if kernel_name(kernel).endswith("_parts") else 1
+
+        def call(self, kernel, args, threads=1):
+            if self.address(kernel, args) is None:
+                return False
+            self.ran.append(kernel_name(kernel))
+            kernel.py_func(*args) if hasattr(kernel, "py_func") else kernel(*args)
+            return True
+
+    monkeypatch.setattr(optimizer_update, "compiler_installed", lambda: False)
+    size = 1 << 20
+    weights, grads = np.ones(size, np.float32), np.full(size, 2.0, np.float32)
+    library = SerialOnly()
+    optimizer_update.apply_update(SGD(), weights, grads, {}, 0.25, 1, threads=2, library=library)
+    assert library.ran and all(name.endswith(":sgd_update") for name in library.ran)
+    np.testing.assert_array_equal(weights, np.full(size, 0.5, np.float32))

@@ -524,6 +524,108 @@ def test_the_memory_cgroups_are_the_process_own_and_its_ancestors(tmp_path, monk
     assert [(limit, use) for limit, use, _ in read(str(proc), str(tmp_path))] == [(512 * mib, 100 * mib)]
 
 
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_shared_memory_in_a_cgroup_is_not_counted_as_reclaimable_cache(tmp_path, monkeypatch, version):
+    """A 1,024 MiB cgroup holding 800 MiB of tmpfs (shared memory, in the page cache but not reclaimable
+    without swap) and 100 MiB of anonymous memory leaves 124 MiB, not 924: the auto budget reads that."""
+    from odtrain import allocation
+
+    mib = 2 ** 20
+    if version == "v2":
+        cgroup_tree(tmp_path, {"box/memory.max": f"{1024 * mib}\n", "box/memory.current": f"{900 * mib}\n",
+                               "box/memory.stat": f"anon {100 * mib}\nfile {800 * mib}\nfile_mapped 0\n"
+                                                  f"shmem {800 * mib}\n"})
+        (tmp_path / "cgroup").write_text("0::/box\n")
+    else:
+        cgroup_tree(tmp_path, {"memory/box/memory.limit_in_bytes": f"{1024 * mib}\n",
+                               "memory/box/memory.usage_in_bytes": f"{900 * mib}\n",
+                               "memory/box/memory.stat": f"cache {800 * mib}\nrss {100 * mib}\nshmem {800 * mib}\n"
+                                                         f"total_cache {800 * mib}\ntotal_rss {100 * mib}\n"
+                                                         f"total_mapped_file 0\ntotal_shmem {800 * mib}\n"})
+        (tmp_path / "cgroup").write_text("4:memory:/box\n")
+    read = allocation.cgroup_memory
+    found = read(str(tmp_path / "cgroup"), str(tmp_path))
+    assert [(limit, use) for limit, use, _ in found] == [(1024 * mib, 900 * mib)]
+    monkeypatch.setattr(allocation, "cgroup_memory", lambda: found)
+    (tmp_path / "meminfo").write_text("MemAvailable:    8000000 kB\n")
+    assert allocation.available_memory(str(tmp_path / "meminfo"))[0] == 124 * mib
+    # the same cgroup with 800 MiB of ordinary unmapped file cache instead: the kernel reclaims it
+    stat = tmp_path / ("box/memory.stat" if version == "v2" else "memory/box/memory.stat")
+    stat.write_text(stat.read_text().replace(f"shmem {800 * mib}", "shmem 0"))
+    assert [use for _, use, _ in read(str(tmp_path / "cgroup"), str(tmp_path))] == [100 * mib]
+
+
+def test_a_cgroup_v2_limit_under_unified_on_a_hybrid_host_is_read(tmp_path):
+    """A hybrid host mounts cgroup v2 at /sys/fs/cgroup/unified beside v1's controllers: a systemd service's
+    MemoryMax there limits the process as a v1 memory limit does."""
+    from odtrain import allocation
+
+    mib = 2 ** 20
+    cgroup_tree(tmp_path, {"unified/system.slice/train.service/memory.max": f"{700 * mib}\n",
+                           "unified/system.slice/train.service/memory.current": f"{200 * mib}\n",
+                           "memory/memory.limit_in_bytes": "9223372036854771712\n",
+                           "memory/memory.usage_in_bytes": f"{900 * mib}\n"})
+    (tmp_path / "cgroup").write_text("5:memory:/\n0::/system.slice/train.service\n")
+    found = allocation.cgroup_memory(str(tmp_path / "cgroup"), str(tmp_path))
+    assert (700 * mib, 200 * mib, str(tmp_path / "unified/system.slice/train.service/memory.max")) in found
+
+
+def test_the_auto_budget_at_a_second_shape_counts_the_arena_already_held_as_its_own(deep_mlp, monkeypatch):
+    """A Module plans its step again at a new input shape; the new plan replaces the shared arena, so the bytes
+    that arena holds are the new plan's to use, not memory in use: the budget does not shrink by them."""
+    from odtrain import allocation
+
+    directory, x, y = deep_mlp
+    available = 1 << 30
+    monkeypatch.setattr(allocation, "available_memory", lambda: (available, "test"))
+    module = Module(directory / "training_model.onnx", CheckpointState.load_checkpoint(directory / "checkpoint"))
+    module(x[0], y[0])
+    first, held = module.memory_budget_bytes, module._arena.nbytes
+    assert first == available - available // allocation.RESERVE_SHARE and held > 0
+    module(x[0][:7], y[0][:7])
+    assert module.memory_budget_bytes == first + held
+
+
+def test_an_auto_budget_no_plan_meets_says_what_is_available_not_to_raise_it(deep_mlp, monkeypatch):
+    """With too little available for even the smallest plan, "auto" says so and what to do (free memory, a smaller
+    batch, no budget), not the advice for a budget the user gave ("raise the budget to at least ...")."""
+    from odtrain import allocation
+
+    directory, x, y = deep_mlp
+    monkeypatch.setattr(allocation, "available_memory", lambda: (allocation.RESERVE_FLOOR + 4096, "test"))
+    module = Module(directory / "training_model.onnx", CheckpointState.load_checkpoint(directory / "checkpoint"))
+    with pytest.raises(MemoryBudgetError) as refused:
+        module(x[0], y[0])
+    message = str(refused.value)
+    assert message.startswith('memory_budget="auto": 4.00 KiB (4,096 bytes) of what is available is left for a '
+                              "training step's arena, and the smallest arena odtrain can plan, recomputing "
+                              "activations, is ") and "free memory, use a smaller batch" in message, message
+    assert "raise the budget" not in message and refused.value.smallest_bytes > 4096
+
+
+def test_memory_budget_auto_is_the_default(deep_mlp):
+    """Module, fit and odtrain train plan under memory_budget="auto" unless told otherwise; None (or
+    --memory-budget none) plans without a budget, as a number gives its own."""
+    import inspect
+
+    from odtrain.cli import build_parser
+    from odtrain.cli.options import budget_size
+    from odtrain.training import fit
+
+    directory, x, y = deep_mlp
+    state = CheckpointState.load_checkpoint(directory / "checkpoint")
+    module = Module(directory / "training_model.onnx", state)
+    module(x[0], y[0])
+    assert module.memory_budget_bytes is not None and module.memory_budget_bytes > 0
+    assert Module(directory / "training_model.onnx", state, memory_budget=None).memory_budget_bytes is None
+    assert Module(directory / "training_model.onnx", state, memory_budget=10 ** 6).memory_budget_bytes == 10 ** 6
+    assert inspect.signature(fit).parameters["memory_budget"].default == "auto"
+    parser = build_parser()
+    assert parser.parse_args(["train", str(directory), "--data", "data.npz"]).memory_budget == "auto"
+    assert parser.parse_args(["train", str(directory), "--data", "data.npz", "--memory-budget", "none"]).memory_budget is None
+    assert budget_size("None") is None and budget_size("1MiB") == 2 ** 20
+
+
 def test_module_with_the_auto_budget_recomputes_when_little_is_available(deep_mlp, monkeypatch):
     """Module(memory_budget="auto") plans its training step under the budget the available memory gives: with
     half the free arena's bytes left above the reserve it recomputes activations and trains identically; with

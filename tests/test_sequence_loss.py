@@ -200,9 +200,10 @@ def test_dynamo_export_leaves_out_rotary_inv_freq_only():
     assert len(selection.trainable) == 21 and not selection.state
 
 
-def _trained_once(directory, fused: bool, monkeypatch, outputs=(), trained=("embed", "head")):
+def _trained_once(directory, fused: bool, monkeypatch, outputs=(), trained=("embed", "head"), ignore_index=-100,
+                  feeds=None):
     """(loss, gradients, the step's kernels, training op types) of one step of tiny_lm training `trained`, its
-    vocabulary loss fused or not."""
+    vocabulary loss fused or not, on `feeds` (default: batch())."""
     from odtrain.graph import fusion
 
     with monkeypatch.context() as patch:
@@ -211,11 +212,11 @@ def _trained_once(directory, fused: bool, monkeypatch, outputs=(), trained=("emb
                                                            if p is not fusion.vocabulary_loss_pass))
         model, params = tiny_lm()
         artifacts.generate_artifacts(model, requires_grad=list(trained), loss=artifacts.LossType.CrossEntropyLoss,
-                                     class_axis=-1, ignore_index=-100, artifact_directory=directory,
+                                     class_axis=-1, ignore_index=ignore_index, artifact_directory=directory,
                                      additional_output_names=list(outputs))
     state = CheckpointState.load_checkpoint(directory / "checkpoint")
     module = Module(directory / "training_model.onnx", state, directory / "eval_model.onnx")
-    results = module(*batch())
+    results = module(*(feeds or batch()))
     kernels = {getattr(k, "__name__", "") for plan in module._train.plans.values() for k, _ in plan.calls}
     return (float(results[0] if outputs else results), {k: state.parameters[k].grad.copy() for k in trained}, kernels,
             {n.op_type for n in module.graph(training=True).nodes})
@@ -249,6 +250,24 @@ def test_fused_vocabulary_loss_in_chunks_and_parts_equals_the_unfused_one(thread
     assert name in kernels and (name.replace("entropy", "entropy_grad") in kernels) == ("head" in trained)
     assert loss == pytest.approx(reference, rel=1e-6)
     for key, value in expected.items():  # float32 sums in another order: measured 3e-8 of 0.27
+        np.testing.assert_allclose(grads[key], value, rtol=0, atol=1e-6 * np.abs(value).max(), err_msg=key)
+
+
+def test_the_fused_vocabulary_loss_ignores_padding_label_0(tmp_path, monkeypatch):
+    """A padding id of 0 is common: with ignore_index=0 the fusion pass hands 0 to LinearCrossEntropy (a value
+    that is falsy, not absent), so the fused step counts the same labels as the unfused one."""
+    ids, labels = batch()
+    labels[labels == -100] = 0  # the padding, now id 0
+    assert (labels == 0).sum() >= 4 and (labels != 0).any()
+    loss, grads, _, ops = _trained_once(tmp_path / "fused", True, monkeypatch, ignore_index=0, feeds=(ids, labels))
+    reference, expected, _, _ = _trained_once(tmp_path / "unfused", False, monkeypatch, ignore_index=0,
+                                              feeds=(ids, labels))
+    assert "LinearCrossEntropy" in ops
+    fused = [n for n in load_graph(str(tmp_path / "fused" / "training_model.onnx")).nodes
+             if n.op_type == "LinearCrossEntropy"]
+    assert fused and all(n.attrs.get("ignore_index") == 0 for n in fused)
+    assert loss == pytest.approx(reference, rel=1e-6)
+    for key, value in expected.items():
         np.testing.assert_allclose(grads[key], value, rtol=0, atol=1e-6 * np.abs(value).max(), err_msg=key)
 
 

@@ -67,8 +67,11 @@ def byte_size(text: str) -> int:
 
 
 def budget_size(text: str):
-    """--memory-budget: a size, or "auto" (odtrain.allocation.auto_budget)."""
-    return "auto" if text.strip().lower() == "auto" else byte_size(text)
+    """--memory-budget: a size, "auto" (odtrain.allocation.auto_budget) or "none" (no budget: None)."""
+    word = text.strip().lower()
+    if word in ("auto", "none"):
+        return "auto" if word == "auto" else None
+    return byte_size(text)
 
 
 def note(args, line: str) -> None:

@@ -253,11 +253,11 @@ def _train_arguments(train) -> None:
                        "(default: at each epoch's end only)")
     train.add_argument("--resume", action="store_true", help="continue the run stored in the checkpoint")
     train.add_argument("--seed", type=int, help="seed of the batch order and of Dropout's masks (default: 0)")
-    train.add_argument("--memory-budget", type=budget_size, metavar="BYTES",
+    train.add_argument("--memory-budget", type=budget_size, metavar="BYTES", default="auto",
                        help="cap each training step's arena (e.g. 40MB), recomputing activations in the backward "
                        "pass; fails before training, naming the smallest budget that works, if none fits; "
-                       "'auto': what the machine has available (MemAvailable) less the mapped frozen weights "
-                       "and a reserve of an eighth")
+                       "'auto' (the default): what the machine has available (MemAvailable, a cgroup's limit "
+                       "less its use) less the mapped frozen weights and a reserve of an eighth; 'none': no cap")
     best = train.add_argument_group("the best epoch and the curves")
     best.add_argument("--keep-best", action="store_true", help="also keep the checkpoint of the epoch with the best "
                       "validation metric (of the first --val) as ARTIFACT_DIR/checkpoint.best, beside "

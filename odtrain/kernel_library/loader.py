@@ -31,7 +31,7 @@ from .abi import FOLDER, LIBRARY_ENV, LIBRARY_FILE, MANIFEST_FILE, CallList, Pre
     signature_of
 from .cpu import cpu_flags, host_arch, missing_features
 from .digest import artifacts_digest
-from .messages import built_for_other_artifacts, without_library
+from .messages import built_for_other_artifacts, damaged_artifacts_record, without_library
 
 _PREPARED_CALLS = 256  # calls outside bound steps a library keeps packed
 
@@ -51,13 +51,19 @@ class KernelLibrary:
                 self.manifest = json.load(file)
         except (OSError, ValueError) as error:
             raise LibraryRefused(f"{manifest_path}: unreadable manifest ({error})") from None
+        entries = self.manifest.get("entries") if isinstance(self.manifest, dict) else None
+        if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+            raise LibraryRefused(f"{manifest_path}: damaged manifest (no list of entries); rebuild the library")
         refusal = refusal_of(self.manifest)
         if refusal:
             raise LibraryRefused(f"{self.folder}: {refusal}")
         configure_without_compiler()  # OpenMP's waiting policy, read once when libgomp loads with the library
         without_compiler()  # the bindings' helpers run as Python rather than load Numba for them
-        self._dll = ctypes.CDLL(os.path.join(self.folder, LIBRARY_FILE))  # ctypes releases the GIL in calls
-        self._run = self._dll.odtrain_run
+        try:
+            self._dll = ctypes.CDLL(os.path.join(self.folder, LIBRARY_FILE))  # ctypes releases the GIL in calls
+            self._run = self._dll.odtrain_run
+        except (OSError, AttributeError) as error:  # missing, unreadable or not odtrain's shared object
+            raise LibraryRefused(f"{self.folder}: {LIBRARY_FILE} cannot be loaded ({error}); rebuild the library") from None
         self._run.restype = ctypes.c_int64
         self._run.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
         self._forked = self._dll.odtrain_regions_forked
@@ -67,10 +73,16 @@ class KernelLibrary:
         self._dll.odtrain_set_gemm(*(gemm_addresses(found) if found else (0, 0)))
         self.entries, self._messages = {}, {}
         self._prepared: dict[tuple, PreparedCall | None] = {}  # call_key -> the call (None: not in the library)
-        for entry in self.manifest["entries"]:
-            key = (entry["kernel"], entry["signature"])
-            self.entries[key] = ctypes.cast(getattr(self._dll, entry["symbol"]), ctypes.c_void_p).value
-            self._messages[key] = entry.get("errors", [])
+        for index, entry in enumerate(entries):
+            try:
+                key = (str(entry["kernel"]), str(entry["signature"]))
+                self.entries[key] = ctypes.cast(getattr(self._dll, str(entry["symbol"])), ctypes.c_void_p).value
+            except (KeyError, AttributeError, ValueError) as error:  # a damaged manifest, or one of another build
+                what = f"no {error}" if isinstance(error, KeyError) else f"a symbol {LIBRARY_FILE} lacks ({error})"
+                raise LibraryRefused(f"{manifest_path}: entry {index} has {what}; the manifest does not describe "
+                                     "this shared object: rebuild the library") from None
+            errors = entry.get("errors", [])
+            self._messages[key] = [str(e) for e in errors] if isinstance(errors, list) else []
 
     def address(self, kernel, args) -> int | None:
         """The library's function for this call, or None."""
@@ -125,11 +137,11 @@ def refusal_of(manifest: dict) -> str:
     numba = installed_version("numba") if compiler_installed() else None  # a device: no metadata read at all
     if numba is not None and manifest.get("numba") != numba:
         return f"built with Numba {manifest.get('numba')}, the installed Numba is {numba}"
-    machine, here = manifest.get("triple", "").split("-")[0], host_arch()
+    machine, here = str(manifest.get("triple", "")).split("-")[0], host_arch()
     if machine != here:
         return f"built for {machine}, this machine is {here}"
     flags = cpu_flags(here)
-    missing = missing_features(here, manifest.get("features") or "", flags) if flags is not None else []
+    missing = missing_features(here, str(manifest.get("features") or ""), flags) if flags is not None else []
     if missing:
         return f"built for {manifest.get('cpu')}: CPU features {', '.join(missing)}, which this CPU lacks"
     return ""
@@ -165,15 +177,18 @@ def _own_library_mismatch(folder: str, artifact_folder) -> str:
     its manifest records no artifacts)."""
     try:
         with open(os.path.join(folder, MANIFEST_FILE)) as file:
-            recorded = json.load(file).get("artifacts")
+            manifest = json.load(file)
     except (OSError, ValueError):
         return ""
+    recorded = manifest.get("artifacts") if isinstance(manifest, dict) else None
     if not recorded:
         return ""
+    if not isinstance(recorded, list) or not all(isinstance(entry, dict) for entry in recorded):
+        return damaged_artifacts_record(folder, artifact_folder)
     digest = artifacts_digest(artifact_folder)
     if digest is None or digest in {entry.get("digest") for entry in recorded}:
         return ""
-    return built_for_other_artifacts(folder, ", ".join(entry.get("folder", "?") for entry in recorded),
+    return built_for_other_artifacts(folder, ", ".join(str(entry.get("folder", "?")) for entry in recorded),
                                      artifact_folder)
 
 

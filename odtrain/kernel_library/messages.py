@@ -42,6 +42,12 @@ def missing_kernel(where: str, kernel, args, library, artifact_folder, others: i
             f"{compile_command(artifact_folder)}")
 
 
+def damaged_artifacts_record(folder: str, artifact_folder) -> str:
+    """Why an artifact folder's own library is refused: its manifest's record of artifacts is damaged."""
+    return (f"{folder}: damaged manifest (its 'artifacts' is not a list of records); rebuild it with "
+            f"{compile_command(artifact_folder)}")
+
+
 def built_for_other_artifacts(folder: str, built_for: str, artifact_folder) -> str:
     """Why an artifact folder's own library is refused: it was recorded on other artifacts (`built_for`)."""
     return (f"{folder}: built for other artifacts ({built_for}; their models differ from these): rebuild it with "
