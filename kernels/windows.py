@@ -8,8 +8,8 @@ Loops index with range variables into slices (never `i + offset`), so Numba's ne
 wraparound does not block vectorisation; `valid_range` gives the bounds of such a slice.
 
 `text` reads a string attribute (ONNX gives bytes), for every image family. FORWARD, INPUT_GRADIENT and
-WEIGHT_GRADIENT name the three ops of a convolution strategy (kernels/conv_taps.py, conv_pointwise.py,
-depthwise.py, and im2col in kernels/conv.py), each strategy's KERNELS keyed by them; `Convolution` is
+WEIGHT_GRADIENT name the three ops of a convolution strategy (kernels/conv/taps.py, pointwise.py,
+depthwise.py, and im2col in kernels/conv/__init__.py), each strategy's KERNELS keyed by them; `Convolution` is
 the one description of a convolution that every strategy's plan is built from.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Pointwise convolutions over small planes (kernels/conv_pointwise.py: several images gathered per product,
+"""Pointwise convolutions over small planes (kernels/conv/pointwise.py: several images gathered per product,
 parts split channels): forward, input gradient and weight gradient against the float64 definition, serial
 and in parts, float32 and float64, with groups, bias, batches that leave a last chunk of one image, and
 ConvTranspose; which convolutions the layout sends there and how the parts split them.
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from odtrain.kernels import BINDINGS, SCRATCH, parallel_split
-from odtrain.kernels.conv_pointwise import FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT, PointwisePlan
+from odtrain.kernels.conv.pointwise import FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT, PointwisePlan
 from odtrain.kernels.windows import Convolution
 from test_conv_taps import ODTRAIN, TOLERANCE, chosen, oracle, run
 
@@ -98,7 +98,7 @@ def test_a_pointwise_conv_transpose_runs_the_same_kernels(threads, always_split)
                            np.uint8)
         out = np.full(shape, np.nan, np.float32)
         calls = BINDINGS[(domain, op)](inputs, [out], scratch=scratch, **attrs)
-        assert all(kernel.__module__.endswith("conv_pointwise") for kernel, _ in calls)
+        assert all(kernel.__module__.endswith("conv.pointwise") for kernel, _ in calls)
         for kernel, args in calls:
             kernel(*args)
         scale = float(np.abs(expected[op]).max())

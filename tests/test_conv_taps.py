@@ -1,4 +1,4 @@
-"""Convolutions on the tap kernels (kernels/conv_taps.py: one product per kernel tap over the padded image):
+"""Convolutions on the tap kernels (kernels/conv/taps.py: one product per kernel tap over the padded image):
 forward, input gradient and weight gradient against a float64 numpy oracle written from the definition,
 serial and in parallel parts, float32 and float64, with asymmetric pads, dilations, groups and non-square
 kernels; a stride-1 ConvTranspose (run on the same kernels, X and Y exchanged) against its definition;
@@ -13,7 +13,7 @@ import pytest
 
 from odtrain.kernels import BINDINGS, SCRATCH
 from odtrain.kernels.conv import _plan, conv_scratch, strategy
-from odtrain.kernels.conv_taps import TapPlan
+from odtrain.kernels.conv.taps import TapPlan
 from odtrain.kernels.windows import FORWARD, WEIGHT_GRADIENT, Convolution
 
 ODTRAIN = "ai.odtrain"
@@ -52,7 +52,7 @@ def oracle(x, w, pads, dilations, group, dy):
 
 
 def chosen(op, x_shape, w_shape, y_shape, threads=1, **attrs):
-    """The plan that kernels/conv.py's one choice (`strategy`) gives `op` of the convolution of X by W into Y."""
+    """The plan that kernels/conv/__init__.py's one choice (`strategy`) gives `op` of the convolution of X by W into Y."""
     return strategy(op, Convolution(x_shape, w_shape, y_shape, **attrs), threads)
 
 

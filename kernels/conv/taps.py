@@ -17,24 +17,24 @@ it and reads zeros where the tap falls outside the output. No im2col: each image
 For few channels the per-tap products are thin (K = C/G), so the layout takes this path only for at least
 TAP_MIN_CHANNELS input channels per group and outputs at least TAP_MIN_WIDTH wide (TAP_MIN_WEIGHT_WIDTH
 for the weight gradient; the unused cells cost (kw - 1)·dw / Wp of the products). Above those limits the
-taps ran the cnn model's 16- and 32-channel layers faster than im2col (kernels/conv.py), forward and weight
+taps ran the cnn model's 16- and 32-channel layers faster than im2col (kernels/conv/__init__.py), forward and weight
 gradient, on OpenBLAS's SkylakeX and Haswell kernels alike; below them the thin products lose
 (bench_ops.ConvOps, Conv and ConvWeightGrad of the cnn).
 
 Work memory per part (`tap_work_sizes`): the padded planes (or, for dX, its rows on the padded width), the
 output or dY on the padded width (framed: S more cells per channel), and the tap-major weights or dW sums
-[G, kh·kw, M/G, C/G]. Threads: the `_parts` twins split the batch as kernels/conv.py does; weight-gradient
+[G, kh·kw, M/G, C/G]. Threads: the `_parts` twins split the batch as kernels/conv/__init__.py does; weight-gradient
 parts sum their own images, added in part order after.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .jit import njit, prange
+from ..jit import njit, prange
 
-from .blas import gemm_blocks
-from .parallel_split import on_parts, part_count, twin_of
-from .windows import FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT
+from ..blas import gemm_blocks
+from ..parallel_split import on_parts, part_count, twin_of
+from ..windows import FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT
 
 TAP_MIN_CHANNELS = 16  # thinner products (K = C/G per tap) lose to im2col's K = C/G·kh·kw
 # Narrower outputs waste more of every product on unused cells ((kw - 1)·dw / Wp). At 8 wide taps still run the

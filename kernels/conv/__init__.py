@@ -13,20 +13,20 @@ Convolution:
   (Products are cut into blocks of cells only where OpenBLAS has small-matrix
   kernels for them: kernels/blas.py's SMALL_PRODUCT_CELLS.)
   Pointwise convolutions (1x1, stride 1, no padding) skip im2col (over
-  planes of fewer than COLUMNS cells they run in conv_pointwise.py); for
+  planes of fewer than COLUMNS cells they run in pointwise.py); for
   stride 1 with the output as wide as the input, each im2col row is one
   shifted contiguous copy of the image (edge columns zeroed after).
   Backward: dcol = W_gᵀ · dY_g then col2im (input); dW_gᵀ = Σ col · dY_gᵀ
   (weight; BLAS's faster order for these shapes).
 - stride-1 2-D convolutions with at least 16 input channels per group and outputs at least 8 wide (16
   for the weight gradient): one product per kernel tap over shifted views of the padded image, no im2col
-  (conv_taps.py, whose TapPlan says which ops run there and makes their calls).
+  (taps.py, whose TapPlan says which ops run there and makes their calls).
 - depthwise (C/G = 1): a direct loop, over whole planes for wide outputs (the
   padded plane split into stride phases, flattened, nine taps a pass),
   channels-last for narrow ones (three taps a multiply-add over the channels);
   depthwise.py's DepthwisePlan lays it out, sizes its work memory and makes its calls.
 `strategy` chooses the strategy of each op, in one place: depthwise, pointwise over small
-planes (conv_pointwise.py), taps, or im2col here (Im2colPlan). Each strategy's plan is built from the
+planes (pointwise.py), taps (taps.py), or im2col here (Im2colPlan). Each strategy's plan is built from the
 op's `Convolution` (kernels/windows.py) and the step's threads, and answers the same two questions: its
 work memory (`scratch_bytes`) and its calls (`calls`); every binding below asks the chosen plan.
 - work memory is the node's arena scratch (declared by `conv_scratch`,
@@ -52,15 +52,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from .jit import njit, prange
+from ..jit import njit, prange
 
-from .registry import ODTRAIN_DOMAIN, binding
-from .blas import NUMPY_OPENBLAS, gemm_blocks, product
+from ..registry import ODTRAIN_DOMAIN, binding
+from ..blas import NUMPY_OPENBLAS, gemm_blocks, product
+from ..parallel_split import on_parts, parallel_twin, part_count, split, twin_of
+from ..windows import FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT, Convolution, text, valid_range
 from .depthwise import DepthwisePlan
-from .conv_taps import TapPlan
-from .conv_pointwise import COLUMNS, MIN_CHANNELS, PointwisePlan, gather_rows, scatter_rows
-from .parallel_split import on_parts, parallel_twin, part_count, split, twin_of
-from .windows import FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT, Convolution, text, valid_range
+from .pointwise import COLUMNS, MIN_CHANNELS, PointwisePlan, gather_rows, scatter_rows
+from .taps import TapPlan
 
 # Forward products with at most this many output channels per group and at least this deep a K run as
 # Yᵀ = im2colᵀ · Wᵀ, then a transpose into Y, on the route to scipy's OpenBLAS (kernels/blas.py), which runs

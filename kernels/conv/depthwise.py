@@ -1,5 +1,5 @@
 """Kernels: depthwise convolution (one input channel per group), the path Conv and ConvTranspose
-take when C/G = 1 (kernels/conv.py chooses it; `DepthwisePlan` here lays it out, sizes its scratch
+take when C/G = 1 (kernels/conv/__init__.py chooses it; `DepthwisePlan` here lays it out, sizes its scratch
 and makes its calls).
 
 Views: x [N, G, D, H, W], w [G, M/G, K], y [N, G, M/G, oD, oH, oW]. Two ways, chosen by output width:
@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .jit import njit, prange
+from ..jit import njit, prange
 
-from .parallel_split import on_parts, part_count, twin_of
-from .windows import FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT, as_3d, valid_range
+from ..parallel_split import on_parts, part_count, twin_of
+from ..windows import FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT, as_3d, valid_range
 
 # Sums may be reassociated (fastmath "reassoc"): they vectorise, and partial sums are no less accurate.
 REDUCTION = {"reassoc", "contract"}

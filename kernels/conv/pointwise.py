@@ -21,20 +21,20 @@ from __future__ import annotations
 
 import numpy as np
 
-from .jit import njit, prange
+from ..jit import njit, prange
 
-from .blas import gemm_blocks, product
-from .parallel_split import on_parts, part_bounds, part_count, twin_of
-from .windows import FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT
+from ..blas import gemm_blocks, product
+from ..parallel_split import on_parts, part_bounds, part_count, twin_of
+from ..windows import FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT
 
-COLUMNS = 512  # convolutions gather images into one product until it has this many columns (also kernels/conv.py)
+COLUMNS = 512  # convolutions gather images into one product until it has this many columns (also kernels/conv/__init__.py)
 MIN_CHANNELS = 16  # output channels per part when parts split channels (narrower products lose speed)
 
 
 @njit(cache=True, error_model="numpy", inline="always")
 def gather_rows(a, n0, nb, g, c0, c1, out):
     """out[c - c0, b·P + p] = a[n0 + b, g, c, p] for the channels c in [c0, c1): rows of nb images side by
-    side (a is [N, G, channels, P]; also kernels/conv.py's gathered dY rows)."""
+    side (a is [N, G, channels, P]; also kernels/conv/__init__.py's gathered dY rows)."""
     cells = a.shape[3]
     for c in range(c0, c1):
         row = out[c - c0]
