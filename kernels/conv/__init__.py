@@ -588,8 +588,7 @@ def _calls(op_type: str, inputs, outputs, scratch, attrs, bias=None) -> list:
     """The calls of `op_type` on its first two inputs and its output (and a convolution's bias)."""
     first, second, out = inputs[0], inputs[1], outputs[0]
     op, conv, plan = _plan(op_type, first.shape, second.shape, out.shape, **attrs)
-    arrays = _views(op, conv, _operands(op_type, first, second, out), bias)
-    return plan.calls(op, arrays, scratch)
+    return plan.calls(op, _views(op, conv, _operands(op_type, first, second, out), bias), scratch)
 
 
 def conv_scratch(op_type: str, itemsize: int | None = None):
