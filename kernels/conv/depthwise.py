@@ -25,7 +25,7 @@ import numpy as np
 from ..jit import njit, prange
 
 from ..parallel_split import on_parts, part_count, twin_of
-from ..windows import FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT, as_3d, valid_range
+from ..windows import FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT, valid_range
 
 # Sums may be reassociated (fastmath "reassoc"): they vectorise, and partial sums are no less accurate.
 REDUCTION = {"reassoc", "contract"}
