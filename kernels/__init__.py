@@ -24,12 +24,21 @@ bound), so scratch sizes are a function of the thread count. With
 `threads=1` it runs its serial kernels. Each parallel kernel is the
 registered twin of a serial one, chosen by one rule (kernels/parallel_split.py).
 
-The modules are one floor of families over a base. A family registers bindings (elementwise, conv,
-tensor, ...); the base is what families share: jit.py (Numba's names), registry.py, layout.py, blas.py,
-parallel_split.py, windows.py, scalar.py (fast_exp, ...), copies.py (copy, gather and sum calls),
-number_formats.py, stored_weights.py and the convolution strategies conv_taps.py, conv_pointwise.py and
-depthwise.py. A family imports only the base (tests/test_layering.py), and a family that runs another
-op (quantize.py's integer products) takes that op's binding from the registry.
+The modules stand on three floors. On the ground, the modules that import nothing of kernels/: jit.py
+(Numba's names), registry.py, layout.py, blas_library.py and parallel_split.py (the parallel rule; a written
+twin is compiled by its own module's njit). Above them the base, what families share, each importing only
+the ground: blas.py, windows.py, scalar.py (fast_exp, ...), copies.py (copy, gather and sum calls),
+number_formats.py and stored_weights.py. On top the families, which register bindings (elementwise, conv,
+tensor, ...) and import the ground and the base only (tests/test_layering.py); a family that runs another
+op (quantize.py's integer products) takes that op's binding from the registry. A family whose work spans
+files is a folder: conv/ holds its strategies (taps.py, pointwise.py, depthwise.py) beside the bindings
+and im2col (conv/__init__.py), which choose among them.
+
+One base module stands on another base module, on purpose: stored_weights.py multiplies a weight stored in
+fewer bits panel by panel, dequantizing each panel (its number formats) and multiplying it by BLAS
+(blas.py) in one loop, for two families (dequantized.py and training.py). Merging it into blas.py would put
+int4 nibbles beside the BLAS route, and giving each family its own copy of the loop would write it twice;
+so dequantized.py and training.py stand one floor higher than the other families.
 
 The registry (BINDINGS, SCRATCH, PARALLEL, `binding`) lives in kernels/registry.py, which the family
 modules import. Importing this package imports every module of its folder, sorted by name (so the

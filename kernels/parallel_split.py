@@ -36,7 +36,9 @@ bound, not by the threads that happen to run them, and partial sums are added in
 given thread count gives the same bits every time.
 
 TWINS (serial kernel -> Twin) is the one table of kernels and their twins: the kernel library's build
-(odtrain/library_build/) and tests/test_twins.py read it. Imports numpy (and, to write a twin, kernels/jit.py).
+(odtrain/library_build/) and tests/test_twins.py read it. Imports numpy only: a written twin is compiled
+by the njit of its serial kernel's module, like that module's own kernels, so this rule sits on the ground
+floor of kernels/ and the base modules that build calls (copies.py) may use it.
 """
 from __future__ import annotations
 
@@ -192,14 +194,14 @@ def parallel_twin(serial, range: tuple[str, ...] = (), sliced: tuple[str, ...] =
     The function is compiled as part of `serial`'s file and module: its globals are the module's (prange,
     `serial`) and its code names that file, at `serial`'s first line, so Numba's on-disk cache keeps it
     beside the module's other kernels and stamps it with that file (a function without a file cannot be
-    cached), and what reads a kernel's source finds `serial`'s."""
-    from .jit import njit
-
+    cached), and what reads a kernel's source finds `serial`'s; it is compiled by that module's njit, with the
+    options of every twin (TWIN_OPTIONS)."""
     function = serial.py_func
     namespace, name = function.__globals__, f"{serial.__name__}_parts"
-    if namespace.get(serial.__name__) is not serial or name in namespace or "prange" not in namespace:
-        raise ValueError(f"{name}: the twin is written in {serial.__name__}'s module (which imports prange from "
-                         ".jit), under a name of its own")
+    if (namespace.get(serial.__name__) is not serial or name in namespace or "prange" not in namespace
+            or "njit" not in namespace):
+        raise ValueError(f"{name}: the twin is written in {serial.__name__}'s module (which imports njit and prange "
+                         "from .jit), under a name of its own")
     lines = "\n" * (function.__code__.co_firstlineno - 1)
     scratch = {}
     exec(compile(lines + twin_source(serial, range, sliced, unit, count), function.__code__.co_filename, "exec"),
@@ -207,7 +209,7 @@ def parallel_twin(serial, range: tuple[str, ...] = (), sliced: tuple[str, ...] =
     written = scratch[name]
     written.__doc__ = (f"{serial.__name__} on parts of its units (bounds), in parallel: written from its Twin "
                        "record (kernels/parallel_split.py, parallel_twin).")
-    parallel = njit(**TWIN_OPTIONS)(written)
+    parallel = namespace["njit"](**TWIN_OPTIONS)(written)
     TWINS[serial] = Twin(serial, parallel, range, (), (), sliced, written=True, unit=unit, count=count)
     return parallel
 

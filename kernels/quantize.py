@@ -16,7 +16,7 @@ all in float32, as onnxruntime computes them (rint rounds half to even).
 Integer products are float64 products of the operands with their zero points subtracted: every
 product of 8-bit values, and every sum of them below 2^53, is exact in float64, so the int32
 accumulator comes out exactly, at float64 BLAS speed: the products are the registered MatMul and Conv
-bindings (kernels/linalg.py, kernels/conv.py, taken from the registry when a node is bound, so that this
+bindings (kernels/linalg.py, kernels/conv/__init__.py, taken from the registry when a node is bound, so that this
 family imports no other), run on float64 operands with float64 work memory. Their centred operands,
 product and multipliers live in the node's arena scratch.
 """

@@ -8,8 +8,9 @@ Loops index with range variables into slices (never `i + offset`), so Numba's ne
 wraparound does not block vectorisation; `valid_range` gives the bounds of such a slice.
 
 `text` reads a string attribute (ONNX gives bytes), for every image family. FORWARD, INPUT_GRADIENT and
-WEIGHT_GRADIENT name the three ops of a convolution strategy (kernels/conv_taps.py, conv_pointwise.py,
-depthwise.py), each strategy's KERNELS keyed by them.
+WEIGHT_GRADIENT name the three ops of a convolution strategy (kernels/conv/taps.py, pointwise.py,
+depthwise.py, and im2col in kernels/conv/__init__.py), each strategy's KERNELS keyed by them; `Convolution` is
+the one description of a convolution that every strategy's plan is built from.
 """
 from __future__ import annotations
 
@@ -51,6 +52,32 @@ def window_geometry(x_spatial, out_spatial, kernel, auto_pad, pads, strides, dil
             + [1] * fill + [int(d) for d in dilations] + [0] * fill + begin
             + [1] * fill + [int(o) for o in out_spatial])
     return np.array(geom, dtype=np.int64), [0] * fill + end
+
+
+class Convolution:
+    """One convolution of X by W into Y, as every strategy reads it: with G groups, X is [N, G, C/G, D, H, W]
+    (`x6`), W is [G, M/G, K] (`w3`, K = C/G·kd·kh·kw) and Y is [N, G, M/G, P] (`y4`, P = `cells`, the output
+    cells); `geom` as window_geometry gives it; `multiply_adds` the work of its forward (and of each
+    gradient), which decides how many parts it splits into."""
+
+    def __init__(self, x_shape, w_shape, y_shape, group=1, auto_pad="NOTSET", dilations=None, kernel_shape=None,
+                 pads=None, strides=None):
+        group = int(group)
+        self.batch, self.groups = int(x_shape[0]), group
+        self.in_per_group, self.out_per_group = int(x_shape[1]) // group, int(w_shape[0]) // group
+        kernel = [int(k) for k in w_shape[2:]]
+        self.geom, _ = window_geometry(x_shape[2:], y_shape[2:], kernel, auto_pad, pads, strides, dilations)
+        self.x3, self.y3 = as_3d(x_shape[2:]), as_3d(y_shape[2:])
+        self.cells = int(np.prod(y_shape[2:], dtype=np.int64))
+        self.k = self.in_per_group * int(np.prod(kernel, dtype=np.int64))
+        self.x6 = (self.batch, group, self.in_per_group) + self.x3
+        self.y4 = (self.batch, group, self.out_per_group, self.cells)
+        self.w3 = (group, self.out_per_group, self.k)
+        self.multiply_adds = self.batch * self.cells * self.k * int(w_shape[0])
+        self.depthwise = self.in_per_group == 1 and self.k > 1
+        geom = self.geom  # 1x1, stride 1, no padding: Y[n] = W · X[n], no window to gather
+        self.pointwise = bool((geom[0:6] == 1).all() and (geom[9:12] == 0).all()
+                              and tuple(x_shape[2:]) == tuple(y_shape[2:]))
 
 
 def as_3d(shape) -> tuple:

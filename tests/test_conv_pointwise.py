@@ -1,4 +1,4 @@
-"""Pointwise convolutions over small planes (kernels/conv_pointwise.py: several images gathered per product,
+"""Pointwise convolutions over small planes (kernels/conv/pointwise.py: several images gathered per product,
 parts split channels): forward, input gradient and weight gradient against the float64 definition, serial
 and in parts, float32 and float64, with groups, bias, batches that leave a last chunk of one image, and
 ConvTranspose; which convolutions the layout sends there and how the parts split them.
@@ -9,10 +9,10 @@ largest magnitude; 2e-6 still fails a wrong channel or image, which moves whole 
 import numpy as np
 import pytest
 
-from odtrain.kernels import BINDINGS, parallel_split
-from odtrain.kernels.conv import _ConvLayout, _conv_transpose_scratch
-from odtrain.kernels.conv_pointwise import FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT, pointwise_plan
-from test_conv_taps import ODTRAIN, TOLERANCE, oracle, run
+from odtrain.kernels import BINDINGS, SCRATCH, parallel_split
+from odtrain.kernels.conv.pointwise import FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT, PointwisePlan
+from odtrain.kernels.windows import Convolution
+from test_conv_taps import ODTRAIN, TOLERANCE, chosen, oracle, run
 
 CASES = [  # x shape, w shape, group, bias
     ((8, 16, 3, 3), (48, 16, 1, 1), 1, True),  # 3x3 planes: every image in one product
@@ -39,8 +39,8 @@ def test_pointwise_kernels_match_the_definition(x_shape, w_shape, group, has_bia
     dy = rng.standard_normal((x_shape[0], w_shape[0]) + x_shape[2:]).astype(dtype)
     attrs = dict(pads=[0, 0, 0, 0], dilations=[1, 1], group=group, kernel_shape=[1, 1], strides=[1, 1],
                  threads=threads)
-    layout = _ConvLayout(x_shape, w_shape, dy.shape, **attrs)
-    assert layout.small_pointwise
+    assert all(isinstance(chosen(op, x_shape, w_shape, dy.shape, **attrs), PointwisePlan)
+               for op in (FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT))
     y_expected, dx_expected, dw_expected = oracle(x, w, (0, 0, 0, 0), (1, 1), group, dy)
     if has_bias:
         y_expected += bias[None, :, None, None]
@@ -55,7 +55,8 @@ def test_pointwise_kernels_match_the_definition(x_shape, w_shape, group, has_bia
 def test_parts_split_the_channels_of_one_product(always_split):
     """Forward: Y's channels; input gradient: X's channels; weight gradient: the larger side of dW."""
     def plan(op, x_channels, y_channels, threads=2):
-        return pointwise_plan(op, 8, x_channels, y_channels, 1, 9, threads)
+        conv = Convolution((8, x_channels, 3, 3), (y_channels, x_channels, 1, 1), (8, y_channels, 3, 3))
+        return PointwisePlan(conv, threads).layout(op)
 
     assert list(plan(FORWARD, 16, 96).bounds) == [0, 48, 96]
     assert list(plan(INPUT_GRADIENT, 96, 16).bounds) == [0, 48, 96]
@@ -67,10 +68,13 @@ def test_parts_split_the_channels_of_one_product(always_split):
 
 def test_the_layout_takes_only_small_pointwise_planes():
     small = dict(pads=[0, 0, 0, 0], dilations=[1, 1], group=1, kernel_shape=[1, 1], strides=[1, 1])
-    assert _ConvLayout((2, 8, 22, 23), (8, 8, 1, 1), (2, 8, 22, 23), **small).small_pointwise  # 506 cells
-    assert not _ConvLayout((2, 8, 24, 24), (8, 8, 1, 1), (2, 8, 24, 24), **small).small_pointwise  # 576 cells
-    assert not _ConvLayout((2, 8, 6, 6), (8, 8, 3, 3), (2, 8, 6, 6), **{**small, "pads": [1, 1, 1, 1]}).small_pointwise
-    assert not _ConvLayout((2, 8, 6, 6), (8, 8, 1, 1), (2, 8, 3, 3), **{**small, "strides": [2, 2]}).small_pointwise
+    def pointwise(x_shape, w_shape, y_shape, **attrs):
+        return isinstance(chosen(FORWARD, x_shape, w_shape, y_shape, **attrs), PointwisePlan)
+
+    assert pointwise((2, 8, 22, 23), (8, 8, 1, 1), (2, 8, 22, 23), **small)  # 506 cells
+    assert not pointwise((2, 8, 24, 24), (8, 8, 1, 1), (2, 8, 24, 24), **small)  # 576 cells
+    assert not pointwise((2, 8, 6, 6), (8, 8, 3, 3), (2, 8, 6, 6), **{**small, "pads": [1, 1, 1, 1]})
+    assert not pointwise((2, 8, 6, 6), (8, 8, 1, 1), (2, 8, 3, 3), **{**small, "strides": [2, 2]})
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -89,11 +93,12 @@ def test_a_pointwise_conv_transpose_runs_the_same_kernels(threads, always_split)
     operands = {"ConvTranspose": ([x, w], dy.shape), "ConvTransposeInputGrad": ([dy, w], x.shape),
                 "ConvTransposeWeightGrad": ([dy, x], w.shape)}
     for op, (inputs, shape) in operands.items():
-        scratch = np.zeros(_conv_transpose_scratch(op)([(a.shape, a.dtype) for a in inputs], [(shape, np.float32)],
-                                                       **attrs), np.uint8)
+        domain = "" if op == "ConvTranspose" else ODTRAIN
+        scratch = np.zeros(SCRATCH[(domain, op)]([(a.shape, a.dtype) for a in inputs], [(shape, np.float32)], **attrs),
+                           np.uint8)
         out = np.full(shape, np.nan, np.float32)
-        calls = BINDINGS[("" if op == "ConvTranspose" else ODTRAIN, op)](inputs, [out], scratch=scratch, **attrs)
-        assert all(kernel.__module__.endswith("conv_pointwise") for kernel, _ in calls)
+        calls = BINDINGS[(domain, op)](inputs, [out], scratch=scratch, **attrs)
+        assert all(kernel.__module__.endswith("conv.pointwise") for kernel, _ in calls)
         for kernel, args in calls:
             kernel(*args)
         scale = float(np.abs(expected[op]).max())

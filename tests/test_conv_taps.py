@@ -1,4 +1,4 @@
-"""Convolutions on the tap kernels (kernels/conv_taps.py: one product per kernel tap over the padded image):
+"""Convolutions on the tap kernels (kernels/conv/taps.py: one product per kernel tap over the padded image):
 forward, input gradient and weight gradient against a float64 numpy oracle written from the definition,
 serial and in parallel parts, float32 and float64, with asymmetric pads, dilations, groups and non-square
 kernels; a stride-1 ConvTranspose (run on the same kernels, X and Y exchanged) against its definition;
@@ -11,8 +11,10 @@ which moves whole terms. float64: 1e-12 (measured 7e-16).
 import numpy as np
 import pytest
 
-from odtrain.kernels import BINDINGS
-from odtrain.kernels.conv import _ConvLayout, _conv_transpose_scratch, _transpose_layout, conv_scratch
+from odtrain.kernels import BINDINGS, SCRATCH
+from odtrain.kernels.conv import _plan, conv_scratch, strategy
+from odtrain.kernels.conv.taps import TapPlan
+from odtrain.kernels.windows import FORWARD, WEIGHT_GRADIENT, Convolution
 
 ODTRAIN = "ai.odtrain"
 TOLERANCE = {np.float32: 2e-6, np.float64: 1e-12}
@@ -49,6 +51,11 @@ def oracle(x, w, pads, dilations, group, dy):
     return y, dxpad[:, :, top:top + height, left:left + width], dw
 
 
+def chosen(op, x_shape, w_shape, y_shape, threads=1, **attrs):
+    """The plan that kernels/conv/__init__.py's one choice (`strategy`) gives `op` of the convolution of X by W into Y."""
+    return strategy(op, Convolution(x_shape, w_shape, y_shape, **attrs), threads)
+
+
 def run(op, inputs, out_shape, attrs, dtype):
     out = np.full(out_shape, np.nan, dtype)
     scratch = np.zeros(conv_scratch(op)([(a.shape, a.dtype) for a in inputs], [(out_shape, dtype)], **attrs),
@@ -71,16 +78,17 @@ def test_tap_kernels_match_the_definition(x_shape, w_shape, pads, dilations, gro
     out_h = x_shape[2] + pads[0] + pads[2] - (w_shape[2] - 1) * dilations[0]
     out_w = x_shape[3] + pads[1] + pads[3] - (w_shape[3] - 1) * dilations[1]
     dy = rng.standard_normal((x_shape[0], w_shape[0], out_h, out_w)).astype(dtype)
-    layout = _ConvLayout(x_shape, w_shape, dy.shape, **attrs)
-    assert layout.by_taps and layout.weights_by_taps == (dy.shape[3] >= 16)
-    assert layout.parts == min(threads, x_shape[0])
+    forward, weights = (chosen(op, x_shape, w_shape, dy.shape, **attrs) for op in (FORWARD, WEIGHT_GRADIENT))
+    weights_by_taps = isinstance(weights, TapPlan)
+    assert isinstance(forward, TapPlan) and weights_by_taps == (dy.shape[3] >= 16)
+    assert forward.parts == min(threads, x_shape[0])
     y_expected, dx_expected, dw_expected = oracle(x, w, pads, dilations, group, dy)
     if has_bias:
         y_expected += bias[None, :, None, None]
     y = run("Conv", [x, w, bias] if has_bias else [x, w], dy.shape, attrs, dtype)
     dx = run("ConvInputGrad", [dy, w], x_shape, attrs, dtype)
     checks = [(y, y_expected), (dx, dx_expected)]
-    if layout.weights_by_taps or dtype == np.float32:  # float64 runs only forward on im2col (integer convs)
+    if weights_by_taps or dtype == np.float32:  # float64 runs only forward on im2col (integer convs)
         checks.append((run("ConvWeightGrad", [dy, x], w_shape, attrs, dtype), dw_expected))
     for got, expected in checks:
         assert np.abs(got - expected).max() <= TOLERANCE[dtype] * np.abs(expected).max()
@@ -122,10 +130,10 @@ def test_stride_one_conv_transpose_matches_its_definition(pads, output_padding, 
         np.float32)
     attrs = dict(pads=pads, dilations=[2, 2], output_padding=output_padding)
     expected = conv_transpose_oracle(x, w, pads, [2, 2], output_padding)
-    assert _transpose_layout(x.shape, w.shape, expected.shape, **attrs).by_taps == taps
+    assert isinstance(_plan("ConvTranspose", x.shape, w.shape, expected.shape, **attrs)[2], TapPlan) == taps
     out = np.full(expected.shape, np.nan, np.float32)
-    size = _conv_transpose_scratch("ConvTranspose")([(x.shape, x.dtype), (w.shape, w.dtype)],
-                                                    [(expected.shape, np.float32)], **attrs)
+    size = SCRATCH[("", "ConvTranspose")]([(x.shape, x.dtype), (w.shape, w.dtype)], [(expected.shape, np.float32)],
+                                          **attrs)
     for kernel, args in BINDINGS[("", "ConvTranspose")]([x, w], [out], scratch=np.zeros(size, np.uint8), **attrs):
         kernel(*args)
     assert np.abs(out - expected).max() <= TOLERANCE[np.float32] * np.abs(expected).max()
@@ -145,6 +153,6 @@ def test_which_convolutions_run_on_taps(x_shape, w_shape, strides, taps):
     pads = [1, 1, 1, 1] if w_shape[2] == 3 else [0, 0, 0, 0]
     if w_shape[2] == 1:
         out = [x_shape[2], x_shape[3]]
-    layout = _ConvLayout(x_shape, w_shape, (x_shape[0], w_shape[0], *out), group=x_shape[1] // w_shape[1],
-                         pads=pads, strides=strides, threads=2)
-    assert (layout.by_taps, layout.weights_by_taps) == taps
+    plans = (chosen(op, x_shape, w_shape, (x_shape[0], w_shape[0], *out), group=x_shape[1] // w_shape[1],
+                    pads=pads, strides=strides, threads=2) for op in (FORWARD, WEIGHT_GRADIENT))
+    assert tuple(isinstance(plan, TapPlan) for plan in plans) == taps

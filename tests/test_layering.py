@@ -46,7 +46,7 @@ def test_kernels_import_only_numpy_and_numba():
 def test_kernel_modules_load_numba_only_when_a_kernel_compiles():
     """At module level a kernel module takes Numba's names from kernels/jit.py: an `import numba` there would
     bring the compiler into a process whose steps run in the kernel library."""
-    for path in sorted((ROOT / "kernels").glob("*.py")):
+    for path in sorted((ROOT / "kernels").rglob("*.py")):
         for statement in ast.parse(path.read_text()).body:
             if isinstance(statement, (ast.Import, ast.ImportFrom)):
                 names = [a.name for a in statement.names] if isinstance(statement, ast.Import) else [statement.module]
@@ -272,8 +272,9 @@ def test_the_registries_import_every_module_on_disk():
 
     for package, folder in REGISTRIES.items():
         module = importlib.import_module(package)
-        on_disk = sorted(path.stem for path in ROOT.joinpath(*folder).glob("*.py")
-                         if not path.stem.startswith("_") and path.stem != "registry")
+        on_disk = sorted([path.stem for path in ROOT.joinpath(*folder).glob("*.py")
+                          if not path.stem.startswith("_") and path.stem != "registry"]
+                         + [path.parent.name for path in ROOT.joinpath(*folder).glob("*/__init__.py")])
         assert module.submodules() == on_disk, package
         assert all(f"{package}.{name}" in sys.modules for name in on_disk), package
 
@@ -445,13 +446,43 @@ def test_the_private_import_check_sees_one(tmp_path):
         "kernels/family.py:2 imports _helper from odtrain.kernels._own"]
 
 
+def kernel_modules() -> dict[str, pathlib.Path]:
+    """The modules of kernels/ (a family's folder as one module: its __init__.py) -> their files."""
+    folder = ROOT / "kernels"
+    files = {path.stem: path for path in folder.glob("*.py") if path.name != "__init__.py"}
+    return files | {path.parent.name: path for path in folder.glob("*/__init__.py")}
+
+
 def kernel_families() -> set[str]:
     """The modules of kernels/ that register bindings (they import `binding` from the registry): the families;
     the others are the base they share."""
-    return {path.stem for path in (ROOT / "kernels").glob("*.py") if path.name != "__init__.py"
-            and any(isinstance(node, ast.ImportFrom) and node.module == "registry" and node.level == 1
-                    and "binding" in {alias.name for alias in node.names}
-                    for node in ast.parse(path.read_text()).body)}
+    return {name for name, path in kernel_modules().items()
+            if any(isinstance(node, ast.ImportFrom) and node.module == "registry"
+                   and node.level == (2 if path.name == "__init__.py" else 1)
+                   and "binding" in {alias.name for alias in node.names}
+                   for node in ast.parse(path.read_text()).body)}
+
+
+# A base module that stands on another base module, and why (kernels/__init__.py): its families then stand one
+# floor higher than the rest.
+BASE_ON_BASE = {("stored_weights", "blas"): "a panel dequantized and multiplied by BLAS in one loop, for two families"}
+
+
+def test_kernels_stand_on_three_floors():
+    """The ground (modules that import nothing of kernels/), the base (what families share: it imports the
+    ground only) and the families (they import the ground and the base): no base module builds on another one
+    beyond BASE_ON_BASE, and a family's own parts live in its folder (conv/)."""
+    graph = module_imports()
+    names = kernel_modules()
+    imports = {name: {other.split(".")[2] for other in graph[f"odtrain.kernels.{name}"]
+                      if other.startswith("odtrain.kernels.") and other.split(".")[2] != name} for name in names}
+    ground = {name for name, imported in imports.items() if not imported}
+    base = set(names) - kernel_families() - ground
+    assert {"jit", "layout", "registry", "parallel_split"} <= ground and {"blas", "copies", "windows"} <= base
+    on_base = sorted((name, other) for name in base for other in imports[name] - ground
+                     if (name, other) not in BASE_ON_BASE)
+    assert not on_base, on_base
+    assert set(BASE_ON_BASE) <= {(name, other) for name in base for other in imports[name]}, "a stale exception"
 
 
 def test_no_kernel_family_imports_another():

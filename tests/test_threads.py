@@ -81,7 +81,7 @@ VISION_CASES = {name: case for name, case in GRADIENT_CASES.items()
                                     "hard_"))}
 CASES = {name: (case.nodes, case.params, case.constants) for name, case in VISION_CASES.items()}
 CASES.update({
-    # pointwise over a small plane: parts of the output channels of one product (kernels/conv_pointwise.py)
+    # pointwise over a small plane: parts of the output channels of one product (kernels/conv/pointwise.py)
     "conv_pointwise_channel_parts": ([node("Conv", ["x", "w"])], {"x": rand(2, 3, 3, 3), "w": rand(32, 3, 1, 1)}),
     # an im2col weight gradient that splits its output channels (its per-part sums would outweigh the work memory)
     "conv_one_cell_channel_parts": ([node("Conv", ["x", "w", "b"])],

@@ -332,13 +332,13 @@ def test_gradient_with_transposed_forward_products(name, tmp_path, monkeypatch):
 
     monkeypatch.setattr(conv, "TRANSPOSED_DEPTH", 1)
     monkeypatch.setattr(conv, "TRANSPOSED_CHANNELS", 32)  # the order chosen on every BLAS route
-    chosen, original = [], conv._ConvLayout.__init__
+    chosen, original = [], conv.Im2colPlan.__init__
 
-    def record(layout, *args, **kwargs):
-        original(layout, *args, **kwargs)
-        chosen.append(layout.transposed)
+    def record(plan, *args, **kwargs):
+        original(plan, *args, **kwargs)
+        chosen.append(plan.transposed)
 
-    monkeypatch.setattr(conv._ConvLayout, "__init__", record)
+    monkeypatch.setattr(conv.Im2colPlan, "__init__", record)
     GRADIENT_CASES[name].check(tmp_path)
     assert chosen and all(chosen)
 

@@ -17,24 +17,24 @@ it and reads zeros where the tap falls outside the output. No im2col: each image
 For few channels the per-tap products are thin (K = C/G), so the layout takes this path only for at least
 TAP_MIN_CHANNELS input channels per group and outputs at least TAP_MIN_WIDTH wide (TAP_MIN_WEIGHT_WIDTH
 for the weight gradient; the unused cells cost (kw - 1)·dw / Wp of the products). Above those limits the
-taps ran the cnn model's 16- and 32-channel layers faster than im2col (kernels/conv.py), forward and weight
+taps ran the cnn model's 16- and 32-channel layers faster than im2col (kernels/conv/__init__.py), forward and weight
 gradient, on OpenBLAS's SkylakeX and Haswell kernels alike; below them the thin products lose
 (bench_ops.ConvOps, Conv and ConvWeightGrad of the cnn).
 
 Work memory per part (`tap_work_sizes`): the padded planes (or, for dX, its rows on the padded width), the
 output or dY on the padded width (framed: S more cells per channel), and the tap-major weights or dW sums
-[G, kh·kw, M/G, C/G]. Threads: the `_parts` twins split the batch as kernels/conv.py does; weight-gradient
+[G, kh·kw, M/G, C/G]. Threads: the `_parts` twins split the batch as kernels/conv/__init__.py does; weight-gradient
 parts sum their own images, added in part order after.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .jit import njit, prange
+from ..jit import njit, prange
 
-from .blas import gemm_blocks
-from .parallel_split import on_parts, twin_of
-from .windows import FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT
+from ..blas import gemm_blocks
+from ..parallel_split import on_parts, part_count, twin_of
+from ..windows import FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT
 
 TAP_MIN_CHANNELS = 16  # thinner products (K = C/G per tap) lose to im2col's K = C/G·kh·kw
 # Narrower outputs waste more of every product on unused cells ((kw - 1)·dw / Wp). At 8 wide taps still run the
@@ -52,19 +52,6 @@ def _extents(geom):
     kh, kw, dh, dw = geom[1], geom[2], geom[7], geom[8]
     hp, wp = geom[13] + (kh - 1) * dh, geom[14] + (kw - 1) * dw
     return hp, wp, geom[13] * wp - (kw - 1) * dw, (kh - 1) * dh * wp + (kw - 1) * dw, kh * kw
-
-
-def by_taps(geom, x_spatial, in_per_group: int, depthwise: bool, weight_gradient: bool = False) -> bool:
-    """Whether a convolution with this geometry (kernels/windows.py) over images of x_spatial (3 axes) runs
-    on the tap kernels (its weight gradient, with `weight_gradient`): 2-D, stride 1, and the image inside
-    the padded planes (a ConvTranspose's output padding can leave cells past them, which no tap reads;
-    im2col handles those)."""
-    two_d = geom[0] == 1 and geom[12] == 1 and x_spatial[0] == 1  # one depth cell
-    hp, wp = _extents(geom)[:2]
-    inside = x_spatial[1] + geom[10] <= hp and x_spatial[2] + geom[11] <= wp
-    return bool(two_d and inside and not depthwise and (geom[3:6] == 1).all() and geom[1] * geom[2] > 1
-                and in_per_group >= TAP_MIN_CHANNELS
-                and geom[14] >= (TAP_MIN_WEIGHT_WIDTH if weight_gradient else TAP_MIN_WIDTH))
 
 
 def tap_work_sizes(geom, in_per_group: int, out_per_group: int, groups: int):
@@ -248,22 +235,30 @@ KERNELS = {FORWARD: _tap_forward, INPUT_GRADIENT: _tap_input_grad, WEIGHT_GRADIE
 
 
 class TapPlan:
-    """Whether a convolution's forward and input gradient, and its weight gradient, run on the tap kernels
-    (`by_taps`), each part's work memory (`tap_work_sizes`: planes, grid, taps or dW sums), and the calls, the
-    batch split into the `parts` kernels/conv.py chose for it."""
+    """How a convolution's op runs on the tap kernels: whether it may (`takes`), each part's work memory
+    (`tap_work_sizes`: planes, grid, taps or dW sums) and the calls, the batch split into parts."""
 
-    def __init__(self, geom, x_spatial, in_per_group: int, out_per_group: int, groups: int, batch: int, parts: int,
-                 depthwise: bool):
-        self.geom, self.batch, self.parts = geom, batch, parts
-        self.forward = by_taps(geom, x_spatial, in_per_group, depthwise)
-        self.weights = by_taps(geom, x_spatial, in_per_group, depthwise, weight_gradient=True)
-        self.sizes = np.array(tap_work_sizes(geom, in_per_group, out_per_group, groups), np.int64)
+    @staticmethod
+    def takes(conv, op: int) -> bool:
+        """Whether `op` of `conv` (kernels/windows.py's Convolution) runs on the tap kernels: 2-D, stride 1,
+        not depthwise, at least TAP_MIN_CHANNELS input channels per group, outputs at least TAP_MIN_WIDTH wide
+        (TAP_MIN_WEIGHT_WIDTH for the weight gradient), and the image inside the padded planes (a
+        ConvTranspose's output padding can leave cells past them, which no tap reads; im2col handles those)."""
+        geom = conv.geom
+        two_d = geom[0] == 1 and geom[12] == 1 and conv.x3[0] == 1  # one depth cell
+        hp, wp = _extents(geom)[:2]
+        inside = conv.x3[1] + geom[10] <= hp and conv.x3[2] + geom[11] <= wp
+        return bool(two_d and inside and not conv.depthwise and (geom[3:6] == 1).all() and geom[1] * geom[2] > 1
+                    and conv.in_per_group >= TAP_MIN_CHANNELS
+                    and geom[14] >= (TAP_MIN_WEIGHT_WIDTH if op == WEIGHT_GRADIENT else TAP_MIN_WIDTH))
 
-    def runs(self, op: int) -> bool:
-        """Whether `op` (FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT) runs on taps."""
-        return self.weights if op == WEIGHT_GRADIENT else self.forward
+    def __init__(self, conv, threads: int):
+        self.geom, self.batch = conv.geom, conv.batch
+        self.parts = part_count(threads, conv.batch, conv.multiply_adds)
+        self.sizes = np.array(tap_work_sizes(conv.geom, conv.in_per_group, conv.out_per_group, conv.groups), np.int64)
 
-    def scratch_bytes(self, itemsize: int = 4) -> int:
+    def scratch_bytes(self, op: int, itemsize: int = 4) -> int:
+        """Bytes of work memory for all parts (the same for every op), in elements of `itemsize` bytes."""
         return itemsize * self.parts * int(self.sizes.sum())
 
     def calls(self, op: int, arrays: tuple, scratch) -> list:

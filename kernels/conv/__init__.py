@@ -13,20 +13,22 @@ Convolution:
   (Products are cut into blocks of cells only where OpenBLAS has small-matrix
   kernels for them: kernels/blas.py's SMALL_PRODUCT_CELLS.)
   Pointwise convolutions (1x1, stride 1, no padding) skip im2col (over
-  planes of fewer than COLUMNS cells they run in conv_pointwise.py); for
+  planes of fewer than COLUMNS cells they run in pointwise.py); for
   stride 1 with the output as wide as the input, each im2col row is one
   shifted contiguous copy of the image (edge columns zeroed after).
   Backward: dcol = W_gᵀ · dY_g then col2im (input); dW_gᵀ = Σ col · dY_gᵀ
   (weight; BLAS's faster order for these shapes).
 - stride-1 2-D convolutions with at least 16 input channels per group and outputs at least 8 wide (16
   for the weight gradient): one product per kernel tap over shifted views of the padded image, no im2col
-  (conv_taps.py, whose TapPlan says which ops run there and makes their calls).
+  (taps.py, whose TapPlan says which ops run there and makes their calls).
 - depthwise (C/G = 1): a direct loop, over whole planes for wide outputs (the
   padded plane split into stride phases, flattened, nine taps a pass),
   channels-last for narrow ones (three taps a multiply-add over the channels);
   depthwise.py's DepthwisePlan lays it out, sizes its work memory and makes its calls.
-`_ConvLayout` chooses the strategy of each op: depthwise, pointwise over small planes
-(conv_pointwise.py), taps, or im2col here.
+`strategy` chooses the strategy of each op, in one place: depthwise, pointwise over small
+planes (pointwise.py), taps (taps.py), or im2col here (Im2colPlan). Each strategy's plan is built from the
+op's `Convolution` (kernels/windows.py) and the step's threads, and answers the same two questions: its
+work memory (`scratch_bytes`) and its calls (`calls`); every binding below asks the chosen plan.
 - work memory is the node's arena scratch (declared by `conv_scratch`,
   placed by the planner for that one step): im2col columns K·chunk·P, rows
   gathered from several images M/G·chunk·P (in a forward, also its
@@ -50,15 +52,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from .jit import njit, prange
+from ..jit import njit, prange
 
-from .registry import ODTRAIN_DOMAIN, binding
-from .blas import NUMPY_OPENBLAS, gemm_blocks, product
+from ..registry import ODTRAIN_DOMAIN, binding
+from ..blas import NUMPY_OPENBLAS, gemm_blocks, product
+from ..parallel_split import on_parts, parallel_twin, part_count, split, twin_of
+from ..windows import FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT, Convolution, text, valid_range
 from .depthwise import DepthwisePlan
-from .conv_taps import TapPlan
-from .conv_pointwise import COLUMNS, MIN_CHANNELS, gather_rows, pointwise_calls, pointwise_plan, scatter_rows
-from .parallel_split import on_parts, parallel_twin, part_count, split, twin_of
-from .windows import FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT, as_3d, text, valid_range, window_geometry
+from .pointwise import COLUMNS, MIN_CHANNELS, PointwisePlan, gather_rows, scatter_rows
+from .taps import TapPlan
 
 # Forward products with at most this many output channels per group and at least this deep a K run as
 # Yᵀ = im2colᵀ · Wᵀ, then a transpose into Y, on the route to scipy's OpenBLAS (kernels/blas.py), which runs
@@ -429,103 +431,94 @@ def _conv_bias_grad(dy, db, m0, m1):
 _conv_bias_grad_parts = parallel_twin(_conv_bias_grad, range=("m0", "m1"))
 
 
-class _ConvLayout:
-    """How a convolution runs, from the shapes of X, W and Y and the step's threads: views, geometry, kernel
-    choice, how many parts of the batch run in parallel (kernels/parallel_split.py), work sizes per part."""
+class Im2colPlan:
+    """How a convolution's op runs on im2col + BLAS (every convolution may): how many parts of the batch run
+    in parallel (kernels/parallel_split.py), images per product, work sizes per part, and for a weight gradient
+    whose sums outweigh its work memory, parts of the output channels instead."""
 
-    def __init__(self, x_shape, w_shape, y_shape, group=1, auto_pad="NOTSET", dilations=None, kernel_shape=None,
-                 pads=None, strides=None, threads=1):
-        group = int(group)
-        batch, channels = int(x_shape[0]), int(x_shape[1])
-        self.groups = group
-        self.in_per_group, self.out_per_group = channels // group, int(w_shape[0]) // group
-        kernel = [int(k) for k in w_shape[2:]]
-        self.geom, _ = window_geometry(x_shape[2:], y_shape[2:], kernel, auto_pad, pads, strides, dilations)
-        self.cells = int(np.prod(y_shape[2:], dtype=np.int64))
-        self.k = self.in_per_group * int(np.prod(kernel, dtype=np.int64))
-        self.x6 = (batch, group, self.in_per_group) + as_3d(x_shape[2:])
-        self.y6 = (batch, group, self.out_per_group) + as_3d(y_shape[2:])
-        self.y4 = (batch, group, self.out_per_group, self.cells)
-        self.w3 = (group, self.out_per_group, self.k)
-        self.depthwise = self.in_per_group == 1 and self.k > 1
-        geom = self.geom
-        # parallel parts: of the images (depthwise: as its plan says, kernels/depthwise.py)
-        work = batch * self.cells * self.k * int(w_shape[0])  # multiply-adds
-        self.parts = part_count(threads, batch, work)
+    @staticmethod
+    def takes(conv: Convolution, op: int) -> bool:
+        return True
+
+    def __init__(self, conv: Convolution, threads: int):
+        batch, cells, k, out_per_group = conv.batch, conv.cells, conv.k, conv.out_per_group
+        self.conv = conv
+        self.parts = part_count(threads, batch, conv.multiply_adds)
         per_part = -(-batch // self.parts)  # images of the largest part
-        self.pointwise = bool((geom[0:6] == 1).all() and (geom[9:12] == 0).all()
-                              and tuple(x_shape[2:]) == tuple(y_shape[2:]))
-        # pointwise over small planes: several images per product, parts split channels (conv_pointwise.py)
-        self.small_pointwise = self.pointwise and self.cells < COLUMNS
-        self.batch, self.threads = batch, threads
         # the parts share the columns of one product: together they hold no more work memory than one thread
-        self.chunk = int(max(1, min(per_part, -(-COLUMNS // (self.parts * max(self.cells, 1))))))
-        width = self.chunk * self.cells
+        self.chunk = int(max(1, min(per_part, -(-COLUMNS // (self.parts * max(cells, 1))))))
+        width = self.chunk * cells
         # forward products as yᵀ = im2colᵀ · Wᵀ (then transposed into Y) for few output channels and a deep K
-        self.transposed = bool(not self.depthwise and not self.pointwise and self.out_per_group <= TRANSPOSED_CHANNELS
-                               and self.k >= TRANSPOSED_DEPTH)
-        # float32 elements of work memory per part: im2col columns, gathered rows (several images), a partial dW
-        self.columns = 0 if self.depthwise or (self.pointwise and self.chunk == 1) else self.k * width
-        self.rows = 0 if self.depthwise or self.chunk == 1 else self.out_per_group * width
+        self.transposed = bool(not conv.pointwise and out_per_group <= TRANSPOSED_CHANNELS and k >= TRANSPOSED_DEPTH)
+        # elements of work memory per part: im2col columns, gathered rows (several images), a partial dW
+        self.columns = 0 if conv.pointwise and self.chunk == 1 else k * width
+        self.rows = 0 if self.chunk == 1 else out_per_group * width
         # the forward's rows: gathered from several images, or its transposed product
-        self.forward_rows = self.out_per_group * width if self.transposed else self.rows
+        self.forward_rows = out_per_group * width if self.transposed else self.rows
         # the weight gradient's transposed sums [G, K, M/G], and one product [K, M/G] to add from later chunks
-        self.product = self.k * self.out_per_group if per_part > self.chunk else 0
-        self.partial = 0 if self.depthwise else group * self.k * self.out_per_group + self.product
+        self.product = k * out_per_group if per_part > self.chunk else 0
+        self.partial = conv.groups * k * out_per_group + self.product
         # Parts of the batch sum their own weight gradients, then add them. Where those sums outweigh the
         # parts' im2col memory (many channels over few cells) and CHANNEL_SPLIT_SUMS, the weight
         # gradient splits its output channels instead: each part all images, no sums to add. Its work memory
         # per part: one thread's columns, and its channels' gathered rows.
-        # stride-1 2-D convolutions with enough channels: one product per kernel tap, no im2col (conv_taps.py)
-        self.taps = TapPlan(geom, self.x6[3:], self.in_per_group, self.out_per_group, group, batch, self.parts,
-                             self.depthwise)
-        self.by_taps, self.weights_by_taps = self.taps.runs(FORWARD), self.taps.runs(WEIGHT_GRADIENT)
         self.channel_parts = 1
-        if (self.parts > 1 and not self.depthwise and not self.weights_by_taps
-                and self.partial > max(self.columns + self.rows, CHANNEL_SPLIT_SUMS)):
-            self.channel_parts = part_count(threads, self.out_per_group // MIN_CHANNELS, work)
-        self.channel_chunk = int(max(1, min(batch, -(-COLUMNS // max(self.cells, 1)))))
-        width = self.channel_chunk * self.cells
-        self.channel_columns = 0 if self.pointwise and self.channel_chunk == 1 else self.k * width
-        self.channel_rows = 0 if self.channel_chunk == 1 else -(-self.out_per_group // self.channel_parts) * width
-        self.depthwise_plan = None
-        if self.depthwise:  # its own layout, parts and work memory (kernels/depthwise.py)
-            self.depthwise_plan = DepthwisePlan(geom, x_shape, y_shape, int(w_shape[0]), threads)
-            self.parts = self.depthwise_plan.parts
+        if self.parts > 1 and self.partial > max(self.columns + self.rows, CHANNEL_SPLIT_SUMS):
+            self.channel_parts = part_count(threads, out_per_group // MIN_CHANNELS, conv.multiply_adds)
+        self.channel_chunk = int(max(1, min(batch, -(-COLUMNS // max(cells, 1)))))
+        width = self.channel_chunk * cells
+        self.channel_columns = 0 if conv.pointwise and self.channel_chunk == 1 else k * width
+        self.channel_rows = 0 if self.channel_chunk == 1 else -(-out_per_group // self.channel_parts) * width
 
-    def scratch_bytes(self, weight_gradient: bool, itemsize: int = 4, forward: bool = False) -> int:
-        """Bytes of work memory for all parts (the dW sums only for a weight gradient or depthwise; the
-        forward's rows for a `forward` convolution), in elements of `itemsize` bytes (float32, or float64 for
-        the integer convolutions of quantize.py)."""
-        if self.small_pointwise:
-            plan = self.pointwise_plan(WEIGHT_GRADIENT if weight_gradient else FORWARD if forward else INPUT_GRADIENT)
-            return itemsize * plan.parts * plan.per_part
-        if self.depthwise:
-            return self.depthwise_plan.scratch_bytes(itemsize)
-        if self.taps.runs(WEIGHT_GRADIENT if weight_gradient else FORWARD):
-            return self.taps.scratch_bytes(itemsize)
-        if weight_gradient and self.channel_parts > 1:
-            sums = self.groups * self.k * self.out_per_group
+    def scratch_bytes(self, op: int, itemsize: int = 4) -> int:
+        """Bytes of work memory of `op` for all parts (the dW sums only for a weight gradient, the forward's
+        rows for a forward), in elements of `itemsize` bytes (float32, or float64 for the integer convolutions
+        of quantize.py)."""
+        if op == WEIGHT_GRADIENT and self.channel_parts > 1:
+            sums = self.conv.groups * self.conv.k * self.conv.out_per_group
             return itemsize * (self.channel_parts * (self.channel_columns + self.channel_rows) + sums)
-        extra = self.partial if weight_gradient else 0
-        rows = self.forward_rows if forward else self.rows
+        extra = self.partial if op == WEIGHT_GRADIENT else 0
+        rows = self.forward_rows if op == FORWARD else self.rows
         return itemsize * self.parts * (self.columns + rows + extra)
 
-    def pointwise_plan(self, op: int):
-        """How the FORWARD, INPUT_GRADIENT or WEIGHT_GRADIENT op of a small pointwise convolution runs."""
-        return pointwise_plan(op, self.batch, self.in_per_group, self.out_per_group, self.groups, self.cells,
-                              self.threads)
+    def calls(self, op: int, arrays: tuple, scratch) -> list:
+        """The call of `op` on `arrays` (X as [N, G, C/G, D, H, W], W as [G, M/G, K], Y as [N, G, M/G, P]; the
+        forward's bias [G, M/G] and its flag), serial or in parts."""
+        if op == FORWARD:
+            columns, rows = self._work(scratch, dtype=arrays[0].dtype, forward=True)
+            call = (_conv_forward, arrays + (columns, rows, self.conv.geom, self.chunk, self.conv.pointwise,
+                                             self.transposed, 0, self.conv.batch))
+        elif op == INPUT_GRADIENT:
+            columns, rows = self._work(scratch)
+            call = (_conv_input_grad, arrays + (columns, rows, self.conv.geom, self.chunk, self.conv.pointwise, 0,
+                                                self.conv.batch))
+        elif self.channel_parts > 1:
+            return [self._weight_channel_parts(arrays, scratch)]
+        else:
+            columns, rows, sums, product = self._work(scratch, sums=True)
+            call = (_conv_weight_grad, arrays + (columns, rows, sums, product, self.conv.geom, self.chunk,
+                                                 self.conv.pointwise))
+            return [on_parts(call, self.conv.batch, self.parts, (self._per_part(scratch), self.columns, self.rows,
+                                                                  self.product))]
+        return [on_parts(call, self.conv.batch, self.parts, (self._per_part(scratch), self.columns))]
 
-    def planes(self, array):
-        """A pointwise convolution's X, Y or their gradients as [N, G, channels, P]."""
-        return array.reshape(self.batch, self.groups, -1, self.cells)
+    def _weight_channel_parts(self, arrays: tuple, scratch) -> tuple:
+        """The weight gradient's call on parts of the output channels, each over all images."""
+        memory = scratch.view(np.float32)
+        columns, per_part = self.channel_columns, self.channel_columns + self.channel_rows
+        work = memory[:self.channel_parts * per_part].reshape(self.channel_parts, per_part)
+        conv = self.conv
+        sums = memory[work.size:].reshape(conv.groups, conv.k, conv.out_per_group)
+        call = (_conv_weight_channels, arrays + (work[0, :columns], work[0, columns:], sums, conv.geom,
+                                                 self.channel_chunk, conv.pointwise, 0, conv.out_per_group))
+        return on_parts(call, conv.out_per_group, self.channel_parts, (work, columns))
 
-    def per_part(self, scratch) -> np.ndarray:
+    def _per_part(self, scratch) -> np.ndarray:
         """The scratch as float32 [parts, elements per part]."""
         memory = scratch.view(np.float32) if scratch is not None else np.zeros(0, np.float32)
         return memory.reshape(self.parts, -1) if memory.size else np.zeros((self.parts, 0), np.float32)
 
-    def work(self, scratch, sums: bool = False, dtype=np.float32, forward: bool = False):
+    def _work(self, scratch, sums: bool = False, dtype=np.float32, forward: bool = False):
         """(columns, rows[, dW sums [G, K, M/G], product [K, M/G]]) as views of the node's scratch (float32,
         or the dtype the convolution runs in; a `forward` convolution's rows)."""
         memory = scratch.view(dtype) if scratch is not None else np.zeros(0, dtype)
@@ -533,115 +526,96 @@ class _ConvLayout:
         rows = memory[self.columns:self.columns + (self.forward_rows if forward else self.rows)]
         if not sums:
             return columns, rows
+        conv = self.conv
         start = self.columns + self.rows
-        size = self.groups * self.k * self.out_per_group
-        totals = memory[start:start + size].reshape(self.groups, self.k, self.out_per_group)
+        size = conv.groups * conv.k * conv.out_per_group
+        totals = memory[start:start + size].reshape(conv.groups, conv.k, conv.out_per_group)
         rest = memory[start + size:start + self.partial]
-        product = rest.reshape(self.k, self.out_per_group) if rest.size else np.zeros((1, 1), np.float32)
+        product = rest.reshape(conv.k, conv.out_per_group) if rest.size else np.zeros((1, 1), np.float32)
         return columns, rows, totals, product
 
 
-def _forward_calls(layout: _ConvLayout, x, w, bias, y, scratch) -> list:
-    """y = conv(x, w) (+ bias [G, M/G] when given): the calls, serial or in parts."""
-    wv = w.reshape(layout.w3)
-    b = bias if bias is not None else np.zeros((1, 1), x.dtype)
-    if layout.depthwise:
-        plan = layout.depthwise_plan
-        return plan.calls(FORWARD, (x.reshape(plan.x5), wv, b, bias is not None, y.reshape(layout.y6)), scratch)
-    if layout.small_pointwise:
-        return pointwise_calls(FORWARD, layout.pointwise_plan(FORWARD),
-                               (layout.planes(x), wv, b, bias is not None, layout.planes(y)), scratch, x.dtype)
-    xv, yv = x.reshape(layout.x6), y.reshape(layout.y4)
-    if layout.taps.runs(FORWARD):
-        return layout.taps.calls(FORWARD, (xv, wv, b, bias is not None, yv), scratch)
-    columns, rows = layout.work(scratch, dtype=x.dtype, forward=True)
-    call = (_conv_forward, (xv, wv, b, bias is not None, yv, columns, rows, layout.geom, layout.chunk, layout.pointwise,
-                            layout.transposed, 0, layout.batch))
-    return [on_parts(call, layout.batch, layout.parts, (layout.per_part(scratch), layout.columns))]
+# ---- the one choice of strategy, and the bindings ---------------------------------------------------------------
+# Every binding below runs one op of a convolution (FORWARD, INPUT_GRADIENT or WEIGHT_GRADIENT) through the plan
+# of the strategy that takes it; each strategy's plan has the same three answers: takes(conv, op), and from
+# plan(conv, threads): scratch_bytes(op, itemsize) and calls(op, arrays, scratch).
+
+STRATEGIES = (DepthwisePlan, PointwisePlan, TapPlan, Im2colPlan)  # the first that takes an op runs it
+
+# The convolution op each op type runs. ConvTranspose(X, W) is the input gradient of the convolution of Y by W
+# (X and Y exchanged): its forward is that convolution's input gradient, its input gradient a forward, its weight
+# gradient a weight gradient with X in dY's place.
+OPS = {"Conv": FORWARD, "ConvInputGrad": INPUT_GRADIENT, "ConvWeightGrad": WEIGHT_GRADIENT,
+       "ConvTranspose": INPUT_GRADIENT, "ConvTransposeInputGrad": FORWARD, "ConvTransposeWeightGrad": WEIGHT_GRADIENT}
+EXCHANGED = ("ConvTransposeWeightGrad",)  # its inputs (dY, X) are the convolution's (X, dY)
 
 
-def _input_grad_calls(layout: _ConvLayout, dy, w, dx, scratch) -> list:
-    """dx = the input gradient of conv(x, w) from dy: the calls, serial or in parts."""
-    wv = w.reshape(layout.w3)
-    if layout.depthwise:
-        plan = layout.depthwise_plan
-        return plan.calls(INPUT_GRADIENT, (dy.reshape(layout.y6), wv, dx.reshape(plan.x5)), scratch)
-    if layout.small_pointwise:
-        return pointwise_calls(INPUT_GRADIENT, layout.pointwise_plan(INPUT_GRADIENT),
-                               (layout.planes(dy), wv, layout.planes(dx)), scratch, dy.dtype)
-    dyv, dxv = dy.reshape(layout.y4), dx.reshape(layout.x6)
-    if layout.taps.runs(INPUT_GRADIENT):
-        return layout.taps.calls(INPUT_GRADIENT, (dyv, wv, dxv), scratch)
-    columns, rows = layout.work(scratch)
-    call = (_conv_input_grad, (dyv, wv, dxv, columns, rows, layout.geom, layout.chunk, layout.pointwise, 0,
-                               layout.batch))
-    return [on_parts(call, layout.batch, layout.parts, (layout.per_part(scratch), layout.columns))]
+def strategy(op: int, conv: Convolution, threads: int = 1):
+    """The plan of the strategy that runs `op` of `conv` at `threads` threads: depthwise, pointwise over small
+    planes, taps, or im2col, chosen here and nowhere else."""
+    return next(plan for plan in STRATEGIES if plan.takes(conv, op))(conv, threads)
 
 
-def _weight_grad_calls(layout: _ConvLayout, dy, x, dw, scratch) -> list:
-    """dw = the weight gradient of conv(x, w) from dy: the calls, serial or in parts."""
-    dwv = dw.reshape(layout.w3)
-    if layout.depthwise:
-        plan = layout.depthwise_plan
-        return plan.calls(WEIGHT_GRADIENT, (dy.reshape(layout.y6), x.reshape(plan.x5), dwv), scratch)
-    if layout.small_pointwise:
-        return pointwise_calls(WEIGHT_GRADIENT, layout.pointwise_plan(WEIGHT_GRADIENT),
-                               (layout.planes(dy), layout.planes(x), dwv), scratch, x.dtype)
-    dyv, xv = dy.reshape(layout.y4), x.reshape(layout.x6)
-    if layout.taps.runs(WEIGHT_GRADIENT):
-        return layout.taps.calls(WEIGHT_GRADIENT, (dyv, xv, dwv), scratch)
-    if layout.channel_parts > 1:  # parts of the output channels, each over all images
-        memory = scratch.view(np.float32)
-        columns, per_part = layout.channel_columns, layout.channel_columns + layout.channel_rows
-        work = memory[:layout.channel_parts * per_part].reshape(layout.channel_parts, per_part)
-        sums = memory[work.size:].reshape(layout.groups, layout.k, layout.out_per_group)
-        call = (_conv_weight_channels, (dyv, xv, dwv, work[0, :columns], work[0, columns:], sums, layout.geom,
-                                        layout.channel_chunk, layout.pointwise, 0, layout.out_per_group))
-        return [on_parts(call, layout.out_per_group, layout.channel_parts, (work, columns))]
-    columns, rows, sums, product = layout.work(scratch, sums=True)
-    call = (_conv_weight_grad, (dyv, xv, dwv, columns, rows, sums, product, layout.geom, layout.chunk,
-                                layout.pointwise))
-    return [on_parts(call, layout.batch, layout.parts, (layout.per_part(scratch), layout.columns, layout.rows,
-                                                         layout.product))]
+def _operands(op_type: str, first, second, out) -> tuple:
+    """The op's two inputs and output in its convolution op's order: FORWARD (X, W, Y), INPUT_GRADIENT
+    (dY, W, dX), WEIGHT_GRADIENT (dY, X, dW)."""
+    return (second, first, out) if op_type in EXCHANGED else (first, second, out)
 
 
-def conv_scratch(op_type: str):
-    """The scratch-size rule of Conv, ConvInputGrad or ConvWeightGrad: bytes of im2col work memory."""
+def _plan(op_type: str, first, second, out, threads=1, **attrs):
+    """(the convolution op, the convolution, the plan that runs it) of `op_type` with these shapes of its inputs
+    and output."""
+    op = OPS[op_type]
+    a, b, c = _operands(op_type, first, second, out)
+    x, w, y = (a, b, c) if op == FORWARD else (c, b, a) if op == INPUT_GRADIENT else (b, c, a)
+    conv = _transposed(x, w, y, **attrs) if op_type.startswith("ConvTranspose") else Convolution(x, w, y, **attrs)
+    return op, conv, strategy(op, conv, threads)
+
+
+def _views(op: int, conv: Convolution, arrays: tuple, bias=None) -> tuple:
+    """The op's arrays as every strategy reads them: X as [N, G, C/G, D, H, W], W as [G, M/G, K], Y as
+    [N, G, M/G, P]; a forward also gets its bias as [G, M/G] (zeros when absent) and whether it has one."""
+    a, b, c = arrays
+    if op == FORWARD:
+        bias_view = bias.reshape(conv.groups, conv.out_per_group) if bias is not None else np.zeros((1, 1), a.dtype)
+        return a.reshape(conv.x6), b.reshape(conv.w3), bias_view, bias is not None, c.reshape(conv.y4)
+    if op == INPUT_GRADIENT:
+        return a.reshape(conv.y4), b.reshape(conv.w3), c.reshape(conv.x6)
+    return a.reshape(conv.y4), b.reshape(conv.x6), c.reshape(conv.w3)
+
+
+def _calls(op_type: str, inputs, outputs, scratch, attrs, bias=None) -> list:
+    """The calls of `op_type` on its first two inputs and its output (and a convolution's bias)."""
+    first, second, out = inputs[0], inputs[1], outputs[0]
+    op, conv, plan = _plan(op_type, first.shape, second.shape, out.shape, **attrs)
+    return plan.calls(op, _views(op, conv, _operands(op_type, first, second, out), bias), scratch)
+
+
+def conv_scratch(op_type: str, itemsize: int | None = None):
+    """The scratch-size rule of a convolution op: bytes of its strategy's work memory, in elements of the first
+    input's size (or of `itemsize`)."""
 
     def size(specs_in, specs_out, **attrs):
-        shapes_in = [spec[0] if spec else None for spec in specs_in]
-        shape_out = specs_out[0][0]
-        if op_type == "Conv":
-            layout = _ConvLayout(shapes_in[0], shapes_in[1], shape_out, **attrs)
-        elif op_type == "ConvInputGrad":
-            layout = _ConvLayout(shape_out, shapes_in[1], shapes_in[0], **attrs)
-        else:
-            layout = _ConvLayout(shapes_in[1], shape_out, shapes_in[0], **attrs)
-        return layout.scratch_bytes(op_type == "ConvWeightGrad", np.dtype(specs_in[0][1]).itemsize,
-                                    op_type == "Conv")
+        op, _, plan = _plan(op_type, specs_in[0][0], specs_in[1][0], specs_out[0][0], **attrs)
+        return plan.scratch_bytes(op, itemsize or np.dtype(specs_in[0][1]).itemsize)
 
     return size
 
 
 @binding("Conv", scratch=conv_scratch("Conv"), parallel=True)
 def Conv(inputs, outputs, scratch=None, **attrs):
-    x, w, y = inputs[0], inputs[1], outputs[0]
     bias = inputs[2] if len(inputs) > 2 and inputs[2] is not None else None
-    layout = _ConvLayout(x.shape, w.shape, y.shape, **attrs)
-    b = bias.reshape(layout.groups, layout.out_per_group) if bias is not None else None
-    return _forward_calls(layout, x, w, b, y, scratch)
+    return _calls("Conv", inputs, outputs, scratch, attrs, bias)
 
 
 @binding("ConvInputGrad", ODTRAIN_DOMAIN, scratch=conv_scratch("ConvInputGrad"), parallel=True)
 def ConvInputGrad(inputs, outputs, scratch=None, **attrs):
-    dy, w, dx = inputs[0], inputs[1], outputs[0]
-    return _input_grad_calls(_ConvLayout(dx.shape, w.shape, dy.shape, **attrs), dy, w, dx, scratch)
+    return _calls("ConvInputGrad", inputs, outputs, scratch, attrs)
 
 
 @binding("ConvWeightGrad", ODTRAIN_DOMAIN, scratch=conv_scratch("ConvWeightGrad"), parallel=True)
 def ConvWeightGrad(inputs, outputs, scratch=None, **attrs):
-    dy, x, dw = inputs[0], inputs[1], outputs[0]
-    return _weight_grad_calls(_ConvLayout(x.shape, dw.shape, dy.shape, **attrs), dy, x, dw, scratch)
+    return _calls("ConvWeightGrad", inputs, outputs, scratch, attrs)
 
 
 @binding("ConvBiasGrad", ODTRAIN_DOMAIN, parallel=True)
@@ -652,8 +626,8 @@ def ConvBiasGrad(inputs, outputs, threads=1):
 
 
 # ---- ConvTranspose: the convolution kernels with X and Y exchanged --------------------------------
-# ConvTranspose(X, W) is the input gradient of the convolution of Y by W, so a _ConvLayout over
-# (Y, W, X) runs it: forward with _conv_input_grad, dX with _conv_forward, dW with _conv_weight_grad.
+# ConvTranspose(X, W) is the input gradient of the convolution of Y by W, so that convolution (_transposed)
+# runs it: forward as its input gradient, dX as its forward, dW as its weight gradient (OPS above).
 
 
 def _transpose_begin_pads(x_spatial, y_spatial, kernel, auto_pad="NOTSET", dilations=None, output_padding=None,
@@ -681,30 +655,13 @@ def _transpose_begin_pads(x_spatial, y_spatial, kernel, auto_pad="NOTSET", dilat
     return begin
 
 
-def _transpose_layout(x_shape, w_shape, y_shape, group=1, auto_pad="NOTSET", dilations=None, kernel_shape=None,
-                      output_padding=None, output_shape=None, pads=None, strides=None, threads=1) -> _ConvLayout:
-    """The layout of the convolution whose input is Y and output X (ConvTranspose's shapes)."""
+def _transposed(x_shape, w_shape, y_shape, group=1, auto_pad="NOTSET", dilations=None, kernel_shape=None,
+                output_padding=None, output_shape=None, pads=None, strides=None) -> Convolution:
+    """The convolution of ConvTranspose's Y (x_shape here) by W into its X (y_shape here)."""
     rank = len(x_shape) - 2
-    begin = _transpose_begin_pads(x_shape[2:], y_shape[2:], [int(k) for k in w_shape[2:]], auto_pad, dilations,
+    begin = _transpose_begin_pads(y_shape[2:], x_shape[2:], [int(k) for k in w_shape[2:]], auto_pad, dilations,
                                   output_padding, output_shape, pads, strides)
-    return _ConvLayout(y_shape, w_shape, x_shape, group, "NOTSET", dilations, None, begin + [0] * rank, strides,
-                       threads)
-
-
-def _conv_transpose_scratch(op_type: str):
-    """The scratch-size rule of ConvTranspose and its gradient ops: bytes of im2col work memory."""
-
-    def size(specs_in, specs_out, **attrs):
-        first, second, out = specs_in[0][0], specs_in[1][0], specs_out[0][0]
-        if op_type == "ConvTranspose":  # X, W -> Y
-            layout = _transpose_layout(first, second, out, **attrs)
-        elif op_type == "ConvTransposeInputGrad":  # dY, W -> dX
-            layout = _transpose_layout(out, second, first, **attrs)
-        else:  # dY, X -> dW
-            layout = _transpose_layout(second, out, first, **attrs)
-        return layout.scratch_bytes(op_type == "ConvTransposeWeightGrad", forward=op_type == "ConvTransposeInputGrad")
-
-    return size
+    return Convolution(x_shape, w_shape, y_shape, group, "NOTSET", dilations, None, begin + [0] * rank, strides)
 
 
 @njit(cache=True, error_model="numpy")
@@ -718,24 +675,23 @@ def _add_channel_bias(y, bias):
                 row[p] += value
 
 
-@binding("ConvTranspose", scratch=_conv_transpose_scratch("ConvTranspose"), parallel=True)
+# ConvTranspose's scratch is counted in float32 elements whatever its dtype (it runs in float32 only).
+@binding("ConvTranspose", scratch=conv_scratch("ConvTranspose", itemsize=4), parallel=True)
 def ConvTranspose(inputs, outputs, scratch=None, **attrs):
-    x, w, y = inputs[0], inputs[1], outputs[0]
-    calls = _input_grad_calls(_transpose_layout(x.shape, w.shape, y.shape, **attrs), x, w, y, scratch)
+    calls = _calls("ConvTranspose", inputs, outputs, scratch, attrs)
     if len(inputs) > 2 and inputs[2] is not None:
+        y = outputs[0]
         calls.append((_add_channel_bias, (y.reshape(y.shape[0], y.shape[1], -1), inputs[2])))
     return calls
 
 
-@binding("ConvTransposeInputGrad", ODTRAIN_DOMAIN, scratch=_conv_transpose_scratch("ConvTransposeInputGrad"),
+@binding("ConvTransposeInputGrad", ODTRAIN_DOMAIN, scratch=conv_scratch("ConvTransposeInputGrad", itemsize=4),
          parallel=True)
 def ConvTransposeInputGrad(inputs, outputs, scratch=None, **attrs):
-    dy, w, dx = inputs[0], inputs[1], outputs[0]
-    return _forward_calls(_transpose_layout(dx.shape, w.shape, dy.shape, **attrs), dy, w, None, dx, scratch)
+    return _calls("ConvTransposeInputGrad", inputs, outputs, scratch, attrs)
 
 
-@binding("ConvTransposeWeightGrad", ODTRAIN_DOMAIN, scratch=_conv_transpose_scratch("ConvTransposeWeightGrad"),
+@binding("ConvTransposeWeightGrad", ODTRAIN_DOMAIN, scratch=conv_scratch("ConvTransposeWeightGrad", itemsize=4),
          parallel=True)
 def ConvTransposeWeightGrad(inputs, outputs, scratch=None, **attrs):
-    dy, x, dw = inputs[0], inputs[1], outputs[0]
-    return _weight_grad_calls(_transpose_layout(x.shape, dw.shape, dy.shape, **attrs), x, dy, dw, scratch)
+    return _calls("ConvTransposeWeightGrad", inputs, outputs, scratch, attrs)

@@ -1,5 +1,5 @@
 """Kernels: depthwise convolution (one input channel per group), the path Conv and ConvTranspose
-take when C/G = 1 (kernels/conv.py chooses it; `DepthwisePlan` here lays it out, sizes its scratch
+take when C/G = 1 (kernels/conv/__init__.py chooses it; `DepthwisePlan` here lays it out, sizes its scratch
 and makes its calls).
 
 Views: x [N, G, D, H, W], w [G, M/G, K], y [N, G, M/G, oD, oH, oW]. Two ways, chosen by output width:
@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .jit import njit, prange
+from ..jit import njit, prange
 
-from .parallel_split import on_parts, part_count, twin_of
-from .windows import FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT, as_3d, valid_range
+from ..parallel_split import on_parts, part_count, twin_of
+from ..windows import FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT, valid_range
 
 # Sums may be reassociated (fastmath "reassoc"): they vectorise, and partial sums are no less accurate.
 REDUCTION = {"reassoc", "contract"}
@@ -523,20 +523,23 @@ def _frames(geom, padded, out_spatial, channels=0):
 
 
 class DepthwisePlan:
-    """How one depthwise convolution runs, from its geometry (kernels/windows.py), the shapes of X and Y, its
-    output channels and the step's threads: the layout (planes or channels-last), the units its parts split
-    ((image, channel) pairs in planes, images channels-last), and each part's work memory: the padded planes
-    or image (padded_shape), an output or gradient plane (rows_shape), the taps or dW sums (sums_shape)."""
+    """How one depthwise convolution runs (one input channel per group, `takes`), from its Convolution
+    (kernels/windows.py) and the step's threads: the layout (planes or channels-last), the units its parts
+    split ((image, channel) pairs in planes, images channels-last), and each part's work memory: the padded
+    planes or image (padded_shape), an output or gradient plane (rows_shape), the taps or dW sums (sums_shape)."""
 
-    def __init__(self, geom, x_shape, y_shape, out_channels: int, threads: int):
-        batch, group = int(x_shape[0]), int(x_shape[1])
-        x3, y3 = as_3d(x_shape[2:]), as_3d(y_shape[2:])
-        per_group, k = out_channels // group, int(np.prod(geom[0:3]))
+    @staticmethod
+    def takes(conv, op: int) -> bool:
+        return conv.depthwise
+
+    def __init__(self, conv, threads: int):
+        batch, group, geom = conv.batch, conv.groups, conv.geom
+        x3, y3 = conv.x3, conv.y3
+        per_group, k = conv.out_per_group, int(np.prod(geom[0:3]))
         planes_layout = y3[2] >= PLANE_WIDTH
         self.units = batch * group if planes_layout else batch
-        work = batch * int(np.prod(y_shape[2:], dtype=np.int64)) * k * out_channels  # multiply-adds
-        self.parts = part_count(threads, self.units, work)
-        self.geom, self.x5 = geom, (batch, group) + x3
+        self.parts = part_count(threads, self.units, conv.multiply_adds)
+        self.geom, self.x5, self.y6 = geom, (batch, group) + x3, (batch, group, per_group) + y3
         padded = tuple(max(x3[a] + geom[9 + a], (y3[a] - 1) * geom[3 + a] + (geom[a] - 1) * geom[6 + a] + 1)
                        for a in range(3))
         self.channels_last = not planes_layout
@@ -556,14 +559,17 @@ class DepthwisePlan:
         self.rows_size = int(np.prod(self.rows_shape))
         self.sums_size = int(np.prod(self.sums_shape))
 
-    def scratch_bytes(self, itemsize: int = 4) -> int:
-        """Bytes of work memory for all parts, in elements of `itemsize` bytes."""
+    def scratch_bytes(self, op: int, itemsize: int = 4) -> int:
+        """Bytes of work memory for all parts (the same for every op), in elements of `itemsize` bytes."""
         return itemsize * self.parts * (self.padded_size + self.rows_size + self.sums_size)
 
     def calls(self, op: int, arrays: tuple, scratch) -> list:
-        """The call of `op`'s kernel (FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT) on `arrays` (X as x5, W as
-        [G, M/G, K], Y as [N, G, M/G, oD, oH, oW]) over all units (a weight gradient gets the whole dW sums, the
-        others the taps of one multiplier), or its parallel twin on the plan's parts of the units."""
+        """The call of `op`'s kernel (FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT) on `arrays` (X as [N, G, 1, D, H,
+        W], W as [G, M/G, K], Y as [N, G, M/G, P]; run as X [N, G, D, H, W] and Y [N, G, M/G, oD, oH, oW]) over
+        all units (a weight gradient gets the whole dW sums, the others the taps of one multiplier), or its
+        parallel twin on the plan's parts of the units."""
+        shapes = {6: self.x5, 4: self.y6}  # X's arrays and Y's, as the depthwise kernels read them
+        arrays = tuple(a.reshape(shapes[a.ndim]) if np.ndim(a) in shapes else a for a in arrays)
         memory = scratch.view(arrays[0].dtype)
         start = self.padded_size + self.rows_size
         padded, rows = memory[:self.padded_size], memory[self.padded_size:start]

@@ -14,56 +14,27 @@ channels, dW's rows or, when C/G > M/G, dW's columns), gathers the other operand
 of the work) and runs its product and scatter; nothing is added across parts, so a result has the same
 sums at every thread count.
 
-Work memory per part (`pointwise_plan`), in the convolution's dtype: the whole gathered operand of a chunk
+Work memory per part (`PointwisePlan.layout`), in the convolution's dtype: the whole gathered operand of a chunk
 and its own block, chunk·P elements a channel: small, since only small planes take this route.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .jit import njit, prange
+from ..jit import njit, prange
 
-from .blas import gemm_blocks, product
-from .parallel_split import on_parts, part_bounds, part_count, twin_of
-from .windows import FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT
+from ..blas import gemm_blocks, product
+from ..parallel_split import on_parts, part_bounds, part_count, twin_of
+from ..windows import FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT
 
-COLUMNS = 512  # convolutions gather images into one product until it has this many columns (also kernels/conv.py)
+COLUMNS = 512  # convolutions gather images into one product until it has this many columns (also kernels/conv/__init__.py)
 MIN_CHANNELS = 16  # output channels per part when parts split channels (narrower products lose speed)
-
-
-class PointwisePlan:
-    """How one pointwise op runs: `chunk` images per product; parts over `bounds` of the split channels
-    (those of dW's columns when `split_inputs`), each with `per_part` elements of work memory."""
-
-    def __init__(self, chunk: int, bounds: np.ndarray, split_inputs: bool, per_part: int):
-        self.chunk, self.bounds, self.split_inputs, self.per_part = chunk, bounds, split_inputs, per_part
-
-    @property
-    def parts(self) -> int:
-        return self.bounds.size - 1
-
-
-def pointwise_plan(op: int, batch: int, in_per_group: int, out_per_group: int, groups: int, cells: int,
-                   threads: int) -> PointwisePlan:
-    """The plan of a FORWARD, INPUT_GRADIENT or WEIGHT_GRADIENT op of a pointwise convolution over planes of
-    `cells` (< COLUMNS) cells at `threads` threads."""
-    chunk = int(max(1, min(batch, -(-COLUMNS // max(cells, 1)))))
-    split_inputs = op == INPUT_GRADIENT or (op == WEIGHT_GRADIENT and in_per_group > out_per_group)
-    split, whole = (in_per_group, out_per_group) if split_inputs else (out_per_group, in_per_group)
-    work = batch * groups * in_per_group * out_per_group * cells  # multiply-adds
-    parts = part_count(threads, split // MIN_CHANNELS, work)
-    own = -(-split // parts)
-    if op == WEIGHT_GRADIENT:  # both operands gathered, unless one image per chunk (views then)
-        per_part = 0 if chunk == 1 else (own + whole) * chunk * cells
-    else:  # the gathered input (views for one image), and the product's rows before the scatter
-        per_part = (0 if chunk == 1 else whole * chunk * cells) + own * chunk * cells
-    return PointwisePlan(chunk, part_bounds(split, parts), split_inputs, per_part)
 
 
 @njit(cache=True, error_model="numpy", inline="always")
 def gather_rows(a, n0, nb, g, c0, c1, out):
     """out[c - c0, b·P + p] = a[n0 + b, g, c, p] for the channels c in [c0, c1): rows of nb images side by
-    side (a is [N, G, channels, P]; also kernels/conv.py's gathered dY rows)."""
+    side (a is [N, G, channels, P]; also kernels/conv/__init__.py's gathered dY rows)."""
     cells = a.shape[3]
     for c in range(c0, c1):
         row = out[c - c0]
@@ -190,15 +161,64 @@ def _pointwise_weight_grad_parts(dy, x, dw, work, split_inputs, chunk, bounds):
             _pointwise_weight_grad(dy, x, dw, work[part], chunk, first, last, 0, k)
 
 
-def pointwise_calls(op: int, plan: PointwisePlan, arrays: tuple, scratch, dtype) -> list:
-    """The call of a pointwise op on `arrays` (4-D views [N, G, channels, P] and w or dw [G, M/G, C/G]; the
-    forward's bias [G, M/G] and its flag): the serial kernel over all channels, or its parallel twin."""
-    memory = scratch.view(dtype) if scratch is not None and scratch.size else np.zeros(0, dtype)
-    work = memory[:plan.parts * plan.per_part].reshape(plan.parts, plan.per_part)
-    units = int(plan.bounds[-1])
-    if op == WEIGHT_GRADIENT:
-        dw = arrays[2]
-        call = (_pointwise_weight_grad, arrays + (work[0], plan.chunk, 0, dw.shape[1], 0, dw.shape[2]))
-        return [on_parts(call, units, plan.parts, (work, plan.split_inputs))]
-    kernel = _pointwise_forward if op == FORWARD else _pointwise_input_grad
-    return [on_parts((kernel, arrays + (work[0], plan.chunk, 0, units)), units, plan.parts, (work,))]
+# ---- the plan: whether a convolution runs here, each op's layout, work memory and calls ----------------------
+
+
+class OpLayout:
+    """How one op of a pointwise convolution runs: `chunk` images per product; parts over `bounds` of the split
+    channels (those of dW's columns when `split_inputs`), each with `per_part` elements of work memory."""
+
+    def __init__(self, chunk: int, bounds: np.ndarray, split_inputs: bool, per_part: int):
+        self.chunk, self.bounds, self.split_inputs, self.per_part = chunk, bounds, split_inputs, per_part
+
+    @property
+    def parts(self) -> int:
+        return self.bounds.size - 1
+
+
+class PointwisePlan:
+    """How a pointwise convolution over planes of fewer than COLUMNS cells (`takes`) runs at the step's
+    threads: each op's layout (`layout`), its work memory and its calls."""
+
+    @staticmethod
+    def takes(conv, op: int) -> bool:
+        return conv.pointwise and conv.cells < COLUMNS
+
+    def __init__(self, conv, threads: int):
+        self.conv, self.threads = conv, threads
+
+    def layout(self, op: int) -> OpLayout:
+        """The layout of the FORWARD, INPUT_GRADIENT or WEIGHT_GRADIENT op."""
+        conv = self.conv
+        batch, cells, in_per_group, out_per_group = conv.batch, conv.cells, conv.in_per_group, conv.out_per_group
+        chunk = int(max(1, min(batch, -(-COLUMNS // max(cells, 1)))))
+        split_inputs = op == INPUT_GRADIENT or (op == WEIGHT_GRADIENT and in_per_group > out_per_group)
+        split, whole = (in_per_group, out_per_group) if split_inputs else (out_per_group, in_per_group)
+        parts = part_count(self.threads, split // MIN_CHANNELS, conv.multiply_adds)
+        own = -(-split // parts)
+        if op == WEIGHT_GRADIENT:  # both operands gathered, unless one image per chunk (views then)
+            per_part = 0 if chunk == 1 else (own + whole) * chunk * cells
+        else:  # the gathered input (views for one image), and the product's rows before the scatter
+            per_part = (0 if chunk == 1 else whole * chunk * cells) + own * chunk * cells
+        return OpLayout(chunk, part_bounds(split, parts), split_inputs, per_part)
+
+    def scratch_bytes(self, op: int, itemsize: int = 4) -> int:
+        """Bytes of work memory of `op` for all parts, in elements of `itemsize` bytes."""
+        layout = self.layout(op)
+        return itemsize * layout.parts * layout.per_part
+
+    def calls(self, op: int, arrays: tuple, scratch) -> list:
+        """The call of `op` on `arrays` (X as [N, G, C/G, D, H, W], W or dW as [G, M/G, C/G], Y as [N, G, M/G, P];
+        the forward's bias [G, M/G] and its flag), X read as planes [N, G, C/G, P]: the serial kernel over all
+        channels, or its parallel twin."""
+        arrays = tuple(a.reshape(a.shape[:3] + (-1,)) if np.ndim(a) == 6 else a for a in arrays)
+        layout, dtype = self.layout(op), arrays[0].dtype
+        memory = scratch.view(dtype) if scratch is not None and scratch.size else np.zeros(0, dtype)
+        work = memory[:layout.parts * layout.per_part].reshape(layout.parts, layout.per_part)
+        units = int(layout.bounds[-1])
+        if op == WEIGHT_GRADIENT:
+            dw = arrays[2]
+            call = (_pointwise_weight_grad, arrays + (work[0], layout.chunk, 0, dw.shape[1], 0, dw.shape[2]))
+            return [on_parts(call, units, layout.parts, (work, layout.split_inputs))]
+        kernel = _pointwise_forward if op == FORWARD else _pointwise_input_grad
+        return [on_parts((kernel, arrays + (work[0], layout.chunk, 0, units)), units, layout.parts, (work,))]
