@@ -198,8 +198,8 @@ def opener(kind: str, files: dict, work):
         name = "forward.onnx" if kind == "external model" else "forward.onnx.data"
         return files["external"] / name, infer
     if kind == "npz":
-        from odtrain import data
-        from odtrain.data import InputSpec
+        from odtrain import data_loading as data
+        from odtrain.data_loading import InputSpec
 
         inputs = [InputSpec("input", np.dtype(np.float32), ("batch", 784), False),
                   InputSpec("labels", np.dtype(np.int64), ("batch",), True)]
@@ -211,7 +211,7 @@ def opener(kind: str, files: dict, work):
     if kind in ("manifest", "shared object name"):
         def find():
             folder = os.path.abspath(work / kernel_library.FOLDER)
-            kernel_library._loaded.pop(folder, None)  # find remembers each folder's library: look again
+            kernel_library.forget(folder)  # find remembers each folder's library: look again
             return kernel_library.find(work) is not None  # refused: None, said on stderr
         return files["library"] / kernel_library.FOLDER / kernel_library.MANIFEST_FILE, find
     raise AssertionError(kind)
@@ -321,8 +321,8 @@ def test_a_clip_declaring_a_sample_rate_no_recorder_writes_is_refused(tmp_path, 
 def test_an_npz_array_declaring_more_values_than_its_member_holds_is_refused(tmp_path):
     """numpy allocates an .npz member's declared array before reading it: a shape inflated by damage is refused
     from the member's size instead of allocating what the file never held."""
-    from odtrain import data
-    from odtrain.data import InputSpec
+    from odtrain import data_loading as data
+    from odtrain.data_loading import InputSpec
 
     import io
     import zipfile

@@ -21,6 +21,8 @@ from odtrain.graph.errors import InputError
 from odtrain.library_build import compile_artifacts
 from odtrain.jit.ahead import FALLBACK_MESSAGE
 from odtrain.kernel_library import KernelLibrary, kernel_name, pack, refusal_of, signature_of
+from odtrain.kernel_library import messages as kernel_messages
+from odtrain.kernel_library.digest import DIGESTED_MODELS
 from odtrain.progress import Progress, announce
 
 
@@ -613,7 +615,7 @@ def test_a_library_records_batch_1_and_sequence_length_1_besides_the_sizes_asked
 def test_the_artifacts_digest_covers_the_models_not_the_checkpoint(tmp_path):
     """A library records the digest of the artifacts it was built for; training rewrites the checkpoint, so
     the digest must leave it out, or the folder's own library is refused after the first save."""
-    for name in kernel_library.MODEL_FILES:
+    for name in DIGESTED_MODELS:
         (tmp_path / name).write_bytes(name.encode())
     (tmp_path / "checkpoint").write_bytes(b"before training")
     before = kernel_library.artifacts_digest(tmp_path)
@@ -637,9 +639,9 @@ def test_cpu_features_a_library_disables_are_not_required():
 def test_the_compile_advice_names_the_target_of_a_device_that_needs_one(monkeypatch):
     """On a Raspberry Pi (aarch64, a named default CPU) the advice says `--target aarch64`: the command runs on
     the desktop, which would otherwise build for itself; on x86_64 the desktop's own target is the default."""
-    monkeypatch.setattr(kernel_library, "host_arch", lambda: "aarch64")
+    monkeypatch.setattr(kernel_messages, "host_arch", lambda: "aarch64")
     assert "`odtrain compile art --target aarch64` " in kernel_library.compile_command("art")
-    monkeypatch.setattr(kernel_library, "host_arch", lambda: "x86_64")
+    monkeypatch.setattr(kernel_messages, "host_arch", lambda: "x86_64")
     assert "`odtrain compile art` " in kernel_library.compile_command("art")
 
 
@@ -711,7 +713,7 @@ def test_a_manifest_that_does_not_describe_its_shared_object_is_refused_by_name(
         path.write_text(json.dumps(content))
         with pytest.raises(kernel_library.LibraryRefused, match=reason):
             KernelLibrary(str(folder))
-        kernel_library._loaded.pop(str(folder), None)
+        kernel_library.forget(folder)
         assert kernel_library.find(tmp_path / "artifacts") is None, case
         assert reason in capsys.readouterr().err, case
     other = tmp_path / "other" / kernel_library.FOLDER  # never loaded: the loader keeps what it opened by path

@@ -284,6 +284,10 @@ def test_the_image_walk_through(tmp_path, capsys, monkeypatch):
     loss, accuracy, samples = EVAL_LINE.search(outputs["eval photos-mnv2"]).groups()
     assert low_accuracy - two_photos - 0.05 <= float(accuracy) <= high_accuracy + two_photos + 0.05, accuracy
     assert float(loss) < math.log(3) and samples == held_out, (loss, samples)
+    # --keep-best kept the best epoch's checkpoint beside the last one, and --plot drew the curves
+    assert re.search(r"^best: epoch \d+, val loss [\d.]+; kept in photos-mnv2/checkpoint.best$",
+                     outputs["train photos-mnv2"], re.M), outputs["train photos-mnv2"]
+    assert os.path.isfile("photos-mnv2/checkpoint.best") and os.path.getsize("curves.png") > 0
     got = [predictions(line) for line in outputs["predict photos-mnv2"].splitlines()]
     shown = [predictions(line) for line in predicted]
     assert [path for path, _ in got] == [path for path, _ in shown]

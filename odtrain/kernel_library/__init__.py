@@ -23,11 +23,11 @@ from .abi import (FOLDER, LIBRARY_ENV, LIBRARY_FILE, MANIFEST_FILE, CallList, Pr
                   kernel_name, pack, signature_of)
 from .cpu import cpu_flags, host_arch, missing_features
 from .digest import artifacts_digest
-from .loader import (KernelLibrary, LibraryRefused, compiler_installed, find, installed_version, library_folder_of,
+from .loader import (KernelLibrary, LibraryRefused, compiler_installed, find, forget, installed_version, library_folder_of,
                      refusal_of, unavailable)
 from .messages import compile_command, missing_kernel, report_missing
 
 __all__ = ["FOLDER", "LIBRARY_ENV", "LIBRARY_FILE", "MANIFEST_FILE", "CallList", "PreparedCall", "argument_type",
            "call_key", "kernel_name", "pack", "signature_of", "cpu_flags", "host_arch", "missing_features",
-           "artifacts_digest", "KernelLibrary", "LibraryRefused", "compiler_installed", "find", "installed_version",
+           "artifacts_digest", "KernelLibrary", "LibraryRefused", "compiler_installed", "find", "forget", "installed_version",
            "library_folder_of", "refusal_of", "unavailable", "compile_command", "missing_kernel", "report_missing"]

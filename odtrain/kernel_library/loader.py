@@ -168,6 +168,11 @@ def compiler_installed() -> bool:
 
 
 _loaded: dict[str, KernelLibrary | None] = {}
+
+
+def forget(folder) -> None:
+    """Let the next `find` look at `folder` again (a library built or damaged there since this process looked)."""
+    _loaded.pop(os.fspath(folder), None)
 _why_none: dict[str, str] = {}  # artifact folder -> why find gave it no library
 _refusals: dict[str, str] = {}  # library folder -> why it was refused ('' when it has no manifest)
 
