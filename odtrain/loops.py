@@ -30,8 +30,8 @@ from .body_fusion import fused_body
 from .loop_compiler import LoopSpec, compile_loop, flat, rows
 
 # Loops of this many iterations or more run as one compiled function (odtrain/loop_compiler.py); a
-# shorter one keeps the Python loop over its call list, as compiling one costs seconds (5-12 s for the
-# Mamba step of benchmarks/loops.py on a loaded 2-core machine) and saves a few microseconds a call.
+# shorter one keeps the Python loop over its call list, as compiling one costs seconds (benchmarks/README.md,
+# "Models that loop: a selective scan", gives the Mamba step's) and saves a few microseconds a call.
 COMPILE_FROM = 256
 
 
