@@ -141,7 +141,7 @@ class _Nest:
         where it broadcasts."""
         if name in self.virtual:
             return self.virtual[name]
-        space, rank = self.space, len(self.space)
+        space = self.space
         if name in self.gathered:  # data[row, ...], the row picked once an iteration, before the nest
             data, index = self.gathered[name]
             key = (id(index), data.shape[0])
@@ -149,21 +149,7 @@ class _Nest:
                 self.rows[key] = f"row{len(self.rows)}"
                 self.before.append(f"{self.rows[key]} = {source.array(index.reshape(1))}[0] % {data.shape[0]}")
             return term_target(data[0], space, source, prefix=self.rows[key], whole=data)
-        array = self.storage[name]
-        if array.ndim == 0:
-            return f"{source.array(array.reshape(1))}[0]"
-        if array.ndim > rank:
-            return None
-        index = []
-        for k, dim in enumerate(array.shape):
-            axis = rank - array.ndim + k
-            if dim == space[axis]:
-                index.append(f"i{axis}")
-            elif dim == 1:
-                index.append("0")
-            else:
-                return None
-        return f"{source.array(array)}[{', '.join(index)}]"
+        return term_target(self.storage[name], space, source)
 
     def _private(self, name: str) -> np.ndarray:
         # What the nest writes goes to buffers of its own, copied to the slots after it: the planner may have
@@ -214,8 +200,8 @@ class _Nest:
 
 
 def term_target(array: np.ndarray, space: tuple, source, prefix: str | None = None, whole=None) -> str | None:
-    """Where a body output of the nest is written at the current point (its slot, indexed where it
-    broadcasts), or None when its shape does not fit the space. With `prefix`, `array` is a row of `whole`
+    """Where the nest reads an input or writes a body output at the current point (the array indexed where
+    it broadcasts), or None when its shape does not fit the space. With `prefix`, `array` is a row of `whole`
     that the index expression `prefix` picks."""
     rank = len(space)
     if prefix is not None and array.ndim == 0:
