@@ -335,6 +335,10 @@ def keep_previous(path: str) -> None:
         return
     previous = path + PREVIOUS_SUFFIX
     remove_stale_temporaries(previous)
+    if os.path.isfile(previous) and os.path.samefile(path, previous):
+        # already kept (a save killed between this and its rename leaves both names on one file); renaming a
+        # link over another link of the same file does nothing, and would leave the link behind
+        return
     folder, name = os.path.split(os.path.abspath(previous))
     tmp = os.path.join(folder, f".{name}.{secrets.token_hex(4)}.tmp")  # remove_stale_temporaries' pattern
     try:

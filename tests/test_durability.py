@@ -96,6 +96,20 @@ def test_sigkill_during_saves_never_corrupts_the_checkpoint(mlp_artifacts, tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "checkpoint.previous"]
 
 
+def test_a_save_after_one_killed_between_keeping_and_renaming_leaves_no_link_behind(mlp_artifacts, tmp_path):
+    """Killed after the checkpoint became checkpoint.previous and before the new file took its name, a save leaves
+    both names on one file; the next save must not leave its link to that file behind (renaming one link of a file
+    over another does nothing)."""
+    target = tmp_path / "checkpoint"
+    state = CheckpointState.load_checkpoint(mlp_artifacts / "checkpoint")
+    CheckpointState.save_checkpoint(state, target)
+    os.link(target, tmp_path / "checkpoint.previous")  # where the killed save stopped
+    CheckpointState.save_checkpoint(state, target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "checkpoint.previous"]
+    assert not os.path.samefile(target, tmp_path / "checkpoint.previous")
+    CheckpointState.load_checkpoint(tmp_path / "checkpoint.previous")  # the save before, whole
+
+
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
