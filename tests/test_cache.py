@@ -240,7 +240,7 @@ ONE_STEP = textwrap.dedent("""
     step = ExecutableStep(graph, feed_types={"a": square}, external={})
     step.run([np.full((4, 4), -1.0, np.float32)])
     assert not step.output("y").any()
-    print(json.dumps({"stats": cache.kernel_stats(), "cache_dir": cache.cache_dir()}))
+    print(json.dumps({"stats": cache.kernel_stats(), "cache_dir": cache.cache_dir(), "digest": cache.sources_digest()}))
 """)
 
 
@@ -251,7 +251,8 @@ def test_an_edited_kernel_file_recompiles_the_kernels_of_other_files(tmp_path):
     env = clean_env(PYTHONPATH=package, ODTRAIN_CACHE_DIR=tmp_path / "cache", PYTHONDONTWRITEBYTECODE=1)
     first = run_python(ONE_STEP, env, tmp_path)
     assert first["stats"]["compiled"] >= 1
-    assert len(list((tmp_path / "cache").rglob("odtrain-kernel-sources.sha256"))) == 1
+    stamps = list((tmp_path / "cache").rglob("odtrain-kernel-sources.sha256"))
+    assert stamps and all(stamp.read_text().strip() == first["digest"] for stamp in stamps)  # one a cache folder
     again = run_python(ONE_STEP, env, tmp_path)
     assert again["stats"]["compiled"] == 0 and again["stats"]["loaded"] >= 1
     relu_file = next(name for name in again["stats"]["compiled_kernels"] + cache_files(tmp_path / "cache")
@@ -263,6 +264,20 @@ def test_an_edited_kernel_file_recompiles_the_kernels_of_other_files(tmp_path):
     assert after_edit["stats"]["compiled"] >= 1 and after_edit["stats"]["loaded"] == 0
     settled = run_python(ONE_STEP, env, tmp_path)
     assert settled["stats"]["compiled"] == 0
+
+
+def test_the_sources_digest_covers_the_families_in_folders(tmp_path):
+    """A family in a folder of its own (kernels/conv/) is kernel source too: an edit there changes the digest
+    that stamps the cache and the kernel library's manifest."""
+    from odtrain.jit import cache
+
+    folder = tmp_path / "kernels"
+    (folder / "conv").mkdir(parents=True)
+    (folder / "jit.py").write_text("# the base\n")
+    (folder / "conv" / "taps.py").write_text("# a strategy\n")
+    before = cache._digest(str(folder))
+    (folder / "conv" / "taps.py").write_text("# a strategy, edited\n")
+    assert cache._digest(str(folder)) != before
 
 
 def test_the_cache_is_stamped_with_the_sources_as_imported(tmp_path, monkeypatch):

@@ -164,17 +164,25 @@ def loaded_dispatchers() -> list:
 
 
 def sources_digest() -> str:
-    """SHA-256 over the names and contents of the kernel sources (every .py of the kernels' folder) as
-    they were when this process imported odtrain."""
+    """SHA-256 over the names and contents of the kernel sources (every .py of the kernels' folder and its
+    sub-folders, a family such as conv/) as they were when this process imported odtrain."""
     return _IMPORTED_DIGEST
+
+
+def _kernel_sources(folder: str) -> list[str]:
+    """The .py files under `folder`, as paths relative to it, sorted."""
+    found = []
+    for root, folders, files in os.walk(folder):
+        folders[:] = sorted(f for f in folders if f != "__pycache__")
+        found += [os.path.relpath(os.path.join(root, name), folder) for name in files if name.endswith(".py")]
+    return sorted(found)
 
 
 def _digest(folder: str) -> str:
     digest = hashlib.sha256()
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".py"):
-            with open(os.path.join(folder, name), "rb") as source:
-                digest.update(name.encode() + b"\0" + source.read() + b"\0")
+    for name in _kernel_sources(folder):
+        with open(os.path.join(folder, name), "rb") as source:
+            digest.update(name.encode() + b"\0" + source.read() + b"\0")
     return digest.hexdigest()
 
 
@@ -200,7 +208,8 @@ def _discard_stale_in(folder: str) -> int:
                 return 0
     except OSError:
         pass
-    modules = {name[:-3] for name in os.listdir(kernels_dir()) if name.endswith(".py")}
+    # Numba names a kernel's cache files after its source file's stem (a family folder has a cache folder of its own)
+    modules = {os.path.basename(name)[:-3] for name in _kernel_sources(kernels_dir())}
     removed = 0
     try:
         os.makedirs(folder, exist_ok=True)  # Numba's own folder: the stamp goes in before the first kernel
