@@ -101,3 +101,28 @@ def input_shapes(items, option: str = "--input-shape") -> dict:
         if not name or not shapes[name]:
             raise ArgumentError(f"{option} {item!r}: expected NAME=D0,D1,... (give ARTIFACT_DIR before {option})")
     return shapes
+
+
+def add_audio_options(command, heading: str) -> None:
+    """The clips' options of every command that reads them (train, eval, predict): the same features, so that
+    a command scores or predicts on what training computed."""
+    audio = command.add_argument_group(heading)
+    audio.add_argument("--audio-features", choices=("log-mel",), help="compute features for a model whose input is "
+                       "log-mel [batch, n_mels, frames] (default: feed the waveform [batch, samples])")
+    audio.add_argument("--sample-rate", type=int, default=16000, metavar="HZ",
+                       help="the model's sample rate; clips are resampled to it (default 16000)")
+    audio.add_argument("--n-mels", type=int, default=40, metavar="N", help="mel bands (default 40)")
+    audio.add_argument("--win-ms", type=float, default=25.0, metavar="MS", help="analysis window (default 25 ms)")
+    audio.add_argument("--hop-ms", type=float, default=10.0, metavar="MS", help="hop between frames (default 10 ms)")
+    audio.add_argument("--n-fft", type=int, default=512, metavar="N", help="DFT size (default 512)")
+
+
+def audio_features(args):
+    """The log-mel settings the audio options give (checked), or None for the waveform."""
+    if getattr(args, "audio_features", None) != "log-mel":
+        return None
+    from ..audio import LogMel
+
+    settings = LogMel(args.sample_rate, args.n_mels, args.win_ms, args.hop_ms, args.n_fft)
+    settings.check()
+    return settings

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..graph.errors import ArgumentError, InputError
 from .image_options import add_image_options, image_settings
-from .options import Command, add_threads_option, print_json
+from .options import Command, add_audio_options, add_threads_option, audio_features, print_json
 
 TOP = 5
 
@@ -99,16 +99,12 @@ def _image_group(args, specs, paths: list[str]) -> tuple[list[str], dict]:
 
 
 def _clip_group(args, specs, paths: list[str]) -> tuple[list[str], dict]:
-    from ..audio import AudioSource, LogMel
+    from ..audio import AudioSource
 
     if len(specs) != 1:
         raise ArgumentError(f"clips feed a model with one audio input; this one takes "
                             f"{', '.join(s.describe() for s in specs)}")
-    settings = None
-    if args.audio_features == "log-mel":
-        settings = LogMel(args.sample_rate)
-        settings.check()
-    source = AudioSource(os.path.dirname(paths[0]), settings, args.sample_rate)
+    source = AudioSource(os.path.dirname(paths[0]), audio_features(args), args.sample_rate)
     length = source.length(specs[0])
     samples = np.stack([source.clip(path, length) for path in paths])  # a clip holding NaN is refused by name
     return paths, {specs[0].name: samples.astype(specs[0].dtype)}
@@ -251,11 +247,7 @@ def _predict_arguments(command) -> None:
                          "with this tokenizers file and show the next tokens decoded")
     command.add_argument("--seq-len", type=int, metavar="N", help="with --tokenizer: windows of N tokens")
     add_image_options(command)
-    audio = command.add_argument_group("audio clips")
-    audio.add_argument("--audio-features", choices=("log-mel",), help="compute log-mel features for a model that "
-                       "takes them, with the default bands, window and hop of `train` (default: the waveform)")
-    audio.add_argument("--sample-rate", type=int, default=16000, metavar="HZ",
-                       help="the model's sample rate; clips are resampled to it (default 16000)")
+    add_audio_options(command, "audio clips (the features training computed)")
     add_threads_option(command)
     command.add_argument("--json", action="store_true", help="print the predictions as JSON")
 

@@ -12,7 +12,8 @@ from ..graph.frozen import FROZEN_DTYPES
 from ..graph.wording import count
 from ..images import record_beside
 from .image_options import add_image_options, image_folder, refuse_without_photos
-from .options import Command, add_threads_option, budget_size, note, print_json, value_text
+from .options import (Command, add_audio_options, add_threads_option, audio_features, budget_size, note, print_json,
+                      value_text)
 
 
 def _data(args, paths, record_to=None):
@@ -50,7 +51,7 @@ def _data(args, paths, record_to=None):
 
 def _audio_source(args, paths):
     """An AudioSource when the one path is a folder of clips or audio options were given, else None."""
-    from ..audio import AudioSource, LogMel, is_audio_folder
+    from ..audio import AudioSource, is_audio_folder
 
     features = getattr(args, "audio_features", None)
     folder = len(paths) == 1 and os.path.isdir(paths[0]) and is_audio_folder(paths[0])
@@ -59,11 +60,7 @@ def _audio_source(args, paths):
             raise ArgumentError("--audio-features reads a folder of clips: give --data clips/, with one sub-folder "
                                 "of .wav files per class")
         return None
-    settings = None
-    if features == "log-mel":
-        settings = LogMel(args.sample_rate, args.n_mels, args.win_ms, args.hop_ms, args.n_fft)
-        settings.check()
-    return AudioSource(paths[0], settings, args.sample_rate, args.skip_unreadable,
+    return AudioSource(paths[0], audio_features(args), args.sample_rate, args.skip_unreadable,
                        report=lambda line: note(args, line))
 
 
@@ -224,15 +221,7 @@ def _add_data_options(command, what: str) -> None:
                          "out the files that cannot be read (corrupt, empty, truncated, too short, another "
                          "encoding) and say how many (default: stop at the first)")
     add_image_options(command)
-    audio = command.add_argument_group("audio clips (--data clips/, one sub-folder of .wav files per class)")
-    audio.add_argument("--audio-features", choices=("log-mel",), help="compute features for a model whose input is "
-                       "log-mel [batch, n_mels, frames] (default: feed the waveform [batch, samples])")
-    audio.add_argument("--sample-rate", type=int, default=16000, metavar="HZ",
-                       help="the model's sample rate; clips are resampled to it (default 16000)")
-    audio.add_argument("--n-mels", type=int, default=40, metavar="N", help="mel bands (default 40)")
-    audio.add_argument("--win-ms", type=float, default=25.0, metavar="MS", help="analysis window (default 25 ms)")
-    audio.add_argument("--hop-ms", type=float, default=10.0, metavar="MS", help="hop between frames (default 10 ms)")
-    audio.add_argument("--n-fft", type=int, default=512, metavar="N", help="DFT size (default 512)")
+    add_audio_options(command, "audio clips (--data clips/, one sub-folder of .wav files per class)")
 
 
 def _train_arguments(train) -> None:
