@@ -109,6 +109,37 @@ def rank_lookup(graph: Graph):
     return rank_of
 
 
+def reverse_walk(graph: Graph, builder, contributions: dict[str, list[str]], reaches: set[str], no_rule):
+    """Emit, through `builder`, every gradient rule of `graph`'s nodes from the last to the first, starting from
+    `contributions` (value -> the names of its gradient's parts: the seeds), for the inputs through which
+    `reaches` (values depending on what is differentiated) runs; fan-out is summed. A node without a rule
+    raises `no_rule(node, reason)`. Returns total(value): the name of a value's whole gradient ('' for none)."""
+
+    def total(value: str) -> str:
+        parts = contributions.get(value, [])
+        if len(parts) <= 1:
+            return parts[0] if parts else ""
+        summed = builder.emit("Sum", parts, {}, DEFAULT_DOMAIN, 1, f"{value}_grad_sum")[0]
+        contributions[value] = [summed]
+        return summed
+
+    for node in reversed(graph.nodes):
+        if not any(o in contributions for o in node.outputs):
+            continue
+        wanted = wanted_inputs(graph, node, reaches)
+        if not any(wanted):
+            continue
+        opdef = lookup(node)
+        if opdef.gradient is None:
+            raise no_rule(node, f" ({opdef.no_grad_reason})" if opdef.no_grad_reason else "")
+        output_grads = [total(o) for o in node.outputs]
+        ctx = GradContext(node, output_grads, wanted, builder, rank_lookup(graph))
+        opdef.gradient(ctx)
+        for index, grad_name in ctx.input_grads.items():
+            contributions.setdefault(node.inputs[index], []).append(grad_name)
+    return total
+
+
 def build_gradient_graph(graph: Graph, loss: str, trainable: list[str], without_gradient: list | None = None) -> Graph:
     """A copy of `graph` that also outputs `p_grad` for each trainable parameter p.
 
@@ -129,34 +160,13 @@ def build_gradient_graph(graph: Graph, loss: str, trainable: list[str], without_
     seed_type = graph.value_types.get(loss)
     seed_dtype = seed_type.dtype if seed_type is not None else np.float32
     training.initializers[LOSS_SEED] = np.ones((), dtype=seed_dtype)
-    contributions: dict[str, list[str]] = {loss: [LOSS_SEED]}
+    def no_rule(node, reason: str) -> UnsupportedOpError:
+        with_rules = ", ".join(sorted(t for (d, t), o in OPS.items() if o.gradient and d == DEFAULT_DOMAIN))
+        return UnsupportedOpError(
+            f"{node.describe()}: no gradient rule for {node.op_type}{reason}, and a trainable parameter "
+            f"depends on it. Freeze the parameters before it, or use ops with gradient rules: {with_rules}")
 
-    def total(value: str) -> str:
-        parts = contributions.get(value, [])
-        if len(parts) <= 1:
-            return parts[0] if parts else ""
-        summed = builder.emit("Sum", parts, {}, DEFAULT_DOMAIN, 1, f"{value}_grad_sum")[0]
-        contributions[value] = [summed]
-        return summed
-
-    for node in reversed(training.nodes):
-        if not any(o in contributions for o in node.outputs):
-            continue
-        wanted = wanted_inputs(training, node, reaches_param)
-        if not any(wanted):
-            continue
-        opdef = lookup(node)
-        if opdef.gradient is None:
-            reason = f" ({opdef.no_grad_reason})" if opdef.no_grad_reason else ""
-            with_rules = ", ".join(sorted(t for (d, t), o in OPS.items() if o.gradient and d == DEFAULT_DOMAIN))
-            raise UnsupportedOpError(
-                f"{node.describe()}: no gradient rule for {node.op_type}{reason}, and a trainable parameter "
-                f"depends on it. Freeze the parameters before it, or use ops with gradient rules: {with_rules}")
-        output_grads = [total(o) for o in node.outputs]
-        ctx = GradContext(node, output_grads, wanted, builder, rank_lookup(training))
-        opdef.gradient(ctx)
-        for index, grad_name in ctx.input_grads.items():
-            contributions.setdefault(node.inputs[index], []).append(grad_name)
+    total = reverse_walk(training, builder, {loss: [LOSS_SEED]}, reaches_param, no_rule)
 
     grad_outputs = []
     for name in trainable:

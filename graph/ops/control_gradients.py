@@ -49,9 +49,8 @@ def differentiate(body: Graph, seeds: dict[str, str], wanted: list[str], outer_t
     (body output -> the name of its gradient, a new input or an outer value). Small outer constants the
     body reads (`outer_constant(name)`: axes, shapes) become its own, so that gradient rules that need
     their values (ReduceSum's axes) see them."""
-    from ..autodiff import BackwardBuilder, depends_on, rank_lookup, wanted_inputs
+    from ..autodiff import BackwardBuilder, depends_on, reverse_walk
     from ..control_flow import free_names
-    from .registry import GradContext, lookup
 
     work = body.copy()
     for name in free_names(body) if outer_constant is not None else []:
@@ -67,29 +66,11 @@ def differentiate(body: Graph, seeds: dict[str, str], wanted: list[str], outer_t
     for output, gradient in seeds.items():
         contributions.setdefault(output, []).append(gradient)
 
-    def total(value: str) -> str:
-        parts = contributions.get(value, [])
-        if len(parts) <= 1:
-            return parts[0] if parts else ""
-        summed = builder.emit("Sum", parts, {}, "", 1, f"{value}_grad_sum")[0]
-        contributions[value] = [summed]
-        return summed
+    def no_rule(node, reason: str) -> UnsupportedOpError:
+        return UnsupportedOpError(f"{node.describe()} in the body of '{hint}': no gradient rule for "
+                                  f"{node.op_type}{reason}, and a trainable parameter depends on it")
 
-    for node in reversed(work.nodes):
-        if not any(o in contributions for o in node.outputs):
-            continue
-        needed = wanted_inputs(work, node, reaches)
-        if not any(needed):
-            continue
-        opdef = lookup(node)
-        if opdef.gradient is None:
-            reason = f" ({opdef.no_grad_reason})" if opdef.no_grad_reason else ""
-            raise UnsupportedOpError(f"{node.describe()} in the body of '{hint}': no gradient rule for "
-                                     f"{node.op_type}{reason}, and a trainable parameter depends on it")
-        ctx = GradContext(node, [total(o) for o in node.outputs], needed, builder, rank_lookup(work))
-        opdef.gradient(ctx)
-        for index, gradient in ctx.input_grads.items():
-            contributions.setdefault(node.inputs[index], []).append(gradient)
+    total = reverse_walk(work, builder, contributions, reaches, no_rule)
     grads = {name: total(name) for name in wanted}
     return work, builder, grads
 
