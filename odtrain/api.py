@@ -364,16 +364,18 @@ class _GraphSession:
             self.plans.move_to_end(signature)
         return plan
 
-    def bind_at(self, batch_size: int, sequence_length: int | None = None) -> BoundStep:
+    def bind_at(self, batch_size: int, sequence_length: int | None = None,
+                input_shapes: dict | None = None) -> BoundStep:
         """Bind the plan (an ExecutableStep, cached) that a call with inputs of batch `batch_size` (and every other
-        symbolic axis `sequence_length`) runs."""
-        signature, bound = self.bound_at(batch_size, sequence_length)
+        symbolic axis `sequence_length`, or the whole shapes of `input_shapes` by name) runs."""
+        signature, bound = self.bound_at(batch_size, sequence_length, input_shapes)
         return self.bound_step(signature, bound)
 
-    def bound_at(self, batch_size: int, sequence_length: int | None = None):
+    def bound_at(self, batch_size: int, sequence_length: int | None = None, input_shapes: dict | None = None):
         """(signature, ExecutableStep) of the plan, bound and cached, that a call with inputs of batch `batch_size`
-        (and every other symbolic axis `sequence_length`) runs."""
-        feeds, signature = self.feeds(_placeholder_feeds(self.graph, self.input_names, batch_size, sequence_length))
+        (and every other symbolic axis `sequence_length`, or `input_shapes` by name) runs."""
+        declared = {name: self.graph.value_types[name] for name in self.input_names}
+        feeds, signature = self.feeds(placeholder_feeds(declared, batch_size, sequence_length, input_shapes))
         return signature, self.bound(signature, feeds)
 
     def bound_step(self, signature, bound) -> BoundStep:
@@ -463,26 +465,31 @@ def _checked_feeds(graph: Graph, input_names: list[str], user_inputs) -> tuple[l
     return arrays, tuple(signature)
 
 
-def _placeholder_feeds(graph: Graph, input_names: list[str], batch_size: int,
-                       sequence_length: int | None) -> list[np.ndarray]:
-    """Zero inputs of batch `batch_size`, every other symbolic axis `sequence_length`: what binds a step ahead."""
+def placeholder_feeds(declared: dict[str, TensorType], batch_size: int, sequence_length: int | None = None,
+                      input_shapes: dict | None = None) -> list[np.ndarray]:
+    """Zero inputs for the `declared` types (name -> TensorType, in order): what binds a step ahead. The first
+    symbolic axis is `batch_size`, every other symbolic axis `sequence_length`; `input_shapes` gives whole
+    shapes by input name instead (an image model exported with a symbolic height and width)."""
     for what, value in (("batch size", batch_size), ("sequence length", sequence_length)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
             raise ArgumentError(f"the {what} must be a positive integer, got {value!r}")
+    input_shapes = input_shapes or {}
     arrays = []
-    for name in input_names:
-        declared = graph.value_types[name]
-        if declared.shape is None:
-            raise ArgumentError(f"input '{name}' has no declared shape; the memory plan needs one")
+    for name, types in declared.items():
+        if name in input_shapes:
+            arrays.append(np.zeros(tuple(int(d) for d in input_shapes[name]), dtype=types.dtype))
+            continue
+        if types.shape is None:
+            raise ArgumentError(f"input '{name}' has no declared shape: give it whole (input_shapes, "
+                                f"--input-shape {name}=D0,D1,...)")
         shape = []
-        for axis, dim in enumerate(declared.shape):
+        for axis, dim in enumerate(types.shape):
             if isinstance(dim, str) and axis > 0 and sequence_length is None:
                 raise ArgumentError(f"input '{name}' has the symbolic dimension '{dim}' on axis {axis}; the batch "
-                                    "size binds axis 0 only: give a sequence length for the others")
-            if isinstance(dim, str):
-                dim = int(batch_size) if axis == 0 else int(sequence_length)
-            shape.append(dim)
-        arrays.append(np.zeros(shape, dtype=declared.dtype))
+                                    "size binds axis 0 only: give the length of the others (sequence_length, "
+                                    f"--seq-len N) or the whole shape (input_shapes, --input-shape {name}=D0,D1,...)")
+            shape.append((int(batch_size) if axis == 0 else int(sequence_length)) if isinstance(dim, str) else dim)
+        arrays.append(np.zeros(shape, dtype=types.dtype))
     return arrays
 
 
@@ -611,16 +618,19 @@ class Module:
         """The bytes of the arena buffer that every bound step of this module shares."""
         return self._arena.nbytes
 
-    def bind_at(self, batch_size: int, training: bool = True, sequence_length: int | None = None) -> BoundStep:
+    def bind_at(self, batch_size: int, training: bool = True, sequence_length: int | None = None,
+                input_shapes: dict | None = None) -> BoundStep:
         """Bind the training (or eval) step for inputs of batch `batch_size`, as a call with such inputs
-        would, without running it; symbolic axes after the first take `sequence_length`."""
-        return self._session_of(training).bind_at(batch_size, sequence_length)
+        would, without running it; symbolic axes after the first take `sequence_length`; `input_shapes`
+        ({input name: whole shape}) gives the inputs that these do not (an image's height and width)."""
+        return self._session_of(training).bind_at(batch_size, sequence_length, input_shapes)
 
-    def executable_step_at(self, batch_size: int, training: bool = True, sequence_length: int | None = None):
+    def executable_step_at(self, batch_size: int, training: bool = True, sequence_length: int | None = None,
+                           input_shapes: dict | None = None):
         """The executor's plan (odtrain.executor.ExecutableStep: its calls, their nodes, storage) that bind_at
         binds, for tools that run or time a step's calls one by one (odtrain.profile, benchmarks); read it,
         do not change it."""
-        return self._session_of(training).bound_at(batch_size, sequence_length)[1]
+        return self._session_of(training).bound_at(batch_size, sequence_length, input_shapes)[1]
 
     def bound_steps(self) -> list[BoundStep]:
         """The steps bound so far: training steps, then eval steps, each from least to most recently used."""

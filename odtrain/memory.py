@@ -192,9 +192,10 @@ def report(module) -> MemoryReport:
 
 
 def from_artifacts(directory, batch_size: int, memory_budget: int | None = None,
-                   sequence_length: int | None = None) -> MemoryReport:
+                   sequence_length: int | None = None, input_shapes: dict | None = None) -> MemoryReport:
     """The report of an artifact folder's training step (and eval step, if it has an eval model) at
-    `batch_size` (and `sequence_length` for the inputs' other symbolic axes), planned under `memory_budget`
+    `batch_size` (and `sequence_length` for the inputs' other symbolic axes, or the whole shapes of
+    `input_shapes` by input name), planned under `memory_budget`
     bytes if given: the plans are bound, no step runs.
 
     Optimizer state is what the folder's optimizer model creates (none without one). Raises
@@ -214,7 +215,7 @@ def from_artifacts(directory, batch_size: int, memory_budget: int | None = None,
     if paths.has("optimizer_model"):
         Optimizer(paths.optimizer_model, module)
     for training in (True, False) if with_eval else (True,):
-        module.bind_at(batch_size, training, sequence_length)
+        module.bind_at(batch_size, training, sequence_length, input_shapes)
     return report(module)
 
 

@@ -317,9 +317,11 @@ def _phase_of(node, backward: set[int]) -> str:
 
 
 def profile_artifacts(directory, batch_size: int, steps: int = 10, threads: int | None = None, warmup: int = 2,
-                      seed: int = 0, clock: str = "wall", sequence_length: int | None = None) -> StepProfile:
+                      seed: int = 0, clock: str = "wall", sequence_length: int | None = None,
+                      input_shapes: dict | None = None) -> StepProfile:
     """Profile the training step of an artifact folder at `batch_size` (see the module docstring), the inputs'
-    other symbolic axes at `sequence_length` (a language model's sequence).
+    other symbolic axes at `sequence_length` (a language model's sequence), or the whole shapes of
+    `input_shapes` by input name (an image model's height and width).
 
     `threads` sets odtrain's threads (`odtrain.threads.set_num_threads`, which stays set); None keeps the
     process's setting. Runs `warmup + steps` steps of each loop; the parameters train as they would."""
@@ -337,7 +339,7 @@ def profile_artifacts(directory, batch_size: int, steps: int = 10, threads: int 
     if threads is not None:
         set_num_threads(threads)
     module, optimizer = session.module, session.optimizer
-    bound = module.executable_step_at(int(batch_size), sequence_length=sequence_length)
+    bound = module.executable_step_at(int(batch_size), sequence_length=sequence_length, input_shapes=input_shapes)
     step_threads = bound.threads
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     peaks = {}

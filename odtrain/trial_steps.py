@@ -21,33 +21,9 @@ DEFAULT_WARMUP_BATCH = 32
 def zero_inputs(module, batch_size: int, input_shapes: dict | None = None, sequence_length: int | None = None) -> list:
     """Zero-valued inputs of a Module's current mode, as a step would see them: the first symbolic axis
     is `batch_size`, the other symbolic axes `sequence_length`; `input_shapes` gives whole shapes by input name."""
-    import numpy as np
+    from .api import placeholder_feeds
 
-    from .graph.errors import ArgumentError
-
-    input_shapes = input_shapes or {}
-    feeds = []
-    for name, declared in module.input_types(module.training).items():
-        if name in input_shapes:
-            shape = tuple(int(d) for d in input_shapes[name])
-        elif declared.shape is None:
-            raise ArgumentError(f"input '{name}' has no declared shape: give it with --input-shape {name}=D0,D1,...")
-        else:
-            shape = []
-            for axis, dim in enumerate(declared.shape):
-                if not isinstance(dim, str):
-                    shape.append(int(dim))
-                elif axis == 0:
-                    shape.append(int(batch_size))
-                elif sequence_length is not None:
-                    shape.append(int(sequence_length))
-                else:
-                    raise ArgumentError(f"input '{name}' has a symbolic axis {axis} ('{dim}') besides the batch: "
-                                        f"give its length with --seq-len N, or the whole shape with "
-                                        f"--input-shape {name}=D0,D1,...")
-            shape = tuple(shape)
-        feeds.append(np.zeros(shape, dtype=declared.dtype))
-    return feeds
+    return placeholder_feeds(module.input_types(module.training), batch_size, sequence_length, input_shapes)
 
 
 def run_steps(directory: str, batch_size: int, input_shapes: dict, sequence_length=None,

@@ -207,7 +207,7 @@ def test_warmup_takes_a_sequence_length_and_several_shapes_in_one_flag(tmp_path,
     artifacts.generate_artifacts(model, requires_grad=["w"], loss=artifacts.LossType.MSELoss,
                                  optimizer=artifacts.OptimType.AdamW, artifact_directory=tmp_path / "seq")
     assert cli.main(["warmup", str(tmp_path / "seq"), "--batch-size", "2"]) == 2
-    assert "give its length with --seq-len N" in capsys.readouterr().err
+    assert "--seq-len N" in capsys.readouterr().err
     assert cli.main(["warmup", str(tmp_path / "seq"), "--batch-size", "2", "--seq-len", "5", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["inputs"] == {"x": [2, 5, 4], "target": [2, 5, 3]}

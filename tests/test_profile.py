@@ -214,4 +214,4 @@ def test_cli_profiles_a_language_model_at_a_sequence_length(tmp_path, capsys):
     report = json.loads(out)
     assert report["sequence_length"] == 5 and {row["op_type"] for row in report["nodes"]} >= {"Gather", "LinearCrossEntropy"}
     code, _, err = odtrain_main(capsys, "profile", tmp_path, "--batch-size", 2, "--steps", 1)
-    assert code == 2 and "give a sequence length" in err
+    assert code == 2 and "--seq-len N" in err

@@ -8,7 +8,7 @@ import os
 from ..artifact_paths import ArtifactPaths, refuse_a_model
 from ..graph.errors import ArgumentError, ArtifactNotFoundError
 from ..graph.wording import count
-from .options import Command, byte_size, print_json, shape_text
+from .options import Command, add_shape_arguments, byte_size, input_shapes, print_json, shape_text
 
 
 def _inspect(args) -> int:
@@ -37,8 +37,9 @@ def _inspect(args) -> int:
     if not paths.missing("training_model", "eval_model"):
         module = Session(folder, checkpoint=checkpoint, with_optimizer=False).module
         try:
-            plans = {"training step": module.bind_at(args.batch_size, True, args.seq_len).plan,
-                     "eval step": module.bind_at(args.batch_size, False, args.seq_len).plan}
+            shapes = input_shapes(args.input_shape)
+            plans = {"training step": module.bind_at(args.batch_size, True, args.seq_len, shapes).plan,
+                     "eval step": module.bind_at(args.batch_size, False, args.seq_len, shapes).plan}
             report["memory_plan"] = {"batch_size": args.batch_size, **{
                 name: {"arena_bytes": p.arena_bytes, "lower_bound": p.lower_bound, "ops": p.steps}
                 for name, p in plans.items()}}
@@ -91,7 +92,8 @@ def _memory(args) -> int:
         from ..memory import require_matplotlib
 
         require_matplotlib()  # before the plans are bound
-    result = memory.from_artifacts(args.artifacts, args.batch_size, args.budget, args.seq_len)
+    result = memory.from_artifacts(args.artifacts, args.batch_size, args.budget, args.seq_len,
+                                   input_shapes(args.input_shape))
     budget = (f"memory budget {memory.format_bytes(args.budget)} ({args.budget:,} B)" if args.budget
               else "no memory budget")
     if args.plot:
@@ -115,7 +117,8 @@ def _profile(args) -> int:
     from ..profile import profile_artifacts
 
     report = profile_artifacts(args.artifacts, args.batch_size, steps=args.steps, threads=args.threads,
-                               clock=args.clock, sequence_length=args.seq_len)
+                               clock=args.clock, sequence_length=args.seq_len,
+                               input_shapes=input_shapes(args.input_shape))
     if args.json:
         print_json(report.to_dict())
     else:
@@ -126,8 +129,7 @@ def _profile(args) -> int:
 def _inspect_arguments(inspect) -> None:
     inspect.add_argument("target", metavar="ARTIFACT_DIR|CHECKPOINT", help="an artifact folder or a checkpoint file")
     inspect.add_argument("--batch-size", type=int, default=32, help="batch size of the memory plan (default: 32)")
-    inspect.add_argument("--seq-len", type=int, metavar="N", help="length of the inputs' other symbolic axes "
-                         "(a language model's sequence) in the memory plan")
+    add_shape_arguments(inspect)
     inspect.add_argument("--plan", action="store_true", help="also print each plan's timeline")
     inspect.add_argument("--json", action="store_true", help="print the report as JSON")
 
@@ -142,8 +144,7 @@ INSPECT = Command(
 def _memory_arguments(memory) -> None:
     memory.add_argument("artifacts", metavar="ARTIFACT_DIR", help="a folder written by `odtrain prepare`")
     memory.add_argument("--batch-size", type=int, required=True, help="samples per step")
-    memory.add_argument("--seq-len", type=int, metavar="N", help="length of the inputs' other symbolic axes "
-                        "(a language model's sequence)")
+    add_shape_arguments(memory)
     memory.add_argument("--budget", type=byte_size, metavar="BYTES", help="plan the training step under this "
                         "arena budget (e.g. 40MB), recomputing activations as `train --memory-budget` does")
     memory.add_argument("--json", action="store_true", help="print the report as JSON (sizes in bytes)")
@@ -163,8 +164,7 @@ MEMORY = Command(
 def _profile_arguments(profile) -> None:
     profile.add_argument("artifacts", metavar="ARTIFACT_DIR", help="a folder written by `odtrain prepare`")
     profile.add_argument("--batch-size", type=int, required=True, help="samples per step")
-    profile.add_argument("--seq-len", type=int, metavar="N", help="length of the inputs' other symbolic axes "
-                         "(a language model's sequence)")
+    add_shape_arguments(profile)
     profile.add_argument("--steps", type=int, default=10, help="profiled steps, after 2 warm-up steps (default: 10)")
     profile.add_argument("--threads", type=int, help="threads for the run (default: odtrain's setting)")
     profile.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="wall time (default), or the "
