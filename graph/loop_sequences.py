@@ -1,0 +1,134 @@
+"""A Loop that appends to a sequence, rewritten as a Loop with a scan output.
+
+The TorchScript exporter writes a scripted `ys.append(y)` inside `for t in range(T)`, and the
+`torch.stack(ys, a)` after it, as sequence ops around a Loop:
+
+    s0 = SequenceEmpty()                      outside
+    Loop(T, cond, ..., s0, ...) body:         s_out = SequenceInsert(s_in, y)   (appended at the end)
+    stacked = ConcatFromSequence(s_T, axis=a, new_axis=1)
+
+odtrain has no sequence values; a Loop's scan output is that same stack along axis 0. So where all of
+this holds, the carried sequence leaves the Loop, `y` becomes a scan output (after the existing
+ones), and the ConcatFromSequence becomes a Transpose that moves the stacked axis to `a` (nothing when
+`a` is 0):
+- the SequenceEmpty feeds only this Loop, as a carried value;
+- in the body, the carried sequence is read only by one SequenceInsert without a position, whose output
+  is the carried value's output and is read by nothing else;
+- outside, the Loop's final sequence is read only by one ConcatFromSequence with new_axis=1, and is
+  not a graph output.
+Anything else is left as it is, and the sequence ops are refused by name as before. The rank the
+Transpose needs comes from binding the graph up to the Loop at example sizes (a symbolic axis as 2).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .control_flow import onnx_input_count, with_captures
+from .errors import ModelError
+from .ir import Graph, NameScope, Node, TensorType
+
+
+def appended_sequences_as_scan_outputs(graph: Graph) -> Graph:
+    """`graph` with each Loop that appends to a sequence stacked after it rewritten as above (a copy when
+    anything changed)."""
+    if not any(n.op_type == "SequenceEmpty" for n in graph.nodes):
+        return graph
+    changed = graph.copy()
+    names = NameScope(changed)
+    while any(_rewrite_one(changed, n, names) for n in changed.nodes if n.op_type == "Loop"):
+        pass  # one sequence at a time: each rewrite replaces the Loop node
+    return changed
+
+
+def _rewrite_one(graph: Graph, loop: Node, names: NameScope) -> bool:
+    """Rewrites the first appended sequence of `loop` found (True), or changes nothing (False)."""
+    count = onnx_input_count(loop)
+    body = loop.attrs["body"]
+    consumers, producers = graph.consumers(), graph.producers()
+    body_consumers = body.consumers()
+    for k in range(count - 2):
+        initial, inner, final = loop.inputs[2 + k], body.inputs[2 + k], loop.outputs[k]
+        empty = producers.get(initial)
+        if empty is None or empty.op_type != "SequenceEmpty" or len(consumers.get(initial, [])) != 1:
+            continue
+        readers = body_consumers.get(inner, [])
+        if len(readers) != 1 or readers[0].op_type != "SequenceInsert" or len(readers[0].inputs) != 2 or \
+                readers[0].inputs[0] != inner:
+            continue
+        insert = readers[0]
+        if body.outputs[1 + k] != insert.outputs[0] or body_consumers.get(insert.outputs[0]) or \
+                body.outputs.count(insert.outputs[0]) != 1:
+            continue
+        concat = consumers.get(final, [])
+        if len(concat) != 1 or concat[0].op_type != "ConcatFromSequence" or \
+                int(concat[0].attrs.get("new_axis", 0)) != 1 or final in graph.outputs:
+            continue
+        _replace(graph, loop, k, insert, empty, concat[0], names)
+        return True
+    return False
+
+
+def _replace(graph: Graph, loop: Node, k: int, insert: Node, empty: Node, concat: Node, names: NameScope) -> None:
+    """Carried value k of `loop` (an appended sequence) becomes its last scan output, stacked by `concat`."""
+    count = onnx_input_count(loop)
+    body = loop.attrs["body"].copy()
+    body.nodes = [n for n in body.nodes if n is not insert and n.name != insert.name]
+    body.inputs = body.inputs[:2 + k] + body.inputs[3 + k:]
+    body.outputs = body.outputs[:1 + k] + body.outputs[2 + k:] + [insert.inputs[1]]
+    stacked = names.fresh(f"{loop.name}/stacked")
+    outputs = loop.outputs[:k] + loop.outputs[k + 1:] + [stacked]
+    attrs = {**loop.attrs, "body": body}
+    rewritten = with_captures(Node(loop.op_type, loop.inputs[:2 + k] + loop.inputs[3 + k:count], outputs, attrs,
+                                   loop.name, loop.domain, loop.scope))
+    axis = int(concat.attrs.get("axis", 0))
+    nodes = []
+    for node in graph.nodes:
+        if node is empty:
+            continue
+        if node is loop:
+            nodes.append(rewritten)
+        elif node is concat:
+            nodes.append(_moved_axis(graph, stacked, concat, axis, nodes + [rewritten], names))
+        else:
+            nodes.append(node)
+    graph.nodes = nodes
+    graph.value_types.pop(loop.outputs[k], None)
+
+
+def _moved_axis(graph: Graph, stacked: str, concat: Node, axis: int, before: list[Node], names: NameScope) -> Node:
+    """The node giving `concat`'s output from the stack along axis 0: an Identity, or a Transpose that moves
+    axis 0 to `axis` (ConcatFromSequence's axis counts in the output, so -1 is the last axis)."""
+    if axis == 0:
+        return Node("Identity", [stacked], list(concat.outputs), {}, concat.name, concat.domain, concat.scope)
+    rank = _rank(graph, stacked, before)
+    if rank is None:
+        raise ModelError(f"{concat.describe()}: stacks a Loop's appended values along axis {axis}, but their rank "
+                         "is unknown when the model is read; export the model with inputs of known rank")
+    axis = axis + rank if axis < 0 else axis
+    perm = list(range(1, axis + 1)) + [0] + list(range(axis + 1, rank))
+    dtype = graph.value_types[concat.outputs[0]].dtype if concat.outputs[0] in graph.value_types else np.float32
+    for name, axes in ((stacked, range(rank)), (concat.outputs[0], perm)):  # gradients need the ranks
+        graph.value_types[name] = TensorType(np.dtype(dtype), tuple(f"{stacked}_axis{a}" for a in axes))
+    return Node("Transpose", [stacked], list(concat.outputs), {"perm": perm}, concat.name, concat.domain,
+                concat.scope)
+
+
+def _rank(graph: Graph, stacked: str, nodes: list[Node]) -> int | None:
+    """The rank of `stacked`, from binding the nodes that compute it at example sizes (symbolic axes as 2)."""
+    from .schedule import bind_types
+
+    probe = graph.copy()
+    probe.nodes = nodes
+    probe = probe.prune([stacked])
+    known = {}
+    for name in probe.inputs:
+        t = graph.value_types.get(name)
+        if t is None or t.shape is None:
+            return None
+        known[name] = TensorType(t.dtype, tuple(d if isinstance(d, int) else 2 for d in t.shape))
+    constants = {k: np.asarray(v) for k, v in probe.initializers.items() if k not in probe.inputs}
+    try:
+        types, _ = bind_types(probe, known, constants)
+    except Exception:  # an op the example sizes do not suit: the rank stays unknown
+        return None
+    return len(types[stacked].shape)
