@@ -7,7 +7,9 @@ odtrain is not needed:
     /work/torchref/bin/python benchmarks/loop_goldens.py          # writes tests/data/loops/<model>/
 
 Each model folder holds `forward.onnx`, `golden.npz` and `meta.json` (tests/data/loops/README.md says
-what is in them); tests/test_loop_goldens.py trains odtrain along them without torch. The models, with
+what is in them); tests/test_loop_goldens.py trains odtrain along them without torch. The script also
+runs README's "Exporting one from PyTorch" block as written and keeps the two files it writes in
+tests/data/loops/readme/, which the tests load and train. The models, with
 how each export gives its control flow:
 
 - `gru_scan`: a `nn.GRUCell` run over the time axis by `torch._higher_order_ops.scan`, exported with
@@ -338,11 +340,39 @@ def write_model(name: str, seed: int) -> dict:
     return meta
 
 
+def readme_exports() -> list[str]:
+    """Runs README's "Exporting one from PyTorch" block as written, in a scratch folder, and keeps the files it
+    writes in tests/data/loops/readme/ (tests/test_loop_goldens.py runs them); returns their control-flow ops."""
+    import contextlib
+    import os
+    import re
+    import runpy
+    import tempfile
+
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)
+    (block,) = [b for b in blocks if "class Encoder(torch.nn.Module)" in b]
+    folder = OUT / "readme"
+    folder.mkdir(parents=True, exist_ok=True)
+    found = []
+    with tempfile.TemporaryDirectory() as scratch, contextlib.chdir(scratch), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        pathlib.Path("readme_block.py").write_text(block)  # torch.jit.script reads a module's source from its file
+        runpy.run_path("readme_block.py")
+        for name in ("loop.onnx", "cond.onnx"):
+            strip_metadata(name)
+            proto = onnx.load(name)
+            found.append(f"{name}: {sorted({n.op_type for n in proto.graph.node} & {'If', 'Loop', 'Scan'})}")
+            os.replace(name, folder / name)
+    return found
+
+
 def main() -> None:
     for seed, name in enumerate(MODELS):
         meta = write_model(name, seed)
         print(name, json.dumps({k: meta[k] for k in ("control_flow", "sgd", "adamw", "export_max_abs_error",
                                                      "twin_max_abs_error")}))
+    print("README:", ", ".join(readme_exports()))
 
 
 if __name__ == "__main__":

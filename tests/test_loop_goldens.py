@@ -80,3 +80,30 @@ def test_the_cond_batches_take_both_branches():
     _, _, golden = reference("cond")
     taken = {bool(x.astype(np.float64).mean() > 0) for x in golden["x"]}
     assert taken == {True, False}
+
+
+@pytest.mark.parametrize("name, shape", [("loop.onnx", (4, 6, 3)), ("cond.onnx", (4, 3))])
+def test_the_readmes_exports_run_as_onnxruntime_runs_them_and_train(name, shape, tmp_path):
+    """README's "Exporting one from PyTorch" block, run as written by benchmarks/loop_goldens.py."""
+    onnxruntime = pytest.importorskip("onnxruntime", reason="onnxruntime is the inference oracle (pip install .[test])")
+    from odtrain.inference import InferenceSession
+
+    path = DATA / "loops" / "readme" / name
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(shape).astype(np.float32) + (0.5 if name == "cond.onnx" else 0)
+    (expected,) = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    (got,) = InferenceSession(str(path)).run(None, {"x": x})
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    artifacts.generate_artifacts(str(path), loss=artifacts.LossType.MSELoss, optimizer=artifacts.OptimType.SGD,
+                                 artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx")
+    opt = Optimizer(tmp_path / "optimizer_model.onnx", module)
+    target = rng.standard_normal(expected.shape).astype(np.float32)
+    losses = []
+    for _ in range(3):
+        losses.append(float(module(x, target)))
+        opt.step()
+        module.lazy_reset_grad()
+    assert losses[0] == pytest.approx(float(np.mean((expected - target) ** 2)), rel=1e-5)
+    assert losses[2] < losses[0]
