@@ -14,6 +14,8 @@ how each export gives its control flow:
 
 - `gru_scan`: a `nn.GRUCell` run over the time axis by `torch._higher_order_ops.scan`, exported with
   `torch.onnx.export(..., dynamo=True)`: an ONNX `Scan` whose body is PyTorch's GRU cell;
+  `gru_scan_unoptimized` the same with `optimize=False`: the gates' chunks are `SplitToSequence` and
+  `SequenceAt` in the body;
 - `mamba_scan`: a Mamba-style selective scan (input-dependent Δ, B, C; A = −exp(A_log); projections
   before and after), its recurrence a `scan`, exported as above: a `Scan`;
 - `mamba_loop`: the same model as a Python `for` loop appending to a list, `torch.jit.script`-ed and
@@ -300,6 +302,8 @@ MODELS = {
     "mamba_loop": (MambaLoop, MambaLoop, export_scripted, (BATCH, T, INPUT), None),
     "cond": (Cond, Cond, export_dynamo, (BATCH, INPUT), None),
     "frozen_loop": (FrozenLoop, FrozenLoop, export_scripted, (BATCH, T, INPUT), ["head.weight", "head.bias"]),
+    "gru_scan_unoptimized": (GRUHead, lambda: GRUHead(use_scan=False), export_dynamo_unoptimized, (T, BATCH, INPUT),
+                             None),
 }
 
 

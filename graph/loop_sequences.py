@@ -18,12 +18,17 @@ ones), and the ConcatFromSequence becomes a Transpose that moves the stacked axi
   not a graph output.
 Anything else is left as it is, and the sequence ops are refused by name as before. The rank the
 Transpose needs comes from binding the graph up to the Loop at example sizes (a symbolic axis as 2).
+
+`split_sequences_as_slices` does the same for the dynamo exporter's `torch.chunk`/`split` without its
+optimizer (`optimize=False`, a GRU cell's gates): `SplitToSequence(x, split, axis)` read only by
+`SequenceAt(seq, k)` at constant non-negative positions k becomes one `Slice` per position (the k-th
+chunk's start and end along `axis`; a `Gather` where no split is given and keepdims=0), in every body.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .control_flow import onnx_input_count, with_captures
+from .control_flow import map_bodies, onnx_input_count, with_captures
 from .errors import ModelError
 from .ir import Graph, NameScope, Node, TensorType
 
@@ -132,3 +137,73 @@ def _rank(graph: Graph, stacked: str, nodes: list[Node]) -> int | None:
     except Exception:  # an op the example sizes do not suit: the rank stays unknown
         return None
     return len(types[stacked].shape)
+
+
+def split_sequences_as_slices(graph: Graph, outer: dict | None = None) -> Graph:
+    """`graph` with each SplitToSequence read only by SequenceAt at constant positions replaced by tensor ops
+    (see the module's docstring), in its bodies too (a copy when anything changed). `outer`: the constants of
+    the enclosing scopes, by name (a body reads its split sizes from outside too)."""
+    from .control_flow import walk
+
+    if not any(n.op_type == "SplitToSequence" for n in walk(graph)):
+        return graph
+    changed = graph.copy()
+    known = _constants(changed, outer or {})
+    changed.nodes = [map_bodies(n, lambda body: split_sequences_as_slices(body, known)) for n in changed.nodes]
+    names = NameScope(changed)
+    consumers = changed.consumers()
+    for split in [n for n in changed.nodes if n.op_type == "SplitToSequence"]:
+        readers = consumers.get(split.outputs[0], [])
+        positions = [known.get(r.inputs[1]) if r.op_type == "SequenceAt" and len(r.inputs) == 2 else None
+                     for r in readers]
+        sizes = known.get(split.inputs[1]) if len(split.inputs) > 1 and split.inputs[1] else None
+        if not readers or split.outputs[0] in changed.outputs or any(
+                p is None or p.size != 1 or int(p.reshape(-1)[0]) < 0 for p in positions) or \
+                (len(split.inputs) > 1 and split.inputs[1] and sizes is None):
+            continue
+        replaced = {id(r): _chunk(changed, split, sizes, int(p.reshape(-1)[0]), r, names)
+                    for r, p in zip(readers, positions)}
+        changed.nodes = [replaced.get(id(n), n) for n in changed.nodes if n is not split]
+    return changed
+
+
+def _constants(graph: Graph, outer: dict) -> dict:
+    """The integer values known before running that `graph` reads: `outer`'s, its initializers, its Constant
+    nodes' (split sizes and positions are int64)."""
+    from .ops.tensor import constant_value
+
+    known = dict(outer)
+    known.update((k, np.asarray(v)) for k, v in graph.initializers.items() if np.asarray(v).dtype.kind in "iu")
+    for node in graph.nodes:
+        if node.op_type == "Constant" and node.outputs:
+            try:
+                value = np.asarray(constant_value(node))
+            except Exception:  # a Constant the rules cannot read: not a position we use
+                continue
+            if value.dtype.kind in "iu":
+                known[node.outputs[0]] = value
+    for name in graph.inputs:  # a body's own input hides an outer value of its name
+        known.pop(name, None)
+    return known
+
+
+def _chunk(graph: Graph, split: Node, sizes, k: int, reader: Node, names: NameScope) -> Node:
+    """The node giving `reader`'s output, chunk k of `split`'s input: a Slice along the split's axis (ends past
+    the axis clamp, as the last chunk of an uneven split ends), or a Gather of row k when the chunks are single
+    rows without their axis (no split given, keepdims=0)."""
+    axis = int(split.attrs.get("axis", 0))
+    if sizes is None:
+        if int(split.attrs.get("keepdims", 1)) == 0:
+            index = names.fresh(f"{reader.name}/index")
+            graph.initializers[index] = np.array(k, np.int64)
+            return Node("Gather", [split.inputs[0], index], list(reader.outputs), {"axis": axis}, reader.name,
+                        reader.domain, reader.scope)
+        sizes = np.array(1, np.int64)
+    sizes = sizes.reshape(-1).astype(np.int64)
+    start = int(sizes[0]) * k if sizes.size == 1 else int(np.sum(sizes[:k]))
+    end = start + int(sizes[0] if sizes.size == 1 else sizes[k])
+    inputs = [split.inputs[0]]
+    for hint, value in (("starts", start), ("ends", end), ("axes", axis)):
+        inputs.append(names.fresh(f"{reader.name}/{hint}"))
+        graph.initializers[inputs[-1]] = np.array([value], np.int64)
+    return Node("Slice", inputs, list(reader.outputs), {}, reader.name, reader.domain, reader.scope)

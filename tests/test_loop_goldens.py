@@ -1,7 +1,8 @@
 """Models that loop, exported from PyTorch as users export them, train along PyTorch's losses.
 
 The models and goldens are tests/data/loops (benchmarks/loop_goldens.py, torch 2.13): a GRU cell and a
-Mamba-style selective scan run by `scan` and exported by the dynamo exporter (a Scan), the selective scan
+Mamba-style selective scan run by `scan` and exported by the dynamo exporter (a Scan; the GRU also without
+the exporter's optimizer, its gates' chunks then sequence ops), the selective scan
 as a scripted for loop appending to a list (a Loop over a sequence, TorchScript exporter), `torch.cond`
 on the data (an If, both branches taken), and a frozen scripted loop encoder under a trainable head.
 Each trains 5 SGD and 5 AdamW steps (ONNX Runtime's AdamW, the artifacts' defaults) on an MSE loss.
@@ -20,7 +21,7 @@ from odtrain import artifacts
 from odtrain.api import CheckpointState, Module, Optimizer
 
 TOLERANCE = 1e-5  # relative: 50x PyTorch's float32 distance from float64, 40x below a 1% learning-rate error
-MODELS = ["gru_scan", "mamba_scan", "mamba_loop", "cond", "frozen_loop"]
+MODELS = ["gru_scan", "gru_scan_unoptimized", "mamba_scan", "mamba_loop", "cond", "frozen_loop"]
 
 
 def reference(name: str):
