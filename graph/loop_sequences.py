@@ -48,7 +48,10 @@ def appended_sequences_as_scan_outputs(graph: Graph) -> Graph:
 def _rewrite_one(graph: Graph, loop: Node, names: NameScope) -> bool:
     """Rewrites the first appended sequence of `loop` found (True), or changes nothing (False)."""
     count = onnx_input_count(loop)
-    body = loop.attrs["body"]
+    body = loop.attrs.get("body")
+    if not isinstance(body, Graph) or len(body.inputs) != count or len(body.outputs) < count - 1 or \
+            len(loop.outputs) < count - 2:
+        return False  # a malformed Loop: its own rule names what is wrong
     consumers, producers = graph.consumers(), graph.producers()
     body_consumers = body.consumers()
     for k in range(count - 2):
@@ -152,7 +155,7 @@ def split_sequences_as_slices(graph: Graph, outer: dict | None = None) -> Graph:
     changed.nodes = [map_bodies(n, lambda body: split_sequences_as_slices(body, known)) for n in changed.nodes]
     names = NameScope(changed)
     consumers = changed.consumers()
-    for split in [n for n in changed.nodes if n.op_type == "SplitToSequence"]:
+    for split in [n for n in changed.nodes if n.op_type == "SplitToSequence" and n.inputs and n.outputs]:
         readers = consumers.get(split.outputs[0], [])
         positions = [known.get(r.inputs[1]) if r.op_type == "SequenceAt" and len(r.inputs) == 2 else None
                      for r in readers]
