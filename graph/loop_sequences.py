@@ -79,8 +79,10 @@ def _rewrite_one(graph: Graph, loop: Node, names: NameScope) -> bool:
 def _replace(graph: Graph, loop: Node, k: int, insert: Node, empty: Node, concat: Node, names: NameScope) -> None:
     """Carried value k of `loop` (an appended sequence) becomes its last scan output, stacked by `concat`."""
     count = onnx_input_count(loop)
-    body = loop.attrs["body"].copy()
-    body.nodes = [n for n in body.nodes if n is not insert and n.name != insert.name]
+    original = loop.attrs["body"]
+    body = original.copy()
+    position = next(i for i, n in enumerate(original.nodes) if n is insert)
+    body.nodes = body.nodes[:position] + body.nodes[position + 1:]
     body.inputs = body.inputs[:2 + k] + body.inputs[3 + k:]
     body.outputs = body.outputs[:1 + k] + body.outputs[2 + k:] + [insert.inputs[1]]
     stacked = names.fresh(f"{loop.name}/stacked")
@@ -96,14 +98,14 @@ def _replace(graph: Graph, loop: Node, k: int, insert: Node, empty: Node, concat
         if node is loop:
             nodes.append(rewritten)
         elif node is concat:
-            nodes.append(_moved_axis(graph, stacked, concat, axis, nodes + [rewritten], names))
+            nodes.append(_moved_axis(graph, stacked, concat, axis, nodes + [rewritten]))
         else:
             nodes.append(node)
     graph.nodes = nodes
     graph.value_types.pop(loop.outputs[k], None)
 
 
-def _moved_axis(graph: Graph, stacked: str, concat: Node, axis: int, before: list[Node], names: NameScope) -> Node:
+def _moved_axis(graph: Graph, stacked: str, concat: Node, axis: int, before: list[Node]) -> Node:
     """The node giving `concat`'s output from the stack along axis 0: an Identity, or a Transpose that moves
     axis 0 to `axis` (ConcatFromSequence's axis counts in the output, so -1 is the last axis)."""
     if axis == 0:
@@ -116,7 +118,8 @@ def _moved_axis(graph: Graph, stacked: str, concat: Node, axis: int, before: lis
     perm = list(range(1, axis + 1)) + [0] + list(range(axis + 1, rank))
     dtype = graph.value_types[concat.outputs[0]].dtype if concat.outputs[0] in graph.value_types else np.float32
     for name, axes in ((stacked, range(rank)), (concat.outputs[0], perm)):  # gradients need the ranks
-        graph.value_types[name] = TensorType(np.dtype(dtype), tuple(f"{stacked}_axis{a}" for a in axes))
+        if name not in graph.value_types or graph.value_types[name].shape is None:  # a declared shape stays
+            graph.value_types[name] = TensorType(np.dtype(dtype), tuple(f"{stacked}_axis{a}" for a in axes))
     return Node("Transpose", [stacked], list(concat.outputs), {"perm": perm}, concat.name, concat.domain,
                 concat.scope)
 
