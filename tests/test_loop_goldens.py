@@ -108,3 +108,32 @@ def test_the_readmes_exports_run_as_onnxruntime_runs_them_and_train(name, shape,
         module.lazy_reset_grad()
     assert losses[0] == pytest.approx(float(np.mean((expected - target) ** 2)), rel=1e-5)
     assert losses[2] < losses[0]
+
+
+def test_a_scripted_loop_over_rows_becomes_a_scan_whose_condition_is_an_outer_constant(tmp_path):
+    """The TorchScript exporter's Loop: its first condition a Constant node and the body's condition
+    Identity(that constant) read from outside. Over rows x[i] it becomes a Scan (graph/control_flow.py's
+    loops_as_scans) that computes what onnxruntime computes."""
+    onnxruntime = pytest.importorskip("onnxruntime", reason="onnxruntime is the inference oracle (pip install .[test])")
+    from onnx import helper
+
+    from odtrain.graph.control_flow import loops_as_scans
+    from odtrain.graph.onnx_io import graph_to_proto, load_graph
+    from odtrain.inference import InferenceSession
+    from test_control_flow import selective_scan
+
+    proto = selective_scan("loop", steps=6, width=3, state=2)
+    graph = proto.graph
+    (go,) = [t for t in graph.initializer if t.name == "go"]
+    graph.initializer.remove(go)
+    graph.node.insert(0, helper.make_node("Constant", [], ["go"], value=go))
+    (loop,) = [n for n in graph.node if n.op_type == "Loop"]
+    (identity,) = [n for n in loop.attribute[0].g.node if n.op_type == "Identity" and n.input[0] == "cond_in"]
+    identity.input[0] = "go"
+    converted = loops_as_scans(load_graph(proto))
+    assert [n.op_type for n in converted.nodes if n.op_type in ("Loop", "Scan")] == ["Scan"]
+    x = np.random.default_rng(2).standard_normal((6, 3)).astype(np.float32)
+    (expected,) = onnxruntime.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x})
+    np.testing.assert_allclose(InferenceSession(graph_to_proto(converted)).run(None, {"x": x})[0], expected,
+                               rtol=1e-5, atol=1e-6)
