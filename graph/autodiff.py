@@ -34,6 +34,10 @@ from .ops.nn import fuse_normalization_activations
 from .ops.quantize import fuse_quantize_pairs
 
 GRAD_SUFFIX = "_grad"
+# ops a gradient rule's constant input (axes, a shape) is folded through; none of them makes a large tensor
+# from a small one (as ConstantOfShape, Expand or Range would)
+INDEX_ARITHMETIC = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Concat", "Cast", "Identity", "Gather", "Slice",
+                              "Add", "Sub", "Mul", "Div", "Neg"})
 LOSS_SEED = "loss_grad_seed"
 
 
@@ -67,11 +71,11 @@ class BackwardBuilder:
             from .ops.tensor import constant_value
 
             return constant_value(producer)
-        if depth > 8 or not producer.inputs:  # axes come from a few nodes; a deeper chain is computed work
-            return None
+        if depth > 8 or producer.op_type not in INDEX_ARITHMETIC or not producer.inputs:
+            return None  # axes come from a few small ops; a deeper chain, or an op that makes tensors, is work
         values = [self.constant_value(i, depth + 1) if i else None for i in producer.inputs]
-        if any(v is None for i, v in zip(producer.inputs, values) if i):
-            return None
+        if any(v is None or np.asarray(v).size > 1024 for i, v in zip(producer.inputs, values) if i):
+            return None  # not known, or a weight rather than an index
         types = [TensorType(np.asarray(v).dtype, tuple(np.asarray(v).shape)) if v is not None else None for v in values]
         try:
             result = lookup(producer).infer(producer, types, values)

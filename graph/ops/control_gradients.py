@@ -280,12 +280,7 @@ def _loop_grad(ctx):
     node = ctx.node
     body = node.attrs["body"]
     has_condition = len(node.inputs) > 1 and node.inputs[1] and onnx_input_count(node) > 1
-    feeding = dict(outer_bindings(node))
-
-    def outer_constant(name):
-        return ctx.known_constant(feeding[name]) if name in feeding else None
-
-    if not node.inputs[0] or (has_condition and not _condition_stays_true(body, outer_constant)):
+    if not node.inputs[0] or (has_condition and not _condition_stays_true(body, _inner_constant(ctx))):
         raise UnsupportedOpError(
             f"{node.describe()}: a Loop whose condition depends on the data has no gradient in odtrain (the "
             "reverse pass would need the forward's iteration count); give it a trip count and a condition that "
