@@ -8,7 +8,7 @@ on the data (an If, both branches taken), and a frozen scripted loop encoder und
 Each trains 5 SGD and 5 AdamW steps (ONNX Runtime's AdamW, the artifacts' defaults) on an MSE loss.
 
 The losses must stay within TOLERANCE of the float64 golden. Measured here: odtrain's losses within
-3.7e-8..1.3e-7 relative (PyTorch's own float32 run: 3.9e-8..1.9e-7, meta.json's float32_loss_error); a
+3.7e-8..1.4e-7 relative (PyTorch's own float32 run: 3.9e-8..1.9e-7, meta.json's float32_loss_error); a
 learning rate 1% off moves them 3.9e-4..1.2e-2 (checked for each model, so the test can fail).
 """
 import json
