@@ -9,8 +9,8 @@ odtrain is not needed:
 Each model folder holds `forward.onnx`, `golden.npz` and `meta.json` (tests/data/loops/README.md says
 what is in them); tests/test_loop_goldens.py trains odtrain along them without torch. The script also
 runs README's "Exporting one from PyTorch" block as written and keeps the two files it writes in
-tests/data/loops/readme/, which the tests load and train. The models, with
-how each export gives its control flow:
+tests/data/loops/readme/, which the tests load and train. The models, with how each export gives its
+control flow:
 
 - `gru_scan`: a `nn.GRUCell` run over the time axis by `torch._higher_order_ops.scan`, exported with
   `torch.onnx.export(..., dynamo=True)`: an ONNX `Scan` whose body is PyTorch's GRU cell;
@@ -20,7 +20,7 @@ how each export gives its control flow:
   before and after), its recurrence a `scan`, exported as above: a `Scan`;
 - `mamba_loop`: the same model as a Python `for` loop appending to a list, `torch.jit.script`-ed and
   exported by the TorchScript exporter (`dynamo=False`): a `Loop` that inserts each step's output into
-  a sequence, `ConcatFromSequence` after it (what users export: onnxruntime issue 27796);
+  a sequence, `ConcatFromSequence` after it (how users export a Mamba block's loop today);
 - `cond`: `torch.cond` on the sign of the batch's mean, exported with `dynamo=True`: an `If` whose
   branches read weights from outside; the batches alternate signs, so both branches train;
 - `frozen_loop`: a scripted `for`-loop RNN encoder (a `Loop`) whose weights stay frozen, under a
