@@ -28,12 +28,16 @@ from .control_flow import walk
 from .errors import ModelError, UnsupportedOpError
 from .fusion import fuse_for_training
 from .gradient_fusion import fold_activation_gradients
-from .ir import DEFAULT_DOMAIN, Graph, NameScope, Node
+from .ir import DEFAULT_DOMAIN, Graph, NameScope, Node, TensorType
 from .ops import OPS, GradContext, lookup
 from .ops.nn import fuse_normalization_activations
 from .ops.quantize import fuse_quantize_pairs
 
 GRAD_SUFFIX = "_grad"
+# ops a gradient rule's constant input (axes, a shape) is folded through; none of them makes a large tensor
+# from a small one (as ConstantOfShape, Expand or Range would)
+INDEX_ARITHMETIC = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Concat", "Cast", "Identity", "Gather", "Slice",
+                              "Add", "Sub", "Mul", "Div", "Neg"})
 LOSS_SEED = "loss_grad_seed"
 
 
@@ -55,15 +59,30 @@ class BackwardBuilder:
         self.graph.initializers[name] = value.astype(np.float32) if value.dtype == np.float64 else value
         return name
 
-    def constant_value(self, name: str):
+    def constant_value(self, name: str, depth: int = 0):
+        """The value of `name` when the model fixes it, else None: an initializer, a Constant node's value, or
+        an op on such values that its type rule folds (the dynamo exporter's axes: Reshape of two Constants)."""
         if name in self.graph.initializers:
             return self.graph.initializers[name]
-        for node in self.graph.nodes:
-            if node.op_type == "Constant" and name in node.outputs:
-                from .ops.tensor import constant_value
+        producer = next((n for n in self.graph.nodes if name in n.outputs), None)
+        if producer is None or producer.attrs and any(isinstance(v, Graph) for v in producer.attrs.values()):
+            return None
+        if producer.op_type == "Constant":
+            from .ops.tensor import constant_value
 
-                return constant_value(node)
-        return None
+            return constant_value(producer)
+        if depth > 8 or producer.op_type not in INDEX_ARITHMETIC or not producer.inputs:
+            return None  # axes come from a few small ops; a deeper chain, or an op that makes tensors, is work
+        values = [self.constant_value(i, depth + 1) if i else None for i in producer.inputs]
+        if any(v is None or np.asarray(v).size > 1024 for i, v in zip(producer.inputs, values) if i):
+            return None  # not known, or a weight rather than an index
+        types = [TensorType(np.asarray(v).dtype, tuple(np.asarray(v).shape)) if v is not None else None for v in values]
+        try:
+            result = lookup(producer).infer(producer, types, values)
+        except Exception:  # a rule that cannot fold these: the value is not a constant we know
+            return None
+        folded = result[1] if isinstance(result, tuple) else None
+        return None if folded is None else np.asarray(folded[producer.outputs.index(name)])
 
 
 def depends_on(graph: Graph, sources: set[str]) -> set[str]:

@@ -199,22 +199,17 @@ def loops_as_scans(graph: Graph) -> Graph:
 
 
 def _as_scan(node: Node, graph: Graph, names: NameScope) -> list[Node] | None:
-    from .ops.tensor import constant_value
-
     if node.op_type != "Loop" or not node.inputs or not node.inputs[0]:
         return None
     body = node.attrs["body"]
-    trip = graph.initializers.get(node.inputs[0])
-    producers = graph.producers()
-    if trip is None and node.inputs[0] in producers and producers[node.inputs[0]].op_type == "Constant":
-        trip = constant_value(producers[node.inputs[0]])
+    trip = _constant_of(graph, node.inputs[0])
     count = onnx_input_count(node)
     if trip is None or np.asarray(trip).size != 1 or count < 2:
         return None
     trip = int(np.asarray(trip).reshape(-1)[0])
     if node.inputs[1]:
-        start = graph.initializers.get(node.inputs[1])
-        if start is None or not bool(np.asarray(start).reshape(-1)[0]) or not _passes_condition_on(body):
+        start = _constant_of(graph, node.inputs[1])
+        if start is None or not bool(np.asarray(start).reshape(-1)[0]) or not _passes_condition_on(body, graph):
             return None
     counter, condition = body.inputs[0], body.inputs[1]
     gathers, other_reads = {}, False
@@ -264,11 +259,26 @@ def _as_scan(node: Node, graph: Graph, names: NameScope) -> list[Node] | None:
     return made
 
 
-def _passes_condition_on(body: Graph) -> bool:
-    """Whether a Loop body's condition output is its condition input, through Identity nodes."""
+def _constant_of(graph: Graph, name: str):
+    """The value of `name` if an initializer or a Constant node of `graph` gives it, else None."""
+    from .ops.tensor import constant_value
+
+    if name in graph.initializers:
+        return graph.initializers[name]
+    producer = graph.producers().get(name)
+    return constant_value(producer) if producer is not None and producer.op_type == "Constant" else None
+
+
+def _passes_condition_on(body: Graph, graph: Graph) -> bool:
+    """Whether a Loop body's condition output is its condition input, through Identity nodes, or a constant
+    true of the Loop's `graph` that the body reads (the TorchScript exporter's `Identity(true)`)."""
     name, producers = body.outputs[0], body.producers()
     while name in producers and producers[name].op_type == "Identity":
         name = producers[name].inputs[0]
+    if name not in producers and name not in body.inputs and name not in body.initializers:
+        value = _constant_of(graph, name)
+        if value is not None:
+            return bool(np.asarray(value).reshape(-1)[0])
     return name == body.inputs[1]
 
 

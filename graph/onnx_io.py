@@ -29,6 +29,7 @@ import numpy as np
 from .errors import ArtifactNotFoundError, ModelError, UnsupportedOpError
 from .int4 import PackedInt4, at_blocked_opset
 from .control_flow import onnx_inputs, walk, with_captures
+from .loop_sequences import appended_sequences_as_scan_outputs, split_sequences_as_slices
 from .onnx_attributes import ATTRIBUTES, unknown_attributes
 from .ir import DEFAULT_DOMAIN, ODTRAIN_DOMAIN, Graph, Node, TensorType
 from .onnx_wire import (EXTERNAL, LIGHT_BYTES, SCOPE_KEY, AttributeData, AttributeType, GraphData, ModelData,
@@ -152,7 +153,10 @@ def graph_from_proto(proto: onnx.ModelProto, source: str = "model", folder: str 
     model = model_from_proto(proto)
     if initializers is not None:
         model.graph.initializers = initializers
-    return _build_graph(model, opsets, source, folder)
+    # sequence ops exporters write around tensors become tensor ops (graph/loop_sequences.py): a scripted loop's
+    # list appends the Loop's scan output, torch.chunk's SequenceAt reads Slices
+    graph = split_sequences_as_slices(_build_graph(model, opsets, source, folder))
+    return appended_sequences_as_scan_outputs(graph)
 
 
 def graph_from_model(model: ModelData, source: str = "model") -> Graph:

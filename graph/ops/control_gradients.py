@@ -255,9 +255,10 @@ def _scan_grad(ctx):
         ctx.set_grad(states + scans + j, name)
 
 
-def _condition_stays_true(body: Graph) -> bool:
+def _condition_stays_true(body: Graph, outer_constant=lambda name: None) -> bool:
     """Whether a Loop body's condition output is its condition input passed on (through Identity), or a
-    Constant true."""
+    Constant true: the body's own, or one of the enclosing graph that `outer_constant` (a name the body reads
+    from outside -> its value, or None) knows, as the TorchScript exporter writes `Identity(true)`."""
     from .tensor import constant_value
 
     name = body.outputs[0]
@@ -268,6 +269,9 @@ def _condition_stays_true(body: Graph) -> bool:
         return bool(np.asarray(constant_value(producers[name])).reshape(-1)[0])
     if name in body.initializers:
         return bool(np.asarray(body.initializers[name]).reshape(-1)[0])
+    outer = outer_constant(name) if name not in producers and name not in body.inputs else None
+    if outer is not None:
+        return bool(np.asarray(outer).reshape(-1)[0])
     return name == body.inputs[1]
 
 
@@ -276,7 +280,7 @@ def _loop_grad(ctx):
     node = ctx.node
     body = node.attrs["body"]
     has_condition = len(node.inputs) > 1 and node.inputs[1] and onnx_input_count(node) > 1
-    if not node.inputs[0] or (has_condition and not _condition_stays_true(body)):
+    if not node.inputs[0] or (has_condition and not _condition_stays_true(body, _inner_constant(ctx))):
         raise UnsupportedOpError(
             f"{node.describe()}: a Loop whose condition depends on the data has no gradient in odtrain (the "
             "reverse pass would need the forward's iteration count); give it a trip count and a condition that "
