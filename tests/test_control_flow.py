@@ -239,6 +239,72 @@ def test_a_sequence_op_in_a_body_is_refused_by_name():
         InferenceSession(proto).run(None, {"x": np.ones(2, np.float32)})
 
 
+
+# ---- Sequences: a Loop's carried values and an If's outputs, expanded when shapes bind -------------------
+SEQUENCE_CASES = ("test_loop13_seq", "test_if_seq", "test_loop16_seq_none")
+
+
+@pytest.mark.parametrize("name", SEQUENCE_CASES)
+def test_sequences_carried_by_a_loop_or_given_by_an_if_match_the_backend_cases(name):
+    import pathlib
+    import sys
+    import warnings
+
+    from onnx.backend.test.loader import load_model_tests
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+    from conformance import _odtrain_run, check
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (case,) = [c for c in load_model_tests(kind="node") if c.name == name]
+    assert check(case, _odtrain_run) is None
+
+
+def sequence_loop_model(trip=3):
+    """s = [x * 1, x * 2, ...]: a Loop carrying a sequence fed empty, each iteration inserting a row."""
+    body = helper.make_graph([helper.make_node("Identity", ["c"], ["c_out"]),
+                              helper.make_node("Cast", ["i"], ["fi"], to=F),
+                              helper.make_node("Add", ["fi", "one"], ["k"]),
+                              helper.make_node("Mul", ["x", "k"], ["row"]),
+                              helper.make_node("SequenceInsert", ["s_in", "row"], ["s_out"])], "body",
+                             [tensor("i", [], TensorProto.INT64), tensor("c", [], TensorProto.BOOL),
+                              helper.make_tensor_sequence_value_info("s_in", F, None)],
+                             [tensor("c_out", [], TensorProto.BOOL), helper.make_tensor_sequence_value_info("s_out", F, None)])
+    return model([helper.make_node("Loop", ["trip", "", "s0"], ["s"], body=body, name="collect")],
+                 [tensor("x", [2]), helper.make_tensor_sequence_value_info("s0", F, None)],
+                 [helper.make_tensor_sequence_value_info("s", F, None)],
+                 [numpy_helper.from_array(np.array(trip, np.int64), "trip"),
+                  numpy_helper.from_array(np.array(1, np.float32), "one")])
+
+
+def test_a_loop_carrying_a_sequence_extends_the_sequence_it_is_fed():
+    x = np.array([1.5, -2.0], np.float32)
+    start = [np.full(3, 7, np.float32)]
+    got = InferenceSession(sequence_loop_model()).run(None, {"x": x, "s0": start})[0]
+    # onnxruntime as the oracle: onnx.reference's Loop stops at once when its condition input is omitted
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(sequence_loop_model().SerializeToString(), providers=["CPUExecutionProvider"])
+    expected = session.run(None, {"x": x, "s0": start})[0]
+    assert len(got) == len(expected) == 4
+    for g, e in zip(got, expected):
+        np.testing.assert_array_equal(g, e)
+
+
+def test_a_sequence_op_outside_every_body_is_refused_in_one_line_naming_it(tmp_path):
+    from odtrain import cli
+
+    proto = model([helper.make_node("SequenceConstruct", ["x", "x"], ["s"], name="pair"),
+                   helper.make_node("ConcatFromSequence", ["s"], ["y"], axis=0, name="join")],
+                  [tensor("x", [2])], [tensor("y", [4])])
+    with pytest.raises(OdtrainError, match="SequenceConstruct node 'pair' works on a sequence outside"):
+        InferenceSession(proto)
+    path = tmp_path / "joined.onnx"
+    path.write_bytes(proto.SerializeToString())
+    assert cli.main(["prepare", str(path), "-o", str(tmp_path / "art")]) == 2
+
+
 # ---- Gradients: float64 central differences of the same model --------------------------------------
 # onnx.reference has no reverse Scan directions, so the float64 oracle falls back to onnxruntime there.
 GRADIENT_ORACLES = {"If": "test_if_gradients_match_finite_differences_on_both_branches",
