@@ -305,6 +305,91 @@ def test_a_sequence_op_outside_every_body_is_refused_in_one_line_naming_it(tmp_p
     assert cli.main(["prepare", str(path), "-o", str(tmp_path / "art")]) == 2
 
 
+
+# ---- Random ops in a body: a fresh Dropout mask each iteration, the same one in the backward ---------------
+def dropout_scan_model(length, reverse):
+    """h_t = h_{t-1} + Dropout(x_t · w) in training mode, the rows of x walked forward or in reverse."""
+    n = 16
+    body = helper.make_graph([helper.make_node("Mul", ["x_t", "w"], ["xw"]),
+                              helper.make_node("Dropout", ["xw", "ratio", "training"], ["y_t"], name="drop"),
+                              helper.make_node("Add", ["h_in", "y_t"], ["h_out"])], "body",
+                             [tensor("h_in", [n]), tensor("x_t", [n])], [tensor("h_out", [n]), tensor("y_t", [n])])
+    node = helper.make_node("Scan", ["h0", "x"], ["h", "ys"], body=body, num_scan_inputs=1, name="scan",
+                            scan_input_directions=[int(reverse)])
+    return model([node], [tensor("x", [length, n])], [tensor("h", [n]), tensor("ys", [length, n])],
+                 [numpy_helper.from_array(np.array(0.5, np.float32), "ratio"),
+                  numpy_helper.from_array(np.array(True), "training"),
+                  numpy_helper.from_array(np.zeros(n, np.float32), "h0"),
+                  numpy_helper.from_array(np.array(1.5, np.float32), "w")])
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_dropout_in_a_body_draws_a_mask_per_iteration_that_its_gradient_applies(reverse, tmp_path):
+    from odtrain import artifacts
+    from odtrain.api import CheckpointState, Module
+
+    x = np.random.default_rng(3).uniform(1, 2, (6, 16)).astype(np.float32)
+    _, ys = InferenceSession(dropout_scan_model(6, reverse)).run(None, {"x": x})
+    masks = ys != 0
+    assert len({m.tobytes() for m in masks}) == len(masks)  # a fresh mask each iteration
+    weights = [np.zeros(16, np.float32), np.random.default_rng(4).standard_normal((6, 16)).astype(np.float32)]
+    artifacts.generate_artifacts(with_loss(dropout_scan_model(6, reverse), weights), requires_grad=["w"], loss=None,
+                                 optimizer=artifacts.OptimType.SGD, artifact_directory=tmp_path)
+    losses, gradients = [], []
+    for _ in range(2):  # the same seed draws the same masks
+        state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+        state.random_seed = 5
+        module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx")
+        module.train()
+        losses.append(float(np.asarray(module(x))))
+        gradients.append(float(np.asarray(state.parameters["w"].grad)))
+    assert losses[0] == losses[1] and gradients[0] == gradients[1]
+    # the loss is linear in w (w · Σ weight · mask · x / (1 - ratio)): its gradient is loss / w exactly when the
+    # backward applies the masks the forward drew; float32 sums in two orders: a few ulps of the loss
+    np.testing.assert_allclose(gradients[0] * 1.5, losses[0], rtol=1e-5)
+
+
+
+def test_batch_normalization_in_a_body_updates_its_running_statistics_each_iteration_as_pytorch(tmp_path):
+    """A PyTorch BatchNorm1d called once per step of a loop normalises each call by that call's batch and
+    moves its running statistics once per call; the same layer in a Scan body trains so, its running
+    statistics state (never trained) under the default selection of parameters."""
+    from odtrain import artifacts
+    from odtrain.api import CheckpointState, Module
+
+    length, batch, channels = 4, 5, 3
+    body = helper.make_graph([helper.make_node("BatchNormalization", ["x_t", "gamma", "beta", "mean", "var"],
+                                               ["y_t", "mean_out", "var_out"], training_mode=1, momentum=0.9),
+                              helper.make_node("Add", ["h_in", "y_t"], ["h_out"])], "body",
+                             [tensor("h_in", [batch, channels]), tensor("x_t", [batch, channels])],
+                             [tensor("h_out", [batch, channels]), tensor("y_t", [batch, channels])])
+    proto = model([helper.make_node("Scan", ["h0", "x"], ["h", "ys"], body=body, num_scan_inputs=1, name="scan")],
+                  [tensor("x", [length, batch, channels])], [tensor("h"), tensor("ys")],
+                  [numpy_helper.from_array(np.ones(channels, np.float32), "gamma"),
+                   numpy_helper.from_array(np.zeros(channels, np.float32), "beta"),
+                   numpy_helper.from_array(np.zeros(channels, np.float32), "mean"),
+                   numpy_helper.from_array(np.ones(channels, np.float32), "var"),
+                   numpy_helper.from_array(np.zeros((batch, channels), np.float32), "h0")], opset=15)
+    x = (RNG.standard_normal((length, batch, channels)) + 3).astype(np.float32)
+    weights = [np.ones((batch, channels), np.float32), RNG.standard_normal((length, batch, channels)).astype(np.float32)]
+    artifacts.generate_artifacts(with_loss(proto, weights), loss=None, optimizer=artifacts.OptimType.SGD,
+                                 artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    assert not state.parameters["mean"].requires_grad and not state.parameters["var"].requires_grad
+    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx")
+    module.train()
+    module(x)
+    # torch.nn.BatchNorm1d(momentum=0.1) in training mode, called once per step, in float64: each call moves
+    # running = 0.9 · running + 0.1 · batch statistic, the variance unbiased (PyTorch's documented update)
+    mean, var = np.zeros(channels), np.ones(channels)
+    for t in range(length):
+        mean = 0.9 * mean + 0.1 * x[t].mean(0, dtype=np.float64)
+        var = 0.9 * var + 0.1 * x[t].astype(np.float64).var(0, ddof=1)
+    # float32 batch statistics against float64 ones over 5 rows of values near 3: well inside 1e-5
+    np.testing.assert_allclose(np.asarray(state.parameters["mean"].data), mean, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(state.parameters["var"].data), var, rtol=1e-5)
+
+
 # ---- Gradients: float64 central differences of the same model --------------------------------------
 # onnx.reference has no reverse Scan directions, so the float64 oracle falls back to onnxruntime there.
 GRADIENT_ORACLES = {"If": "test_if_gradients_match_finite_differences_on_both_branches",
