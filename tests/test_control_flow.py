@@ -390,6 +390,31 @@ def test_batch_normalization_in_a_body_updates_its_running_statistics_each_itera
     np.testing.assert_allclose(np.asarray(state.parameters["var"].data), var, rtol=1e-5)
 
 
+
+def test_the_memory_report_shows_each_loops_body_arena_and_the_iterations_it_saves(tmp_path):
+    from odtrain import artifacts, memory
+
+    proto = scan_model()
+    values = random_feeds(proto)
+    proto = as_initializers(proto, ["h0", "c0"], values)
+    weights = [np.ones(np.shape(o), np.float32) for o in oracle(proto, {k: values[k] for k in ("a", "b")})]
+    artifacts.generate_artifacts(with_loss(proto, weights), requires_grad=["W"], loss=None,
+                                 optimizer=artifacts.OptimType.SGD, artifact_directory=tmp_path)
+    result = memory.from_artifacts(tmp_path, 2)
+    train = next(p for p in result.plans if p.mode == "train")
+    forward, backward = train.loops
+    assert (forward.node, forward.iterations, backward.iterations) == ("Scan node 'scan'", 5, 5)
+    assert forward.saved_bytes == 5 * 2 * (2 * 3 * 4)  # two [2, 3] float32 states each of 5 iterations
+    assert backward.saved_bytes == 0
+    for loop in train.loops:  # each body planned at its lower bound, as the step is
+        assert 0 < loop.body_arena_bytes <= 1.10 * loop.body_lower_bound
+    assert train.arena_bytes <= 1.10 * train.lower_bound
+    assert train.timeline()["saved iterations"].max() >= forward.saved_bytes
+    assert result.training_bytes >= result.arena_bytes + forward.body_arena_bytes + backward.body_arena_bytes
+    text = result.render()
+    assert "saved iterations" in text and "loop body" in text and "Scan node 'scan'" in text
+
+
 # ---- Gradients: float64 central differences of the same model --------------------------------------
 # onnx.reference has no reverse Scan directions, so the float64 oracle falls back to onnxruntime there.
 GRADIENT_ORACLES = {"If": "test_if_gradients_match_finite_differences_on_both_branches",
