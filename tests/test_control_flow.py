@@ -415,6 +415,42 @@ def test_the_memory_report_shows_each_loops_body_arena_and_the_iterations_it_sav
     assert "saved iterations" in text and "loop body" in text and "Scan node 'scan'" in text
 
 
+
+def test_a_memory_budget_checkpoints_a_scans_iterations_with_the_same_gradient_bits(tmp_path):
+    """h_t = tanh(h_{t-1} · W + x_t) over 36 steps saves 36 states of [4, 32] for the backward; under a budget
+    below that the plan keeps every 6th and recomputes the others segment by segment."""
+    from odtrain import artifacts
+    from odtrain.api import CheckpointState, Module
+
+    length, batch, width = 36, 4, 32
+    body = helper.make_graph([helper.make_node("MatMul", ["h_in", "W"], ["hw"]),
+                              helper.make_node("Add", ["hw", "x_t"], ["pre"]),
+                              helper.make_node("Tanh", ["pre"], ["h_out"])], "body",
+                             [tensor("h_in", [batch, width]), tensor("x_t", [batch, width])],
+                             [tensor("h_out", [batch, width])])
+    proto = model([helper.make_node("Scan", ["h0", "x"], ["h"], body=body, num_scan_inputs=1, name="scan")],
+                  [tensor("x", [length, batch, width])], [tensor("h", [batch, width])],
+                  [weight("W", (width, width)), numpy_helper.from_array(np.zeros((batch, width), np.float32), "h0")])
+    artifacts.generate_artifacts(with_loss(proto, [RNG.standard_normal((batch, width)).astype(np.float32)]),
+                                 requires_grad=["W"], loss=None, optimizer=artifacts.OptimType.SGD,
+                                 artifact_directory=tmp_path)
+    x = RNG.standard_normal((length, batch, width)).astype(np.float32)
+    runs = []
+    for budget in (None, 25_000):  # every state (about 37 KB of arena with x) / states at 6 checkpoints
+        state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+        module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx", memory_budget=budget)
+        loss = np.asarray(module(x)).copy()
+        (bound,) = module.bound_steps()
+        runs.append((loss, np.asarray(state.parameters["W"].grad).copy(), bound))
+    (loss, gradient, whole), (loss_checkpointed, gradient_checkpointed, checkpointed) = runs
+    assert loss.tobytes() == loss_checkpointed.tobytes() and gradient.tobytes() == gradient_checkpointed.tobytes()
+    assert checkpointed.arena_bytes <= 25_000 < whole.arena_bytes
+    assert checkpointed.arena_bytes <= 1.10 * checkpointed.lower_bound
+    every, kept = whole.loops[0], checkpointed.loops[0]
+    assert (every.iterations, every.saved_bytes) == (36, 36 * batch * width * 4)
+    assert (kept.iterations, kept.saved_bytes) == (6, 6 * batch * width * 4)  # 6 segments of 6 iterations
+
+
 # ---- Gradients: float64 central differences of the same model --------------------------------------
 # onnx.reference has no reverse Scan directions, so the float64 oracle falls back to onnxruntime there.
 GRADIENT_ORACLES = {"If": "test_if_gradients_match_finite_differences_on_both_branches",
