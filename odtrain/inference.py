@@ -84,11 +84,12 @@ class InferenceSession:
         if missing:
             raise InputError(f"missing inputs {missing}; the model takes {graph.inputs}")
         feeds = {n: _feed(n, input_feed[n], graph.value_types.get(n), self._sequences) for n in graph.inputs}
+        sequenced = self._sequences or any(v is None or isinstance(v, (list, tuple)) for v in feeds.values())
         threads = usable(get_num_threads())
         signature = tuple(_signature(a, n in self._configuring) for n, a in feeds.items()) + (threads,)
         bound = self._plans.get(signature)
         if bound is None:
-            bound = self._plans[signature] = self._bind(feeds, threads)
+            bound = self._plans[signature] = self._bind(feeds, threads, sequenced)
             if len(self._plans) > PLAN_CACHE_SIZE:
                 self._plans.popitem(last=False)
         else:
@@ -104,13 +105,13 @@ class InferenceSession:
         return [[step.output(e) for e in expanded.outputs[name]] if expanded.outputs.get(name) is not None
                 else (None if name in expanded.outputs else step.output(name)) for name in names]
 
-    def _bind(self, feeds: dict, threads: int):
+    def _bind(self, feeds: dict, threads: int, sequenced: bool):
         """(the step planned for `feeds`, the sequences' expansion or None)."""
         from .executor import ExecutableStep
 
         graph, expanded = self._graph, None
         values = {n: np.array(a) for n, a in feeds.items() if n in self._configuring}  # a copy: the plan keeps it
-        if self._sequences:
+        if sequenced:  # a model with sequence ops, or a sequence fed (an Identity passes it on)
             expanded = expand_sequences(graph, feeds, values, "model")
             graph = expanded.graph
             feeds = dict(feeds)
@@ -127,8 +128,9 @@ def _scalar_flag(t) -> bool:
 
 
 def _feed(name: str, value, declared, sequences: bool):
-    """A feed as the session keeps it: an array, or (a model with sequences) a list of arrays or None."""
-    if sequences and (value is None or isinstance(value, (list, tuple))):
+    """A feed as the session keeps it: an array, or a list of arrays or None for an input of a model with
+    sequences, or one declared as no tensor (a sequence or an optional)."""
+    if (sequences or declared is None) and (value is None or isinstance(value, (list, tuple))):
         return value
     array = np.asarray(value)
     if declared is not None and array.dtype != declared.dtype:

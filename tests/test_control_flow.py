@@ -241,7 +241,8 @@ def test_a_sequence_op_in_a_body_is_refused_by_name():
 
 
 # ---- Sequences: a Loop's carried values and an If's outputs, expanded when shapes bind -------------------
-SEQUENCE_CASES = ("test_loop13_seq", "test_if_seq", "test_loop16_seq_none")
+SEQUENCE_CASES = ("test_loop13_seq", "test_if_seq", "test_loop16_seq_none",
+                  "test_identity_sequence", "test_identity_opt")  # the last two: a sequence fed and returned
 
 
 @pytest.mark.parametrize("name", SEQUENCE_CASES)
