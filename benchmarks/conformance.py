@@ -6,7 +6,8 @@ onnxruntime's with --onnxruntime.
 Each case (built in memory by onnx.backend.test.loader, no download) runs its first data set with the
 inputs fed as ONNX feeds them; outputs must have the expected shapes and dtypes and match (floats to
 rtol 1e-4, atol 1e-5, NaN equal to NaN; the float types numpy lacks, such as bfloat16 and float8,
-exactly, NaN equal to NaN; everything else exactly). Prints the count, then the op types
+exactly, NaN equal to NaN; everything else exactly); sequences are fed and compared as lists of
+arrays, an optional holding none as None. Prints the count, then the op types
 that keep the most cases from running: unsupported ops by the cases that name them, other errors by
 their first line.
 """
@@ -39,36 +40,51 @@ def _onnxruntime_run(model, feeds):
     return session.run(None, feeds)
 
 
+def _value(data):
+    """A data set's value: an array, a list of arrays (a sequence) or None (an optional holding none)."""
+    if data is None:
+        return None
+    if isinstance(data, (list, tuple)):
+        return [_array(t) for t in data]
+    return _array(data)
+
+
+def _mismatch(got, expected) -> str | None:
+    """None when `got` matches `expected` (arrays, lists of them, None), else how it differs."""
+    if expected is None or isinstance(expected, list):
+        if expected is None or got is None or not isinstance(got, (list, tuple)):
+            return None if got is None and expected is None else f"{type(got).__name__} instead of a sequence"
+        if len(got) != len(expected):
+            return f"a sequence of {len(got)} instead of {len(expected)}"
+        return next((m for m in map(_mismatch, got, expected) if m), None)
+    g, e = np.asarray(got), expected
+    if g.shape != e.shape or g.dtype != e.dtype:
+        return f"output {g.dtype}{list(g.shape)} instead of {e.dtype}{list(e.shape)}"
+    if e.dtype.kind == "V" and e.dtype.name.startswith(("float", "bfloat")):  # ml_dtypes' floats
+        g, e = g.astype(np.float64), e.astype(np.float64)
+        same = np.array_equal(g, e, equal_nan=True)
+    else:
+        same = (np.allclose(g, e, rtol=1e-4, atol=1e-5, equal_nan=True) if e.dtype.kind == "f"
+                else np.array_equal(g, e))
+    return None if same else "wrong values"
+
+
 def check(case, run) -> str | None:
     """None when the case runs and matches, else why not."""
     if not case.data_sets:
         return "no data"
     inputs, outputs = case.data_sets[0]
-    if any(isinstance(t, (list, tuple)) or t is None for t in list(inputs) + list(outputs)):
-        return "sequence or optional values"
-    feeds = {i.name: _array(t) for i, t in zip(case.model.graph.input, inputs)}
+    feeds = {i.name: _value(t) for i, t in zip(case.model.graph.input, inputs)}
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             got = run(case.model, feeds)
     except Exception as error:  # noqa: BLE001 (any failure is a reason to report)
         return f"{type(error).__name__}: {error}"
-    expected = [_array(t) for t in outputs]
+    expected = [_value(t) for t in outputs]
     if len(got) != len(expected):
         return f"{len(got)} outputs instead of {len(expected)}"
-    for g, e in zip(got, expected):
-        g = np.asarray(g)
-        if g.shape != e.shape or g.dtype != e.dtype:
-            return f"output {g.dtype}{list(g.shape)} instead of {e.dtype}{list(e.shape)}"
-        if e.dtype.kind == "V" and e.dtype.name.startswith(("float", "bfloat")):  # ml_dtypes' floats
-            g, e = g.astype(np.float64), e.astype(np.float64)
-            same = np.array_equal(g, e, equal_nan=True)
-        else:
-            same = (np.allclose(g, e, rtol=1e-4, atol=1e-5, equal_nan=True) if e.dtype.kind == "f"
-                    else np.array_equal(g, e))
-        if not same:
-            return "wrong values"
-    return None
+    return next((m for m in map(_mismatch, got, expected) if m), None)
 
 
 def main(argv=None) -> None:

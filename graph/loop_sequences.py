@@ -7,7 +7,8 @@ The TorchScript exporter writes a scripted `ys.append(y)` inside `for t in range
     Loop(T, cond, ..., s0, ...) body:         s_out = SequenceInsert(s_in, y)   (appended at the end)
     stacked = ConcatFromSequence(s_T, axis=a, new_axis=1)
 
-odtrain has no sequence values; a Loop's scan output is that same stack along axis 0. So where all of
+odtrain trains no sequence values (graph/sequences.py expands them only when an inference plan binds, by
+unrolling the Loop); a Loop's scan output is that same stack along axis 0, and it trains. So where all of
 this holds, the carried sequence leaves the Loop, `y` becomes a scan output (after the existing
 ones), and the ConcatFromSequence becomes a Transpose that moves the stacked axis to `a` (nothing when
 `a` is 0):
@@ -16,7 +17,7 @@ ones), and the ConcatFromSequence becomes a Transpose that moves the stacked axi
   is the carried value's output and is read by nothing else;
 - outside, the Loop's final sequence is read only by one ConcatFromSequence with new_axis=1, and is
   not a graph output.
-Anything else is left as it is, and the sequence ops are refused by name as before. The rank the
+Anything else is left as it is, for graph/sequences.py to expand or refuse by name. The rank the
 Transpose needs comes from binding the graph up to the Loop at example sizes (a symbolic axis as 2).
 
 `split_sequences_as_slices` does the same for the dynamo exporter's `torch.chunk`/`split` without its

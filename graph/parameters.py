@@ -64,9 +64,12 @@ class Selection:
 
 
 def state_inputs(graph: Graph) -> set[str]:
-    """Initializers that ops update as state (running statistics): parameters, never trained."""
+    """Initializers that ops update as state (running statistics): parameters, never trained. An op in an
+    If, Loop or Scan body counts too: it reads the initializer by name, as a captured value."""
+    from .control_flow import walk
+
     names = set()
-    for node in graph.nodes:
+    for node in walk(graph):
         opdef = OPS.get(node.key)
         for _, i in (opdef.updates if opdef else ()):
             if i < len(node.inputs):

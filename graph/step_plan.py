@@ -12,7 +12,9 @@ decides, in this order:
    from smaller values are recomputed in the backward pass when that makes
    the arena smaller (`recompute.cheap_kept`); under a memory budget that this
    does not meet, activations are recomputed until the arena fits
-   (`recompute.choose_kept`, `recompute.rewrite`). Fused
+   (`recompute.choose_kept`, `recompute.rewrite`); when none fits, the states a
+   Scan's iterations save are checkpointed every √T iterations (`loop_checkpoints`) and the
+   graph planned again. Fused
    optimizer updates go right after the last use of their parameter
    (`schedule.with_updates`).
 3. Storage outside the arena: parameters, folded constants and `held`
@@ -39,6 +41,7 @@ import numpy as np
 from .autodiff import LOSS_SEED
 from .errors import MemoryBudgetError, ModelError, UnsupportedOpError
 from .ir import Graph, Node, TensorType
+from .loop_checkpoints import checkpoint_scans
 from .ops import is_view, lookup
 from .planner import SCRATCH_SUFFIX, MemoryPlan, plan_memory
 from .ops.nn import inert_dropouts
@@ -110,7 +113,15 @@ def plan_step(graph: Graph, feed_types: dict[str, TensorType], parameter_types: 
     order = inert_dropouts(order, folded, set(graph.outputs))
     given = set(parameter_types) | set(folded) | set(held)
     layout = _Layout(graph, types, feeds, live_outputs, scratch_bytes, given, set(parameter_types))
-    order = layout.fit_budget(order, None if memory_budget is None else int(memory_budget))
+    try:
+        order = layout.fit_budget(order, None if memory_budget is None else int(memory_budget))
+    except MemoryBudgetError:
+        # the states a Scan's iterations save: keep every √T-th and recompute the others (graph/loop_checkpoints.py)
+        checkpointed = checkpoint_scans(graph, types)
+        if checkpointed is graph:
+            raise
+        return plan_step(checkpointed, feed_types, parameter_types, scratch_bytes, held, memory_budget, fused_updates,
+                         bound_feeds)
     recomputed = sum(1 for n in order if n.name.endswith(RECOMPUTE_SUFFIX))
     if fused_updates:
         order = with_updates(order, fused_updates)

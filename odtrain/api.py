@@ -140,6 +140,7 @@ class BoundStep:
     constant_bytes: int  # constants folded at these shapes, held beside the arena
     recomputed_nodes: int  # nodes run again in the backward pass: cheap ones, and those a memory budget needs
     loss: str | None  # the name of the loss output
+    loops: tuple = ()  # a loops.LoopMemory for each If, Loop and Scan node: its bodies' arenas, what it saves
 
     @property
     def arena_bytes(self) -> int:
@@ -379,8 +380,11 @@ class _GraphSession:
         return signature, self.bound(signature, feeds)
 
     def bound_step(self, signature, bound) -> BoundStep:
+        from .loops import loop_memory
+
         return BoundStep(self.mode, tuple(item for item in signature if isinstance(item, tuple)), bound.plan,
-                         bound.constant_bytes, bound.recomputed, self.graph.outputs[0] if self.graph.outputs else None)
+                         bound.constant_bytes, bound.recomputed, self.graph.outputs[0] if self.graph.outputs else None,
+                         tuple(loop_memory(bound.calls, bound.types)))
 
     def run(self, user_inputs):
         if self.state._unassigned:

@@ -11,6 +11,13 @@ An iteration copies what changes into the body's feed slots, runs the body's cal
 dispatchers, or the kernel library's call lists) and copies its outputs out: no planning, no lookups.
 A long loop on the JIT's kernels runs as one compiled function instead (odtrain/loop_compiler.py), its
 body one loop nest where it is element-wise (odtrain/body_fusion.py).
+A body's random ops (Dropout) draw a fresh mask each iteration: before iteration t their streams are
+set to a hash of the stream the step seeded them with (executor.seed_random: the run's seed, the node,
+the step) and of t's *key*, then restored. A Loop's key is its iteration number; a Scan's the row its
+first scan input reads that iteration. A Scan's gradient (graph/ops/control_gradients.py) reads the
+saved states or the scan inputs in the forward's rows, reversed, so the body it recomputes draws the
+masks the forward drew, and the gradient is that of the masks applied. A body with random ops runs the
+Python loop, not a compiled one.
 Carried values live between iterations in the node's own output arrays (or a buffer of the node's
 when the output is omitted), so a body's in-place reuse of its own slots never clobbers them.
 
@@ -25,7 +32,10 @@ import numpy as np
 from .graph.control_flow import outer_bindings
 from .graph.errors import ModelError
 from .graph.ir import Graph, Node, TensorType
+from dataclasses import dataclass
+
 from .graph.ops.control import bind_loop_body, scan_layout
+from .graph.ops.control_gradients import saved_iteration_outputs
 from .body_fusion import fused_body
 from .loop_compiler import LoopSpec, compile_loop, flat, rows
 
@@ -51,6 +61,7 @@ class _Body:
         self.feeds = {name: view for name, view in zip(self.step.feeds, self.step.feed_views)}
         self.outputs = [self.step.storage[name] for name in body.outputs]
         outer.random_streams.extend(self.step.random_streams)  # a body's Dropout draws anew each step
+        self.streams = [stream for _, stream in self.step.random_streams]  # nested bodies' too
         self.calls = self.step.jit_calls  # None with a kernel library
         self.run = self.step.run_calls
 
@@ -64,6 +75,35 @@ def _copy(destination, source) -> None:
         np.copyto(destination, source, casting="no")
 
 
+def _iteration_seed(base: int, key: int) -> int:
+    """A 32-bit stream for iteration `key` of a run whose stream is `base` (splitmix64's finaliser: nearby
+    bases and keys give unrelated streams, and a nested loop's keys mix on top of its outer one's)."""
+    z = ((int(base) << 32) ^ (int(key) + 1)) * 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFFF
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0xFFFFFFFF
+
+
+class _Draws:
+    """Sets a body's random streams per iteration (`at(key)`), from the bases they hold when the loop
+    starts (`start()`), which `finish()` restores."""
+
+    def __init__(self, bodies):
+        self.streams = [s for body in bodies for s in body.streams]
+        self.bases: list[int] = []
+
+    def start(self) -> None:
+        self.bases = [int(s[0]) for s in self.streams]
+
+    def at(self, key: int) -> None:
+        for stream, base in zip(self.streams, self.bases):
+            stream[0] = _iteration_seed(base, key)
+
+    def finish(self) -> None:
+        for stream, base in zip(self.streams, self.bases):
+            stream[0] = base
+
+
 def bind_control_flow(outer, node: Node, storage: dict) -> list:
     """The calls that run `node` (If, Loop or Scan) in the step `outer` (an ExecutableStep) whose values
     live in `storage`."""
@@ -74,7 +114,47 @@ def bind_control_flow(outer, node: Node, storage: dict) -> list:
         raise ModelError(f"{node.describe()}: {error}") from None
     # what a kernel library must hold to run the bodies (recorded with the step's calls: executor.nested_calls)
     run.body_calls = [call for body in bodies for call in body.step.calls]
+    run.node, run.body_steps = node, [body.step for body in dict.fromkeys(bodies)]  # read by loop_memory
+    run.iterations = getattr(run, "iterations", None)  # an If's: none
     return [(run, ())]
+
+
+@dataclass(frozen=True)
+class LoopMemory:
+    """What one If, Loop or Scan node of a step holds beside the step's arena, and what it saves in it:
+    `body_arena_bytes` its bodies' own arenas (each planned once, `body_lower_bound` the sum of their lower
+    bounds), `iterations` (None for an If, or a condition the data decides), `saved_bytes` the bytes of the
+    step's arena that stack what each iteration saves for the backward."""
+
+    node: str
+    body_arena_bytes: int
+    body_lower_bound: int
+    iterations: int | None
+    saved_bytes: int
+    saved_values: tuple = ()  # the names of those stacks in the step's arena
+
+    def to_dict(self) -> dict:
+        return {"node": self.node, "body_arena_bytes": self.body_arena_bytes,
+                "body_lower_bound_bytes": self.body_lower_bound, "iterations": self.iterations,
+                "saved_bytes": self.saved_bytes}
+
+
+def loop_memory(calls, types: dict) -> list[LoopMemory]:
+    """A LoopMemory for each control-flow node among a step's `calls` (its values' `types`), the nodes of
+    their bodies after them."""
+    found = []
+    for kernel, _ in calls:
+        steps = getattr(kernel, "body_steps", None)
+        if steps is None:
+            continue
+        node = kernel.node
+        saved = [o for o in saved_iteration_outputs(node) if o in types]
+        found.append(LoopMemory(node.describe(), sum(s.plan.arena_bytes for s in steps),
+                                sum(s.plan.lower_bound for s in steps), kernel.iterations,
+                                sum(types[o].nbytes for o in saved), tuple(saved)))
+        for step in steps:
+            found.extend(loop_memory(step.calls, step.types))
+    return found
 
 
 def _type(array) -> TensorType:
@@ -138,8 +218,10 @@ def _bind_scan(outer, node: Node, storage: dict, bodies: list):
         targets.append((np.moveaxis(storage[name], layout.output_axes[k], 0), layout.output_directions[k])
                        if name else None)
 
+    draws = _Draws([step])
+    first_reversed = bool(layout.input_directions[0]) if layout.scans else False
     compiled = None
-    if step.calls is not None and length >= COMPILE_FROM:  # the JIT's kernels: the loop as one compiled function
+    if step.calls is not None and length >= COMPILE_FROM and not draws.streams:  # the JIT's kernels: one compiled function
         compiled = compile_loop(LoopSpec(
             step.calls, carried=[(flat(h), flat(f), flat(o)) for h, f, o in zip(held, state_feeds, state_outputs)],
             streams_in=[(flat(f), rows(w) if axis == 0 else None, bool(d))
@@ -154,7 +236,10 @@ def _bind_scan(outer, node: Node, storage: dict, bodies: list):
         if compiled is not None:
             compiled()
             return
+        draws.start()
         for t in range(length):
+            if draws.streams:
+                draws.at(length - 1 - t if first_reversed else t)
             for feed, hold in zip(state_feeds, held):
                 _copy(feed, hold)
             for feed, (whole, direction) in zip(scan_feeds, sources):
@@ -166,7 +251,9 @@ def _bind_scan(outer, node: Node, storage: dict, bodies: list):
                     np.copyto(whole[length - 1 - t if direction else t, ...], value, casting="no")
             for hold, value in zip(held, state_outputs):
                 _copy(hold, value)
+        draws.finish()
 
+    run_scan.iterations = length
     return run_scan
 
 
@@ -193,9 +280,10 @@ def _bind_loop(outer, node: Node, storage: dict, bodies: list):
     wired = [(s, s.feed(body.inputs[0]), s.feed(body.inputs[1]), [s.feed(n) for n in body.inputs[2:]],
               s.outputs[0], s.outputs[1:1 + carried], s.outputs[1 + carried:]) for s in steps]
 
+    draws = _Draws(steps)
     compiled = None
     if len(steps) == 1 and steps[0].calls is not None and trip is not None and trip >= COMPILE_FROM and \
-            all(s is not None for s in wired[0][1:3]):
+            all(s is not None for s in wired[0][1:3]) and not draws.streams:
         _, counter, flag, carried_feeds, condition_out, carried_out, scans = wired[0]
         compiled = compile_loop(LoopSpec(
             steps[0].calls, carried=[(flat(h), flat(f), flat(o)) for h, f, o in zip(held, carried_feeds, carried_out)],
@@ -212,8 +300,11 @@ def _bind_loop(outer, node: Node, storage: dict, bodies: list):
             compiled(going)
             return
         t = 0
+        draws.start()
         while going and (trip is None or t < trip):
             step, counter, flag, carried_feeds, condition_out, carried_out, scans = wired[t if len(wired) > 1 else 0]
+            if draws.streams:
+                draws.at(t)
             if counter is not None:
                 counter[...] = t
             if flag is not None:
@@ -229,5 +320,7 @@ def _bind_loop(outer, node: Node, storage: dict, bodies: list):
             for hold, value in zip(held, carried_out):
                 _copy(hold, value)
             t += 1
+        draws.finish()
 
+    run_loop.iterations = binding.iterations
     return run_loop

@@ -30,6 +30,8 @@ from .graph.errors import ArgumentError, ArtifactNotFoundError
 from .graph.planner import CATEGORIES, MemoryPlan, training_categories
 from .graph.wording import count
 
+SAVED_ITERATIONS = "saved iterations"  # a category of the plot: the states a Loop or Scan stacks for its backward
+
 MIB = 1024 * 1024
 RUNTIME_FLOOR = ("not included: the Python/Numba runtime floor (interpreter, numpy, Numba and its compiled "
                  "kernels), which every odtrain process pays")
@@ -61,11 +63,21 @@ class PlanMemory:
     no_reuse_bytes: int = 0  # every arena value and scratch buffer in bytes of its own
     plan: MemoryPlan | None = field(default=None, repr=False, compare=False)
     loss_step: int | None = None  # the step that writes the loss: the end of the forward pass
+    loops: tuple = ()  # loops.LoopMemory of each If, Loop and Scan node: bodies' arenas (beside this one), saved bytes
+
+    @property
+    def body_arena_bytes(self) -> int:
+        return sum(loop.body_arena_bytes for loop in self.loops)
 
     def timeline(self) -> dict[str, np.ndarray]:
-        """Live arena bytes at each step of the plan (0..steps+1), per category of planner.CATEGORIES."""
-        rows = self.plan.live_bytes(training_categories(self.plan, LOSS_SEED).__getitem__)
-        return {name: rows.get(name, np.zeros(self.plan.steps + 2, dtype=np.int64)) for name in CATEGORIES}
+        """Live arena bytes at each step of the plan (0..steps+1), per category of planner.CATEGORIES, and
+        SAVED_ITERATIONS when a loop saves its iterations' states for the backward."""
+        categories = training_categories(self.plan, LOSS_SEED)
+        for loop in self.loops:  # what a loop's iterations save, apart from the other saved values
+            categories.update((name, SAVED_ITERATIONS) for name in loop.saved_values if name in categories)
+        rows = self.plan.live_bytes(categories.__getitem__)
+        saving = (SAVED_ITERATIONS,) if any(loop.saved_values for loop in self.loops) else ()
+        return {name: rows.get(name, np.zeros(self.plan.steps + 2, dtype=np.int64)) for name in CATEGORIES + saving}
 
     def to_dict(self) -> dict:
         return {"mode": self.mode, "inputs": {name: list(shape) for name, shape in self.shapes},
@@ -73,7 +85,8 @@ class PlanMemory:
                 "lower_bound_bytes": self.lower_bound,
                 "arena_over_lower_bound": self.arena_bytes / max(self.lower_bound, 1),
                 "no_reuse_bytes": self.no_reuse_bytes, "folded_constant_bytes": self.constant_bytes,
-                "recomputed_nodes": self.recomputed_nodes}
+                "recomputed_nodes": self.recomputed_nodes, "body_arena_bytes": self.body_arena_bytes,
+                "loops": [loop.to_dict() for loop in self.loops]}
 
 
 @dataclass
@@ -114,7 +127,7 @@ class MemoryReport:
     def training_bytes(self) -> int:
         """Bytes training adds to a loaded checkpoint: gradients, optimizer state, the arena, folded constants."""
         return (self.gradient_bytes + self.optimizer_bytes + self.arena_bytes
-                + sum(p.constant_bytes for p in self.plans))
+                + sum(p.constant_bytes + p.body_arena_bytes for p in self.plans))
 
     @property
     def peak_bytes(self) -> int:
@@ -162,14 +175,32 @@ class MemoryReport:
                 lines.append(row("  without reuse", p.no_reuse_bytes, "every value in bytes of its own: "
                                  f"{p.no_reuse_bytes / max(p.arena_bytes, 1):.1f}x the arena"))
             lines.append(row("  folded constants", p.constant_bytes))
+            lines.extend(_loop_rows(p, row))
             lines.append(f"{'  recomputed nodes':<18}{p.recomputed_nodes:>11,}")
         if len(self.plans) > 1:
             lines.append(row("shared arena", self.arena_bytes, "one buffer for these steps, which never run at once"))
         lines.append(row("training adds", self.training_bytes,
-                         "to the loaded checkpoint (gradients, optimizer state, arena, folded constants)"))
+                         "to the loaded checkpoint (gradients, optimizer state, arena, folded constants"
+                         + (", loop bodies' arenas)" if any(p.loops for p in self.plans) else ")")))
         lines.append(row("predicted peak", self.peak_bytes, "with the parameters"))
         lines.append(self.runtime)
         return "\n".join(lines)
+
+
+def _loop_rows(plan: PlanMemory, row) -> list[str]:
+    """The rows of a plan's If, Loop and Scan nodes: each one's bodies' arenas (held beside the step's arena,
+    against their lower bound) and the bytes of the step's arena that stack what its iterations save."""
+    lines = []
+    for loop in plan.loops:
+        runs = f"{loop.iterations:,} iterations, " if loop.iterations is not None else ""
+        ratio = loop.body_arena_bytes / max(loop.body_lower_bound, 1)
+        lines.append(row("  loop body", loop.body_arena_bytes, f"{loop.node}: {runs}its arena {ratio:.2f}x its lower "
+                         "bound, beside the step's"))
+        if loop.saved_bytes:
+            per = f" ({format_bytes(loop.saved_bytes // loop.iterations)} each)" if loop.iterations else ""
+            lines.append(row("  saved iterations", loop.saved_bytes, f"{loop.node}: the state each iteration starts "
+                             f"from{per}, in the arena until the backward"))
+    return lines
 
 
 def report(module) -> MemoryReport:
@@ -187,7 +218,8 @@ def report(module) -> MemoryReport:
         runtime=runtime_floor(module.kernel_library))
     for step in module.bound_steps():
         result.plans.append(PlanMemory(step.mode, step.inputs, step.arena_bytes, step.lower_bound, step.constant_bytes,
-                                       step.recomputed_nodes, step.plan.no_reuse_bytes, step.plan, step.loss_step))
+                                       step.recomputed_nodes, step.plan.no_reuse_bytes, step.plan, step.loss_step,
+                                       step.loops))
     return result
 
 
@@ -227,9 +259,9 @@ def from_artifacts(directory, batch_size: int, memory_budget: int | None = None,
 # bound as lines; the tallest stack touches the lower bound. A vertical line marks the loss.
 
 CONSTANT_COLORS = {"parameters": "#9e9e9e", "gradient buffer": "#c7c7c7", "optimizer state": "#dadada",
-                   "folded constants": "#ececec"}
+                   "folded constants": "#ececec", "loop bodies' arenas": "#f3e0c0"}
 ARENA_COLORS = {"inputs": "#8c564b", "saved for backward": "#1f77b4", "forward temporaries": "#aec7e8",
-                "backward": "#ff7f0e", "scratch": "#9467bd", "recomputed": "#2ca02c"}
+                "backward": "#ff7f0e", "scratch": "#9467bd", "recomputed": "#2ca02c", SAVED_ITERATIONS: "#17becf"}
 
 
 def require_matplotlib() -> None:
@@ -255,7 +287,8 @@ def plot_timeline(report: MemoryReport, path, title: str) -> None:
         return np.append(values, values[-1]) / MIB
 
     constants = {"parameters": report.parameter_bytes, "gradient buffer": report.gradient_bytes,
-                 "optimizer state": report.optimizer_bytes, "folded constants": step.constant_bytes}
+                 "optimizer state": report.optimizer_bytes, "folded constants": step.constant_bytes,
+                 "loop bodies' arenas": step.body_arena_bytes}
     constants = {name: value for name, value in constants.items() if value}
     base = sum(constants.values())
 

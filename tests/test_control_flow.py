@@ -239,6 +239,219 @@ def test_a_sequence_op_in_a_body_is_refused_by_name():
         InferenceSession(proto).run(None, {"x": np.ones(2, np.float32)})
 
 
+
+# ---- Sequences: a Loop's carried values and an If's outputs, expanded when shapes bind -------------------
+SEQUENCE_CASES = ("test_loop13_seq", "test_if_seq", "test_loop16_seq_none",
+                  "test_identity_sequence", "test_identity_opt")  # the last two: a sequence fed and returned
+
+
+@pytest.mark.parametrize("name", SEQUENCE_CASES)
+def test_sequences_carried_by_a_loop_or_given_by_an_if_match_the_backend_cases(name):
+    import pathlib
+    import sys
+    import warnings
+
+    from onnx.backend.test.loader import load_model_tests
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+    from conformance import _odtrain_run, check
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (case,) = [c for c in load_model_tests(kind="node") if c.name == name]
+    assert check(case, _odtrain_run) is None
+
+
+def sequence_loop_model(trip=3):
+    """s = [x * 1, x * 2, ...]: a Loop carrying a sequence fed empty, each iteration inserting a row."""
+    body = helper.make_graph([helper.make_node("Identity", ["c"], ["c_out"]),
+                              helper.make_node("Cast", ["i"], ["fi"], to=F),
+                              helper.make_node("Add", ["fi", "one"], ["k"]),
+                              helper.make_node("Mul", ["x", "k"], ["row"]),
+                              helper.make_node("SequenceInsert", ["s_in", "row"], ["s_out"])], "body",
+                             [tensor("i", [], TensorProto.INT64), tensor("c", [], TensorProto.BOOL),
+                              helper.make_tensor_sequence_value_info("s_in", F, None)],
+                             [tensor("c_out", [], TensorProto.BOOL), helper.make_tensor_sequence_value_info("s_out", F, None)])
+    return model([helper.make_node("Loop", ["trip", "", "s0"], ["s"], body=body, name="collect")],
+                 [tensor("x", [2]), helper.make_tensor_sequence_value_info("s0", F, None)],
+                 [helper.make_tensor_sequence_value_info("s", F, None)],
+                 [numpy_helper.from_array(np.array(trip, np.int64), "trip"),
+                  numpy_helper.from_array(np.array(1, np.float32), "one")])
+
+
+def test_a_loop_carrying_a_sequence_extends_the_sequence_it_is_fed():
+    x = np.array([1.5, -2.0], np.float32)
+    start = [np.full(3, 7, np.float32)]
+    got = InferenceSession(sequence_loop_model()).run(None, {"x": x, "s0": start})[0]
+    # onnxruntime as the oracle: onnx.reference's Loop stops at once when its condition input is omitted
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(sequence_loop_model().SerializeToString(), providers=["CPUExecutionProvider"])
+    expected = session.run(None, {"x": x, "s0": start})[0]
+    assert len(got) == len(expected) == 4
+    for g, e in zip(got, expected):
+        np.testing.assert_array_equal(g, e)
+
+
+def test_a_sequence_op_outside_every_body_is_refused_in_one_line_naming_it(tmp_path):
+    from odtrain import cli
+
+    proto = model([helper.make_node("SequenceConstruct", ["x", "x"], ["s"], name="pair"),
+                   helper.make_node("ConcatFromSequence", ["s"], ["y"], axis=0, name="join")],
+                  [tensor("x", [2])], [tensor("y", [4])])
+    with pytest.raises(OdtrainError, match="SequenceConstruct node 'pair' works on a sequence outside"):
+        InferenceSession(proto)
+    path = tmp_path / "joined.onnx"
+    path.write_bytes(proto.SerializeToString())
+    assert cli.main(["prepare", str(path), "-o", str(tmp_path / "art")]) == 2
+
+
+
+# ---- Random ops in a body: a fresh Dropout mask each iteration, the same one in the backward ---------------
+def dropout_scan_model(length, reverse):
+    """h_t = h_{t-1} + Dropout(x_t · w) in training mode, the rows of x walked forward or in reverse."""
+    n = 16
+    body = helper.make_graph([helper.make_node("Mul", ["x_t", "w"], ["xw"]),
+                              helper.make_node("Dropout", ["xw", "ratio", "training"], ["y_t"], name="drop"),
+                              helper.make_node("Add", ["h_in", "y_t"], ["h_out"])], "body",
+                             [tensor("h_in", [n]), tensor("x_t", [n])], [tensor("h_out", [n]), tensor("y_t", [n])])
+    node = helper.make_node("Scan", ["h0", "x"], ["h", "ys"], body=body, num_scan_inputs=1, name="scan",
+                            scan_input_directions=[int(reverse)])
+    return model([node], [tensor("x", [length, n])], [tensor("h", [n]), tensor("ys", [length, n])],
+                 [numpy_helper.from_array(np.array(0.5, np.float32), "ratio"),
+                  numpy_helper.from_array(np.array(True), "training"),
+                  numpy_helper.from_array(np.zeros(n, np.float32), "h0"),
+                  numpy_helper.from_array(np.array(1.5, np.float32), "w")])
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_dropout_in_a_body_draws_a_mask_per_iteration_that_its_gradient_applies(reverse, tmp_path):
+    from odtrain import artifacts
+    from odtrain.api import CheckpointState, Module
+
+    x = np.random.default_rng(3).uniform(1, 2, (6, 16)).astype(np.float32)
+    _, ys = InferenceSession(dropout_scan_model(6, reverse)).run(None, {"x": x})
+    masks = ys != 0
+    assert len({m.tobytes() for m in masks}) == len(masks)  # a fresh mask each iteration
+    weights = [np.zeros(16, np.float32), np.random.default_rng(4).standard_normal((6, 16)).astype(np.float32)]
+    artifacts.generate_artifacts(with_loss(dropout_scan_model(6, reverse), weights), requires_grad=["w"], loss=None,
+                                 optimizer=artifacts.OptimType.SGD, artifact_directory=tmp_path)
+    losses, gradients = [], []
+    for _ in range(2):  # the same seed draws the same masks
+        state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+        state.random_seed = 5
+        module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx")
+        module.train()
+        losses.append(float(np.asarray(module(x))))
+        gradients.append(float(np.asarray(state.parameters["w"].grad)))
+    assert losses[0] == losses[1] and gradients[0] == gradients[1]
+    # the loss is linear in w (w · Σ weight · mask · x / (1 - ratio)): its gradient is loss / w exactly when the
+    # backward applies the masks the forward drew; float32 sums in two orders: a few ulps of the loss
+    np.testing.assert_allclose(gradients[0] * 1.5, losses[0], rtol=1e-5)
+
+
+
+def test_batch_normalization_in_a_body_updates_its_running_statistics_each_iteration_as_pytorch(tmp_path):
+    """A PyTorch BatchNorm1d called once per step of a loop normalises each call by that call's batch and
+    moves its running statistics once per call; the same layer in a Scan body trains so, its running
+    statistics state (never trained) under the default selection of parameters."""
+    from odtrain import artifacts
+    from odtrain.api import CheckpointState, Module
+
+    length, batch, channels = 4, 5, 3
+    body = helper.make_graph([helper.make_node("BatchNormalization", ["x_t", "gamma", "beta", "mean", "var"],
+                                               ["y_t", "mean_out", "var_out"], training_mode=1, momentum=0.9),
+                              helper.make_node("Add", ["h_in", "y_t"], ["h_out"])], "body",
+                             [tensor("h_in", [batch, channels]), tensor("x_t", [batch, channels])],
+                             [tensor("h_out", [batch, channels]), tensor("y_t", [batch, channels])])
+    proto = model([helper.make_node("Scan", ["h0", "x"], ["h", "ys"], body=body, num_scan_inputs=1, name="scan")],
+                  [tensor("x", [length, batch, channels])], [tensor("h"), tensor("ys")],
+                  [numpy_helper.from_array(np.ones(channels, np.float32), "gamma"),
+                   numpy_helper.from_array(np.zeros(channels, np.float32), "beta"),
+                   numpy_helper.from_array(np.zeros(channels, np.float32), "mean"),
+                   numpy_helper.from_array(np.ones(channels, np.float32), "var"),
+                   numpy_helper.from_array(np.zeros((batch, channels), np.float32), "h0")], opset=15)
+    x = (RNG.standard_normal((length, batch, channels)) + 3).astype(np.float32)
+    weights = [np.ones((batch, channels), np.float32), RNG.standard_normal((length, batch, channels)).astype(np.float32)]
+    artifacts.generate_artifacts(with_loss(proto, weights), loss=None, optimizer=artifacts.OptimType.SGD,
+                                 artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    assert not state.parameters["mean"].requires_grad and not state.parameters["var"].requires_grad
+    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx")
+    module.train()
+    module(x)
+    # torch.nn.BatchNorm1d(momentum=0.1) in training mode, called once per step, in float64: each call moves
+    # running = 0.9 · running + 0.1 · batch statistic, the variance unbiased (PyTorch's documented update)
+    mean, var = np.zeros(channels), np.ones(channels)
+    for t in range(length):
+        mean = 0.9 * mean + 0.1 * x[t].mean(0, dtype=np.float64)
+        var = 0.9 * var + 0.1 * x[t].astype(np.float64).var(0, ddof=1)
+    # float32 batch statistics against float64 ones over 5 rows of values near 3: well inside 1e-5
+    np.testing.assert_allclose(np.asarray(state.parameters["mean"].data), mean, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(state.parameters["var"].data), var, rtol=1e-5)
+
+
+
+def test_the_memory_report_shows_each_loops_body_arena_and_the_iterations_it_saves(tmp_path):
+    from odtrain import artifacts, memory
+
+    proto = scan_model()
+    values = random_feeds(proto)
+    proto = as_initializers(proto, ["h0", "c0"], values)
+    weights = [np.ones(np.shape(o), np.float32) for o in oracle(proto, {k: values[k] for k in ("a", "b")})]
+    artifacts.generate_artifacts(with_loss(proto, weights), requires_grad=["W"], loss=None,
+                                 optimizer=artifacts.OptimType.SGD, artifact_directory=tmp_path)
+    result = memory.from_artifacts(tmp_path, 2)
+    train = next(p for p in result.plans if p.mode == "train")
+    forward, backward = train.loops
+    assert (forward.node, forward.iterations, backward.iterations) == ("Scan node 'scan'", 5, 5)
+    assert forward.saved_bytes == 5 * 2 * (2 * 3 * 4)  # two [2, 3] float32 states each of 5 iterations
+    assert backward.saved_bytes == 0
+    for loop in train.loops:  # each body planned at its lower bound, as the step is
+        assert 0 < loop.body_arena_bytes <= 1.10 * loop.body_lower_bound
+    assert train.arena_bytes <= 1.10 * train.lower_bound
+    assert train.timeline()["saved iterations"].max() >= forward.saved_bytes
+    assert result.training_bytes >= result.arena_bytes + forward.body_arena_bytes + backward.body_arena_bytes
+    text = result.render()
+    assert "saved iterations" in text and "loop body" in text and "Scan node 'scan'" in text
+
+
+
+def test_a_memory_budget_checkpoints_a_scans_iterations_with_the_same_gradient_bits(tmp_path):
+    """h_t = tanh(h_{t-1} · W + x_t) over 36 steps saves 36 states of [4, 32] for the backward; under a budget
+    below that the plan keeps every 6th and recomputes the others segment by segment."""
+    from odtrain import artifacts
+    from odtrain.api import CheckpointState, Module
+
+    length, batch, width = 36, 4, 32
+    body = helper.make_graph([helper.make_node("MatMul", ["h_in", "W"], ["hw"]),
+                              helper.make_node("Add", ["hw", "x_t"], ["pre"]),
+                              helper.make_node("Tanh", ["pre"], ["h_out"])], "body",
+                             [tensor("h_in", [batch, width]), tensor("x_t", [batch, width])],
+                             [tensor("h_out", [batch, width])])
+    proto = model([helper.make_node("Scan", ["h0", "x"], ["h"], body=body, num_scan_inputs=1, name="scan")],
+                  [tensor("x", [length, batch, width])], [tensor("h", [batch, width])],
+                  [weight("W", (width, width)), numpy_helper.from_array(np.zeros((batch, width), np.float32), "h0")])
+    artifacts.generate_artifacts(with_loss(proto, [RNG.standard_normal((batch, width)).astype(np.float32)]),
+                                 requires_grad=["W"], loss=None, optimizer=artifacts.OptimType.SGD,
+                                 artifact_directory=tmp_path)
+    x = RNG.standard_normal((length, batch, width)).astype(np.float32)
+    runs = []
+    for budget in (None, 25_000):  # every state (about 37 KB of arena with x) / states at 6 checkpoints
+        state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+        module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx", memory_budget=budget)
+        loss = np.asarray(module(x)).copy()
+        (bound,) = module.bound_steps()
+        runs.append((loss, np.asarray(state.parameters["W"].grad).copy(), bound))
+    (loss, gradient, whole), (loss_checkpointed, gradient_checkpointed, checkpointed) = runs
+    assert loss.tobytes() == loss_checkpointed.tobytes() and gradient.tobytes() == gradient_checkpointed.tobytes()
+    assert checkpointed.arena_bytes <= 25_000 < whole.arena_bytes
+    assert checkpointed.arena_bytes <= 1.10 * checkpointed.lower_bound
+    every, kept = whole.loops[0], checkpointed.loops[0]
+    assert (every.iterations, every.saved_bytes) == (36, 36 * batch * width * 4)
+    assert (kept.iterations, kept.saved_bytes) == (6, 6 * batch * width * 4)  # 6 segments of 6 iterations
+
+
 # ---- Gradients: float64 central differences of the same model --------------------------------------
 # onnx.reference has no reverse Scan directions, so the float64 oracle falls back to onnxruntime there.
 GRADIENT_ORACLES = {"If": "test_if_gradients_match_finite_differences_on_both_branches",

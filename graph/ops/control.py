@@ -15,8 +15,8 @@ decides what is refused:
   its trip count, if any) when it has no scan outputs. A body whose shapes depend on the iteration
   number (a Slice at `i:i+1`) is typed once per iteration, up to PER_ITERATION_LIMIT iterations.
 
-Sequence and optional values are refused where they appear (their ops have no rules). The gradients
-are in control_gradients.py.
+Sequence and optional values have no rules here: graph/sequences.py expands them into tensors before
+a plan binds (inference), and training refuses their ops. The gradients are in control_gradients.py.
 """
 from __future__ import annotations
 

@@ -39,6 +39,19 @@ def _dtype_of(types: dict, name: str):
     return None if t is None else np.dtype(t.dtype)
 
 
+SAVED_PREFIX = "saved/"  # the body outputs that stack the states a forward saves for its reverse Scan
+
+
+def saved_iteration_outputs(node: Node) -> list[str]:
+    """The outputs of a forward Scan or Loop that stack what each iteration saves for the backward (the
+    states `_saving_states` added), '' omitted."""
+    body = node.attrs.get("body")
+    if node.op_type not in ("Scan", "Loop") or not isinstance(body, Graph):
+        return []
+    shift = 1 if node.op_type == "Loop" else 0  # a Loop body's first output is its condition
+    return [o for o, inner in zip(node.outputs, body.outputs[shift:]) if o and inner.startswith(SAVED_PREFIX)]
+
+
 SMALL_CONSTANT = 1024  # outer constants of at most this many elements are copied into gradient bodies
 
 
@@ -126,14 +139,16 @@ def _if_grad(ctx):
 
 def _saving_states(node: Node, ctx, first_state: int, states: int, scan_outputs: int, first_output: int) -> list[str]:
     """Make the forward `node` also stack the state each iteration enters with (its body's inputs
-    first_state.. as extra scan outputs, along axis 0, forward); their outer names."""
+    first_state.. as extra scan outputs, along axis 0); their outer names. A Scan stacks them in the
+    direction of its first scan input, so that the reverse Scan, reading them first, walks the rows the
+    forward walked: the executor keys a body's random draws by that row (odtrain/loops.py)."""
     from ..ir import NameScope
 
     if not states:
         return []
     body = node.attrs["body"]
     extended = body.copy()
-    names = NameScope(extended, "saved/")
+    names = NameScope(extended, SAVED_PREFIX)
     for k in range(states):
         name = body.inputs[first_state + k]
         out = names.fresh(name)
@@ -144,8 +159,9 @@ def _saving_states(node: Node, ctx, first_state: int, states: int, scan_outputs:
     node.attrs["body"] = extended
     if node.op_type == "Scan":
         node.attrs["scan_output_axes"] = list(node.attrs.get("scan_output_axes", [0] * scan_outputs)) + [0] * states
+        first = int(list(node.attrs.get("scan_input_directions", [0]))[0])
         node.attrs["scan_output_directions"] = (list(node.attrs.get("scan_output_directions", [0] * scan_outputs))
-                                                + [0] * states)
+                                                + [first] * states)
     return [ctx.forward_output(first_output + k, f"saved_state{k}") for k in range(states)]
 
 
@@ -237,7 +253,7 @@ def _scan_grad(ctx):
     output_axes = [int(a) for a in node.attrs.get("scan_output_axes", [0] * outputs)]
     output_directions = [int(d) for d in node.attrs.get("scan_output_directions", [0] * outputs)]
     saved = _saving_states(node, ctx, 0, states, outputs, states + outputs)
-    scanned = [(body.inputs[k], saved[k], 0, 0) for k in range(states)]
+    scanned = [(body.inputs[k], saved[k], 0, input_directions[0] if scans else 0) for k in range(states)]
     scanned += [(body.inputs[states + i], node.inputs[states + i], input_axes[i], input_directions[i])
                 for i in range(scans)]
     scan_seeds = [(body.outputs[states + k], ctx.GO(states + k), output_axes[k], output_directions[k])
