@@ -17,8 +17,9 @@ Attention, per (batch, head), with kv head = head // (q heads / kv heads) (group
 where bias is 0 or -inf from the boolean mask, the additive float mask, causality (key j
 after query i + offset), the sliding window and nonpad_kv_seqlen; a row every key of which
 is masked gives P = 0. Each softmax row is three vectorised loops with the Softmax kernel's exp (a
-row seen only up to its causal limit when nothing else masks it); products are BLAS calls on the heads in place (3-D inputs through their
-row stride); one [seq, kv_seq] score matrix at a time lives in the node's scratch. The
+row seen only up to its causal limit when nothing else masks it); products are BLAS calls on the heads
+in place (3-D inputs through their row stride); one [seq, kv_seq] score matrix at a time lives in the
+node's scratch. The
 backward recomputes T and P instead of keeping them (three score matrices of scratch):
     dV += Pᵀ·dY;  dP = dY·Vᵀ;  dT = P ⊙ (dP - Σ_j dP⊙P) (· (1 - tanh²) under softcap)
     dQ = scale·dT·K;  dK += scale·dTᵀ·Q     (kv heads sum over their query heads)
