@@ -16,8 +16,10 @@ Attention, per (batch, head), with kv head = head // (q heads / kv heads) (group
     T = scale·Q·Kᵀ;  T ← softcap·tanh(T/softcap) if softcap > 0;  P = softmax(T + bias);  Y = P·V
 where bias is 0 or -inf from the boolean mask, the additive float mask, causality (key j
 after query i + offset), the sliding window and nonpad_kv_seqlen; a row every key of which
-is masked gives P = 0. Products are BLAS calls on the heads in place (3-D inputs through their
-row stride); one [seq, kv_seq] score matrix at a time lives in the node's scratch. The
+is masked gives P = 0. Each softmax row is three vectorised loops with the Softmax kernel's exp (a
+row seen only up to its causal limit when nothing else masks it); products are BLAS calls on the heads
+in place (3-D inputs through their row stride); one [seq, kv_seq] score matrix at a time lives in the
+node's scratch. The
 backward recomputes T and P instead of keeping them (three score matrices of scratch):
     dV += Pᵀ·dY;  dP = dY·Vᵀ;  dT = P ⊙ (dP - Σ_j dP⊙P) (· (1 - tanh²) under softcap)
     dQ = scale·dT·K;  dK += scale·dTᵀ·Q     (kv heads sum over their query heads)
@@ -39,6 +41,7 @@ from .registry import ODTRAIN_DOMAIN, binding
 from .blas import gemm_blocks
 from .layout import element_strides, flat, float_buffers
 from .parallel_split import on_parts, parallel_twin, part_count, split, twin_of
+from .scalar import fast_exp
 
 # ---- rotary embeddings ----------------------------------------------------------------------------------
 
@@ -261,6 +264,35 @@ def RotaryEmbeddingGrad(inputs, outputs, interleaved=0, num_heads=0, rotary_embe
 
 # ---- attention --------------------------------------------------------------------------------------------
 
+
+@njit(cache=True, error_model="numpy", fastmath={"reassoc"})
+def _softmax_row(row):
+    """row ← softmax(row) in place: three loops over a contiguous slice that LLVM vectorises (the max and the
+    sum reassociated), exp as the Softmax kernel computes it (fast_exp). Not inlined: an inlined body takes
+    its caller's fastmath flags, and without them these loops stay scalar (4x slower)."""
+    top = row[0]
+    for j in range(1, row.size):
+        top = max(top, row[j])
+    total = np.float32(0.0)
+    for j in range(row.size):
+        e = fast_exp(row[j] - top)
+        row[j] = e
+        total += e
+    inverse = np.float32(1.0) / total
+    for j in range(row.size):
+        row[j] *= inverse
+
+
+@njit(cache=True, error_model="numpy", fastmath={"reassoc"})
+def _softmax_grad_row(grad, probs):
+    """grad ← probs ⊙ (grad - Σ grad⊙probs) in place (vectorised, as softmax_row)."""
+    total = np.float32(0.0)
+    for j in range(grad.size):
+        total += grad[j] * probs[j]
+    for j in range(grad.size):
+        grad[j] = probs[j] * (grad[j] - total)
+
+
 NO_MASK, ADDITIVE_MASK, BOOLEAN_MASK = 0, 1, 2
 
 
@@ -292,6 +324,18 @@ def _bias(mask, mask_kind, mask_base, ms_i, ms_j, mask_width, i, j, causal_offse
 def _scores(q, k, mask, mask_kind, mask_strides, mask_width, nonpad, past, q_off, k_off, q_ld, k_ld, b, h,
             seq, keys, head_size, scale, softcap, causal, left, right, raw, probs, qk_out, qk_mode, qk_off):
     """raw ← scale·Q·Kᵀ (softcapped) and probs ← the masked softmax of one (batch, head); qk_out per qk_mode."""
+    if mask_kind == NO_MASK and left < 0 and right < 0 and nonpad.size == 0 and softcap <= 0 and qk_out.size == 0:
+        # nothing masked but causality, nothing written out: the scores straight into probs, each row's softmax
+        # over the keys it sees (the prefix up to i + past), the rest 0, as the bias of -inf gives
+        gemm_blocks(0, 1, seq, keys, head_size, scale, q, q_off, q_ld, k, k_off, k_ld, 0.0, probs, 0, keys)
+        for i in range(seq):
+            row = probs[i * keys:(i + 1) * keys]
+            seen = max(0, min(keys, i + past + 1)) if causal else keys
+            if seen > 0:
+                _softmax_row(row[:seen])
+            for j in range(seen, keys):
+                row[j] = 0.0
+        return
     gemm_blocks(0, 1, seq, keys, head_size, scale, q, q_off, q_ld, k, k_off, k_ld, 0.0, raw, 0, keys)
     if nonpad.size > 0:
         valid = nonpad[b]
@@ -325,15 +369,8 @@ def _scores(q, k, mask, mask_kind, mask_strides, mask_width, nonpad, past, q_off
         if top == -np.inf:  # every key masked: the row attends to nothing
             for j in range(keys):
                 probs[row + j] = 0.0
-        else:
-            total = np.float32(0.0)
-            for j in range(keys):
-                e = np.float32(math.exp(probs[row + j] - top))
-                probs[row + j] = e
-                total += e
-            inverse = np.float32(1.0) / total
-            for j in range(keys):
-                probs[row + j] *= inverse
+        else:  # a masked key's -inf gives exp 0
+            _softmax_row(probs[row:row + keys])
         if qk_mode == 3 and qk_out.size > 0:
             for j in range(keys):
                 qk_out[qk_off + row + j] = probs[row + j]
@@ -391,15 +428,11 @@ def _attention_grad_units(dy, q, k, v, mask, mask_kind, mask_strides, mask_width
             gemm_blocks(0, 1, seq, keys, v_head_size, 1.0, dy, yo, y_ld, v, v_offs[kh], v_ld, 0.0, dprobs, 0, keys)
             for i in range(seq):
                 row = i * keys
-                total = np.float32(0.0)
-                for j in range(keys):
-                    total += dprobs[row + j] * probs[row + j]
-                for j in range(keys):
-                    d = probs[row + j] * (dprobs[row + j] - total)
-                    if softcap > 0:
+                _softmax_grad_row(dprobs[row:row + keys], probs[row:row + keys])
+                if softcap > 0:
+                    for j in range(keys):
                         capped = raw[row + j] / softcap
-                        d *= 1 - capped * capped
-                    dprobs[row + j] = d
+                        dprobs[row + j] *= 1 - capped * capped
             if want_q:
                 gemm_blocks(0, 0, seq, head_size, keys, scale, dprobs, 0, keys, k, k_offs[kh], k_ld, 0.0, dq, qo, q_ld)
             if want_k:
@@ -596,3 +629,4 @@ def AttentionGrad(inputs, outputs, scratch=None, scale=None, is_causal=0, q_num_
             layout.head_size, layout.v_head_size, *options, raw, probs, dprobs, wanted[0] is not None,
             wanted[1] is not None, wanted[2] is not None, np.zeros(0, np.float32))
     return [on_parts((_attention_grad, args), layout.batch * layout.kv_heads, parts)]
+

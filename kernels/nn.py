@@ -5,9 +5,12 @@ BatchNormalization sums in float64 per channel (Σx, Σx²; backward Σdy,
 Σdy·x), so one pass gives statistics accurate for float32 data. Its output
 pass clamps to [low, high], which is how a fused Relu/Clip costs nothing. Its
 gradient, given that activation's output y, computes the activation's gradient
-g = dy · (low < y < high) itself (ClipGrad's loop), into dx a block of channels
-at a time, each block summed right after while it is in the cache: one call, and
-with threads one parallel region, instead of two.
+g = dy · (low < y < high) itself (ClipGrad's loop), into dx a block of an image
+at a time, summed right after while it is in the cache: one call, and with
+threads one parallel region, instead of two. Forward and backward walk a block
+of channels at a time (CHANNEL_BLOCK), its sums then its outputs, so the second
+pass reads the block from the cache rather than memory (the same sums in the
+same order as one pass over the whole tensor: the same bits).
 Channels are independent: with threads, parts of them run in one parallel
 region, each channel computed as in the serial kernel.
 
@@ -29,11 +32,11 @@ from .windows import text
 # Sums may be reassociated (fastmath "reassoc"): they vectorise, and partial sums are no less accurate.
 REDUCTION = {"reassoc", "contract"}
 FLOAT_MAX = float(np.finfo(np.float32).max)
-# Elements of a block a folded activation gradient writes and the sums read again at once: three float32 arrays
-# of this many elements (dy, y, dx) stay in a core's L2 cache between the two loops. (Any block size from 2^12
-# to a whole image gave the same time: the sums are bound by their float64 arithmetic; bench_ops
-# NormalizationOps.)
-MASK_BLOCK = 1 << 14
+# Elements of each array (x, y; backward x, dy, y, dx) a block of channels spans: batch normalization sums a
+# block, then writes its outputs while the block is still in a core's L2 cache. A channel at a time would do
+# that too, but where the planes are small its rows are short and scattered (one per image), which the
+# prefetchers do not follow: 8x384 planes of 6x6 took 3x longer channel by channel than in one pass.
+CHANNEL_BLOCK = 1 << 15
 
 # ---- batch normalization -------------------------------------------------------------------------
 
@@ -76,33 +79,35 @@ def _affine_rows(x, center, factor, shift, low, high, y, c0, c1):
 
 @njit(cache=True, error_model="numpy")
 def _batch_norm_train(x, scale, bias, mean_in, var_in, y, mean_out, var_out, has_running, momentum, epsilon, stats,
-                      low, high, in_place, c0, c1):
+                      low, high, in_place, block, c0, c1):
     """y = (x - μ_batch) · γ/√(σ²_batch + ε) + β; running = momentum·running + (1 - momentum)·batch
-    (unbiased variance), for the channels [c0, c1). The running outputs may alias their inputs: each reads
-    then writes one channel. stats is [3, C] float64 scratch."""
-    for c in range(c0, c1):
-        stats[0, c] = 0.0
-        stats[1, c] = 0.0
-    for n in range(x.shape[0]):
-        for c in range(c0, c1):
-            s, q = _row_sums(x[n, c])
-            stats[0, c] += s
-            stats[1, c] += q
+    (unbiased variance), for the channels [c0, c1), `block` channels at a time. The running outputs may alias
+    their inputs: each reads then writes one channel. stats is [3, C] float64 scratch."""
     count = x.shape[0] * x.shape[2]
-    for c in range(c0, c1):
-        mean = stats[0, c] / count
-        var = max(stats[1, c] / count - mean * mean, 0.0)
-        if has_running:
-            unbiased = var * count / (count - 1) if count > 1 else var
-            mean_out[c] = momentum * mean_in[c] + (1.0 - momentum) * mean
-            var_out[c] = momentum * var_in[c] + (1.0 - momentum) * unbiased
-        stats[0, c] = mean
-        stats[1, c] = scale[c] / np.sqrt(var + epsilon)
-        stats[2, c] = bias[c]
-    if in_place:  # one array in the loop: no aliasing check sends it to a scalar path
-        _affine_rows(y, stats[0], stats[1], stats[2], low[0], high[0], y, c0, c1)
-    else:
-        _affine_rows(x, stats[0], stats[1], stats[2], low[0], high[0], y, c0, c1)
+    for first in range(c0, c1, block):
+        last = min(first + block, c1)
+        for c in range(first, last):
+            stats[0, c] = 0.0
+            stats[1, c] = 0.0
+        for n in range(x.shape[0]):
+            for c in range(first, last):
+                s, q = _row_sums(x[n, c])
+                stats[0, c] += s
+                stats[1, c] += q
+        for c in range(first, last):
+            mean = stats[0, c] / count
+            var = max(stats[1, c] / count - mean * mean, 0.0)
+            if has_running:
+                unbiased = var * count / (count - 1) if count > 1 else var
+                mean_out[c] = momentum * mean_in[c] + (1.0 - momentum) * mean
+                var_out[c] = momentum * var_in[c] + (1.0 - momentum) * unbiased
+            stats[0, c] = mean
+            stats[1, c] = scale[c] / np.sqrt(var + epsilon)
+            stats[2, c] = bias[c]
+        if in_place:  # one array in the loop: no aliasing check sends it to a scalar path
+            _affine_rows(y, stats[0], stats[1], stats[2], low[0], high[0], y, first, last)
+        else:
+            _affine_rows(x, stats[0], stats[1], stats[2], low[0], high[0], y, first, last)
 
 
 @njit(cache=True, error_model="numpy")
@@ -131,24 +136,53 @@ def _batch_norm_grad_rows(dy, x, coefficients, dx, c0, c1):
                 target[i] = a * gs[i] + b * (xs[i] - mean) + e
 
 
+@njit(cache=True, error_model="numpy", inline="always")
+def _batch_norm_grad_coefficients(sums, c, count, scale, mean_in, var_in, dscale, dbias, dmean, dvar, wants, training,
+                                  epsilon):
+    """Channel c's small gradients from its sums (Σx, Σx², Σdy, Σdy·x), then sums[:, c] ← (a, b, e, μ) of
+    dx = a·dy + b·(x - μ) + e."""
+    if training:
+        mean = sums[0, c] / count
+        var = max(sums[1, c] / count - mean * mean, 0.0)
+    else:
+        mean, var = np.float64(mean_in[c]), np.float64(var_in[c])
+    inv_std = 1.0 / np.sqrt(var + epsilon)
+    sum_dy = sums[2, c]
+    sum_dy_centered = sums[3, c] - mean * sum_dy  # Σ dy·(x - μ)
+    gamma = np.float64(scale[c])
+    if wants[1]:
+        dscale[c] = sum_dy_centered * inv_std
+    if wants[2]:
+        dbias[c] = sum_dy
+    if wants[3]:
+        dmean[c] = -gamma * inv_std * sum_dy
+    if wants[4]:
+        dvar[c] = -0.5 * gamma * inv_std ** 3 * sum_dy_centered
+    a = gamma * inv_std
+    sums[0, c] = a
+    sums[1, c] = -a * inv_std * inv_std * sum_dy_centered / count if training else 0.0
+    sums[2, c] = -a * sum_dy / count if training else 0.0
+    sums[3, c] = mean
+
+
 @njit(cache=True, error_model="numpy")
 def _batch_norm_grad(dy, x, y, scale, mean_in, var_in, dx, dscale, dbias, dmean, dvar, wants, training, epsilon,
-                     masked, low, high, block, sums, in_place, c0, c1):
-    """Gradients of batch normalization (see graph/ops/nn.py) for the channels [c0, c1); outputs with
-    wants[i] == 0 are skipped. When `masked` (dx wanted), the incoming gradient is dy · (low < y < high), y the
-    output of a Relu/Clip that followed (1-element bounds): it is written into dx `block` channels of an image
-    at a time, each block summed right after; else y is not read. dx may be dy (in_place): each element is read
-    before it is written. sums is [4, C] float64 scratch."""
+                     masked, low, high, sums, in_place, block, c0, c1):
+    """Gradients of batch normalization (see graph/ops/nn.py) for the channels [c0, c1), `block` channels at a
+    time; outputs with wants[i] == 0 are skipped. When `masked` (dx wanted), the incoming gradient is
+    dy · (low < y < high), y the output of a Relu/Clip that followed (1-element bounds): it is written into dx a
+    block of an image at a time, then summed while in the cache; else y is not read. dx may be dy (in_place): each element is read before
+    it is written. sums is [4, C] float64 scratch."""
     count = x.shape[0] * x.shape[2]
-    for c in range(c0, c1):
-        for row in range(4):  # Σx, Σx², Σdy, Σdy·x
-            sums[row, c] = 0.0
     size, channels = x.shape[2], x.shape[1]
     dy_flat, y_flat, dx_flat = dy.reshape(-1), y.reshape(-1), dx.reshape(-1)
-    for n in range(x.shape[0]):
-        for first in range(c0, c1, block):
-            last = min(first + block, c1)
-            if masked:  # the Clip gradient (code 0) of these channels, as ClipGrad computes it
+    for first in range(c0, c1, block):
+        last = min(first + block, c1)
+        for c in range(first, last):
+            for row in range(4):  # Σx, Σx², Σdy, Σdy·x
+                sums[row, c] = 0.0
+        for n in range(x.shape[0]):
+            if masked:  # the Clip gradient (code 0) of the block's rows in this image, as ClipGrad computes it
                 start, stop = (n * channels + first) * size, (n * channels + last) * size
                 _activation_grad(0, dy_flat[start:stop], y_flat[start:stop], low, high, dx_flat[start:stop],
                                  in_place)
@@ -158,35 +192,15 @@ def _batch_norm_grad(dy, x, y, scale, mean_in, var_in, dx, dscale, dbias, dmean,
                 sums[1, c] += q
                 sums[2, c] += g
                 sums[3, c] += gx
-    for c in range(c0, c1):
-        if training:
-            mean = sums[0, c] / count
-            var = max(sums[1, c] / count - mean * mean, 0.0)
+        for c in range(first, last):
+            _batch_norm_grad_coefficients(sums, c, count, scale, mean_in, var_in, dscale, dbias, dmean, dvar, wants,
+                                          training, epsilon)
+        if not wants[0]:
+            continue
+        if in_place or masked:  # one array for dy and dx: no aliasing check sends the loop to a scalar path
+            _batch_norm_grad_rows(dx, x, sums, dx, first, last)
         else:
-            mean, var = np.float64(mean_in[c]), np.float64(var_in[c])
-        inv_std = 1.0 / np.sqrt(var + epsilon)
-        sum_dy = sums[2, c]
-        sum_dy_centered = sums[3, c] - mean * sum_dy  # Σ dy·(x - μ)
-        gamma = np.float64(scale[c])
-        if wants[1]:
-            dscale[c] = sum_dy_centered * inv_std
-        if wants[2]:
-            dbias[c] = sum_dy
-        if wants[3]:
-            dmean[c] = -gamma * inv_std * sum_dy
-        if wants[4]:
-            dvar[c] = -0.5 * gamma * inv_std ** 3 * sum_dy_centered
-        a = gamma * inv_std  # dx = a·dy + b·(x - μ) + e
-        sums[0, c] = a
-        sums[1, c] = -a * inv_std * inv_std * sum_dy_centered / count if training else 0.0
-        sums[2, c] = -a * sum_dy / count if training else 0.0
-        sums[3, c] = mean
-    if not wants[0]:
-        return
-    if in_place or masked:  # one array for dy and dx: no aliasing check sends the loop to a scalar path
-        _batch_norm_grad_rows(dx, x, sums, dx, c0, c1)
-    else:
-        _batch_norm_grad_rows(dy, x, sums, dx, c0, c1)
+            _batch_norm_grad_rows(dy, x, sums, dx, first, last)
 
 
 # ---- the same on parts of the channels, in parallel: each channel is computed as in the serial kernel --
@@ -195,6 +209,11 @@ def _batch_norm_grad(dy, x, y, scale, mean_in, var_in, dx, dscale, dbias, dmean,
 _batch_norm_train_parts = parallel_twin(_batch_norm_train, range=("c0", "c1"))
 _batch_norm_infer_parts = parallel_twin(_batch_norm_infer, range=("c0", "c1"))
 _batch_norm_grad_parts = parallel_twin(_batch_norm_grad, range=("c0", "c1"))
+
+
+def _channel_block(x: np.ndarray) -> int:
+    """Channels per block of the batch-normalization kernels (CHANNEL_BLOCK)."""
+    return max(1, CHANNEL_BLOCK // max(1, x.size // max(1, x.shape[1])))
 
 
 def _ncs(array: np.ndarray) -> np.ndarray:
@@ -218,7 +237,8 @@ def _batch_norm_calls(inputs, outputs, low, high, epsilon=1e-5, momentum=0.9, tr
         mean_out, var_out = np.zeros_like(mean), np.zeros_like(var)
     stats = np.zeros((3, channels), dtype=np.float64)
     return [split((_batch_norm_train, (_ncs(x), scale, bias, mean, var, _ncs(y), mean_out, var_out, has_running,
-                                       float(momentum), float(epsilon), stats, low, high, in_place, 0, channels)),
+                                       float(momentum), float(epsilon), stats, low, high, in_place,
+                                       _channel_block(x), 0, channels)),
                   channels, x.size, threads)]
 
 
@@ -269,10 +289,9 @@ def BatchNormalizationGrad(inputs, outputs, epsilon=1e-5, training_mode=1, activ
     if masked and outs[0] is None:
         raise ValueError("a folded activation needs the input gradient dX (its buffer holds the activation's)")
     y = _ncs(inputs[5]) if masked else _ncs(x)  # y is read only when masked
-    plane = max(1, _ncs(x).shape[2])
-    block = max(1, MASK_BLOCK // plane) if masked else channels
     return [split((_batch_norm_grad, (_ncs(dy), _ncs(x), y, scale, mean, var, dx, *small, wants, bool(training_mode),
-                                      float(epsilon), masked, low, high, block, sums, in_place, 0, channels)),
+                                      float(epsilon), masked, low, high, sums, in_place, _channel_block(x), 0,
+                                      channels)),
                   channels, x.size, threads)]
 
 # ---- activations ---------------------------------------------------------------------------------

@@ -114,6 +114,42 @@ def test_activations_written_over_their_input_match_their_own_buffer():
             np.testing.assert_array_equal(over, apart, err_msg=f"{key} in place")
 
 
+@pytest.mark.parametrize("in_place", [False, True])
+def test_batch_normalization_in_blocks_of_channels_gives_the_bits_of_one_pass(in_place, monkeypatch):
+    """BatchNormalization (with its fused Relu) and its gradient (the Relu's folded in), run a block of channels
+    at a time (kernels/nn.py's CHANNEL_BLOCK), give the bits of one pass over the whole tensor, blocks of one
+    channel and blocks that do not divide the channels included; written over their input too."""
+    from odtrain.kernels import BINDINGS, ODTRAIN_DOMAIN
+    from odtrain.kernels import nn
+
+    values = np.random.default_rng(5)
+    x = (values.standard_normal((3, 7, 5, 4)) * 2 + 1).astype(np.float32)
+    scale, bias = values.uniform(0.5, 1.5, 7).astype(np.float32), values.standard_normal(7).astype(np.float32)
+    dy = values.standard_normal(x.shape).astype(np.float32)
+
+    def run(block_elements):
+        monkeypatch.setattr(nn, "CHANNEL_BLOCK", block_elements)
+        y, stats = np.empty_like(x), [np.zeros(7, np.float32), np.ones(7, np.float32)]
+        source = x.copy()
+        calls = BINDINGS[(ODTRAIN_DOMAIN, "BatchNormalizationActivation")](
+            [source, scale, bias, *stats], [source if in_place else y] + stats, activation="Relu", training_mode=1)
+        for kernel, args in calls:
+            kernel(*args)
+        y = source if in_place else y
+        dx, small = dy.copy(), [np.empty(7, np.float32), np.empty(7, np.float32)]
+        calls = BINDINGS[(ODTRAIN_DOMAIN, "BatchNormalizationGrad")](
+            [dx, x, scale, *stats, y], [dx if in_place else np.empty_like(x)] + small, activation="Relu")
+        for kernel, args in calls:
+            kernel(*args)
+        return [y, calls[0][1][6], *small, *stats]
+
+    whole = run(1 << 30)
+    assert np.any(whole[1] != dy.reshape(whole[1].shape)) and np.any(whole[0] == 0)  # dx written; the Relu clips
+    for block_elements in (1, 3 * 20 * 2, 3 * 20 * 3):  # 1, 2 and 3 channels a block
+        for got, expected in zip(run(block_elements), whole):
+            np.testing.assert_array_equal(got, expected)
+
+
 def test_max_pool_indices_point_at_the_maxima():
     """Indices: flat positions in X (row-major, or column-major over the spatial axes with storage_order=1).
     Checked by what they point at: ONNX's reference gets them wrong for non-square windows (and its 2-D
