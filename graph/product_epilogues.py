@@ -5,6 +5,7 @@ layer's product, bias and activation are one node, forward and backward:
 
     Relu(Gemm(A, W, c))            (transA = 0, beta = 1, c of the output's last axis or absent)
     Relu(FusedMatMul(A, W[, "", c]))   (no perms, no `like`, transA = 0, W of rank 2)
+    Relu(MatMul(A, W))             (A of rank 2 or more, W of rank 2)
   → ai.odtrain FusedMatMul(A, W, "", c, transB, alpha, activation="Relu")          outputs [Y]
     Gelu(...) (ai.odtrain's, or ONNX's with approximate="none") of the same products
   → ai.odtrain FusedMatMul(..., activation="Gelu")                                   outputs [Y, P]
@@ -64,6 +65,9 @@ def _as_product(graph: Graph, node: Node) -> tuple[list[str], dict] | None:
         trans_b = int(attrs.get("transB", 0))
         inputs = [node.inputs[0], node.inputs[1], "", bias] if bias else node.inputs[:2]
         return inputs, {"transB": trans_b, "alpha": float(attrs.get("alpha", 1.0))}
+    if node.key == ("", "MatMul"):
+        known = _static_shape(graph, node.inputs[0])
+        return (list(node.inputs), {"transB": 0, "alpha": 1.0}) if known is not None and len(known) >= 2 else None
     if node.key == (ODTRAIN_DOMAIN, "FusedMatMul"):
         attrs = node.attrs
         if any(key in attrs for key in ("permA", "permB", "permY", "activation")) or attrs.get("transA", 0) or \
