@@ -31,7 +31,7 @@ from .jit import njit, prange  # noqa: F401 (prange: the loops of the written tw
 
 from .registry import ODTRAIN_DOMAIN, binding
 from .blas import COLUMNS, PRODUCTS, ROWS, gemm_batched_parts, gemm_blocks
-from .copies import copy_call, gather_call, sum_call
+from .copies import copy_call, gather_call, same_buffer, sum_call
 from .layout import broadcast_layout, element_strides, promoted_shapes
 from .parallel_split import on_parts, parallel_twin, part_count, split, splitting_everything, twin_of, worth_parallel
 from .scalar import gelu, gelu_grad
@@ -241,58 +241,84 @@ def view_gemm_calls(a: np.ndarray, a_view: np.ndarray, b: np.ndarray, b_view: np
 
 # A product's activation epilogue (graph/product_epilogues.py) by name: the code its kernels take.
 EPILOGUE_CODES = {"Relu": 1, "Gelu": 2}
-# Rows of a product's output per panel of an epilogue: a panel (EPILOGUE_PANEL_BYTES at most) stays in a core's
-# L2 cache between its BLAS call and its activation; at least EPILOGUE_MIN_ROWS rows, as BLAS repacks the weight
-# for every call and runs thin products slower.
-EPILOGUE_PANEL_BYTES = 1 << 18
-EPILOGUE_MIN_ROWS = 64
+# Rows of a product's output per panel of an epilogue: a panel of EPILOGUE_PANEL_BYTES at most, at least
+# EPILOGUE_MIN_ROWS rows. BLAS repacks the weight at every call and runs short panels slower than the pass they
+# save: a [2048, 256]·[256, 1024] product with GELU took 11.6 ms in panels of 256 rows, 9.1 in panels of 1,024 or
+# 2,048 and 9.2 unfused (1 thread, the least of 7 runs, on a loaded 2-core machine, 2026-11-29).
+EPILOGUE_PANEL_BYTES = 1 << 22
+EPILOGUE_MIN_ROWS = 512
+
+
+@njit(cache=True, error_model="numpy")
+def _gelu_of(product, values):
+    """values = GELU(product), on its own: inlined into the loop of the products, it ran unvectorised."""
+    for i in range(values.size):
+        values[i] = gelu(product[i])
 
 
 @njit(cache=True, error_model="numpy")
 def _product_epilogue(a, b, bias, out, pre, n, k, trans_b, ldb, alpha, activation, panel, first, last):
     """Rows [first, last) of out = f(alpha · a · op(b) + bias), a[m, k] and out[m, n] flat and row-major, `panel`
     rows at a time: a panel's bias, its BLAS product and f (1 Relu, 2 GELU) while the panel is in the cache.
-    `pre` receives alpha · a · op(b) + bias where f's gradient reads it (GELU), else it is empty."""
+    Where f's gradient reads P = alpha · a · op(b) + bias (GELU), BLAS writes P into `pre`, and f reads it from
+    there; otherwise `pre` is empty and f runs in place."""
+    target = pre if activation == 2 else out
     for start in range(first, last, panel):
         rows = min(panel, last - start)
         begin, end = start * n, (start + rows) * n
         beta = 0.0
         if bias.size > 0:  # the panel starts as the bias, BLAS adds the product to it
             for i in range(begin, end, n):
-                out[i:i + n] = bias
+                row = target[i:i + n]
+                for j in range(n):
+                    row[j] = bias[j]
             beta = 1.0
-        gemm_blocks(0, trans_b, rows, n, k, alpha, a, start * k, k, b, 0, ldb, beta, out, begin, n)
+        gemm_blocks(0, trans_b, rows, n, k, alpha, a, start * k, k, b, 0, ldb, beta, target, begin, n)
         if activation == 1:
-            for i in range(begin, end):
-                out[i] = max(out[i], 0)
+            values = out[begin:end]  # from 0 on a slice: with offsets into the whole array LLVM vectorised worse
+            for i in range(values.size):
+                values[i] = max(values[i], 0)
         elif activation == 2:
-            for i in range(begin, end):
-                value = out[i]
-                pre[i] = value
-                out[i] = gelu(value)
+            _gelu_of(pre[begin:end], out[begin:end])
 
 
 _product_epilogue_parts = parallel_twin(_product_epilogue, range=("first", "last"))
 
 
 @njit(cache=True, error_model="numpy")
-def _activation_bias_grad(dy, x, dx, dbias, rows, n, activation, first, last):
+def _activation_bias_grad(dy, x, dx, dbias, rows, n, activation, in_place, first, last):
     """Columns [first, last) of dx = dy · f'(x) over [rows, n] row-major matrices (1 Relu, x its output Y: dy · (0 <
-    Y); 2 GELU, x its input P), and dbias[j] = Σ_r dx[r, j] in row order when dbias is not empty; dx may be dy."""
+    Y); 2 GELU, x its input P), and dbias[j] = Σ_r dx[r, j] in row order when dbias is not empty; `in_place`: dx is
+    dy."""
     sums = dbias.size > 0
-    if sums:
-        dbias[first:last] = 0
+    column_sums = dbias[first:last] if sums else dbias
+    for j in range(column_sums.size):
+        column_sums[j] = 0
     for r in range(rows):
         row = r * n
-        if activation == 1:
-            for i in range(row + first, row + last):
-                dx[i] = dy[i] * (x[i] > 0)
+        # each row's segment under one name (dx, after a copy of dy when they are two buffers): a loop reading and
+        # writing one buffer through two names fails LLVM's overlap check and runs unvectorised, 8x slower
+        gradient, values = dx[row + first:row + last], x[row + first:row + last]
+        if not in_place:
+            incoming = dy[row + first:row + last]
+            for j in range(gradient.size):
+                gradient[j] = incoming[j]
+        if activation == 1 and sums:
+            for j in range(gradient.size):
+                g = gradient[j] * (values[j] > 0)
+                gradient[j] = g
+                column_sums[j] += g
+        elif activation == 1:
+            for j in range(gradient.size):
+                gradient[j] = gradient[j] * (values[j] > 0)
+        elif sums:
+            for j in range(gradient.size):
+                g = gelu_grad(gradient[j], values[j])
+                gradient[j] = g
+                column_sums[j] += g
         else:
-            for i in range(row + first, row + last):
-                dx[i] = gelu_grad(dy[i], x[i])
-        if sums:
-            for j in range(first, last):
-                dbias[j] += dx[row + j]
+            for j in range(gradient.size):
+                gradient[j] = gelu_grad(gradient[j], values[j])
 
 
 _activation_bias_grad_parts = parallel_twin(_activation_bias_grad, range=("first", "last"))
@@ -326,7 +352,7 @@ def ActivationBiasGrad(inputs, outputs, activation="Relu", threads=1):
     n = dx.shape[-1] if dx.ndim else 1
     rows = dx.size // n if n else 0
     call = (_activation_bias_grad, (dy.reshape(-1), x.reshape(-1), dx.reshape(-1), dbias.reshape(-1), rows, n,
-                                    EPILOGUE_CODES[activation], 0, n))
+                                    EPILOGUE_CODES[activation], same_buffer(dy, dx), 0, n))
     return [split(call, n, dx.size, threads)]
 
 

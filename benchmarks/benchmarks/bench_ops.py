@@ -41,7 +41,7 @@ def _depthwise(node) -> bool:
 
 
 def _linear(node) -> bool:
-    return not any(key in node.attrs for key in ("permA", "permB", "permY"))
+    return not any(key in node.attrs for key in ("permA", "permB", "permY", "activation"))
 
 
 def _attention(node) -> bool:
@@ -52,8 +52,8 @@ def _without_activation(node) -> bool:
     return "activation" not in node.attrs
 
 
-def _with_activation(node) -> bool:  # a Relu's or Clip's gradient folded in (graph/gradient_fusion.py)
-    return "activation" in node.attrs
+def _with_activation(node) -> bool:  # a Relu's or Clip's gradient folded in (graph/gradient_fusion.py), or a
+    return "activation" in node.attrs  # product's activation epilogue (graph/product_epilogues.py)
 
 
 # op label -> (reference model, op type, which of its nodes)
@@ -67,6 +67,8 @@ CASES = {
     "Gemm": ("mlp", "Gemm", None),
     "FusedMatMul linear": ("transformer", "FusedMatMul", _linear),
     "FusedMatMul attention": ("transformer", "FusedMatMul", _attention),
+    "FusedMatMul Gelu": ("transformer", "FusedMatMul", _with_activation),
+    "ActivationBiasGrad Gelu": ("transformer", "ActivationBiasGrad", None),
     "BatchNormalization": ("cnn", "BatchNormalization", None),
     "BatchNormalizationActivation": ("cnn", "BatchNormalizationActivation", None),
     "BatchNormalizationGrad": ("cnn", "BatchNormalizationGrad", _without_activation),
@@ -80,8 +82,6 @@ CASES = {
     "Relu": ("cnn", "Relu", None),
     "ReluGrad": ("cnn", "ReluGrad", None),
     "Add": ("cnn", "Add", None),
-    "Gelu": ("transformer", "Gelu", None),
-    "GeluGrad": ("transformer", "GeluGrad", None),
     "Softmax": ("transformer", "Softmax", None),
     "SoftmaxGrad": ("transformer", "SoftmaxGrad", None),
 }
@@ -152,7 +152,7 @@ class ConvOps(_OpBenchmark):
 
 
 class ProductOps(_OpBenchmark):
-    params = _family("Gemm", "FusedMatMul linear", "FusedMatMul attention")
+    params = _family("Gemm", "FusedMatMul linear", "FusedMatMul attention", "FusedMatMul Gelu", "ActivationBiasGrad Gelu")
 
 
 class NormalizationOps(_OpBenchmark):
@@ -165,7 +165,7 @@ class PoolOps(_OpBenchmark):
 
 
 class ElementwiseOps(_OpBenchmark):
-    params = _family("Relu", "ReluGrad", "Add", "Gelu", "GeluGrad", "Softmax", "SoftmaxGrad")
+    params = _family("Relu", "ReluGrad", "Add", "Softmax", "SoftmaxGrad")  # the transformer's GELU is its products'
 
 
 class OptimizerOps:
