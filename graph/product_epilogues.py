@@ -12,10 +12,11 @@ layer's product, bias and activation are one node, forward and backward:
 
 The kernel (kernels/product_epilogues.py) runs the product in panels of rows sized to the cache and
 applies the bias and the activation to each panel right after its BLAS call, while it is in the cache:
-the activation's own pass over memory, which read the product back, disappears. The gradient rule
-(graph/ops/linalg.py) emits one ai.odtrain ActivationBiasGrad that turns dY into the product's gradient
-and sums the bias gradient in the same pass, where the unfused graph ran the activation's gradient and
-then a SumToShape reading it again.
+the activation's own pass over memory, which read the product back, disappears. For Relu the gradient
+rule (graph/ops/linalg.py) emits one ai.odtrain ActivationBiasGrad that turns dY into the product's
+gradient and sums the bias gradient in the same pass, where the unfused graph ran ReluGrad and then a
+SumToShape reading it again; GELU's gradient stays GeluGrad and SumToShape (ONE_PASS_GRADIENTS there
+says why).
 
 Invariants:
 - A fold happens only when the product's output is read by the activation alone and is not a graph

@@ -29,7 +29,7 @@ GRADIENT_CASES: dict[str, GradientCase] = {
         [helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]), helper.make_node("MatMul", ["a", "wt"], ["m"]),
          helper.make_node("Add", ["m", "c"], ["p"]), helper.make_node("Gelu", ["p"], ["y"])],  # as nn.Linear exports
         {"a": _values(2, 3, 4), "w": _values(5, 4), "c": _values(5)}, opset=20, step=1e-3,
-        fuses_into=("FusedMatMul", "ActivationBiasGrad")),
+        fuses_into=("FusedMatMul", "GeluGrad")),
     "Gemm Relu without bias, the input's gradient too": GradientCase(
         [helper.make_node("Gemm", ["a", "w"], ["p"], alpha=0.5), helper.make_node("Relu", ["p"], ["y"])],
         {"a": _values(6, 4), "w": _values(4, 5)}, fuses_into=("FusedMatMul", "ActivationBiasGrad")),

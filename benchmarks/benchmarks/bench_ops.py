@@ -68,7 +68,7 @@ CASES = {
     "FusedMatMul linear": ("transformer", "FusedMatMul", _linear),
     "FusedMatMul attention": ("transformer", "FusedMatMul", _attention),
     "FusedMatMul Gelu": ("transformer", "FusedMatMul", _with_activation),
-    "ActivationBiasGrad Gelu": ("transformer", "ActivationBiasGrad", None),
+    "ActivationBiasGrad": ("mlp", "ActivationBiasGrad", None),
     "BatchNormalization": ("cnn", "BatchNormalization", None),
     "BatchNormalizationActivation": ("cnn", "BatchNormalizationActivation", None),
     "BatchNormalizationGrad": ("cnn", "BatchNormalizationGrad", _without_activation),
@@ -82,6 +82,7 @@ CASES = {
     "Relu": ("cnn", "Relu", None),
     "ReluGrad": ("cnn", "ReluGrad", None),
     "Add": ("cnn", "Add", None),
+    "GeluGrad": ("transformer", "GeluGrad", None),
     "Softmax": ("transformer", "Softmax", None),
     "SoftmaxGrad": ("transformer", "SoftmaxGrad", None),
 }
@@ -152,7 +153,7 @@ class ConvOps(_OpBenchmark):
 
 
 class ProductOps(_OpBenchmark):
-    params = _family("Gemm", "FusedMatMul linear", "FusedMatMul attention", "FusedMatMul Gelu", "ActivationBiasGrad Gelu")
+    params = _family("Gemm", "FusedMatMul linear", "FusedMatMul attention", "FusedMatMul Gelu", "ActivationBiasGrad")
 
 
 class NormalizationOps(_OpBenchmark):
@@ -165,7 +166,7 @@ class PoolOps(_OpBenchmark):
 
 
 class ElementwiseOps(_OpBenchmark):
-    params = _family("Relu", "ReluGrad", "Add", "Softmax", "SoftmaxGrad")  # the transformer's GELU is its products'
+    params = _family("Relu", "ReluGrad", "Add", "GeluGrad", "Softmax", "SoftmaxGrad")  # GELU: FusedMatMul Gelu
 
 
 class OptimizerOps:
