@@ -10,6 +10,7 @@ from scipy.special import erf
 
 from oracles import GradientCase
 from odtrain.graph.ir import ODTRAIN_DOMAIN, Graph, Node, TensorType
+from odtrain.graph import product_epilogues
 from odtrain.graph.product_epilogues import fold_product_epilogues
 from odtrain.kernels import BINDINGS
 from odtrain.kernels.linalg import EPILOGUE_PANEL_BYTES
@@ -40,7 +41,8 @@ GRADIENT_CASES: dict[str, GradientCase] = {
 
 
 @pytest.mark.parametrize("name", sorted(GRADIENT_CASES))
-def test_epilogue_gradients_match_float64_finite_differences(name, tmp_path):
+def test_epilogue_gradients_match_float64_finite_differences(name, tmp_path, monkeypatch):
+    monkeypatch.setattr(product_epilogues, "FOLDED", {"Relu", "Gelu"})  # GELU's fold too, off by default
     GRADIENT_CASES[name].check(tmp_path)
     eval_ops = {n.op_type for n in onnx.load(str(tmp_path / "eval_model.onnx")).graph.node}
     assert "FusedMatMul" not in eval_ops and eval_ops & {"Relu", "Gelu"}, "the eval model stays standard ONNX"
@@ -62,10 +64,12 @@ def test_a_product_read_by_more_than_its_activation_keeps_its_activation():
     assert [n.op_type for n in as_output.nodes] == ["Gemm", "Relu"]
     tanh_form = _graph([Node("Gemm", ["a", "w", "c"], ["p"]), Node("Gelu", ["p"], ["y"], {"approximate": "tanh"})],
                        ["y"])
-    fold_product_epilogues(tanh_form)
+    fold_product_epilogues(tanh_form, {"Relu", "Gelu"})
     assert [n.op_type for n in tanh_form.nodes] == ["Gemm", "Gelu"]
     alone = _graph([Node("Gemm", ["a", "w", "c"], ["p"], name="fc"), Node("Gelu", ["p"], ["y"])], ["y"])
     fold_product_epilogues(alone)
+    assert [n.op_type for n in alone.nodes] == ["Gemm", "Gelu"]  # GELU is folded when asked for only
+    fold_product_epilogues(alone, {"Gelu"})
     (fused,) = alone.nodes
     assert (fused.key, fused.attrs["activation"], fused.outputs, fused.name) == \
         ((ODTRAIN_DOMAIN, "FusedMatMul"), "Gelu", ["y", "p"], "fc")  # GELU's gradient reads p: it stays

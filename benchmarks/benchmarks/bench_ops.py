@@ -67,7 +67,7 @@ CASES = {
     "Gemm": ("mlp", "Gemm", None),
     "FusedMatMul linear": ("transformer", "FusedMatMul", _linear),
     "FusedMatMul attention": ("transformer", "FusedMatMul", _attention),
-    "FusedMatMul Gelu": ("transformer", "FusedMatMul", _with_activation),
+    "FusedMatMul Relu": ("mlp", "FusedMatMul", _with_activation),
     "ActivationBiasGrad": ("mlp", "ActivationBiasGrad", None),
     "BatchNormalization": ("cnn", "BatchNormalization", None),
     "BatchNormalizationActivation": ("cnn", "BatchNormalizationActivation", None),
@@ -82,6 +82,7 @@ CASES = {
     "Relu": ("cnn", "Relu", None),
     "ReluGrad": ("cnn", "ReluGrad", None),
     "Add": ("cnn", "Add", None),
+    "Gelu": ("transformer", "Gelu", None),
     "GeluGrad": ("transformer", "GeluGrad", None),
     "Softmax": ("transformer", "Softmax", None),
     "SoftmaxGrad": ("transformer", "SoftmaxGrad", None),
@@ -153,7 +154,7 @@ class ConvOps(_OpBenchmark):
 
 
 class ProductOps(_OpBenchmark):
-    params = _family("Gemm", "FusedMatMul linear", "FusedMatMul attention", "FusedMatMul Gelu", "ActivationBiasGrad")
+    params = _family("Gemm", "FusedMatMul linear", "FusedMatMul attention", "FusedMatMul Relu", "ActivationBiasGrad")
 
 
 class NormalizationOps(_OpBenchmark):
@@ -166,7 +167,7 @@ class PoolOps(_OpBenchmark):
 
 
 class ElementwiseOps(_OpBenchmark):
-    params = _family("Relu", "ReluGrad", "Add", "GeluGrad", "Softmax", "SoftmaxGrad")  # GELU: FusedMatMul Gelu
+    params = _family("Relu", "ReluGrad", "Add", "Gelu", "GeluGrad", "Softmax", "SoftmaxGrad")
 
 
 class OptimizerOps:
