@@ -32,6 +32,7 @@ from .ir import DEFAULT_DOMAIN, Graph, NameScope, Node, TensorType
 from .ops import OPS, GradContext, lookup
 from .ops.nn import fuse_normalization_activations
 from .ops.quantize import fuse_quantize_pairs
+from .product_epilogues import fold_product_epilogues
 
 GRAD_SUFFIX = "_grad"
 # ops a gradient rule's constant input (axes, a shape) is folded through; none of them makes a large tensor
@@ -168,6 +169,7 @@ def build_gradient_graph(graph: Graph, loss: str, trainable: list[str], without_
     training = fuse_for_training(graph)  # a copy, with exported patterns fused (graph/fusion.py)
     fuse_normalization_activations(training)  # BatchNormalization → Relu/Clip (graph/ops/nn.py)
     fuse_quantize_pairs(training)  # QuantizeLinear → DequantizeLinear: FakeQuantize (graph/ops/quantize.py)
+    fold_product_epilogues(training)  # product → activation: one node (graph/product_epilogues.py)
     builder = BackwardBuilder(training)
     reaches_param = depends_on(training, set(trainable))
     if loss not in reaches_param:

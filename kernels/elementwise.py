@@ -42,7 +42,7 @@ from .registry import ODTRAIN_DOMAIN, binding
 from .copies import first_row, gather_call, next_row, row_start, same_buffer
 from .layout import broadcast_layout, flat
 from .parallel_split import parallel_twin, split
-from .scalar import fast_erf, fast_exp, fast_sigmoid, fast_tanh
+from .scalar import fast_erf, fast_exp, fast_sigmoid, fast_tanh, gelu, gelu_grad
 
 BINARY = {"Add": 0, "Sub": 1, "Mul": 2, "Div": 3, "ReluGrad": 4, "SigmoidGrad": 5, "TanhGrad": 6,
           "Pow": 7, "Max": 8, "Min": 9, "ErfGrad": 10, "AtanGrad": 11, "Mod": 14, "PRelu": 21}
@@ -59,24 +59,10 @@ COMPARE = {"Equal": 0, "Less": 1, "Greater": 2, "LessOrEqual": 3, "GreaterOrEqua
 
 
 @njit(cache=True, inline="always", error_model="numpy")
-def gelu(x):
-    """x · Φ(x) = x/2 · (1 + erf(x/√2))."""
-    return np.float32(0.5) * x * (np.float32(1.0) + fast_erf(x * np.float32(0.7071067811865476)))
-
-
-@njit(cache=True, inline="always", error_model="numpy")
 def gelu_tanh(x):
     """x/2 · (1 + tanh(√(2/π) · (x + 0.044715 x³)))."""
     inner = np.float32(0.7978845608028654) * (x + np.float32(0.044715) * x * x * x)
     return np.float32(0.5) * x * (np.float32(1.0) + fast_tanh(inner))
-
-
-@njit(cache=True, inline="always", error_model="numpy")
-def gelu_grad(dy, x):
-    """dy · (Φ(x) + x · φ(x))."""
-    cdf = np.float32(0.5) * (np.float32(1.0) + fast_erf(x * np.float32(0.7071067811865476)))
-    pdf = np.float32(0.3989422804014327) * fast_exp(np.float32(-0.5) * x * x)
-    return dy * (cdf + x * pdf)
 
 
 @njit(cache=True, inline="always", error_model="numpy")

@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from .jit import njit
+from .jit import njit, prange  # noqa: F401 (prange: the loops of the written twins)
 
 from .registry import ODTRAIN_DOMAIN, binding
 from .blas import COLUMNS, PRODUCTS, ROWS, gemm_batched_parts, gemm_blocks
-from .copies import copy_call, gather_call, sum_call
+from .copies import copy_call, gather_call, same_buffer, sum_call
 from .layout import broadcast_layout, element_strides, promoted_shapes
-from .parallel_split import on_parts, part_count, splitting_everything, twin_of, worth_parallel
+from .parallel_split import on_parts, parallel_twin, part_count, split, splitting_everything, twin_of, worth_parallel
+from .scalar import gelu, gelu_grad
 from .windows import text
 
 
@@ -238,12 +239,133 @@ def view_gemm_calls(a: np.ndarray, a_view: np.ndarray, b: np.ndarray, b_view: np
                   _view_offsets(b_view, b, full), out_offsets, betas, alpha, threads)
 
 
+# A product's activation epilogue (graph/product_epilogues.py) by name: the code its kernels take.
+EPILOGUE_CODES = {"Relu": 1, "Gelu": 2}
+# Rows of a product's output per panel of an epilogue: a panel of EPILOGUE_PANEL_BYTES at most, at least
+# EPILOGUE_MIN_ROWS rows. BLAS repacks the weight at every call and runs short panels slower than the pass they
+# save: a [2048, 256]·[256, 1024] product with GELU took 11.6 ms in panels of 256 rows, 9.1 in panels of 1,024 or
+# 2,048 and 9.2 unfused (1 thread, the least of 7 runs, on a loaded 2-core machine, 2026-11-29).
+EPILOGUE_PANEL_BYTES = 1 << 22
+EPILOGUE_MIN_ROWS = 512
+
+
+@njit(cache=True, error_model="numpy")
+def _gelu_of(product, values):
+    """values = GELU(product), on its own: inlined into the loop of the products, it ran unvectorised."""
+    for i in range(values.size):
+        values[i] = gelu(product[i])
+
+
+@njit(cache=True, error_model="numpy")
+def _product_epilogue(a, b, bias, out, pre, n, k, trans_b, ldb, alpha, activation, panel, first, last):
+    """Rows [first, last) of out = f(alpha · a · op(b) + bias), a[m, k] and out[m, n] flat and row-major, `panel`
+    rows at a time: a panel's bias, its BLAS product and f (1 Relu, 2 GELU) while the panel is in the cache.
+    Where f's gradient reads P = alpha · a · op(b) + bias (GELU), BLAS writes P into `pre`, and f reads it from
+    there; otherwise `pre` is empty and f runs in place."""
+    target = pre if activation == 2 else out
+    for start in range(first, last, panel):
+        rows = min(panel, last - start)
+        begin, end = start * n, (start + rows) * n
+        beta = 0.0
+        if bias.size > 0:  # the panel starts as the bias, BLAS adds the product to it
+            for i in range(begin, end, n):
+                row = target[i:i + n]
+                for j in range(n):
+                    row[j] = bias[j]
+            beta = 1.0
+        gemm_blocks(0, trans_b, rows, n, k, alpha, a, start * k, k, b, 0, ldb, beta, target, begin, n)
+        if activation == 1:
+            values = out[begin:end]  # from 0 on a slice: with offsets into the whole array LLVM vectorised worse
+            for i in range(values.size):
+                values[i] = max(values[i], 0)
+        elif activation == 2:
+            _gelu_of(pre[begin:end], out[begin:end])
+
+
+_product_epilogue_parts = parallel_twin(_product_epilogue, range=("first", "last"))
+
+
+@njit(cache=True, error_model="numpy")
+def _activation_bias_grad(dy, x, dx, dbias, rows, n, activation, in_place, first, last):
+    """Columns [first, last) of dx = dy · f'(x) over [rows, n] row-major matrices (1 Relu, x its output Y: dy · (0 <
+    Y); 2 GELU, x its input P), and dbias[j] = Σ_r dx[r, j] in row order when dbias is not empty; `in_place`: dx is
+    dy."""
+    sums = dbias.size > 0
+    column_sums = dbias[first:last] if sums else dbias
+    for j in range(column_sums.size):
+        column_sums[j] = 0
+    for r in range(rows):
+        row = r * n
+        # each row's segment under one name (dx, after a copy of dy when they are two buffers): a loop reading and
+        # writing one buffer through two names fails LLVM's overlap check and runs unvectorised, 8x slower
+        gradient, values = dx[row + first:row + last], x[row + first:row + last]
+        if not in_place:
+            incoming = dy[row + first:row + last]
+            for j in range(gradient.size):
+                gradient[j] = incoming[j]
+        if activation == 1 and sums:
+            for j in range(gradient.size):
+                g = gradient[j] * (values[j] > 0)
+                gradient[j] = g
+                column_sums[j] += g
+        elif activation == 1:
+            for j in range(gradient.size):
+                gradient[j] = gradient[j] * (values[j] > 0)
+        elif sums:
+            for j in range(gradient.size):
+                g = gelu_grad(gradient[j], values[j])
+                gradient[j] = g
+                column_sums[j] += g
+        else:
+            for j in range(gradient.size):
+                gradient[j] = gelu_grad(gradient[j], values[j])
+
+
+_activation_bias_grad_parts = parallel_twin(_activation_bias_grad, range=("first", "last"))
+
+
+def _epilogue_call(a, b, bias, out, pre, trans_b: int, alpha: float, activation: str, threads: int):
+    """The call of a product with its epilogue: rows of the output in parts at `threads`, as products split."""
+    n = out.shape[-1]
+    k = a.shape[-1]
+    m = out.size // n if n else 0
+    code = EPILOGUE_CODES[activation]
+    dtype = out.dtype
+    if bias is not None and (bias.size != n or not bias.flags.c_contiguous):
+        raise ValueError(f"an epilogue's bias has one value per output column ({n}), got shape {bias.shape}")
+    flat_bias = bias.reshape(-1) if bias is not None else np.zeros(0, dtype)  # a view: the step reads it live
+    flat_pre = pre.reshape(-1) if code == 2 else np.zeros(0, dtype)
+    panel = max(EPILOGUE_MIN_ROWS, EPILOGUE_PANEL_BYTES // max(n * out.itemsize, 1))
+    call = (_product_epilogue, (a.reshape(-1), b.reshape(-1), flat_bias, out.reshape(-1), flat_pre, n, k, trans_b,
+                                b.shape[-1], dtype.type(alpha), code, panel, 0, m))
+    work = m * n * k
+    if not worth_parallel(work, MIN_PARALLEL_PRODUCT):
+        return call
+    return on_parts(call, m, part_count(threads, m // MIN_ROWS, work))
+
+
+@binding("ActivationBiasGrad", ODTRAIN_DOMAIN, parallel=True)
+def ActivationBiasGrad(inputs, outputs, activation="Relu", threads=1):
+    """dP = dY · f'(Y or P) and dBias = dP summed over every axis but the last, in one pass."""
+    dy, x, dx = inputs[0], inputs[1], outputs[0]
+    dbias = outputs[1] if len(outputs) > 1 and outputs[1] is not None else np.zeros(0, dx.dtype)
+    n = dx.shape[-1] if dx.ndim else 1
+    rows = dx.size // n if n else 0
+    call = (_activation_bias_grad, (dy.reshape(-1), x.reshape(-1), dx.reshape(-1), dbias.reshape(-1), rows, n,
+                                    EPILOGUE_CODES[activation], same_buffer(dy, dx), 0, n))
+    return [split(call, n, dx.size, threads)]
+
+
 @binding("FusedMatMul", ODTRAIN_DOMAIN, parallel=True)
-def FusedMatMul(inputs, outputs, transA=0, transB=0, alpha=1.0, permA=None, permB=None, permY=None, threads=1):
+def FusedMatMul(inputs, outputs, transA=0, transB=0, alpha=1.0, permA=None, permB=None, permY=None, activation=None,
+                threads=1):
     """out = alpha · op(A') · op(B') stored through permY (+ bias, without perms), summed over the batch axes
-    `out` lacks."""
+    `out` lacks; with an `activation` epilogue, out = f(alpha · A · op(B) + bias) (and P, its argument)."""
     a, b, out = inputs[0], inputs[1], outputs[0]
     bias = inputs[3] if len(inputs) > 3 else None
+    if activation is not None:
+        pre = outputs[1] if len(outputs) > 1 else None
+        return [_epilogue_call(a, b, bias, out, pre, int(transB), float(alpha), activation, threads)]
     if bias is not None:  # out ← bias (broadcast), then out += alpha · op(A) · op(B) inside BLAS
         if permA is not None or permB is not None or permY is not None:
             raise ValueError("a bias is added to products without permA, permB or permY only")

@@ -4,7 +4,8 @@ Numba has no vector math library here (no SVML), so `np.exp` and `math.erf` run 
 element. `fast_exp`, `fast_erf` and `fast_tanh` are float32 polynomial approximations (Cephes' expf; Eigen's
 erf and tanh rational forms, within a few float32 ulps) that LLVM vectorises, several times faster than
 libm's in softmax, GELU and the recurrent gates (bench_ops.ElementwiseOps, UnaryOps). `fast_sigmoid` runs on
-fast_exp (within 2.3 ulps of float64 numpy over [-100, 100]).
+fast_exp (within 2.3 ulps of float64 numpy over [-100, 100]). `gelu` and `gelu_grad` (erf form) run on them, for
+the GELU kernels and the products' GELU epilogue.
 
 Every function here is `inline="always"`: it compiles into the kernel that calls it and is never a kernel of
 its own, so no call list names it. Imports numpy and kernels/jit.py only.
@@ -99,3 +100,17 @@ def fast_sigmoid_pair(x):
     e = fast_exp(-abs(np.float32(x)))
     r = np.float32(1.0) / (np.float32(1.0) + e)
     return (r, e * r) if x >= 0 else (e * r, r)
+
+
+@njit(cache=True, inline="always", error_model="numpy")
+def gelu(x):
+    """x · Φ(x) = x/2 · (1 + erf(x/√2))."""
+    return np.float32(0.5) * x * (np.float32(1.0) + fast_erf(x * np.float32(0.7071067811865476)))
+
+
+@njit(cache=True, inline="always", error_model="numpy")
+def gelu_grad(dy, x):
+    """dy · (Φ(x) + x · φ(x))."""
+    cdf = np.float32(0.5) * (np.float32(1.0) + fast_erf(x * np.float32(0.7071067811865476)))
+    pdf = np.float32(0.3989422804014327) * fast_exp(np.float32(-0.5) * x * x)
+    return dy * (cdf + x * pdf)

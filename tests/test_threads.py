@@ -109,6 +109,9 @@ CASES.update({
     "elementwise_chain": ([node("Mul", ["a", "b"], ["m"]), node("Add", ["m", "bias"], ["s"]),
                            node("Relu", ["s"], ["r"]), node("Tanh", ["r"], ["t"]), node("Mul", ["t", "half"])],
                           {"a": rand(4, 6), "b": rand(4, 6), "bias": rand(6)}, {"half": np.array(0.5, np.float32)}),
+    # a product's Relu epilogue: rows of the product in parts, its gradient's columns in parts
+    "gemm_relu_epilogue": ([node("Gemm", ["x", "w", "b"], ["p"], transB=1), node("Relu", ["p"])],
+                           {"w": rand(5, 6), "b": rand(5)}, {"x": rand(40, 6)}),
     # PyTorch's exact GELU, fused into Gelu and GeluGrad in the training model
     "gelu": ([node("Div", ["x", "root2"], ["d"]), node("Erf", ["d"], ["e"]), node("Add", ["e", "one"], ["a"]),
               node("Mul", ["x", "a"], ["m"]), node("Mul", ["m", "half"])], {"x": rand(3, 7, low=-3, high=3)},

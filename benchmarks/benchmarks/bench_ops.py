@@ -41,7 +41,7 @@ def _depthwise(node) -> bool:
 
 
 def _linear(node) -> bool:
-    return not any(key in node.attrs for key in ("permA", "permB", "permY"))
+    return not any(key in node.attrs for key in ("permA", "permB", "permY", "activation"))
 
 
 def _attention(node) -> bool:
@@ -52,8 +52,8 @@ def _without_activation(node) -> bool:
     return "activation" not in node.attrs
 
 
-def _with_activation(node) -> bool:  # a Relu's or Clip's gradient folded in (graph/gradient_fusion.py)
-    return "activation" in node.attrs
+def _with_activation(node) -> bool:  # a Relu's or Clip's gradient folded in (graph/gradient_fusion.py), or a
+    return "activation" in node.attrs  # product's activation epilogue (graph/product_epilogues.py)
 
 
 # op label -> (reference model, op type, which of its nodes)
@@ -67,6 +67,8 @@ CASES = {
     "Gemm": ("mlp", "Gemm", None),
     "FusedMatMul linear": ("transformer", "FusedMatMul", _linear),
     "FusedMatMul attention": ("transformer", "FusedMatMul", _attention),
+    "FusedMatMul Relu": ("mlp", "FusedMatMul", _with_activation),
+    "ActivationBiasGrad": ("mlp", "ActivationBiasGrad", None),
     "BatchNormalization": ("cnn", "BatchNormalization", None),
     "BatchNormalizationActivation": ("cnn", "BatchNormalizationActivation", None),
     "BatchNormalizationGrad": ("cnn", "BatchNormalizationGrad", _without_activation),
@@ -152,7 +154,7 @@ class ConvOps(_OpBenchmark):
 
 
 class ProductOps(_OpBenchmark):
-    params = _family("Gemm", "FusedMatMul linear", "FusedMatMul attention")
+    params = _family("Gemm", "FusedMatMul linear", "FusedMatMul attention", "FusedMatMul Relu", "ActivationBiasGrad")
 
 
 class NormalizationOps(_OpBenchmark):
