@@ -306,44 +306,22 @@ def embedding_model(vocabulary=64, width=48, outer=40):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
-STORED_KINDS = ["int8", "bfloat16", "int4"]
-
-
-@pytest.fixture(scope="module")
-def stored_weight_artifacts(tmp_path_factory):
-    """{kind: (embedding_model's artifacts at that stored type with a kernel library in kernels/, the same
-    artifacts without one)}. One library built over the three folders (a build costs tens of seconds) serves
-    them all, each folder's kernels/ a copy of it; their dequantizing kernels differ in the stored arrays'
-    dtypes, so each kind's calls are its own entries."""
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["int8", "bfloat16", "int4"])
+def test_the_kernel_library_runs_stored_weights_with_the_jits_bits(kind, tmp_path):
+    """The dequantizing kernels built into the kernel library (odtrain compile) give the JIT's bits, at one
+    thread and at two."""
     import shutil
 
     from odtrain import kernel_library
     from odtrain.library_build import compile_artifacts
 
-    root = tmp_path_factory.mktemp("stored-weights")
-    folders = {}
-    for kind in STORED_KINDS:
-        with_library, without = root / kind / "library", root / kind / "jit"
-        artifacts.generate_artifacts(embedding_model(), requires_grad=["P"], frozen_params=["E", "W"], loss=None,
-                                     optimizer=artifacts.OptimType.AdamW, artifact_directory=with_library,
-                                     frozen_dtype=kind)
-        shutil.copytree(with_library, without)
-        folders[kind] = (with_library, without)
-    compile_artifacts([folder for folder, _ in folders.values()], root / "kernels", thread_counts=(1, 2),
-                      out=lambda line: None)
-    for with_library, _ in folders.values():
-        shutil.copytree(root / "kernels", with_library / kernel_library.FOLDER)
-    return folders
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", STORED_KINDS)
-def test_the_kernel_library_runs_stored_weights_with_the_jits_bits(kind, stored_weight_artifacts):
-    """The dequantizing kernels built into the kernel library (odtrain compile) give the JIT's bits, at one
-    thread and at two."""
-    from odtrain import kernel_library
-
-    with_library, without = stored_weight_artifacts[kind]
+    with_library, without = tmp_path / "library", tmp_path / "jit"
+    artifacts.generate_artifacts(embedding_model(), requires_grad=["P"], frozen_params=["E", "W"], loss=None,
+                                 optimizer=artifacts.OptimType.AdamW, artifact_directory=with_library,
+                                 frozen_dtype=kind)
+    shutil.copytree(with_library, without)
+    compile_artifacts(with_library, thread_counts=(1, 2), out=lambda line: None)
     ids = np.random.default_rng(6).integers(0, 64, (3, 2, 8))
     for threads in (1, 2):
         results = []
