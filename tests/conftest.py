@@ -52,6 +52,19 @@ def mlp_artifacts(tmp_path_factory, mlp_reference):
     return directory
 
 
+@pytest.fixture(scope="session")
+def mlp_kernel_library(tmp_path_factory):
+    """The reference MLP's AdamW artifacts with a kernel library in kernels/ built for them at threads 1 and 2,
+    holding the demo's kernels too (what `pip install .` builds for it). A build costs tens of seconds, so the
+    modules that need this library share one; they read the folder and copy it before changing anything."""
+    from odtrain import kernel_library
+    from odtrain.library_build import compile_artifacts
+
+    folder = reference_artifacts("mlp", tmp_path_factory.mktemp("mlp-library"))
+    compile_artifacts([folder, None], folder / kernel_library.FOLDER, thread_counts=(1, 2), out=lambda line: None)
+    return folder
+
+
 def odtrain_main(capsys, *argv) -> tuple[int, str, str]:
     """(exit code, stdout, stderr) of the command line `odtrain argv`; argparse's exits become exit codes."""
     from odtrain import cli

@@ -585,6 +585,35 @@ def test_nested_control_flow_gradients_match_finite_differences(tmp_path):
     check_gradients(proto, ["W", "x", "s0"], {}, tmp_path)
 
 
+def scaled_scan(n: int):
+    """h' = tanh(h · c + x_t · w) over x's rows, the body reading the constant c [n] and the weight w [1]."""
+    body = helper.make_graph([helper.make_node("Mul", ["h_in", "c"], ["hc"]), helper.make_node("Mul", ["x_t", "w"], ["xw"]),
+                              helper.make_node("Add", ["hc", "xw"], ["pre"]), helper.make_node("Tanh", ["pre"], ["h_out"]),
+                              helper.make_node("Identity", ["h_out"], ["y_t"])], "body",
+                             [tensor("h_in", [n]), tensor("x_t", [n])], [tensor("h_out", [n]), tensor("y_t", [n])])
+    node = helper.make_node("Scan", ["h0", "x"], ["h", "ys"], body=body, num_scan_inputs=1, name="scan")
+    return model([node], [tensor("x", [3, n])], [tensor("h"), tensor("ys")],
+                 [numpy_helper.from_array(RNG.uniform(0.5, 1, n).astype(np.float32), "c"),
+                  numpy_helper.from_array(np.zeros(n, np.float32), "h0"),
+                  numpy_helper.from_array(np.array([0.7], np.float32), "w")])
+
+
+def test_outer_constants_either_side_of_the_copied_size_give_the_same_gradients(tmp_path):
+    """A gradient body copies the outer constants it reads of at most SMALL_CONSTANT elements
+    (graph/ops/control_gradients.py) and reads larger ones from the enclosing graph: both match finite
+    differences."""
+    import onnx
+
+    from odtrain.graph.ops.control_gradients import SMALL_CONSTANT
+
+    for n, copied in ((SMALL_CONSTANT, True), (SMALL_CONSTANT + 1, False)):
+        x = RNG.standard_normal((3, n)).astype(np.float32)
+        check_gradients(scaled_scan(n), ["w"], {"x": x}, tmp_path / str(n))
+        trained = onnx.load(str(tmp_path / str(n) / "training_model.onnx"))
+        bodies = [a.g for node in trained.graph.node if node.op_type == "Scan" for a in node.attribute if a.g.node]
+        assert any("c" in {t.name for t in body.initializer} for body in bodies) == copied, n
+
+
 def test_a_loop_whose_condition_depends_on_the_data_is_refused_a_gradient_by_name(tmp_path):
     from odtrain import artifacts
 

@@ -2,7 +2,8 @@
 forward, input gradient and weight gradient against a float64 numpy oracle written from the definition,
 serial and in parallel parts, float32 and float64, with asymmetric pads, dilations, groups and non-square
 kernels; a stride-1 ConvTranspose (run on the same kernels, X and Y exchanged) against its definition;
-and which convolutions the layout sends there.
+which convolutions the layout sends there; and shapes on either side of each size that picks a convolution's
+strategy (the taps' channels and widths, depthwise's plane width), each side against the definition.
 
 Tolerances: float32 results against the float64 oracle differ by at most 1.8e-7 of the largest magnitude
 here (sums of 16-240 products); 2e-6 leaves a factor of 10 and still fails a wrong tap, pad or channel,
@@ -13,7 +14,8 @@ import pytest
 
 from odtrain.kernels import BINDINGS, SCRATCH
 from odtrain.kernels.conv import _plan, conv_scratch, strategy
-from odtrain.kernels.conv.taps import TapPlan
+from odtrain.kernels.conv.depthwise import PLANE_WIDTH
+from odtrain.kernels.conv.taps import TAP_MIN_CHANNELS, TAP_MIN_WEIGHT_WIDTH, TAP_MIN_WIDTH, TapPlan
 from odtrain.kernels.windows import FORWARD, WEIGHT_GRADIENT, Convolution
 
 ODTRAIN = "ai.odtrain"
@@ -92,6 +94,47 @@ def test_tap_kernels_match_the_definition(x_shape, w_shape, pads, dilations, gro
         checks.append((run("ConvWeightGrad", [dy, x], w_shape, attrs, dtype), dw_expected))
     for got, expected in checks:
         assert np.abs(got - expected).max() <= TOLERANCE[dtype] * np.abs(expected).max()
+
+
+def _definition_checks(x_shape, w_shape, group, threads):
+    """(plans of the forward and weight gradient, [(got, expected)] of Y, dX and dW) of a float32 convolution
+    of X by W (3x3, pads 1, stride 1) through the bindings, against the float64 oracle."""
+    rng = np.random.default_rng(sum(x_shape) + sum(w_shape))
+    x, w = rng.standard_normal(x_shape).astype(np.float32), rng.standard_normal(w_shape).astype(np.float32)
+    dy = rng.standard_normal((x_shape[0], w_shape[0]) + x_shape[2:]).astype(np.float32)
+    attrs = dict(pads=[1, 1, 1, 1], group=group, kernel_shape=[3, 3], strides=[1, 1], threads=threads)
+    plans = {op: chosen(op, x_shape, w_shape, dy.shape, **attrs) for op in (FORWARD, WEIGHT_GRADIENT)}
+    expected = oracle(x, w, (1, 1, 1, 1), (1, 1), group, dy)
+    got = (run("Conv", [x, w], dy.shape, attrs, np.float32), run("ConvInputGrad", [dy, w], x_shape, attrs, np.float32),
+           run("ConvWeightGrad", [dy, x], w_shape, attrs, np.float32))
+    return plans, list(zip(got, expected))
+
+
+# Each size that sends a convolution to another strategy, crossed: the shapes one below and at the threshold
+# (kernels/conv/taps.py's TAP_MIN_CHANNELS, TAP_MIN_WIDTH, TAP_MIN_WEIGHT_WIDTH) take the two strategies, and
+# both compute the definition.
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("below, at, which", [
+    ((2, TAP_MIN_CHANNELS - 1, 9, 12), (2, TAP_MIN_CHANNELS, 9, 12), FORWARD),
+    ((2, 16, 9, TAP_MIN_WIDTH - 1), (2, 16, 9, TAP_MIN_WIDTH), FORWARD),
+    ((2, 16, 5, TAP_MIN_WEIGHT_WIDTH - 1), (2, 16, 5, TAP_MIN_WEIGHT_WIDTH), WEIGHT_GRADIENT),
+])
+def test_convolutions_either_side_of_a_tap_threshold_match_the_definition(below, at, which, threads):
+    for x_shape, taps in ((below, False), (at, True)):
+        plans, checks = _definition_checks(x_shape, (8, x_shape[1], 3, 3), 1, threads)
+        assert isinstance(plans[which], TapPlan) == taps, x_shape
+        for got, expected in checks:
+            assert np.abs(got - expected).max() <= TOLERANCE[np.float32] * np.abs(expected).max(), x_shape
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_depthwise_convolutions_either_side_of_the_plane_width_match_the_definition(threads):
+    """kernels/conv/depthwise.py runs outputs narrower than PLANE_WIDTH channels-last, wider ones in planes."""
+    for width, channels_last in ((PLANE_WIDTH - 1, True), (PLANE_WIDTH, False)):
+        plans, checks = _definition_checks((2, 8, 5, width), (8, 1, 3, 3), 8, threads)
+        assert all(plan.channels_last == channels_last for plan in plans.values()), width
+        for got, expected in checks:
+            assert np.abs(got - expected).max() <= TOLERANCE[np.float32] * np.abs(expected).max(), width
 
 
 def test_the_parts_give_the_bits_of_each_thread_count_every_time():

@@ -1,11 +1,12 @@
 """The device route: a kernel library serves every shape its artifacts accept, on a device with numpy and odtrain
 only, and every way that route can fail says so in one line.
 
-Two libraries are built once for this module (`odtrain compile` at its defaults: batch 32, the language model at
-one sequence length, threads 1 and 2): the reference MLP's (with the demo classifier's kernels) and a tiny Llama's
-with LoRA adapters and dynamic batch and sequence axes. A child process in which numba, llvmlite, scipy and onnx cannot be
-imported (the device) then runs a training, an optimizer and an eval step at batch sizes and sequence lengths the
-library was never recorded at, and its losses and weights must be the JIT's, bit for bit, at the same shapes.
+Two libraries serve this module (`odtrain compile` at its defaults: batch 32, the language model at one sequence
+length, threads 1 and 2): the reference MLP's (with the demo classifier's kernels; conftest's, shared with
+tests/test_kernel_library.py) and a tiny Llama's with LoRA adapters and dynamic batch and sequence axes, built here.
+A child process in which numba, llvmlite, scipy and onnx cannot be imported (the device) then runs a training, an
+optimizer and an eval step at batch sizes and sequence lengths the library was never recorded at, and its losses
+and weights must be the JIT's, bit for bit, at the same shapes.
 """
 import json
 import os
@@ -65,16 +66,16 @@ def llama_artifacts(folder):
 
 
 @pytest.fixture(scope="module")
-def device(tmp_path_factory):
+def device(tmp_path_factory, mlp_kernel_library):
     """{"mlp": folder, "llama": folder, "library": the MLP's library folder}: one library holds the MLP's and the
-    demo's kernels (a copy sits in the MLP's kernels/), the Llama's own (recorded at sequence length 16) sits in
-    its kernels/. Apart, so that one model's kernels do not stand in for another's."""
+    demo's kernels (conftest's, in the MLP's kernels/, a copy apart), the Llama's own (recorded at sequence length
+    16) sits in its kernels/. Apart, so that one model's kernels do not stand in for another's."""
     root = tmp_path_factory.mktemp("device")
-    mlp = reference_artifacts("mlp", root / "mlp")
+    assert THREADS == 2  # conftest's library records 1 and 2 threads
+    mlp = mlp_kernel_library
     llama = llama_artifacts(root / "llama")
     library = root / "library"
-    compile_artifacts([mlp, None], library, thread_counts=(1, THREADS), out=lambda line: None)
-    shutil.copytree(library, mlp / kernel_library.FOLDER)
+    shutil.copytree(mlp / kernel_library.FOLDER, library)
     compile_artifacts(llama, thread_counts=(1, THREADS), sequence_length=16, out=lambda line: None)
     return {"mlp": mlp, "llama": llama, "library": library}
 

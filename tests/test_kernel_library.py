@@ -1,6 +1,7 @@
 """The kernel library (odtrain compile): the same bits as the JIT's kernels, errors by node, refusals, no compiler.
 
-One library is built for the reference MLP's artifacts and the demo (16 kernels, ~20-40 s); its steps are compared with
+One library is built for the reference MLP's artifacts and the demo (16 kernels, ~20-40 s; conftest's
+`mlp_kernel_library`, shared with tests/test_device_route.py); its steps are compared with
 the JIT's call by call and step by step, at one thread and at two with the same parts.
 """
 import io
@@ -13,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import reference_artifacts, reference_model
+from conftest import reference_model
 from odtrain import kernel_library
 from odtrain.api import CheckpointState, Module, Optimizer
 from odtrain.executor import Program, record_calls
@@ -27,12 +28,10 @@ from odtrain.progress import Progress, announce
 
 
 @pytest.fixture(scope="module")
-def mlp_library(tmp_path_factory):
+def mlp_library(tmp_path_factory, mlp_kernel_library):
     """(artifact folder with its library in kernels/, the same artifacts without one). The library also holds
-    the demo's kernels (what `pip install .` builds for it): one build serves both."""
-    with_library = reference_artifacts("mlp", tmp_path_factory.mktemp("mlp-library"))
-    compile_artifacts([with_library, None], with_library / kernel_library.FOLDER, thread_counts=(1, 2),
-                      out=lambda line: None)
+    the demo's kernels (what `pip install .` builds for it): one build (conftest's) serves both."""
+    with_library = mlp_kernel_library
     without = tmp_path_factory.mktemp("mlp-jit")
     for name in os.listdir(with_library):
         if name != kernel_library.FOLDER:

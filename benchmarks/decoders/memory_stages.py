@@ -1,6 +1,6 @@
 """Peak RSS at each stage of personalising a decoder with odtrain, one process, printed as JSON lines.
 
-    python memory_stages.py ARTIFACT_DIR [--batch 4 --seq 128 --steps 10 --export-dtype float32 --memory-budget BYTES|auto]
+    python memory_stages.py ARTIFACT_DIR [--batch 4 --seq 128 --steps 10 --export-dtype float32 --memory-budget BYTES|auto|none]
 
 ARTIFACT_DIR is `odtrain prepare MODEL.onnx --lora-rank 8 --lora-alpha 16 --lora-targets '*q_proj*' ...`'s
 output (MODEL.onnx: e.g. a SmolLM2-135M-shaped Llama built by transformers from its config with random
@@ -16,6 +16,9 @@ A 4-bit base at Llama-3.2-1B's shape, in bounded memory (`make_models.py --shape
     odtrain compile art --batch-size 1 --seq-len 256      # the kernel library: no Numba in the training process
     odtrain memory art --batch-size 1 --seq-len 256 --budget 100MB   # refused, naming the smallest arena
     python memory_stages.py art --batch 1 --seq 256 --steps 10 --export-dtype int4 --memory-budget 180867136
+
+Without --memory-budget the Module plans as its default does (memory_budget="auto": what the machine, or a
+memory cgroup, leaves the process); `--memory-budget none` plans without a cap.
 """
 from __future__ import annotations
 
@@ -49,9 +52,10 @@ def main(argv=None) -> None:
     parser.add_argument("--export-dtype", choices=("float32", "int8", "int4", "bfloat16"), default="float32",
                         help="the frozen weights' type in the exported model (export_model_for_inferencing's "
                         "frozen_dtype; int8, int4 and bfloat16 keep the adapters beside the stored weights)")
-    parser.add_argument("--memory-budget", type=lambda text: text if text == "auto" else int(text), default=None,
-                        help="Module's memory_budget: the training arena's cap in bytes, met by recomputing "
-                        "activations, or 'auto'")
+    parser.add_argument("--memory-budget", type=lambda text: text if text in ("auto", "none") else int(text),
+                        default=None, help="Module's memory_budget: the training arena's cap in bytes, met by "
+                        "recomputing activations, 'auto', or 'none' (no cap); without it, Module's default, as a "
+                        "user's script runs")
     args = parser.parse_args(argv)
     from odtrain.api import CheckpointState, Module, Optimizer
 
@@ -61,8 +65,10 @@ def main(argv=None) -> None:
     state = CheckpointState.load_checkpoint(os.path.join(folder, "checkpoint"))
     _stage("load_checkpoint", started)
     started = time.perf_counter()
+    budget = {} if args.memory_budget is None else {"memory_budget": None if args.memory_budget == "none"
+                                                     else args.memory_budget}
     module = Module(os.path.join(folder, "training_model.onnx"), state, os.path.join(folder, "eval_model.onnx"),
-                    memory_budget=args.memory_budget)
+                    **budget)
     optimizer = Optimizer(os.path.join(folder, "optimizer_model.onnx"), module)
     _stage("module and optimizer", started)
     vocab = module.graph(training=False).value_types["logits"].shape[-1]
