@@ -12,7 +12,8 @@ decides, in this order:
    from smaller values are recomputed in the backward pass when that makes
    the arena smaller (`recompute.cheap_kept`); under a memory budget that this
    does not meet, activations are recomputed until the arena fits
-   (`recompute.choose_kept`, `recompute.rewrite`). Fused
+   (`recompute.choose_kept`, `recompute.rewrite`). Chains of element-wise
+   nodes become one fused node each (`elementwise_fusion`). Fused
    optimizer updates go right after the last use of their parameter
    (`schedule.with_updates`).
 3. Storage outside the arena: parameters, folded constants and `held`
@@ -37,6 +38,7 @@ from typing import Callable
 import numpy as np
 
 from .autodiff import LOSS_SEED
+from .elementwise_fusion import fuse_elementwise
 from .errors import MemoryBudgetError, ModelError, UnsupportedOpError
 from .ir import Graph, Node, TensorType
 from .ops import is_view, lookup
@@ -88,7 +90,8 @@ class StepPlan:
 def plan_step(graph: Graph, feed_types: dict[str, TensorType], parameter_types: dict[str, TensorType],
               scratch_bytes: ScratchBytes, held: set[str] = frozenset(), memory_budget: int | None = None,
               fused_updates: dict[str, str] | None = None,
-              bound_feeds: dict[str, np.ndarray] | None = None) -> StepPlan:
+              bound_feeds: dict[str, np.ndarray] | None = None,
+              element_wise: Callable[[Node], int | None] | None = None) -> StepPlan:
     """Plan `graph` for `feed_types`, its parameters (held outside the arena) of `parameter_types`.
 
     `held` names outputs written to memory of their own (gradient buffers); `memory_budget` caps
@@ -96,6 +99,8 @@ def plan_step(graph: Graph, feed_types: dict[str, TensorType], parameter_types: 
     outputs to the parameters they update during the backward pass. `bound_feeds` maps graph
     inputs to fed values bound as constants (the axes, shapes or sizes an op reads while shapes
     bind): the plan holds for those values only, and a step is fed the other inputs, `feeds`.
+    `element_wise(node)`: the arity of the element-wise row a node computes, or None; given, chains of
+    them are fused once recomputation is decided (graph/elementwise_fusion.py).
     """
     fused_updates = fused_updates or {}
     bound_feeds = bound_feeds or {}
@@ -112,6 +117,8 @@ def plan_step(graph: Graph, feed_types: dict[str, TensorType], parameter_types: 
     layout = _Layout(graph, types, feeds, live_outputs, scratch_bytes, given, set(parameter_types))
     order = layout.fit_budget(order, None if memory_budget is None else int(memory_budget))
     recomputed = sum(1 for n in order if n.name.endswith(RECOMPUTE_SUFFIX))
+    if element_wise is not None:
+        order = fuse_elementwise(order, types, set(graph.outputs) | set(held) | set(fused_updates), element_wise)
     if fused_updates:
         order = with_updates(order, fused_updates)
     views, copies = layout.outside_arena(order)

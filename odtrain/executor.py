@@ -42,9 +42,11 @@ from .graph.ops.training import APPLY_UPDATE
 from .allocation import aligned_buffer, allocate, budget_advice
 from .graph.autodiff import LOSS_SEED
 from .graph.schedule import split_forward_backward
+from .graph.elementwise_fusion import fusion_enabled
 from .graph.step_plan import plan_step
 from .kernels import BINDINGS, PARALLEL, SCRATCH
 from .kernels.blas import hold_one_thread, release_thread
+from .kernels.scalar_expressions import ROWS, row_of
 from .kernels.jit import resolved
 from . import jit, threads as thread_policy
 from .kernel_library import compiler_installed, kernel_name, library_folder_of, missing_kernel, unavailable
@@ -65,6 +67,15 @@ def scratch_bytes(node: Node, types: dict[str, TensorType], threads: int = 1) ->
         return int(size_of(specs_in, specs_out, **node.attrs, **extra))
     except TypeError as error:  # an attribute the binding does not take (odtrain's own ops; the loader checks ONNX's)
         raise ModelError(f"{node.describe()}: unsupported attributes {sorted(node.attrs)}: {error}") from None
+
+
+def element_wise_arity(node: Node) -> int | None:
+    """How many operands the element-wise row of kernels/scalar_expressions.py that `node` computes takes, or None
+    when it computes none that a fused chain may hold (what graph/elementwise_fusion.py fuses)."""
+    if node.domain not in ("", "ai.onnx", ODTRAIN_DOMAIN):
+        return None
+    row = row_of(node.op_type, node.attrs)
+    return ROWS[row].arity if row is not None and ROWS[row].fusable else None
 
 
 def stream_key(node: Node) -> bytes:
@@ -121,7 +132,7 @@ class ExecutableStep:
             return plan_step(graph, feed_types, parameter_types, partial(scratch_bytes, threads=self.threads),
                              held=set() if accumulate else set(sinks), memory_budget=budget,
                              fused_updates={grad: param for grad, (param, _) in (fused_updates or {}).items()},
-                             bound_feeds=bound_feeds)
+                             bound_feeds=bound_feeds, element_wise=element_wise_arity if fusion_enabled() else None)
 
         step = planned(memory_budget)
         self.step_plan = step

@@ -1,0 +1,157 @@
+"""Fused element-wise chains (graph/elementwise_fusion.py): one generated Numba loop per chain and layout.
+
+A fused node's `steps` name element-wise ops by op type and attributes; each is a row of the table
+(kernels/scalar_expressions.py), whose expression is written into the loop's text over locals, so every
+intermediate lives in a register and only the node's outputs are stored. Two layouts:
+- flat: every input has the output's shape or one element; the units are elements, each input and
+  output a slice of [first, last), so the loop vectorises;
+- rows: some input broadcasts along an axis (a bias, a scale); the iteration space is coalesced to four
+  axes (kernels/layout.py), the units are rows of the last axis, and each input is a run of that row or one
+  value repeated along it.
+The loop's text is a function of the steps, the results, the layout and each input's kind (run or value),
+and its name is a hash of that text and of the table's digest: an edit of the table names new kernels,
+which compile anew. The name's module is this one, and the text of every kernel made is kept on disk
+(in the Numba cache folder, `fused_elementwise/`): `module.<name>` (what a kernel library's build resolves,
+odtrain/library_build/link.py) rebuilds a kernel made by another process. Kernels are compiled with
+`cache=True` under this file's name, so Numba's disk cache keeps them like any other kernel.
+
+With threads, each kernel has a twin written by kernels/parallel_split.py from its range of units: every
+value is as in one thread (each element is computed by one expression whichever part runs it).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+
+import numpy as np  # noqa: F401 (the rows' texts call numpy)
+
+from .jit import njit, prange  # noqa: F401 (njit and prange: the generated kernels and their twins)
+from .layout import coalesce, element_strides, flat
+from .parallel_split import parallel_twin, split
+from .registry import ODTRAIN_DOMAIN, binding
+from . import scalar_expressions as expressions
+
+_MODULE = sys.modules[__name__]
+_MADE: dict[str, object] = {}  # kernel name -> kernel, made in this process
+globals().update({k: v for k, v in expressions.names().items() if k != "np"})  # what the rows' texts call
+
+
+def folder() -> str:
+    """Where the texts of the kernels made are kept: beside Numba's cache, or the kernels' __pycache__."""
+    base = os.environ.get("NUMBA_CACHE_DIR") or os.path.join(os.path.dirname(__file__), "__pycache__")
+    return os.path.join(base, "fused_elementwise")
+
+
+def _rows_of(steps) -> list[str]:
+    rows = []
+    for op_type, attrs, _ in steps:
+        row = expressions.row_of(op_type, dict(attrs))
+        if row is None:
+            raise ValueError(f"{op_type} with attributes {dict(attrs)} is not a row of kernels/scalar_expressions.py")
+        rows.append(row)
+    return rows
+
+
+def kernel_text(steps, results, kinds: tuple[str, ...], outputs: int, layout: str) -> tuple[str, str]:
+    """(name, source) of the kernel computing `steps` for inputs of `kinds` ("run": one element per point,
+    "value": one value for the whole run) in `layout` ("flat" or "rows")."""
+    rows = _rows_of(steps)
+    xs = [f"x{k}" for k in range(len(kinds))]
+    ys = [f"y{k}" for k in range(outputs)]
+    if layout == "flat":
+        params, head = xs + ys + ["first", "last"], ["    n = last - first"]
+        head += [f"    r{k} = x{k}[first:last]" if kind == "run" else f"    v{k} = x{k}[0]" for k, kind in enumerate(kinds)]
+        head += [f"    w{k} = y{k}[first:last]" for k in range(outputs)]
+        body_indent, loop = "        ", ["    for k in range(n):"]
+    else:
+        params = xs + ys + ["dims"] + [f"s{k}" for k in range(len(kinds))] + ["first", "last"]
+        head = ["    n = dims[3]", "    for row in range(first, last):",
+                "        i2 = row % dims[2]", "        i1 = (row // dims[2]) % dims[1]",
+                "        i0 = row // (dims[2] * dims[1])"]
+        for k, kind in enumerate(kinds):
+            start = f"i0 * s{k}[0] + i1 * s{k}[1] + i2 * s{k}[2]"
+            head.append(f"        r{k} = x{k}[{start}:{start} + n]" if kind == "run" else f"        v{k} = x{k}[{start}]")
+        head += [f"        w{k} = y{k}[row * n:(row + 1) * n]" for k in range(outputs)]
+        body_indent, loop = "            ", ["        for k in range(n):"]
+    body = [f"{body_indent}a{k} = r{k}[k]" if kind == "run" else f"{body_indent}a{k} = v{k}"
+            for k, kind in enumerate(kinds)]
+    for j, ((_, _, operands), row) in enumerate(zip(steps, rows)):
+        terms = [f"a{k}" if where == "input" else f"t{k}" for where, k in operands]
+        body.append(f"{body_indent}t{j} = {expressions.scalar_source(row, terms)}")
+    body += [f"{body_indent}w{k}[k] = t{j}" for k, j in enumerate(results)]
+    text = "\n".join(head + loop + body) + "\n"
+    name = "fused_" + hashlib.sha256((expressions.table_digest() + "\n" + ",".join(params) + "\n" + text)
+                                     .encode()).hexdigest()[:20]
+    return name, f"def {name}({', '.join(params)}):\n    \"\"\"A fused element-wise chain.\"\"\"\n{text}"
+
+
+def _make(name: str, source: str):
+    """The kernel `name` compiled from `source` (and its parallel twin registered), made once a process."""
+    kernel = _MADE.get(name)
+    if kernel is not None:
+        return kernel
+    scratch: dict = {}
+    exec(compile(source, __file__, "exec"), globals(), scratch)  # our own text, from the table's rows
+    kernel = njit(cache=True, error_model="numpy")(scratch[name])
+    setattr(_MODULE, name, kernel)  # the twin is written in this module's namespace, under the kernel's name
+    setattr(_MODULE, f"{name}_parts", parallel_twin(kernel, range=("first", "last")))
+    _MADE[name] = kernel
+    _keep(name, source)
+    return kernel
+
+
+def _keep(name: str, source: str) -> None:
+    """Keep the kernel's text on disk for another process (a library build) to rebuild it by name."""
+    path = os.path.join(folder(), f"{name}.py")
+    if os.path.exists(path):
+        return
+    try:
+        os.makedirs(folder(), exist_ok=True)
+        temporary = f"{path}.{os.getpid()}"
+        with open(temporary, "w") as file:
+            file.write(source)
+        os.replace(temporary, path)
+    except OSError:  # a read-only cache: only a library build of this process's kernels needs the text
+        pass
+
+
+def __getattr__(name: str):
+    """A kernel made by another process (its text kept on disk), or its twin, rebuilt by name."""
+    base = name.removesuffix("_parts")
+    if not base.startswith("fused_"):
+        raise AttributeError(name)
+    try:
+        with open(os.path.join(folder(), f"{base}.py")) as file:
+            source = file.read()
+    except OSError:
+        raise AttributeError(f"{name}: no fused kernel of this name was made with this cache folder") from None
+    _make(base, source)
+    return globals()[name]
+
+
+def fused_calls(inputs, outputs, steps, results, threads: int = 1) -> list:
+    """The call computing a fused chain: flat when no input broadcasts along an axis, else by rows."""
+    shape = outputs[0].shape
+    size = outputs[0].size
+    flat_layout = all(x.shape == shape or x.size == 1 for x in inputs)
+    if flat_layout:
+        kinds = tuple("run" if x.shape == shape and size > 1 else "value" for x in inputs)
+        name, source = kernel_text(steps, results, kinds, len(outputs), "flat")
+        kernel = _make(name, source)
+        args = tuple(flat(x) for x in inputs) + tuple(flat(y) for y in outputs) + (0, size)
+        return [split((kernel, args), size, size, threads)]
+    dims, _, *strides = coalesce(tuple(shape), element_strides(shape, shape),
+                                 *(element_strides(x.shape, shape) for x in inputs))
+    kinds = tuple("run" if s[3] == 1 else "value" for s in strides)
+    name, source = kernel_text(steps, results, kinds, len(outputs), "rows")
+    kernel = _make(name, source)
+    units = int(dims[0] * dims[1] * dims[2])
+    args = tuple(flat(x) for x in inputs) + tuple(flat(y) for y in outputs) + (dims,) + tuple(strides) + (0, units)
+    return [split((kernel, args), units, size, threads)]
+
+
+@binding("FusedElementwise", ODTRAIN_DOMAIN, parallel=True)
+def FusedElementwise(inputs, outputs, steps=(), results=(), threads=1):
+    return fused_calls(inputs, outputs, steps, results, threads)
+

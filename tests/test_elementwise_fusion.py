@@ -1,0 +1,83 @@
+"""Element-wise fusion of a bound step (graph/elementwise_fusion.py, kernels/fused_elementwise.py).
+
+Oracle: the same artifacts planned without fusion (ODTRAIN_ELEMENTWISE_FUSION=0), which run each op through its
+per-op kernel. Both evaluate the same scalar expressions of kernels/scalar_expressions.py, and float32
+arithmetic rounds each operation to float32 whether the value is in a register or in memory (Numba compiles
+without fast-math, so nothing is contracted into FMA): losses, outputs and gradients must agree bit for bit,
+at one thread and split into parts.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from odtrain import artifacts
+from odtrain.api import CheckpointState, Module
+from odtrain.graph.elementwise_fusion import FUSED_OP, SWITCH
+
+
+def chain_model():
+    """x [batch, 16] → MatMul → (+bias)·scale → sigmoid-gated tanh − mean over features → MatMul → logits: chains
+    with a broadcast bias, a scalar, a [batch, 1] operand and values the backward reads."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.uniform(-0.5, 0.5, (16, 32)).astype(np.float32), "W1"),
+             numpy_helper.from_array(rng.uniform(-0.1, 0.1, 32).astype(np.float32), "b1"),
+             numpy_helper.from_array(np.array(0.7, np.float32), "scale"),
+             numpy_helper.from_array(rng.uniform(-0.5, 0.5, (32, 4)).astype(np.float32), "W2"),
+             numpy_helper.from_array(np.array([-1], np.int64), "axes")]
+    nodes = [helper.make_node("MatMul", ["x", "W1"], ["h"]),
+             helper.make_node("Add", ["h", "b1"], ["hb"]),
+             helper.make_node("Mul", ["hb", "scale"], ["hs"]),
+             helper.make_node("Sigmoid", ["hs"], ["g"]),
+             helper.make_node("Mul", ["hs", "g"], ["silu"]),
+             helper.make_node("Tanh", ["silu"], ["t"]),
+             helper.make_node("ReduceMean", ["t", "axes"], ["m"], keepdims=1),
+             helper.make_node("Sub", ["t", "m"], ["c"]),
+             helper.make_node("Mul", ["c", "c"], ["sq"]),
+             helper.make_node("Add", ["sq", "c"], ["z"]),
+             helper.make_node("MatMul", ["z", "W2"], ["logits"])]
+    graph = helper.make_graph(nodes, "chains", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 4])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+@pytest.fixture(scope="module")
+def chain_artifacts(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("chains")
+    artifacts.generate_artifacts(chain_model(), requires_grad=["W1", "b1", "W2"],
+                                 loss=artifacts.LossType.CrossEntropyLoss, optimizer=artifacts.OptimType.AdamW,
+                                 artifact_directory=directory, additional_output_names=["logits"])
+    return directory
+
+
+def run(directory, monkeypatch, fused: bool, threads: int, batch: int = 64):
+    monkeypatch.setenv(SWITCH, "1" if fused else "0")
+    state = CheckpointState.load_checkpoint(directory / "checkpoint")
+    module = Module(directory / "training_model.onnx", state, directory / "eval_model.onnx", num_threads=threads)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((batch, 16)).astype(np.float32)
+    labels = rng.integers(0, 4, batch).astype(np.int64)
+    loss, logits = module(x, labels)
+    grads = {name: p.grad.copy() for name, p in state.parameters.items() if p.grad is not None}
+    order = module.executable_step_at(batch).order
+    module.eval()
+    eval_loss, eval_logits = module(x, labels)
+    return (float(loss), logits.copy(), grads, float(eval_loss), eval_logits.copy()), order
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_chains_give_the_unfused_bits(chain_artifacts, monkeypatch, threads):
+    from odtrain.kernels import parallel_split
+
+    monkeypatch.setattr(parallel_split, "MIN_PARALLEL_WORK", 1)  # the parts run even at this small size
+    fused, order = run(chain_artifacts, monkeypatch, True, threads)
+    plain, plain_order = run(chain_artifacts, monkeypatch, False, threads)
+    assert any(n.op_type == FUSED_OP for n in order) and not any(n.op_type == FUSED_OP for n in plain_order)
+    assert len(order) < len(plain_order)
+    assert fused[0] == plain[0] and fused[3] == plain[3]
+    np.testing.assert_array_equal(fused[1], plain[1])
+    np.testing.assert_array_equal(fused[4], plain[4])
+    assert fused[2].keys() == plain[2].keys()
+    for name in plain[2]:
+        np.testing.assert_array_equal(fused[2][name], plain[2][name], err_msg=name)
