@@ -37,24 +37,14 @@ from typing import Callable
 import numpy as np
 
 from .ir import ODTRAIN_DOMAIN, Node, TensorType
-from .ops import op
+from .ops.fused_elementwise import FUSED_OP
 
-FUSED_OP = "FusedElementwise"
 SWITCH = "ODTRAIN_ELEMENTWISE_FUSION"  # "0": no fusion (the per-op kernels), to compare
 
 
 def fusion_enabled() -> bool:
     """Whether steps are planned with element-wise fusion (on unless ODTRAIN_ELEMENTWISE_FUSION=0)."""
     return os.environ.get(SWITCH, "1").strip().lower() not in ("0", "off", "false", "no")
-
-
-def _fused_types(node, types, consts):
-    raise NotImplementedError(f"{node.describe()}: a fused node is made in a bound step, where every type is known")
-
-
-# Every output may overwrite any input of its size: each point's inputs are read before its outputs are written.
-op(FUSED_OP, ODTRAIN_DOMAIN, inplace=tuple((o, i) for o in range(8) for i in range(32)),
-   no_kernel=None)(_fused_types)
 
 
 class _Group:
@@ -81,6 +71,8 @@ def _fits(node: Node, types: dict, arity: int | None) -> TensorType | None:
             return None
         if any(d != 1 and d != s for d, s in zip(t.shape, out.shape[len(out.shape) - len(t.shape):])):
             return None
+        if len(out.shape) > 4 and tuple(t.shape) != tuple(out.shape) and t.nbytes != out.nbytes // max(out.size, 1):
+            return None  # a broadcast over more than the four axes the kernel's rows layout takes
     return out
 
 

@@ -389,8 +389,10 @@ def _make_unary(kernel, code):
     return bind
 
 
+_VARIANT_ROWS = {row for choices in expressions.VARIANTS.values() for row in choices.values()}
 for _name, _code in BINARY.items():
-    if _name not in ("Max", "Min", "Mod"):  # variadic, or with attributes: bound below
+    if _name not in ("Max", "Min") and _name not in _VARIANT_ROWS and expressions.BINARY[_name].group != "integer":
+        # variadic, with attributes or integer-only: bound below
         binding(_name, ODTRAIN_DOMAIN if _name.endswith("Grad") else "", parallel=True)(_make_binary(_code))
 for _kernel, _table in ((_unary, UNARY), (_special_unary, SPECIAL_UNARY), (_rare_unary, RARE_UNARY)):
     for _code, _name in enumerate(_table):

@@ -10,19 +10,15 @@ intermediate lives in a register and only the node's outputs are stored. Two lay
   value repeated along it.
 The loop's text is a function of the steps, the results, the layout and each input's kind (run or value),
 and its name is a hash of that text and of the table's digest: an edit of the table names new kernels,
-which compile anew. The name's module is this one, and the text of every kernel made is kept on disk
-(in the Numba cache folder, `fused_elementwise/`): `module.<name>` (what a kernel library's build resolves,
-odtrain/library_build/link.py) rebuilds a kernel made by another process. Kernels are compiled with
-`cache=True` under this file's name, so Numba's disk cache keeps them like any other kernel.
+which compile anew. Kernels are compiled with `cache=True` under this file's name, so Numba's disk cache
+keeps them like any other kernel. The name's module is this one: `SOURCES` holds the text of every kernel
+made in this process, which a kernel library's build hands its own process (`install`, then
+`fused_elementwise.<name>` rebuilds the kernel: odtrain/library_build/link.py).
 
 With threads, each kernel has a twin written by kernels/parallel_split.py from its range of units: every
 value is as in one thread (each element is computed by one expression whichever part runs it).
 """
 from __future__ import annotations
-
-import hashlib
-import os
-import sys
 
 import numpy as np  # noqa: F401 (the rows' texts call numpy)
 
@@ -32,30 +28,27 @@ from .parallel_split import parallel_twin, split
 from .registry import ODTRAIN_DOMAIN, binding
 from . import scalar_expressions as expressions
 
-_MODULE = sys.modules[__name__]
+SOURCES: dict[str, str] = {}  # kernel name -> its text, for every kernel made (or installed) in this process
 _MADE: dict[str, object] = {}  # kernel name -> kernel, made in this process
 globals().update({k: v for k, v in expressions.names().items() if k != "np"})  # what the rows' texts call
-
-
-def folder() -> str:
-    """Where the texts of the kernels made are kept: beside Numba's cache, or the kernels' __pycache__."""
-    base = os.environ.get("NUMBA_CACHE_DIR") or os.path.join(os.path.dirname(__file__), "__pycache__")
-    return os.path.join(base, "fused_elementwise")
 
 
 def _rows_of(steps) -> list[str]:
     rows = []
     for op_type, attrs, _ in steps:
-        row = expressions.row_of(op_type, dict(attrs))
+        row = op_type if op_type in expressions.ROWS and not attrs else expressions.row_of(op_type, dict(attrs))
         if row is None:
             raise ValueError(f"{op_type} with attributes {dict(attrs)} is not a row of kernels/scalar_expressions.py")
         rows.append(row)
     return rows
 
 
-def kernel_text(steps, results, kinds: tuple[str, ...], outputs: int, layout: str) -> tuple[str, str]:
+def kernel_text(steps, results, kinds: tuple[str, ...], outputs: int, layout: str, dtype: str) -> tuple[str, str]:
     """(name, source) of the kernel computing `steps` for inputs of `kinds` ("run": one element per point,
-    "value": one value for the whole run) in `layout` ("flat" or "rows")."""
+    "value": one value for the whole run) in `layout` ("flat" or "rows"), on values of `dtype`.
+
+    Each step's value is rounded to `dtype` as its own kernel's store would round it: a row's integer constant
+    (`1 - y`) makes Numba compute in float64, and an intermediate kept so would differ from the unfused bits."""
     rows = _rows_of(steps)
     xs = [f"x{k}" for k in range(len(kinds))]
     ys = [f"y{k}" for k in range(outputs)]
@@ -78,11 +71,11 @@ def kernel_text(steps, results, kinds: tuple[str, ...], outputs: int, layout: st
             for k, kind in enumerate(kinds)]
     for j, ((_, _, operands), row) in enumerate(zip(steps, rows)):
         terms = [f"a{k}" if where == "input" else f"t{k}" for where, k in operands]
-        body.append(f"{body_indent}t{j} = {expressions.scalar_source(row, terms)}")
+        body.append(f"{body_indent}t{j} = np.{dtype}({expressions.scalar_source(row, terms)})")
     body += [f"{body_indent}w{k}[k] = t{j}" for k, j in enumerate(results)]
     text = "\n".join(head + loop + body) + "\n"
-    name = "fused_" + hashlib.sha256((expressions.table_digest() + "\n" + ",".join(params) + "\n" + text)
-                                     .encode()).hexdigest()[:20]
+    name = "fused_" + expressions.text_hash((expressions.table_digest() + "\n" + ",".join(params) + "\n" + text)
+                                            .encode())
     return name, f"def {name}({', '.join(params)}):\n    \"\"\"A fused element-wise chain.\"\"\"\n{text}"
 
 
@@ -94,39 +87,24 @@ def _make(name: str, source: str):
     scratch: dict = {}
     exec(compile(source, __file__, "exec"), globals(), scratch)  # our own text, from the table's rows
     kernel = njit(cache=True, error_model="numpy")(scratch[name])
-    setattr(_MODULE, name, kernel)  # the twin is written in this module's namespace, under the kernel's name
-    setattr(_MODULE, f"{name}_parts", parallel_twin(kernel, range=("first", "last")))
+    globals()[name] = kernel  # the twin is written in this module's namespace, under the kernel's name
+    globals()[f"{name}_parts"] = parallel_twin(kernel, range=("first", "last"))
     _MADE[name] = kernel
-    _keep(name, source)
+    SOURCES[name] = source
     return kernel
 
 
-def _keep(name: str, source: str) -> None:
-    """Keep the kernel's text on disk for another process (a library build) to rebuild it by name."""
-    path = os.path.join(folder(), f"{name}.py")
-    if os.path.exists(path):
-        return
-    try:
-        os.makedirs(folder(), exist_ok=True)
-        temporary = f"{path}.{os.getpid()}"
-        with open(temporary, "w") as file:
-            file.write(source)
-        os.replace(temporary, path)
-    except OSError:  # a read-only cache: only a library build of this process's kernels needs the text
-        pass
+def install(sources: dict[str, str]) -> None:
+    """Make the texts of kernels another process made known here (a library build), by name."""
+    SOURCES.update(sources)
 
 
 def __getattr__(name: str):
-    """A kernel made by another process (its text kept on disk), or its twin, rebuilt by name."""
+    """A kernel whose text was installed, or its twin, made on first use."""
     base = name.removesuffix("_parts")
-    if not base.startswith("fused_"):
+    if base not in SOURCES:
         raise AttributeError(name)
-    try:
-        with open(os.path.join(folder(), f"{base}.py")) as file:
-            source = file.read()
-    except OSError:
-        raise AttributeError(f"{name}: no fused kernel of this name was made with this cache folder") from None
-    _make(base, source)
+    _make(base, SOURCES[base])
     return globals()[name]
 
 
@@ -137,14 +115,14 @@ def fused_calls(inputs, outputs, steps, results, threads: int = 1) -> list:
     flat_layout = all(x.shape == shape or x.size == 1 for x in inputs)
     if flat_layout:
         kinds = tuple("run" if x.shape == shape and size > 1 else "value" for x in inputs)
-        name, source = kernel_text(steps, results, kinds, len(outputs), "flat")
+        name, source = kernel_text(steps, results, kinds, len(outputs), "flat", outputs[0].dtype.name)
         kernel = _make(name, source)
         args = tuple(flat(x) for x in inputs) + tuple(flat(y) for y in outputs) + (0, size)
         return [split((kernel, args), size, size, threads)]
     dims, _, *strides = coalesce(tuple(shape), element_strides(shape, shape),
                                  *(element_strides(x.shape, shape) for x in inputs))
     kinds = tuple("run" if s[3] == 1 else "value" for s in strides)
-    name, source = kernel_text(steps, results, kinds, len(outputs), "rows")
+    name, source = kernel_text(steps, results, kinds, len(outputs), "rows", outputs[0].dtype.name)
     kernel = _make(name, source)
     units = int(dims[0] * dims[1] * dims[2])
     args = tuple(flat(x) for x in inputs) + tuple(flat(y) for y in outputs) + (dims,) + tuple(strides) + (0, units)
@@ -155,3 +133,15 @@ def fused_calls(inputs, outputs, steps, results, threads: int = 1) -> list:
 def FusedElementwise(inputs, outputs, steps=(), results=(), threads=1):
     return fused_calls(inputs, outputs, steps, results, threads)
 
+
+
+def row_binding(name: str):
+    """A per-op binding for row `name` of the table: the row as a chain of one step (with broadcasting). What a
+    row added to the table runs when kernels/elementwise.py has no loop of its own for it."""
+    arity = expressions.ROWS[name].arity
+    steps = ((name, (), tuple(("input", k) for k in range(arity))),)
+
+    def bind(inputs, outputs, threads=1):
+        return fused_calls(list(inputs[:arity]), list(outputs[:1]), steps, (0,), threads)
+
+    return bind

@@ -20,9 +20,6 @@ consumer evaluates the same text.
 """
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass
-
 import numpy as np
 
 from .jit import njit, overload, types
@@ -122,15 +119,17 @@ def _integer_op(which, x, y):
     return on_integers
 
 
-@dataclass(frozen=True)
 class Row:
     """One element-wise op: its scalar expression over `{0}` (and `{1}`), how many operands, which loop of
     kernels/elementwise.py serves it, and the domain its node carries."""
 
-    expression: str
-    arity: int
-    group: str
-    domain: str = ""
+    __slots__ = ("expression", "arity", "group", "domain")
+
+    def __init__(self, expression: str, arity: int, group: str, domain: str = ""):
+        self.expression, self.arity, self.group, self.domain = expression, arity, group, domain
+
+    def __repr__(self):
+        return f"Row({self.expression!r}, {self.arity}, {self.group!r}, {self.domain!r})"
 
     @property
     def fusable(self) -> bool:
@@ -215,7 +214,22 @@ def row_of(op_type: str, attrs: dict) -> str | None:
     return None
 
 
+def text_hash(text: bytes) -> str:
+    """A 64-bit FNV-1a hash of `text`, in hex: a name for generated code (kernels/ imports numpy and numba only,
+    so not hashlib; a clash needs two texts of one process and one cache folder, at 2^-64)."""
+    value = 0xCBF29CE484222325
+    for byte in text:
+        value = ((value ^ byte) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return f"{value:016x}"
+
+
+_DIGEST: list[str] = []
+
+
 def table_digest() -> str:
-    """A digest of the rows (and of the scalar functions' source): generated kernels are keyed by it."""
-    with open(__file__, "rb") as file:
-        return hashlib.sha256(file.read() + repr(sorted(ROWS.items())).encode()).hexdigest()[:16]
+    """A digest of this file (the rows and the scalar functions they call): generated kernels are named by it,
+    so an edit here compiles them anew."""
+    if not _DIGEST:
+        with open(__file__, "rb") as file:
+            _DIGEST.append(text_hash(file.read()))
+    return _DIGEST[0]

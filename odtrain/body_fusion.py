@@ -26,7 +26,6 @@ import numpy as np
 
 from .graph.ir import ODTRAIN_DOMAIN
 from .graph.ops import is_view, lookup
-from .kernels.scalar_expressions import ROWS, names, row_of, scalar_source
 
 
 def _broadcast(a: tuple, b: tuple) -> tuple | None:
@@ -58,6 +57,7 @@ class _Nest:
     fuse), `lines` writes the nest."""
 
     def __init__(self, step):
+        self.table = step.expressions  # the kernels' table of scalar expressions (kernels/scalar_expressions.py)
         self.types, self.storage, self.folded = step.types, step.storage, step.step_plan.folded
         self.virtual: dict[str, str] = {}  # value -> the local holding it at the current point
         self.computed: list[tuple] = []  # ("value", name, expression, inputs) | ("sum", name, input, axes, keepdims)
@@ -67,7 +67,7 @@ class _Nest:
         self.gathered: dict[str, tuple] = {}  # a row of an array picked by a one-element index: (array, index)
 
     def take(self, node) -> bool:
-        row = row_of(node.op_type, node.attrs)
+        row = self.table.row_of(node.op_type, node.attrs)
         if node.domain not in ("", "ai.onnx") and not (node.domain == ODTRAIN_DOMAIN and row is not None):
             return False
         if any(i in self.reduced for i in node.inputs):
@@ -77,7 +77,7 @@ class _Nest:
         inputs = [i for i in node.inputs if i]
         if is_view(lookup(node), [types.get(i) for i in node.inputs], [types[o] for o in node.outputs if o]):
             return self._view(node, kind, inputs)
-        if row is not None and ROWS[row].fusable:
+        if row is not None and self.table.ROWS[row].fusable:
             return self._element_wise(node, row, inputs)
         if kind == "Gather" and int(node.attrs.get("axis", 0)) == 0 and len(inputs) == 2 and \
                 not any(i in self.virtual or i in self.gathered for i in inputs) and storage[inputs[1]].size == 1 and \
@@ -103,7 +103,7 @@ class _Nest:
         return True  # a view of an array: its storage is already the view
 
     def _element_wise(self, node, row, inputs) -> bool:
-        if len(inputs) != ROWS[row].arity:
+        if len(inputs) != self.table.ROWS[row].arity:
             return False
         out = node.outputs[0]
         t = self.types[out]
@@ -160,7 +160,7 @@ class _Nest:
         rank, dtype = len(self.space), self.dtype
         zero = source.array(np.zeros((), dtype)[()])
         self.before, self.rows, self.written = [], {}, {}
-        source.globals.update(names())  # what the table's expressions call
+        source.globals.update(self.table.names())  # what the table's expressions call
         inner = []
         for entry in self.computed:
             if entry[0] == "value":
@@ -168,7 +168,8 @@ class _Nest:
                 terms = [self._term(i, source) for i in inputs]
                 if any(t is None for t in terms):
                     return None
-                inner.append(f"{self.virtual[out]} = {scalar_source(row, terms)}")
+                # rounded to the body's type as a kernel's store rounds it (an integer constant in a row computes in float64)
+                inner.append(f"{self.virtual[out]} = np.{dtype.name}({self.table.scalar_source(row, terms)})")
                 continue
             _, out, source_value, axes, keepdims = entry
             if tuple(self.types[source_value].shape) != self.space:

@@ -81,3 +81,64 @@ def test_fused_chains_give_the_unfused_bits(chain_artifacts, monkeypatch, thread
     assert fused[2].keys() == plain[2].keys()
     for name in plain[2]:
         np.testing.assert_array_equal(fused[2][name], plain[2][name], err_msg=name)
+
+
+def test_the_exported_inference_model_is_standard_onnx(chain_artifacts, monkeypatch, tmp_path):
+    """Fusion lives in bound steps only: the artifacts and the exported model hold the exporter's ops."""
+    import onnx
+
+    _, order = run(chain_artifacts, monkeypatch, True, 1)
+    assert any(n.op_type == FUSED_OP for n in order)
+    state = CheckpointState.load_checkpoint(chain_artifacts / "checkpoint")
+    module = Module(chain_artifacts / "training_model.onnx", state, chain_artifacts / "eval_model.onnx")
+    module.export_model_for_inferencing(tmp_path / "inference.onnx", ["logits"])
+    model = onnx.load(tmp_path / "inference.onnx")
+    onnx.checker.check_model(model)
+    assert {n.domain for n in model.graph.node} <= {""} and FUSED_OP not in {n.op_type for n in model.graph.node}
+
+
+def test_a_new_element_wise_op_is_one_row(tmp_path, monkeypatch):
+    """A row added to the table (with the op's graph rule, as README's "Adding an op") gives the op a per-op kernel
+    (kernels/fused_elementwise.py's row_binding) and a place in fused chains: y = ToySoftCube(x·W) · s + x·W,
+    fused and unfused the same bits, and the forward as numpy computes it."""
+    from odtrain.graph.ir import ODTRAIN_DOMAIN
+    from odtrain.graph.ops import registry as graph_registry
+    from odtrain.kernels import fused_elementwise, scalar_expressions
+    from odtrain.kernels import registry as kernel_registry
+
+    row = scalar_expressions.Row("({0} * {0} * {0} / (1 + abs({0})))", 1, "rare", ODTRAIN_DOMAIN)
+    monkeypatch.setitem(scalar_expressions.UNARY, "ToySoftCube", row)
+    monkeypatch.setitem(scalar_expressions.ROWS, "ToySoftCube", row)
+    monkeypatch.setitem(graph_registry.OPS, (ODTRAIN_DOMAIN, "ToySoftCube"), None)  # restored after the test
+    graph_registry.op("ToySoftCube", ODTRAIN_DOMAIN)(graph_registry.same_as_input(0))
+    monkeypatch.setitem(kernel_registry.BINDINGS, (ODTRAIN_DOMAIN, "ToySoftCube"),
+                        fused_elementwise.row_binding("ToySoftCube"))
+    rng = np.random.default_rng(3)
+    weight = rng.uniform(-1, 1, (4, 6)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"]),
+             helper.make_node("ToySoftCube", ["h"], ["c"], domain=ODTRAIN_DOMAIN),
+             helper.make_node("Mul", ["c", "s"], ["cs"]),
+             helper.make_node("Add", ["cs", "h"], ["y"])]
+    graph = helper.make_graph(nodes, "toy", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 6])],
+                              [numpy_helper.from_array(weight, "W"),
+                               numpy_helper.from_array(np.array([0.5], np.float32), "s")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(ODTRAIN_DOMAIN, 1)])
+    from odtrain.inference import InferenceSession
+
+    path = tmp_path / "toy.onnx"
+    import onnx
+
+    onnx.save(model, path)
+    x = rng.uniform(-2, 2, (7, 4)).astype(np.float32)
+    results = {}
+    for fused in (True, False):
+        monkeypatch.setenv(SWITCH, "1" if fused else "0")
+        session = InferenceSession(str(path))
+        results[fused] = session.run(None, {"x": x})[0]
+        (bound,) = session._plans.values()  # the step the run bound: the toy op in a fused chain, or alone
+        assert [n.op_type for n in bound.order][1:] == ([FUSED_OP] if fused else ["ToySoftCube", "Mul", "Add"])
+    h = x @ weight
+    expected = (h * h * h / (1 + np.abs(h))) * np.float32(0.5) + h
+    np.testing.assert_array_equal(results[True], results[False])
+    np.testing.assert_allclose(results[True], expected, rtol=1e-5, atol=1e-6)
