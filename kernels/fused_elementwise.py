@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np  # noqa: F401 (the rows' texts call numpy)
 
 from .jit import njit, prange  # noqa: F401 (njit and prange: the generated kernels and their twins)
+from .copies import same_buffer
 from .layout import coalesce, element_strides, flat
 from .parallel_split import parallel_twin, split
 from .registry import ODTRAIN_DOMAIN, binding
@@ -43,9 +44,13 @@ def _rows_of(steps) -> list[str]:
     return rows
 
 
-def kernel_text(steps, results, kinds: tuple[str, ...], outputs: int, layout: str, dtype: str) -> tuple[str, str]:
+def kernel_text(steps, results, kinds: tuple[str, ...], outputs: int, layout: str, dtype: str,
+                over: tuple = ()) -> tuple[str, str]:
     """(name, source) of the kernel computing `steps` for inputs of `kinds` ("run": one element per point,
-    "value": one value for the whole run) in `layout` ("flat" or "rows"), on values of `dtype`.
+    "value": one value for the whole run) in `layout` ("flat" or "rows"), on values of `dtype`. `over[j]`: the
+    input that output j overwrites (the planner put it there; -1: none), whose own name then writes it: LLVM
+    vectorises a loop over one buffer only through one name (two names fail its run-time overlap check, and
+    the loop runs scalar).
 
     Each step's value is rounded to `dtype` as its own kernel's store would round it: a row's integer constant
     (`1 - y`) makes Numba compute in float64, and an intermediate kept so would differ from the unfused bits."""
@@ -55,7 +60,8 @@ def kernel_text(steps, results, kinds: tuple[str, ...], outputs: int, layout: st
     if layout == "flat":
         params, head = xs + ys + ["first", "last"], ["    n = last - first"]
         head += [f"    r{k} = x{k}[first:last]" if kind == "run" else f"    v{k} = x{k}[0]" for k, kind in enumerate(kinds)]
-        head += [f"    w{k} = y{k}[first:last]" for k in range(outputs)]
+        head += [f"    w{k} = r{over[k]}" if over and over[k] >= 0 else f"    w{k} = y{k}[first:last]"
+                 for k in range(outputs)]
         body_indent, loop = "        ", ["    for k in range(n):"]
     else:
         params = xs + ys + ["dims"] + [f"s{k}" for k in range(len(kinds))] + ["first", "last"]
@@ -65,7 +71,8 @@ def kernel_text(steps, results, kinds: tuple[str, ...], outputs: int, layout: st
         for k, kind in enumerate(kinds):
             start = f"i0 * s{k}[0] + i1 * s{k}[1] + i2 * s{k}[2]"
             head.append(f"        r{k} = x{k}[{start}:{start} + n]" if kind == "run" else f"        v{k} = x{k}[{start}]")
-        head += [f"        w{k} = y{k}[row * n:(row + 1) * n]" for k in range(outputs)]
+        head += [f"        w{k} = r{over[k]}" if over and over[k] >= 0 else f"        w{k} = y{k}[row * n:(row + 1) * n]"
+                 for k in range(outputs)]
         body_indent, loop = "            ", ["        for k in range(n):"]
     body = [f"{body_indent}a{k} = r{k}[k]" if kind == "run" else f"{body_indent}a{k} = v{k}"
             for k, kind in enumerate(kinds)]
@@ -112,17 +119,19 @@ def fused_calls(inputs, outputs, steps, results, threads: int = 1) -> list:
     """The call computing a fused chain: flat when no input broadcasts along an axis, else by rows."""
     shape = outputs[0].shape
     size = outputs[0].size
+    over = tuple(next((k for k, x in enumerate(inputs) if x.shape == shape and same_buffer(x, y)), -1) for y in outputs)
+    over = over if size > 1 and any(k >= 0 for k in over) else ()
     flat_layout = all(x.shape == shape or x.size == 1 for x in inputs)
     if flat_layout:
         kinds = tuple("run" if x.shape == shape and size > 1 else "value" for x in inputs)
-        name, source = kernel_text(steps, results, kinds, len(outputs), "flat", outputs[0].dtype.name)
+        name, source = kernel_text(steps, results, kinds, len(outputs), "flat", outputs[0].dtype.name, over)
         kernel = _make(name, source)
         args = tuple(flat(x) for x in inputs) + tuple(flat(y) for y in outputs) + (0, size)
         return [split((kernel, args), size, size, threads)]
     dims, _, *strides = coalesce(tuple(shape), element_strides(shape, shape),
                                  *(element_strides(x.shape, shape) for x in inputs))
     kinds = tuple("run" if s[3] == 1 else "value" for s in strides)
-    name, source = kernel_text(steps, results, kinds, len(outputs), "rows", outputs[0].dtype.name)
+    name, source = kernel_text(steps, results, kinds, len(outputs), "rows", outputs[0].dtype.name, over)
     kernel = _make(name, source)
     units = int(dims[0] * dims[1] * dims[2])
     args = tuple(flat(x) for x in inputs) + tuple(flat(y) for y in outputs) + (dims,) + tuple(strides) + (0, units)

@@ -172,6 +172,8 @@ VARIANTS = {("Gelu", "approximate"): {"none": "Gelu", "tanh": "GeluTanh"}, ("Mod
             ("GeluGrad", "approximate"): {"none": "GeluGrad", "tanh": "GeluTanhGrad"},
             ("BitShift", "direction"): {"LEFT": "BitShiftLeft", "RIGHT": "BitShiftRight"}}
 ROWS = {**UNARY, **BINARY}
+# Op types that compute a row under another name: Sum of two operands is Add (a gradient's fan-in).
+SAME_AS = {"Sum": "Add"}
 
 
 def group(table: dict, name: str) -> list[str]:
@@ -202,7 +204,7 @@ def names() -> dict:
 
 def row_of(op_type: str, attrs: dict) -> str | None:
     """The row a node of `op_type` with `attrs` computes, or None (not element-wise, or an attribute the table
-    does not read)."""
+    does not read). A variadic op (Sum) computes its row when it has the row's operands."""
     for (variant, attribute), choices in VARIANTS.items():
         if variant == op_type:
             value = attrs.get(attribute, next(iter(choices)))
@@ -211,7 +213,7 @@ def row_of(op_type: str, attrs: dict) -> str | None:
             return None if extra else choices.get(value)
     if op_type in ROWS and not attrs:
         return op_type
-    return None
+    return SAME_AS.get(op_type) if not attrs else None
 
 
 def text_hash(text: bytes) -> str:

@@ -142,3 +142,25 @@ def test_a_new_element_wise_op_is_one_row(tmp_path, monkeypatch):
     expected = (h * h * h / (1 + np.abs(h))) * np.float32(0.5) + h
     np.testing.assert_array_equal(results[True], results[False])
     np.testing.assert_allclose(results[True], expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bias_shape", [(300,), (4, 1, 1)])
+def test_a_chain_written_over_its_input_gives_the_same_bits(bias_shape):
+    """The planner may put a fused node's output over an input that dies there: the kernel then writes through
+    the input's own name (kernels/fused_elementwise.py), flat or by rows, with the bits of separate buffers."""
+    from odtrain.kernels import fused_elementwise
+
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((4, 5, 300)).astype(np.float32)
+    bias = rng.standard_normal(bias_shape).astype(np.float32)
+    steps = (("Mul", (), (("input", 0), ("input", 0))), ("Add", (), (("step", 0), ("input", 1))),
+             ("Sigmoid", (), (("step", 1),)), ("Mul", (), (("step", 2), ("input", 0))))
+    separate = np.empty_like(a)
+    in_place = a.copy()
+    for out, x in ((separate, a), (in_place, in_place)):
+        for kernel, args in fused_elementwise.fused_calls([x, bias], [out], steps, (3,)):
+            kernel(*args)
+    expected = (lambda t: 1 / (1 + np.exp(-t)))(a.astype(np.float64) ** 2 + bias) * a
+    np.testing.assert_array_equal(in_place, separate)
+    np.testing.assert_allclose(separate, expected, rtol=3e-6, atol=1e-7)
+    assert any(" = r0\n" in text for text in fused_elementwise.SOURCES.values())
