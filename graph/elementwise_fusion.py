@@ -1,8 +1,8 @@
 """Chains of element-wise nodes of a planned step, fused into one node that one generated loop nest runs.
 
-A Llama MLP's backward, a rotary embedding's gradient or a residual stream's adds are runs of element-wise
-ops over one shape, each a pass over memory through its own kernel, each intermediate a value the arena
-holds. Fused, one loop computes every value of a point in registers and writes only what leaves the chain:
+A residual add and its activation, a LoRA adapter's scale and add, an attention mask's arithmetic are runs
+of element-wise ops over one shape, each a pass over memory through its own kernel, each intermediate a
+value the arena holds. Fused, one loop computes every value of a point in registers and writes only what leaves the chain:
 
     t = Mul(a, b); u = Add(t, bias); y = Relu(u)  →  FusedElementwise(a, b, bias) -> y
 

@@ -13,7 +13,8 @@ decides, in this order:
    the arena smaller (`recompute.cheap_kept`); under a memory budget that this
    does not meet, activations are recomputed until the arena fits
    (`recompute.choose_kept`, `recompute.rewrite`). Chains of element-wise
-   nodes become one fused node each (`elementwise_fusion`). Fused
+   nodes become one fused node each (`elementwise_fusion`; not where that
+   would break a memory budget). Fused
    optimizer updates go right after the last use of their parameter
    (`schedule.with_updates`).
 3. Storage outside the arena: parameters, folded constants and `held`
@@ -117,19 +118,13 @@ def plan_step(graph: Graph, feed_types: dict[str, TensorType], parameter_types: 
     layout = _Layout(graph, types, feeds, live_outputs, scratch_bytes, given, set(parameter_types))
     order = layout.fit_budget(order, None if memory_budget is None else int(memory_budget))
     recomputed = sum(1 for n in order if n.name.endswith(RECOMPUTE_SUFFIX))
-    if element_wise is not None:
-        order = fuse_elementwise(order, types, set(graph.outputs) | set(held) | set(fused_updates), element_wise)
-    if fused_updates:
-        order = with_updates(order, fused_updates)
-    views, copies = layout.outside_arena(order)
-    plan, arena_values, scratch = layout.place(order, views)
-    loss_node = next((n for n in order if graph.outputs and graph.outputs[0] in n.outputs), None)
-    reordered = memory_aware_order(order, {v: types[v].nbytes for v in arena_values}, set(graph.outputs), loss_node)
-    candidate = layout.place(reordered, views)
-    if candidate[0].arena_bytes < plan.arena_bytes and not fused_updates:
-        order, (plan, arena_values, scratch) = reordered, candidate
-    plan.verify()
-    copies = {index for index, node in enumerate(order) if id(node) in copies}
+    kept = set(graph.outputs) | set(held) | set(fused_updates)
+    unfused = order
+    fused = fuse_elementwise(unfused, types, kept, element_wise) if element_wise is not None else unfused
+    order, plan, arena_values, views, copies, scratch = layout.finish(fused, fused_updates)
+    if fused is not unfused and memory_budget is not None and plan.arena_bytes > int(memory_budget):
+        # the recomputation met the budget unfused, and a fused chain's inputs may live longer: keep it unfused
+        order, plan, arena_values, views, copies, scratch = layout.finish(unfused, fused_updates)
     return StepPlan(order, types, folded, feeds, plan, arena_values, views, copies, scratch, recomputed)
 
 
@@ -140,6 +135,23 @@ class _Layout:
     def __init__(self, graph, types, feeds, live_outputs, scratch_bytes, given, parameters):
         self.graph, self.types, self.feeds, self.live_outputs = graph, types, feeds, live_outputs
         self.scratch_bytes, self.given, self.parameters = scratch_bytes, given, parameters
+
+    def finish(self, order: list[Node], fused_updates: dict[str, str]) -> tuple:
+        """(order, plan, arena values, views, copies, scratch) of `order` with its fused updates, reordered for
+        memory when that plans a smaller arena (and no update must follow its parameter's reads); verified."""
+        graph, types = self.graph, self.types
+        if fused_updates:
+            order = with_updates(order, fused_updates)
+        views, copies = self.outside_arena(order)
+        plan, arena_values, scratch = self.place(order, views)
+        loss_node = next((n for n in order if graph.outputs and graph.outputs[0] in n.outputs), None)
+        reordered = memory_aware_order(order, {v: types[v].nbytes for v in arena_values}, set(graph.outputs), loss_node)
+        candidate = self.place(reordered, views)
+        if candidate[0].arena_bytes < plan.arena_bytes and not fused_updates:
+            order, (plan, arena_values, scratch) = reordered, candidate
+        plan.verify()
+        copies = {index for index, node in enumerate(order) if id(node) in copies}
+        return order, plan, arena_values, views, copies, scratch
 
     def outside_arena(self, order: list[Node]) -> tuple[dict[str, str], set[int]]:
         """Values held outside the arena beyond the given ones (value -> the value whose memory it

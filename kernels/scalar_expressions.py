@@ -156,7 +156,7 @@ UNARY |= _rows(1, "rare", Tan="np.tan({0})", Sinh="np.sinh({0})", Cosh="np.cosh(
 BINARY = _rows(2, "cheap", Add="({0} + {1})", Sub="({0} - {1})", Mul="({0} * {1})", Div="({0} / {1})")
 BINARY |= _rows(2, "cheap", ODTRAIN,
                 ReluGrad="({0} if {1} > 0 else {0} * 0)",  # dY · (Y > 0)
-                SigmoidGrad="({0} * {1} * (1 - {1}))",  # dY · Y(1 - Y)
+                SigmoidGrad="({0} * ({1} * (1 - {1})))",  # dY · Y(1 - Y), associated as its own loop in elementwise.py
                 TanhGrad="({0} * (1 - {1} * {1}))")  # dY · (1 - Y²)
 BINARY |= _rows(2, "cheap", Pow="({0} ** {1})", Max="max({0}, {1})", Min="min({0}, {1})", Mod="({0} % {1})",
                 Fmod="c_fmod({0}, {1})", PRelu="({0} if {0} >= 0 else {0} * {1})")
