@@ -14,7 +14,8 @@ decides, in this order:
    does not meet, activations are recomputed until the arena fits
    (`recompute.choose_kept`, `recompute.rewrite`); when none fits, the states a
    Scan's iterations save are checkpointed every √T iterations (`loop_checkpoints`) and the
-   graph planned again. Fused
+   graph planned again. Chains of element-wise nodes become one fused node each
+   (`elementwise_fusion`; not where that would break a memory budget). Fused
    optimizer updates go right after the last use of their parameter
    (`schedule.with_updates`).
 3. Storage outside the arena: parameters, folded constants and `held`
@@ -39,6 +40,7 @@ from typing import Callable
 import numpy as np
 
 from .autodiff import LOSS_SEED
+from .elementwise_fusion import fuse_elementwise
 from .errors import MemoryBudgetError, ModelError, UnsupportedOpError
 from .ir import Graph, Node, TensorType
 from .loop_checkpoints import checkpoint_scans
@@ -91,7 +93,8 @@ class StepPlan:
 def plan_step(graph: Graph, feed_types: dict[str, TensorType], parameter_types: dict[str, TensorType],
               scratch_bytes: ScratchBytes, held: set[str] = frozenset(), memory_budget: int | None = None,
               fused_updates: dict[str, str] | None = None,
-              bound_feeds: dict[str, np.ndarray] | None = None) -> StepPlan:
+              bound_feeds: dict[str, np.ndarray] | None = None,
+              element_wise: Callable[[Node], int | None] | None = None) -> StepPlan:
     """Plan `graph` for `feed_types`, its parameters (held outside the arena) of `parameter_types`.
 
     `held` names outputs written to memory of their own (gradient buffers); `memory_budget` caps
@@ -99,6 +102,8 @@ def plan_step(graph: Graph, feed_types: dict[str, TensorType], parameter_types: 
     outputs to the parameters they update during the backward pass. `bound_feeds` maps graph
     inputs to fed values bound as constants (the axes, shapes or sizes an op reads while shapes
     bind): the plan holds for those values only, and a step is fed the other inputs, `feeds`.
+    `element_wise(node)`: the arity of the element-wise row a node computes, or None; given, chains of
+    them are fused once recomputation is decided (graph/elementwise_fusion.py).
     """
     fused_updates = fused_updates or {}
     bound_feeds = bound_feeds or {}
@@ -121,19 +126,15 @@ def plan_step(graph: Graph, feed_types: dict[str, TensorType], parameter_types: 
         if checkpointed is graph:
             raise
         return plan_step(checkpointed, feed_types, parameter_types, scratch_bytes, held, memory_budget, fused_updates,
-                         bound_feeds)
+                         bound_feeds, element_wise)
     recomputed = sum(1 for n in order if n.name.endswith(RECOMPUTE_SUFFIX))
-    if fused_updates:
-        order = with_updates(order, fused_updates)
-    views, copies = layout.outside_arena(order)
-    plan, arena_values, scratch = layout.place(order, views)
-    loss_node = next((n for n in order if graph.outputs and graph.outputs[0] in n.outputs), None)
-    reordered = memory_aware_order(order, {v: types[v].nbytes for v in arena_values}, set(graph.outputs), loss_node)
-    candidate = layout.place(reordered, views)
-    if candidate[0].arena_bytes < plan.arena_bytes and not fused_updates:
-        order, (plan, arena_values, scratch) = reordered, candidate
-    plan.verify()
-    copies = {index for index, node in enumerate(order) if id(node) in copies}
+    kept = set(graph.outputs) | set(held) | set(fused_updates)
+    unfused = order
+    fused = fuse_elementwise(unfused, types, kept, element_wise) if element_wise is not None else unfused
+    order, plan, arena_values, views, copies, scratch = layout.finish(fused, fused_updates)
+    if fused is not unfused and memory_budget is not None and plan.arena_bytes > int(memory_budget):
+        # the recomputation met the budget unfused, and a fused chain's inputs may live longer: keep it unfused
+        order, plan, arena_values, views, copies, scratch = layout.finish(unfused, fused_updates)
     return StepPlan(order, types, folded, feeds, plan, arena_values, views, copies, scratch, recomputed)
 
 
@@ -144,6 +145,23 @@ class _Layout:
     def __init__(self, graph, types, feeds, live_outputs, scratch_bytes, given, parameters):
         self.graph, self.types, self.feeds, self.live_outputs = graph, types, feeds, live_outputs
         self.scratch_bytes, self.given, self.parameters = scratch_bytes, given, parameters
+
+    def finish(self, order: list[Node], fused_updates: dict[str, str]) -> tuple:
+        """(order, plan, arena values, views, copies, scratch) of `order` with its fused updates, reordered for
+        memory when that plans a smaller arena (and no update must follow its parameter's reads); verified."""
+        graph, types = self.graph, self.types
+        if fused_updates:
+            order = with_updates(order, fused_updates)
+        views, copies = self.outside_arena(order)
+        plan, arena_values, scratch = self.place(order, views)
+        loss_node = next((n for n in order if graph.outputs and graph.outputs[0] in n.outputs), None)
+        reordered = memory_aware_order(order, {v: types[v].nbytes for v in arena_values}, set(graph.outputs), loss_node)
+        candidate = self.place(reordered, views)
+        if candidate[0].arena_bytes < plan.arena_bytes and not fused_updates:
+            order, (plan, arena_values, scratch) = reordered, candidate
+        plan.verify()
+        copies = {index for index, node in enumerate(order) if id(node) in copies}
+        return order, plan, arena_values, views, copies, scratch
 
     def outside_arena(self, order: list[Node]) -> tuple[dict[str, str], set[int]]:
         """Values held outside the arena beyond the given ones (value -> the value whose memory it

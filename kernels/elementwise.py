@@ -1,23 +1,19 @@
 """Elementwise kernels: unary maps, same-shape binaries, broadcasting binaries, comparisons, float
 classes (IsNaN, IsInf: one kernel), Where.
 
-Unary ops come from one table per loop, each row an op type and its scalar function: `UNARY`
-(cheap maps, one loop `_unary`), `SPECIAL_UNARY` (erf and GELU's tanh form, loop `_special_unary`)
-and `RARE_UNARY` (the functions few models use: tan, hyperbolic and inverse functions, softplus,
-softsign, mish, round; loop `_rare_unary`).
-A row's position is its code, the argument that lets one compiled loop serve the whole table;
-the loop picks the function through a dispatch generated from the same table (`_dispatch`), so
-a code is never written out. Adding a unary op here is adding its row. The graph layer has its
-own row for the op (graph/ops/elementwise.py: fold, cost, gradient); the two layers never import
-each other, and tests/test_registry.py checks that every registered op has a kernel.
+The scalar expression of every element-wise op is a row of kernels/scalar_expressions.py, the one table that
+these loops, the fused loop nests of Scan and Loop bodies and the fused chains of a step all read. Here each
+row becomes an inlined scalar function, and the rows are grouped into loops: `UNARY` (cheap maps, one loop
+`_unary`), `SPECIAL_UNARY` (erf and GELU's tanh form, loop `_special_unary`), `RARE_UNARY` (the functions few
+models use: tan, hyperbolic and inverse functions, softplus, softsign, mish, round; loop `_rare_unary`), and the
+binary rows (`_binary_op`, and `_special_binary_op` for the transcendental gradients of (dY, X)).
+A row's position is its code, the argument that lets one compiled loop serve a whole group; the loop picks
+the function through a dispatch generated from the same table (`_dispatch`), so a code is never written
+out. Adding an element-wise op here is adding its row to the table. The graph layer has its own row for the
+op (graph/ops/elementwise.py: fold, cost, gradient); the two layers never import each other, and
+tests/test_registry.py checks that every registered op has a kernel.
 
-Binary and comparison op codes (arguments, so one compiled kernel serves a family):
-  binary: 0 add, 1 sub, 2 mul, 3 div, 4 relu-grad(dy, y), 5 sigmoid-grad(dy, y), 6 tanh-grad(dy, y),
-          7 pow, 8 max, 9 min, 10 erf-grad(dy, x), 11 atan-grad(dy, x), 12 gelu-grad(dy, x),
-          13 gelu-tanh-grad(dy, x), 14 mod (the divisor's sign), 15 fmod (the dividend's sign),
-          16 shift left, 17 shift right, 18 bitwise and, 19 or, 20 xor (integers only), 21 prelu (x, or x·slope
-          below 0)
-  compare: 0 ==, 1 <, 2 >, 3 <=, 4 >=, 5 and, 6 or, 7 xor
+Comparison op codes: 0 ==, 1 <, 2 >, 3 <=, 4 >=, 5 and, 6 or, 7 xor.
 
 The transcendental ops (erf, GELU and their gradients, codes in SPECIAL_*) have kernels of
 their own, so that models without them do not compile them; exact GELU, the common one, also
@@ -36,226 +32,63 @@ from __future__ import annotations
 
 import numpy as np
 
-from .jit import njit, overload, prange, types  # noqa: F401 (prange: the loops of the written twins)
+from .jit import njit, prange  # noqa: F401 (prange: the loops of the written twins)
 
 from .registry import ODTRAIN_DOMAIN, binding
 from .copies import first_row, gather_call, next_row, row_start, same_buffer
 from .layout import broadcast_layout, flat
 from .parallel_split import parallel_twin, split
-from .scalar import fast_erf, fast_exp, fast_sigmoid, fast_tanh, gelu, gelu_grad
+from . import scalar_expressions as expressions
 
-BINARY = {"Add": 0, "Sub": 1, "Mul": 2, "Div": 3, "ReluGrad": 4, "SigmoidGrad": 5, "TanhGrad": 6,
-          "Pow": 7, "Max": 8, "Min": 9, "ErfGrad": 10, "AtanGrad": 11, "Mod": 14, "PRelu": 21}
-GELU_GRAD, GELU_TANH_GRAD = 12, 13
-FMOD = 15
-SHIFT = {"LEFT": 16, "RIGHT": 17}
-BITWISE = {"BitwiseAnd": 18, "BitwiseOr": 19, "BitwiseXor": 20}
-COMMUTATIVE = (0, 2, 8, 9)  # add, mul, max, min
+# Codes: a row's position in the table (kernels/scalar_expressions.py), binary and unary apart.
+BINARY = {name: code for code, name in enumerate(expressions.BINARY)}
+GELU_GRAD, GELU_TANH_GRAD, FMOD = BINARY["GeluGrad"], BINARY["GeluTanhGrad"], BINARY["Fmod"]
+SHIFT = {"LEFT": BINARY["BitShiftLeft"], "RIGHT": BINARY["BitShiftRight"]}
+BITWISE = {name: BINARY[name] for name in ("BitwiseAnd", "BitwiseOr", "BitwiseXor")}
+COMMUTATIVE = tuple(BINARY[name] for name in ("Add", "Mul", "Max", "Min"))
 # ops with a loop of their own in _run_pair, which then vectorise in place (through one name); the others go
 # through _binary_op's dispatch per element, and in place ran slower through one name than through two
 # (SigmoidGrad before it had its loop; bench_ops.SiluOps)
-OWN_LOOPS = (0, 1, 2, 3, 4, 5)
+OWN_LOOPS = tuple(BINARY[name] for name in ("Add", "Sub", "Mul", "Div", "ReluGrad", "SigmoidGrad"))
 COMPARE = {"Equal": 0, "Less": 1, "Greater": 2, "LessOrEqual": 3, "GreaterOrEqual": 4, "And": 5, "Or": 6, "Xor": 7}
+SPECIAL_BINARY = tuple(BINARY[name] for name in expressions.group(expressions.BINARY, "special"))
 
 
-@njit(cache=True, inline="always", error_model="numpy")
-def gelu_tanh(x):
-    """x/2 · (1 + tanh(√(2/π) · (x + 0.044715 x³)))."""
-    inner = np.float32(0.7978845608028654) * (x + np.float32(0.044715) * x * x * x)
-    return np.float32(0.5) * x * (np.float32(1.0) + fast_tanh(inner))
-
-
-@njit(cache=True, inline="always", error_model="numpy")
-def gelu_tanh_grad(dy, x):
-    """dy · d/dx of the tanh approximation."""
-    inner = np.float32(0.7978845608028654) * (x + np.float32(0.044715) * x * x * x)
-    t = fast_tanh(inner)
-    d_inner = np.float32(0.7978845608028654) * (np.float32(1.0) + np.float32(0.134145) * x * x)
-    return dy * (np.float32(0.5) * (np.float32(1.0) + t) + np.float32(0.5) * x * (np.float32(1.0) - t * t) * d_inner)
-
-
-def c_fmod(x, y):
-    """x - y · trunc(x / y), the sign of x (C's fmod); Numba's np.fmod gets it wrong on integers."""
-    return np.fmod(x, y)
-
-
-@overload(c_fmod)
-def _c_fmod(x, y):
-    if isinstance(x, types.Integer) and isinstance(y, types.Integer):
-        def integer_fmod(x, y):
-            r = x % y
-            return r - y if r != 0 and (r < 0) != (x < 0) else r
-
-        return integer_fmod
-    return lambda x, y: np.fmod(x, y)
-
-
-def integer_op(code, x, y):
-    """Shifts and bitwise operations (codes 16-20) on integers; x itself for other types, which never
-    reach it (a shift does not type on floats, and one compiled kernel serves every code)."""
-    return x
-
-
-@overload(integer_op)
-def _integer_op(code, x, y):
-    if not (isinstance(x, types.Integer) and isinstance(y, types.Integer)):
-        return lambda code, x, y: x
-    bits = x.bitwidth
-
-    def on_integers(code, x, y):
-        if code <= 17 and (y < 0 or y >= bits):  # shifted out entirely
-            return -1 if code == 17 and x < 0 else 0
-        if code == 16:
-            return x << y
-        if code == 17:
-            return x >> y
-        if code == 18:
-            return x & y
-        if code == 19:
-            return x | y
-        return x ^ y  # 20
-
-    return on_integers
-
-
-@njit(cache=True, inline="always")
-def _binary_op(code, x, y):
-    """The cheap binary ops (codes 0-9, 14-20); the transcendental gradients have their own kernels."""
-    if code == 0:
-        return x + y
-    if code == 1:
-        return x - y
-    if code == 2:
-        return x * y
-    if code == 3:
-        return x / y
-    if code == 4:  # dy * (y > 0)
-        return x if y > 0 else x * 0
-    if code == 5:  # dy * y * (1 - y)
-        return x * y * (1 - y)
-    if code == 6:  # dy * (1 - y²)
-        return x * (1 - y * y)
-    if code == 7:
-        return x ** y
-    if code == 8:
-        return max(x, y)
-    if code == 14:
-        return x % y
-    if code == 15:
-        return c_fmod(x, y)
-    if code == 21:
-        return x if x >= 0 else x * y
-    if code >= 16:
-        return integer_op(code, x, y)
-    return min(x, y)  # 9
-
-
-@njit(cache=True, inline="always")
-def _special_binary_op(code, dy, x):
-    """Gradients read through the forward input: codes 10-13."""
-    if code == 10:  # dy · 2/√π · exp(-x²)
-        return dy * np.float32(1.1283791670955126) * fast_exp(-x * x)
-    if code == 11:  # dy / (1 + x²)
-        return dy / (1 + x * x)
-    if code == 12:
-        return gelu_grad(dy, x)
-    return gelu_tanh_grad(dy, x)  # 13
-
-
-@njit(inline="always")
-def _negative(x):
-    return -x
-
-
-@njit(inline="always")
-def _absolute(x):
-    return abs(x)
-
-
-@njit(inline="always")
-def _relu(x):
-    return x if x > 0 else x * 0
-
-
-def _sigmoid(x):
-    """Overflow-free logistic: 1 / (1 + e^-x), or e^x / (1 + e^x) below 0; fast_sigmoid in float32."""
-    e = np.exp(-abs(x))
-    return (x * 0 + 1 if x >= 0 else e) / (1 + e)
-
-
-@overload(_sigmoid)
-def _sigmoid_of(x):
-    if x == types.float32:
-        return lambda x: fast_sigmoid(x)
-    return _sigmoid
-
-
-@njit(inline="always")
-def _sign(x):
-    return (x > 0) - (x < 0) + x * 0
-
-
-@njit(inline="always")
-def _reciprocal(x):
-    return 1 / x
-
-
-@njit(inline="always")
-def _copy(x):
-    return x
-
-
-@njit(inline="always")
-def _softplus(x):
-    """log(1 + e^x) without overflow: max(x, 0) + log1p(e^-|x|)."""
-    return max(x, x * 0) + np.log1p(np.exp(-abs(x)))
-
-
-@njit(inline="always")
-def _softsign(x):
-    return x / (1 + abs(x))
-
-
-@njit(inline="always")
-def _mish(x):
-    return x * np.tanh(_softplus(x))
-
-
-# Cheap unary maps: op type -> scalar function; the row's position is its code in `_unary`.
-UNARY = {
-    "Neg": _negative, "Abs": _absolute, "Exp": np.exp, "Log": np.log, "Relu": _relu, "Sigmoid": _sigmoid,
-    "Tanh": np.tanh, "Sign": _sign, "Sqrt": np.sqrt, "Reciprocal": _reciprocal, "Identity": _copy,
-    "Atan": np.arctan, "Floor": np.floor, "Ceil": np.ceil, "Sin": np.sin, "Cos": np.cos,
-}
-# Transcendental maps, in a loop of their own that only models using them compile; GELU's tanh form
-# (op Gelu with approximate="tanh") is the last code, after the rows bound by op type.
-SPECIAL_UNARY = {"Erf": fast_erf}
-# Maps few models use, in a third loop, so that models using erf or GELU do not compile them.
-RARE_UNARY = {"Tan": np.tan, "Sinh": np.sinh, "Cosh": np.cosh, "Asin": np.arcsin, "Acos": np.arccos,
-              "Atanh": np.arctanh, "Asinh": np.arcsinh, "Acosh": np.arccosh, "Softplus": _softplus,
-              "Softsign": _softsign, "Mish": _mish, "Round": np.rint}
-GELU_TANH = len(SPECIAL_UNARY)
-NEG, ABS, RELU, COPY, SIGMOID = (list(UNARY).index(name) for name in ("Neg", "Abs", "Relu", "Identity", "Sigmoid"))
-
-
-def _dispatch(functions: tuple):
-    """f(code, x) = functions[code](x), the last function serving any larger code.
+def _dispatch(rows: list[str], codes: list[int] | None = None):
+    """f(code, x[, y]) = the scalar function of rows[k] where code is codes[k] (by default k), the last row
+    serving any other code.
 
     Its source is written from the table, one `if` per code, so that Numba inlines it into the
-    calling loop exactly as a hand-written chain: compiled as fast, cached with that loop (whose
-    file holds the table). A nest of closures, one per row, doubled `_unary`'s compile time."""
-    source = "def dispatch(code, x):\n"
-    source += "".join(f"    if code == {code}:\n        return f{code}(x)\n" for code in range(len(functions) - 1))
-    source += f"    return f{len(functions) - 1}(x)\n"
-    namespace = {f"f{code}": function for code, function in enumerate(functions)}
+    calling loop exactly as a hand-written chain: compiled as fast, cached with that loop (the kernel
+    sources' digest covers the table's file). A nest of closures, one per row, doubled `_unary`'s compile time."""
+    codes = list(range(len(rows))) if codes is None else codes
+    operands = ", ".join(["x", "y"][:expressions.ROWS[rows[0]].arity])
+    source = f"def dispatch(code, {operands}):\n"
+    source += "".join(f"    if code == {code}:\n        return f{k}({operands})\n" for k, code in enumerate(codes[:-1]))
+    source += f"    return f{len(rows) - 1}({operands})\n"
+    namespace = {f"f{k}": expressions.scalar_function(name) for k, name in enumerate(rows)}
     exec(source, namespace)  # the source holds only the comparisons above: no data reaches it
     return njit(inline="always")(namespace["dispatch"])
 
 
-_unary_op = _dispatch(tuple(UNARY.values()))
-_special_unary_op = _dispatch((*SPECIAL_UNARY.values(), gelu_tanh))
-_rare_unary_op = _dispatch(tuple(RARE_UNARY.values()))
-SPECIAL_BINARY = (10, 11, 12, 13)
+# Unary maps by loop: op type -> scalar function; the row's position is its code in its loop.
+UNARY = {name: expressions.scalar_function(name) for name in expressions.group(expressions.UNARY, "cheap")}
+# Transcendental maps, in a loop of their own that only models using them compile; GELU's tanh form
+# (op Gelu with approximate="tanh") is the last code, after the rows bound by op type.
+SPECIAL_UNARY = {"Erf": expressions.scalar_function("Erf")}
+# Maps few models use, in a third loop, so that models using erf or GELU do not compile them.
+RARE_UNARY = {name: expressions.scalar_function(name) for name in expressions.group(expressions.UNARY, "rare")}
+GELU_TANH = len(SPECIAL_UNARY)
+NEG, ABS, RELU, COPY, SIGMOID = (list(UNARY).index(name) for name in ("Neg", "Abs", "Relu", "Identity", "Sigmoid"))
+_unary_op = _dispatch(list(UNARY))
+_special_unary_op = _dispatch(["Erf", "GeluTanh"])
+_rare_unary_op = _dispatch(list(RARE_UNARY))
+_CHEAP_BINARY = [name for name, row in expressions.BINARY.items() if row.group != "special"]
+# the cheap binary ops and the integer ones; the transcendental gradients have kernels of their own
+_binary_op = _dispatch(_CHEAP_BINARY, [BINARY[name] for name in _CHEAP_BINARY])
+# gradients read through the forward input
+_special_binary_op = _dispatch(list(expressions.group(expressions.BINARY, "special")), list(SPECIAL_BINARY))
+_sigmoid, gelu, gelu_grad = expressions.sigmoid, expressions.gelu, expressions.gelu_grad
 
 
 @njit(cache=True, error_model="numpy")
@@ -556,8 +389,10 @@ def _make_unary(kernel, code):
     return bind
 
 
+_VARIANT_ROWS = {row for choices in expressions.VARIANTS.values() for row in choices.values()}
 for _name, _code in BINARY.items():
-    if _name not in ("Max", "Min", "Mod"):  # variadic, or with attributes: bound below
+    if _name not in ("Max", "Min") and _name not in _VARIANT_ROWS and expressions.BINARY[_name].group != "integer":
+        # variadic, with attributes or integer-only: bound below
         binding(_name, ODTRAIN_DOMAIN if _name.endswith("Grad") else "", parallel=True)(_make_binary(_code))
 for _kernel, _table in ((_unary, UNARY), (_special_unary, SPECIAL_UNARY), (_rare_unary, RARE_UNARY)):
     for _code, _name in enumerate(_table):

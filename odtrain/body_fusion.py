@@ -14,7 +14,8 @@ of a point of the iteration space in registers and writes only what leaves the b
             h_out[i0, i1] = v5                  # a body output
             y[i0] += v6                         # ReduceSum over axis 1
 
-A body fuses when every node it runs is element-wise (FUSED_UNARY, FUSED_BINARY) on one float type, a
+A body fuses when every node it runs is element-wise (a float row of kernels/scalar_expressions.py, the table
+the per-op kernels read: the same scalar expression, the same bits) on one float type, a
 view of an array (Unsqueeze, Reshape...), a Gather of one row of an array (a Loop's x[i]), or a
 ReduceSum over the whole iteration space whose result only leaves the body; the iteration space is the broadcast of the element-wise values' shapes. Anything
 else returns None, and the body keeps its kernel calls.
@@ -23,13 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .graph.ir import ODTRAIN_DOMAIN
 from .graph.ops import is_view, lookup
-
-# op type -> expression over its inputs' scalars ({0}, {1}) and the body dtype's constants ({one}, {zero})
-FUSED_UNARY = {"Exp": "np.exp({0})", "Tanh": "np.tanh({0})", "Neg": "(-{0})", "Log": "np.log({0})",
-               "Sqrt": "np.sqrt({0})", "Abs": "np.abs({0})", "Sigmoid": "({one} / ({one} + np.exp(-{0})))",
-               "Relu": "max({0}, {zero})", "Softplus": "np.log1p(np.exp({0}))", "Identity": "{0}"}
-FUSED_BINARY = {"Add": "({0} + {1})", "Sub": "({0} - {1})", "Mul": "({0} * {1})", "Div": "({0} / {1})"}
 
 
 def _broadcast(a: tuple, b: tuple) -> tuple | None:
@@ -61,6 +57,7 @@ class _Nest:
     fuse), `lines` writes the nest."""
 
     def __init__(self, step):
+        self.table = step.expressions  # the kernels' table of scalar expressions (kernels/scalar_expressions.py)
         self.types, self.storage, self.folded = step.types, step.storage, step.step_plan.folded
         self.virtual: dict[str, str] = {}  # value -> the local holding it at the current point
         self.computed: list[tuple] = []  # ("value", name, expression, inputs) | ("sum", name, input, axes, keepdims)
@@ -70,7 +67,8 @@ class _Nest:
         self.gathered: dict[str, tuple] = {}  # a row of an array picked by a one-element index: (array, index)
 
     def take(self, node) -> bool:
-        if node.domain not in ("", "ai.onnx"):
+        row = self.table.row_of(node.op_type, node.attrs)
+        if node.domain not in ("", "ai.onnx") and not (node.domain == ODTRAIN_DOMAIN and row is not None):
             return False
         if any(i in self.reduced for i in node.inputs):
             return False  # a sum read inside the body needs the whole nest first
@@ -79,8 +77,8 @@ class _Nest:
         inputs = [i for i in node.inputs if i]
         if is_view(lookup(node), [types.get(i) for i in node.inputs], [types[o] for o in node.outputs if o]):
             return self._view(node, kind, inputs)
-        if kind in FUSED_UNARY or kind in FUSED_BINARY:
-            return self._element_wise(node, kind, inputs)
+        if row is not None and self.table.ROWS[row].fusable:
+            return self._element_wise(node, row, inputs)
         if kind == "Gather" and int(node.attrs.get("axis", 0)) == 0 and len(inputs) == 2 and \
                 not any(i in self.virtual or i in self.gathered for i in inputs) and storage[inputs[1]].size == 1 and \
                 storage[inputs[1]].ndim == 0 and storage[inputs[1]].dtype.kind == "i" and storage[inputs[0]].ndim:
@@ -104,8 +102,8 @@ class _Nest:
             self.virtual[node.outputs[0]] = self.virtual[inputs[0]]
         return True  # a view of an array: its storage is already the view
 
-    def _element_wise(self, node, kind, inputs) -> bool:
-        if len(inputs) != (1 if kind in FUSED_UNARY else 2):
+    def _element_wise(self, node, row, inputs) -> bool:
+        if len(inputs) != self.table.ROWS[row].arity:
             return False
         out = node.outputs[0]
         t = self.types[out]
@@ -120,7 +118,7 @@ class _Nest:
             if self.space is None:
                 return False
         self.virtual[out] = f"v{len(self.virtual)}"
-        self.computed.append(("value", out, (FUSED_UNARY.get(kind) or FUSED_BINARY[kind]), inputs))
+        self.computed.append(("value", out, row, inputs))
         return True
 
     def _sum(self, node, inputs) -> bool:
@@ -160,16 +158,18 @@ class _Nest:
 
     def lines(self, source, outputs: list[str]) -> list[str] | None:
         rank, dtype = len(self.space), self.dtype
-        one, zero = source.array(np.ones((), dtype)[()]), source.array(np.zeros((), dtype)[()])
+        zero = source.array(np.zeros((), dtype)[()])
         self.before, self.rows, self.written = [], {}, {}
+        source.globals.update(self.table.names())  # what the table's expressions call
         inner = []
         for entry in self.computed:
             if entry[0] == "value":
-                _, out, expression, inputs = entry
+                _, out, row, inputs = entry
                 terms = [self._term(i, source) for i in inputs]
                 if any(t is None for t in terms):
                     return None
-                inner.append(f"{self.virtual[out]} = {expression.format(*terms, one=one, zero=zero)}")
+                # rounded to the body's type as a kernel's store rounds it (an integer constant in a row computes in float64)
+                inner.append(f"{self.virtual[out]} = np.{dtype.name}({self.table.scalar_source(row, terms)})")
                 continue
             _, out, source_value, axes, keepdims = entry
             if tuple(self.types[source_value].shape) != self.space:

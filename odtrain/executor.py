@@ -42,9 +42,12 @@ from .graph.ops.training import APPLY_UPDATE
 from .allocation import aligned_buffer, allocate, budget_advice
 from .graph.autodiff import LOSS_SEED
 from .graph.schedule import split_forward_backward
+from .graph.elementwise_fusion import fusion_enabled
 from .graph.step_plan import plan_step
 from .kernels import BINDINGS, PARALLEL, SCRATCH
 from .kernels.blas import hold_one_thread, release_thread
+from .kernels import scalar_expressions
+from .kernels.scalar_expressions import ROWS, row_of
 from .kernels.jit import resolved
 from . import jit, threads as thread_policy
 from .kernel_library import compiler_installed, kernel_name, library_folder_of, missing_kernel, unavailable
@@ -65,6 +68,15 @@ def scratch_bytes(node: Node, types: dict[str, TensorType], threads: int = 1) ->
         return int(size_of(specs_in, specs_out, **node.attrs, **extra))
     except TypeError as error:  # an attribute the binding does not take (odtrain's own ops; the loader checks ONNX's)
         raise ModelError(f"{node.describe()}: unsupported attributes {sorted(node.attrs)}: {error}") from None
+
+
+def element_wise_arity(node: Node) -> int | None:
+    """How many operands the element-wise row of kernels/scalar_expressions.py that `node` computes takes, or None
+    when it computes none that a fused chain may hold (what graph/elementwise_fusion.py fuses)."""
+    if node.domain not in ("", "ai.onnx", ODTRAIN_DOMAIN):
+        return None
+    row = row_of(node.op_type, node.attrs)
+    return ROWS[row].arity if row is not None and ROWS[row].fusable else None
 
 
 def stream_key(node: Node) -> bytes:
@@ -94,14 +106,18 @@ class ExecutableStep:
     for those values only, and a step is fed the other inputs, `feeds`.
     `threads` is the step's thread count: parallel kernels are bound to split their work into
     that many parts, with their scratch sized for it, and a run uses that many of Numba's threads.
+    `element_wise_fusion`: chains of element-wise nodes run as one fused kernel each (graph/elementwise_fusion.py;
+    also off with ODTRAIN_ELEMENTWISE_FUSION=0).
     """
+
+    expressions = scalar_expressions  # the kernels' table of scalar expressions, which odtrain/body_fusion.py reads
 
     def __init__(self, graph: Graph, *, feed_types: dict[str, TensorType], external: dict[str, np.ndarray],
                  gradient_sinks: dict[str, np.ndarray] | None = None, accumulate: bool = False,
                  check_finite: tuple[str, ...] = (), memory_budget: int | None = None,
                  fused_updates: dict | None = None, arena: SharedArena | None = None,
                  bound_feeds: dict[str, np.ndarray] | None = None, threads: int = 1, library=None,
-                 artifact_folder=None):
+                 artifact_folder=None, element_wise_fusion: bool = True):
         self.library = library  # a KernelLibrary (odtrain/kernel_library/) whose kernels run the calls it holds
         self.artifact_folder = artifact_folder  # where the library was looked for (named when kernels are missing)
         if library is None:
@@ -121,7 +137,8 @@ class ExecutableStep:
             return plan_step(graph, feed_types, parameter_types, partial(scratch_bytes, threads=self.threads),
                              held=set() if accumulate else set(sinks), memory_budget=budget,
                              fused_updates={grad: param for grad, (param, _) in (fused_updates or {}).items()},
-                             bound_feeds=bound_feeds)
+                             bound_feeds=bound_feeds,
+                             element_wise=element_wise_arity if element_wise_fusion and fusion_enabled() else None)
 
         step = planned(memory_budget)
         self.step_plan = step

@@ -57,7 +57,8 @@ class _Body:
             else:
                 captured[inner] = storage[outer_name]
         self.step = type(outer)(body, feed_types=feed_types, external=captured, bound_feeds=constants,
-                                   threads=outer.threads, library=outer.library, artifact_folder=outer.artifact_folder)
+                                   threads=outer.threads, library=outer.library, artifact_folder=outer.artifact_folder,
+                                   element_wise_fusion=False)  # an element-wise body fuses whole (body_fusion.py)
         self.feeds = {name: view for name, view in zip(self.step.feeds, self.step.feed_views)}
         self.outputs = [self.step.storage[name] for name in body.outputs]
         outer.random_streams.extend(self.step.random_streams)  # a body's Dropout draws anew each step

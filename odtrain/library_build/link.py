@@ -49,6 +49,7 @@ from ..graph.errors import ArgumentError
 from ..jit.cache import sources_digest
 from ..kernel_library import LIBRARY_FILE, MANIFEST_FILE, kernel_name
 from ..kernel_library.cpu import DEFAULT_CPU, TARGETS, host_arch
+from ..kernels import fused_elementwise
 from .targets import (NoCompiler, c_compiler, cpu_features, optimise, optimise_functions, target_machine,
                       without_host_cpu)
 
@@ -75,8 +76,9 @@ def build(entries, out_dir, out=print, target: str | None = None, cpu: str | Non
     target, cpu, features, compiler = build_target(target, cpu, object_only)
     created = not os.path.exists(out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    spec = {"entries": sorted(set(map(tuple, entries))), "target": target, "cpu": cpu, "features": features,
-            "compiler": compiler, "artifacts": artifacts or []}
+    entries = sorted(set(map(tuple, entries)))
+    spec = {"entries": entries, "target": target, "cpu": cpu, "features": features,
+            "compiler": compiler, "artifacts": artifacts or [], "sources": generated_sources(entries)}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as spec_file:
         json.dump(spec, spec_file)
     environment = dict(os.environ)
@@ -209,6 +211,14 @@ def wrapper(kernel, argument_types):
     return cfunc(types.int32(types.CPointer(types.voidptr)), error_model="numpy")(namespace["call"])
 
 
+def generated_sources(entries) -> dict[str, str]:
+    """The texts of the generated kernels (fused element-wise chains) that `entries` name, as this process made
+    them: the build's own process compiles them from these (kernels/fused_elementwise.py, install)."""
+    module = fused_elementwise.__name__ + ":"
+    names = {name[len(module):].removesuffix("_parts") for name, _ in entries if name.startswith(module)}
+    return {name: fused_elementwise.SOURCES[name] for name in sorted(names) if name in fused_elementwise.SOURCES}
+
+
 def resolve(name: str):
     """The kernel named 'module:qualified name'."""
     module, _, qualified = name.partition(":")
@@ -263,6 +273,7 @@ def build_here(spec_path: str, out_dir: str) -> None:
     with open(spec_path) as file:
         spec = json.load(file)
     entries = [tuple(e) for e in spec["entries"]]
+    fused_elementwise.install(spec.get("sources", {}))
     for dispatcher in kernel_dispatchers():
         dispatcher._cache = NullCache()
     retarget = spec["cpu"] is not None  # Numba's unoptimised IR (NUMBA_OPT=0), for a named CPU
