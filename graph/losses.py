@@ -120,12 +120,13 @@ def cross_entropy_layout(graph: Graph) -> tuple[int, int | None] | None:
     return None
 
 
-def cross_entropy_classes(graph: Graph) -> int | None:
+def cross_entropy_classes(graph: Graph, types: dict | None = None) -> int | None:
     """The number of classes of the cross-entropy that `add_loss` appended to `graph` (axis 1 of its scores,
-    whichever the model's layout), or None when there is none or it is not fixed."""
+    whichever the model's layout), or None when there is none or it is not fixed. `types` (a bound step's value
+    types) knows the scores where a saved training model does not: ONNX infers no shape past odtrain's own ops."""
     for node in graph.nodes:
         if node.op_type == "SoftmaxCrossEntropyLoss":
-            scores = graph.value_types.get(node.inputs[0])
+            scores = (types or graph.value_types).get(node.inputs[0])
             if scores is None or scores.shape is None or len(scores.shape) < 2:
                 return None
             return scores.shape[1] if isinstance(scores.shape[1], int) else None

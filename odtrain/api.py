@@ -404,7 +404,7 @@ class _GraphSession:
             except NonFiniteError as error:
                 raise NonFiniteError(f"step {self.steps + 1}: {error}") from None
             except InputError as error:  # a kernel stopped on the data: name the label when it is one
-                raise self._label_error(arrays) or error from None
+                raise self._label_error(arrays, plan.types) or error from None
             self.steps += 1
             if self.with_gradients and plan.random_streams:
                 self.state._random[1] += 1
@@ -420,10 +420,10 @@ class _GraphSession:
         outputs = [plan.output(name) for name in self.output_names]
         return outputs[0] if len(outputs) == 1 else outputs
 
-    def _label_error(self, arrays) -> InputError | None:
+    def _label_error(self, arrays, types: dict) -> InputError | None:
         """The error naming a label outside the cross-entropy's classes (_label_error), looked for only after a
-        step failed, so a step pays nothing for it."""
-        return _label_error(self.graph, f"{self.what} '{self.uri}'", self.input_names, arrays)
+        step failed, so a step pays nothing for it; `types` are the failed step's bound value types."""
+        return _label_error(self.graph, f"{self.what} '{self.uri}'", self.input_names, arrays, types)
 
 
 def _gradient_outputs(graph: Graph, store: ParameterStore, source: str) -> dict[str, str]:
@@ -497,12 +497,12 @@ def placeholder_feeds(declared: dict[str, TensorType], batch_size: int, sequence
     return arrays
 
 
-def _label_error(graph: Graph, source: str, input_names: list[str], arrays) -> InputError | None:
+def _label_error(graph: Graph, source: str, input_names: list[str], arrays, types: dict) -> InputError | None:
     """The error naming the model, the sample, its label and the class count, when an integer input holds a
     label outside the cross-entropy's classes (what its kernel stopped on); else None."""
     from .graph.losses import cross_entropy_classes, cross_entropy_layout
 
-    classes, layout = cross_entropy_classes(graph), cross_entropy_layout(graph)
+    classes, layout = cross_entropy_classes(graph, types), cross_entropy_layout(graph)
     if classes is None or layout is None:
         return None
     ignore_index = layout[1]

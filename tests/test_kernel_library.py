@@ -173,8 +173,9 @@ def test_kernels_taking_tuples_give_their_jit_twins_bits_through_a_library(tmp_p
 
 
 def test_the_manifest_names_each_parallel_twins_serial_kernel(mlp_library):
-    """From kernels/parallel_split.py's table: the MLP at two threads runs its products and its update in parts, and larger
-    batches its element-wise ops (recorded split: kernels/parallel_split.py, every_split)."""
+    """From kernels/parallel_split.py's table: the MLP at two threads runs its products (the first with its Relu as
+    an epilogue, whose gradient sums the bias's in the same pass) and its update in parts, and larger batches its
+    element-wise ops (recorded split: kernels/parallel_split.py, every_split)."""
     from odtrain.kernels.parallel_split import TWINS
 
     with_library, _ = mlp_library
@@ -184,7 +185,8 @@ def test_the_manifest_names_each_parallel_twins_serial_kernel(mlp_library):
     assert {name: found[name] for name in found if name in expected} == \
         {"odtrain.kernels.blas:gemm_batched_parts": "odtrain.kernels.linalg:_gemm_batched",
          "odtrain.kernels.optim:adamw_update_parts": "odtrain.kernels.optim:adamw_update",
-         "odtrain.kernels.elementwise:_binary_into_parts": "odtrain.kernels.elementwise:_binary_into",
+         "odtrain.kernels.linalg:_product_epilogue_parts": "odtrain.kernels.linalg:_product_epilogue",
+         "odtrain.kernels.linalg:_activation_bias_grad_parts": "odtrain.kernels.linalg:_activation_bias_grad",
          "odtrain.kernels.elementwise:_unary_parts": "odtrain.kernels.elementwise:_unary"}
     assert all(found[name] is None for name in found if name not in expected)
 

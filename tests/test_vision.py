@@ -444,7 +444,7 @@ def test_a_folded_gradient_is_the_activation_gradient_then_the_normalization_gra
     from odtrain.kernels import BINDINGS, nn, parallel_split
 
     monkeypatch.setattr(parallel_split, "MIN_PARALLEL_WORK", 0)
-    monkeypatch.setattr(nn, "MASK_BLOCK", 24)  # 2 channels of 12 cells a block, 3 blocks an image
+    monkeypatch.setattr(nn, "CHANNEL_BLOCK", 24)  # 2 channels of 12 cells a block, 3 blocks an image
     gradient, normalization = BINDINGS[("ai.odtrain", "ClipGrad")], BINDINGS[("ai.odtrain", "BatchNormalizationGrad")]
     x, dy, y = rand(3, 5, 3, 4), rand(3, 5, 3, 4), rand(3, 5, 3, 4)
     scale, mean, var, low, high = rand(5), rand(5), rand(5, low=1, high=2), scalar(-0.3), scalar(0.5)
