@@ -46,11 +46,12 @@ import torch
 import torch.nn.functional as F
 from torch._higher_order_ops.scan import scan
 
+from torch_optimizers import ADAMW, SGD, AdamWLikeOnnxRuntime  # benchmarks/, this script's folder
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 OUT = REPO / "tests" / "data" / "loops"
 STEPS = 5
 SGD_LR, ADAMW_LR = 0.1, 1e-2
-ADAMW = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-6, "weight_decay": 0.0, "bias_correction": True}
 T, BATCH, INPUT, HIDDEN, STATE, OUTPUT = 6, 4, 3, 5, 3, 2
 
 
@@ -162,36 +163,6 @@ def batches(shape, seed: int, alternate_sign: bool = False):
         x += np.where(np.arange(STEPS) % 2 == 0, 0.5, -0.5).astype(np.float32).reshape(-1, *[1] * len(shape))
     batch = shape[1] if len(shape) == 3 and shape[0] == T else shape[0]
     return x, rng.standard_normal((STEPS, batch, OUTPUT)).astype(np.float32)
-
-
-class AdamWLikeOnnxRuntime:
-    """ONNX Runtime's AdamW: step size lr·√(1-β2ᵗ)/(1-β1ᵗ), ε added to √v, decay after the update."""
-
-    def __init__(self, params, lr):
-        self.params, self.lr, self.t = list(params), lr, 0
-        self.m = [torch.zeros_like(p) for p in self.params]
-        self.v = [torch.zeros_like(p) for p in self.params]
-
-    @torch.no_grad()
-    def step(self):
-        self.t += 1
-        b1, b2 = ADAMW["beta1"], ADAMW["beta2"]
-        size = self.lr * np.sqrt(1 - b2 ** self.t) / (1 - b1 ** self.t)
-        for p, m, v in zip(self.params, self.m, self.v):
-            m.mul_(b1).add_(p.grad, alpha=1 - b1)
-            v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
-            p.sub_(size * m / (v.sqrt() + ADAMW["eps"]))
-            p.sub_(self.lr * ADAMW["weight_decay"] * p)
-
-
-class SGD:
-    def __init__(self, params, lr):
-        self.params, self.lr = list(params), lr
-
-    @torch.no_grad()
-    def step(self):
-        for p in self.params:
-            p.sub_(self.lr * p.grad)
 
 
 def trajectory(model, x, y, optimizer: str, trainable: list[str]) -> np.ndarray:

@@ -40,6 +40,7 @@ import contextlib
 import importlib.util
 import json
 import pathlib
+import sys
 import warnings
 
 import numpy as np
@@ -50,11 +51,13 @@ import transformers
 from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: the optimizers as PyTorch
+from torch_optimizers import ADAMW, SGD, AdamWLikeOnnxRuntime  # noqa: E402
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 IGNORE_INDEX = -100
 STEPS, BATCH, SEQ = 10, 4, 16
 SGD_LR, ADAMW_LR = 0.05, 1e-3
-ADAMW = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-6, "weight_decay": 0.0, "bias_correction": True}
 LORA = {"rank": 4, "alpha": 8.0, "seed": 0, "target_params": ["*q_proj.weight", "*v_proj.weight"],
         "requires_grad": ["model.norm.weight"], "lr": 1e-2}
 SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -307,36 +310,6 @@ def batches(vocab: int, seed: int):
 def sequence_loss(logits, labels):
     """Mean cross-entropy over the non-ignored positions of logits [b, s, V] and labels [b, s]."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX)
-
-
-class AdamWLikeOnnxRuntime:
-    """ONNX Runtime's AdamW: step size lr·√(1-β2ᵗ)/(1-β1ᵗ), ε added to √v, decay after the update."""
-
-    def __init__(self, params, lr):
-        self.params, self.lr, self.t = list(params), lr, 0
-        self.m = [torch.zeros_like(p) for p in self.params]
-        self.v = [torch.zeros_like(p) for p in self.params]
-
-    @torch.no_grad()
-    def step(self):
-        self.t += 1
-        b1, b2 = ADAMW["beta1"], ADAMW["beta2"]
-        size = self.lr * np.sqrt(1 - b2 ** self.t) / (1 - b1 ** self.t)
-        for p, m, v in zip(self.params, self.m, self.v):
-            m.mul_(b1).add_(p.grad, alpha=1 - b1)
-            v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
-            p.sub_(size * m / (v.sqrt() + ADAMW["eps"]))
-            p.sub_(self.lr * ADAMW["weight_decay"] * p)
-
-
-class SGD:
-    def __init__(self, params, lr):
-        self.params, self.lr = list(params), lr
-
-    @torch.no_grad()
-    def step(self):
-        for p in self.params:
-            p.sub_(self.lr * p.grad)
 
 
 def trajectory(model, data, optimizer: str, lr: float, trainable: dict):
