@@ -140,7 +140,7 @@ MUTANTS = [
            "odtrain/executor.py", "        except InputError:  # a library call's, already worded (_stopped)\n            raise\n",
            ""),
     Mutant("label-message", "a label outside the classes through the API names no sample, label or count",
-           "odtrain/api.py", "                raise self._label_error(arrays) or error from None", "                raise"),
+           "odtrain/api.py", "                raise self._label_error(arrays, plan.types) or error from None", "                raise"),
     Mutant("one-channel-norm", "a 1-channel BatchNormalization's scale and bias are left out of training",
            "graph/parameters.py", "size == 1 and not _is_weight(name, consumers):", "size == 1:"),
     Mutant("stale-build", "pip install . packs a stale library when the new build fails", "setup.py",

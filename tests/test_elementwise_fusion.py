@@ -136,7 +136,7 @@ def test_a_new_element_wise_op_is_one_row(tmp_path, monkeypatch):
         monkeypatch.setenv(SWITCH, "1" if fused else "0")
         session = InferenceSession(str(path))
         results[fused] = session.run(None, {"x": x})[0]
-        (bound,) = session._plans.values()  # the step the run bound: the toy op in a fused chain, or alone
+        ((bound, _),) = session._plans.values()  # the step the run bound: the toy op in a fused chain, or alone
         assert [n.op_type for n in bound.order][1:] == ([FUSED_OP] if fused else ["ToySoftCube", "Mul", "Add"])
     h = x @ weight
     expected = (h * h * h / (1 + np.abs(h))) * np.float32(0.5) + h

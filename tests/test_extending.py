@@ -45,8 +45,12 @@ def temporary_registries():
     """Every registry the toys write, restored to what it held whatever the test did."""
     tables = (graph_registry.OPS, kernel_registry.BINDINGS, kernel_registry.SCRATCH, graph_optimizers.OPTIMIZERS,
               optimizer_update.UPDATES, parallel_split.TWINS)
+    from odtrain.kernels import fused_elementwise
+
+    tables += (fused_elementwise._MADE, fused_elementwise.SOURCES)  # fused chains the toys' steps made
     saved = [dict(table) for table in tables]
     parallel = set(kernel_registry.PARALLEL)
+    generated = set(vars(fused_elementwise))
     try:
         yield
     finally:
@@ -55,6 +59,8 @@ def temporary_registries():
             table.update(before)
         kernel_registry.PARALLEL.clear()
         kernel_registry.PARALLEL.update(parallel)
+        for name in set(vars(fused_elementwise)) - generated:  # their kernels and twins, gone with the twins' records
+            delattr(fused_elementwise, name)
 
 
 # ---- the toy op: README's "Adding an op", items 1 and 2 --------------------------------------------------------

@@ -19,6 +19,14 @@ from oracles import make_model
 WIDTH, DEPTH, BATCH = 64, 24, 32
 
 
+@pytest.fixture(autouse=True)
+def per_op_nodes(monkeypatch):
+    """The recomputation choices are read from the plan's nodes, their op types and names: planned without the
+    element-wise fusion, which would merge a recomputed Mul and Relu into one node (tests/test_elementwise_fusion.py
+    holds a fused step to its budget)."""
+    monkeypatch.setenv("ODTRAIN_ELEMENTWISE_FUSION", "0")
+
+
 @pytest.fixture(scope="module")
 def deep_mlp(tmp_path_factory):
     """A deep tanh MLP: its saved activations dominate the arena, as in a real network."""
