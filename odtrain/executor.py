@@ -107,10 +107,16 @@ class ExecutableStep:
     `threads` is the step's thread count: parallel kernels are bound to split their work into
     that many parts, with their scratch sized for it, and a run uses that many of Numba's threads.
     `element_wise_fusion`: chains of element-wise nodes run as one fused kernel each (graph/elementwise_fusion.py;
-    also off with ODTRAIN_ELEMENTWISE_FUSION=0).
+    also off with ODTRAIN_ELEMENTWISE_FUSION=0, and with a kernel library or while one is recorded: `_fuses`).
     """
 
     expressions = scalar_expressions  # the kernels' table of scalar expressions, which odtrain/body_fusion.py reads
+
+    def _fuses(self, asked: bool) -> bool:
+        """Whether this step plans element-wise chains fused: asked and switched on, and neither running from a
+        kernel library nor recording one. A fused chain's kernel is generated when the step binds, which takes
+        Numba; a library and the step that records it both hold the per-op kernels instead, the same bits."""
+        return asked and fusion_enabled() and self.library is None and _recording is None
 
     def __init__(self, graph: Graph, *, feed_types: dict[str, TensorType], external: dict[str, np.ndarray],
                  gradient_sinks: dict[str, np.ndarray] | None = None, accumulate: bool = False,
@@ -138,7 +144,7 @@ class ExecutableStep:
                              held=set() if accumulate else set(sinks), memory_budget=budget,
                              fused_updates={grad: param for grad, (param, _) in (fused_updates or {}).items()},
                              bound_feeds=bound_feeds,
-                             element_wise=element_wise_arity if element_wise_fusion and fusion_enabled() else None)
+                             element_wise=element_wise_arity if self._fuses(element_wise_fusion) else None)
 
         step = planned(memory_budget)
         self.step_plan = step

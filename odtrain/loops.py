@@ -27,6 +27,8 @@ still carries.
 """
 from __future__ import annotations
 
+from types import FunctionType
+
 import numpy as np
 
 from .graph.control_flow import outer_bindings
@@ -145,7 +147,9 @@ def loop_memory(calls, types: dict) -> list[LoopMemory]:
     their bodies after them."""
     found = []
     for kernel, _ in calls:
-        steps = getattr(kernel, "body_steps", None)
+        # a loop's runner is a Python function; a kernel is looked at no further (a lazy Numba kernel's attributes
+        # would load Numba, which a device running a kernel library does not have)
+        steps = getattr(kernel, "body_steps", None) if isinstance(kernel, FunctionType) else None
         if steps is None:
             continue
         node = kernel.node
