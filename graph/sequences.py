@@ -273,13 +273,17 @@ class _Scope:
         for inner, result in zip(inner_outputs, results):
             if not result:
                 continue
-            if inner in self.values:
-                self.values[result] = self.values[inner]
-            else:
-                out.append(Node("Identity", [inner], [result], {}, self.names.fresh(f"{node.name}/{result}")))
-                if inner in self.known:
-                    self.known[result] = self.known[inner]
+            if not self._pass_on(node, inner, result, out) and inner in self.known:
+                self.known[result] = self.known[inner]
         return inner_outputs
+
+    def _pass_on(self, node: Node, value: str, result: str, out: list) -> bool:
+        """`result` names `value`: the same sequence (True), or an Identity of the tensor appended to `out`."""
+        if value in self.values:
+            self.values[result] = self.values[value]
+            return True
+        out.append(Node("Identity", [value], [result], {}, self.names.fresh(f"{node.name}/{result}")))
+        return False
 
     def _unroll(self, node: Node, out: list) -> None:
         body = node.attrs["body"]
@@ -315,12 +319,8 @@ class _Scope:
                 raise UnsupportedOpError(f"{self.source}: {node.describe()} carries a sequence and its condition stays "
                                          "true past 100000 iterations; give it a trip count")
         for result, value in zip(node.outputs[:carried], state):
-            if not result:
-                continue
-            if value in self.values:
-                self.values[result] = self.values[value]
-            else:
-                out.append(Node("Identity", [value], [result], {}, self.names.fresh(f"{node.name}/{result}")))
+            if result:
+                self._pass_on(node, value, result, out)
         for result, rows in zip(node.outputs[carried:], scans):
             if not result:
                 continue
