@@ -62,19 +62,22 @@ _STORAGE = {1: "float_data", 2: "int32_data", 3: "int32_data", 4: "int32_data", 
 
 # The element types numpy lacks that odtrain's Cast converts to and from: bfloat16, the float8 types,
 # float4 and the 4- and 2-bit integers, one byte or two per element (ml_dtypes' arrays, as
-# onnx.numpy_helper gives them). Other ops refuse them.
-STORAGE_TYPES = (16, 17, 18, 19, 20, 21, 22, 23, 25, 26)
-STORAGE_NAMES = frozenset({"bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
-                           "uint4", "int4", "float4_e2m1fn", "uint2", "int2"})
+# onnx.numpy_helper gives them), by code and ml_dtypes' name. Other ops refuse them.
+STORAGE_DTYPE_NAMES = {16: "bfloat16", 17: "float8_e4m3fn", 18: "float8_e4m3fnuz", 19: "float8_e5m2",
+                       20: "float8_e5m2fnuz", 21: "uint4", 22: "int4", 23: "float4_e2m1fn", 25: "uint2", 26: "int2"}
+STORAGE_TYPES = tuple(STORAGE_DTYPE_NAMES)
+STORAGE_NAMES = frozenset(STORAGE_DTYPE_NAMES.values())
 
 
 def numpy_dtype(code: int) -> np.dtype | None:
-    """The numpy dtype of an ONNX element type (ml_dtypes' for STORAGE_TYPES, through onnx, imported
-    only then), None for the types odtrain does not hold."""
-    if code in STORAGE_TYPES:
-        from onnx.helper import tensor_dtype_to_np_dtype
+    """The numpy dtype of an ONNX element type (ml_dtypes' for STORAGE_TYPES, imported only then), None
+    for the types odtrain does not hold. ml_dtypes is what onnx itself maps these codes to; it is asked
+    directly because `import onnx` would add some 28 MiB to a training process that reads an int4 or
+    bfloat16 model (onnx's schemas and protobuf), against ml_dtypes' 3."""
+    if code in STORAGE_DTYPE_NAMES:
+        import ml_dtypes
 
-        return np.dtype(tensor_dtype_to_np_dtype(code))
+        return np.dtype(getattr(ml_dtypes, STORAGE_DTYPE_NAMES[code]))
     return ELEMENT_DTYPES.get(code)
 
 
@@ -88,7 +91,7 @@ def element_type(dtype) -> int:
     """The ONNX element type of a numpy dtype."""
     dtype = np.dtype(dtype)
     if dtype.name in STORAGE_NAMES:
-        return next(code for code in STORAGE_TYPES if numpy_dtype(code) == dtype)
+        return next(code for code, name in STORAGE_DTYPE_NAMES.items() if name == dtype.name)
     return _ELEMENT_TYPES[dtype]
 
 

@@ -259,6 +259,28 @@ def test_int4_weights_train_store_and_refuse_damage(tmp_path):
         CheckpointState.load_checkpoint(tmp_path / "mismatched")
 
 
+def test_int4_artifacts_train_without_importing_onnx(tmp_path):
+    """A training process reads an int4 model's value types through ml_dtypes, not onnx: `import onnx` alone
+    adds some 28 MiB to the process, which a 1B model's memory cap has no room for."""
+    import os
+    import subprocess
+    import sys
+
+    model, _ = linear_model(inner=70, outer=32)
+    artifacts.generate_artifacts(model, requires_grad=["P"], frozen_params=["W"], loss=None,
+                                 optimizer=artifacts.OptimType.SGD, artifact_directory=tmp_path, frozen_dtype="int4")
+    probe = ("import sys; from odtrain.api import CheckpointState, Module\n"
+             f"state = CheckpointState.load_checkpoint({str(tmp_path / 'checkpoint')!r})\n"
+             f"module = Module({str(tmp_path / 'training_model.onnx')!r}, state)\n"
+             "assert any(t.dtype.name == 'int4' for t in module.graph().value_types.values())\n"
+             "print(float(module()), sorted(m for m in sys.modules if m.split('.')[0] == 'onnx'))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's odtrain
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-1] == "[]"
+
+
 # ---- the test decoder with LoRA ----------------------------------------------------------------------------
 
 DECODER = DATA / "decoders" / "llama"
