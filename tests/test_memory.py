@@ -184,6 +184,34 @@ def test_an_impossible_budget_names_the_smallest_that_works(deep_mlp):
     assert bound.plan.arena_bytes <= smallest
 
 
+def test_when_nothing_fits_the_covering_aims_below_the_evenly_spaced_choices_whatever_the_budget(deep_mlp,
+                                                                                                monkeypatch):
+    """The last pass covers the peaks aiming at LADDER shares of the evenly spaced choices' smallest arena: aims
+    that do not depend on the budget, so the smallest arena they reach can be named as one a budget meets."""
+    directory, x, y = deep_mlp
+    covered = recompute._greedy
+    aims, reached = [], []
+
+    def recording(*args, aim, budget, modes=(False, True)):
+        kept, size = covered(*args, aim=aim, budget=budget, modes=modes)
+        aims.append(aim)
+        reached.append(size)
+        return kept, size
+
+    monkeypatch.setattr(recompute, "_greedy", recording)
+    named, ladders = {}, {}
+    for budget in (1000, 2000):
+        aims.clear(), reached.clear()
+        named[budget] = named_smallest(directory, x, y, budget)
+        assert aims[0] == budget and len(aims) == 1 + len(recompute.LADDER)
+        ladders[budget] = ladder = aims[1:]
+        assert named[budget] <= min(reached[1:])
+    assert named[1000] == named[2000] and ladders[1000] == ladders[2000]
+    evenly_spaced = ladder[0] / recompute.LADDER[0]  # aims are whole bytes: within one of their shares
+    assert all(abs(aim - evenly_spaced * share) <= 1 and aim < evenly_spaced
+               for aim, share in zip(ladder, recompute.LADDER))
+
+
 @pytest.mark.parametrize("kind", [artifacts.OptimType.SGD, artifacts.OptimType.AdamW])
 def test_fused_updates_give_identical_parameters(kind, mlp_reference, tmp_path):
     path, meta, golden = mlp_reference
