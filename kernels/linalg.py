@@ -243,8 +243,7 @@ def view_gemm_calls(a: np.ndarray, a_view: np.ndarray, b: np.ndarray, b_view: np
 EPILOGUE_CODES = {"Relu": 1, "Gelu": 2}
 # Rows of a product's output per panel of an epilogue: a panel of EPILOGUE_PANEL_BYTES at most, at least
 # EPILOGUE_MIN_ROWS rows. BLAS repacks the weight at every call and runs short panels slower than the pass they
-# save: a [2048, 256]·[256, 1024] product with GELU took 11.6 ms in panels of 256 rows, 9.1 in panels of 1,024 or
-# 2,048 and 9.2 unfused (1 thread, the least of 7 runs, on a loaded 2-core machine, 2026-11-29).
+# save (benchmarks/README.md, "Figures behind kernel choices").
 EPILOGUE_PANEL_BYTES = 1 << 22
 EPILOGUE_MIN_ROWS = 512
 

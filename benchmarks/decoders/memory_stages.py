@@ -83,6 +83,7 @@ def main(argv=None) -> None:
         print(json.dumps({"step": step, "loss": float(np.asarray(loss[0] if isinstance(loss, (list, tuple)) else loss))}),
               flush=True)
     _stage(f"{args.steps} training steps", started)
+    print(json.dumps({"memory_budget_bytes": module.memory_budget_bytes, "arena_bytes": module.arena_bytes}), flush=True)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as scratch:
         module.export_model_for_inferencing(os.path.join(scratch, "inference.onnx"), ["logits"],
