@@ -1,8 +1,33 @@
 """The layers of the design: kernels import nothing of ours; graph never imports kernels or odtrain."""
 import ast
+import functools
+import os
 import pathlib
 
 ROOT = pathlib.Path(__file__).parent.parent
+
+
+def parsed(path) -> ast.Module:
+    """A file's syntax tree, parsed once a run: a dozen checks read every module, and late in a long run of the
+    suite each parse is slow (the garbage collector scans the suite's whole heap as the nodes are made)."""
+    stat = os.stat(path)
+    return _parsed(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=None)
+def _parsed(path: str, modified: int, size: int) -> ast.Module:
+    return ast.parse(pathlib.Path(path).read_text(), filename=path)
+
+
+def walked(path) -> tuple[ast.AST, ...]:
+    """Every node of a file's syntax tree (ast.walk's order), listed once a run."""
+    stat = os.stat(path)
+    return _walked(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=None)
+def _walked(path: str, modified: int, size: int) -> tuple[ast.AST, ...]:
+    return tuple(ast.walk(_parsed(path, modified, size)))
 
 
 def imported_modules(folder: str, package: str | None = None):
@@ -10,8 +35,7 @@ def imported_modules(folder: str, package: str | None = None):
     against the package an install makes of the folder (PACKAGES, from pyproject.toml)."""
     package = package or PACKAGES[folder]
     for path in (ROOT / folder).rglob("*.py"):
-        tree = ast.parse(path.read_text(), filename=str(path))
-        for node in ast.walk(tree):
+        for node in walked(path):
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     yield path, alias.name
@@ -47,7 +71,7 @@ def test_kernel_modules_load_numba_only_when_a_kernel_compiles():
     """At module level a kernel module takes Numba's names from kernels/jit.py: an `import numba` there would
     bring the compiler into a process whose steps run in the kernel library."""
     for path in sorted((ROOT / "kernels").rglob("*.py")):
-        for statement in ast.parse(path.read_text()).body:
+        for statement in parsed(path).body:
             if isinstance(statement, (ast.Import, ast.ImportFrom)):
                 names = [a.name for a in statement.names] if isinstance(statement, ast.Import) else [statement.module]
                 assert not any((n or "").split(".")[0] in ("numba", "llvmlite") for n in names), \
@@ -107,7 +131,7 @@ def test_the_device_side_kernel_library_sits_under_the_executor():
     reached = sorted((name, module) for name, module in odtrain_imports("kernel_library") if module.startswith(above))
     assert not reached, reached
     for path in (ROOT / "odtrain" / "kernel_library").glob("*.py"):
-        for statement in ast.parse(path.read_text()).body:
+        for statement in parsed(path).body:
             if isinstance(statement, (ast.Import, ast.ImportFrom)):
                 names = [a.name for a in statement.names] if isinstance(statement, ast.Import) else [statement.module]
                 assert not any((n or "").split(".")[0] in ("numba", "llvmlite", "scipy", "onnx") for n in names), \
@@ -207,7 +231,7 @@ def module_imports() -> dict[str, set[str]]:
     for name, path in paths.items():
         package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
         found = set()
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        for node in walked(path):
             if isinstance(node, ast.Import):
                 found.update(alias.name for alias in node.names)
             elif isinstance(node, ast.ImportFrom):
@@ -332,8 +356,7 @@ def test_no_module_reaches_into_the_sessions_or_parameter_store_of_the_api():
         for path in (ROOT / folder).rglob("*.py"):
             if path == ROOT / "odtrain" / "api.py":
                 continue
-            tree = ast.parse(path.read_text(), filename=str(path))
-            reached = sorted({node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+            reached = sorted({node.attr for node in walked(path) if isinstance(node, ast.Attribute)
                               and node.attr in private})
             assert not reached, (str(path.relative_to(ROOT)), reached)
 
@@ -356,7 +379,7 @@ def private_names() -> tuple[dict[str, set[str]], list[tuple[str, str, int]]]:
     for folder in ("odtrain", "graph", "kernels", "benchmarks"):
         for path in (ROOT / folder).rglob("*.py"):
             module = str(path.relative_to(ROOT))
-            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            for node in walked(path):
                 name = None
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                     name = node.name
@@ -401,7 +424,7 @@ def private_imports(root=ROOT, folders=("odtrain", "graph", "kernels", "benchmar
         for path in sorted((root / folder).rglob("*.py")):
             name = graph_paths.get(path)
             package = (name if path.name == "__init__.py" else name[:-1]) if name else []
-            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            for node in walked(path):
                 if not isinstance(node, ast.ImportFrom):
                     continue
                 source = (".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
@@ -461,7 +484,7 @@ def kernel_families() -> set[str]:
             if any(isinstance(node, ast.ImportFrom) and node.module == "registry"
                    and node.level == (2 if path.name == "__init__.py" else 1)
                    and "binding" in {alias.name for alias in node.names}
-                   for node in ast.parse(path.read_text()).body)}
+                   for node in parsed(path).body)}
 
 
 # A base module that stands on another base module, and why (kernels/__init__.py): its families then stand one
