@@ -80,9 +80,9 @@ def test_kernel_modules_load_numba_only_when_a_kernel_compiles():
 
 def test_graph_never_imports_kernels_or_odtrain():
     allowed = {"numpy", "onnx", "__future__", "dataclasses", "typing", "itertools", "enum", "os", "math", "struct",
-               "fnmatch", "sys", "mmap", "functools"}  # sys: whether onnx is loaded already (graph/onnx_io.py
-    # writes a model without it if not); mmap: graph/onnx_wire.py lets the kernel drop the mapped model's pages of
-    # weights converted
+               "fnmatch", "sys", "mmap", "functools", "ml_dtypes"}  # sys: whether onnx is loaded already
+    # (graph/onnx_io.py writes a model without it if not); mmap: graph/onnx_wire.py lets the kernel drop the mapped
+    # model's pages of weights converted; ml_dtypes: the types numpy lacks (bfloat16, int4), onnx's own dependency
     for path, module in imported_modules("graph"):
         if module == SHARED_LEAF:
             continue
