@@ -17,6 +17,11 @@ SGDMomentum (torch.optim.SGD; μ momentum, τ dampening, λ weight decay):
     d = g + λ·w;  b = d on the first step, else μ·b + (1-τ)·d
     w = w - lr·(d + μ·b)  with Nesterov, else  w = w - lr·b
 
+Any optimizer may clip the gradients first (torch.nn.utils.clip_grad_norm_, ONNX Runtime's
+onnxblock.optim.ClipGradNorm): with the node's attribute `max_grad_norm` = c, every gradient is
+scaled by min(1, c / (‖g‖ + CLIP_EPSILON)), ‖g‖ the L2 norm of all trainable parameters' gradients
+together, before the update reads them. Without the attribute nothing is clipped.
+
 Each optimizer is one record in OPTIMIZERS, written by `@optimizer(...)` on the class of its
 hyper-parameters; everything else odtrain knows of an optimizer is read from it:
 - kind: the class's name; the op type of the optimizer model's node and the kind the checkpoint stores.
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -54,6 +60,8 @@ class OptimType(enum.Enum):
 
 STATE_DTYPES = ("float32", "int8")  # how an optimizer may keep its state (int8: AdamW's moments)
 STATE_BLOCK = 2048  # values per absmax of 8-bit moments
+MAX_GRAD_NORM = "max_grad_norm"  # the optimizer node's attribute that clips the gradients' global norm
+CLIP_EPSILON = 1e-6  # c / (norm + this): torch.nn.utils.clip_grad_norm_'s and ONNX Runtime's
 
 
 @dataclass(frozen=True)
@@ -234,10 +242,24 @@ def parse_optimizer(optimizer):
         f"odtrain.artifacts.{classes} with hyper-parameters, got {optimizer!r}")
 
 
-def build_optimizer_graph(optimizer, parameters: list[str]) -> Graph:
-    """The optimizer model: one node of odtrain's domain, the optimizer's kind, over the flat buffers."""
+def check_max_grad_norm(max_grad_norm) -> float | None:
+    """A gradient clipping norm as given (None: no clipping), or an ArgumentError."""
+    if max_grad_norm is None:
+        return None
+    if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) \
+            or not math.isfinite(max_grad_norm) or max_grad_norm <= 0:
+        raise ArgumentError(f"max_grad_norm must be a positive number (the largest L2 norm of all gradients "
+                            f"together, as torch.nn.utils.clip_grad_norm_'s max_norm), got {max_grad_norm!r}")
+    return float(max_grad_norm)
+
+
+def build_optimizer_graph(optimizer, parameters: list[str], max_grad_norm: float | None = None) -> Graph:
+    """The optimizer model: one node of odtrain's domain, the optimizer's kind, over the flat buffers; with
+    `max_grad_norm`, the gradients are clipped to that global L2 norm before the update."""
     record = record_of(optimizer)
     attrs = dict(record.to_attributes(optimizer), parameters=list(parameters))
+    if check_max_grad_norm(max_grad_norm) is not None:
+        attrs[MAX_GRAD_NORM] = float(max_grad_norm)
     inputs = ["learning_rate", "step", "params", "gradients"] + [f"{s}s" for s in record.state_names]
     node = Node(record.kind, inputs, ["updated_flag"], attrs, f"{record.kind}_update", ODTRAIN_DOMAIN)
     return Graph([node], inputs, ["updated_flag"], opsets={"": 17}, name=f"{record.kind}_optimizer")
@@ -263,6 +285,19 @@ def read_optimizer_graph(graph: Graph, source: str) -> tuple[object, list[str]]:
     return record.from_attributes(attrs, source), parameters
 
 
+def read_max_grad_norm(graph: Graph, source: str) -> float | None:
+    """The global gradient norm a loaded optimizer model clips to, or None when it does not clip."""
+    node = graph.nodes[0]
+    if MAX_GRAD_NORM not in node.attrs:
+        return None
+    value = node.attrs[MAX_GRAD_NORM]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ModelError(f"'{source}': its {node.op_type} node's attribute '{MAX_GRAD_NORM}' is {value!r}, not a "
+                         "positive number: the file is damaged; generate the optimizer model again with "
+                         "odtrain.artifacts.generate_artifacts")
+    return float(value)
+
+
 __all__ = ["OptimType", "STATE_BLOCK", "STATE_DTYPES", "OPTIMIZERS", "OptimizerRecord", "optimizer", "record_of",
            "check_state_dtype", "AdamW", "SGD", "SGDMomentum", "parse_optimizer", "build_optimizer_graph",
-           "read_optimizer_graph"]
+           "read_optimizer_graph", "MAX_GRAD_NORM", "CLIP_EPSILON", "check_max_grad_norm", "read_max_grad_norm"]

@@ -38,7 +38,7 @@ from .graph.fusion import with_weights_read_in_place
 from .graph.lora import merge_adapters
 from .graph.onnx_io import load_graph, save_graph
 from .graph.ops import check_supported
-from .graph.optimizers import STATE_BLOCK, STATE_DTYPES, check_state_dtype, read_optimizer_graph
+from .graph.optimizers import STATE_BLOCK, STATE_DTYPES, check_state_dtype, read_max_grad_norm, read_optimizer_graph
 from .graph.planner import MemoryPlan
 from .graph.qat import quantized_for_inference
 
@@ -747,13 +747,20 @@ class Optimizer:
         self._module = module
         self._state = module._state
         store = self._state._store
-        config, params = read_optimizer_graph(load_graph(optimizer_uri, "optimizer model"), os.fspath(optimizer_uri))
+        graph = load_graph(optimizer_uri, "optimizer model")
+        config, params = read_optimizer_graph(graph, os.fspath(optimizer_uri))
+        self._max_grad_norm = read_max_grad_norm(graph, os.fspath(optimizer_uri))
+        if self._max_grad_norm is not None and fuse_with_backward:
+            raise ArgumentError(f"'{os.fspath(optimizer_uri)}' clips the gradients to a global norm of "
+                                f"{self._max_grad_norm:g}, which needs every gradient before the first update: "
+                                "fuse_with_backward=True cannot apply it; leave it False, or generate the "
+                                "optimizer model without max_grad_norm")
         if params and params != store.trainable:
             raise ParameterError(f"the optimizer model updates {params}, but the checkpoint's trainable "
                                  f"parameters are {store.trainable}; generate them together")
         if state_dtype is not None and check_state_dtype(state_dtype, config.kind) and hasattr(config, "state_dtype"):
             config = dataclasses.replace(config, state_dtype=state_dtype)
-        self._config = config
+        self._config, self._grad_norm = config, None
         wanted = getattr(config, "state_dtype", "float32")
         self._blocks = moment_blocks(store.trainable_sizes(), STATE_BLOCK)
         from .optimizer_update import float_moments, int8_moments  # kernels load with the first session or optimizer
@@ -824,13 +831,15 @@ class Optimizer:
         opt = self._state._optimizer
         store = self._state._store
         weights = store.flat[:store.trainable_size]
-        from .optimizer_update import apply_update
+        from .optimizer_update import apply_update, clip_gradients
 
         self._state._require_values("an optimizer step")
         if self._module._train.check_finite and store.first_nonfinite_gradient() is not None:
             raise NonFiniteError(f"optimizer step {opt.step + 1} refused: the gradient of parameter "
                                  f"'{store.first_nonfinite_gradient()}' is not finite; the parameters are unchanged")
         with deferred_interrupt():
+            if self._max_grad_norm is not None:
+                self._grad_norm = clip_gradients(store.grad_flat, self._max_grad_norm)
             apply_update(self._config, weights, store.grad_flat, opt.moments, opt.learning_rate, opt.step + 1,
                          self._module._train.threads(), self._blocks[0], self._module._train.library)
             opt.step += 1
@@ -850,6 +859,18 @@ class Optimizer:
         """The state this optimizer updates (its CheckpointState's optimizer_state): kind, step count,
         learning rates and moment buffers."""
         return self._state._optimizer
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        """The global L2 norm the gradients are clipped to before each update (the optimizer model's
+        max_grad_norm), or None when they are not."""
+        return self._max_grad_norm
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The L2 norm of all gradients together before the last step clipped them (what
+        torch.nn.utils.clip_grad_norm_ returns); None before a step, or when the model does not clip."""
+        return self._grad_norm
 
     @property
     def config(self):

@@ -41,7 +41,7 @@ from .graph.ops.quantize import dequantized_weights, quantization_inputs
 from .graph.losses import LossType, add_loss, parse_loss
 from .graph.control_flow import fold_constant_ifs, loops_as_scans, map_bodies, walk
 from .graph.onnx_io import read_graph, save_graph
-from .graph.optimizers import OPTIMIZERS, OptimType, build_optimizer_graph, parse_optimizer
+from .graph.optimizers import OPTIMIZERS, OptimType, build_optimizer_graph, check_max_grad_norm, parse_optimizer
 from .graph.lora import add_adapters
 from .graph.parameters import NO_GRADIENT, ParameterChoice, choose_parameters, default_selection, quantization_parameters
 from .graph.qat import QatConfig, insert_fake_quantization
@@ -282,12 +282,24 @@ class GeneratedArtifacts:
     left_out: dict[str, str]  # initializers the default selection left as constants, and why
 
 
+def _clipping(optimizer, max_grad_norm) -> float | None:
+    """The gradient clipping norm: `max_grad_norm`, or an optimizer block's clip_grad; both only when they agree."""
+    given, blocks = check_max_grad_norm(max_grad_norm), getattr(optimizer, "max_grad_norm", None)
+    if given is not None and blocks is not None and given != blocks:
+        raise ArgumentError(f"max_grad_norm={given:g} and the optimizer block's clip_grad (max_norm {blocks:g}) "
+                            "disagree: give one of them")
+    if optimizer is None and given is not None:
+        raise ArgumentError("max_grad_norm clips the gradients in the optimizer model: give an optimizer too")
+    return given if given is not None else blocks
+
+
 def generate_artifacts(model, requires_grad=None, frozen_params=None, loss=None, optimizer=None,
                        artifact_directory=None, prefix: str = "", ort_format: bool = False,
                        custom_op_library=None, additional_output_names=None, nominal_checkpoint: bool = False,
                        loss_input_names=None, class_axis=None, ignore_index=None, lora=None,
                        qat: QatConfig | None = None, properties: dict | None = None,
-                       frozen_dtype: str = "float32", eval_output_names=None) -> GeneratedArtifacts:
+                       frozen_dtype: str = "float32", eval_output_names=None,
+                       max_grad_norm: float | None = None) -> GeneratedArtifacts:
     """Write the training artifacts for `model` (an onnx.ModelProto or a path) into `artifact_directory`.
 
     `loss` and `optimizer` also accept odtrain.onnxblock blocks (a custom loss; onnxblock.optim.AdamW, SGD,
@@ -304,6 +316,9 @@ def generate_artifacts(model, requires_grad=None, frozen_params=None, loss=None,
     training reads them a panel at a time, never as a whole float32 copy. `eval_output_names` are added to
     the eval model only (what `odtrain eval` scores and export writes), so the training step does not keep
     them: a language model's [batch, seq, vocab] logits then never exist whole in training.
+    `max_grad_norm` clips all gradients together to that L2 norm before each optimizer step, as
+    torch.nn.utils.clip_grad_norm_ (an onnxblock AdamW's `clip_grad=onnxblock.optim.ClipGradNorm(c)` says
+    the same); Optimizer.grad_norm is the norm before clipping.
 
     Returns what was written and which parameters train; with `requires_grad=None`, `left_out` names the
     floating-point initializers left as constants (rotary tables, single values, ...) with the reason."""
@@ -314,6 +329,7 @@ def generate_artifacts(model, requires_grad=None, frozen_params=None, loss=None,
     if custom_op_library is not None:
         raise ArgumentError("custom_op_library does not apply: odtrain runs its own kernels and cannot load "
                             "ONNX Runtime custom-op libraries")
+    max_grad_norm = _clipping(optimizer, max_grad_norm)
     optimizer = getattr(optimizer, "config", optimizer)  # an optimizer block's hyper-parameters
     optimizer = parse_optimizer(optimizer) if optimizer is not None else None
     built = build_training_graphs(model, requires_grad, frozen_params, loss, additional_output_names, loss_input_names,
@@ -325,7 +341,7 @@ def generate_artifacts(model, requires_grad=None, frozen_params=None, loss=None,
     save_graph(built.training, paths.training_model, built.param_inputs)
     save_graph(built.eval, paths.eval_model, built.param_inputs)
     if optimizer is not None:
-        save_graph(build_optimizer_graph(optimizer, trainable), paths.optimizer_model)
+        save_graph(build_optimizer_graph(optimizer, trainable, max_grad_norm), paths.optimizer_model)
     checkpoint_file.save(paths.checkpoint, checkpoint_file.CheckpointContents(values, trainable,
                                                                               PropertyBag(properties).to_dict()),
                          keep_previous=False)  # new artifacts: a checkpoint.previous left there is another model's

@@ -14,12 +14,14 @@ parallel twin (kernels/optim.py), and its row here; README's "Adding an optimize
 from __future__ import annotations
 
 import contextlib
+import math
 
 import numpy as np
 
 from . import threads as thread_policy
 from .executor import invoke
 from .graph.errors import KernelsUnavailableError
+from .graph.optimizers import CLIP_EPSILON
 from .kernel_library import compiler_installed, missing_kernel
 from .kernels.optim import (CODE_MAPS, CODE_TABLES, adamw8_update, adamw_update, dequantize_blocks, quantize_blocks,
                             sgd_momentum_update, sgd_update)
@@ -53,6 +55,29 @@ def _sgd(config, weights, grads, moments, learning_rate, step, blocks):
 # (optimizer kind, the type its moments are kept in) -> the builder of its serial call
 UPDATES = {("AdamW", "float32"): _adamw, ("AdamW", "int8"): _adamw_int8,
            ("SGDMomentum", "float32"): _sgd_momentum, ("SGD", "float32"): _sgd}
+
+
+CLIP_BLOCK = 1 << 20  # gradient values squared in float64 at a time: a bounded copy, whatever the model's size
+
+
+def gradient_norm(grads: np.ndarray) -> float:
+    """The L2 norm of the flat gradient block: squares summed in float64 by numpy's pairwise sum a block at a
+    time, so the same bits at every thread count and no float64 copy of the whole block."""
+    total = 0.0
+    for start in range(0, grads.size, CLIP_BLOCK):
+        total += float(np.square(grads[start:start + CLIP_BLOCK], dtype=np.float64).sum())
+    return math.sqrt(total)
+
+
+def clip_gradients(grads: np.ndarray, max_norm: float) -> float:
+    """Scale the flat gradient block in place so that its L2 norm is at most `max_norm`, as
+    torch.nn.utils.clip_grad_norm_ does: by max_norm / (norm + CLIP_EPSILON) when that is below 1 (a
+    non-finite norm spreads into the gradients, as there). Returns the norm before clipping."""
+    norm = gradient_norm(grads)
+    factor = max_norm / (norm + CLIP_EPSILON)
+    if not factor >= 1.0:
+        np.multiply(grads, np.float32(factor), out=grads)
+    return norm
 
 
 def update_calls(config, weights, grads, moments, learning_rate, step, threads, blocks) -> tuple:

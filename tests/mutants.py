@@ -223,6 +223,14 @@ MUTANTS = [
     Mutant("broken-pipe-flush", "a closed pipe met at the exit's flush of buffered stdout prints a traceback",
            "odtrain/cli/__init__.py",
            "        sys.stdout.flush()  # a reader that left shows here, not in the interpreter's last flush\n", ""),
+    Mutant("clip-unapplied", "the optimizer measures the gradients' norm but updates from the unclipped gradients",
+           "odtrain/api.py", "self._grad_norm = clip_gradients(store.grad_flat, self._max_grad_norm)",
+           "self._grad_norm = clip_gradients(store.grad_flat.copy(), self._max_grad_norm)"),
+    Mutant("clip-per-block", "gradient clipping reads the norm of the last block of values only",
+           "odtrain/optimizer_update.py", "        total += float(np.square(grads[start:start + CLIP_BLOCK]",
+           "        total = float(np.square(grads[start:start + CLIP_BLOCK]"),
+    Mutant("ladder-budget", "the last recomputation pass aims below the budget, so the smallest it names is not met",
+           "graph/recompute.py", "aim=int(evenly_spaced * share)", "aim=int(budget * share)"),
 ]
 
 

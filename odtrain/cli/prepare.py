@@ -327,7 +327,7 @@ def _prepared(args, choices, generated, checkpoint) -> dict:
             "frozen_values": sum(sizes[n] for n in frozen), "frozen_bytes_by_type": by_type,
             "left_out": choices["left_out"], "loss": args.loss,
             "loss_layout": choices["loss_text"], "optimizer": args.optimizer, "learning_rate": args.lr,
-            "qat": choices.get("qat") is not None}
+            "max_grad_norm": args.max_grad_norm, "qat": choices.get("qat") is not None}
 
 
 def _compile(args) -> int:
@@ -366,8 +366,9 @@ def _print_prepared(args, choices, result) -> None:
           f"({listed(frozen, args.verbose)})" if frozen else "frozen: none")
     _print_left_out(choices["left_out"], args.verbose)
     layout = f", {choices['loss_text']}" if choices["loss_text"] else ""
+    clipping = f", gradients clipped to a norm of {args.max_grad_norm:g}" if args.max_grad_norm is not None else ""
     print(f"loss: {args.loss} on '{choices['loss_input_names'][0]}'{layout}; optimizer: {args.optimizer}, "
-          f"learning rate {args.lr:g}")
+          f"learning rate {args.lr:g}{clipping}")
     qat = choices.get("qat")
     if qat is not None:
         print(f"quantization-aware training: {qat.weight_dtype} weights per {'channel' if qat.per_channel else 'tensor'}, "
@@ -391,7 +392,8 @@ def _prepare(args) -> int:
     model = _frozen_batch_norm_model(args) if args.freeze_batchnorm else args.model
     generated = artifacts.generate_artifacts(model, optimizer=optimizer, artifact_directory=args.output,
                                              eval_output_names=predictions, properties=properties,
-                                             frozen_dtype=args.frozen_dtype, **_artifact_options(choices))
+                                             frozen_dtype=args.frozen_dtype, max_grad_norm=args.max_grad_norm,
+                                             **_artifact_options(choices))
     _remove_replaced_library(args)
     result = _prepared(args, choices, generated, checkpoint)
     if args.compile:
@@ -469,6 +471,8 @@ def _prepare_arguments(prepare) -> None:
     prepare.add_argument("--lr", type=float, default=1e-3, help="learning rate that `odtrain train` uses unless "
                          "told otherwise (default: 0.001)")
     prepare.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default: 0)")
+    prepare.add_argument("--max-grad-norm", type=float, metavar="C", help="clip all gradients together to this L2 "
+                         "norm before each optimizer step, as torch.nn.utils.clip_grad_norm_ (default: no clipping)")
     prepare.add_argument("--qat", action="store_true", help="quantization-aware training: fake-quantize the weights "
                          "(int8, symmetric, per channel) and inputs (uint8, per tensor) of Conv, MatMul and Gemm; "
                          "the exported model is then a QDQ model with int8 weights")

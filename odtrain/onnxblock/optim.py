@@ -9,7 +9,7 @@ in the optimizer model; the learning rate is set on the device (Optimizer.set_le
 
 Every optimizer record (odtrain.graph.optimizers.OPTIMIZERS) has a block here under its kind: AdamW,
 SGD and SGDMomentum are written out, with ONNX Runtime's signatures (AdamW's bias_correction first
-and clip_grad; SGD turning to SGDMomentum when given momentum); any other record's block is made from
+and clip_grad, a ClipGradNorm; SGD turning to SGDMomentum when given momentum); any other record's block is made from
 it on first use (`onnxblock.optim.<kind>(**hyper-parameters)`, `optimizer_block(record)`).
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import onnx
 
 from ..graph.errors import ArgumentError, StateError
 from ..graph.onnx_io import graph_to_proto
-from ..graph.optimizers import OPTIMIZERS, OptimizerRecord, build_optimizer_graph
+from ..graph.optimizers import OPTIMIZERS, OptimizerRecord, build_optimizer_graph, check_max_grad_norm
 from ..graph.optimizers import SGD as _SGDConfig
 from ..graph.optimizers import AdamW as _AdamWConfig
 from ..graph.optimizers import SGDMomentum as _SGDMomentumConfig
@@ -40,6 +40,7 @@ class _OptimizerBlock(Block):
     """An optimizer model for a list of trainable parameters: call it with them, then to_model_proto()."""
 
     config = None
+    max_grad_norm = None  # the global gradient norm clipped to first (AdamW's clip_grad), or None
 
     def build(self, parameters):
         self._parameters = _parameter_names(parameters)
@@ -54,16 +55,27 @@ class _OptimizerBlock(Block):
         if getattr(self, "_parameters", None) is None:
             raise StateError(f"{type(self).__name__}.to_model_proto() needs the parameters: call the block with "
                              "training_block.parameters() first, or pass them to to_model_proto(parameters)")
-        return graph_to_proto(build_optimizer_graph(self.config, self._parameters), producer="odtrain.onnxblock")
+        return graph_to_proto(build_optimizer_graph(self.config, self._parameters, self.max_grad_norm),
+                              producer="odtrain.onnxblock")
+
+
+class ClipGradNorm:
+    """Clip all gradients together to an L2 norm of `max_norm` before the update (ONNX Runtime's block of the
+    name; torch.nn.utils.clip_grad_norm_): pass it as AdamW's clip_grad."""
+
+    def __init__(self, max_norm: float):
+        self.max_norm = check_max_grad_norm(max_norm)
 
 
 class AdamW(_OptimizerBlock):
-    """AdamW (ONNX Runtime's; Hugging Face's), its hyper-parameters fixed in the optimizer model."""
+    """AdamW (ONNX Runtime's; Hugging Face's), its hyper-parameters fixed in the optimizer model; `clip_grad`
+    (a ClipGradNorm) clips the gradients first."""
 
     def __init__(self, bias_correction: bool = True, betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.0,
                  clip_grad=None):
-        if clip_grad is not None:
-            raise ArgumentError("clip_grad is not supported by odtrain's optimizer models yet; leave it None")
+        if clip_grad is not None and not isinstance(clip_grad, ClipGradNorm):
+            raise ArgumentError(f"clip_grad must be an onnxblock.optim.ClipGradNorm(max_norm), got {clip_grad!r}")
+        self.max_grad_norm = clip_grad.max_norm if clip_grad is not None else None
         self.config = _AdamWConfig(betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                    bias_correction=bool(bias_correction))
 
