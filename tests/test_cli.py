@@ -131,6 +131,20 @@ def test_check_a_trainable_model(here, capsys):
                                     "frozen_tensors": ["fc1.weight", "fc1.bias"]}
 
 
+def test_check_names_the_batch_size_only_where_the_batch_axis_is_free(tmp_path, capsys):
+    rng = np.random.default_rng(1)
+    weight = numpy_helper.from_array(rng.normal(size=(10, 64)).astype(np.float32), "w")
+    for batch, said in (("batch", "a training step at batch size 2 plans"),
+                        (4, "a training step at its fixed input shapes plans")):
+        graph = helper.make_graph([helper.make_node("Gemm", ["input", "w"], ["output"], transB=1)], "g",
+                                  [helper.make_tensor_value_info("input", 1, [batch, 64])],
+                                  [helper.make_tensor_value_info("output", 1, [batch, 10])], [weight])
+        path = tmp_path / f"{batch}.onnx"
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+        code, out, _ = odtrain_main(capsys, "check", str(path))
+        assert code == 0 and said in out, out
+
+
 def _model_with(path, middle_ops, width=8):
     """input[batch, 64] -> fc1 -> middle ops (elementwise, in order) -> fc2 -> output[batch, 10]."""
     rng = np.random.default_rng(0)

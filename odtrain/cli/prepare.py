@@ -209,8 +209,11 @@ def _print_check(args, graph, choices, report, no_kernel, no_gradient) -> None:
     if report["error"]:
         print(f"  generating and binding the artifacts failed: {report['error']}")
     elif report["trainable"]:
-        sequence = any(isinstance(d, str) for n in graph.inputs for d in (graph.value_types[n].shape or ())[1:])
-        at = f"batch size 2, sequence length {TRIAL_SEQUENCE_LENGTH}" if sequence else "batch size 2"
+        shapes = [graph.value_types[n].shape or () for n in graph.inputs]
+        batch = any(shape[:1] and not isinstance(shape[0], int) for shape in shapes)
+        sequence = any(isinstance(d, str) for shape in shapes for d in shape[1:])
+        at = ", ".join(["batch size 2"] * batch + [f"sequence length {TRIAL_SEQUENCE_LENGTH}"] * sequence) \
+            or "its fixed input shapes"
         print(f"odtrain can train this model (loss {args.loss}; a training step at {at} plans "
               f"{report['arena_bytes_at_batch_2']:,} bytes of arena)")
 
