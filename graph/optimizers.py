@@ -242,12 +242,15 @@ def parse_optimizer(optimizer):
         f"odtrain.artifacts.{classes} with hyper-parameters, got {optimizer!r}")
 
 
+def _positive_number(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
 def check_max_grad_norm(max_grad_norm) -> float | None:
     """A gradient clipping norm as given (None: no clipping), or an ArgumentError."""
     if max_grad_norm is None:
         return None
-    if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) \
-            or not math.isfinite(max_grad_norm) or max_grad_norm <= 0:
+    if not _positive_number(max_grad_norm):
         raise ArgumentError(f"max_grad_norm must be a positive number (the largest L2 norm of all gradients "
                             f"together, as torch.nn.utils.clip_grad_norm_'s max_norm), got {max_grad_norm!r}")
     return float(max_grad_norm)
@@ -291,7 +294,7 @@ def read_max_grad_norm(graph: Graph, source: str) -> float | None:
     if MAX_GRAD_NORM not in node.attrs:
         return None
     value = node.attrs[MAX_GRAD_NORM]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if not _positive_number(value):
         raise ModelError(f"'{source}': its {node.op_type} node's attribute '{MAX_GRAD_NORM}' is {value!r}, not a "
                          "positive number: the file is damaged; generate the optimizer model again with "
                          "odtrain.artifacts.generate_artifacts")
