@@ -159,7 +159,7 @@ class _Nest:
     def lines(self, source, outputs: list[str]) -> list[str] | None:
         rank, dtype = len(self.space), self.dtype
         zero = source.array(np.zeros((), dtype)[()])
-        self.before, self.rows, self.written = [], {}, {}
+        self.before, self.rows, self.written, self.sums = [], {}, {}, []
         source.globals.update(self.table.names())  # what the table's expressions call
         inner = []
         for entry in self.computed:
@@ -180,7 +180,17 @@ class _Nest:
                 [f"i{k}" for k in range(rank) if k not in axes]
             name = source.array(target if target.ndim else target.reshape(1))
             self.before.append(f"{name}[:] = {zero}" if target.ndim else f"{name}[0] = {zero}")
-            inner.append(f"{name}[{', '.join(kept) or '0'}] += {self.virtual[source_value]}")
+            # The nest stores the summed values; a nest of its own adds them up after it, the summed axes outside
+            # the kept ones: each sum takes its terms in the order the whole nest would (the same bits), and the
+            # kept axes inside leave the main nest, and the additions, free of a chain from one point to the next.
+            terms = source.array(np.empty(self.space, dtype))
+            index = ", ".join(f"i{k}" for k in range(rank)) or "0"
+            inner.append(f"{terms}[{index}] = {self.virtual[source_value]}" if rank else
+                         f"{terms}.reshape(1)[0] = {self.virtual[source_value]}")
+            self.sums.append([f"for i{k} in range({self.space[k]}):" for k in axes + [k for k in range(rank)
+                                                                                    if k not in axes]] +
+                             [f"{name}[{', '.join(kept) or '0'}] += {terms}[{index}]" if rank else
+                              f"{name}[0] += {terms}.reshape(1)[0]"])
         for out in outputs:
             if out in self.virtual and out not in self.reduced:
                 target = term_target(self._private(out), self.space, source)
@@ -191,6 +201,8 @@ class _Nest:
         for axis in range(rank):
             lines.append("    " * axis + f"for i{axis} in range({self.space[axis]}):")
         lines += ["    " * rank + line for line in inner]
+        for nest in self.sums:
+            lines += ["    " * depth + line for depth, line in enumerate(nest)]
         for name, buffer in self.written.items():
             slot = self.storage[name]
             if not slot.flags.c_contiguous:
