@@ -60,33 +60,83 @@ class _Nest:
         self.table = step.expressions  # the kernels' table of scalar expressions (kernels/scalar_expressions.py)
         self.types, self.storage, self.folded = step.types, step.storage, step.step_plan.folded
         self.virtual: dict[str, str] = {}  # value -> the local holding it at the current point
-        self.computed: list[tuple] = []  # ("value", name, expression, inputs) | ("sum", name, input, axes, keepdims)
+        # ("value", name, row, inputs) | ("sum", name, input, axes, dropped axes) | ("after", name, row, inputs)
+        self.computed: list[tuple] = []
         self.space: tuple = ()
         self.dtype = None
-        self.reduced: set[str] = set()
+        self.reduced: dict[str, str] = {}  # a value known after the nest -> the value whose buffer holds it
         self.gathered: dict[str, tuple] = {}  # a row of an array picked by a one-element index: (array, index)
+        self.spread: dict[str, np.ndarray] = {}  # a ReduceGrad's output -> its input viewed with the summed axes kept
 
     def take(self, node) -> bool:
         row = self.table.row_of(node.op_type, node.attrs)
-        if node.domain not in ("", "ai.onnx") and not (node.domain == ODTRAIN_DOMAIN and row is not None):
-            return False
-        if any(i in self.reduced for i in node.inputs):
-            return False  # a sum read inside the body needs the whole nest first
-        types, storage = self.types, self.storage
         kind = node.op_type
+        if node.domain not in ("", "ai.onnx") and not (node.domain == ODTRAIN_DOMAIN and (
+                row is not None or kind in ("ReduceGrad", "SumToShape"))):
+            return False
+        types, storage = self.types, self.storage
         inputs = [i for i in node.inputs if i]
-        if is_view(lookup(node), [types.get(i) for i in node.inputs], [types[o] for o in node.outputs if o]):
+        view = is_view(lookup(node), [types.get(i) for i in node.inputs], [types[o] for o in node.outputs if o])
+        if any(i in self.reduced for i in node.inputs):  # known after the nest: a view of it, or a value after it
+            if view and inputs[0] in self.reduced:
+                self.reduced[node.outputs[0]] = self.reduced[inputs[0]]
+                return True
+            if view or row is None or not self.table.ROWS[row].fusable or \
+                    any(i in self.virtual or i in self.gathered or i in self.spread for i in inputs):
+                return False
+            return self._element_wise(node, row, inputs, after=True)
+        if view:
             return self._view(node, kind, inputs)
         if row is not None and self.table.ROWS[row].fusable:
             return self._element_wise(node, row, inputs)
+        if kind == "ReduceGrad":
+            return self._spread(node, inputs)
+        if kind == "SumToShape" and len(inputs) == 2 and inputs[0] in self.virtual:
+            shape, out = tuple(types[inputs[0]].shape), tuple(types[node.outputs[0]].shape)
+            lead = len(shape) - len(out)
+            if lead < 0:
+                return False
+            axes = list(range(lead)) + [lead + k for k, d in enumerate(out) if d == 1 and shape[lead + k] != 1]
+            return self._sum(node, inputs[:1], axes, list(range(lead)))
         if kind == "Gather" and int(node.attrs.get("axis", 0)) == 0 and len(inputs) == 2 and \
                 not any(i in self.virtual or i in self.gathered for i in inputs) and storage[inputs[1]].size == 1 and \
                 storage[inputs[1]].ndim == 0 and storage[inputs[1]].dtype.kind == "i" and storage[inputs[0]].ndim:
             self.gathered[node.outputs[0]] = (storage[inputs[0]], storage[inputs[1]])  # a Loop's x[i]
             return True
         if kind == "ReduceSum" and inputs and inputs[0] in self.virtual:
-            return self._sum(node, inputs)
+            axes = node.attrs.get("axes")
+            if axes is None and len(inputs) > 1:
+                axes = self.folded.get(inputs[1])
+                if axes is None:
+                    return False
+            if axes is None or node.attrs.get("noop_with_empty_axes", 0):
+                return False
+            axes = [int(a) for a in np.asarray(axes).reshape(-1)]
+            return self._sum(node, inputs[:1], axes, None if node.attrs.get("keepdims", 1) else axes)
         return False
+
+    def _spread(self, node, inputs) -> bool:
+        """ReduceGrad(dY, X) of a sum (not a mean): dY read at each point with the summed axes at 0."""
+        dy, out = inputs[0], node.outputs[0]
+        if node.attrs.get("mean", 0) or dy in self.virtual or dy in self.gathered or dy in self.spread:
+            return False
+        shape = tuple(self.types[out].shape)
+        axes = node.attrs.get("axes")
+        if not axes:
+            if node.attrs.get("noop_with_empty_axes", 0):
+                return False
+            axes = range(len(shape))
+        axes = {int(a) % len(shape) for a in axes} if shape else set()
+        kept = tuple(1 if k in axes else d for k, d in enumerate(shape))
+        data = self.storage[dy]
+        if data.size != int(np.prod(kept, dtype=np.int64)) or not data.flags.c_contiguous or \
+                np.dtype(self.types[dy].dtype) != np.dtype(self.types[out].dtype):
+            return False
+        self.space = _broadcast(self.space, shape)
+        if self.space is None:
+            return False
+        self.spread[out] = data.reshape(kept)
+        return True
 
     def _view(self, node, kind, inputs) -> bool:
         if inputs[0] in self.gathered:  # a view of a picked row: pick the row of the array viewed alike
@@ -96,13 +146,18 @@ class _Nest:
             shape = (data.shape[0],) + tuple(self.types[node.outputs[0]].shape)
             self.gathered[node.outputs[0]] = (data.reshape(shape), index)
             return True
-        if inputs[0] in self.virtual:
-            if kind != "Identity":
+        if inputs[0] in self.virtual or inputs[0] in self.spread:  # a view keeping the shape: the same value
+            if tuple(self.types[node.outputs[0]].shape) != tuple(self.types[inputs[0]].shape):
                 return False
-            self.virtual[node.outputs[0]] = self.virtual[inputs[0]]
+            if inputs[0] in self.virtual:
+                self.virtual[node.outputs[0]] = self.virtual[inputs[0]]
+            else:
+                self.spread[node.outputs[0]] = self.spread[inputs[0]]
         return True  # a view of an array: its storage is already the view
 
-    def _element_wise(self, node, row, inputs) -> bool:
+    def _element_wise(self, node, row, inputs, after: bool = False) -> bool:
+        """A value at each point of the nest, or (`after`) a value of sums, computed after the nest over its
+        own shape."""
         if len(inputs) != self.table.ROWS[row].arity:
             return False
         out = node.outputs[0]
@@ -113,6 +168,12 @@ class _Nest:
         if np.dtype(t.dtype) != dtype or dtype.kind != "f" or any(np.dtype(self.types[i].dtype) != dtype
                                                                   for i in inputs):
             return False
+        if after:
+            if any(_broadcast(t.shape, self.types[i].shape) != tuple(t.shape) for i in inputs):
+                return False
+            self.computed.append(("after", out, row, inputs))
+            self.reduced[out] = out
+            return True
         for shape in [t.shape] + [self.types[i].shape for i in inputs]:
             self.space = _broadcast(self.space, shape)
             if self.space is None:
@@ -121,17 +182,11 @@ class _Nest:
         self.computed.append(("value", out, row, inputs))
         return True
 
-    def _sum(self, node, inputs) -> bool:
-        axes = node.attrs.get("axes")
-        if axes is None and len(inputs) > 1:
-            axes = self.folded.get(inputs[1])
-            if axes is None:
-                return False
-        if axes is None or node.attrs.get("noop_with_empty_axes", 0):
-            return False
-        self.computed.append(("sum", node.outputs[0], inputs[0], [int(a) for a in np.asarray(axes).reshape(-1)],
-                              int(node.attrs.get("keepdims", 1))))
-        self.reduced.add(node.outputs[0])
+    def _sum(self, node, inputs, axes: list[int], dropped: list[int] | None) -> bool:
+        """A sum over `axes` of a value of the nest, known after it; `dropped`: the summed axes its shape drops
+        (None: it keeps them all, as 1)."""
+        self.computed.append(("sum", node.outputs[0], inputs[0], axes, dropped))
+        self.reduced[node.outputs[0]] = node.outputs[0]
         return True
 
     def _term(self, name: str, source) -> str | None:
@@ -140,6 +195,8 @@ class _Nest:
         if name in self.virtual:
             return self.virtual[name]
         space = self.space
+        if name in self.spread:
+            return term_target(self.spread[name], space, source)
         if name in self.gathered:  # data[row, ...], the row picked once an iteration, before the nest
             data, index = self.gathered[name]
             key = (id(index), data.shape[0])
@@ -162,7 +219,20 @@ class _Nest:
         self.before, self.rows, self.written, self.sums = [], {}, {}, []
         source.globals.update(self.table.names())  # what the table's expressions call
         inner = []
+        after = []
         for entry in self.computed:
+            if entry[0] == "after":
+                _, out, row, inputs = entry
+                target = self._private(out)
+                shape = target.shape
+                terms = [term_target(self.written[self.reduced[i]].reshape(self.types[i].shape)
+                                     if i in self.reduced else self.storage[i], shape, source) for i in inputs]
+                written = term_target(target, shape, source)
+                if any(t is None for t in terms) or written is None:
+                    return None
+                after.append([f"for i{k} in range({d}):" for k, d in enumerate(shape)] +
+                             [f"{written} = np.{dtype.name}({self.table.scalar_source(row, terms)})"])
+                continue
             if entry[0] == "value":
                 _, out, row, inputs = entry
                 terms = [self._term(i, source) for i in inputs]
@@ -171,13 +241,15 @@ class _Nest:
                 # rounded to the body's type as a kernel's store rounds it (an integer constant in a row computes in float64)
                 inner.append(f"{self.virtual[out]} = np.{dtype.name}({self.table.scalar_source(row, terms)})")
                 continue
-            _, out, source_value, axes, keepdims = entry
+            _, out, source_value, axes, dropped = entry
             if tuple(self.types[source_value].shape) != self.space:
                 return None
-            axes = sorted(a % rank for a in axes) if rank else []
+            axes = sorted({a % rank for a in axes}) if rank else []
+            dropped = {a % rank for a in dropped} if dropped is not None and rank else set()
             target = self._private(out)
-            kept = [f"i{k}" if k not in axes else "0" for k in range(rank)] if keepdims else \
-                [f"i{k}" for k in range(rank) if k not in axes]
+            kept = [f"i{k}" if k not in axes else "0" for k in range(rank) if k not in dropped]
+            if target.ndim != len(kept):
+                return None
             name = source.array(target if target.ndim else target.reshape(1))
             self.before.append(f"{name}[:] = {zero}" if target.ndim else f"{name}[0] = {zero}")
             # The nest stores the summed values; a nest of its own adds them up after it, the summed axes outside
@@ -191,21 +263,25 @@ class _Nest:
                                                                                     if k not in axes]] +
                              [f"{name}[{', '.join(kept) or '0'}] += {terms}[{index}]" if rank else
                               f"{name}[0] += {terms}.reshape(1)[0]"])
+        copies = []
         for out in outputs:
-            if out in self.virtual and out not in self.reduced:
+            if out in self.virtual:
                 target = term_target(self._private(out), self.space, source)
                 if target is None:
                     return None
                 inner.append(f"{target} = {self.virtual[out]}")
+                copies.append((out, out))
+            elif out in self.reduced:
+                copies.append((out, self.reduced[out]))
         lines = list(self.before)
         for axis in range(rank):
             lines.append("    " * axis + f"for i{axis} in range({self.space[axis]}):")
         lines += ["    " * rank + line for line in inner]
-        for nest in self.sums:
+        for nest in self.sums + after:
             lines += ["    " * depth + line for depth, line in enumerate(nest)]
-        for name, buffer in self.written.items():
-            slot = self.storage[name]
-            if not slot.flags.c_contiguous:
+        for name, held in copies:  # only the body's outputs leave the nest's buffers
+            slot, buffer = self.storage[name], self.written[held]
+            if not slot.flags.c_contiguous or slot.size != buffer.size:
                 return None
             lines.append(f"{source.array(slot.reshape(-1))}[:] = {source.array(buffer.reshape(-1))}")
         return lines
