@@ -5,20 +5,27 @@ A Mamba step is a dozen element-wise ops over [d_model, d_state] and one sum: ru
 op is a pass over memory through a strided broadcasting kernel. Fused, one pass computes every value
 of a point of the iteration space in registers and writes only what leaves the body:
 
-    reduced[:] = 0
+    y[:] = 0
     for i0 in range(256):
         for i1 in range(16):
             v0 = dt[i0] * A[i0, i1]             # inputs read where they broadcast (index 0 on a 1-axis)
-            v1 = np.exp(v0)
+            v1 = exp(v0)                        # fast_exp in float32: the inner loop vectorises
             ...
             h_out[i0, i1] = v5                  # a body output
-            y[i0] += v6                         # ReduceSum over axis 1
+            terms[i0, i1] = v6                  # what a sum adds up
+    for i1 in range(16):                        # ReduceSum over axis 1, in a nest of its own: the
+        for i0 in range(256):                   # summed axes outside, each sum in index order
+            y[i0] += terms[i0, i1]
 
 A body fuses when every node it runs is element-wise (a float row of kernels/scalar_expressions.py, the table
-the per-op kernels read: the same scalar expression, the same bits) on one float type, a
-view of an array (Unsqueeze, Reshape...), a Gather of one row of an array (a Loop's x[i]), or a
-ReduceSum over the whole iteration space whose result only leaves the body; the iteration space is the broadcast of the element-wise values' shapes. Anything
-else returns None, and the body keeps its kernel calls.
+the per-op kernels read: the same scalar expression, the same bits) on one float type, a view of an array
+(Unsqueeze, Reshape...) or of a value keeping its shape, a Gather of one row of an array (a Loop's x[i]), a
+ReduceGrad of an array (its broadcast: read where it broadcasts), a ReduceSum or SumToShape of a value over the
+whole iteration space; values of sums (views, element-wise ops over them and arrays) are known after the nest
+and computed there, each over its own shape, and no value of the nest reads them. A Scan's reverse body (the
+forward recomputed, then its gradient) is such a body. The iteration space is the broadcast of the nest's values'
+shapes. Anything else returns None, and the body keeps its kernel calls. Sums add in index order where the
+ReduceSum and SumToShape kernels reassociate: within float32 rounding of the calls, not the same bits.
 """
 from __future__ import annotations
 
@@ -196,14 +203,17 @@ class _Nest:
             return self.virtual[name]
         space = self.space
         if name in self.spread:
+            self.reads.append(self.spread[name])
             return term_target(self.spread[name], space, source)
         if name in self.gathered:  # data[row, ...], the row picked once an iteration, before the nest
             data, index = self.gathered[name]
+            self.reads.append(data)
             key = (id(index), data.shape[0])
             if key not in self.rows:  # index % rows: a negative index counts from the end, as Gather's
                 self.rows[key] = f"row{len(self.rows)}"
                 self.before.append(f"{self.rows[key]} = {source.array(index.reshape(1))}[0] % {data.shape[0]}")
             return term_target(data[0], space, source, prefix=self.rows[key], whole=data)
+        self.reads.append(self.storage[name])
         return term_target(self.storage[name], space, source)
 
     def _private(self, name: str) -> np.ndarray:
@@ -216,63 +226,27 @@ class _Nest:
     def lines(self, source, outputs: list[str]) -> list[str] | None:
         rank, dtype = len(self.space), self.dtype
         zero = source.array(np.zeros((), dtype)[()])
-        self.before, self.rows, self.written, self.sums = [], {}, {}, []
+        self.before, self.rows, self.written, self.sums, self.reads = [], {}, {}, [], []
         source.globals.update(self.table.names())  # what the table's expressions call
-        inner = []
-        after = []
+        inner, after, late = [], [], []  # late: the arrays read after the nest
         for entry in self.computed:
             if entry[0] == "after":
-                _, out, row, inputs = entry
-                target = self._private(out)
-                shape = target.shape
-                terms = [term_target(self.written[self.reduced[i]].reshape(self.types[i].shape)
-                                     if i in self.reduced else self.storage[i], shape, source) for i in inputs]
-                written = term_target(target, shape, source)
-                if any(t is None for t in terms) or written is None:
+                nest = self._after(entry, source, late)
+                if nest is None:
                     return None
-                after.append([f"for i{k} in range({d}):" for k, d in enumerate(shape)] +
-                             [f"{written} = np.{dtype.name}({self.table.scalar_source(row, terms)})"])
-                continue
-            if entry[0] == "value":
+                after.append(nest)
+            elif entry[0] == "value":
                 _, out, row, inputs = entry
                 terms = [self._term(i, source) for i in inputs]
                 if any(t is None for t in terms):
                     return None
                 # rounded to the body's type as a kernel's store rounds it (an integer constant in a row computes in float64)
                 inner.append(f"{self.virtual[out]} = np.{dtype.name}({self.table.scalar_source(row, terms)})")
-                continue
-            _, out, source_value, axes, dropped = entry
-            if tuple(self.types[source_value].shape) != self.space:
+            elif not self._sum_nest(entry, source, zero, inner):
                 return None
-            axes = sorted({a % rank for a in axes}) if rank else []
-            dropped = {a % rank for a in dropped} if dropped is not None and rank else set()
-            target = self._private(out)
-            kept = [f"i{k}" if k not in axes else "0" for k in range(rank) if k not in dropped]
-            if target.ndim != len(kept):
-                return None
-            name = source.array(target if target.ndim else target.reshape(1))
-            self.before.append(f"{name}[:] = {zero}" if target.ndim else f"{name}[0] = {zero}")
-            # The nest stores the summed values; a nest of its own adds them up after it, the summed axes outside
-            # the kept ones: each sum takes its terms in the order the whole nest would (the same bits), and the
-            # kept axes inside leave the main nest, and the additions, free of a chain from one point to the next.
-            terms = source.array(np.empty(self.space, dtype))
-            index = ", ".join(f"i{k}" for k in range(rank)) or "0"
-            inner.append(f"{terms}[{index}] = {self.virtual[source_value]}" if rank else
-                         f"{terms}.reshape(1)[0] = {self.virtual[source_value]}")
-            self.sums.append([f"for i{k} in range({self.space[k]}):" for k in axes + [k for k in range(rank)
-                                                                                    if k not in axes]] +
-                             [f"{name}[{', '.join(kept) or '0'}] += {terms}[{index}]" if rank else
-                              f"{name}[0] += {terms}.reshape(1)[0]"])
-        copies = []
-        for out in outputs:
-            if out in self.virtual:
-                target = term_target(self._private(out), self.space, source)
-                if target is None:
-                    return None
-                inner.append(f"{target} = {self.virtual[out]}")
-                copies.append((out, out))
-            elif out in self.reduced:
-                copies.append((out, self.reduced[out]))
+        copies = self._outputs(outputs, source, inner, late)
+        if copies is None:
+            return None
         lines = list(self.before)
         for axis in range(rank):
             lines.append("    " * axis + f"for i{axis} in range({self.space[axis]}):")
@@ -285,6 +259,75 @@ class _Nest:
                 return None
             lines.append(f"{source.array(slot.reshape(-1))}[:] = {source.array(buffer.reshape(-1))}")
         return lines
+
+    def _after(self, entry, source, late: list) -> list[str] | None:
+        """The nest of a value of sums, over its own shape, after the main nest; the arrays it reads go to `late`."""
+        _, out, row, inputs = entry
+        target = self._private(out)
+        shape = target.shape
+        late += [self.storage[i] for i in inputs if i not in self.reduced]
+        terms = [term_target(self.written[self.reduced[i]].reshape(self.types[i].shape)
+                             if i in self.reduced else self.storage[i], shape, source) for i in inputs]
+        written = term_target(target, shape, source)
+        if any(t is None for t in terms) or written is None:
+            return None
+        return [f"for i{k} in range({d}):" for k, d in enumerate(shape)] + \
+            [f"{written} = np.{self.dtype.name}({self.table.scalar_source(row, terms)})"]
+
+    def _sum_nest(self, entry, source, zero: str, inner: list) -> bool:
+        """A sum: its terms stored by the main nest (`inner`), added up by a nest of its own (`self.sums`)."""
+        rank = len(self.space)
+        _, out, source_value, axes, dropped = entry
+        if tuple(self.types[source_value].shape) != self.space:
+            return False
+        axes = sorted({a % rank for a in axes}) if rank else []
+        dropped = {a % rank for a in dropped} if dropped is not None and rank else set()
+        target = self._private(out)
+        kept = [f"i{k}" if k not in axes else "0" for k in range(rank) if k not in dropped]
+        if target.ndim != len(kept):
+            return False
+        name = source.array(target if target.ndim else target.reshape(1))
+        self.before.append(f"{name}[:] = {zero}" if target.ndim else f"{name}[0] = {zero}")
+        # The summed axes outside the kept ones: each sum takes its terms in the order the whole nest would, and
+        # the kept axes inside leave the main nest, and the additions, free of a chain from one point to the next.
+        terms = source.array(np.empty(self.space, self.dtype))
+        index = ", ".join(f"i{k}" for k in range(rank)) or "0"
+        inner.append(f"{terms}[{index}] = {self.virtual[source_value]}" if rank else
+                     f"{terms}.reshape(1)[0] = {self.virtual[source_value]}")
+        self.sums.append([f"for i{k} in range({self.space[k]}):" for k in axes + [k for k in range(rank)
+                                                                                if k not in axes]] +
+                         [f"{name}[{', '.join(kept) or '0'}] += {terms}[{index}]" if rank else
+                          f"{name}[0] += {terms}.reshape(1)[0]"])
+        return True
+
+    def _outputs(self, outputs: list[str], source, inner: list, late: list) -> list[tuple] | None:
+        """Write the nest's outputs (in `inner`); the (output, buffer) pairs copied to their slots after it."""
+        copies = []
+        slots = [self.storage[o] for o in dict.fromkeys(outputs) if o in self.virtual or o in self.reduced]
+        for out in dict.fromkeys(outputs):
+            if out in self.virtual:
+                slot = self.storage[out]
+                # Written in place where nothing the nest reads, and no other output, lies in its slot (the
+                # planner may have put it over a value that dies in the body), but an input read at the same
+                # point, before the write; else in a buffer, copied after.
+                direct = not any(np.may_share_memory(slot, a) and not _same_point(slot, a, self.space)
+                                 for a in self.reads) and not any(np.may_share_memory(slot, a) for a in late) and \
+                    sum(np.may_share_memory(slot, other) for other in slots) == 1
+                target = term_target(slot if direct else self._private(out), self.space, source)
+                if target is None:
+                    return None
+                inner.append(f"{target} = {self.virtual[out]}")
+                if not direct:
+                    copies.append((out, out))
+            elif out in self.reduced:
+                copies.append((out, self.reduced[out]))
+        return copies
+
+
+def _same_point(slot: np.ndarray, read: np.ndarray, space: tuple) -> bool:
+    """Whether `read` is `slot` itself over the whole space: each element read at the point that writes it."""
+    return slot.shape == read.shape == tuple(space) and slot.strides == read.strides and \
+        slot.ctypes.data == read.ctypes.data
 
 
 def term_target(array: np.ndarray, space: tuple, source, prefix: str | None = None, whole=None) -> str | None:
