@@ -308,10 +308,10 @@ class _Nest:
             if out in self.virtual:
                 slot = self.storage[out]
                 # Written in place where nothing the nest reads, and no other output, lies in its slot (the
-                # planner may have put it over a value that dies in the body), but an input read at the same
-                # point, before the write; else in a buffer, copied after.
-                direct = not any(np.may_share_memory(slot, a) and not _same_point(slot, a, self.space)
-                                 for a in self.reads) and not any(np.may_share_memory(slot, a) for a in late) and \
+                # planner may have put it over a value that dies in the body); else in a buffer, copied after.
+                # Not over an input read at the same point either: correct, but LLVM's check that the arrays
+                # do not overlap then fails at run time, and the nest runs its scalar version.
+                direct = not any(np.may_share_memory(slot, a) for a in self.reads + late) and \
                     sum(np.may_share_memory(slot, other) for other in slots) == 1
                 target = term_target(slot if direct else self._private(out), self.space, source)
                 if target is None:
@@ -322,12 +322,6 @@ class _Nest:
             elif out in self.reduced:
                 copies.append((out, self.reduced[out]))
         return copies
-
-
-def _same_point(slot: np.ndarray, read: np.ndarray, space: tuple) -> bool:
-    """Whether `read` is `slot` itself over the whole space: each element read at the point that writes it."""
-    return slot.shape == read.shape == tuple(space) and slot.strides == read.strides and \
-        slot.ctypes.data == read.ctypes.data
 
 
 def term_target(array: np.ndarray, space: tuple, source, prefix: str | None = None, whole=None) -> str | None:
