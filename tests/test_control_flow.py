@@ -809,6 +809,23 @@ def test_the_selective_scans_reverse_body_fuses_and_gives_the_gradients_of_its_k
                                    err_msg=f"gradient of '{name}'")
 
 
+def test_a_training_step_runs_a_scan_once_without_a_budget(tmp_path):
+    """The states a Scan stacks for its backward are kept: rerunning the Scan is its body's work T times, which
+    the cheap recomputation (graph/recompute.py's `cheap`) does not see in the bytes the node writes."""
+    from odtrain import artifacts
+    from odtrain.api import CheckpointState, Module
+    from odtrain.graph.recompute import RECOMPUTE_SUFFIX
+
+    proto = selective_scan("scan", steps=40, width=8, state=4)
+    artifacts.generate_artifacts(proto, requires_grad=["W_dt", "W_out", "A_log"], loss=artifacts.LossType.MSELoss,
+                                 optimizer=artifacts.OptimType.SGD, artifact_directory=tmp_path)
+    module = Module(tmp_path / "training_model.onnx", CheckpointState.load_checkpoint(tmp_path / "checkpoint"))
+    module(RNG.standard_normal((40, 8)).astype(np.float32), np.zeros((40, 8), np.float32))
+    order = next(iter(module._train.plans.values())).plan.order
+    assert [n.op_type for n in order].count("Scan") == 2  # the forward and its reverse
+    assert not [n.name for n in order if n.op_type == "Scan" and n.name.endswith(RECOMPUTE_SUFFIX)]
+
+
 def parameter_gradients(proto, params: list[str], feeds: dict, folder) -> dict:
     """The gradients of `params` from one training step (MSE loss against zeros) on `feeds`."""
     from odtrain import artifacts
