@@ -13,7 +13,9 @@ step's [256, 16] element-wise update). Here the whole loop becomes one generated
             held_k[:] = carried_out_k
 
 compiled once per bound body (Numba's dispatchers called from compiled code cost nanoseconds, not
-microseconds). The arrays are parameters, the body's kernels globals, and the ints and bools of
+microseconds). A carried value whose feed no other array of the loop lies in stays there instead: copied in
+before the first iteration, `carried_feed_k[:] = carried_out_k` after each, `held_k[:] = carried_feed_k` after
+the last (one copy an iteration, not two). The arrays are parameters, the body's kernels globals, and the ints and bools of
 the calls literals. Only what Numba can call is compiled: kernels that are Numba dispatchers, with
 array, number, bool and None arguments, scan streams along a contiguous axis 0. `compile_loop`
 returns None otherwise, and the caller keeps its Python loop.
