@@ -43,7 +43,7 @@ from typing import Callable
 import numpy as np
 
 from .cost import node_cost
-from .ir import Node, TensorType
+from .ir import Graph, Node, TensorType
 from .ops import lookup
 from .planner import MemoryPlan
 from .schedule import RECOMPUTE_SUFFIX
@@ -116,10 +116,13 @@ def rewrite(order: list[Node], backward: set[int], kept: set[str], arena_values:
 
 def cheap(node: Node, types: dict[str, TensorType]) -> bool:
     """Whether running the node again costs about as much as reading its output: no product, no sliding
-    window, no random numbers, no state update, at most CHEAP_UNITS of work per output element."""
+    window, no body (If, Loop, Scan), no random numbers, no state update, at most CHEAP_UNITS of work per
+    output element."""
     opdef = lookup(node)
     if opdef.random or opdef.flops is not None or opdef.window_reads is not None or opdef.updates:
         return False
+    if any(isinstance(value, Graph) for value in node.attrs.values()):
+        return False  # a body's work is not in the cost of the node's values
     produced = sum(types[o].size for o in node.outputs if o and o in types and types[o].is_static)
     return node_cost(node, types) <= CHEAP_UNITS * max(produced, 1)
 

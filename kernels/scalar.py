@@ -1,9 +1,10 @@
-"""Scalar functions the kernels of several families inline: float32 exp, erf, tanh and the logistic.
+"""Scalar functions the kernels of several families inline: float32 exp, log1p, erf, tanh and the logistic.
 
 Numba has no vector math library here (no SVML), so `np.exp` and `math.erf` run one scalar libm call per
-element. `fast_exp`, `fast_erf` and `fast_tanh` are float32 polynomial approximations (Cephes' expf; Eigen's
-erf and tanh rational forms, within a few float32 ulps) that LLVM vectorises, several times faster than
-libm's in softmax, GELU and the recurrent gates (bench_ops.ElementwiseOps, UnaryOps). `fast_sigmoid` runs on
+element. `fast_exp`, `fast_log1p_unit` (on [0, 1]: softplus's), `fast_erf` and `fast_tanh` are float32 polynomial
+approximations (Cephes' expf and logf; Eigen's erf and tanh rational forms, within a few float32 ulps) that LLVM
+vectorises, several times faster than libm's in softmax, GELU, softplus, the recurrent gates and a selective
+scan's decay (bench_ops.ElementwiseOps, UnaryOps). `fast_sigmoid` runs on
 fast_exp (within 2.3 ulps of float64 numpy over [-100, 100]). `gelu` and `gelu_grad` (erf form) run on them, for
 the GELU kernels and the products' GELU epilogue.
 
@@ -47,6 +48,29 @@ def fast_exp(x):
     value = p * _float32_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))
     value = np.float32(0.0) if small else value
     return np.float32(np.inf) if big else value
+
+
+@njit(cache=True, inline="always", error_model="numpy")
+def fast_log1p_unit(u):
+    """log(1 + u) in float32 for 0 ≤ u ≤ 1 (Cephes logf on w = 1 + u = 2^e·(1 + f), f ∈ [√½ − 1, √2 − 1],
+    plus (u − (w − 1))/w, the part of u that w lost to rounding)."""
+    u = np.float32(u)
+    w = np.float32(1.0) + u
+    big = w > np.float32(1.41421356237309505)
+    f = (w * np.float32(0.5) if big else w) - np.float32(1.0)  # exact: w/2 and w are in [1, 2)
+    e = np.float32(1.0) if big else np.float32(0.0)
+    z = f * f
+    p = np.float32(7.0376836292e-2)
+    p = p * f + np.float32(-1.1514610310e-1)
+    p = p * f + np.float32(1.1676998740e-1)
+    p = p * f + np.float32(-1.2420140846e-1)
+    p = p * f + np.float32(1.4249322787e-1)
+    p = p * f + np.float32(-1.6668057665e-1)
+    p = p * f + np.float32(2.0000714765e-1)
+    p = p * f + np.float32(-2.4999993993e-1)
+    p = p * f + np.float32(3.3333331174e-1)
+    y = p * f * z + e * np.float32(-2.12194440e-4) - np.float32(0.5) * z
+    return f + y + e * np.float32(0.693359375) + (u - (w - np.float32(1.0))) / w
 
 
 @njit(cache=True, inline="always", error_model="numpy")

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from .jit import njit, overload, types
-from .scalar import fast_erf, fast_exp, fast_sigmoid, fast_tanh, gelu, gelu_grad  # GELU's erf form: products' epilogues use it too
+from .scalar import fast_erf, fast_exp, fast_log1p_unit, fast_sigmoid, fast_tanh, gelu, gelu_grad  # GELU's erf form: products' epilogues use it too
 
 
 @njit(cache=True, inline="always", error_model="numpy")
@@ -42,6 +42,18 @@ def gelu_tanh_grad(dy, x):
     return dy * (np.float32(0.5) * (np.float32(1.0) + t) + np.float32(0.5) * x * (np.float32(1.0) - t * t) * d_inner)
 
 
+def exp(x):
+    """e^x: fast_exp in float32 (LLVM vectorises it, where libm's expf is one call per element), np.exp otherwise."""
+    return np.exp(x)
+
+
+@overload(exp)
+def _exp_of(x):
+    if x == types.float32:
+        return lambda x: fast_exp(x)
+    return exp
+
+
 def sigmoid(x):
     """Overflow-free logistic: 1 / (1 + e^-x), or e^x / (1 + e^x) below 0; fast_sigmoid in float32."""
     e = np.exp(-abs(x))
@@ -55,10 +67,16 @@ def _sigmoid_of(x):
     return sigmoid
 
 
-@njit(inline="always")
 def softplus(x):
-    """log(1 + e^x) without overflow: max(x, 0) + log1p(e^-|x|)."""
+    """log(1 + e^x) without overflow: max(x, 0) + log1p(e^-|x|); in float32 on fast_exp and fast_log1p_unit."""
     return max(x, x * 0) + np.log1p(np.exp(-abs(x)))
+
+
+@overload(softplus)
+def _softplus_of(x):
+    if x == types.float32:
+        return lambda x: max(x, np.float32(0.0)) + fast_log1p_unit(fast_exp(-abs(x)))
+    return softplus
 
 
 def c_fmod(x, y):
@@ -129,7 +147,7 @@ def _rows(arity: int, group: str, domain: str = "", **expressions) -> dict:
 
 ODTRAIN = "ai.odtrain"
 # op type -> Row, in code order within each group (the per-op loops' codes are positions in a group).
-UNARY = _rows(1, "cheap", Neg="(-{0})", Abs="abs({0})", Exp="np.exp({0})", Log="np.log({0})",
+UNARY = _rows(1, "cheap", Neg="(-{0})", Abs="abs({0})", Exp="exp({0})", Log="np.log({0})",
               Relu="({0} if {0} > 0 else {0} * 0)", Sigmoid="sigmoid({0})", Tanh="np.tanh({0})",
               Sign="(({0} > 0) - ({0} < 0) + {0} * 0)", Sqrt="np.sqrt({0})", Reciprocal="(1 / {0})",
               Identity="{0}", Atan="np.arctan({0})", Floor="np.floor({0})", Ceil="np.ceil({0})",
@@ -183,7 +201,7 @@ def scalar_function(name: str):
 
 def names() -> dict:
     """The names a row's expression may use (a generated kernel's globals)."""
-    return {"np": np, "fast_erf": fast_erf, "fast_exp": fast_exp, "fast_tanh": fast_tanh, "sigmoid": sigmoid,
+    return {"np": np, "fast_erf": fast_erf, "fast_exp": fast_exp, "fast_tanh": fast_tanh, "exp": exp, "sigmoid": sigmoid,
             "softplus": softplus, "gelu": gelu, "gelu_tanh": gelu_tanh, "gelu_grad": gelu_grad,
             "gelu_tanh_grad": gelu_tanh_grad, "c_fmod": c_fmod, "integer_op": integer_op}
 

@@ -13,7 +13,9 @@ step's [256, 16] element-wise update). Here the whole loop becomes one generated
             held_k[:] = carried_out_k
 
 compiled once per bound body (Numba's dispatchers called from compiled code cost nanoseconds, not
-microseconds). The arrays are parameters, the body's kernels globals, and the ints and bools of
+microseconds). A carried value whose feed no other array of the loop lies in stays there instead: copied in
+before the first iteration, `carried_feed_k[:] = carried_out_k` after each, `held_k[:] = carried_feed_k` after
+the last (one copy an iteration, not two). The arrays are parameters, the body's kernels globals, and the ints and bools of
 the calls literals. Only what Numba can call is compiled: kernels that are Numba dispatchers, with
 array, number, bool and None arguments, scan streams along a contiguous axis 0. `compile_loop`
 returns None otherwise, and the caller keeps its Python loop.
@@ -107,6 +109,17 @@ class _Source:
         return name
 
 
+def _keeps_feed(spec: LoopSpec, k: int) -> bool:
+    """Whether carried value k's feed may hold it from one iteration to the next: no other array the loop writes
+    between the body's end and its next start lies in the feed, nor does its own output but exactly."""
+    held, feed, out = spec.carried[k]
+    others = [a for j, (h, f, o) in enumerate(spec.carried) if j != k for a in (h, f, o)]
+    others += [f for f, _, _ in spec.streams_in] + [w for w, _, _ in spec.streams_out] + [o for _, o, _ in spec.streams_out]
+    others += [a for a in (spec.counter, spec.flag, spec.condition_out, held) if a is not None]
+    same = out.shape == feed.shape and out.strides == feed.strides and out.ctypes.data == feed.ctypes.data
+    return not any(np.may_share_memory(feed, a) for a in others) and (same or not np.may_share_memory(feed, out))
+
+
 def compile_loop(spec: LoopSpec, trip: int | None):
     """A callable running the loop of `spec` (`trip` iterations at most; None: until the condition turns
     false) in one compiled function, or None when something in it cannot be compiled."""
@@ -135,16 +148,21 @@ def compile_loop(spec: LoopSpec, trip: int | None):
         body.append(f"{source.array(spec.counter)}[0] = t")
     if spec.flag is not None:
         body.append(f"{source.array(spec.flag)}[0] = going")
-    body += [f"{f}[:] = {h}" for h, f, _ in carried]
+    # A carried value whose feed nothing else in the loop writes stays in its feed between iterations: its
+    # output is copied there after each, and to the holder once, after the last.
+    kept = [_keeps_feed(spec, k) for k in range(len(carried))]
+    body += [f"{f}[:] = {h}" for (h, f, _), keep in zip(carried, kept) if not keep]
     body += [f"{f}[:] = {w}[{'trip - 1 - t' if r else 't'}]" for f, w, r in streams_in]
     body += lines or []
     body += [f"{w}[{'trip - 1 - t' if r else 't'}] = {o}" for w, o, r in streams_out]
-    body += [f"{h}[:] = {o}" for h, _, o in carried]
+    body += [f"{f if keep else h}[:] = {o}" for (h, f, o), keep in zip(carried, kept)]
     if spec.condition_out is not None:
         body.append(f"going = {source.array(spec.condition_out)}[0]")
     body.append("t += 1")
-    text = [f"def loop(trip, going, {', '.join(source.params)}):", "    t = 0",
-            "    while going and (trip < 0 or t < trip):"] + [f"        {line}" for line in body]
+    text = [f"def loop(trip, going, {', '.join(source.params)}):", "    t = 0"] + \
+        [f"    {f}[:] = {h}" for (h, f, _), keep in zip(carried, kept) if keep] + \
+        ["    while going and (trip < 0 or t < trip):"] + [f"        {line}" for line in body] + \
+        [f"    {h}[:] = {f}" for (h, f, _), keep in zip(carried, kept) if keep]
     key = ("\n".join(text), tuple(id(k) for name, k in sorted(source.globals.items()) if name != "np"))
     compiled = _COMPILED.get(key)
     if compiled is None:  # the same text over the same kernels: the function compiled for an earlier binding

@@ -784,6 +784,62 @@ def test_selective_scan_gradients_match_finite_differences(form, tmp_path):
     check_gradients(proto, ["W_dt", "b_dt", "W_B", "W_C", "W_out", "A_log"], {"x": x}, tmp_path)
 
 
+@pytest.mark.parametrize("form", ["scan", "loop"])
+def test_the_selective_scans_reverse_body_fuses_and_gives_the_gradients_of_its_kernels(form, tmp_path, monkeypatch):
+    """The reverse Scan of the selective scan (its forward recomputed, ReduceGrad's broadcast, SumToShape's sums
+    over either axis, a Sum of two sums after them) runs as one fused nest: its gradients match finite
+    differences, and the body run kernel by kernel within float32 rounding (the sums' order differs)."""
+    from odtrain import body_fusion, loops
+
+    monkeypatch.setattr(loops, "COMPILE_FROM", 0)
+    proto = selective_scan(form, steps=5, width=3, state=2)
+    x = RNG.standard_normal((5, 3)).astype(np.float32)
+    params = ["W_dt", "b_dt", "W_B", "W_C", "W_out", "A_log"]
+    fused = []
+    monkeypatch.setattr(loops, "fused_body", lambda *a: fused.append(body_fusion.fused_body(*a)) or fused[-1])
+    check_gradients(proto, params, {"x": x}, tmp_path / "fused")
+    assert len(fused) >= 2 and all(lines is not None for lines in fused)  # the forward and the reverse
+    gradients, feeds = {}, {"x": RNG.standard_normal((40, 8)).astype(np.float32)}
+    for fuses in (True, False):
+        monkeypatch.setattr(loops, "fused_body", body_fusion.fused_body if fuses else lambda *a: None)
+        gradients[fuses] = parameter_gradients(selective_scan(form, steps=40, width=8, state=4), params, feeds,
+                                               tmp_path / str(fuses))
+    for name in params:
+        np.testing.assert_allclose(gradients[True][name], gradients[False][name], rtol=1e-5, atol=1e-6,
+                                   err_msg=f"gradient of '{name}'")
+
+
+def test_a_training_step_runs_a_scan_once_without_a_budget(tmp_path):
+    """The states a Scan stacks for its backward are kept: rerunning the Scan is its body's work T times, which
+    the cheap recomputation (graph/recompute.py's `cheap`) does not see in the bytes the node writes."""
+    from odtrain import artifacts
+    from odtrain.api import CheckpointState, Module
+    from odtrain.graph.recompute import RECOMPUTE_SUFFIX
+
+    proto = selective_scan("scan", steps=40, width=8, state=4)
+    artifacts.generate_artifacts(proto, requires_grad=["W_dt", "W_out", "A_log"], loss=artifacts.LossType.MSELoss,
+                                 optimizer=artifacts.OptimType.SGD, artifact_directory=tmp_path)
+    module = Module(tmp_path / "training_model.onnx", CheckpointState.load_checkpoint(tmp_path / "checkpoint"))
+    module(RNG.standard_normal((40, 8)).astype(np.float32), np.zeros((40, 8), np.float32))
+    order = next(iter(module._train.plans.values())).plan.order
+    assert [n.op_type for n in order].count("Scan") == 2  # the forward and its reverse
+    assert not [n.name for n in order if n.op_type == "Scan" and n.name.endswith(RECOMPUTE_SUFFIX)]
+
+
+def parameter_gradients(proto, params: list[str], feeds: dict, folder) -> dict:
+    """The gradients of `params` from one training step (MSE loss against zeros) on `feeds`."""
+    from odtrain import artifacts
+    from odtrain.api import CheckpointState, Module
+
+    artifacts.generate_artifacts(proto, requires_grad=params, loss=artifacts.LossType.MSELoss,
+                                 optimizer=artifacts.OptimType.SGD, artifact_directory=folder)
+    state = CheckpointState.load_checkpoint(folder / "checkpoint")
+    module = Module(folder / "training_model.onnx", state, folder / "eval_model.onnx")
+    outputs = oracle(proto, {k: v.astype(np.float32) for k, v in feeds.items()})
+    module(*[feeds[i.name] for i in proto.graph.input], np.zeros_like(outputs[0]))
+    return {name: np.array(state.parameters[name].grad) for name in params}
+
+
 def test_recording_a_step_records_the_kernels_of_its_bodies():
     """A kernel library is built from the calls steps record (odtrain compile): a loop's body kernels are
     among them, nested bodies' too, so a library can hold what a device runs inside loops."""
