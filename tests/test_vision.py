@@ -407,8 +407,13 @@ def test_batch_norm_and_activation_fuse_in_the_training_model_only(tmp_path):
     model = make_model(nodes, {"x": rand(2, 3, 4, 3), "s": rand(3), "b": rand(3), "m": rand(3),
                                "v": rand(3, low=1, high=2)}, outputs=[("loss", np.float32, [])])
     artifacts.generate_artifacts(model, requires_grad=["x", "s", "b"], loss=None, artifact_directory=tmp_path)
-    training = _op_types(tmp_path / "training_model.onnx")
-    assert training.count("BatchNormalizationActivation") == 1  # the second normalized value is read twice
+    fused = [n for n in onnx.load(str(tmp_path / "training_model.onnx")).graph.node
+             if n.op_type == "BatchNormalizationActivation"]
+    activations = [next((helper.get_attribute_value(a) for a in n.attribute if a.name == "activation"), None)
+                   for n in fused]
+    assert activations == [b"Relu", None]  # the second normalized value is read twice: no activation fused
+    # in training, each saves the batch mean and 1/√(σ² + ε) its gradient reads
+    assert all(len(n.output) == 5 and n.output[3] and n.output[4] for n in fused)
     assert "BatchNormalizationActivation" not in _op_types(tmp_path / "eval_model.onnx")
 
 
