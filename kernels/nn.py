@@ -3,7 +3,7 @@ Celu, ThresholdedRelu, Shrink, Swish), Pad and Dropout.
 
 BatchNormalization sums in float64 per channel (Σx, Σx²), so one pass gives
 statistics accurate for float32 data; in training it also writes the batch
-mean and 1/√(σ² + ε) it used, which its gradient reads: the backward then sums
+mean and 1/√(σ² + ε) it used (float64), which its gradient reads: the backward then sums
 only Σdy and Σdy·x (float64) over a block of channels, then writes dx from the
 block while it is in the cache. Given no saved statistics (artifacts from
 before they existed), the gradient sums Σx and Σx² as well, in the same pass.
@@ -42,6 +42,11 @@ FLOAT_MAX = float(np.finfo(np.float32).max)
 # that too, but where the planes are small its rows are short and scattered (one per image), which the
 # prefetchers do not follow: 8x384 planes of 6x6 took 3x longer channel by channel than in one pass.
 CHANNEL_BLOCK = 1 << 15
+# Planes (elements per image and channel) from which a masked batch-normalization gradient computes the mask
+# and the sums in one loop per row: on shorter rows the loop's vector part hardly runs, and masking the
+# block's rows of an image in one long loop, then summing, was faster (benchmarks/README.md, figures behind
+# kernel choices: 1.13x slower at 16x16, level at 20x20, 0.89x at 24x24 and 56x56).
+MASKED_ROW_FUSION = 512
 
 # ---- batch normalization -------------------------------------------------------------------------
 
@@ -66,6 +71,32 @@ def _row_gradient_sums(x, dy):
         g += d
         gx += d * np.float64(x[i])
     return g, gx
+
+
+@njit(cache=True, error_model="numpy", fastmath=REDUCTION)
+def _row_masked_gradient_sums(x, dy, y, low, high, g):
+    """g = dy · (low < y < high) (ClipGrad's product), and (Σ g, Σ g·x) in float64, in one loop."""
+    s, sx = 0.0, 0.0
+    for i in range(x.size):
+        value = dy[i] * np.float32((y[i] > low) & (y[i] < high))
+        g[i] = value
+        d = np.float64(value)
+        s += d
+        sx += d * np.float64(x[i])
+    return s, sx
+
+
+@njit(cache=True, error_model="numpy", fastmath=REDUCTION)
+def _row_masked_gradient_sums_in_place(x, g, y, low, high):
+    """_row_masked_gradient_sums with dy = g: one array, so no aliasing check sends the loop to a scalar path."""
+    s, sx = 0.0, 0.0
+    for i in range(x.size):
+        value = g[i] * np.float32((y[i] > low) & (y[i] < high))
+        g[i] = value
+        d = np.float64(value)
+        s += d
+        sx += d * np.float64(x[i])
+    return s, sx
 
 
 @njit(cache=True, error_model="numpy", fastmath=REDUCTION)
@@ -189,15 +220,15 @@ def _batch_norm_grad_coefficients(sums, c, count, scale, mean_in, var_in, dscale
 
 @njit(cache=True, error_model="numpy")
 def _batch_norm_grad(dy, x, y, scale, mean_in, var_in, dx, dscale, dbias, dmean, dvar, wants, training, saved,
-                     epsilon, masked, low, high, sums, in_place, block, c0, c1):
+                     epsilon, masked, fuse_mask, low, high, sums, in_place, block, c0, c1):
     """Gradients of batch normalization (see graph/ops/nn.py) for the channels [c0, c1), `block` channels at a
     time; outputs with wants[i] == 0 are skipped. In training, with `saved`, mean_in and var_in are the forward's
     batch mean and 1/√(σ² + ε), and a block's pass sums Σdy and Σdy·x only (as out of training, which reads the
     running statistics); without, it sums Σx and Σx² too.
     When `masked` (dx wanted), the incoming gradient is dy · (low < y < high), y the output of a Relu/Clip that
     followed (1-element bounds): it is written into dx a block of an image at a time, then summed while in the
-    cache; else y is not read. dx may be dy (in_place): each element is read before it is written. sums is
-    [4, C] float64 scratch."""
+    cache, or with `fuse_mask` (the statistics known) summed per row as it is written; else y is not read. dx may
+    be dy (in_place): each element is read before it is written. sums is [4, C] float64 scratch."""
     count = x.shape[0] * x.shape[2]
     size, channels = x.shape[2], x.shape[1]
     known = saved or not training  # the statistics: Σx and Σx² are not needed
@@ -208,6 +239,15 @@ def _batch_norm_grad(dy, x, y, scale, mean_in, var_in, dx, dscale, dbias, dmean,
             for row in range(4):  # Σx, Σx², Σdy, Σdy·x
                 sums[row, c] = 0.0
         for n in range(x.shape[0]):
+            if fuse_mask:  # long rows: the Clip gradient, as ClipGrad computes it, summed as it is written
+                for c in range(first, last):
+                    if in_place:
+                        g, gx = _row_masked_gradient_sums_in_place(x[n, c], dx[n, c], y[n, c], low[0], high[0])
+                    else:
+                        g, gx = _row_masked_gradient_sums(x[n, c], dy[n, c], y[n, c], low[0], high[0], dx[n, c])
+                    sums[2, c] += g
+                    sums[3, c] += gx
+                continue
             if masked:  # the Clip gradient (code 0) of the block's rows in this image, as ClipGrad computes it
                 start, stop = (n * channels + first) * size, (n * channels + last) * size
                 _activation_grad(0, dy_flat[start:stop], y_flat[start:stop], low, high, dx_flat[start:stop],
@@ -265,7 +305,7 @@ def _batch_norm_calls(inputs, outputs, low, high, epsilon=1e-5, momentum=0.9, tr
     if not has_running:
         mean_out, var_out = np.zeros_like(mean), np.zeros_like(var)
     # the batch mean and 1/√(σ² + ε), for the gradient (BatchNormalizationActivation's outputs 3, 4)
-    saved = [outputs[i] if len(outputs) > i and outputs[i] is not None else np.zeros(channels, np.float32)
+    saved = [outputs[i] if len(outputs) > i and outputs[i] is not None else np.zeros(channels, np.float64)
              for i in (3, 4)]
     stats = np.zeros((3, channels), dtype=np.float64)
     return [split((_batch_norm_train, (_ncs(x), scale, bias, mean, var, _ncs(y), mean_out, var_out, has_running,
@@ -325,9 +365,11 @@ def BatchNormalizationGrad(inputs, outputs, epsilon=1e-5, training_mode=1, activ
     if masked and outs[0] is None:
         raise ValueError("a folded activation needs the input gradient dX (its buffer holds the activation's)")
     y = _ncs(inputs[5]) if masked else _ncs(x)  # y is read only when masked
+    size = x.size // max(1, x.shape[0] * channels)
+    fuse_mask = masked and (saved or not training_mode) and size >= MASKED_ROW_FUSION
     return [split((_batch_norm_grad, (_ncs(dy), _ncs(x), y, scale, mean, var, dx, *small, wants, bool(training_mode),
-                                      saved, float(epsilon), masked, low, high, sums, in_place, _channel_block(x), 0,
-                                      channels)),
+                                      saved, float(epsilon), masked, fuse_mask, low, high, sums, in_place,
+                                      _channel_block(x), 0, channels)),
                   channels, x.size, threads)]
 
 # ---- activations ---------------------------------------------------------------------------------

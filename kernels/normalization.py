@@ -4,6 +4,11 @@ Tensors are viewed as [outer, n, inner] around the normalised axis (softmax) or 
 the normalised axes (layer norm), so every kernel is a loop over independent rows; the
 common case inner = 1 walks contiguous rows that LLVM vectorises. Statistics accumulate in
 float32, two passes (mean, then centred variance), as ONNX Runtime's CPU kernels do.
+LayerNorm's gradient reads the μ and σ⁻¹ the forward saved (its Mean and InvStdDev outputs),
+then per row sums g and g·x̂ (and the row's dscale, dbias terms) in one pass and writes dx in a
+second while the row is in the cache. RMSNorm has no statistics output: its gradient computes
+r again (one pass over the row, which it reads next anyway), then sums g·x with the dscale
+terms in one pass and writes dx in another.
 
 With threads, each kernel's `_parts` twin (kernels/parallel_split.py) runs it on parts of the outer rows
 (contiguous slabs of the flat arrays) in one parallel region; every value is computed as in the serial
@@ -430,14 +435,14 @@ def _rms_norm_grad(dy, x, scale, scale_index, dx, dscale, rows, inner, epsilon):
         xr, gr, dr = x[r * inner:(r + 1) * inner], dy[r * inner:(r + 1) * inner], dx[r * inner:(r + 1) * inner]
         inv = _row_inverse_rms(xr, eps)
         mean_gx = np.float32(0.0)
-        if scale_index.size == 0:
+        if scale_index.size == 0:  # Σ g·x and the row's dscale terms in one pass over the row
             for j in range(inner):
                 mean_gx += gr[j] * scale[j] * xr[j]
+                dscale[j] += gr[j] * xr[j] * inv
         else:
             for j in range(inner):
                 mean_gx += gr[j] * scale[scale_index[j]] * xr[j]
-        for j in range(inner):
-            dscale[j] += gr[j] * xr[j] * inv
+                dscale[j] += gr[j] * xr[j] * inv
         mean_gx /= inner
         factor = inv * inv * mean_gx
         if scale_index.size == 0:

@@ -3,8 +3,8 @@ ThresholdedRelu, Shrink, Swish), Pad and Dropout.
 
 Gradients:
 - BatchNormalization: BatchNormalizationGrad(dY, X, scale[, mean, var]). In training
-  mode, mean and var are the batch mean and 1/√(σ² + ε) the forward saved (outputs
-  3 and 4 of the training model's BatchNormalizationActivation, which every
+  mode, mean and var are the batch mean and 1/√(σ² + ε) the forward saved (float64
+  outputs 3 and 4 of the training model's BatchNormalizationActivation, which every
   training-mode BatchNormalization becomes there), so the gradient sums Σ dY and
   Σ dY·X in one pass and nothing else; given none (artifacts written before they
   were saved), it sums the batch statistics again from X in the same pass. Out of
@@ -59,7 +59,10 @@ def _batch_norm_types(node, types, saved: bool):
         raise ModelError(f"{node.describe()}: running statistics outputs need training_mode=1")
     if x.shape is not None and len(x.shape) < 2:
         raise ModelError(f"{node.describe()}: input {x} needs a channel axis ([N, C, ...])")
-    return [x] + [types[3], types[4], types[1], types[1]][:len(node.outputs) - 1]
+    # the saved batch statistics in float64, as the kernels sum them: a mean rounded to float32 would cost the
+    # gradient's Σ dY·(X - μ) its accuracy where |μ| is large beside σ
+    batch = TensorType(np.dtype(np.float64), types[1].shape)
+    return [x] + [types[3], types[4], batch, batch][:len(node.outputs) - 1]
 
 
 @eval_form("BatchNormalization")
