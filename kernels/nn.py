@@ -3,15 +3,17 @@ Celu, ThresholdedRelu, Shrink, Swish), Pad and Dropout.
 
 BatchNormalization sums in float64 per channel (Σx, Σx²), so one pass gives
 statistics accurate for float32 data; in training it also writes the batch
-mean and 1/√(σ² + ε) it used (float64), which its gradient reads: the backward then sums
-only Σdy and Σdy·x (float64) over a block of channels, then writes dx from the
-block while it is in the cache. Given no saved statistics (artifacts from
-before they existed), the gradient sums Σx and Σx² as well, in the same pass.
-Its output pass clamps to [low, high], which is how a fused Relu/Clip costs
-nothing. Its gradient, given that activation's output y, computes the
-activation's gradient g = dy · (low < y < high) itself (ClipGrad's loop), into
-dx a block of an image at a time, summed right after while it is in the cache:
-one call, and with threads one parallel region, instead of two. Forward and
+mean and 1/√(σ² + ε) it used (float64), which its gradient reads: the
+backward then sums only Σdy and Σdy·x (float64) over a block of channels,
+then writes dx from the block while it is in the cache. Given no saved
+statistics (artifacts from before they existed), the gradient sums Σx and Σx²
+as well, in the same pass. Its output pass clamps to [low, high], which is how
+a fused Relu/Clip costs nothing. Its gradient, given that activation's output
+y, computes the activation's gradient g = dy · (low < y < high) itself
+(ClipGrad's loop), into dx a block of an image at a time, summed right after
+while it is in the cache (on planes of MASKED_ROW_FUSION elements or more, with
+the statistics known, one loop per row writes g and sums it): one call, and
+with threads one parallel region, instead of two. Forward and
 backward walk a block of channels at a time (CHANNEL_BLOCK), its sums then its
 outputs, so the second pass reads the block from the cache rather than memory
 (the same sums in the same order as one pass over the whole tensor: the same

@@ -8,8 +8,9 @@ Gradients:
   training-mode BatchNormalization becomes there), so the gradient sums Σ dY and
   Σ dY·X in one pass and nothing else; given none (artifacts written before they
   were saved), it sums the batch statistics again from X in the same pass. Out of
-  training they are the running statistics. Its running statistics are `updates`: written over the checkpoint's parameters in
-  place, running = momentum·running + (1 - momentum)·batch, with the unbiased batch
+  training they are the running statistics. Its running statistics are `updates`:
+  written over the checkpoint's parameters in place,
+  running = momentum·running + (1 - momentum)·batch, with the unbiased batch
   variance for running_var (PyTorch's convention; ONNX's reference uses the
   population variance). The eval form runs it with training_mode=0 and output Y only.
 - Activations read their output when it determines the derivative (Clip,
@@ -22,8 +23,9 @@ Gradients:
 Fusion (training model only, `fuse_normalization_activations`): BatchNormalization
 followed by Relu or Clip becomes ai.odtrain BatchNormalizationActivation, one pass
 that writes the activation's output (a training-mode BatchNormalization that no
-activation follows becomes one without `activation`, for its saved statistics); its gradient is the activation's (through
-that output), then BatchNormalizationGrad, which graph/gradient_fusion.py folds
+activation follows becomes one without `activation`, for its saved statistics);
+its gradient is the activation's (through that output), then
+BatchNormalizationGrad, which graph/gradient_fusion.py folds
 into one BatchNormalizationGrad applying the activation's mask as it reads dY
 (inputs 5-7: Y and Clip's bounds; attributes `activation` and Clip's min/max).
 """
