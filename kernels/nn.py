@@ -47,7 +47,7 @@ CHANNEL_BLOCK = 1 << 15
 # Planes (elements per image and channel) from which a masked batch-normalization gradient computes the mask
 # and the sums in one loop per row: on shorter rows the loop's vector part hardly runs, and masking the
 # block's rows of an image in one long loop, then summing, was faster (benchmarks/README.md, figures behind
-# kernel choices: 1.13x slower at 16x16, level at 20x20, 0.89x at 24x24 and 56x56).
+# kernel choices: per row 1.23x the time at 16x16, 1.01x at 20x20, 0.97x at 24x24, 0.90x at 48x48).
 MASKED_ROW_FUSION = 512
 
 # ---- batch normalization -------------------------------------------------------------------------
