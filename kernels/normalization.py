@@ -7,8 +7,8 @@ float32, two passes (mean, then centred variance), as ONNX Runtime's CPU kernels
 LayerNorm's gradient reads the μ and σ⁻¹ the forward saved (its Mean and InvStdDev outputs),
 then per row sums g and g·x̂ (and the row's dscale, dbias terms) in one pass and writes dx in a
 second while the row is in the cache. RMSNorm has no statistics output: its gradient computes
-r again (one pass over the row, which it reads next anyway), then sums g·x with the dscale
-terms in one pass and writes dx in another.
+r again (one pass over the row, in the cache); summing g·x and adding the row's dscale terms
+in one loop ran 1.3-1.4x slower than in two (benchmarks/README.md), so they stay apart.
 
 With threads, each kernel's `_parts` twin (kernels/parallel_split.py) runs it on parts of the outer rows
 (contiguous slabs of the flat arrays) in one parallel region; every value is computed as in the serial
@@ -435,14 +435,14 @@ def _rms_norm_grad(dy, x, scale, scale_index, dx, dscale, rows, inner, epsilon):
         xr, gr, dr = x[r * inner:(r + 1) * inner], dy[r * inner:(r + 1) * inner], dx[r * inner:(r + 1) * inner]
         inv = _row_inverse_rms(xr, eps)
         mean_gx = np.float32(0.0)
-        if scale_index.size == 0:  # Σ g·x and the row's dscale terms in one pass over the row
+        if scale_index.size == 0:
             for j in range(inner):
                 mean_gx += gr[j] * scale[j] * xr[j]
-                dscale[j] += gr[j] * xr[j] * inv
         else:
             for j in range(inner):
                 mean_gx += gr[j] * scale[scale_index[j]] * xr[j]
-                dscale[j] += gr[j] * xr[j] * inv
+        for j in range(inner):  # apart from the sum: a loop storing into dscale would not vectorise it
+            dscale[j] += gr[j] * xr[j] * inv
         mean_gx /= inner
         factor = inv * inv * mean_gx
         if scale_index.size == 0:
