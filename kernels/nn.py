@@ -1,16 +1,23 @@
 """Kernels: batch normalization, activations with parameters (Clip, LeakyRelu, HardSigmoid, HardSwish, Elu, Selu,
 Celu, ThresholdedRelu, Shrink, Swish), Pad and Dropout.
 
-BatchNormalization sums in float64 per channel (Σx, Σx²; backward Σdy,
-Σdy·x), so one pass gives statistics accurate for float32 data. Its output
-pass clamps to [low, high], which is how a fused Relu/Clip costs nothing. Its
-gradient, given that activation's output y, computes the activation's gradient
-g = dy · (low < y < high) itself (ClipGrad's loop), into dx a block of an image
-at a time, summed right after while it is in the cache: one call, and with
-threads one parallel region, instead of two. Forward and backward walk a block
-of channels at a time (CHANNEL_BLOCK), its sums then its outputs, so the second
-pass reads the block from the cache rather than memory (the same sums in the
-same order as one pass over the whole tensor: the same bits).
+BatchNormalization sums in float64 per channel (Σx, Σx²), so one pass gives
+statistics accurate for float32 data; in training it also writes the batch
+mean and 1/√(σ² + ε) it used (float64), which its gradient reads: the
+backward then sums only Σdy and Σdy·x (float64) over a block of channels,
+then writes dx from the block while it is in the cache. Given no saved
+statistics (artifacts from before they existed), the gradient sums Σx and Σx²
+as well, in the same pass. Its output pass clamps to [low, high], which is how
+a fused Relu/Clip costs nothing. Its gradient, given that activation's output
+y, computes the activation's gradient g = dy · (low < y < high) itself
+(ClipGrad's loop), into dx a block of an image at a time, summed right after
+while it is in the cache (on planes of MASKED_ROW_FUSION elements or more, with
+the statistics known, one loop per row writes g and sums it): one call, and
+with threads one parallel region, instead of two. Forward and
+backward walk a block of channels at a time (CHANNEL_BLOCK), its sums then its
+outputs, so the second pass reads the block from the cache rather than memory
+(the same sums in the same order as one pass over the whole tensor: the same
+bits).
 Channels are independent: with threads, parts of them run in one parallel
 region, each channel computed as in the serial kernel.
 
@@ -37,6 +44,11 @@ FLOAT_MAX = float(np.finfo(np.float32).max)
 # that too, but where the planes are small its rows are short and scattered (one per image), which the
 # prefetchers do not follow: 8x384 planes of 6x6 took 3x longer channel by channel than in one pass.
 CHANNEL_BLOCK = 1 << 15
+# Planes (elements per image and channel) from which a masked batch-normalization gradient computes the mask
+# and the sums in one loop per row: on shorter rows the loop's vector part hardly runs, and masking the
+# block's rows of an image in one long loop, then summing, was faster (benchmarks/README.md, figures behind
+# kernel choices: per row 1.23x the time at 16x16, 1.01x at 20x20, 0.97x at 24x24, 0.90x at 48x48).
+MASKED_ROW_FUSION = 512
 
 # ---- batch normalization -------------------------------------------------------------------------
 
@@ -50,6 +62,43 @@ def _row_sums(row):
         s += v
         q += v * v
     return s, q
+
+
+@njit(cache=True, error_model="numpy", fastmath=REDUCTION)
+def _row_gradient_sums(x, dy):
+    """(Σ dy, Σ dy·x) in float64."""
+    g, gx = 0.0, 0.0
+    for i in range(x.size):
+        d = np.float64(dy[i])
+        g += d
+        gx += d * np.float64(x[i])
+    return g, gx
+
+
+@njit(cache=True, error_model="numpy", fastmath=REDUCTION)
+def _row_masked_gradient_sums(x, dy, y, low, high, g):
+    """g = dy · (low < y < high) (ClipGrad's product), and (Σ g, Σ g·x) in float64, in one loop."""
+    s, sx = 0.0, 0.0
+    for i in range(x.size):
+        value = dy[i] * np.float32((y[i] > low) & (y[i] < high))
+        g[i] = value
+        d = np.float64(value)
+        s += d
+        sx += d * np.float64(x[i])
+    return s, sx
+
+
+@njit(cache=True, error_model="numpy", fastmath=REDUCTION)
+def _row_masked_gradient_sums_in_place(x, g, y, low, high):
+    """_row_masked_gradient_sums with dy = g: one array, so no aliasing check sends the loop to a scalar path."""
+    s, sx = 0.0, 0.0
+    for i in range(x.size):
+        value = g[i] * np.float32((y[i] > low) & (y[i] < high))
+        g[i] = value
+        d = np.float64(value)
+        s += d
+        sx += d * np.float64(x[i])
+    return s, sx
 
 
 @njit(cache=True, error_model="numpy", fastmath=REDUCTION)
@@ -78,11 +127,12 @@ def _affine_rows(x, center, factor, shift, low, high, y, c0, c1):
 
 
 @njit(cache=True, error_model="numpy")
-def _batch_norm_train(x, scale, bias, mean_in, var_in, y, mean_out, var_out, has_running, momentum, epsilon, stats,
-                      low, high, in_place, block, c0, c1):
+def _batch_norm_train(x, scale, bias, mean_in, var_in, y, mean_out, var_out, has_running, momentum, epsilon,
+                      saved_mean, saved_inv_std, stats, low, high, in_place, block, c0, c1):
     """y = (x - μ_batch) · γ/√(σ²_batch + ε) + β; running = momentum·running + (1 - momentum)·batch
-    (unbiased variance), for the channels [c0, c1), `block` channels at a time. The running outputs may alias
-    their inputs: each reads then writes one channel. stats is [3, C] float64 scratch."""
+    (unbiased variance), for the channels [c0, c1), `block` channels at a time; saved_mean = μ_batch,
+    saved_inv_std = 1/√(σ²_batch + ε), for the gradient. The running outputs may alias their inputs: each
+    reads then writes one channel. stats is [3, C] float64 scratch."""
     count = x.shape[0] * x.shape[2]
     for first in range(c0, c1, block):
         last = min(first + block, c1)
@@ -101,6 +151,8 @@ def _batch_norm_train(x, scale, bias, mean_in, var_in, y, mean_out, var_out, has
                 unbiased = var * count / (count - 1) if count > 1 else var
                 mean_out[c] = momentum * mean_in[c] + (1.0 - momentum) * mean
                 var_out[c] = momentum * var_in[c] + (1.0 - momentum) * unbiased
+            saved_mean[c] = mean
+            saved_inv_std[c] = 1.0 / np.sqrt(var + epsilon)
             stats[0, c] = mean
             stats[1, c] = scale[c] / np.sqrt(var + epsilon)
             stats[2, c] = bias[c]
@@ -138,15 +190,18 @@ def _batch_norm_grad_rows(dy, x, coefficients, dx, c0, c1):
 
 @njit(cache=True, error_model="numpy", inline="always")
 def _batch_norm_grad_coefficients(sums, c, count, scale, mean_in, var_in, dscale, dbias, dmean, dvar, wants, training,
-                                  epsilon):
+                                  saved, epsilon):
     """Channel c's small gradients from its sums (Σx, Σx², Σdy, Σdy·x), then sums[:, c] ← (a, b, e, μ) of
-    dx = a·dy + b·(x - μ) + e."""
-    if training:
+    dx = a·dy + b·(x - μ) + e. With `saved` (training), μ and 1/√(σ² + ε) are mean_in[c] and var_in[c], the
+    forward's, and Σx, Σx² are not read."""
+    if training and saved:
+        mean, inv_std = np.float64(mean_in[c]), np.float64(var_in[c])
+    elif training:
         mean = sums[0, c] / count
-        var = max(sums[1, c] / count - mean * mean, 0.0)
+        inv_std = 1.0 / np.sqrt(max(sums[1, c] / count - mean * mean, 0.0) + epsilon)
     else:
-        mean, var = np.float64(mean_in[c]), np.float64(var_in[c])
-    inv_std = 1.0 / np.sqrt(var + epsilon)
+        mean = np.float64(mean_in[c])
+        inv_std = 1.0 / np.sqrt(np.float64(var_in[c]) + epsilon)
     sum_dy = sums[2, c]
     sum_dy_centered = sums[3, c] - mean * sum_dy  # Σ dy·(x - μ)
     gamma = np.float64(scale[c])
@@ -166,15 +221,19 @@ def _batch_norm_grad_coefficients(sums, c, count, scale, mean_in, var_in, dscale
 
 
 @njit(cache=True, error_model="numpy")
-def _batch_norm_grad(dy, x, y, scale, mean_in, var_in, dx, dscale, dbias, dmean, dvar, wants, training, epsilon,
-                     masked, low, high, sums, in_place, block, c0, c1):
+def _batch_norm_grad(dy, x, y, scale, mean_in, var_in, dx, dscale, dbias, dmean, dvar, wants, training, saved,
+                     epsilon, masked, fuse_mask, low, high, sums, in_place, block, c0, c1):
     """Gradients of batch normalization (see graph/ops/nn.py) for the channels [c0, c1), `block` channels at a
-    time; outputs with wants[i] == 0 are skipped. When `masked` (dx wanted), the incoming gradient is
-    dy · (low < y < high), y the output of a Relu/Clip that followed (1-element bounds): it is written into dx a
-    block of an image at a time, then summed while in the cache; else y is not read. dx may be dy (in_place): each element is read before
-    it is written. sums is [4, C] float64 scratch."""
+    time; outputs with wants[i] == 0 are skipped. In training, with `saved`, mean_in and var_in are the forward's
+    batch mean and 1/√(σ² + ε), and a block's pass sums Σdy and Σdy·x only (as out of training, which reads the
+    running statistics); without, it sums Σx and Σx² too.
+    When `masked` (dx wanted), the incoming gradient is dy · (low < y < high), y the output of a Relu/Clip that
+    followed (1-element bounds): it is written into dx a block of an image at a time, then summed while in the
+    cache, or with `fuse_mask` (the statistics known) summed per row as it is written; else y is not read. dx may
+    be dy (in_place): each element is read before it is written. sums is [4, C] float64 scratch."""
     count = x.shape[0] * x.shape[2]
     size, channels = x.shape[2], x.shape[1]
+    known = saved or not training  # the statistics: Σx and Σx² are not needed
     dy_flat, y_flat, dx_flat = dy.reshape(-1), y.reshape(-1), dx.reshape(-1)
     for first in range(c0, c1, block):
         last = min(first + block, c1)
@@ -182,19 +241,31 @@ def _batch_norm_grad(dy, x, y, scale, mean_in, var_in, dx, dscale, dbias, dmean,
             for row in range(4):  # Σx, Σx², Σdy, Σdy·x
                 sums[row, c] = 0.0
         for n in range(x.shape[0]):
+            if fuse_mask:  # long rows: the Clip gradient, as ClipGrad computes it, summed as it is written
+                for c in range(first, last):
+                    if in_place:
+                        g, gx = _row_masked_gradient_sums_in_place(x[n, c], dx[n, c], y[n, c], low[0], high[0])
+                    else:
+                        g, gx = _row_masked_gradient_sums(x[n, c], dy[n, c], y[n, c], low[0], high[0], dx[n, c])
+                    sums[2, c] += g
+                    sums[3, c] += gx
+                continue
             if masked:  # the Clip gradient (code 0) of the block's rows in this image, as ClipGrad computes it
                 start, stop = (n * channels + first) * size, (n * channels + last) * size
                 _activation_grad(0, dy_flat[start:stop], y_flat[start:stop], low, high, dx_flat[start:stop],
                                  in_place)
             for c in range(first, last):
-                s, q, g, gx = _row_grad_sums(x[n, c], dx[n, c] if masked else dy[n, c])
-                sums[0, c] += s
-                sums[1, c] += q
+                if known:
+                    g, gx = _row_gradient_sums(x[n, c], dx[n, c] if masked else dy[n, c])
+                else:
+                    s, q, g, gx = _row_grad_sums(x[n, c], dx[n, c] if masked else dy[n, c])
+                    sums[0, c] += s
+                    sums[1, c] += q
                 sums[2, c] += g
                 sums[3, c] += gx
         for c in range(first, last):
             _batch_norm_grad_coefficients(sums, c, count, scale, mean_in, var_in, dscale, dbias, dmean, dvar, wants,
-                                          training, epsilon)
+                                          training, saved, epsilon)
         if not wants[0]:
             continue
         if in_place or masked:  # one array for dy and dx: no aliasing check sends the loop to a scalar path
@@ -235,9 +306,12 @@ def _batch_norm_calls(inputs, outputs, low, high, epsilon=1e-5, momentum=0.9, tr
     has_running = mean_out is not None and var_out is not None
     if not has_running:
         mean_out, var_out = np.zeros_like(mean), np.zeros_like(var)
+    # the batch mean and 1/√(σ² + ε), for the gradient (BatchNormalizationActivation's outputs 3, 4)
+    saved = [outputs[i] if len(outputs) > i and outputs[i] is not None else np.zeros(channels, np.float64)
+             for i in (3, 4)]
     stats = np.zeros((3, channels), dtype=np.float64)
     return [split((_batch_norm_train, (_ncs(x), scale, bias, mean, var, _ncs(y), mean_out, var_out, has_running,
-                                       float(momentum), float(epsilon), stats, low, high, in_place,
+                                       float(momentum), float(epsilon), *saved, stats, low, high, in_place,
                                        _channel_block(x), 0, channels)),
                   channels, x.size, threads)]
 
@@ -262,8 +336,9 @@ def BatchNormalization(inputs, outputs, **attrs):
 
 
 @binding("BatchNormalizationActivation", ODTRAIN_DOMAIN, parallel=True)
-def BatchNormalizationActivation(inputs, outputs, activation, **attrs):
-    """BatchNormalization, then Relu (clip at 0) or Clip (bounds from inputs 5, 6 or min/max attributes)."""
+def BatchNormalizationActivation(inputs, outputs, activation=None, **attrs):
+    """BatchNormalization, then Relu (clip at 0) or Clip (bounds from inputs 5, 6 or min/max attributes), or
+    nothing; outputs 3, 4 (in training) the batch mean and 1/√(σ² + ε)."""
     low, high = _activation_bounds(activation, inputs[5:7], attrs)
     return _batch_norm_calls(inputs[:5], outputs, low, high, **attrs)
 
@@ -271,12 +346,15 @@ def BatchNormalizationActivation(inputs, outputs, activation, **attrs):
 @binding("BatchNormalizationGrad", ODTRAIN_DOMAIN, parallel=True)
 def BatchNormalizationGrad(inputs, outputs, epsilon=1e-5, training_mode=1, activation=None, threads=1, **bounds):
     """The gradient of BatchNormalization, or, with `activation`, of BatchNormalization then that Relu or Clip:
-    input 5 is the activation's output, 6 and 7 Clip's bounds (min/max attributes in opsets before 11)."""
+    input 5 is the activation's output, 6 and 7 Clip's bounds (min/max attributes in opsets before 11). Inputs
+    3, 4 are the running mean and variance out of training; in training, the forward's saved batch mean and
+    1/√(σ² + ε), or absent (the batch statistics are then summed again from X)."""
     low, high = _activation_bounds(activation, inputs[6:8], bounds)
     if bounds:
         raise TypeError(f"unexpected attributes {sorted(bounds)}")
     dy, x, scale = inputs[:3]
     channels = scale.shape[0]
+    saved = bool(training_mode) and len(inputs) > 4 and inputs[3] is not None and inputs[4] is not None
     mean = inputs[3] if len(inputs) > 3 and inputs[3] is not None else np.zeros(channels, np.float32)
     var = inputs[4] if len(inputs) > 4 and inputs[4] is not None else np.ones(channels, np.float32)
     outs = list(outputs) + [None] * (5 - len(outputs))
@@ -289,9 +367,11 @@ def BatchNormalizationGrad(inputs, outputs, epsilon=1e-5, training_mode=1, activ
     if masked and outs[0] is None:
         raise ValueError("a folded activation needs the input gradient dX (its buffer holds the activation's)")
     y = _ncs(inputs[5]) if masked else _ncs(x)  # y is read only when masked
+    size = x.size // max(1, x.shape[0] * channels)
+    fuse_mask = masked and (saved or not training_mode) and size >= MASKED_ROW_FUSION
     return [split((_batch_norm_grad, (_ncs(dy), _ncs(x), y, scale, mean, var, dx, *small, wants, bool(training_mode),
-                                      float(epsilon), masked, low, high, sums, in_place, _channel_block(x), 0,
-                                      channels)),
+                                      saved, float(epsilon), masked, fuse_mask, low, high, sums, in_place,
+                                      _channel_block(x), 0, channels)),
                   channels, x.size, threads)]
 
 # ---- activations ---------------------------------------------------------------------------------

@@ -4,6 +4,11 @@ Tensors are viewed as [outer, n, inner] around the normalised axis (softmax) or 
 the normalised axes (layer norm), so every kernel is a loop over independent rows; the
 common case inner = 1 walks contiguous rows that LLVM vectorises. Statistics accumulate in
 float32, two passes (mean, then centred variance), as ONNX Runtime's CPU kernels do.
+LayerNorm's gradient reads the μ and σ⁻¹ the forward saved (its Mean and InvStdDev outputs),
+then per row sums g and g·x̂ (and the row's dscale, dbias terms) in one pass and writes dx in a
+second while the row is in the cache. RMSNorm has no statistics output: its gradient computes
+r again (one pass over the row, in the cache); summing g·x and adding the row's dscale terms
+in one loop ran 1.3-1.4x slower than in two (benchmarks/README.md), so they stay apart.
 
 With threads, each kernel's `_parts` twin (kernels/parallel_split.py) runs it on parts of the outer rows
 (contiguous slabs of the flat arrays) in one parallel region; every value is computed as in the serial
@@ -270,10 +275,14 @@ def _layer_norm(x, scale, scale_index, bias, bias_index, has_bias, y, mean_out, 
 
 
 @njit(cache=True, inline="always", error_model="numpy", fastmath=REDUCE)
-def _layer_norm_grad_rows(dy, x, scale, param_index, full, dx, dscale, dbias, rows, inner, eps):
+def _layer_norm_grad_rows(dy, x, scale, param_index, full, dx, dscale, dbias, rows, inner, eps, saved_mean,
+                          saved_inv, saved):
     for r in range(rows):
         base = r * inner
-        mean, inv = _row_statistics(x, base, inner, eps)
+        if saved:
+            mean, inv = saved_mean[r], saved_inv[r]
+        else:
+            mean, inv = _row_statistics(x, base, inner, eps)
         mean_g = np.float32(0.0)
         mean_gx = np.float32(0.0)
         for j in range(inner):
@@ -292,16 +301,20 @@ def _layer_norm_grad_rows(dy, x, scale, param_index, full, dx, dscale, dbias, ro
 
 
 @njit(cache=True, error_model="numpy", fastmath=REDUCE)
-def _layer_norm_grad(dy, x, scale, param_index, dx, dscale, dbias, rows, inner, epsilon):
-    """dx = σ⁻¹ (g - mean(g) - x̂ · mean(g·x̂)) with g = dy·scale; dscale = Σ dy·x̂, dbias = Σ dy."""
+def _layer_norm_grad(dy, x, scale, param_index, dx, dscale, dbias, rows, inner, epsilon, saved_mean, saved_inv,
+                     saved):
+    """dx = σ⁻¹ (g - mean(g) - x̂ · mean(g·x̂)) with g = dy·scale; dscale = Σ dy·x̂, dbias = Σ dy. μ and σ⁻¹
+    are the forward's saved_mean and saved_inv per row when `saved`, else computed from x as the forward does."""
     eps = np.float32(epsilon)
     for j in range(inner):
         dscale[j] = 0
         dbias[j] = 0
     if param_index.size == 0:  # a literal flag: the inlined loops lose the branch
-        _layer_norm_grad_rows(dy, x, scale, param_index, True, dx, dscale, dbias, rows, inner, eps)
+        _layer_norm_grad_rows(dy, x, scale, param_index, True, dx, dscale, dbias, rows, inner, eps, saved_mean,
+                              saved_inv, saved)
     else:
-        _layer_norm_grad_rows(dy, x, scale, param_index, False, dx, dscale, dbias, rows, inner, eps)
+        _layer_norm_grad_rows(dy, x, scale, param_index, False, dx, dscale, dbias, rows, inner, eps, saved_mean,
+                              saved_inv, saved)
 
 
 @twin_of(_layer_norm, because="its statistics are cut to the part only when it writes them")
@@ -319,14 +332,17 @@ def _layer_norm_parts(x, scale, scale_index, bias, bias_index, has_bias, y, mean
 @twin_of(_layer_norm_grad, takes=("partial",),
          because="each part sums dscale and dbias into its own partial, added in part order after")
 @njit(cache=True, error_model="numpy", fastmath=REDUCE, parallel=True)
-def _layer_norm_grad_parts(dy, x, scale, param_index, dx, dscale, dbias, rows, inner, epsilon, partial, bounds):
+def _layer_norm_grad_parts(dy, x, scale, param_index, dx, dscale, dbias, rows, inner, epsilon, saved_mean,
+                           saved_inv, saved, partial, bounds):
     """_layer_norm_grad on parts of the rows (bounds), in parallel, each part summing its dscale and dbias
     into partial[p] ([2, inner]); the parts' sums are then added in part order."""
     parts = bounds.size - 1
     for p in prange(parts):
         lo, hi = bounds[p] * inner, bounds[p + 1] * inner
+        stats_lo, stats_hi = (bounds[p], bounds[p + 1]) if saved else (0, 1)
         _layer_norm_grad(dy[lo:hi], x[lo:hi], scale, param_index, dx[lo:hi], partial[p, 0], partial[p, 1],
-                         bounds[p + 1] - bounds[p], inner, epsilon)
+                         bounds[p + 1] - bounds[p], inner, epsilon, saved_mean[stats_lo:stats_hi],
+                         saved_inv[stats_lo:stats_hi], saved)
     for j in range(inner):
         dscale[j] = partial[0, 0, j]
         dbias[j] = partial[0, 1, j]
@@ -368,13 +384,17 @@ def LayerNormalization(inputs, outputs, axis=-1, epsilon=1e-5, stash_type=1, thr
 
 @binding("LayerNormalizationGrad", ODTRAIN_DOMAIN, parallel=True)
 def LayerNormalizationGrad(inputs, outputs, axis=-1, epsilon=1e-5, threads=1):
-    dy, x, scale = inputs
+    """Inputs dY, X, scale, then the forward's Mean and InvStdDev (absent in artifacts written before the
+    gradient read them: then computed again from X)."""
+    dy, x, scale = inputs[:3]
     axis = int(axis) % x.ndim
     normalised = x.shape[axis:]
     rows, inner = int(np.prod(x.shape[:axis], dtype=np.int64)), int(np.prod(normalised, dtype=np.int64))
     index = _param_index(scale.shape, normalised)
+    saved = len(inputs) > 4 and inputs[3] is not None and inputs[4] is not None
+    mean, inv = (flat(inputs[3]), flat(inputs[4])) if saved else (np.zeros(1, np.float32), np.zeros(1, np.float32))
     args = (flat(dy), flat(x), flat(scale), index, flat(outputs[0]), flat(outputs[1]), flat(outputs[2]), rows, inner,
-            float(epsilon))
+            float(epsilon), mean, inv, saved)
     # in parts: each part's dscale and dbias sums ([parts, 2, inner]), made once here
     return [split((_layer_norm_grad, args), rows, rows * inner, threads,
                   lambda parts: (np.zeros((parts, 2, inner), np.float32),))]
@@ -421,7 +441,7 @@ def _rms_norm_grad(dy, x, scale, scale_index, dx, dscale, rows, inner, epsilon):
         else:
             for j in range(inner):
                 mean_gx += gr[j] * scale[scale_index[j]] * xr[j]
-        for j in range(inner):
+        for j in range(inner):  # apart from the sum: a loop storing into dscale would not vectorise it
             dscale[j] += gr[j] * xr[j] * inv
         mean_gx /= inner
         factor = inv * inv * mean_gx

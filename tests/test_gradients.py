@@ -399,4 +399,36 @@ def test_scatter_gradients_are_scatter_elements(tmp_path):
         np.testing.assert_array_equal(state.parameters[name].grad, expected[name], err_msg=name)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape, normalised", [((4, 6, 33), 1), ((4, 6, 2, 5), 2)])
+def test_layer_norm_gradient_reads_the_forward_statistics(shape, normalised, threads, monkeypatch):
+    """LayerNormalizationGrad given the forward's Mean and InvStdDev (what the training model passes) against
+    the same kernel computing them again from X (artifacts written before): within float32 rounding (the
+    forward's statistics may differ from the recomputed ones in their last bit), and dX the same bits at 1 and
+    2 threads (its rows are independent)."""
+    from odtrain.kernels import BINDINGS, ODTRAIN_DOMAIN, parallel_split
+
+    monkeypatch.setattr(parallel_split, "MIN_PARALLEL_WORK", 0)
+    values = np.random.default_rng(3)
+    x = (values.standard_normal(shape) * 2 + 3).astype(np.float32)
+    scale, bias = (values.standard_normal(shape[-normalised:]).astype(np.float32) for _ in range(2))
+    dy = values.standard_normal(shape).astype(np.float32)
+    statistics = [np.empty(shape[:-normalised] + (1,) * normalised, np.float32) for _ in range(2)]
+
+    def run(calls):
+        for kernel, args in calls:
+            kernel(*args)
+
+    run(BINDINGS[("", "LayerNormalization")]([x, scale, bias], [np.empty_like(x)] + statistics, axis=-normalised))
+    results = {}
+    for label, extra in (("recomputed", []), ("read", statistics)):
+        for count in (1, threads):
+            outputs = [np.empty_like(x), np.empty_like(scale), np.empty_like(scale)]
+            run(BINDINGS[(ODTRAIN_DOMAIN, "LayerNormalizationGrad")]([dy, x, scale] + extra, outputs,
+                                                                     axis=-normalised, threads=count))
+            results[label, count] = outputs
+    np.testing.assert_array_equal(results["read", threads][0], results["read", 1][0])
+    for got, expected in zip(results["read", threads], results["recomputed", 1]):
+        np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6 * float(np.max(np.abs(expected))))
+
 GRADIENT_ORACLES = {"Scatter": test_scatter_gradients_are_scatter_elements}

@@ -60,9 +60,9 @@ def test_the_chooser_keeps_the_serial_call_at_one_part_and_cuts_fixed_parts():
     kernel, args = on_parts(ranged, 7, 2)
     assert args[:-1] == tuple(range(11)) and list(args[-1]) == list(part_bounds(7, 2)) == [0, 3, 7]
     # the twin's own arguments, here made for its parts
-    grad = (_layer_norm_grad, tuple(range(10)))
+    grad = (_layer_norm_grad, tuple(range(13)))
     kernel, args = on_parts(grad, 6, 3, lambda count: (np.zeros((count, 2, 5)),))
-    assert args[10].shape == (3, 2, 5) and list(args[11]) == [0, 2, 4, 6]
+    assert args[13].shape == (3, 2, 5) and list(args[14]) == [0, 2, 4, 6]
     with pytest.raises(ValueError, match="partial"):
         on_parts(grad, 6, 3)
 

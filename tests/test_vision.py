@@ -114,11 +114,13 @@ def test_activations_written_over_their_input_match_their_own_buffer():
             np.testing.assert_array_equal(over, apart, err_msg=f"{key} in place")
 
 
+@pytest.mark.parametrize("saved", [True, False])
 @pytest.mark.parametrize("in_place", [False, True])
-def test_batch_normalization_in_blocks_of_channels_gives_the_bits_of_one_pass(in_place, monkeypatch):
+def test_batch_normalization_in_blocks_of_channels_gives_the_bits_of_one_pass(in_place, saved, monkeypatch):
     """BatchNormalization (with its fused Relu) and its gradient (the Relu's folded in), run a block of channels
     at a time (kernels/nn.py's CHANNEL_BLOCK), give the bits of one pass over the whole tensor, blocks of one
-    channel and blocks that do not divide the channels included; written over their input too."""
+    channel and blocks that do not divide the channels included; written over their input too. The gradient
+    reads the batch statistics the forward saved, or (artifacts from before) sums them again."""
     from odtrain.kernels import BINDINGS, ODTRAIN_DOMAIN
     from odtrain.kernels import nn
 
@@ -130,18 +132,21 @@ def test_batch_normalization_in_blocks_of_channels_gives_the_bits_of_one_pass(in
     def run(block_elements):
         monkeypatch.setattr(nn, "CHANNEL_BLOCK", block_elements)
         y, stats = np.empty_like(x), [np.zeros(7, np.float32), np.ones(7, np.float32)]
+        batch = [np.empty(7, np.float64), np.empty(7, np.float64)]  # the batch mean and 1/√(σ² + ε)
         source = x.copy()
         calls = BINDINGS[(ODTRAIN_DOMAIN, "BatchNormalizationActivation")](
-            [source, scale, bias, *stats], [source if in_place else y] + stats, activation="Relu", training_mode=1)
+            [source, scale, bias, *stats], [source if in_place else y] + stats + batch, activation="Relu",
+            training_mode=1)
         for kernel, args in calls:
             kernel(*args)
         y = source if in_place else y
         dx, small = dy.copy(), [np.empty(7, np.float32), np.empty(7, np.float32)]
         calls = BINDINGS[(ODTRAIN_DOMAIN, "BatchNormalizationGrad")](
-            [dx, x, scale, *stats, y], [dx if in_place else np.empty_like(x)] + small, activation="Relu")
+            [dx, x, scale] + (batch if saved else [None, None]) + [y], [dx if in_place else np.empty_like(x)] + small,
+            activation="Relu", training_mode=1)
         for kernel, args in calls:
             kernel(*args)
-        return [y, calls[0][1][6], *small, *stats]
+        return [y, calls[0][1][6], *small, *stats, *batch]
 
     whole = run(1 << 30)
     assert np.any(whole[1] != dy.reshape(whole[1].shape)) and np.any(whole[0] == 0)  # dx written; the Relu clips
@@ -407,8 +412,13 @@ def test_batch_norm_and_activation_fuse_in_the_training_model_only(tmp_path):
     model = make_model(nodes, {"x": rand(2, 3, 4, 3), "s": rand(3), "b": rand(3), "m": rand(3),
                                "v": rand(3, low=1, high=2)}, outputs=[("loss", np.float32, [])])
     artifacts.generate_artifacts(model, requires_grad=["x", "s", "b"], loss=None, artifact_directory=tmp_path)
-    training = _op_types(tmp_path / "training_model.onnx")
-    assert training.count("BatchNormalizationActivation") == 1  # the second normalized value is read twice
+    fused = [n for n in onnx.load(str(tmp_path / "training_model.onnx")).graph.node
+             if n.op_type == "BatchNormalizationActivation"]
+    activations = [next((helper.get_attribute_value(a) for a in n.attribute if a.name == "activation"), None)
+                   for n in fused]
+    assert activations == [b"Relu", None]  # the second normalized value is read twice: no activation fused
+    # in training, each saves the batch mean and 1/√(σ² + ε) its gradient reads
+    assert all(len(n.output) == 5 and n.output[3] and n.output[4] for n in fused)
     assert "BatchNormalizationActivation" not in _op_types(tmp_path / "eval_model.onnx")
 
 
@@ -436,19 +446,22 @@ def test_an_activation_gradient_read_twice_is_not_folded(tmp_path):
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("in_place", [True, False])
-@pytest.mark.parametrize("training_mode", [1, 0])
+@pytest.mark.parametrize("statistics_from", ["running", "batch", "saved", "saved, rows fused"])
 def test_a_folded_gradient_is_the_activation_gradient_then_the_normalization_gradient(threads, in_place,
-                                                                                      training_mode, monkeypatch):
+                                                                                      statistics_from, monkeypatch):
     """The folded kernel against the two it replaces, bit for bit: in place or not, serial or in parts, blocks
-    of channels smaller than an image."""
+    of channels smaller than an image; out of training, in training summing the batch statistics again or
+    reading the saved ones, with the mask applied a block of an image at a time or row by row as summed."""
     from odtrain.kernels import BINDINGS, nn, parallel_split
 
     monkeypatch.setattr(parallel_split, "MIN_PARALLEL_WORK", 0)
     monkeypatch.setattr(nn, "CHANNEL_BLOCK", 24)  # 2 channels of 12 cells a block, 3 blocks an image
+    monkeypatch.setattr(nn, "MASKED_ROW_FUSION", 1 if statistics_from.endswith("fused") else 1 << 30)
     gradient, normalization = BINDINGS[("ai.odtrain", "ClipGrad")], BINDINGS[("ai.odtrain", "BatchNormalizationGrad")]
     x, dy, y = rand(3, 5, 3, 4), rand(3, 5, 3, 4), rand(3, 5, 3, 4)
     scale, mean, var, low, high = rand(5), rand(5), rand(5, low=1, high=2), scalar(-0.3), scalar(0.5)
-    statistics = [mean, var] if not training_mode else [None, None]
+    training_mode = int(statistics_from != "running")
+    statistics = [None, None] if statistics_from == "batch" else [mean, var]
     attrs = {"epsilon": 1e-3, "training_mode": training_mode, "threads": threads}
 
     def run(calls):

@@ -69,8 +69,9 @@ CASES = {
     "FusedMatMul attention": ("transformer", "FusedMatMul", _attention),
     "FusedMatMul Relu": ("mlp", "FusedMatMul", _with_activation),
     "ActivationBiasGrad": ("mlp", "ActivationBiasGrad", None),
-    "BatchNormalization": ("cnn", "BatchNormalization", None),
-    "BatchNormalizationActivation": ("cnn", "BatchNormalizationActivation", None),
+    # in the training model a training-mode BatchNormalization is a BatchNormalizationActivation (graph/ops/nn.py)
+    "BatchNormalization": ("cnn", "BatchNormalizationActivation", _without_activation),
+    "BatchNormalizationActivation": ("cnn", "BatchNormalizationActivation", _with_activation),
     "BatchNormalizationGrad": ("cnn", "BatchNormalizationGrad", _without_activation),
     "BatchNormalizationGrad Clip": ("mobilenetv2_full", "BatchNormalizationGrad", _with_activation),
     "LayerNormalization": ("transformer", "LayerNormalization", None),

@@ -2,10 +2,15 @@
 ThresholdedRelu, Shrink, Swish), Pad and Dropout.
 
 Gradients:
-- BatchNormalization: BatchNormalizationGrad(dY, X, scale[, mean, var]) recomputes
-  the batch statistics from X in training mode (no saved-statistics outputs needed).
-  Its running statistics are `updates`: written over the checkpoint's parameters in
-  place, running = momentum·running + (1 - momentum)·batch, with the unbiased batch
+- BatchNormalization: BatchNormalizationGrad(dY, X, scale[, mean, var]). In training
+  mode, mean and var are the batch mean and 1/√(σ² + ε) the forward saved (float64
+  outputs 3 and 4 of the training model's BatchNormalizationActivation, which every
+  training-mode BatchNormalization becomes there), so the gradient sums Σ dY and
+  Σ dY·X in one pass and nothing else; given none (artifacts written before they
+  were saved), it sums the batch statistics again from X in the same pass. Out of
+  training they are the running statistics. Its running statistics are `updates`:
+  written over the checkpoint's parameters in place,
+  running = momentum·running + (1 - momentum)·batch, with the unbiased batch
   variance for running_var (PyTorch's convention; ONNX's reference uses the
   population variance). The eval form runs it with training_mode=0 and output Y only.
 - Activations read their output when it determines the derivative (Clip,
@@ -17,8 +22,10 @@ Gradients:
 
 Fusion (training model only, `fuse_normalization_activations`): BatchNormalization
 followed by Relu or Clip becomes ai.odtrain BatchNormalizationActivation, one pass
-that writes the activation's output; its gradient is the activation's (through
-that output), then BatchNormalizationGrad, which graph/gradient_fusion.py folds
+that writes the activation's output (a training-mode BatchNormalization that no
+activation follows becomes one without `activation`, for its saved statistics);
+its gradient is the activation's (through that output), then
+BatchNormalizationGrad, which graph/gradient_fusion.py folds
 into one BatchNormalizationGrad applying the activation's mask as it reads dY
 (inputs 5-7: Y and Clip's bounds; attributes `activation` and Clip's min/max).
 """
@@ -41,16 +48,23 @@ def _training_mode(node) -> bool:
 
 @op("BatchNormalization", inplace=((0, 0),), updates=((1, 3), (2, 4)), passes=3.0)  # mean, variance, normalize
 def _batch_norm_rule(node, types, consts):
+    return _batch_norm_types(node, types, saved=False)
+
+
+def _batch_norm_types(node, types, saved: bool):
     x = types[0]
     _require_float32(node, x)
-    if len(node.outputs) > 3:
+    if len(node.outputs) > (5 if saved else 3):
         raise UnsupportedOpError(f"{node.describe()}: the saved mean/variance outputs of opsets before 14 are not "
                                  "supported; export with opset 14 or newer (training_mode attribute)")
     if not _training_mode(node) and any(node.outputs[1:]):
         raise ModelError(f"{node.describe()}: running statistics outputs need training_mode=1")
     if x.shape is not None and len(x.shape) < 2:
         raise ModelError(f"{node.describe()}: input {x} needs a channel axis ([N, C, ...])")
-    return [x] + [types[3], types[4]][:len(node.outputs) - 1]
+    # the saved batch statistics in float64, as the kernels sum them: a mean rounded to float32 would cost the
+    # gradient's Σ dY·(X - μ) its accuracy where |μ| is large beside σ
+    batch = TensorType(np.dtype(np.float64), types[1].shape)
+    return [x] + [types[3], types[4], batch, batch][:len(node.outputs) - 1]
 
 
 @eval_form("BatchNormalization")
@@ -74,7 +88,13 @@ def _emit_batch_norm_grad(ctx, incoming) -> None:
     wanted = [ctx.needs(0), ctx.needs(1), ctx.needs(2)] + ([False, False] if training else [ctx.needs(3), ctx.needs(4)])
     if not any(wanted):
         return
-    inputs = [incoming(), ctx.I(0), ctx.I(1)] + ([] if training else [ctx.I(3), ctx.I(4)])
+    if not training:
+        statistics = [ctx.I(3), ctx.I(4)]
+    elif ctx.node.domain == ODTRAIN_DOMAIN:  # the batch mean and 1/√(σ² + ε) the forward used
+        statistics = [ctx.forward_output(3, "saved_mean"), ctx.forward_output(4, "saved_inv_std")]
+    else:
+        statistics = []
+    inputs = [incoming(), ctx.I(0), ctx.I(1)] + statistics
     attrs = {"epsilon": float(ctx.attr("epsilon", 1e-5)), "training_mode": int(training)}
     names = ctx.odtrain("BatchNormalizationGrad", inputs, attrs, outputs=wanted)
     for index, name in enumerate(names):
@@ -90,17 +110,21 @@ def _batch_norm_grad_rule(node, types, consts):
 # BatchNormalization followed by Relu or Clip, fused in the training model: one pass writes the
 # activation's output (the normalized value is never stored). Inputs: BatchNormalization's five, then
 # Clip's bounds ('' when absent; a Relu clips at 0). Attributes: BatchNormalization's, `activation`,
-# and Clip's min/max attributes of opsets before 11.
+# and Clip's min/max attributes of opsets before 11. Without `activation`, a training-mode
+# BatchNormalization alone. Outputs: BatchNormalization's three, then (added by the gradient rule, in
+# training) the batch mean and 1/√(σ² + ε) its gradient reads.
 
 
 @op("BatchNormalizationActivation", ODTRAIN_DOMAIN, inplace=((0, 0),), updates=((1, 3), (2, 4)), passes=3.0)
 def _fused_batch_norm_rule(node, types, consts):
-    return _batch_norm_rule(node, types[:5], consts[:5])
+    return _batch_norm_types(node, types[:5], saved=_training_mode(node))
 
 
 @grad("BatchNormalizationActivation", ODTRAIN_DOMAIN)
 def _fused_batch_norm_grad(ctx):  # the activation's gradient (through its output), then the normalization's
     def activation_grad():  # a Relu is a Clip at 0 (one kernel, fast in place)
+        if ctx.attr("activation") is None:
+            return ctx.GO(0)
         if ctx.attr("activation") == "Relu":
             return ctx.odtrain("ClipGrad", [ctx.GO(0), ctx.O(0)], {"min": 0.0})
         attrs = {k: float(ctx.attr(k)) for k in ("min", "max") if ctx.attr(k) is not None}
@@ -111,7 +135,8 @@ def _fused_batch_norm_grad(ctx):  # the activation's gradient (through its outpu
 
 def fuse_normalization_activations(graph) -> None:
     """Fuse BatchNormalization → Relu/Clip pairs of `graph` in place, where nothing else reads the
-    normalized value."""
+    normalized value; then make each training-mode BatchNormalization left a BatchNormalizationActivation
+    without activation (its gradient reads the statistics it saves)."""
     consumers = graph.consumers()
     producers = graph.producers()
     for act in list(graph.nodes):
@@ -130,6 +155,9 @@ def fuse_normalization_activations(graph) -> None:
                      norm.name, ODTRAIN_DOMAIN)
         # at the activation's place: Clip's bounds (Constants) may be computed after the normalization
         graph.nodes = [fused if n is act else n for n in graph.nodes if n is not norm]
+    graph.nodes = [Node("BatchNormalizationActivation", list(n.inputs), list(n.outputs), dict(n.attrs), n.name,
+                        ODTRAIN_DOMAIN) if n.key == ("", "BatchNormalization") and _training_mode(n) else n
+                   for n in graph.nodes]
 
 
 # ---- activations ---------------------------------------------------------------------------------

@@ -7,9 +7,13 @@ so the forward op may overwrite its input in place.
 
 LayerNormalization normalises over the axes from `axis` on, then scales and
 shifts: Y = (X - μ) · σ⁻¹ · scale + bias, σ = √(var + ε). Its optional Mean and
-InvStdDev outputs have X's shape with the normalised axes set to 1.
-LayerNormalizationGrad(dY, X, scale) recomputes μ and σ⁻¹ from X (one pass,
-cheaper than keeping two more tensors alive) and gives dX, dScale and dBias:
+InvStdDev outputs have X's shape with the normalised axes set to 1; the gradient
+rule adds them to the forward node when the model left them out (a value per row,
+small beside X, which the gradient reads anyway).
+LayerNormalizationGrad(dY, X, scale, Mean, InvStdDev) reads μ and σ⁻¹ from them
+(without them, in artifacts written before, it computes them again from X), then
+per row sums g and g·x̂ and writes dX while the row is in the cache; it gives dX,
+dScale and dBias:
     x̂ = (X - μ)·σ⁻¹, g = dY·scale
     dX = σ⁻¹ · (g - mean(g) - x̂ · mean(g·x̂)),  dScale = Σ dY·x̂,  dBias = Σ dY
 
@@ -126,7 +130,9 @@ def _layer_norm_grad(ctx):
         raise UnsupportedOpError(f"{ctx.node.describe()}: the loss depends on its Mean or InvStdDev output, "
                                  "whose gradient is not implemented")
     attrs = {"axis": ctx.attr("axis", -1), "epsilon": float(ctx.attr("epsilon", 1e-5))}
-    dx, dscale, dbias = ctx.odtrain("LayerNormalizationGrad", [ctx.GO(0), ctx.I(0), ctx.I(1)], attrs, outputs=3)
+    statistics = [ctx.forward_output(1, "mean"), ctx.forward_output(2, "inv_std_dev")]  # μ, σ⁻¹ of each row
+    dx, dscale, dbias = ctx.odtrain("LayerNormalizationGrad", [ctx.GO(0), ctx.I(0), ctx.I(1)] + statistics, attrs,
+                                    outputs=3)
     ctx.set_grad(0, dx)
     if ctx.needs(1):
         ctx.set_grad(1, ctx.sum_to_input(dscale, 1))
