@@ -90,7 +90,9 @@ def _row_masked_gradient_sums(x, dy, y, low, high, g):
 
 @njit(cache=True, error_model="numpy", fastmath=REDUCTION)
 def _row_masked_gradient_sums_in_place(x, g, y, low, high):
-    """_row_masked_gradient_sums with dy = g: one array, so no aliasing check sends the loop to a scalar path."""
+    """_row_masked_gradient_sums with dy = g: one array, so no aliasing check sends the loop to a scalar path.
+    Written out rather than inlined into the caller with one array passed twice (as _activation_grad does): the
+    caller's flags would then govern the loop, without the reassociation that vectorises its float64 sums."""
     s, sx = 0.0, 0.0
     for i in range(x.size):
         value = g[i] * np.float32((y[i] > low) & (y[i] < high))
